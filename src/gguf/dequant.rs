@@ -1,0 +1,83 @@
+//! Turning a tensor's bytes into f32 values.
+//!
+//! Plain float types are converted directly; block-quantized types go through candle's CPU dequantizers,
+//! a bounded number of rows at a time so that peak memory stays close to the size of the f32 result.
+//! The error for an unsupported type names the tensor and the type, and is raised only when that tensor
+//! is actually needed.
+
+use super::dtype::GgmlType;
+use super::file::{GgufFile, TensorInfo, TensorType};
+use crate::error::{Error, Result};
+use candle_core::quantized::{QStorage, QTensor};
+use candle_core::Device;
+use std::borrow::Cow;
+
+/// Elements dequantized per candle call: bounds the temporary buffers (about 2 × 32 MiB).
+const CHUNK_ELEMS: usize = 8 << 20;
+
+/// Dequantize a whole tensor to f32, in file (row-major, `ne` reversed) order.
+pub fn dequantize_f32(file: &GgufFile, t: &TensorInfo) -> Result<Vec<f32>> {
+    let ty = match t.ty {
+        TensorType::Known(ty) if ty.dequantizable() => ty,
+        other => {
+            let supported: Vec<&str> = GgmlType::all()
+                .iter()
+                .filter(|t| t.dequantizable())
+                .map(|t| t.name)
+                .collect();
+            return Err(Error::Unsupported(format!(
+                "tensor {:?} has type {other}, which mla-diff cannot dequantize (supported: {})",
+                t.name,
+                supported.join(", ")
+            )));
+        }
+    };
+    let bytes = file.tensor_bytes(t)?;
+    let n = t.n_elements() as usize;
+    match ty.name {
+        "F32" => Ok(bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()),
+        "F64" => Ok(bytes
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().unwrap()) as f32)
+            .collect()),
+        "F16" => Ok(bytes
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect()),
+        "BF16" => Ok(bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect()),
+        _ => {
+            let dtype = ty
+                .candle()
+                .expect("dequantizable block type has a candle dtype");
+            let row = t.ne[0] as usize;
+            let row_bytes = ty.bytes_for(row as u64).expect("checked at open") as usize;
+            let rows = n / row;
+            let rows_per_chunk = (CHUNK_ELEMS / row).max(1);
+            let mut out = Vec::with_capacity(n);
+            let mut r0 = 0;
+            while r0 < rows {
+                let r1 = (r0 + rows_per_chunk).min(rows);
+                let chunk = &bytes[r0 * row_bytes..r1 * row_bytes];
+                let storage = QStorage::from_data(Cow::Borrowed(chunk), &Device::Cpu, dtype)
+                    .map_err(|e| Error::Unsupported(format!("tensor {:?}: {e}", t.name)))?;
+                let q = QTensor::new(storage, ((r1 - r0) * row,))
+                    .map_err(|e| Error::Unsupported(format!("tensor {:?}: {e}", t.name)))?;
+                let v = q
+                    .dequantize(&Device::Cpu)
+                    .and_then(|x| x.to_vec1::<f32>())
+                    .map_err(|e| {
+                        Error::Unsupported(format!("tensor {:?}: dequantizing {}: {e}", t.name, ty))
+                    })?;
+                out.extend_from_slice(&v);
+                r0 = r1;
+            }
+            Ok(out)
+        }
+    }
+}

@@ -1,0 +1,11 @@
+//! GGUF files: the container (`file`), the ggml type table (`dtype`), dequantization (`dequant`) and
+//! writing (`write`, used by the fixture generator).
+
+pub mod dequant;
+pub mod dtype;
+pub mod file;
+pub mod write;
+
+pub use dequant::dequantize_f32;
+pub use dtype::GgmlType;
+pub use file::{GgufFile, TensorInfo, TensorType, Value};

@@ -1,0 +1,170 @@
+//! `mla-diff inspect`: what the file says about its attention, read from the header alone.
+
+use crate::error::Result;
+use crate::gguf::GgufFile;
+use crate::model::MlaConfig;
+use serde_json::json;
+use std::fmt::Write;
+
+/// One attention tensor of one layer, as stored.
+fn layer_tensors(f: &GgufFile, layer: usize) -> Vec<serde_json::Value> {
+    crate::model::weights::tensor_names(layer)
+        .iter()
+        .filter_map(|n| f.tensor(n))
+        .map(|t| {
+            json!({
+                "name": t.name,
+                "type": t.ty.to_string(),
+                "ne": t.ne,
+                "bytes": t.n_bytes(),
+            })
+        })
+        .collect()
+}
+
+/// The inspect report as JSON (stable keys; `schema_version` bumps on breaking change).
+pub fn inspect_json(f: &GgufFile) -> Result<serde_json::Value> {
+    let cfg = MlaConfig::from_gguf(f)?;
+    let layers: Vec<_> = (0..cfg.n_layer)
+        .map(|l| json!({ "layer": l, "tensors": layer_tensors(f, l) }))
+        .collect();
+    let attn_bytes: u64 = layers
+        .iter()
+        .flat_map(|l| l["tensors"].as_array().unwrap().iter())
+        .filter_map(|t| t["bytes"].as_u64())
+        .sum();
+    Ok(json!({
+        "schema_version": 1,
+        "file": f.path.display().to_string(),
+        "file_size": f.file_size,
+        "gguf_version": f.version,
+        "name": f.get("general.name").and_then(|v| v.as_str()),
+        "tensor_count": f.tensors.len(),
+        "config": cfg,
+        "qk_head_dim": cfg.qk_head_dim(),
+        "cache_row": cfg.cache_row(),
+        "attention_bytes": attn_bytes,
+        "layers": layers,
+    }))
+}
+
+/// Human-readable inspect report.
+pub fn inspect_text(f: &GgufFile) -> Result<String> {
+    let c = MlaConfig::from_gguf(f)?;
+    let mut s = String::new();
+    let name = f
+        .get("general.name")
+        .and_then(|v| v.as_str())
+        .unwrap_or("(unnamed)");
+    writeln!(
+        s,
+        "{}  GGUF v{}, {} tensors, {:.2} GB",
+        f.path.display(),
+        f.version,
+        f.tensors.len(),
+        f.file_size as f64 / 1e9
+    )
+    .ok();
+    writeln!(
+        s,
+        "model         {name}  (architecture {})",
+        c.arch.gguf_name()
+    )
+    .ok();
+    writeln!(
+        s,
+        "layers        {}   hidden {}   heads {} (head_count_kv {})",
+        c.n_layer, c.hidden, c.n_head, c.n_head_kv
+    )
+    .ok();
+    let q = c
+        .q_lora_rank
+        .map(|r| r.to_string())
+        .unwrap_or_else(|| "none (plain attn_q)".into());
+    writeln!(s, "q_lora_rank   {q}   kv_lora_rank {}", c.kv_lora_rank).ok();
+    writeln!(
+        s,
+        "head dims     qk_nope {} + qk_rope {} = {}, v {}   latent cache row {} ({})",
+        c.qk_nope,
+        c.qk_rope,
+        c.qk_head_dim(),
+        c.v_head_dim,
+        c.cache_row(),
+        if c.mla_keys {
+            "from *_mla keys"
+        } else {
+            "legacy key_length/value_length"
+        }
+    )
+    .ok();
+    writeln!(
+        s,
+        "rope          {:?} pairing, base {}, dims {}, cos/sin factor {}",
+        c.rope.pairing, c.rope.base, c.rope.dim, c.rope.attn_factor
+    )
+    .ok();
+    match &c.rope.yarn {
+        Some(y) => writeln!(
+            s,
+            "yarn          factor {}, original context {}, mscale_all_dim {} (file: yarn_log_multiplier {}), beta fast {} / slow {}",
+            y.factor, y.original_context, y.mscale_all_dim, y.log_multiplier_raw, y.beta_fast, y.beta_slow
+        )
+        .ok(),
+        None => writeln!(s, "yarn          none").ok(),
+    };
+    if let Some(ff) = &c.rope.freq_factors_short {
+        writeln!(
+            s,
+            "rope factors  {ff}{}",
+            c.rope
+                .freq_factors_long
+                .as_ref()
+                .map(|l| format!(", {l}"))
+                .unwrap_or_default()
+        )
+        .ok();
+    }
+    writeln!(s, "rms eps       {:e}", c.rms_eps).ok();
+    writeln!(
+        s,
+        "softmax scale {:.6}  (mscale {:.5}² / sqrt({}))",
+        c.softmax_scale,
+        c.mscale,
+        c.qk_head_dim()
+    )
+    .ok();
+    writeln!(s).ok();
+    writeln!(
+        s,
+        "{:<32} {:>8} {:>22} {:>14}",
+        "tensor", "type", "ne", "bytes"
+    )
+    .ok();
+    let mut total = 0u64;
+    for l in 0..c.n_layer {
+        for n in crate::model::weights::tensor_names(l) {
+            if let Some(t) = f.tensor(&n) {
+                let ne = format!("{:?}", t.ne);
+                let b = t.n_bytes();
+                total += b.unwrap_or(0);
+                writeln!(
+                    s,
+                    "{:<32} {:>8} {:>22} {:>14}",
+                    t.name,
+                    t.ty.to_string(),
+                    ne,
+                    b.map(|b| b.to_string()).unwrap_or("?".into())
+                )
+                .ok();
+            }
+        }
+    }
+    writeln!(
+        s,
+        "attention weights: {:.3} GB in {} layers",
+        total as f64 / 1e9,
+        c.n_layer
+    )
+    .ok();
+    Ok(s)
+}

@@ -1,0 +1,13 @@
+//! mla-diff: where does a fused Multi-head Latent Attention path stop computing the model?
+//!
+//! Data flow, one module per step:
+//! `gguf` (container, dequantization) → `model` (config, per-layer weights) → `reference` (fp64) |
+//! `backend` (CPU mirror of the fused path, CUDA kernels) → `trace` (named stage tensors) → `compare` →
+//! `report`. `fixture` writes synthetic GGUF files in llama.cpp's conventions.
+
+pub mod error;
+pub mod gguf;
+pub mod inspect;
+pub mod model;
+
+pub use error::{Error, Result};

@@ -1,0 +1,337 @@
+//! `MlaConfig`: the attention hyper-parameters of an MLA model, read from GGUF metadata.
+//!
+//! The conventions (key names, the converter's ×0.1 on `yarn_log_multiplier`, rope pairing per
+//! architecture, `*_mla` vs legacy head sizes) follow llama.cpp; the README's "Conventions" section
+//! lists them with sources.
+
+use crate::error::{Error, Result};
+use crate::gguf::{GgufFile, Value};
+use serde::Serialize;
+
+/// The GGUF architectures whose attention is MLA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Arch {
+    /// DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash.
+    Deepseek2,
+    /// GLM-5 (runs the deepseek2 dense-MLA graph; the DSA indexer is ignored).
+    GlmDsa,
+    Deepseek32,
+    Mistral4,
+    /// NEOX rope, unsplit kv_b, LongRoPE factors.
+    Minicpm3,
+    /// No q-LoRA, unsplit kv_b.
+    Plm,
+}
+
+impl Arch {
+    pub const ALL: [(&'static str, Arch); 6] = [
+        ("deepseek2", Arch::Deepseek2),
+        ("glm-dsa", Arch::GlmDsa),
+        ("deepseek32", Arch::Deepseek32),
+        ("mistral4", Arch::Mistral4),
+        ("minicpm3", Arch::Minicpm3),
+        ("plm", Arch::Plm),
+    ];
+    pub fn from_gguf(name: &str) -> Option<Arch> {
+        Self::ALL.iter().find(|(n, _)| *n == name).map(|&(_, a)| a)
+    }
+    pub fn gguf_name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(_, a)| *a == self)
+            .map(|(n, _)| *n)
+            .unwrap()
+    }
+    /// llama.cpp `llama_model_rope_type`: every MLA arch is NORM except MiniCPM3 (NEOX).
+    pub fn rope_pairing(self) -> RopePairing {
+        match self {
+            Arch::Minicpm3 => RopePairing::Neox,
+            _ => RopePairing::Norm,
+        }
+    }
+}
+
+/// Which elements a rotation pairs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RopePairing {
+    /// Consecutive pairs `(x[2i], x[2i+1])` ("interleaved", ggml mode 0).
+    Norm,
+    /// Pairs offset by half the rotary dim `(x[i], x[i+R/2])` (ggml mode 2).
+    Neox,
+}
+
+/// YaRN context extension, as llama.cpp applies it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Yarn {
+    pub factor: f64,
+    pub original_context: u64,
+    /// `mscale_all_dim`: the file's `yarn_log_multiplier` divided by the converter's 0.1.
+    pub mscale_all_dim: f64,
+    /// The raw `yarn_log_multiplier` as stored in the file.
+    pub log_multiplier_raw: f64,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    /// Mix between interpolated and extrapolated frequencies (llama.cpp: 1.0 for YaRN).
+    pub ext_factor: f64,
+}
+
+impl Yarn {
+    /// `0.1·m·ln(s) + 1` for s > 1 (HF `yarn_get_mscale`).
+    pub fn get_mscale(scale: f64, m: f64) -> f64 {
+        if scale <= 1.0 {
+            1.0
+        } else {
+            0.1 * m * scale.ln() + 1.0
+        }
+    }
+    /// The per-dimension ramp bounds (ggml `ggml_rope_yarn_corr_dims`).
+    pub fn corr_dims(&self, n_rot: usize, base: f64) -> [f64; 2] {
+        let corr = |n: f64| {
+            n_rot as f64 * (self.original_context as f64 / (n * 2.0 * std::f64::consts::PI)).ln()
+                / (2.0 * base.ln())
+        };
+        let start = corr(self.beta_fast).floor().max(0.0);
+        let end = corr(self.beta_slow).ceil().min(n_rot as f64 - 1.0);
+        [start, end]
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RopeConfig {
+    /// Rotary dims per head (= qk_rope).
+    pub dim: usize,
+    pub base: f64,
+    pub pairing: RopePairing,
+    pub yarn: Option<Yarn>,
+    /// LongRoPE per-frequency divisors: the name of the global tensor holding them, if any
+    /// (`rope_factors_short.weight` / `rope_factors_long.weight`).
+    pub freq_factors_short: Option<String>,
+    pub freq_factors_long: Option<String>,
+    /// Magnitude multiplier applied to cos/sin (1.0 for DeepSeek YaRN: HF's mscale/mscale_all_dim ratio).
+    pub attn_factor: f64,
+}
+
+/// Everything about a model's attention that the reference and the kernels need.
+#[derive(Debug, Clone, Serialize)]
+pub struct MlaConfig {
+    pub arch: Arch,
+    pub n_layer: usize,
+    pub hidden: usize,
+    pub n_head: usize,
+    /// `head_count_kv` as stored (1 for new-style MLA files, n_head for legacy/MiniCPM3).
+    pub n_head_kv: usize,
+    /// `None`: no q-LoRA, `q = attn_q · x`.
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope: usize,
+    pub qk_rope: usize,
+    pub v_head_dim: usize,
+    /// True when the head sizes came from the `*_mla` keys (new-style file).
+    pub mla_keys: bool,
+    pub rope: RopeConfig,
+    pub rms_eps: f64,
+    /// `mscale` of the softmax: `get_mscale(factor, mscale_all_dim)` (1 without YaRN).
+    pub mscale: f64,
+    /// The softmax scale: `mscale² / sqrt(qk_nope + qk_rope)`.
+    pub softmax_scale: f64,
+    pub vocab_size: Option<usize>,
+}
+
+fn key<'a>(f: &'a GgufFile, arch: &str, k: &str) -> Option<&'a Value> {
+    f.get(&format!("{arch}.{k}"))
+}
+
+fn req_u64(f: &GgufFile, arch: &str, k: &str) -> Result<usize> {
+    let full = format!("{arch}.{k}");
+    match f.get(&full) {
+        None => Err(Error::Unsupported(format!(
+            "{}: required metadata key {full} is missing",
+            f.path.display()
+        ))),
+        Some(v) => v.as_u64().map(|x| x as usize).ok_or_else(|| {
+            Error::Unsupported(format!(
+                "{}: metadata key {full} should be an unsigned integer, found {}",
+                f.path.display(),
+                v.display_short()
+            ))
+        }),
+    }
+}
+
+fn opt_u64(f: &GgufFile, arch: &str, k: &str) -> Result<Option<usize>> {
+    match key(f, arch, k) {
+        None => Ok(None),
+        Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| {
+            Error::Unsupported(format!(
+                "{}: metadata key {arch}.{k} should be an unsigned integer, found {}",
+                f.path.display(),
+                v.display_short()
+            ))
+        }),
+    }
+}
+
+fn opt_f64(f: &GgufFile, arch: &str, k: &str) -> Result<Option<f64>> {
+    match key(f, arch, k) {
+        None => Ok(None),
+        Some(v) => v.as_f64().map(Some).ok_or_else(|| {
+            Error::Unsupported(format!(
+                "{}: metadata key {arch}.{k} should be a number, found {}",
+                f.path.display(),
+                v.display_short()
+            ))
+        }),
+    }
+}
+
+impl MlaConfig {
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope + self.qk_rope
+    }
+    /// Width of one latent cache row: `[latent | k_pe]`.
+    pub fn cache_row(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope
+    }
+
+    pub fn from_gguf(f: &GgufFile) -> Result<MlaConfig> {
+        let name = f.architecture().ok_or_else(|| {
+            Error::Unsupported(format!(
+                "{}: general.architecture is missing",
+                f.path.display()
+            ))
+        })?;
+        let arch = Arch::from_gguf(name).ok_or_else(|| {
+            let known: Vec<&str> = Arch::ALL.iter().map(|(n, _)| *n).collect();
+            Error::Unsupported(format!(
+                "{}: architecture {name:?} does not use Multi-head Latent Attention (MLA architectures: {})",
+                f.path.display(),
+                known.join(", ")
+            ))
+        })?;
+        let a = name;
+        let n_layer = req_u64(f, a, "block_count")?;
+        let hidden = req_u64(f, a, "embedding_length")?;
+        let n_head = req_u64(f, a, "attention.head_count")?;
+        let n_head_kv = opt_u64(f, a, "attention.head_count_kv")?.unwrap_or(n_head);
+        let kv_lora_rank = req_u64(f, a, "attention.kv_lora_rank")?;
+        let q_lora_rank = opt_u64(f, a, "attention.q_lora_rank")?.filter(|&r| r > 0);
+        let qk_rope = req_u64(f, a, "rope.dimension_count")?;
+        let k_mla = opt_u64(f, a, "attention.key_length_mla")?;
+        let v_mla = opt_u64(f, a, "attention.value_length_mla")?;
+        let (qk, v_head_dim, mla_keys) = match (k_mla, v_mla) {
+            (Some(k), Some(v)) => (k, v, true),
+            (None, None) => (req_u64(f, a, "attention.key_length")?, req_u64(f, a, "attention.value_length")?, false),
+            _ => {
+                return Err(Error::Unsupported(format!(
+                    "{}: only one of {a}.attention.key_length_mla / value_length_mla is present (llama.cpp needs both or neither)",
+                    f.path.display()
+                )))
+            }
+        };
+        let bad = |msg: String| Error::Unsupported(format!("{}: {msg}", f.path.display()));
+        if n_layer == 0 || hidden == 0 || n_head == 0 || kv_lora_rank == 0 || v_head_dim == 0 {
+            return Err(bad(format!(
+                "zero-sized attention (block_count {n_layer}, embedding_length {hidden}, head_count {n_head}, kv_lora_rank {kv_lora_rank}, v_head_dim {v_head_dim})"
+            )));
+        }
+        if qk_rope == 0 || qk_rope % 2 != 0 || qk <= qk_rope {
+            return Err(bad(format!(
+                "rope dims {qk_rope} must be even and smaller than the qk head dim {qk}"
+            )));
+        }
+        if !mla_keys && qk == kv_lora_rank + qk_rope {
+            return Err(bad(format!(
+                "key_length {qk} equals kv_lora_rank + rope ({kv_lora_rank}+{qk_rope}): a new-style MLA file that lacks the *_mla keys (made for llama.cpp PR #11446?); cannot tell the per-head dims"
+            )));
+        }
+        // Sanity bound: a header claiming absurd dims would otherwise drive huge allocations later.
+        let limit = 1usize << 20;
+        for (what, v) in [
+            ("embedding_length", hidden),
+            ("head_count", n_head),
+            ("kv_lora_rank", kv_lora_rank),
+            ("key_length", qk),
+            ("value_length", v_head_dim),
+        ] {
+            if v > limit {
+                return Err(bad(format!("{what} = {v} is implausible (> {limit})")));
+            }
+        }
+        let qk_nope = qk - qk_rope;
+        let rms_eps = opt_f64(f, a, "attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6);
+        let base = opt_f64(f, a, "rope.freq_base")?.unwrap_or(10000.0);
+
+        let scaling = key(f, a, "rope.scaling.type")
+            .and_then(|v| v.as_str())
+            .unwrap_or("none")
+            .to_string();
+        let factor = opt_f64(f, a, "rope.scaling.factor")?.unwrap_or(1.0);
+        let yarn = if scaling == "yarn" && factor > 1.0 {
+            let raw = opt_f64(f, a, "rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0);
+            // TAG_DEEPSEEK2_YARN_LOG_MUL_FIX: the converter stores 0.1·mscale_all_dim; llama.cpp divides by 0.1.
+            let mscale_all_dim = raw / 0.1;
+            Some(Yarn {
+                factor,
+                original_context: opt_u64(f, a, "rope.scaling.original_context_length")?
+                    .unwrap_or(4096) as u64,
+                mscale_all_dim,
+                log_multiplier_raw: raw,
+                beta_fast: opt_f64(f, a, "rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
+                beta_slow: opt_f64(f, a, "rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+                ext_factor: opt_f64(f, a, "rope.scaling.yarn_ext_factor")?
+                    .filter(|&e| e >= 0.0)
+                    .unwrap_or(1.0),
+            })
+        } else {
+            None
+        };
+        // Softmax mscale: llama.cpp deepseek2 graph, kq_scale = mscale² / sqrt(key_length_mla).
+        let mscale = match &yarn {
+            Some(y) if y.mscale_all_dim != 0.0 => Yarn::get_mscale(y.factor, y.mscale_all_dim),
+            // YaRN without a log multiplier: llama.cpp uses get_mscale(factor, 1) as the attention factor.
+            Some(y) => Yarn::get_mscale(y.factor, 1.0),
+            None => 1.0,
+        };
+        let softmax_scale = mscale * mscale / (qk as f64).sqrt();
+        let has = |n: &str| f.tensor(n).is_some().then(|| n.to_string());
+        let rope = RopeConfig {
+            dim: qk_rope,
+            base,
+            pairing: arch.rope_pairing(),
+            // cos/sin magnitude: HF's get_mscale(f, mscale)/get_mscale(f, mscale_all_dim), which llama.cpp
+            // makes 1 for DeepSeek YaRN files; a plain attn_factor key applies otherwise.
+            attn_factor: if yarn.is_some() {
+                1.0
+            } else {
+                opt_f64(f, a, "rope.scaling.attn_factor")?.unwrap_or(1.0)
+            },
+            yarn,
+            freq_factors_short: has("rope_factors_short.weight")
+                .or_else(|| has("rope_freqs.weight")),
+            freq_factors_long: has("rope_factors_long.weight"),
+        };
+        let vocab_size = f
+            .tensor("token_embd.weight")
+            .map(|t| t.ne.get(1).copied().unwrap_or(1) as usize);
+        Ok(MlaConfig {
+            arch,
+            n_layer,
+            hidden,
+            n_head,
+            n_head_kv,
+            q_lora_rank,
+            kv_lora_rank,
+            qk_nope,
+            qk_rope,
+            v_head_dim,
+            mla_keys,
+            rope,
+            rms_eps,
+            mscale,
+            softmax_scale,
+            vocab_size,
+        })
+    }
+}

@@ -1,0 +1,7 @@
+//! The model as the attention sees it: hyper-parameters (`config`) and per-layer weights (`weights`).
+
+pub mod config;
+pub mod weights;
+
+pub use config::{Arch, MlaConfig, RopeConfig, RopePairing, Yarn};
+pub use weights::{KvBLayout, LayerWeights, QProj};

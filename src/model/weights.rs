@@ -1,0 +1,191 @@
+//! Per-layer attention weights, loaded lazily (one layer at a time) and shape-checked against the config.
+//!
+//! Everything is held in torch orientation (`[out, in]`, i.e. ggml `ne` reversed) as exact f32 values of
+//! the dequantized file contents. The kv_b decompression is normalised to per-head `W_UK[h]: [P, Lkv]`
+//! and `W_UV[h]: [Dv, Lkv]`, whichever of the split (`attn_k_b`/`attn_v_b`) or legacy (`attn_kv_b`)
+//! layouts the file uses. Non-attention tensors are never read.
+
+use super::config::MlaConfig;
+use crate::error::{Error, Result};
+use crate::gguf::{dequantize_f32, GgufFile};
+use ndarray::{Array1, Array2, Array3};
+use serde::Serialize;
+
+/// How the file stores the kv_b decompression.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvBLayout {
+    /// `attn_k_b` ne `{P, Lkv, H}` (transposed by the converter) and `attn_v_b` ne `{Lkv, Dv, H}`.
+    Split,
+    /// `attn_kv_b` ne `{Lkv, H·(P+Dv)}`, each head `[k_nope | v]` (legacy DeepSeek, MiniCPM3, PLM).
+    Unsplit,
+}
+
+/// The query projection.
+#[derive(Debug, Clone)]
+pub enum QProj {
+    /// `q = W_qb · RMSNorm(W_qa · x)`.
+    Lora {
+        a: Array2<f32>,
+        a_norm: Array1<f32>,
+        b: Array2<f32>,
+    },
+    /// `q = W_q · x` (DeepSeek-V2-Lite, PLM).
+    Plain { q: Array2<f32> },
+}
+
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    pub layer: usize,
+    /// `[E]`
+    pub attn_norm: Array1<f32>,
+    pub q: QProj,
+    /// `[Lkv + R, E]`: output rows `[0:Lkv]` latent, `[Lkv:]` k_pe.
+    pub kv_a: Array2<f32>,
+    /// `[Lkv]`
+    pub kv_a_norm: Array1<f32>,
+    /// `[H, P, Lkv]`: `k_nope[h] = W_UK[h] · latent`.
+    pub w_uk: Array3<f32>,
+    /// `[H, Dv, Lkv]`: `v[h] = W_UV[h] · latent`.
+    pub w_uv: Array3<f32>,
+    /// `[E, H·Dv]`
+    pub o: Array2<f32>,
+    pub kv_b_layout: KvBLayout,
+}
+
+/// Tensor names of one layer's attention.
+pub fn tensor_names(layer: usize) -> [String; 11] {
+    [
+        "attn_norm",
+        "attn_q",
+        "attn_q_a",
+        "attn_q_a_norm",
+        "attn_q_b",
+        "attn_kv_a_mqa",
+        "attn_kv_a_norm",
+        "attn_kv_b",
+        "attn_k_b",
+        "attn_v_b",
+        "attn_output",
+    ]
+    .map(|n| format!("blk.{layer}.{n}.weight"))
+}
+
+fn fmt_ne(ne: &[u64]) -> String {
+    format!(
+        "{{{}}}",
+        ne.iter()
+            .map(|d| d.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
+
+/// Load a tensor, checking its `ne` shape exactly.
+pub fn load_checked(f: &GgufFile, name: &str, ne: &[usize], why: &str) -> Result<Vec<f32>> {
+    let t = f.tensor(name).ok_or_else(|| {
+        Error::Tensor(format!(
+            "{}: tensor {name} is missing ({why})",
+            f.path.display()
+        ))
+    })?;
+    let want: Vec<u64> = ne.iter().map(|&d| d as u64).collect();
+    if t.ne != want {
+        return Err(Error::Tensor(format!(
+            "{}: tensor {name} has shape (ne) {}, expected {} ({why})",
+            f.path.display(),
+            fmt_ne(&t.ne),
+            fmt_ne(&want)
+        )));
+    }
+    dequantize_f32(f, t)
+}
+
+fn mat(v: Vec<f32>, rows: usize, cols: usize) -> Array2<f32> {
+    Array2::from_shape_vec((rows, cols), v).expect("shape checked")
+}
+
+impl LayerWeights {
+    pub fn load(f: &GgufFile, cfg: &MlaConfig, layer: usize) -> Result<LayerWeights> {
+        if layer >= cfg.n_layer {
+            return Err(Error::Usage(format!(
+                "layer {layer} does not exist: the model has {} layers (0..{})",
+                cfg.n_layer, cfg.n_layer
+            )));
+        }
+        let (e, h, r, lkv) = (cfg.hidden, cfg.n_head, cfg.qk_rope, cfg.kv_lora_rank);
+        let (p, dk, dv) = (cfg.qk_nope, cfg.qk_head_dim(), cfg.v_head_dim);
+        let n = |s: &str| format!("blk.{layer}.{s}.weight");
+        let why = format!("layer {layer} attention");
+        let attn_norm = Array1::from(load_checked(f, &n("attn_norm"), &[e], &why)?);
+        let q = match cfg.q_lora_rank {
+            Some(lq) => QProj::Lora {
+                a: mat(load_checked(f, &n("attn_q_a"), &[e, lq], &why)?, lq, e),
+                a_norm: Array1::from(load_checked(f, &n("attn_q_a_norm"), &[lq], &why)?),
+                b: mat(
+                    load_checked(f, &n("attn_q_b"), &[lq, h * dk], &why)?,
+                    h * dk,
+                    lq,
+                ),
+            },
+            None => QProj::Plain {
+                q: mat(
+                    load_checked(
+                        f,
+                        &n("attn_q"),
+                        &[e, h * dk],
+                        &format!("{why}, no q_lora_rank"),
+                    )?,
+                    h * dk,
+                    e,
+                ),
+            },
+        };
+        let kv_a = mat(
+            load_checked(f, &n("attn_kv_a_mqa"), &[e, lkv + r], &why)?,
+            lkv + r,
+            e,
+        );
+        let kv_a_norm = Array1::from(load_checked(f, &n("attn_kv_a_norm"), &[lkv], &why)?);
+        let (w_uk, w_uv, kv_b_layout) = if f.tensor(&n("attn_kv_b")).is_some() {
+            // Legacy / MiniCPM3 / PLM: torch [H·(P+Dv), Lkv], each head [k_nope(P) | v(Dv)].
+            let kv_b = load_checked(f, &n("attn_kv_b"), &[lkv, h * (p + dv)], &why)?;
+            let kv_b = Array3::from_shape_vec((h, p + dv, lkv), kv_b).expect("shape checked");
+            let uk = kv_b.slice(ndarray::s![.., ..p, ..]).to_owned();
+            let uv = kv_b.slice(ndarray::s![.., p.., ..]).to_owned();
+            (uk, uv, KvBLayout::Unsplit)
+        } else {
+            let why_split = format!(
+                "{why}; the file has no attn_kv_b, so the split attn_k_b/attn_v_b are needed"
+            );
+            // attn_k_b: torch [H, Lkv, P] (transposed by the converter) -> W_UK [H, P, Lkv].
+            let k_b = load_checked(f, &n("attn_k_b"), &[p, lkv, h], &why_split)?;
+            let k_b = Array3::from_shape_vec((h, lkv, p), k_b).expect("shape checked");
+            let uk = k_b.permuted_axes([0, 2, 1]).as_standard_layout().to_owned();
+            let v_b = load_checked(f, &n("attn_v_b"), &[lkv, dv, h], &why_split)?;
+            let uv = Array3::from_shape_vec((h, dv, lkv), v_b).expect("shape checked");
+            (uk, uv, KvBLayout::Split)
+        };
+        let o = mat(
+            load_checked(f, &n("attn_output"), &[h * dv, e], &why)?,
+            e,
+            h * dv,
+        );
+        Ok(LayerWeights {
+            layer,
+            attn_norm,
+            q,
+            kv_a,
+            kv_a_norm,
+            w_uk,
+            w_uv,
+            o,
+            kv_b_layout,
+        })
+    }
+}
+
+/// LongRoPE / rope frequency factors, if the file has them.
+pub fn load_freq_factors(f: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>> {
+    load_checked(f, name, &[n], "rope frequency factors")
+}
