@@ -67,7 +67,7 @@ impl GgmlType {
     }
     /// Bytes of a row-major tensor of `n` elements, `None` if `n` is not a whole number of blocks.
     pub fn bytes_for(&self, n: u64) -> Option<u64> {
-        if n % self.block as u64 != 0 {
+        if !n.is_multiple_of(self.block as u64) {
             return None;
         }
         (n / self.block as u64).checked_mul(self.type_size as u64)
