@@ -5,9 +5,12 @@
 //! `backend` (CPU mirror of the fused path, CUDA kernels) → `trace` (named stage tensors) → `compare` →
 //! `report`. `fixture` writes synthetic GGUF files in llama.cpp's conventions.
 
+pub mod backend;
 pub mod error;
 pub mod gguf;
 pub mod inspect;
 pub mod model;
+pub mod schedule;
+pub mod trace;
 
 pub use error::{Error, Result};
