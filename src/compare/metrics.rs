@@ -135,6 +135,7 @@ pub fn tolerance_factor_needed(r: &[f64], o: &[f64], atol: f64, rtol: f64) -> f6
         .filter(|(a, b)| both_finite(**a, **b))
         .map(|(a, b)| (b - a).abs() / (atol + rtol * a.abs()).max(f64::MIN_POSITIVE))
         .fold(0.0, f64::max)
+        .min(f64::MAX) // JSON has no infinity
 }
 
 /// Non-finite values on either side. A mismatch is a position where the two sides are not the same
