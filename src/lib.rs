@@ -6,10 +6,14 @@
 //! `report`. `fixture` writes synthetic GGUF files in llama.cpp's conventions.
 
 pub mod backend;
+pub mod bench;
 pub mod error;
 pub mod gguf;
+pub mod input;
 pub mod inspect;
 pub mod model;
+pub mod reference;
+pub mod rope;
 pub mod schedule;
 pub mod trace;
 
