@@ -7,6 +7,7 @@
 
 pub mod backend;
 pub mod error;
+pub mod fixture;
 pub mod gguf;
 pub mod inspect;
 pub mod model;
