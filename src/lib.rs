@@ -9,6 +9,7 @@ pub mod backend;
 pub mod compare;
 pub mod bench;
 pub mod error;
+pub mod fixture;
 pub mod gguf;
 pub mod input;
 pub mod inspect;

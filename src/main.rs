@@ -21,6 +21,42 @@ enum Cmd {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+        /// Load layer L's attention weights (dequantized, shape-checked) and print per-tensor L2 norms.
+        #[arg(long, value_name = "L")]
+        load_layer: Option<usize>,
+    },
+    /// Write a synthetic MLA GGUF in llama.cpp's conventions (real models' attention dims, seeded random
+    /// weights; attention tensors and token_embd only).
+    Fixture {
+        #[arg(long, value_enum)]
+        preset: mla_diff::fixture::Preset,
+        /// Number of layers (default: the model's).
+        #[arg(long)]
+        layers: Option<usize>,
+        /// Weight type: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k..q6_k. 1-D tensors stay F32;
+        /// rows that do not fit the block size fall back as llama.cpp's quantizer does.
+        #[arg(long, default_value = "bf16")]
+        quant: String,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Pre-llama.cpp-#12801 layout: one unsplit attn_kv_b, head_count_kv = heads, no *_mla keys.
+        #[arg(long)]
+        legacy_kv_b: bool,
+        /// Override the hidden size (keeps the real head dims; for small files).
+        #[arg(long)]
+        hidden: Option<usize>,
+        /// Override the number of attention heads.
+        #[arg(long)]
+        heads: Option<usize>,
+        /// Override the q-LoRA rank (0: no q-LoRA, plain attn_q).
+        #[arg(long)]
+        q_lora_rank: Option<usize>,
+        /// Rows of token_embd.weight.
+        #[arg(long)]
+        vocab: Option<usize>,
+        /// Output file.
+        #[arg(short = 'o', long = "output", value_name = "FILE")]
+        output: PathBuf,
     },
     /// Benchmarks (timings on this machine; not tests).
     Bench {
@@ -59,9 +95,20 @@ enum BenchCmd {
 
 fn run(cli: Cli) -> Result<i32, Error> {
     match cli.cmd {
-        Cmd::Inspect { file, json } => {
+        Cmd::Inspect {
+            file,
+            json,
+            load_layer,
+        } => {
             let f = mla_diff::gguf::GgufFile::open(&file)?;
-            if json {
+            if let Some(layer) = load_layer {
+                let norms = mla_diff::inspect::layer_norms(&f, layer)?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&norms).expect("json"));
+                } else {
+                    print!("{}", mla_diff::inspect::layer_norms_text(&norms));
+                }
+            } else if json {
                 println!(
                     "{}",
                     serde_json::to_string_pretty(&mla_diff::inspect::inspect_json(&f)?)
@@ -103,6 +150,47 @@ fn run(cli: Cli) -> Result<i32, Error> {
                 Ok(0)
             }
         },
+        Cmd::Fixture {
+            preset,
+            layers,
+            quant,
+            seed,
+            legacy_kv_b,
+            hidden,
+            heads,
+            q_lora_rank,
+            vocab,
+            output,
+        } => {
+            use mla_diff::fixture;
+            let quant = mla_diff::gguf::GgmlType::from_name(&quant).ok_or_else(|| {
+                Error::Usage(format!(
+                    "--quant {quant}: unknown type (choose one of: {})",
+                    fixture::quant_names().join(", ")
+                ))
+            })?;
+            let spec = fixture::Spec::from_options(&fixture::Options {
+                preset,
+                layers,
+                quant,
+                seed,
+                legacy_kv_b,
+                hidden,
+                heads,
+                q_lora_rank,
+                vocab,
+            })?;
+            let s = fixture::write(&spec, &output)?;
+            let types: Vec<String> = s.types.iter().map(|(t, n)| format!("{n} {t}")).collect();
+            println!(
+                "wrote {}: {} tensors ({}), {:.1} MB",
+                output.display(),
+                s.tensors,
+                types.join(", "),
+                s.bytes as f64 / 1e6
+            );
+            Ok(0)
+        }
     }
 }
 
