@@ -6,12 +6,14 @@
 //! `report`. `fixture` writes synthetic GGUF files in llama.cpp's conventions.
 
 pub mod backend;
+pub mod calibrate;
 pub mod compare;
 pub mod error;
 pub mod gguf;
 pub mod inspect;
 pub mod model;
 pub mod report;
+pub mod run;
 pub mod schedule;
 pub mod trace;
 
