@@ -6,6 +6,7 @@
 //! `report`. `fixture` writes synthetic GGUF files in llama.cpp's conventions.
 
 pub mod backend;
+pub mod calibrate;
 pub mod compare;
 pub mod bench;
 pub mod error;
@@ -17,6 +18,7 @@ pub mod model;
 pub mod report;
 pub mod reference;
 pub mod rope;
+pub mod run;
 pub mod schedule;
 pub mod trace;
 
