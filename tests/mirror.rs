@@ -16,6 +16,13 @@ fn f32_mirror_matches_reference() {
             let (r, m) = (c.reference(), c.mirror(Dtype::F32));
             all_finite(&m).unwrap();
             for (s, e) in errors(&m, &r) {
+                println!(
+                    "f32 {} {s} {:?}: rel-L2 {:.2e} max abs {:.2e}",
+                    fam.name(),
+                    sched.prompt_len,
+                    e.rel_l2,
+                    e.max_abs
+                );
                 assert!(
                     e.rel_l2 <= 1e-5,
                     "{} {s}: f32 mirror vs reference rel-L2 {:e} (schedule {sched:?})",
