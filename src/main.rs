@@ -194,22 +194,28 @@ enum BenchCmd {
         /// Layer shape family (per-head dims, rope, scaling); full model sizes unless overridden.
         #[arg(long, value_enum, default_value = "deepseek-v3")]
         preset: mla_diff::model::synthetic::Family,
+        /// Hidden size (default: the preset's real model).
         #[arg(long)]
         hidden: Option<usize>,
+        /// Attention heads (default: the preset's real model).
         #[arg(long)]
         heads: Option<usize>,
         /// q-LoRA rank (0: no q-LoRA).
         #[arg(long)]
         q_lora: Option<usize>,
+        /// kv latent rank (default: the preset's).
         #[arg(long)]
         kv_lora: Option<usize>,
+        /// Tokens of the run (prefill + decode).
         #[arg(long, default_value_t = 128)]
         tokens: usize,
         /// Of the tokens, how many are decode steps (one token each).
         #[arg(long, default_value_t = 16)]
         decode_steps: usize,
+        /// Timed repetitions of each side (best of).
         #[arg(long, default_value_t = 3)]
         reps: usize,
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
