@@ -31,10 +31,38 @@ pub fn calibration_schedules() -> Vec<Schedule> {
     let d = Schedule::default();
     vec![
         d.clone(),
-        Schedule { prompt_len: 1, chunk: 1, decode_steps: 40, page_size: 8, num_splits: 3, ..d.clone() },
-        Schedule { prompt_len: 70, chunk: 17, decode_steps: 8, q_len: 3, page_size: 1, num_splits: 7, ..d.clone() },
-        Schedule { prompt_len: 64, chunk: 64, decode_steps: 20, page_size: 64, num_splits: 1, shuffle_seed: None, ..d.clone() },
-        Schedule { prompt_len: 33, chunk: 8, decode_steps: 0, ..d },
+        Schedule {
+            prompt_len: 1,
+            chunk: 1,
+            decode_steps: 40,
+            page_size: 8,
+            num_splits: 3,
+            ..d.clone()
+        },
+        Schedule {
+            prompt_len: 70,
+            chunk: 17,
+            decode_steps: 8,
+            q_len: 3,
+            page_size: 1,
+            num_splits: 7,
+            ..d.clone()
+        },
+        Schedule {
+            prompt_len: 64,
+            chunk: 64,
+            decode_steps: 20,
+            page_size: 64,
+            num_splits: 1,
+            shuffle_seed: None,
+            ..d.clone()
+        },
+        Schedule {
+            prompt_len: 33,
+            chunk: 8,
+            decode_steps: 0,
+            ..d
+        },
     ]
 }
 
@@ -45,8 +73,17 @@ struct Worst {
 }
 
 /// Measure, and return the table (margin applied) plus a human summary of the raw figures.
-pub fn calibrate(files: &[PathBuf], margin: f64, dtypes: &[Dtype], seed: u64) -> Result<(ToleranceTable, String)> {
-    let mut table = ToleranceTable { derived_from: String::new(), margin, dtypes: BTreeMap::new() };
+pub fn calibrate(
+    files: &[PathBuf],
+    margin: f64,
+    dtypes: &[Dtype],
+    seed: u64,
+) -> Result<(ToleranceTable, String)> {
+    let mut table = ToleranceTable {
+        derived_from: String::new(),
+        margin,
+        dtypes: BTreeMap::new(),
+    };
     let mut summary = String::new();
     for &dt in dtypes {
         let rtol = base_rtol(dt);
@@ -65,10 +102,15 @@ pub fn calibrate(files: &[PathBuf], margin: f64, dtypes: &[Dtype], seed: u64) ->
                     let r = crate::reference::run_layer(&cfg, &w, &rope, &x, &sched)?;
                     let o = mirror.run_layer(&cfg, &w, &x, &sched)?;
                     for check in checks_for(&sched) {
-                        let (Some(rt), Some(ot)) = (r.get(check.stage), o.get(check.stage)) else { continue };
+                        let (Some(rt), Some(ot)) = (r.get(check.stage), o.get(check.stage)) else {
+                            continue;
+                        };
                         let rows = check.rows(&sched);
                         let per: usize = rt.shape[1..].iter().product();
-                        let (rv, ov) = (&rt.data[rows.start * per..rows.end * per], &ot.data[rows.start * per..rows.end * per]);
+                        let (rv, ov) = (
+                            &rt.data[rows.start * per..rows.end * per],
+                            &ot.data[rows.start * per..rows.end * per],
+                        );
                         let nf = metrics::nonfinite(rv, ov);
                         if nf.mismatches > 0 {
                             summary.push_str(&format!(
@@ -81,7 +123,12 @@ pub fn calibrate(files: &[PathBuf], margin: f64, dtypes: &[Dtype], seed: u64) ->
                             continue;
                         }
                         let rms = metrics::rms(rv).max(f64::MIN_POSITIVE);
-                        let excess = rv.iter().zip(ov).filter(|(a, b)| a.is_finite() && b.is_finite()).map(|(a, b)| ((b - a).abs() - rtol * a.abs()).max(0.0)).fold(0.0, f64::max);
+                        let excess = rv
+                            .iter()
+                            .zip(ov)
+                            .filter(|(a, b)| a.is_finite() && b.is_finite())
+                            .map(|(a, b)| ((b - a).abs() - rtol * a.abs()).max(0.0))
+                            .fold(0.0, f64::max);
                         let w = worst.entry(check.name()).or_default();
                         w.rel_l2 = w.rel_l2.max(metrics::rel_l2(rv, ov));
                         w.atol_rms = w.atol_rms.max(excess / rms);
@@ -89,10 +136,16 @@ pub fn calibrate(files: &[PathBuf], margin: f64, dtypes: &[Dtype], seed: u64) ->
                 }
             }
         }
-        summary.push_str(&format!("{} (rtol {rtol:.3e}): worst observed rel-L2 / atol_rms per check\n", dt.name()));
+        summary.push_str(&format!(
+            "{} (rtol {rtol:.3e}): worst observed rel-L2 / atol_rms per check\n",
+            dt.name()
+        ));
         let m = table.dtypes.entry(dt.name().to_string()).or_default();
         for (k, w) in &worst {
-            summary.push_str(&format!("  {k:<22} rel_l2 {:.3e}  atol_rms {:.3e}\n", w.rel_l2, w.atol_rms));
+            summary.push_str(&format!(
+                "  {k:<22} rel_l2 {:.3e}  atol_rms {:.3e}\n",
+                w.rel_l2, w.atol_rms
+            ));
             // Round up to 2 significant digits so the file stays readable; floor at a tiny value so a
             // bit-exact stage (e.g. f32 cache rows) still gets a non-zero tolerance.
             let up = |v: f64| {
@@ -100,7 +153,14 @@ pub fn calibrate(files: &[PathBuf], margin: f64, dtypes: &[Dtype], seed: u64) ->
                 let e = 10f64.powf(v.log10().floor() - 1.0);
                 (v / e).ceil() * e
             };
-            m.insert(k.clone(), Tolerance { rel_l2: up(w.rel_l2), atol_rms: up(w.atol_rms), rtol });
+            m.insert(
+                k.clone(),
+                Tolerance {
+                    rel_l2: up(w.rel_l2),
+                    atol_rms: up(w.atol_rms),
+                    rtol,
+                },
+            );
         }
     }
     table.derived_from = format!(

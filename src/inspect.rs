@@ -6,6 +6,16 @@ use crate::model::MlaConfig;
 use serde_json::json;
 use std::fmt::Write;
 
+/// `1.23 GB` / `4.9 MB` / `512 B`.
+pub fn human_bytes(b: u64) -> String {
+    match b {
+        b if b >= 1_000_000_000 => format!("{:.2} GB", b as f64 / 1e9),
+        b if b >= 1_000_000 => format!("{:.1} MB", b as f64 / 1e6),
+        b if b >= 1_000 => format!("{:.1} kB", b as f64 / 1e3),
+        b => format!("{b} B"),
+    }
+}
+
 /// One attention tensor of one layer, as stored.
 fn layer_tensors(f: &GgufFile, layer: usize) -> Vec<serde_json::Value> {
     crate::model::weights::tensor_names(layer)
@@ -161,8 +171,8 @@ pub fn inspect_text(f: &GgufFile) -> Result<String> {
     }
     writeln!(
         s,
-        "attention weights: {:.3} GB in {} layers",
-        total as f64 / 1e9,
+        "attention weights: {} in {} layers",
+        human_bytes(total),
         c.n_layer
     )
     .ok();

@@ -6,17 +6,17 @@
 //! `report`. `fixture` writes synthetic GGUF files in llama.cpp's conventions.
 
 pub mod backend;
+pub mod bench;
 pub mod calibrate;
 pub mod compare;
-pub mod bench;
 pub mod error;
 pub mod fixture;
 pub mod gguf;
 pub mod input;
 pub mod inspect;
 pub mod model;
-pub mod report;
 pub mod reference;
+pub mod report;
 pub mod rope;
 pub mod run;
 pub mod schedule;

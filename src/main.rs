@@ -320,11 +320,23 @@ fn run(cli: Cli) -> Result<i32, Error> {
             Ok(0)
         }
         Cmd::Run(args) => run_cmd(*args),
-        Cmd::Calibrate { files, margin, seed, output } => {
+        Cmd::Calibrate {
+            files,
+            margin,
+            seed,
+            output,
+        } => {
             if files.is_empty() {
-                return Err(Error::Usage("calibrate needs at least one GGUF file".into()));
+                return Err(Error::Usage(
+                    "calibrate needs at least one GGUF file".into(),
+                ));
             }
-            let (table, summary) = mla_diff::calibrate::calibrate(&files, margin, &[Dtype::Bf16, Dtype::F16, Dtype::F32], seed)?;
+            let (table, summary) = mla_diff::calibrate::calibrate(
+                &files,
+                margin,
+                &[Dtype::Bf16, Dtype::F16, Dtype::F32],
+                seed,
+            )?;
             eprint!("{summary}");
             let json = serde_json::to_string_pretty(&table).expect("json") + "\n";
             match output {
@@ -336,12 +348,22 @@ fn run(cli: Cli) -> Result<i32, Error> {
     }
 }
 
+/// The backend, its kind for the report ("cpu" / "cuda") and the GPU's name.
+type Chosen = (Box<dyn Backend>, &'static str, Option<String>);
+
 /// The optimized backend the user asked for, its kind for the report, and the GPU name if any.
-fn make_backend(choice: BackendArg, dtype: Dtype, file: &mla_diff::gguf::GgufFile, kernels: Option<PathBuf>) -> Result<(Box<dyn Backend>, &'static str, Option<String>), Error> {
+fn make_backend(
+    choice: BackendArg,
+    dtype: Dtype,
+    file: &mla_diff::gguf::GgufFile,
+    kernels: Option<PathBuf>,
+) -> Result<Chosen, Error> {
     let cpu = |file| -> Result<Box<dyn Backend>, Error> {
         let cfg = mla_diff::model::MlaConfig::from_gguf(file)?;
         let factors = mla_diff::model::rope_factors::RopeFactors::load(file, &cfg)?;
-        Ok(Box::new(mla_diff::backend::cpu::CpuMirror::new(dtype).with_rope_factors(factors)))
+        Ok(Box::new(
+            mla_diff::backend::cpu::CpuMirror::new(dtype).with_rope_factors(factors),
+        ))
     };
     match choice {
         BackendArg::Cpu => Ok((cpu(file)?, "cpu", None)),
@@ -353,7 +375,9 @@ fn make_backend(choice: BackendArg, dtype: Dtype, file: &mla_diff::gguf::GgufFil
             if choice == BackendArg::Auto {
                 return Ok((cpu(file)?, "cpu", None));
             }
-            Err(Error::Environment("--backend cuda: this build has no CUDA backend yet".into()))
+            Err(Error::Environment(
+                "--backend cuda: this build has no CUDA backend yet".into(),
+            ))
         }
     }
 }
@@ -368,7 +392,11 @@ fn run_cmd(a: RunArgs) -> Result<i32, Error> {
         q_len: a.q_len,
         page_size: a.page_size,
         num_splits: a.num_splits,
-        shuffle_seed: if a.no_shuffle { None } else { Schedule::default().shuffle_seed },
+        shuffle_seed: if a.no_shuffle {
+            None
+        } else {
+            Schedule::default().shuffle_seed
+        },
         spare_pages: Schedule::default().spare_pages,
         pos_offset: a.pos_offset,
     };
@@ -406,7 +434,10 @@ fn run_cmd(a: RunArgs) -> Result<i32, Error> {
         input,
         sched,
         dtype: a.dtype,
-        modes: Modes { shadow: a.mode != ModeArg::Free, free: a.mode != ModeArg::Shadow },
+        modes: Modes {
+            shadow: a.mode != ModeArg::Free,
+            free: a.mode != ModeArg::Shadow,
+        },
         tolerances,
         tolerance_source: source,
         dump,
@@ -421,11 +452,19 @@ fn run_cmd(a: RunArgs) -> Result<i32, Error> {
     let started = std::time::Instant::now();
     let mut rep = mla_diff::run::run(&file, backend.as_mut(), kind, gpu, &opts)?;
     if let (Some(b), Some(p)) = (&baseline, &a.baseline) {
-        rep.baseline = Some(report::baseline::gate(&rep, b, &p.display().to_string(), a.baseline_factor));
+        rep.baseline = Some(report::baseline::gate(
+            &rep,
+            b,
+            &p.display().to_string(),
+            a.baseline_factor,
+        ));
     }
     let json_to_stdout = a.json.as_deref() == Some(std::path::Path::new("-"));
     if !json_to_stdout {
-        print!("{}", report::table::render(&rep, &report::table::Style::detect()));
+        print!(
+            "{}",
+            report::table::render(&rep, &report::table::Style::detect())
+        );
     }
     if let Some(p) = &a.json {
         if json_to_stdout {
@@ -448,11 +487,24 @@ fn run_cmd(a: RunArgs) -> Result<i32, Error> {
     if let Some(p) = &a.plot {
         report::write_file(p, &report::svg::render(&rep)?)?;
     }
-    eprintln!("mla-diff: {} layer(s) in {:.2} s", rep.run.layers.len(), started.elapsed().as_secs_f64());
-    Ok(if rep.pass() { EXIT_PASS } else { EXIT_DIVERGENCE })
+    eprintln!(
+        "mla-diff: {} layer(s) in {:.2} s",
+        rep.run.layers.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(if rep.pass() {
+        EXIT_PASS
+    } else {
+        EXIT_DIVERGENCE
+    })
 }
 
 fn main() {
+    // Die quietly on a closed pipe (`mla-diff ... | head`) like other Unix tools, instead of panicking in println!.
+    #[cfg(unix)]
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

@@ -66,7 +66,11 @@ pub fn parse_layers(spec: &str, n_layer: usize) -> Result<Vec<usize>> {
     }
     let mut out = Vec::new();
     for part in spec.split(',').map(str::trim) {
-        let num = |s: &str| s.trim().parse::<usize>().map_err(|_| bad(format!("{s:?} is not a layer number")));
+        let num = |s: &str| {
+            s.trim()
+                .parse::<usize>()
+                .map_err(|_| bad(format!("{s:?} is not a layer number")))
+        };
         if let Some((a, b)) = part.split_once("..=") {
             out.extend(num(a)?..=num(b)?);
         } else if let Some((a, b)) = part.split_once("..") {
@@ -80,7 +84,9 @@ pub fn parse_layers(spec: &str, n_layer: usize) -> Result<Vec<usize>> {
         return Err(bad("selects no layer".into()));
     }
     if let Some(&l) = out.iter().find(|&&l| l >= n_layer) {
-        return Err(bad(format!("layer {l} does not exist: the model has {n_layer} layers (0..{n_layer})")));
+        return Err(bad(format!(
+            "layer {l} does not exist: the model has {n_layer} layers (0..{n_layer})"
+        )));
     }
     let mut sorted = out.clone();
     sorted.sort_unstable();
@@ -100,7 +106,9 @@ fn input_json(spec: &InputSpec) -> serde_json::Value {
 }
 
 fn attn_out(t: &LayerTrace) -> Result<&[f64]> {
-    t.get(Stage::AttnOut).map(|s| s.data.as_slice()).ok_or_else(|| Error::Usage("trace has no attn_out stage".into()))
+    t.get(Stage::AttnOut)
+        .map(|s| s.data.as_slice())
+        .ok_or_else(|| Error::Usage("trace has no attn_out stage".into()))
 }
 
 fn add_residual(h: &mut Array2<f64>, out: &[f64]) {
@@ -110,7 +118,13 @@ fn add_residual(h: &mut Array2<f64>, out: &[f64]) {
 }
 
 /// Run the comparison and build the report. `backend` is the optimized path.
-pub fn run(file: &GgufFile, backend: &mut dyn Backend, backend_kind: &str, gpu: Option<String>, opts: &RunOptions) -> Result<Report> {
+pub fn run(
+    file: &GgufFile,
+    backend: &mut dyn Backend,
+    backend_kind: &str,
+    gpu: Option<String>,
+    opts: &RunOptions,
+) -> Result<Report> {
     let cfg = MlaConfig::from_gguf(file)?;
     opts.sched.validate()?;
     if !opts.modes.shadow && !opts.modes.free {
@@ -121,11 +135,16 @@ pub fn run(file: &GgufFile, backend: &mut dyn Backend, backend_kind: &str, gpu: 
         None => (0..cfg.n_layer).collect(),
     };
     if let Some(&l) = layers.iter().find(|&&l| l >= cfg.n_layer) {
-        return Err(Error::Usage(format!("layer {l} does not exist: the model has {} layers", cfg.n_layer)));
+        return Err(Error::Usage(format!(
+            "layer {l} does not exist: the model has {} layers",
+            cfg.n_layer
+        )));
     }
     let t = opts.sched.total_tokens();
     let inputs = match &opts.input {
-        InputSpec::Random { seed } => LayerInputs::Shared(crate::input::random_hidden(cfg.hidden, t, *seed)),
+        InputSpec::Random { seed } => {
+            LayerInputs::Shared(crate::input::random_hidden(cfg.hidden, t, *seed))
+        }
         InputSpec::Tokens(ids) => {
             if ids.len() != t {
                 return Err(Error::Usage(format!(
@@ -145,9 +164,16 @@ pub fn run(file: &GgufFile, backend: &mut dyn Backend, backend_kind: &str, gpu: 
     let block_table = opts.sched.block_table();
 
     let bar = if opts.progress && layers.len() > 1 {
-        let b = indicatif::ProgressBar::with_draw_target(Some(layers.len() as u64), indicatif::ProgressDrawTarget::stderr());
+        let b = indicatif::ProgressBar::with_draw_target(
+            Some(layers.len() as u64),
+            indicatif::ProgressDrawTarget::stderr(),
+        );
         b.set_style(
-            indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} layers {msg} ({elapsed})").expect("template").progress_chars("=> "),
+            indicatif::ProgressStyle::with_template(
+                "{prefix} [{bar:30}] {pos}/{len} layers {msg} ({elapsed})",
+            )
+            .expect("template")
+            .progress_chars("=> "),
         );
         b.set_prefix("mla-diff");
         b
@@ -169,7 +195,11 @@ pub fn run(file: &GgufFile, backend: &mut dyn Backend, backend_kind: &str, gpu: 
         }
         let w = LayerWeights::load(file, &cfg, l)?;
         let reference = crate::reference::run_layer(&cfg, &w, &rope, &h_ref, &opts.sched)?;
-        let ctx = compare::Ctx { layer: l, sched: &opts.sched, block_table: &block_table };
+        let ctx = compare::Ctx {
+            layer: l,
+            sched: &opts.sched,
+            block_table: &block_table,
+        };
         let mut dump_traces: Vec<(LayerTrace, bool)> = Vec::new();
         if opts.modes.shadow {
             let opt = backend.run_layer(&cfg, &w, &h_ref, &opts.sched)?;
@@ -179,11 +209,15 @@ pub fn run(file: &GgufFile, backend: &mut dyn Backend, backend_kind: &str, gpu: 
         }
         if opts.modes.free {
             let opt = backend.run_layer(&cfg, &w, &h_opt, &opts.sched)?;
-            let mut r = compare::compare_layer(&ctx, &reference, &opt, opts.dtype, &opts.tolerances)?;
+            let mut r =
+                compare::compare_layer(&ctx, &reference, &opt, opts.dtype, &opts.tolerances)?;
             add_residual(&mut h_opt, attn_out(&opt)?);
             let mut next_ref = h_ref.clone();
             add_residual(&mut next_ref, attn_out(&reference)?);
-            r.drift = Some(compare::metrics::rel_l2(next_ref.as_slice().expect("standard layout"), h_opt.as_slice().expect("standard layout")));
+            r.drift = Some(compare::metrics::rel_l2(
+                next_ref.as_slice().expect("standard layout"),
+                h_opt.as_slice().expect("standard layout"),
+            ));
             dump_traces.push((opt, r.pass));
             free.push(r);
         }
@@ -207,19 +241,33 @@ pub fn run(file: &GgufFile, backend: &mut dyn Backend, backend_kind: &str, gpu: 
 
     let mut modes = Vec::new();
     if opts.modes.shadow {
-        modes.push(ModeResult { mode: "shadow".into(), verdict: compare::verdict(&shadow), layers: shadow });
+        modes.push(ModeResult {
+            mode: "shadow".into(),
+            verdict: compare::verdict(&shadow),
+            layers: shadow,
+        });
     }
     if opts.modes.free {
-        modes.push(ModeResult { mode: "free".into(), verdict: compare::verdict(&free), layers: free });
+        modes.push(ModeResult {
+            mode: "free".into(),
+            verdict: compare::verdict(&free),
+            layers: free,
+        });
     }
     let verdict = Report::overall_verdict(&modes);
     Ok(Report {
         schema_version: SCHEMA_VERSION,
-        tool: ToolInfo { name: "mla-diff".into(), version: env!("CARGO_PKG_VERSION").into() },
+        tool: ToolInfo {
+            name: "mla-diff".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+        },
         file: FileInfo {
             path: file.path.display().to_string(),
             architecture: cfg.arch.gguf_name().into(),
-            name: file.get("general.name").and_then(|v| v.as_str()).map(String::from),
+            name: file
+                .get("general.name")
+                .and_then(|v| v.as_str())
+                .map(String::from),
             size: file.file_size,
         },
         config: serde_json::to_value(&cfg).expect("config serialises"),

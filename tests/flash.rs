@@ -79,10 +79,10 @@ fn bad_inputs_are_errors() {
     assert!(matches!(e, Error::Usage(_)), "{e}");
     let mut x = c.x.clone();
     x[[2, 3]] = f64::NAN;
-    assert!(matches!(
-        m.run_layer(&c.cfg, &c.w, &x, &c.sched),
-        Err(Error::Usage(_))
-    ));
+    // A NaN in the input is not rejected: it flows through, as in an engine (free-running mode relies on it).
+    let t = m.run_layer(&c.cfg, &c.w, &x, &c.sched).unwrap();
+    let out = t.get(mla_diff::trace::Stage::AttnOut).unwrap();
+    assert!(out.data.iter().any(|v| v.is_nan()));
     let mut w = c.w.clone();
     w.w_uv = w.w_uv.slice(ndarray::s![.., 1.., ..]).to_owned();
     assert!(matches!(

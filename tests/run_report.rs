@@ -20,8 +20,18 @@ fn tiny4() -> PathBuf {
         let dir = std::env::temp_dir().join(format!("mla-diff-run-tests-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("tiny4.gguf");
-        let out = Command::new(BIN).args(["fixture", "--preset", "tiny", "--layers", "4", "--seed", "3", "-o"]).arg(&p).output().unwrap();
-        assert!(out.status.success(), "fixture failed: {}", String::from_utf8_lossy(&out.stderr));
+        let out = Command::new(BIN)
+            .args([
+                "fixture", "--preset", "tiny", "--layers", "4", "--seed", "3", "-o",
+            ])
+            .arg(&p)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "fixture failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         p
     })
     .clone()
@@ -33,7 +43,10 @@ fn opts(dtype: Dtype) -> RunOptions {
         input: InputSpec::Random { seed: 1 },
         sched: Schedule::default(),
         dtype,
-        modes: Modes { shadow: true, free: true },
+        modes: Modes {
+            shadow: true,
+            free: true,
+        },
         tolerances: ToleranceTable::defaults(),
         tolerance_source: "defaults".into(),
         dump: None,
@@ -54,7 +67,13 @@ impl Backend for Corrupt {
     fn describe(&self) -> String {
         "corrupted mirror".into()
     }
-    fn run_layer(&mut self, cfg: &MlaConfig, w: &LayerWeights, x: &ndarray::Array2<f64>, s: &Schedule) -> mla_diff::Result<LayerTrace> {
+    fn run_layer(
+        &mut self,
+        cfg: &MlaConfig,
+        w: &LayerWeights,
+        x: &ndarray::Array2<f64>,
+        s: &Schedule,
+    ) -> mla_diff::Result<LayerTrace> {
         let mut t = self.inner.run_layer(cfg, w, x, s)?;
         if w.layer == self.layer {
             let st = t.get_mut(self.stage).unwrap();
@@ -88,17 +107,32 @@ fn corrupted_element_is_located_exactly() {
     // attn_latent is [decode_token, head, dim]: pick decode token 5, head 1, dim 17.
     let (dt, h, d) = (5, 1, 17);
     let index = (dt * cfg.n_head + h) * cfg.kv_lora_rank + d;
-    let mut b = Corrupt { inner: CpuMirror::new(Dtype::Bf16), layer: 3, stage: Stage::AttnLatent, index, value: None };
+    let mut b = Corrupt {
+        inner: CpuMirror::new(Dtype::Bf16),
+        layer: 3,
+        stage: Stage::AttnLatent,
+        index,
+        value: None,
+    };
     let rep = run_with(&mut b, &tiny4(), &o);
     assert!(!rep.pass());
     let shadow = &rep.modes[0];
     assert_eq!(shadow.mode, "shadow");
-    assert_eq!(shadow.verdict.first_layer, Some(3), "{}", shadow.verdict.message);
+    assert_eq!(
+        shadow.verdict.first_layer,
+        Some(3),
+        "{}",
+        shadow.verdict.message
+    );
     assert_eq!(shadow.verdict.first_check.as_deref(), Some("attn_latent"));
     for l in &shadow.layers[..3] {
         assert!(l.pass, "layer {} should pass", l.layer);
     }
-    let c = shadow.layers[3].checks.iter().find(|c| c.check == "attn_latent").unwrap();
+    let c = shadow.layers[3]
+        .checks
+        .iter()
+        .find(|c| c.check == "attn_latent")
+        .unwrap();
     let at = c.metrics.max_abs_at.as_ref().unwrap();
     let get = |k: &str| at.coords.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
     assert_eq!(get("layer"), Some(3));
@@ -115,23 +149,48 @@ fn nan_in_optimized_output_fails_with_positions() {
     let f = GgufFile::open(tiny4()).unwrap();
     let cfg = MlaConfig::from_gguf(&f).unwrap();
     let index = 7 * cfg.hidden + 3; // token 7, hidden 3
-    let mut b = Corrupt { inner: CpuMirror::new(Dtype::Bf16), layer: 1, stage: Stage::AttnOut, index, value: Some(f64::NAN) };
+    let mut b = Corrupt {
+        inner: CpuMirror::new(Dtype::Bf16),
+        layer: 1,
+        stage: Stage::AttnOut,
+        index,
+        value: Some(f64::NAN),
+    };
     let rep = run_with(&mut b, &tiny4(), &o);
     let shadow = &rep.modes[0];
     assert_eq!(shadow.verdict.first_layer, Some(1));
-    assert_eq!(shadow.verdict.first_check.as_deref(), Some("attn_out[prefill]"));
-    let c = shadow.layers[1].checks.iter().find(|c| c.check == "attn_out[prefill]").unwrap();
+    assert_eq!(
+        shadow.verdict.first_check.as_deref(),
+        Some("attn_out[prefill]")
+    );
+    let c = shadow.layers[1]
+        .checks
+        .iter()
+        .find(|c| c.check == "attn_out[prefill]")
+        .unwrap();
     assert_eq!(c.metrics.nonfinite.opt_nan, 1);
     let p = &c.metrics.first_nonfinite_at[0];
-    assert!(p.coords.contains(&("token".to_string(), 7)) && p.coords.contains(&("hidden".to_string(), 3)), "{p}");
+    assert!(
+        p.coords.contains(&("token".to_string(), 7))
+            && p.coords.contains(&("hidden".to_string(), 3)),
+        "{p}"
+    );
     // In free-running mode the NaN flows into every later layer's input.
     let free = &rep.modes[1];
     assert!(!free.layers[2].pass && !free.layers[3].pass);
 }
 
 fn run_cli(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(BIN).args(args).env("NO_COLOR", "1").output().unwrap();
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    let out = Command::new(BIN)
+        .args(args)
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
 }
 
 #[test]
@@ -140,17 +199,36 @@ fn reports_validate_and_parse() {
     let p = |n: &str| dir.path().join(n).display().to_string();
     let fx = tiny4().display().to_string();
     let (code, stdout, stderr) = run_cli(&[
-        "run", &fx, "--backend", "cpu", "--json", &p("r.json"), "--junit", &p("r.xml"), "--markdown", &p("r.md"), "--plot", &p("r.svg"),
-        "--dump-dir", &p("dump"), "--dump-layers", "2",
+        "run",
+        &fx,
+        "--backend",
+        "cpu",
+        "--json",
+        &p("r.json"),
+        "--junit",
+        &p("r.xml"),
+        "--markdown",
+        &p("r.md"),
+        "--plot",
+        &p("r.svg"),
+        "--dump-dir",
+        &p("dump"),
+        "--dump-layers",
+        "2",
     ]);
     assert_eq!(code, 0, "{stdout}\n{stderr}");
     assert!(stdout.contains("PASS"), "{stdout}");
     assert!(!stdout.contains('\x1b'), "no colour when not a terminal");
 
-    let schema: serde_json::Value = serde_json::from_str(include_str!("../schema/report.schema.json")).unwrap();
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p("r.json")).unwrap()).unwrap();
+    let schema: serde_json::Value =
+        serde_json::from_str(include_str!("../schema/report.schema.json")).unwrap();
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(p("r.json")).unwrap()).unwrap();
     let validator = jsonschema::validator_for(&schema).unwrap();
-    let errors: Vec<String> = validator.iter_errors(&report).map(|e| format!("{e} at {}", e.instance_path)).collect();
+    let errors: Vec<String> = validator
+        .iter_errors(&report)
+        .map(|e| format!("{e} at {}", e.instance_path))
+        .collect();
     assert!(errors.is_empty(), "schema errors: {errors:#?}");
     // The schema is not vacuous: a report without its verdict is rejected.
     let mut broken = report.clone();
@@ -159,11 +237,19 @@ fn reports_validate_and_parse() {
 
     let junit = std::fs::read_to_string(p("r.xml")).unwrap();
     let doc = roxmltree::Document::parse(&junit).unwrap();
-    assert_eq!(doc.descendants().filter(|n| n.has_tag_name("testcase")).count(), 8, "4 layers x 2 modes");
+    assert_eq!(
+        doc.descendants()
+            .filter(|n| n.has_tag_name("testcase"))
+            .count(),
+        8,
+        "4 layers x 2 modes"
+    );
     let svg = std::fs::read_to_string(p("r.svg")).unwrap();
     let doc = roxmltree::Document::parse(&svg).unwrap();
     assert!(doc.descendants().filter(|n| n.has_tag_name("rect")).count() >= 4 * 10);
-    assert!(std::fs::read_to_string(p("r.md")).unwrap().contains("| layer |"));
+    assert!(std::fs::read_to_string(p("r.md"))
+        .unwrap()
+        .contains("| layer |"));
     // The dump is numpy's format: magic, version, then a header naming float64.
     let npy = std::fs::read(dir.path().join("dump/layer2/attn_out.opt.npy")).unwrap();
     assert_eq!(&npy[..6], b"\x93NUMPY");
@@ -174,8 +260,26 @@ fn reports_validate_and_parse() {
 #[test]
 fn json_is_byte_identical_across_runs() {
     let fx = tiny4().display().to_string();
-    let (c1, a, _) = run_cli(&["run", &fx, "--backend", "cpu", "--layers", "0..2", "--json", "-"]);
-    let (c2, b, _) = run_cli(&["run", &fx, "--backend", "cpu", "--layers", "0..2", "--json", "-"]);
+    let (c1, a, _) = run_cli(&[
+        "run",
+        &fx,
+        "--backend",
+        "cpu",
+        "--layers",
+        "0..2",
+        "--json",
+        "-",
+    ]);
+    let (c2, b, _) = run_cli(&[
+        "run",
+        &fx,
+        "--backend",
+        "cpu",
+        "--layers",
+        "0..2",
+        "--json",
+        "-",
+    ]);
     assert_eq!((c1, c2), (0, 0));
     assert!(a.len() > 1000);
     assert_eq!(a, b);
@@ -193,13 +297,17 @@ fn baseline_gate() {
     assert!(out.contains("baseline OK"), "{out}");
 
     // Make one metric of the baseline 10x better: the same run is now a 10x regression there.
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&base).unwrap()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&base).unwrap()).unwrap();
     let m = &mut v["modes"][0]["layers"][2]["checks"][1]["metrics"]["rel_l2"];
     *m = serde_json::json!(m.as_f64().unwrap() / 10.0);
     std::fs::write(&base, serde_json::to_string(&v).unwrap()).unwrap();
     let (code, out, _) = run_cli(&["run", &fx, "--backend", "cpu", "--baseline", &base]);
     assert_eq!(code, 1, "{out}");
-    assert!(out.contains("BASELINE REGRESSION") && out.contains("layer 2 q_nope"), "{out}");
+    assert!(
+        out.contains("BASELINE REGRESSION") && out.contains("layer 2 q_nope"),
+        "{out}"
+    );
 }
 
 #[test]

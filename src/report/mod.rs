@@ -125,7 +125,9 @@ impl Report {
                     m.mode,
                     m.verdict.first_check.as_deref().unwrap_or("?")
                 )),
-                None => v.message.push_str(&format!("; [{}] within tolerance", m.mode)),
+                None => v
+                    .message
+                    .push_str(&format!("; [{}] within tolerance", m.mode)),
             }
         }
         v
