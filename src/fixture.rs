@@ -30,6 +30,7 @@ pub enum Preset {
     KimiK2,
     #[value(name = "glm-4.7-flash")]
     Glm47Flash,
+    #[value(name = "glm-5")]
     Glm5,
     Minicpm3,
     /// Small DeepSeek-style dims with YaRN, for fast tests.
