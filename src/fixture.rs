@@ -42,7 +42,8 @@ pub enum Preset {
 pub struct YarnSpec {
     pub factor: f32,
     pub original_context: u32,
-    pub mscale_all_dim: Option<f32>,
+    /// A Python float in the HF config: f64, so 0.1·0.707 rounds to f32 exactly as the converter's does.
+    pub mscale_all_dim: Option<f64>,
     pub beta_fast: Option<f32>,
     pub beta_slow: Option<f32>,
 }
@@ -384,7 +385,7 @@ impl Spec {
                     // [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]: the converter stores 0.1·mscale_all_dim.
                     push(
                         k("rope.scaling.yarn_log_multiplier"),
-                        Value::F32((0.1 * m as f64) as f32),
+                        Value::F32((0.1 * m) as f32),
                     );
                 }
             }

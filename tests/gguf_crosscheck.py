@@ -13,6 +13,7 @@ Run by tests/gguf_crosscheck.rs:  gguf_crosscheck.py FIXTURES_DIR OUT_DIR
 OUT_DIR/manifest.json describes both.
 """
 
+import importlib.metadata
 import json
 import pathlib
 import sys
@@ -165,7 +166,7 @@ def main():
     fixtures, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     manifest = {
-        "gguf_version": getattr(gguf, "__version__", None),
+        "gguf_version": importlib.metadata.version("gguf"),
         "fixtures": read_fixtures(fixtures, out),
         "written": write_deepseek2(out),
     }
