@@ -167,6 +167,8 @@ impl Preset {
                 context_length: 202752,
                 ..base
             },
+            // The 78 trunk layers; the converter also appends the NextN/MTP block (block_count 79) and the
+            // DSA indexer tensors, neither of which the dense MLA graph uses, so they are not generated.
             Preset::Glm5 => Spec {
                 model_name: "GLM-5",
                 arch: Arch::GlmDsa,
