@@ -30,6 +30,7 @@ pub enum Preset {
     KimiK2,
     #[value(name = "glm-4.7-flash")]
     Glm47Flash,
+    #[value(name = "glm-5")]
     Glm5,
     Minicpm3,
     /// Small DeepSeek-style dims with YaRN, for fast tests.
@@ -41,7 +42,8 @@ pub enum Preset {
 pub struct YarnSpec {
     pub factor: f32,
     pub original_context: u32,
-    pub mscale_all_dim: Option<f32>,
+    /// A Python float in the HF config: f64, so 0.1·0.707 rounds to f32 exactly as the converter's does.
+    pub mscale_all_dim: Option<f64>,
     pub beta_fast: Option<f32>,
     pub beta_slow: Option<f32>,
 }
@@ -165,6 +167,8 @@ impl Preset {
                 context_length: 202752,
                 ..base
             },
+            // The 78 trunk layers; the converter also appends the NextN/MTP block (block_count 79) and the
+            // DSA indexer tensors, neither of which the dense MLA graph uses, so they are not generated.
             Preset::Glm5 => Spec {
                 model_name: "GLM-5",
                 arch: Arch::GlmDsa,
@@ -383,7 +387,7 @@ impl Spec {
                     // [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]: the converter stores 0.1·mscale_all_dim.
                     push(
                         k("rope.scaling.yarn_log_multiplier"),
-                        Value::F32((0.1 * m as f64) as f32),
+                        Value::F32((0.1 * m) as f32),
                     );
                 }
             }

@@ -340,3 +340,151 @@ pub fn quantize(data: &[f32], ne0: usize, ty: GgmlType) -> Result<Vec<u8>> {
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::{GgufFile, TensorType};
+
+    fn ty(n: &str) -> GgmlType {
+        GgmlType::from_name(n).unwrap()
+    }
+
+    #[test]
+    fn every_value_type_and_tensor_round_trips_through_the_reader() {
+        let meta = vec![
+            ("general.architecture", Value::String("deepseek2".into())),
+            ("a.u8", Value::U8(250)),
+            ("a.i8", Value::I8(-7)),
+            ("a.u16", Value::U16(65000)),
+            ("a.i16", Value::I16(-30000)),
+            ("a.u32", Value::U32(4_000_000_000)),
+            ("a.i32", Value::I32(-2_000_000_000)),
+            ("a.f32", Value::F32(0.1)),
+            ("a.bool", Value::Bool(true)),
+            ("a.str", Value::String("γ ünïcode".into())),
+            ("a.u64", Value::U64(u64::MAX - 1)),
+            ("a.i64", Value::I64(i64::MIN + 1)),
+            ("a.f64", Value::F64(-1e300)),
+            (
+                "a.strs",
+                Value::Array(vec![Value::String("x".into()), Value::String("".into())]),
+            ),
+            (
+                "a.f32s",
+                Value::Array(vec![Value::F32(1.5), Value::F32(-0.0)]),
+            ),
+            ("a.empty", Value::Array(vec![])),
+            (
+                "a.nested",
+                Value::Array(vec![
+                    Value::Array(vec![Value::I32(1)]),
+                    Value::Array(vec![Value::String("s".into())]),
+                ]),
+            ),
+        ];
+        let mut w = GgufWriter::new();
+        for (k, v) in &meta {
+            w.add(*k, v.clone()).unwrap();
+        }
+        // Sizes that are not multiples of the alignment, so padding is exercised.
+        let a: Vec<f32> = (0..3 * 5).map(|i| i as f32 * 0.25).collect();
+        let b: Vec<f32> = (0..64).map(|i| (i as f32 - 30.0) / 7.0).collect();
+        w.add_tensor("a.weight", &[5, 3], ty("F32")).unwrap();
+        w.add_tensor("b.weight", &[32, 2], ty("Q8_0")).unwrap();
+        w.add_tensor("c.weight", &[7], ty("F16")).unwrap();
+        let bytes_a = quantize(&a, 5, ty("F32")).unwrap();
+        let bytes_b = quantize(&b, 32, ty("Q8_0")).unwrap();
+        let bytes_c = quantize(&[1.0; 7], 7, ty("F16")).unwrap();
+        let expect_size = w.file_size();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.gguf");
+        let mut sink = w.start(std::fs::File::create(&path).unwrap()).unwrap();
+        assert_eq!(sink.current().unwrap().name, "a.weight");
+        sink.write(&bytes_a[..20]).unwrap();
+        sink.write(&bytes_a[20..]).unwrap();
+        sink.write(&bytes_b).unwrap();
+        sink.write(&bytes_c).unwrap();
+        assert!(sink.current().is_none());
+        sink.finish().unwrap();
+
+        let f = GgufFile::open(&path).unwrap();
+        assert_eq!(f.version, 3);
+        assert_eq!(f.file_size, expect_size);
+        let got: Vec<(&str, &Value)> = f.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let want: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+        assert_eq!(got, want);
+        assert_eq!(f.data_offset % ALIGNMENT, 0);
+        let names: Vec<&str> = f.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["a.weight", "b.weight", "c.weight"]);
+        assert_eq!(f.tensors[1].ty, TensorType::Known(ty("Q8_0")));
+        assert_eq!(f.tensors[0].ne, [5, 3]);
+        for t in &f.tensors {
+            assert_eq!(t.offset % ALIGNMENT, 0);
+        }
+        assert_eq!(f.tensor_bytes(&f.tensors[0]).unwrap(), &bytes_a[..]);
+        assert_eq!(f.tensor_bytes(&f.tensors[1]).unwrap(), &bytes_b[..]);
+        let back = crate::gguf::dequantize_f32(&f, &f.tensors[0]).unwrap();
+        assert_eq!(back, a);
+        let c = crate::gguf::dequantize_f32(&f, &f.tensors[2]).unwrap();
+        assert_eq!(c, [1.0; 7]);
+    }
+
+    #[test]
+    fn misuse_is_an_error_not_a_corrupt_file() {
+        let mut w = GgufWriter::new();
+        w.add("k", Value::U32(1)).unwrap();
+        assert!(w.add("k", Value::U32(2)).is_err(), "duplicate key");
+        assert!(w
+            .add("m", Value::Array(vec![Value::U32(1), Value::F32(1.0)]))
+            .is_err());
+        assert!(
+            w.add_tensor("q", &[48, 2], ty("Q8_0")).is_err(),
+            "row not a whole block"
+        );
+        w.add_tensor("t", &[4], ty("F32")).unwrap();
+        assert!(
+            w.add_tensor("t", &[4], ty("F32")).is_err(),
+            "duplicate tensor"
+        );
+        let mut sink = w.clone().start(Vec::new()).unwrap();
+        assert!(
+            sink.write(&[0; 20]).is_err(),
+            "more bytes than the tensor has"
+        );
+        let mut sink2 = w.start(Vec::new()).unwrap();
+        sink2.write(&[0; 8]).unwrap();
+        assert!(sink2.finish().is_err(), "incomplete tensor");
+        drop(sink);
+    }
+
+    #[test]
+    fn storage_type_follows_llama_cpp_fallbacks() {
+        let st = |ne: &[u64], want: &str| storage_type(ne, ty(want)).name;
+        assert_eq!(st(&[7168], "Q4_K"), "F32", "1-D tensors stay F32");
+        assert_eq!(st(&[512, 64], "BF16"), "BF16");
+        assert_eq!(st(&[7168, 1536], "Q4_K"), "Q4_K");
+        assert_eq!(st(&[128, 512, 128], "Q4_K"), "Q5_0", "attn_k_b rows of 128");
+        assert_eq!(st(&[128, 512], "Q5_K"), "Q5_1");
+        assert_eq!(st(&[192, 512], "Q6_K"), "Q8_0");
+        assert_eq!(st(&[192, 512], "Q3_K"), "Q4_0", "IQ4_NL stand-in");
+        assert_eq!(st(&[48, 4], "Q4_K"), "F16", "no 32-block fits either");
+        assert_eq!(st(&[48, 4], "Q8_0"), "F16");
+    }
+
+    #[test]
+    fn float_encodings_round_to_nearest_even() {
+        let x = [1.0f32, -2.5, 1.0 + 1.0 / 4096.0, 70000.0];
+        let f16 = quantize(&x, 4, ty("F16")).unwrap();
+        assert_eq!(&f16[..2], &[0x00, 0x3c]);
+        assert_eq!(&f16[6..8], &[0x00, 0x7c], "f16 overflows to +inf");
+        let bf16 = quantize(&x, 4, ty("BF16")).unwrap();
+        assert_eq!(&bf16[..2], &[0x80, 0x3f]);
+        // 1 + 2^-12 is below bf16's half-ulp (2^-8): rounds to 1.0.
+        assert_eq!(&bf16[4..6], &[0x80, 0x3f]);
+        assert!(matches!(
+            quantize(&[0.5; 256], 256, ty("IQ2_XXS")),
+            Err(Error::Unsupported(_))
+        ));
+    }
+}
