@@ -327,3 +327,44 @@ fn bad_usage_exits_2() {
         assert!(!err.contains("panicked"), "{err}");
     }
 }
+
+/// The clean mirror passes on every shipped fixture, in both storage types, under the default schedule
+/// and under one that puts every boundary (chunk, page, split) somewhere else.
+#[test]
+fn mirror_passes_on_every_shipped_fixture() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_none_or(|x| x != "gguf") {
+            continue;
+        }
+        let fx = p.display().to_string();
+        for extra in [
+            &[][..],
+            &[
+                "--prompt-len",
+                "21",
+                "--chunk",
+                "8",
+                "--decode-steps",
+                "9",
+                "--q-len",
+                "2",
+                "--page-size",
+                "5",
+                "--num-splits",
+                "3",
+            ][..],
+        ] {
+            for dtype in ["bf16", "fp16"] {
+                let mut args = vec!["run", fx.as_str(), "--backend", "cpu", "--dtype", dtype];
+                args.extend_from_slice(extra);
+                let (code, out, err) = run_cli(&args);
+                assert_eq!(code, 0, "{args:?}\n{out}\n{err}");
+            }
+        }
+        n += 1;
+    }
+    assert!(n >= 5, "expected the shipped fixtures in {}", dir.display());
+}
