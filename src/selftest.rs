@@ -1,0 +1,613 @@
+//! `mla-diff selftest`: plant every fault of the catalogue (`crate::faults`) in the optimized path, one run
+//! each, and prove that the comparator catches it — at the fault's earliest stage, in the targeted layer
+//! only — and that the same runs without the fault pass.
+//!
+//! A fault is only visible on a run that exercises what it breaks, so each fault's needs pick the run:
+//! the fixture (a NORM or NEOX model with YaRN; a model whose absorbed query leaves the fp16 range) and
+//! the schedule, grown from a minimal one (one short prefill chunk at position 0 in one page) by each
+//! need. Every fault is injected into the middle layer of a 3-layer fixture; in shadow mode the other
+//! layers get the reference's input, so they must stay clean.
+
+use crate::backend::{Backend, Dtype};
+use crate::compare::ToleranceTable;
+use crate::error::{Error, Result};
+use crate::faults::{Fault, FaultSet, Injection, Need};
+use crate::fixture::{self, Preset};
+use crate::gguf::{GgmlType, GgufFile};
+use crate::model::MlaConfig;
+use crate::report::Report;
+use crate::run::{InputSpec, Modes, RunOptions};
+use crate::schedule::Schedule;
+use std::path::{Path, PathBuf};
+
+/// Layers of every selftest fixture, and the layer each fault is injected into.
+pub const LAYERS: usize = 3;
+pub const TARGET: usize = 1;
+
+/// The selftest's fixtures: small synthetic files with the real models' head dims.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Model {
+    /// DeepSeek-V3 dims (P 128, R 64, Dv 128, Lkv 512), NORM rope, YaRN factor 40 (mscale² 1.87).
+    DeepseekV3,
+    /// MiniCPM3 dims (64/32/64, Lkv 256), NEOX rope, LongRoPE factors.
+    Minicpm3,
+    /// DeepSeek-V2-Lite dims (no q-LoRA, the model of llama.cpp #13137) with `attn_k_b` and `attn_v_b`
+    /// × 2^K and `attn_kv_a_norm` × 2^-K: q_absorbed = W_UKᵀ·q_nope leaves the fp16 range (and the latent
+    /// shrinks by 2^-K), while scores, k_nope, v, the heads, attn_out and so every layer's input stay what
+    /// they were. Power-of-two scaling is exact in bf16 and f32, so every relative error is unchanged too
+    /// (fp16 cannot hold the small latent: this fixture is for bf16 runs).
+    V2LiteLargeQAbs,
+}
+
+/// The exponent K of `Model::V2LiteLargeQAbs`: puts the rms of q_absorbed above 65504 (checked on the
+/// reference values of every run that needs it).
+pub const LARGE_QABS_LOG2: i32 = 18;
+
+impl Model {
+    pub fn for_needs(needs: &[Need]) -> Model {
+        if needs.contains(&Need::NeoxRope) {
+            Model::Minicpm3
+        } else if needs.contains(&Need::LargeQAbs) {
+            Model::V2LiteLargeQAbs
+        } else {
+            Model::DeepseekV3
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Model::DeepseekV3 => "deepseek-v3",
+            Model::Minicpm3 => "minicpm3",
+            Model::V2LiteLargeQAbs => "v2-lite-large-qabs",
+        }
+    }
+    pub fn file_name(self) -> String {
+        format!("selftest-{}.gguf", self.name())
+    }
+    fn spec(self) -> Result<fixture::Spec> {
+        let (preset, q_lora) = match self {
+            Model::DeepseekV3 => (Preset::DeepseekV3, Some(128)),
+            Model::Minicpm3 => (Preset::Minicpm3, Some(128)),
+            Model::V2LiteLargeQAbs => (Preset::DeepseekV2Lite, None),
+        };
+        fixture::Spec::from_options(&fixture::Options {
+            preset,
+            layers: Some(LAYERS),
+            quant: GgmlType::from_name("BF16").expect("bf16"),
+            seed: 0,
+            legacy_kv_b: false,
+            hidden: Some(256),
+            heads: Some(4),
+            q_lora_rank: q_lora,
+            vocab: Some(64),
+        })
+    }
+    /// Write the fixture to `path`.
+    pub fn write(self, path: &Path) -> Result<()> {
+        fixture::write(&self.spec()?, path)?;
+        if self == Model::V2LiteLargeQAbs {
+            let k = LARGE_QABS_LOG2;
+            let mut scales = Vec::new();
+            for l in 0..LAYERS {
+                scales.push((format!("blk.{l}.attn_k_b.weight"), 2f32.powi(k)));
+                scales.push((format!("blk.{l}.attn_v_b.weight"), 2f32.powi(k)));
+                scales.push((format!("blk.{l}.attn_kv_a_norm.weight"), 2f32.powi(-k)));
+            }
+            scale_tensors(path, &scales)?;
+        }
+        Ok(())
+    }
+}
+
+/// Multiply tensors of a GGUF file in place (F32, F16 or BF16 data).
+pub fn scale_tensors(path: &Path, scales: &[(String, f32)]) -> Result<()> {
+    let bytes = {
+        let f = GgufFile::open(path)?;
+        let mut bytes = std::fs::read(path)
+            .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+        for (name, s) in scales {
+            let t = f.tensor(name).ok_or_else(|| {
+                Error::Tensor(format!("{}: no tensor {name} to scale", path.display()))
+            })?;
+            let start = (f.data_offset + t.offset) as usize;
+            let n = t.n_elements() as usize;
+            let ty = t.ty.to_string();
+            let data = bytes.get_mut(start..).unwrap_or_default();
+            match ty.as_str() {
+                "F32" => data.chunks_exact_mut(4).take(n).for_each(|c| {
+                    let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * s;
+                    c.copy_from_slice(&v.to_le_bytes());
+                }),
+                "BF16" => data.chunks_exact_mut(2).take(n).for_each(|c| {
+                    let v = half::bf16::from_le_bytes([c[0], c[1]]).to_f32() * s;
+                    c.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes());
+                }),
+                "F16" => data.chunks_exact_mut(2).take(n).for_each(|c| {
+                    let v = half::f16::from_le_bytes([c[0], c[1]]).to_f32() * s;
+                    c.copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+                }),
+                other => {
+                    return Err(Error::Unsupported(format!(
+                        "{}: cannot scale {name} of type {other}",
+                        path.display()
+                    )))
+                }
+            }
+        }
+        bytes
+    };
+    // Write through a temporary file: the mapping above is closed, the original stays intact on error.
+    let tmp = path.with_extension("scaled.tmp");
+    std::fs::write(&tmp, &bytes)
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|e| Error::io(format!("cannot write {}", path.display()), e))
+}
+
+/// The schedule for a fault's needs: a minimal run (one prefill chunk of 6 tokens at position 0, all in
+/// one page, no decode) grown by each need.
+pub fn schedule_for(needs: &[Need]) -> Schedule {
+    let mut s = Schedule {
+        prompt_len: 6,
+        chunk: 6,
+        decode_steps: 0,
+        q_len: 1,
+        page_size: 64,
+        num_splits: 1,
+        shuffle_seed: Some(7),
+        spare_pages: 1,
+        pos_offset: 0,
+    };
+    for n in needs {
+        match n {
+            Need::Positions => s.pos_offset = 5,
+            Need::ChunkedPrefill => (s.prompt_len, s.chunk) = (20, 8),
+            Need::Decode | Need::EndInsidePage => s.decode_steps = s.decode_steps.max(3),
+            Need::MultiSplit => {
+                s.decode_steps = s.decode_steps.max(3);
+                s.num_splits = 3;
+            }
+            Need::PageCrossing => (s.page_size, s.spare_pages) = (4, 2),
+            Need::NormRope
+            | Need::NeoxRope
+            | Need::Yarn
+            | Need::QkNotV
+            | Need::LargeQAbs
+            | Need::F32
+            | Need::Prefill => {}
+        }
+    }
+    if needs.contains(&Need::EndInsidePage) && s.total_tokens().is_multiple_of(s.page_size) {
+        s.decode_steps += 1;
+    }
+    s
+}
+
+/// One run of the selftest: a fault (or none) on a fixture and schedule.
+#[derive(Debug, Clone)]
+pub struct Case {
+    pub fault: Option<Fault>,
+    pub model: Model,
+    pub dtype: Dtype,
+    pub sched: Schedule,
+}
+
+impl Case {
+    pub fn for_fault(f: Fault) -> Case {
+        let needs = f.info().needs;
+        Case {
+            fault: Some(f),
+            model: Model::for_needs(needs),
+            dtype: match needs.contains(&Need::F32) {
+                true => Dtype::F32,
+                false => Dtype::Bf16,
+            },
+            sched: schedule_for(needs),
+        }
+    }
+    fn clean(&self) -> Case {
+        Case {
+            fault: None,
+            ..self.clone()
+        }
+    }
+    fn setup_key(&self) -> String {
+        format!(
+            "{} {} {}",
+            self.model.name(),
+            self.dtype.name(),
+            self.params()
+        )
+    }
+    /// The run's parameters, test-backend-ops style.
+    pub fn params(&self) -> String {
+        let s = &self.sched;
+        format!(
+            "prompt={} chunk={} decode={} q_len={} page={} splits={} pos={}",
+            s.prompt_len, s.chunk, s.decode_steps, s.q_len, s.page_size, s.num_splits, s.pos_offset
+        )
+    }
+}
+
+/// What one run showed.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub case: Case,
+    pub detected: bool,
+    pub first_layer: Option<usize>,
+    pub first_check: Option<String>,
+    /// Worst metric ÷ tolerance of the first failing check (∞: non-finite values).
+    pub margin: Option<f64>,
+    /// The first failing check's reasons.
+    pub reason: String,
+    pub ok: bool,
+    /// Why the case is not ok.
+    pub problems: Vec<String>,
+}
+
+impl Outcome {
+    pub fn expected(&self) -> Option<&'static str> {
+        self.case.fault.map(|f| f.info().expected)
+    }
+    /// One line per case, test-backend-ops style.
+    pub fn line(&self) -> String {
+        let c = &self.case;
+        let what = match c.fault {
+            Some(f) => format!("{f}@layer={TARGET}"),
+            None => "clean".into(),
+        };
+        let found = match (&self.first_layer, &self.first_check) {
+            (Some(l), Some(ch)) => format!(
+                "detected at layer {l} {ch} ({})",
+                margin_text(self.margin.unwrap_or(f64::NAN))
+            ),
+            _ => "no divergence".into(),
+        };
+        let expect = match self.expected() {
+            Some(e) => format!(", expected layer {TARGET} {e}"),
+            None => ", expected none".into(),
+        };
+        let mut s = format!(
+            "  {what}: model={} dtype={} {}: {found}{expect}  {}",
+            c.model.name(),
+            c.dtype.name(),
+            c.params(),
+            if self.ok { "OK" } else { "FAIL" }
+        );
+        for p in &self.problems {
+            s.push_str(&format!("\n      {p}"));
+        }
+        s
+    }
+}
+
+fn margin_text(m: f64) -> String {
+    if m.is_infinite() {
+        "non-finite".into()
+    } else if m >= 100.0 {
+        format!("{m:.0e}× tol")
+    } else {
+        format!("{m:.1}× tol")
+    }
+}
+
+pub struct Options {
+    /// Where the fixtures are written (kept); `None`: a temporary directory, removed afterwards.
+    pub fixtures: Option<PathBuf>,
+    /// Only these faults (empty: the whole catalogue).
+    pub only: Vec<Fault>,
+    /// Input seed of every run.
+    pub seed: u64,
+    /// The backend's kind for the reports ("cpu" / "cuda").
+    pub kind: &'static str,
+}
+
+/// Makes the optimized path for a file, dtype and set of faults.
+pub type BackendFactory<'a> =
+    dyn FnMut(&GgufFile, Dtype, FaultSet) -> Result<Box<dyn Backend>> + 'a;
+
+/// All outcomes: clean runs first, then one per fault.
+pub struct Summary {
+    pub backend: String,
+    pub outcomes: Vec<Outcome>,
+    pub seconds: f64,
+}
+
+impl Summary {
+    pub fn pass(&self) -> bool {
+        !self.outcomes.is_empty() && self.outcomes.iter().all(|o| o.ok)
+    }
+    /// The matrix as a Markdown table.
+    pub fn matrix(&self) -> String {
+        let mut rows = vec![[
+            "fault",
+            "fixture",
+            "schedule",
+            "detected",
+            "first layer",
+            "first stage",
+            "expected",
+            "margin",
+            "ok",
+        ]
+        .map(String::from)];
+        for o in &self.outcomes {
+            let c = &o.case;
+            rows.push([
+                match c.fault {
+                    Some(f) => format!("{f}@layer={TARGET}"),
+                    None => "(clean)".into(),
+                },
+                format!("{} {}", c.model.name(), c.dtype.name()),
+                c.params(),
+                if o.detected { "yes" } else { "no" }.into(),
+                o.first_layer.map_or("-".into(), |l| l.to_string()),
+                o.first_check.clone().unwrap_or("-".into()),
+                match o.expected() {
+                    Some(e) => format!("{TARGET} {e}"),
+                    None => "pass".into(),
+                },
+                o.margin.map_or("-".into(), margin_text),
+                if o.ok { "OK" } else { "FAIL" }.into(),
+            ]);
+        }
+        let widths: Vec<usize> = (0..rows[0].len())
+            .map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0))
+            .collect();
+        let line = |r: &[String]| {
+            let cells: Vec<String> = r
+                .iter()
+                .zip(&widths)
+                .map(|(c, &w)| format!("{c:<w$}"))
+                .collect();
+            format!("| {} |\n", cells.join(" | "))
+        };
+        let mut s = line(&rows[0]);
+        let rule: Vec<String> = widths.iter().map(|&w| "-".repeat(w)).collect();
+        s.push_str(&format!("|-{}-|\n", rule.join("-|-")));
+        for r in &rows[1..] {
+            s.push_str(&line(r));
+        }
+        s
+    }
+}
+
+/// Run the selftest. `on_outcome` sees each outcome as it is made (for progress lines).
+pub fn run(
+    opts: &Options,
+    make_backend: &mut BackendFactory,
+    on_outcome: &mut dyn FnMut(&Outcome),
+) -> Result<Summary> {
+    let started = std::time::Instant::now();
+    let faults: Vec<Fault> = if opts.only.is_empty() {
+        Fault::ALL.to_vec()
+    } else {
+        opts.only.clone()
+    };
+    let cases: Vec<Case> = faults.iter().map(|&f| Case::for_fault(f)).collect();
+    let (dir, temporary) = match &opts.fixtures {
+        Some(d) => (d.clone(), false),
+        None => (
+            std::env::temp_dir().join(format!("mla-diff-selftest-{}", std::process::id())),
+            true,
+        ),
+    };
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
+    let result = run_cases(&cases, &dir, opts, make_backend, on_outcome);
+    if temporary {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let (backend, outcomes) = result?;
+    Ok(Summary {
+        backend,
+        outcomes,
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+fn run_cases(
+    cases: &[Case],
+    dir: &Path,
+    opts: &Options,
+    make_backend: &mut BackendFactory,
+    on_outcome: &mut dyn FnMut(&Outcome),
+) -> Result<(String, Vec<Outcome>)> {
+    let mut files = std::collections::HashMap::new();
+    for c in cases {
+        if let std::collections::hash_map::Entry::Vacant(e) = files.entry(c.model) {
+            let p = dir.join(c.model.file_name());
+            c.model.write(&p)?;
+            e.insert(GgufFile::open(&p)?);
+        }
+    }
+    let mut backend_name = String::new();
+    let mut outcomes = Vec::new();
+    // The clean run of each distinct setup, first: a fault's detection counts only where its setup passes.
+    let mut clean: Vec<(String, Report)> = Vec::new();
+    for c in cases {
+        if clean.iter().any(|(k, _)| *k == c.setup_key()) {
+            continue;
+        }
+        let cc = c.clean();
+        let (rep, name) = run_case(&cc, &files[&c.model], opts, make_backend)?;
+        backend_name = name;
+        let o = judge(&cc, &rep, &files[&c.model], None);
+        on_outcome(&o);
+        outcomes.push(o);
+        clean.push((c.setup_key(), rep));
+    }
+    for c in cases {
+        let file = &files[&c.model];
+        let (rep, _) = run_case(c, file, opts, make_backend)?;
+        let clean_rep = &clean
+            .iter()
+            .find(|(k, _)| *k == c.setup_key())
+            .expect("clean run made above")
+            .1;
+        let o = judge(c, &rep, file, Some(clean_rep));
+        on_outcome(&o);
+        outcomes.push(o);
+    }
+    Ok((backend_name, outcomes))
+}
+
+fn run_case(
+    c: &Case,
+    file: &GgufFile,
+    o: &Options,
+    make_backend: &mut BackendFactory,
+) -> Result<(Report, String)> {
+    let faults = FaultSet(
+        c.fault
+            .map(|f| {
+                vec![Injection {
+                    name: f,
+                    layer: Some(TARGET),
+                }]
+            })
+            .unwrap_or_default(),
+    );
+    let mut backend = make_backend(file, c.dtype, faults)?;
+    let opts = RunOptions {
+        layers: None,
+        input: InputSpec::Random { seed: o.seed },
+        sched: c.sched.clone(),
+        dtype: c.dtype,
+        modes: Modes {
+            shadow: true,
+            free: false,
+        },
+        tolerances: ToleranceTable::defaults(),
+        tolerance_source: "defaults (calibrated, src/compare/tolerances.json)".into(),
+        dump: None,
+        progress: false,
+    };
+    let rep = crate::run::run(file, backend.as_mut(), o.kind, None, &opts)?;
+    Ok((rep, backend.describe()))
+}
+
+/// Judge one run: a clean run must pass; a fault must be detected in layer `TARGET` only, first at its
+/// expected check, on a setup whose clean run passed and which meets the fault's needs.
+fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Outcome {
+    let shadow = &rep.modes[0];
+    let v = &shadow.verdict;
+    let first = shadow
+        .layers
+        .iter()
+        .find(|l| !l.pass)
+        .and_then(|l| l.checks.iter().find(|ch| !ch.pass));
+    let mut problems = Vec::new();
+    match c.fault {
+        None => {
+            if !v.pass {
+                problems.push(format!("false alarm: {}", v.message));
+            }
+        }
+        Some(f) => {
+            let info = f.info();
+            if clean.is_some_and(|r| !r.verdict.pass) {
+                problems
+                    .push("the clean run of this setup fails, so detection proves nothing".into());
+            }
+            match MlaConfig::from_gguf(file) {
+                Ok(cfg) => {
+                    for n in info.needs {
+                        if n.met(&cfg, &c.sched) == Some(false) {
+                            problems
+                                .push(format!("the run lacks what the fault needs: {}", n.name()));
+                        }
+                    }
+                }
+                Err(e) => problems.push(format!("cannot read the fixture's config: {e}")),
+            }
+            if info.needs.contains(&Need::LargeQAbs) {
+                if let Some(r) = clean.and_then(q_abs_rms) {
+                    if r <= 65504.0 {
+                        problems.push(format!(
+                            "q_absorbed rms {r:.3e} is within the fp16 range: no overflow to expose"
+                        ));
+                    }
+                }
+            }
+            if v.pass {
+                problems.push("not detected".into());
+            } else {
+                if v.first_layer != Some(TARGET) {
+                    problems.push(format!(
+                        "attributed to layer {:?}, injected into layer {TARGET}",
+                        v.first_layer
+                    ));
+                }
+                if v.first_check.as_deref() != Some(info.expected) {
+                    problems.push(format!(
+                        "first diverging check {:?}, expected {}: {}",
+                        v.first_check.as_deref().unwrap_or("-"),
+                        info.expected,
+                        v.reasons.join("; ")
+                    ));
+                }
+                let others: Vec<usize> = shadow
+                    .layers
+                    .iter()
+                    .filter(|l| l.layer != TARGET && !l.pass)
+                    .map(|l| l.layer)
+                    .collect();
+                if !others.is_empty() {
+                    problems.push(format!(
+                        "layers {others:?} fail too; only {TARGET} was injected"
+                    ));
+                }
+            }
+        }
+    }
+    Outcome {
+        case: c.clone(),
+        detected: !v.pass,
+        first_layer: v.first_layer,
+        first_check: v.first_check.clone(),
+        margin: first.map(|ch| ch.ratio()),
+        reason: v.reasons.join("; "),
+        ok: problems.is_empty(),
+        problems,
+    }
+}
+
+/// The rms of the reference q_absorbed in the target layer of a report (the exposure of fp16 overflow).
+fn q_abs_rms(r: &Report) -> Option<f64> {
+    r.modes[0]
+        .layers
+        .iter()
+        .find(|l| l.layer == TARGET)?
+        .checks
+        .iter()
+        .find(|c| c.check == "q_absorbed")
+        .map(|c| c.metrics.ref_rms)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedules_meet_static_needs() {
+        for f in Fault::ALL {
+            let c = Case::for_fault(f);
+            c.sched.validate().unwrap();
+            // Model needs are checked against the fixture in `judge`; here the schedule needs.
+            for n in f.info().needs {
+                let cfg = crate::model::synthetic::Family::DeepseekV3.test_config();
+                if matches!(
+                    n,
+                    Need::Positions
+                        | Need::Prefill
+                        | Need::ChunkedPrefill
+                        | Need::Decode
+                        | Need::MultiSplit
+                        | Need::PageCrossing
+                        | Need::EndInsidePage
+                ) {
+                    assert_eq!(n.met(&cfg, &c.sched), Some(true), "{f}: {}", n.name());
+                }
+            }
+        }
+    }
+}
