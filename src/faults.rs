@@ -56,10 +56,8 @@ pub enum Need {
     F32,
     /// A prefill chunk of at least 2 tokens.
     Prefill,
-    /// Every token at a position > 0 (rope is the identity at position 0).
+    /// Tokens at positions > 0 (rope is the identity at position 0).
     Positions,
-    /// Prefill in several chunks: later chunks read their context back from the cache.
-    ChunkedPrefill,
     /// Decode steps (the absorbed path: q_absorbed, split-KV, combine).
     Decode,
     /// Decode with at least 2 non-empty splits, the last one included.
@@ -78,11 +76,10 @@ impl Need {
             Need::NeoxRope => "NEOX rope",
             Need::Yarn => "YaRN",
             Need::QkNotV => "P+R≠Dv",
-            Need::LargeQAbs => "|q_abs|>fp16 max",
+            Need::LargeQAbs => "q_abs beyond fp16",
             Need::F32 => "f32",
             Need::Prefill => "prefill",
             Need::Positions => "pos>0",
-            Need::ChunkedPrefill => "chunked prefill",
             Need::Decode => "decode",
             Need::MultiSplit => "≥2 splits",
             Need::PageCrossing => "page boundaries",
@@ -99,8 +96,7 @@ impl Need {
             Need::QkNotV => cfg.qk_head_dim() != cfg.v_head_dim,
             Need::LargeQAbs | Need::F32 => return None,
             Need::Prefill => s.prompt_len >= 2 && s.chunk >= 2,
-            Need::Positions => s.pos_offset > 0,
-            Need::ChunkedPrefill => s.prompt_len > s.chunk,
+            Need::Positions => s.pos_offset > 0 || s.total_tokens() >= 2,
             Need::Decode => decode,
             Need::MultiSplit => {
                 decode
@@ -397,8 +393,8 @@ impl Injection {
         };
         let fault = Fault::from_name(name.trim()).ok_or_else(|| {
             Error::Usage(format!(
-                "--inject {spec:?}: unknown fault {name:?}; the catalogue:\n{}",
-                catalogue_text()
+                "--inject {spec:?}: unknown fault {name:?}; the catalogue: {} (`mla-diff selftest --list` describes each)",
+                catalogue_names()
             ))
         })?;
         Ok(Injection { name: fault, layer })
@@ -446,7 +442,7 @@ impl FaultSet {
         }
         Ok(())
     }
-    /// Faults this run cannot show, each with the needs it lacks (value needs are not checked here).
+    /// Faults this run may not show, each with the needs it lacks (value and dtype needs are not checked).
     pub fn blind_spots(&self, cfg: &MlaConfig, sched: &Schedule) -> Vec<String> {
         self.0
             .iter()
@@ -472,16 +468,9 @@ impl std::fmt::Display for FaultSet {
     }
 }
 
-/// The catalogue as text: name, expected check and summary, one fault per line.
-pub fn catalogue_text() -> String {
-    Fault::ALL
-        .iter()
-        .map(|f| {
-            let i = f.info();
-            format!("  {:<20} {:<18} {}", i.name, i.expected, i.summary)
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
+/// The catalogue's names, comma-separated (for one-line errors; `mla-diff selftest --list` describes each).
+pub fn catalogue_names() -> String {
+    Fault::ALL.map(|f| f.name()).join(", ")
 }
 
 #[cfg(test)]

@@ -488,7 +488,7 @@ fn run_cmd(a: RunArgs) -> Result<i32, Error> {
     let layers = mla_diff::run::parse_layers(&a.layers, cfg.n_layer)?;
     faults.check_layers(cfg.n_layer, &layers)?;
     for b in faults.blind_spots(&cfg, &sched) {
-        eprintln!("mla-diff: note: injected fault {b} cannot show on this run");
+        eprintln!("mla-diff: note: injected fault {b} may not show on this run");
     }
     let opts = RunOptions {
         layers: Some(layers),
@@ -594,8 +594,8 @@ fn selftest_cmd(
         .map(|n| {
             Fault::from_name(n).ok_or_else(|| {
                 Error::Usage(format!(
-                    "--fault {n:?}: unknown fault; the catalogue:\n{}",
-                    mla_diff::faults::catalogue_text()
+                    "--fault {n:?}: unknown fault; the catalogue: {}",
+                    mla_diff::faults::catalogue_names()
                 ))
             })
         })
@@ -617,12 +617,16 @@ fn selftest_cmd(
     let mut factory = cpu_mirror;
     let summary = selftest::run(&opts, &mut factory, &mut |o| println!("{}", o.line()))?;
     println!("\n{}", summary.matrix());
+    let controls = summary.controls_matrix();
+    if controls.lines().count() > 2 {
+        println!("Controls: each fault on a run lacking one of its needs must stay undetected.\n\n{controls}");
+    }
     let (n_ok, n) = (
         summary.outcomes.iter().filter(|o| o.ok).count(),
         summary.outcomes.len(),
     );
     println!(
-        "{n_ok}/{n} runs OK ({}): {} in {:.2} s",
+        "{n_ok}/{n} runs OK on {}: {} in {:.2} s",
         summary.backend,
         if summary.pass() { "PASS" } else { "FAIL" },
         summary.seconds

@@ -37,6 +37,8 @@ pub enum Model {
     /// they were. Power-of-two scaling is exact in bf16 and f32, so every relative error is unchanged too
     /// (fp16 cannot hold the small latent: this fixture is for bf16 runs).
     V2LiteLargeQAbs,
+    /// GLM-5 dims (P 192, R 64, Dv 256: P+R = Dv), no YaRN: for the controls.
+    Glm5,
 }
 
 /// The exponent K of `Model::V2LiteLargeQAbs`: puts the rms of q_absorbed above 65504 (checked on the
@@ -58,6 +60,7 @@ impl Model {
             Model::DeepseekV3 => "deepseek-v3",
             Model::Minicpm3 => "minicpm3",
             Model::V2LiteLargeQAbs => "v2-lite-large-qabs",
+            Model::Glm5 => "glm-5",
         }
     }
     pub fn file_name(self) -> String {
@@ -68,6 +71,7 @@ impl Model {
             Model::DeepseekV3 => (Preset::DeepseekV3, Some(128)),
             Model::Minicpm3 => (Preset::Minicpm3, Some(128)),
             Model::V2LiteLargeQAbs => (Preset::DeepseekV2Lite, None),
+            Model::Glm5 => (Preset::Glm5, Some(64)),
         };
         fixture::Spec::from_options(&fixture::Options {
             preset,
@@ -159,7 +163,6 @@ pub fn schedule_for(needs: &[Need]) -> Schedule {
     for n in needs {
         match n {
             Need::Positions => s.pos_offset = 5,
-            Need::ChunkedPrefill => (s.prompt_len, s.chunk) = (20, 8),
             Need::Decode | Need::EndInsidePage => s.decode_steps = s.decode_steps.max(3),
             Need::MultiSplit => {
                 s.decode_steps = s.decode_steps.max(3);
@@ -185,9 +188,76 @@ pub fn schedule_for(needs: &[Need]) -> Schedule {
 #[derive(Debug, Clone)]
 pub struct Case {
     pub fault: Option<Fault>,
+    /// A control: the fault on a run that lacks this one need, where it must stay invisible.
+    pub lacking: Option<Need>,
     pub model: Model,
     pub dtype: Dtype,
     pub sched: Schedule,
+}
+
+/// The controls: each fault on a run that lacks one of its needs (and has the others) must not be
+/// detected there, which shows that the need is real and that the exposing run is not arbitrary.
+pub fn controls() -> Vec<Case> {
+    use Fault::*;
+    use Need::*;
+    let control = |f: Fault, lacking: Need, model: Option<Model>, sched: Option<Schedule>| {
+        let c = Case::for_fault(f);
+        Case {
+            lacking: Some(lacking),
+            model: model.unwrap_or(c.model),
+            sched: sched.unwrap_or(c.sched.clone()),
+            ..c
+        }
+    };
+    let base = schedule_for(&[]);
+    vec![
+        control(RopeNeox, NormRope, Some(Model::Minicpm3), None),
+        control(RopeNorm, NeoxRope, Some(Model::DeepseekV3), None),
+        control(YarnMscaleMissing, Yarn, Some(Model::Glm5), None),
+        control(HeadStrideQk, QkNotV, Some(Model::Glm5), None),
+        control(QAbsFp16Accum, LargeQAbs, Some(Model::DeepseekV3), None),
+        control(
+            KPeBeforeRope,
+            Positions,
+            None,
+            Some(Schedule {
+                prompt_len: 1,
+                chunk: 1,
+                ..base.clone()
+            }),
+        ),
+        control(
+            CausalOffByOne,
+            Prefill,
+            None,
+            Some(Schedule {
+                chunk: 1,
+                ..base.clone()
+            }),
+        ),
+        control(
+            EmptyCtxLseInf,
+            Prefill,
+            None,
+            Some(Schedule {
+                prompt_len: 0,
+                chunk: 1,
+                decode_steps: 3,
+                ..base.clone()
+            }),
+        ),
+        control(KBUntransposed, Decode, None, Some(base.clone())),
+        control(PageOffByOne, PageCrossing, None, Some(base.clone())),
+        control(
+            LseLog2Merge,
+            MultiSplit,
+            None,
+            Some(Schedule {
+                num_splits: 1,
+                ..Case::for_fault(LseLog2Merge).sched
+            }),
+        ),
+    ]
 }
 
 impl Case {
@@ -195,6 +265,7 @@ impl Case {
         let needs = f.info().needs;
         Case {
             fault: Some(f),
+            lacking: None,
             model: Model::for_needs(needs),
             dtype: match needs.contains(&Need::F32) {
                 true => Dtype::F32,
@@ -206,6 +277,7 @@ impl Case {
     fn clean(&self) -> Case {
         Case {
             fault: None,
+            lacking: None,
             ..self.clone()
         }
     }
@@ -244,16 +316,25 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// The check the fault must be first detected at; `None` for clean runs and controls.
     pub fn expected(&self) -> Option<&'static str> {
-        self.case.fault.map(|f| f.info().expected)
+        match self.case.lacking {
+            Some(_) => None,
+            None => self.case.fault.map(|f| f.info().expected),
+        }
+    }
+    /// How the case names itself in the matrix.
+    pub fn label(&self) -> String {
+        match (self.case.fault, self.case.lacking) {
+            (None, _) => "(clean)".into(),
+            (Some(f), None) => format!("{f}@layer={TARGET}"),
+            (Some(f), Some(n)) => format!("{f}@layer={TARGET} without {}", n.name()),
+        }
     }
     /// One line per case, test-backend-ops style.
     pub fn line(&self) -> String {
         let c = &self.case;
-        let what = match c.fault {
-            Some(f) => format!("{f}@layer={TARGET}"),
-            None => "clean".into(),
-        };
+        let what = self.label();
         let found = match (&self.first_layer, &self.first_check) {
             (Some(l), Some(ch)) => format!(
                 "detected at layer {l} {ch} ({})",
@@ -263,7 +344,7 @@ impl Outcome {
         };
         let expect = match self.expected() {
             Some(e) => format!(", expected layer {TARGET} {e}"),
-            None => ", expected none".into(),
+            None => ", expected no divergence".into(),
         };
         let mut s = format!(
             "  {what}: model={} dtype={} {}: {found}{expect}  {}",
@@ -315,9 +396,9 @@ impl Summary {
     pub fn pass(&self) -> bool {
         !self.outcomes.is_empty() && self.outcomes.iter().all(|o| o.ok)
     }
-    /// The matrix as a Markdown table.
+    /// The matrix of clean runs and faults, as a Markdown table.
     pub fn matrix(&self) -> String {
-        let mut rows = vec![[
+        let head = [
             "fault",
             "fixture",
             "schedule",
@@ -327,47 +408,84 @@ impl Summary {
             "expected",
             "margin",
             "ok",
-        ]
-        .map(String::from)];
-        for o in &self.outcomes {
-            let c = &o.case;
-            rows.push([
-                match c.fault {
-                    Some(f) => format!("{f}@layer={TARGET}"),
-                    None => "(clean)".into(),
-                },
-                format!("{} {}", c.model.name(), c.dtype.name()),
-                c.params(),
-                if o.detected { "yes" } else { "no" }.into(),
-                o.first_layer.map_or("-".into(), |l| l.to_string()),
-                o.first_check.clone().unwrap_or("-".into()),
-                match o.expected() {
-                    Some(e) => format!("{TARGET} {e}"),
-                    None => "pass".into(),
-                },
-                o.margin.map_or("-".into(), margin_text),
-                if o.ok { "OK" } else { "FAIL" }.into(),
-            ]);
-        }
-        let widths: Vec<usize> = (0..rows[0].len())
-            .map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0))
-            .collect();
-        let line = |r: &[String]| {
-            let cells: Vec<String> = r
-                .iter()
-                .zip(&widths)
-                .map(|(c, &w)| format!("{c:<w$}"))
-                .collect();
-            format!("| {} |\n", cells.join(" | "))
-        };
-        let mut s = line(&rows[0]);
-        let rule: Vec<String> = widths.iter().map(|&w| "-".repeat(w)).collect();
-        s.push_str(&format!("|-{}-|\n", rule.join("-|-")));
-        for r in &rows[1..] {
-            s.push_str(&line(r));
-        }
-        s
+        ];
+        let rows = self.outcomes.iter().filter(|o| o.case.lacking.is_none());
+        table(
+            &head,
+            rows.map(|o| {
+                let c = &o.case;
+                vec![
+                    o.label(),
+                    format!("{} {}", c.model.name(), c.dtype.name()),
+                    c.params(),
+                    yes_no(o.detected),
+                    o.first_layer.map_or("-".into(), |l| l.to_string()),
+                    o.first_check.clone().unwrap_or("-".into()),
+                    match o.expected() {
+                        Some(e) => format!("{TARGET} {e}"),
+                        None => "none".into(),
+                    },
+                    o.margin.map_or("-".into(), margin_text),
+                    ok_text(o.ok),
+                ]
+            }),
+        )
     }
+
+    /// The controls (each fault on a run lacking one need: must stay undetected), as a Markdown table.
+    pub fn controls_matrix(&self) -> String {
+        let head = ["fault", "lacking", "fixture", "schedule", "detected", "ok"];
+        let rows = self.outcomes.iter().filter(|o| o.case.lacking.is_some());
+        table(
+            &head,
+            rows.map(|o| {
+                let c = &o.case;
+                vec![
+                    format!("{}@layer={TARGET}", c.fault.map_or("-", |f| f.name())),
+                    c.lacking.map_or("-", |n| n.name()).to_string(),
+                    format!("{} {}", c.model.name(), c.dtype.name()),
+                    c.params(),
+                    match (&o.first_layer, &o.first_check) {
+                        (Some(l), Some(ch)) => format!("yes (layer {l} {ch})"),
+                        _ => "no".into(),
+                    },
+                    ok_text(o.ok),
+                ]
+            }),
+        )
+    }
+}
+
+fn yes_no(b: bool) -> String {
+    if b { "yes" } else { "no" }.into()
+}
+
+fn ok_text(b: bool) -> String {
+    if b { "OK" } else { "FAIL" }.into()
+}
+
+/// A Markdown table with aligned columns.
+fn table(head: &[&str], rows: impl Iterator<Item = Vec<String>>) -> String {
+    let mut rows: Vec<Vec<String>> = rows.collect();
+    rows.insert(0, head.iter().map(|h| h.to_string()).collect());
+    let widths: Vec<usize> = (0..head.len())
+        .map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0))
+        .collect();
+    let line = |r: &[String]| {
+        let cells: Vec<String> = r
+            .iter()
+            .zip(&widths)
+            .map(|(c, &w)| format!("{c:<w$}"))
+            .collect();
+        format!("| {} |\n", cells.join(" | "))
+    };
+    let mut s = line(&rows[0]);
+    let rule: Vec<String> = widths.iter().map(|&w| "-".repeat(w)).collect();
+    s.push_str(&format!("|-{}-|\n", rule.join("-|-")));
+    for r in &rows[1..] {
+        s.push_str(&line(r));
+    }
+    s
 }
 
 /// Run the selftest. `on_outcome` sees each outcome as it is made (for progress lines).
@@ -382,7 +500,12 @@ pub fn run(
     } else {
         opts.only.clone()
     };
-    let cases: Vec<Case> = faults.iter().map(|&f| Case::for_fault(f)).collect();
+    let mut cases: Vec<Case> = faults.iter().map(|&f| Case::for_fault(f)).collect();
+    cases.extend(
+        controls()
+            .into_iter()
+            .filter(|c| c.fault.is_some_and(|f| faults.contains(&f))),
+    );
     let (dir, temporary) = match &opts.fixtures {
         Some(d) => (d.clone(), false),
         None => (
@@ -423,13 +546,14 @@ fn run_cases(
     let mut outcomes = Vec::new();
     // The clean run of each distinct setup, first: a fault's detection counts only where its setup passes.
     let mut clean: Vec<(String, Report)> = Vec::new();
-    for c in cases {
+    for c in cases.iter().filter(|c| c.lacking.is_none()) {
         if clean.iter().any(|(k, _)| *k == c.setup_key()) {
             continue;
         }
         let cc = c.clean();
         let (rep, name) = run_case(&cc, &files[&c.model], opts, make_backend)?;
-        backend_name = name;
+        // The backend without its dtype (the runs use several): "cpu-mirror", "cuda: NVIDIA H200".
+        backend_name = name.split(" (").next().unwrap_or(&name).to_string();
         let o = judge(&cc, &rep, &files[&c.model], None);
         on_outcome(&o);
         outcomes.push(o);
@@ -438,12 +562,11 @@ fn run_cases(
     for c in cases {
         let file = &files[&c.model];
         let (rep, _) = run_case(c, file, opts, make_backend)?;
-        let clean_rep = &clean
+        let clean_rep = clean
             .iter()
             .find(|(k, _)| *k == c.setup_key())
-            .expect("clean run made above")
-            .1;
-        let o = judge(c, &rep, file, Some(clean_rep));
+            .map(|(_, r)| r);
+        let o = judge(c, &rep, file, clean_rep);
         on_outcome(&o);
         outcomes.push(o);
     }
@@ -485,8 +608,9 @@ fn run_case(
     Ok((rep, backend.describe()))
 }
 
-/// Judge one run: a clean run must pass; a fault must be detected in layer `TARGET` only, first at its
-/// expected check, on a setup whose clean run passed and which meets the fault's needs.
+/// Judge one run. A clean run must pass. A fault must be detected in layer `TARGET` only, first at its
+/// expected check, on a setup whose clean run passed and which meets the fault's needs. A control must
+/// not be detected, on a run that really lacks the need it is about.
 fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Outcome {
     let shadow = &rep.modes[0];
     let v = &shadow.verdict;
@@ -496,36 +620,55 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
         .find(|l| !l.pass)
         .and_then(|l| l.checks.iter().find(|ch| !ch.pass));
     let mut problems = Vec::new();
-    match c.fault {
-        None => {
+    let q_abs_large = q_abs_rms(rep).map(|r| (r, r > 65504.0));
+    let cfg = MlaConfig::from_gguf(file);
+    if let Err(e) = &cfg {
+        problems.push(format!("cannot read the fixture's config: {e}"));
+    }
+    match (c.fault, c.lacking) {
+        (None, _) => {
             if !v.pass {
                 problems.push(format!("false alarm: {}", v.message));
             }
         }
-        Some(f) => {
+        (Some(_), Some(n)) => {
+            let lacks = match n {
+                Need::LargeQAbs => q_abs_large.map(|(_, large)| !large),
+                Need::F32 => Some(c.dtype != Dtype::F32),
+                _ => cfg
+                    .as_ref()
+                    .ok()
+                    .and_then(|cfg| n.met(cfg, &c.sched).map(|m| !m)),
+            };
+            if lacks != Some(true) {
+                problems.push(format!("the control run does not lack {}", n.name()));
+            }
+            if !v.pass {
+                problems.push(format!(
+                    "detected without {}: the need is not real ({})",
+                    n.name(),
+                    v.message
+                ));
+            }
+        }
+        (Some(f), None) => {
             let info = f.info();
-            if clean.is_some_and(|r| !r.verdict.pass) {
+            if clean.is_none_or(|r| !r.verdict.pass) {
                 problems
                     .push("the clean run of this setup fails, so detection proves nothing".into());
             }
-            match MlaConfig::from_gguf(file) {
-                Ok(cfg) => {
-                    for n in info.needs {
-                        if n.met(&cfg, &c.sched) == Some(false) {
-                            problems
-                                .push(format!("the run lacks what the fault needs: {}", n.name()));
-                        }
+            if let Ok(cfg) = &cfg {
+                for n in info.needs {
+                    if n.met(cfg, &c.sched) == Some(false) {
+                        problems.push(format!("the run lacks what the fault needs: {}", n.name()));
                     }
                 }
-                Err(e) => problems.push(format!("cannot read the fixture's config: {e}")),
             }
             if info.needs.contains(&Need::LargeQAbs) {
-                if let Some(r) = clean.and_then(q_abs_rms) {
-                    if r <= 65504.0 {
-                        problems.push(format!(
-                            "q_absorbed rms {r:.3e} is within the fp16 range: no overflow to expose"
-                        ));
-                    }
+                if let Some((r, false)) = q_abs_large {
+                    problems.push(format!(
+                        "q_absorbed rms {r:.3e} is within the fp16 range: no overflow to expose"
+                    ));
                 }
             }
             if v.pass {
@@ -599,7 +742,6 @@ mod tests {
                     n,
                     Need::Positions
                         | Need::Prefill
-                        | Need::ChunkedPrefill
                         | Need::Decode
                         | Need::MultiSplit
                         | Need::PageCrossing
