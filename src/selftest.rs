@@ -508,10 +508,13 @@ pub fn run(
     );
     let (dir, temporary) = match &opts.fixtures {
         Some(d) => (d.clone(), false),
-        None => (
-            std::env::temp_dir().join(format!("mla-diff-selftest-{}", std::process::id())),
-            true,
-        ),
+        None => {
+            // Unique per call: several selftests may run at once in one process (tests).
+            static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let name = format!("mla-diff-selftest-{}-{n}", std::process::id());
+            (std::env::temp_dir().join(name), true)
+        }
     };
     std::fs::create_dir_all(&dir)
         .map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
