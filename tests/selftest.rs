@@ -25,9 +25,7 @@ fn mirror(file: &GgufFile, dtype: Dtype, faults: FaultSet) -> mla_diff::Result<B
     ))
 }
 
-fn selftest_with(
-    factory: &mut dyn FnMut(&GgufFile, Dtype, FaultSet) -> mla_diff::Result<Box<dyn Backend>>,
-) -> Summary {
+fn selftest_with(factory: &mut selftest::BackendFactory) -> Summary {
     let opts = selftest::Options {
         fixtures: None,
         only: vec![],
