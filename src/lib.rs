@@ -10,6 +10,7 @@ pub mod bench;
 pub mod calibrate;
 pub mod compare;
 pub mod error;
+pub mod faults;
 pub mod fixture;
 pub mod gguf;
 pub mod input;
@@ -20,6 +21,7 @@ pub mod report;
 pub mod rope;
 pub mod run;
 pub mod schedule;
+pub mod selftest;
 pub mod trace;
 
 pub use error::{Error, Result};

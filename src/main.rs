@@ -4,6 +4,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use mla_diff::backend::{Backend, Dtype};
 use mla_diff::compare::ToleranceTable;
 use mla_diff::error::{Error, EXIT_DIVERGENCE, EXIT_ERROR, EXIT_PASS};
+use mla_diff::faults::{Fault, FaultSet, Injection};
 use mla_diff::report;
 use mla_diff::run::{DumpLayers, InputSpec, Modes, RunOptions};
 use mla_diff::schedule::Schedule;
@@ -119,6 +120,18 @@ struct RunArgs {
     /// Directory of edited kernels (.cu) to compile at run time instead of the built-in ones.
     #[arg(long)]
     kernels: Option<PathBuf>,
+    /// Plant a bug from the catalogue in the optimized path, repeatable: NAME (every layer) or
+    /// NAME@layer=L. `mla-diff selftest --list` shows the catalogue.
+    #[arg(long = "inject", value_name = "NAME[@layer=L]")]
+    inject: Vec<String>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum SelftestBackend {
+    /// The CPU mirror of the fused path.
+    Cpu,
+    /// The CUDA kernels (faults switched on by their MLA_FAULT_* defines).
+    Cuda,
 }
 
 #[derive(Subcommand)]
@@ -179,6 +192,25 @@ enum Cmd {
         /// Output file (default: stdout).
         #[arg(short, long)]
         output: Option<PathBuf>,
+    },
+    /// Plant every bug of the fault catalogue in the optimized path, one run each on small fixtures, and
+    /// check that each is detected in the injected layer at its earliest stage, and that the clean runs
+    /// pass. Exit 0 when all of that holds, 1 otherwise.
+    Selftest {
+        #[arg(long, value_enum, default_value_t = SelftestBackend::Cpu)]
+        backend: SelftestBackend,
+        /// Write the selftest's fixtures into this directory and keep them (default: a temporary one).
+        #[arg(long)]
+        fixtures: Option<PathBuf>,
+        /// Only these faults (repeatable; default: the whole catalogue).
+        #[arg(long = "fault", value_name = "NAME")]
+        only: Vec<String>,
+        /// Seed of the random layer inputs.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Print the catalogue (name, define, expected stage, needs, the bug it models, CUDA site) and exit.
+        #[arg(long)]
+        list: bool,
     },
     /// Benchmarks (timings on this machine; not tests).
     Bench {
@@ -320,6 +352,13 @@ fn run(cli: Cli) -> Result<i32, Error> {
             Ok(0)
         }
         Cmd::Run(args) => run_cmd(*args),
+        Cmd::Selftest {
+            backend,
+            fixtures,
+            only,
+            seed,
+            list,
+        } => selftest_cmd(backend, fixtures, only, seed, list),
         Cmd::Calibrate {
             files,
             margin,
@@ -351,26 +390,36 @@ fn run(cli: Cli) -> Result<i32, Error> {
 /// The backend, its kind for the report ("cpu" / "cuda") and the GPU's name.
 type Chosen = (Box<dyn Backend>, &'static str, Option<String>);
 
+/// The CPU mirror for a file (with its LongRoPE factors) and planted faults.
+fn cpu_mirror(
+    file: &mla_diff::gguf::GgufFile,
+    dtype: Dtype,
+    faults: FaultSet,
+) -> Result<Box<dyn Backend>, Error> {
+    let cfg = mla_diff::model::MlaConfig::from_gguf(file)?;
+    let factors = mla_diff::model::rope_factors::RopeFactors::load(file, &cfg)?;
+    Ok(Box::new(
+        mla_diff::backend::cpu::CpuMirror::new(dtype)
+            .with_rope_factors(factors)
+            .with_faults(faults),
+    ))
+}
+
 /// The optimized backend the user asked for, its kind for the report, and the GPU name if any.
 fn make_backend(
     choice: BackendArg,
     dtype: Dtype,
     file: &mla_diff::gguf::GgufFile,
     kernels: Option<PathBuf>,
+    faults: FaultSet,
 ) -> Result<Chosen, Error> {
-    let cpu = |file| -> Result<Box<dyn Backend>, Error> {
-        let cfg = mla_diff::model::MlaConfig::from_gguf(file)?;
-        let factors = mla_diff::model::rope_factors::RopeFactors::load(file, &cfg)?;
-        Ok(Box::new(
-            mla_diff::backend::cpu::CpuMirror::new(dtype).with_rope_factors(factors),
-        ))
-    };
+    let cpu = |file| cpu_mirror(file, dtype, faults.clone());
     match choice {
         BackendArg::Cpu => Ok((cpu(file)?, "cpu", None)),
         BackendArg::Cuda | BackendArg::Auto => {
             if kernels.is_some() && choice == BackendArg::Auto {
                 // An explicit kernel directory means the user wants the GPU path.
-                return make_backend(BackendArg::Cuda, dtype, file, kernels);
+                return make_backend(BackendArg::Cuda, dtype, file, kernels, faults);
             }
             if choice == BackendArg::Auto {
                 return Ok((cpu(file)?, "cpu", None));
@@ -383,6 +432,13 @@ fn make_backend(
 }
 
 fn run_cmd(a: RunArgs) -> Result<i32, Error> {
+    // Unknown fault names are usage errors before anything is read.
+    let faults = FaultSet(
+        a.inject
+            .iter()
+            .map(|s| Injection::parse(s))
+            .collect::<Result<_, _>>()?,
+    );
     let file = mla_diff::gguf::GgufFile::open(&a.file)?;
     let cfg = mla_diff::model::MlaConfig::from_gguf(&file)?;
     let sched = Schedule {
@@ -429,8 +485,13 @@ fn run_cmd(a: RunArgs) -> Result<i32, Error> {
         (None, Some(p)) => InputSpec::Npy(p.clone()),
         (None, None) => InputSpec::Random { seed: a.seed },
     };
+    let layers = mla_diff::run::parse_layers(&a.layers, cfg.n_layer)?;
+    faults.check_layers(cfg.n_layer, &layers)?;
+    for b in faults.blind_spots(&cfg, &sched) {
+        eprintln!("mla-diff: note: injected fault {b} may not show on this run");
+    }
     let opts = RunOptions {
-        layers: Some(mla_diff::run::parse_layers(&a.layers, cfg.n_layer)?),
+        layers: Some(layers),
         input,
         sched,
         dtype: a.dtype,
@@ -448,7 +509,8 @@ fn run_cmd(a: RunArgs) -> Result<i32, Error> {
         Some(p) => Some(report::Report::from_json_file(p)?),
         None => None,
     };
-    let (mut backend, kind, gpu) = make_backend(a.backend, a.dtype, &file, a.kernels.clone())?;
+    let (mut backend, kind, gpu) =
+        make_backend(a.backend, a.dtype, &file, a.kernels.clone(), faults)?;
     let started = std::time::Instant::now();
     let mut rep = mla_diff::run::run(&file, backend.as_mut(), kind, gpu, &opts)?;
     if let (Some(b), Some(p)) = (&baseline, &a.baseline) {
@@ -493,6 +555,83 @@ fn run_cmd(a: RunArgs) -> Result<i32, Error> {
         started.elapsed().as_secs_f64()
     );
     Ok(if rep.pass() {
+        EXIT_PASS
+    } else {
+        EXIT_DIVERGENCE
+    })
+}
+
+fn selftest_cmd(
+    backend: SelftestBackend,
+    fixtures: Option<PathBuf>,
+    only: Vec<String>,
+    seed: u64,
+    list: bool,
+) -> Result<i32, Error> {
+    use mla_diff::selftest;
+    if list {
+        for f in Fault::ALL {
+            let i = f.info();
+            let needs: Vec<&str> = i.needs.iter().map(|n| n.name()).collect();
+            println!("{}  ({})", i.name, i.define);
+            println!("    {}", i.summary);
+            println!("    expected first failure: {}", i.expected);
+            println!(
+                "    needs: {}",
+                if needs.is_empty() {
+                    "-".to_string()
+                } else {
+                    needs.join(", ")
+                }
+            );
+            println!("    models: {}", i.models);
+            println!("    cuda: {}", i.cuda_site);
+        }
+        return Ok(EXIT_PASS);
+    }
+    let only = only
+        .iter()
+        .map(|n| {
+            Fault::from_name(n).ok_or_else(|| {
+                Error::Usage(format!(
+                    "--fault {n:?}: unknown fault; the catalogue: {}",
+                    mla_diff::faults::catalogue_names()
+                ))
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if backend == SelftestBackend::Cuda {
+        return Err(Error::Environment(
+            "selftest --backend cuda: this build has no CUDA backend (src/backend/cuda is not on this branch yet); \
+             the kernels must also implement the MLA_FAULT_* switches listed by `mla-diff selftest --list`"
+                .into(),
+        ));
+    }
+    let opts = selftest::Options {
+        fixtures,
+        only,
+        seed,
+        kind: "cpu",
+    };
+    println!("mla-diff selftest: backend cpu, every fault injected into layer {} of a {}-layer fixture, shadow mode", selftest::TARGET, selftest::LAYERS);
+    let mut factory = cpu_mirror;
+    let summary = selftest::run(&opts, &mut factory, &mut |o| println!("{}", o.line()))?;
+    println!("\n{}", summary.matrix());
+    let controls = summary.controls_matrix();
+    if controls.lines().count() > 2 {
+        println!("Controls: each fault on a run lacking one of its needs must stay undetected.\n\n{controls}");
+    }
+    let (n_ok, n) = (
+        summary.outcomes.iter().filter(|o| o.ok).count(),
+        summary.outcomes.len(),
+    );
+    println!(
+        "{n_ok}/{n} runs OK on {}: {} in {:.2} s",
+        summary.backend,
+        if summary.pass() { "PASS" } else { "FAIL" },
+        summary.seconds
+    );
+    Ok(if summary.pass() {
         EXIT_PASS
     } else {
         EXIT_DIVERGENCE

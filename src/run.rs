@@ -279,6 +279,7 @@ pub fn run(
             schedule: opts.sched.clone(),
             input: input_json(&opts.input),
             tolerances: opts.tolerance_source.clone(),
+            injected: backend.injected(),
         },
         environment: Environment {
             backend: backend.describe(),

@@ -44,6 +44,10 @@ impl Dtype {
 pub trait Backend {
     /// A short description for reports ("cpu-mirror", "cuda: NVIDIA H200").
     fn describe(&self) -> String;
+    /// Planted bugs switched on in this path (`crate::faults`); recorded in the report.
+    fn injected(&self) -> Vec<crate::faults::Injection> {
+        Vec::new()
+    }
     /// Run one layer's attention on the schedule. `x` is the layer input `[T, hidden]` (before attn_norm).
     fn run_layer(
         &mut self,

@@ -40,6 +40,9 @@ pub struct RunInfo {
     /// How layer inputs were made: `{"kind": "random", "seed": 0}`, `{"kind": "tokens", ...}`, `{"kind": "npy", ...}`.
     pub input: serde_json::Value,
     pub tolerances: String,
+    /// Faults planted in the optimized path (`--inject`); absent for a real run.
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub injected: Vec<crate::faults::Injection>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -1,6 +1,8 @@
 //! The paged latent cache: a pool of `pool_pages · page_size` rows `[latent | k_pe]`, every row NaN until
-//! written, addressed through the schedule's block table (vLLM's `concat_and_cache_mla` layout).
+//! written, addressed through the schedule's block table (vLLM's `concat_and_cache_mla` layout). A read
+//! beyond the block table sees a NaN row too (a kernel would read memory the sequence does not own).
 
+use crate::faults::{Active, Fault};
 use crate::schedule::Schedule;
 use ndarray::Array2;
 use std::ops::Range;
@@ -12,6 +14,10 @@ pub struct PagedCache {
     pub table: Vec<usize>,
     /// `[pool_pages · page_size, width]`, row-major.
     pub pool: Vec<f32>,
+    /// What a read beyond the block table returns.
+    poison: Vec<f32>,
+    /// Planted bugs of the cache writer.
+    faults: Active,
 }
 
 impl PagedCache {
@@ -22,7 +28,14 @@ impl PagedCache {
             page_size: sched.page_size,
             table: sched.block_table(),
             pool: vec![f32::NAN; sched.pool_pages() * sched.page_size * width],
+            poison: vec![f32::NAN; width],
+            faults: Active::NONE,
         }
+    }
+
+    pub fn with_faults(mut self, fx: Active) -> PagedCache {
+        self.faults = fx;
+        self
     }
 
     /// Physical row of token `t`.
@@ -32,14 +45,32 @@ impl PagedCache {
 
     /// Write token `t`'s row `[latent | k_pe]`.
     pub fn write(&mut self, t: usize, latent: &[f32], k_pe: &[f32]) {
-        let at = self.slot(t) * self.width;
+        let page = self.page_size;
+        let slot = match self.faults.on(Fault::PageOffByOne) && t > 0 {
+            // Fault: the page from (t − 1) / page: a page's first row lands on the previous page.
+            true => self.table[(t - 1) / page] * page + t % page,
+            false => self.slot(t),
+        };
+        let at = slot * self.width;
         let row = &mut self.pool[at..at + self.width];
-        row[..latent.len()].copy_from_slice(latent);
-        row[latent.len()..].copy_from_slice(k_pe);
+        match self.faults.on(Fault::CachePeFirst) {
+            // Fault: the row written [k_pe | latent]; readers still expect [latent | k_pe].
+            true => {
+                row[..k_pe.len()].copy_from_slice(k_pe);
+                row[k_pe.len()..].copy_from_slice(latent);
+            }
+            false => {
+                row[..latent.len()].copy_from_slice(latent);
+                row[latent.len()..].copy_from_slice(k_pe);
+            }
+        }
     }
 
-    /// Token `t`'s row, read through the block table.
+    /// Token `t`'s row, read through the block table (NaN beyond it).
     pub fn row(&self, t: usize) -> &[f32] {
+        if t / self.page_size >= self.table.len() {
+            return &self.poison;
+        }
         let at = self.slot(t) * self.width;
         &self.pool[at..at + self.width]
     }

@@ -3,11 +3,13 @@
 //! keeps its partial in f32, and the splits are combined by lse; then `W_UV` per head.
 
 use super::cache::PagedCache;
-use super::flash::{attend, merge, Partial};
+use super::flash::{attend, merge, merge_log2, Partial};
 use super::front::MirrorWeights;
 use super::ops::{dot, round_all};
+use super::prefill::causal_end;
 use super::{row3, MirrorFront};
 use crate::backend::Dtype;
+use crate::faults::{Active, Fault};
 use crate::model::MlaConfig;
 use crate::schedule::Schedule;
 use ndarray::{s, Array2, Array3, Array4, ArrayView1};
@@ -51,15 +53,44 @@ pub fn absorb_query(
     f: &MirrorFront,
     r: Range<usize>,
     dt: Dtype,
+    fx: Active,
 ) -> Array3<f32> {
-    let mut q_abs = Array3::zeros((r.len(), cfg.n_head, cfg.kv_lora_rank));
+    let (p, lkv) = (cfg.qk_nope, cfg.kv_lora_rank);
+    let mut q_abs = Array3::zeros((r.len(), cfg.n_head, lkv));
     for h in 0..cfg.n_head {
         let qn = f.q_nope.slice(s![r.clone(), h, ..]);
-        q_abs
-            .slice_mut(s![.., h, ..])
-            .assign(&round_all(qn.dot(&mw.uk(cfg, h)), dt));
+        let uk = mw.uk(cfg, h);
+        // Fault: the stored k_b buffer (W_UKᵀ, [Lkv, P] row-major) read as [P, Lkv] without the transpose.
+        let untransposed;
+        let uk = match fx.on(Fault::KBUntransposed) {
+            true => {
+                untransposed = uk
+                    .t()
+                    .as_standard_layout()
+                    .into_owned()
+                    .into_shape_with_order((p, lkv))
+                    .expect("P·Lkv elements");
+                untransposed.view()
+            }
+            false => uk,
+        };
+        let out = match fx.on(Fault::QAbsFp16Accum) {
+            // Fault: an fp16 GEMM (operands, accumulator and result in fp16; llama.cpp #13137).
+            true => round_all(fp16_gemm(qn, uk), dt),
+            false => round_all(qn.dot(&uk), dt),
+        };
+        q_abs.slice_mut(s![.., h, ..]).assign(&out);
     }
     q_abs
+}
+
+/// `a · b` as an fp16 GEMM computes it: operands converted to fp16, each multiply-add rounded to fp16
+/// in order (an fp16 accumulator), an fp16 result; past ±65504 it is ±inf.
+fn fp16_gemm(a: ndarray::ArrayView2<f32>, b: ndarray::ArrayView2<f32>) -> Array2<f32> {
+    let h = |x: f32| half::f16::from_f32(x).to_f32();
+    Array2::from_shape_fn((a.nrows(), b.ncols()), |(i, j)| {
+        (0..a.ncols()).fold(0f32, |acc, k| h(acc + h(a[[i, k]]) * h(b[[k, j]])))
+    })
 }
 
 /// One split's partial for query `(q_abs, q_pe)` over cache rows `keys`.
@@ -96,20 +127,30 @@ pub fn step(
     r: Range<usize>,
     sched: &Schedule,
     dt: Dtype,
+    fx: Active,
     out: &mut DecodeStages,
     heads: &mut Array3<f32>,
     lse: &mut Array2<f32>,
 ) {
     let d0 = r.start - sched.prompt_len;
-    let q_abs = absorb_query(cfg, mw, f, r.clone(), dt);
+    let q_abs = absorb_query(cfg, mw, f, r.clone(), dt, fx);
     let splits = sched.split_ranges(r.end);
+    let last = splits.len() - 1;
     for (i, t) in r.clone().enumerate() {
         for h in 0..cfg.n_head {
             let qa = row3(&q_abs, i, h);
             let qp = row3(&f.q_pe, t, h);
             let parts: Vec<Partial> = splits
                 .iter()
-                .map(|sr| split_partial(cfg, cache, qa, qp, sr.start..sr.end.min(t + 1), dt))
+                .enumerate()
+                .map(|(k, sr)| {
+                    let mut keys = sr.start..sr.end.min(causal_end(t, fx));
+                    // Fault: the last split's key loop runs one row past the sequence end.
+                    if k == last && fx.on(Fault::ReadPastEnd) {
+                        keys.end += 1;
+                    }
+                    split_partial(cfg, cache, qa, qp, keys, dt)
+                })
                 .collect();
             for (k, p) in parts.iter().enumerate() {
                 out.split_out
@@ -117,7 +158,16 @@ pub fn step(
                     .assign(&ArrayView1::from(&p.out));
                 out.split_lse[[d0 + i, h, k]] = p.lse;
             }
-            let m = merge(&parts).rounded(dt);
+            // Faults in the split combine: the last split dropped; the lse merged in base 2.
+            let used = match fx.on(Fault::SplitDropLast) {
+                true => &parts[..last],
+                false => &parts[..],
+            };
+            let m = match fx.on(Fault::LseLog2Merge) {
+                true => merge_log2(used),
+                false => merge(used),
+            }
+            .rounded(dt);
             out.attn_latent
                 .slice_mut(s![d0 + i, h, ..])
                 .assign(&ArrayView1::from(&m.out));

@@ -76,6 +76,16 @@ pub fn attend<'a>(
 /// the Triton decode stage 2 for the splits), in f32: `m = max lse`, weights `exp(lse − m)` (0 for an
 /// empty part, lse −inf), `out = Σ w·o / Σ w`, `lse = m + ln Σ w`. The output is not rounded here.
 pub fn merge(parts: &[Partial]) -> Partial {
+    merge_in_base(parts, f32::exp, f32::ln)
+}
+
+/// `merge` with base-2 weights and log: right for base-2 lse values, wrong for the natural-log ones the
+/// partials carry (the `lse_log2_merge` fault).
+pub fn merge_log2(parts: &[Partial]) -> Partial {
+    merge_in_base(parts, f32::exp2, f32::log2)
+}
+
+fn merge_in_base(parts: &[Partial], exp: fn(f32) -> f32, ln: fn(f32) -> f32) -> Partial {
     let dim = parts.first().map_or(0, |p| p.out.len());
     let m = parts
         .iter()
@@ -97,7 +107,7 @@ pub fn merge(parts: &[Partial]) -> Partial {
             if p.lse == f32::NEG_INFINITY {
                 0.0
             } else {
-                (p.lse - m).exp()
+                exp(p.lse - m)
             }
         })
         .collect();
@@ -114,6 +124,6 @@ pub fn merge(parts: &[Partial]) -> Partial {
     }
     Partial {
         out,
-        lse: m + total.ln(),
+        lse: m + ln(total),
     }
 }

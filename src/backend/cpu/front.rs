@@ -3,6 +3,7 @@
 
 use super::ops::{linear, rms_norm, rope, round_all, stored};
 use crate::backend::Dtype;
+use crate::faults::{Active, Fault};
 use crate::model::{LayerWeights, MlaConfig, QProj, RopePairing};
 use crate::rope::RopeTables;
 use ndarray::{s, Array1, Array2, Array3, ArrayView2, Axis};
@@ -22,12 +23,21 @@ pub struct MirrorWeights {
 }
 
 impl MirrorWeights {
-    pub fn new(cfg: &MlaConfig, w: &LayerWeights, dt: Dtype) -> MirrorWeights {
+    pub fn new(cfg: &MlaConfig, w: &LayerWeights, dt: Dtype, fx: Active) -> MirrorWeights {
         let (h, lkv) = (cfg.n_head, cfg.kv_lora_rank);
         let flat = |m: &Array3<f32>, d: usize| {
             stored(m, dt)
                 .into_shape_with_order((h * d, lkv))
                 .expect("[H, d, Lkv]")
+        };
+        // Fault: each head's kv_b block [k_nope(P) | v(Dv)] split as [v(Dv) | k_nope(P)].
+        let swapped;
+        let (w_uk, w_uv) = match fx.on(Fault::KvBSwap) {
+            true => {
+                swapped = kv_b_split_swapped(cfg, w);
+                (&swapped.0, &swapped.1)
+            }
+            false => (&w.w_uk, &w.w_uv),
         };
         MirrorWeights {
             attn_norm: stored(&w.attn_norm, dt),
@@ -41,8 +51,8 @@ impl MirrorWeights {
             },
             kv_a: stored(&w.kv_a, dt),
             kv_a_norm: stored(&w.kv_a_norm, dt),
-            w_uk: flat(&w.w_uk, cfg.qk_nope),
-            w_uv: flat(&w.w_uv, cfg.v_head_dim),
+            w_uk: flat(w_uk, cfg.qk_nope),
+            w_uv: flat(w_uv, cfg.v_head_dim),
             o: stored(&w.o, dt),
         }
     }
@@ -58,6 +68,26 @@ impl MirrorWeights {
     }
 }
 
+/// `(W_UK, W_UV)` read from each head's kv_b block `[W_UK[h]; W_UV[h]]` (P + Dv rows) with the split the
+/// wrong way round: the first Dv rows taken as W_UV, the next P rows as W_UK.
+fn kv_b_split_swapped(cfg: &MlaConfig, w: &LayerWeights) -> (Array3<f32>, Array3<f32>) {
+    let (p, dv) = (cfg.qk_nope, cfg.v_head_dim);
+    let mut uk = Array3::zeros(w.w_uk.raw_dim());
+    let mut uv = Array3::zeros(w.w_uv.raw_dim());
+    for h in 0..cfg.n_head {
+        let block = ndarray::concatenate(
+            Axis(0),
+            &[w.w_uk.index_axis(Axis(0), h), w.w_uv.index_axis(Axis(0), h)],
+        )
+        .expect("same Lkv");
+        uv.index_axis_mut(Axis(0), h)
+            .assign(&block.slice(s![..dv, ..]));
+        uk.index_axis_mut(Axis(0), h)
+            .assign(&block.slice(s![dv..dv + p, ..]));
+    }
+    (uk, uv)
+}
+
 /// The rope tables as a kernel receives them: f32 `[n_pos, R/2]`.
 #[derive(Debug, Clone)]
 pub struct RopeF32 {
@@ -68,13 +98,19 @@ pub struct RopeF32 {
 }
 
 impl RopeF32 {
-    pub fn new(t: &RopeTables) -> RopeF32 {
+    pub fn new(t: &RopeTables, fx: Active) -> RopeF32 {
         let (cos, sin) = t.to_f32();
+        // Faults: a rope kernel with its pairing hard-coded.
+        let pairing = match (fx.on(Fault::RopeNeox), fx.on(Fault::RopeNorm)) {
+            (true, _) => RopePairing::Neox,
+            (_, true) => RopePairing::Norm,
+            _ => t.pairing,
+        };
         RopeF32 {
             cos,
             sin,
             half: t.dim / 2,
-            pairing: t.pairing,
+            pairing,
         }
     }
     pub fn rotate(&self, t: usize, x: &mut [f32], dt: Dtype) {
@@ -130,14 +166,15 @@ pub fn split_query(
     (q_nope, q_pe)
 }
 
-/// `kv_a · attn_in` (stored), then the normed latent `[T, Lkv]` and the roped `k_pe [T, R]`.
+/// `kv_a · attn_in` (stored), then the normed latent `[T, Lkv]` and the roped `k_pe [T, R]`; also the
+/// stored `kv_a · attn_in` itself `[T, Lkv+R]`.
 pub fn kv(
     cfg: &MlaConfig,
     mw: &MirrorWeights,
     attn_in: ArrayView2<f32>,
     rope: &RopeF32,
     dt: Dtype,
-) -> (Array2<f32>, Array2<f32>) {
+) -> (Array2<f32>, Array2<f32>, Array2<f32>) {
     let kv = linear(attn_in, mw.kv_a.view(), dt);
     let lkv = cfg.kv_lora_rank;
     let latent = rms_norm(kv.slice(s![.., ..lkv]), &mw.kv_a_norm, cfg.rms_eps, dt);
@@ -145,7 +182,7 @@ pub fn kv(
     for (t, mut row) in k_pe.rows_mut().into_iter().enumerate() {
         rope.rotate(t, row.as_slice_mut().expect("contiguous"), dt);
     }
-    (latent, k_pe)
+    (latent, k_pe, kv)
 }
 
 /// Per-head `k_nope = round(W_UK·latent) [n, H, P]` and `v = round(W_UV·latent) [n, H, Dv]`.
@@ -173,4 +210,16 @@ pub fn o_proj(mw: &MirrorWeights, heads: &Array3<f32>, dt: Dtype) -> Array2<f32>
         .into_shape_with_order((t, h * dv))
         .expect("contiguous");
     linear(flat, mw.o.view(), dt)
+}
+
+/// The heads `[T, H, Dv]` as a reader sees them through a view with head stride `stride` (instead of Dv)
+/// over the same row-major buffer; elements past the buffer's end read as NaN (memory it does not own).
+pub fn restride_heads(heads: &Array3<f32>, stride: usize) -> Array3<f32> {
+    let (t, h, dv) = heads.dim();
+    let buf = heads.as_slice().expect("standard layout");
+    Array3::from_shape_fn((t, h, dv), |(tt, hh, d)| {
+        buf.get(tt * h * dv + hh * stride + d)
+            .copied()
+            .unwrap_or(f32::NAN)
+    })
 }

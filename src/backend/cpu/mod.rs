@@ -38,6 +38,9 @@
 //!
 //! Finally `attn_out = round(attn_heads·W_oᵀ)`. The trace has every stage in the reference's shapes;
 //! `cache_rows` is read back from the pool in token order after all writes.
+//!
+//! Planted bugs (`crate::faults`, `CpuMirror::with_faults`): each fault changes only the stage function it
+//! models, through a small match at that point; with no fault active the path above is unchanged.
 
 pub mod cache;
 pub mod decode;
@@ -48,6 +51,7 @@ pub mod prefill;
 
 use super::{Backend, Dtype};
 use crate::error::Result;
+use crate::faults::{Active, Fault, FaultSet};
 use crate::model::{LayerWeights, MlaConfig, RopeFactors};
 use crate::rope::RopeTables;
 use crate::schedule::Schedule;
@@ -62,6 +66,8 @@ pub struct MirrorFront {
     pub q_pe: Array3<f32>,
     pub latent: Array2<f32>,
     pub k_pe: Array2<f32>,
+    /// The stored kv_a output `[T, Lkv+R]` before kv_a_norm and rope (read only by cache-write faults).
+    pub kv_raw: Array2<f32>,
 }
 
 /// `a[i, j, :]` of a standard-layout array.
@@ -78,6 +84,8 @@ pub struct CpuMirror {
     pub dtype: Dtype,
     /// LongRoPE factors of the model, if it has them (`RopeFactors::load`).
     pub rope_factors: Option<RopeFactors>,
+    /// Planted bugs (`mla-diff run --inject`); empty for the real mirror.
+    pub faults: FaultSet,
 }
 
 impl CpuMirror {
@@ -85,11 +93,28 @@ impl CpuMirror {
         CpuMirror {
             dtype,
             rope_factors: None,
+            faults: FaultSet::default(),
         }
     }
     pub fn with_rope_factors(mut self, f: Option<RopeFactors>) -> CpuMirror {
         self.rope_factors = f;
         self
+    }
+    pub fn with_faults(mut self, faults: FaultSet) -> CpuMirror {
+        self.faults = faults;
+        self
+    }
+}
+
+/// The softmax scale the attention kernels are given (faults: YaRN's mscale² missing, FlashMLA's
+/// 1/sqrt(Lkv+R) default).
+fn kernel_scale(cfg: &MlaConfig, fx: Active) -> f64 {
+    if fx.on(Fault::Scale576) {
+        1.0 / (cfg.cache_row() as f64).sqrt()
+    } else if fx.on(Fault::YarnMscaleMissing) {
+        cfg.softmax_scale / (cfg.mscale * cfg.mscale)
+    } else {
+        cfg.softmax_scale
     }
 }
 
@@ -99,7 +124,15 @@ fn stage<D: Dimension>(s: Stage, a: &Array<f32, D>) -> StageTensor {
 
 impl Backend for CpuMirror {
     fn describe(&self) -> String {
-        format!("cpu-mirror ({}, f32 accumulation)", self.dtype.name())
+        let mut d = format!("cpu-mirror ({}, f32 accumulation)", self.dtype.name());
+        if !self.faults.is_empty() {
+            d.push_str(&format!(" with injected faults: {}", self.faults));
+        }
+        d
+    }
+
+    fn injected(&self) -> Vec<crate::faults::Injection> {
+        self.faults.0.clone()
     }
 
     fn run_layer(
@@ -113,47 +146,62 @@ impl Backend for CpuMirror {
         let tables = RopeTables::for_run(cfg, self.rope_factors.as_ref(), sched.pos_offset, t)?;
         crate::reference::check_inputs(cfg, w, &tables, x, sched)?;
         let dt = self.dtype;
-        let rope = front::RopeF32::new(&tables);
-        let mw = front::MirrorWeights::new(cfg, w, dt);
+        let fx = self.faults.active(w.layer);
+        let rope = front::RopeF32::new(&tables, fx);
+        let mw = front::MirrorWeights::new(cfg, w, dt, fx);
 
         let x = front::input(x, dt);
         let attn_in = front::attn_in(cfg, &mw, x.view(), dt);
         let q = front::query(cfg, &mw, attn_in.view(), dt);
         let (q_nope, q_pe) = front::split_query(cfg, q, &rope, dt);
-        let (latent, k_pe) = front::kv(cfg, &mw, attn_in.view(), &rope, dt);
+        let (latent, k_pe, kv_raw) = front::kv(cfg, &mw, attn_in.view(), &rope, dt);
         let f = MirrorFront {
             attn_in,
             q_nope,
             q_pe,
             latent,
             k_pe,
+            kv_raw,
         };
 
-        let (h, dv) = (cfg.n_head, cfg.v_head_dim);
-        let mut cache = cache::PagedCache::new(sched, cfg.cache_row());
+        let (h, dv, lkv) = (cfg.n_head, cfg.v_head_dim, cfg.kv_lora_rank);
+        let mut cache = cache::PagedCache::new(sched, cfg.cache_row()).with_faults(fx);
         let write = |cache: &mut cache::PagedCache, r: std::ops::Range<usize>| {
             for tt in r {
-                cache.write(
-                    tt,
-                    f.latent.row(tt).as_slice().expect("contiguous"),
-                    f.k_pe.row(tt).as_slice().expect("contiguous"),
-                );
+                let raw = f.kv_raw.row(tt).to_slice().expect("contiguous");
+                // Faults: the cache written from the kv_a output before kv_a_norm / before rope.
+                let latent = match fx.on(Fault::LatentBeforeNorm) {
+                    true => &raw[..lkv],
+                    false => f.latent.row(tt).to_slice().expect("contiguous"),
+                };
+                let k_pe = match fx.on(Fault::KPeBeforeRope) {
+                    true => &raw[lkv..],
+                    false => f.k_pe.row(tt).to_slice().expect("contiguous"),
+                };
+                cache.write(tt, latent, k_pe);
             }
         };
+        // The attention kernels' view of the config: the same model, the softmax scale they are given.
+        let mut acfg = cfg.clone();
+        acfg.softmax_scale = kernel_scale(cfg, fx);
         let mut heads = Array3::<f32>::zeros((t, h, dv));
         let mut lse = Array2::<f32>::zeros((t, h));
         for c in sched.prefill_chunks() {
             write(&mut cache, c.clone());
-            prefill::chunk(cfg, &mw, &f, &cache, c, dt, &mut heads, &mut lse);
+            prefill::chunk(&acfg, &mw, &f, &cache, c, dt, fx, &mut heads, &mut lse);
         }
         let mut dec = decode::DecodeStages::new(cfg, sched);
         for r in sched.decode_ranges() {
             write(&mut cache, r.clone());
             decode::step(
-                cfg, &mw, &f, &cache, r, sched, dt, &mut dec, &mut heads, &mut lse,
+                &acfg, &mw, &f, &cache, r, sched, dt, fx, &mut dec, &mut heads, &mut lse,
             );
         }
-        let attn_out = front::o_proj(&mw, &heads, dt);
+        let attn_out = match fx.on(Fault::HeadStrideQk) {
+            // Fault: o_proj's view of the heads uses the qk head dim as head stride (llama.cpp #7327).
+            true => front::o_proj(&mw, &front::restride_heads(&heads, cfg.qk_head_dim()), dt),
+            false => front::o_proj(&mw, &heads, dt),
+        };
 
         let mut tr = LayerTrace::new(w.layer);
         tr.push(stage(Stage::AttnIn, &f.attn_in));

@@ -8,6 +8,7 @@ use super::front::{decompress, MirrorWeights};
 use super::ops::dot;
 use super::{row3, MirrorFront};
 use crate::backend::Dtype;
+use crate::faults::{Active, Fault};
 use crate::model::MlaConfig;
 use ndarray::{s, Array2, Array3};
 use std::ops::Range;
@@ -80,6 +81,11 @@ pub fn attend_kv(
     .rounded(dt)
 }
 
+/// The end of the keys query `i` may see under the causal mask (fault: one key too many).
+pub fn causal_end(i: usize, fx: Active) -> usize {
+    i + 1 + fx.on(Fault::CausalOffByOne) as usize
+}
+
 /// Prefill chunk `c`: its rows must already be in the cache. Writes `heads [T, H, Dv]` and `lse [T, H]`
 /// for the chunk's tokens.
 #[allow(clippy::too_many_arguments)]
@@ -90,18 +96,25 @@ pub fn chunk(
     cache: &PagedCache,
     c: Range<usize>,
     dt: Dtype,
+    fx: Active,
     heads: &mut Array3<f32>,
     lse: &mut Array2<f32>,
 ) {
     let own = chunk_kv(cfg, mw, f, c.clone(), dt);
-    let ctx = (c.start > 0).then(|| context_kv(cfg, mw, cache, c.start, dt));
+    // Fault: an engine that runs the context pass even for a chunk without context (FA2 then returns
+    // lse +inf for it, vLLM #15492).
+    let empty_ctx_inf = fx.on(Fault::EmptyCtxLseInf);
+    let ctx = (c.start > 0 || empty_ctx_inf).then(|| context_kv(cfg, mw, cache, c.start, dt));
     for (i, t) in c.clone().enumerate() {
         for h in 0..cfg.n_head {
-            let mine = attend_kv(cfg, f, &own, t, h, 0..i + 1, dt);
+            let mine = attend_kv(cfg, f, &own, t, h, 0..causal_end(i, fx).min(c.len()), dt);
             let res = match &ctx {
                 None => mine,
                 Some(kv) => {
-                    let prefix = attend_kv(cfg, f, kv, t, h, 0..c.start, dt);
+                    let mut prefix = attend_kv(cfg, f, kv, t, h, 0..c.start, dt);
+                    if c.start == 0 && empty_ctx_inf {
+                        prefix.lse = f32::INFINITY;
+                    }
                     merge(&[prefix, mine]).rounded(dt)
                 }
             };

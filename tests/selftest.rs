@@ -1,0 +1,280 @@
+//! Planted bugs: the selftest catches and attributes every fault of the catalogue on the CPU mirror, it
+//! fails when a backend does not honour the injection, faults stay in their layer, and `run --inject`
+//! validates its names and records them in the report.
+
+use mla_diff::backend::cpu::CpuMirror;
+use mla_diff::backend::{Backend, Dtype};
+use mla_diff::faults::{Fault, FaultSet, Injection};
+use mla_diff::gguf::GgufFile;
+use mla_diff::model::synthetic::Family;
+use mla_diff::model::{MlaConfig, RopeFactors};
+use mla_diff::schedule::Schedule;
+use mla_diff::selftest::{self, Outcome, Summary, TARGET};
+use std::path::PathBuf;
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_mla-diff");
+
+fn mirror(file: &GgufFile, dtype: Dtype, faults: FaultSet) -> mla_diff::Result<Box<dyn Backend>> {
+    let cfg = MlaConfig::from_gguf(file)?;
+    let factors = RopeFactors::load(file, &cfg)?;
+    Ok(Box::new(
+        CpuMirror::new(dtype)
+            .with_rope_factors(factors)
+            .with_faults(faults),
+    ))
+}
+
+fn selftest_with(factory: &mut selftest::BackendFactory) -> Summary {
+    let opts = selftest::Options {
+        fixtures: None,
+        only: vec![],
+        seed: 0,
+        kind: "cpu",
+    };
+    selftest::run(&opts, factory, &mut |_| {}).unwrap()
+}
+
+fn fault_outcomes(s: &Summary) -> impl Iterator<Item = &Outcome> {
+    s.outcomes
+        .iter()
+        .filter(|o| o.case.fault.is_some() && o.case.lacking.is_none())
+}
+
+#[test]
+fn every_fault_is_caught_in_its_layer_at_its_stage() {
+    let s = selftest_with(&mut mirror);
+    let failing: Vec<String> = s
+        .outcomes
+        .iter()
+        .filter(|o| !o.ok)
+        .map(|o| o.line())
+        .collect();
+    assert!(failing.is_empty(), "{}", failing.join("\n"));
+    assert!(s.pass());
+    // Every fault of the catalogue ran once, and was caught where it was planted.
+    let mut seen: Vec<Fault> = fault_outcomes(&s).filter_map(|o| o.case.fault).collect();
+    seen.sort();
+    assert_eq!(seen, Fault::ALL.to_vec());
+    for o in fault_outcomes(&s) {
+        assert!(o.detected);
+        assert_eq!(o.first_layer, Some(TARGET));
+        assert_eq!(o.first_check.as_deref(), o.expected());
+    }
+    // The clean runs of every setup passed, and so did every control.
+    assert!(s
+        .outcomes
+        .iter()
+        .filter(|o| o.case.fault.is_none() || o.case.lacking.is_some())
+        .all(|o| !o.detected));
+    assert!(s.outcomes.iter().any(|o| o.case.fault.is_none()));
+    assert!(s.outcomes.iter().any(|o| o.case.lacking.is_some()));
+    assert!(s.matrix().lines().count() > Fault::ALL.len() + 2);
+}
+
+/// A backend that drops the injection: no fault is found, so the selftest fails (and says why).
+#[test]
+fn selftest_fails_when_the_backend_ignores_faults() {
+    let s = selftest_with(&mut |f, dt, _ignored| mirror(f, dt, FaultSet::default()));
+    assert!(!s.pass());
+    for o in fault_outcomes(&s) {
+        assert!(!o.ok && !o.detected, "{}", o.line());
+        assert!(
+            o.problems.iter().any(|p| p == "not detected"),
+            "{}",
+            o.line()
+        );
+    }
+}
+
+/// A backend that plants each fault in every layer: detection moves to layer 0, which the selftest
+/// reports as a wrong attribution.
+#[test]
+fn selftest_fails_when_a_fault_leaks_into_other_layers() {
+    let s = selftest_with(&mut |f, dt, set: FaultSet| {
+        let everywhere = set
+            .0
+            .iter()
+            .map(|i| Injection { layer: None, ..*i })
+            .collect();
+        mirror(f, dt, FaultSet(everywhere))
+    });
+    assert!(!s.pass());
+    for o in fault_outcomes(&s) {
+        assert!(!o.ok, "{}", o.line());
+        assert_eq!(o.first_layer, Some(0), "{}", o.line());
+    }
+}
+
+/// A fault aimed at layer 1 leaves layer 0's trace bit for bit what the clean mirror computes.
+#[test]
+fn a_targeted_fault_leaves_other_layers_untouched() {
+    let cfg = Family::DeepseekV3.test_config();
+    let w = mla_diff::model::synthetic::weights(&cfg, 3);
+    assert_eq!(w.layer, 0);
+    let sched = Schedule {
+        prompt_len: 12,
+        chunk: 5,
+        decode_steps: 4,
+        q_len: 2,
+        page_size: 4,
+        num_splits: 3,
+        ..Schedule::default()
+    };
+    let x = mla_diff::input::random_hidden(cfg.hidden, sched.total_tokens(), 4);
+    let bits = |t: &mla_diff::trace::LayerTrace| -> Vec<Vec<u64>> {
+        t.stages
+            .iter()
+            .map(|s| s.data.iter().map(|v| v.to_bits()).collect())
+            .collect()
+    };
+    let clean = CpuMirror::new(Dtype::Bf16)
+        .run_layer(&cfg, &w, &x, &sched)
+        .unwrap();
+    for f in Fault::ALL {
+        let at1 = FaultSet(vec![Injection {
+            name: f,
+            layer: Some(1),
+        }]);
+        let t = CpuMirror::new(Dtype::Bf16)
+            .with_faults(at1)
+            .run_layer(&cfg, &w, &x, &sched)
+            .unwrap();
+        assert_eq!(bits(&t), bits(&clean), "{f} changed layer 0");
+    }
+}
+
+fn tiny3() -> PathBuf {
+    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("mla-diff-fault-tests-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("tiny3.gguf");
+        let out = Command::new(BIN)
+            .args(["fixture", "--preset", "tiny", "--layers", "3", "-o"])
+            .arg(&p)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        p
+    })
+    .clone()
+}
+
+fn cli(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(BIN).args(args).output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn inject_names_and_layers_are_checked() {
+    let fx = tiny3().display().to_string();
+    let (code, _, err) = cli(&["run", &fx, "--inject", "rope_sideways"]);
+    assert_eq!(code, 2, "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one-line error: {err}");
+    for f in Fault::ALL {
+        assert!(err.contains(f.name()), "the catalogue is listed: {err}");
+    }
+    let (code, _, err) = cli(&["run", &fx, "--inject", "rope_neox@layer=3"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("3 layers"), "{err}");
+    let (code, _, err) = cli(&["run", &fx, "--inject", "rope_neox@layer=1", "--layers", "0"]);
+    assert_eq!(code, 2, "{err}");
+    let (code, _, err) = cli(&["run", &fx, "--inject", "rope_neox@3"]);
+    assert_eq!(code, 2, "{err}");
+}
+
+#[test]
+fn injected_faults_are_reported_and_validate() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json").display().to_string();
+    let fx = tiny3().display().to_string();
+    let (code, out, err) = cli(&[
+        "run",
+        &fx,
+        "--backend",
+        "cpu",
+        "--mode",
+        "shadow",
+        "--inject",
+        "cache_pe_first@layer=2",
+        "--inject",
+        "page_off_by_one",
+        "--page-size",
+        "64",
+        "--json",
+        &json,
+    ]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    // page_off_by_one cannot show with every token in one page; the run says so.
+    assert!(
+        err.contains("page_off_by_one") && err.contains("page boundaries"),
+        "{err}"
+    );
+    assert!(
+        out.contains("injected faults: cache_pe_first@layer=2, page_off_by_one"),
+        "{out}"
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(
+        report["run"]["injected"],
+        serde_json::json!([
+            {"name": "cache_pe_first", "layer": 2},
+            {"name": "page_off_by_one", "layer": null}
+        ])
+    );
+    assert_eq!(report["verdict"]["first_layer"], 2);
+    assert_eq!(report["verdict"]["first_check"], "cache_rows");
+    let schema: serde_json::Value =
+        serde_json::from_str(include_str!("../schema/report.schema.json")).unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    let errors: Vec<String> = validator
+        .iter_errors(&report)
+        .map(|e| format!("{e} at {}", e.instance_path))
+        .collect();
+    assert!(errors.is_empty(), "schema errors: {errors:#?}");
+    let mut bad = report.clone();
+    bad["run"]["injected"][0]["name"] = serde_json::json!("Rope Neox");
+    assert!(!validator.is_valid(&bad));
+
+    // Without --inject the report has no `injected` field (reports of real runs are unchanged).
+    let (code, _, err) = cli(&["run", &fx, "--backend", "cpu", "--json", &json]);
+    assert_eq!(code, 0, "{err}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(report["run"].get("injected").is_none());
+}
+
+#[test]
+fn selftest_command() {
+    let (code, out, err) = cli(&[
+        "selftest",
+        "--fault",
+        "split_drop_last",
+        "--fault",
+        "rope-norm",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("| split_drop_last@layer=1"), "{out}");
+    assert!(out.contains("| rope_norm@layer=1"), "{out}");
+    assert!(out.contains("PASS"), "{out}");
+    let (code, _, err) = cli(&["selftest", "--backend", "cuda"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("CUDA"), "{err}");
+    let (code, _, err) = cli(&["selftest", "--fault", "nope"]);
+    assert_eq!(code, 2, "{err}");
+    let (code, out, _) = cli(&["selftest", "--list"]);
+    assert_eq!(code, 0);
+    for f in Fault::ALL {
+        assert!(out.contains(f.info().define), "{out}");
+    }
+}
