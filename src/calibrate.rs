@@ -77,7 +77,7 @@ pub fn calibrate(
     files: &[PathBuf],
     margin: f64,
     dtypes: &[Dtype],
-    seed: u64,
+    seeds: &[u64],
 ) -> Result<(ToleranceTable, String)> {
     let mut table = ToleranceTable {
         derived_from: String::new(),
@@ -92,7 +92,10 @@ pub fn calibrate(
             let f = GgufFile::open(path)?;
             let cfg = MlaConfig::from_gguf(&f)?;
             let factors = RopeFactors::load(&f, &cfg)?;
-            for sched in calibration_schedules() {
+            for (sched, &seed) in calibration_schedules()
+                .into_iter()
+                .flat_map(|s| seeds.iter().map(move |x| (s.clone(), x)))
+            {
                 let t = sched.total_tokens();
                 let rope = RopeTables::for_run(&cfg, factors.as_ref(), sched.pos_offset, t)?;
                 let x = crate::input::random_hidden(cfg.hidden, t, seed);
@@ -164,7 +167,8 @@ pub fn calibrate(
         }
     }
     table.derived_from = format!(
-        "mla-diff calibrate --margin {margin} --seed {seed} over {} and {} schedules (see calibration_schedules)",
+        "mla-diff calibrate --margin {margin} --seeds {} over {} and {} schedules (see calibration_schedules)",
+        seeds.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(","),
         files.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "),
         calibration_schedules().len()
     );

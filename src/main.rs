@@ -187,8 +187,9 @@ enum Cmd {
         /// Factor applied to the worst observed noise.
         #[arg(long, default_value_t = 4.0)]
         margin: f64,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
+        /// Input seeds; every schedule runs with each (the worst case over all is kept).
+        #[arg(long, value_delimiter = ',', default_value = "0,1,2,3,4")]
+        seeds: Vec<u64>,
         /// Output file (default: stdout).
         #[arg(short, long)]
         output: Option<PathBuf>,
@@ -362,7 +363,7 @@ fn run(cli: Cli) -> Result<i32, Error> {
         Cmd::Calibrate {
             files,
             margin,
-            seed,
+            seeds,
             output,
         } => {
             if files.is_empty() {
@@ -374,7 +375,7 @@ fn run(cli: Cli) -> Result<i32, Error> {
                 &files,
                 margin,
                 &[Dtype::Bf16, Dtype::F16, Dtype::F32],
-                seed,
+                &seeds,
             )?;
             eprint!("{summary}");
             let json = serde_json::to_string_pretty(&table).expect("json") + "\n";
