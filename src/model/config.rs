@@ -370,3 +370,54 @@ impl MlaConfig {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn yarn(m: f64) -> Yarn {
+        Yarn {
+            factor: 40.0,
+            original_context: 4096,
+            mscale_all_dim: m,
+            log_multiplier_raw: 0.1 * m,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            ext_factor: 1.0,
+        }
+    }
+
+    /// The (cos/sin, softmax mscale) pairs derived in `yarn_scales`' doc from transformers and llama.cpp.
+    #[test]
+    fn yarn_scales_cases() {
+        let g1 = 0.1 * 40f64.ln() + 1.0; // 1.36889
+        let close = |(a, b): (f64, f64), (c, d): (f64, f64)| {
+            assert!(
+                (a - c).abs() < 1e-12 && (b - d).abs() < 1e-12,
+                "({a}, {b}) vs ({c}, {d})"
+            )
+        };
+        close(
+            yarn_scales(Arch::Deepseek2, Some(&yarn(1.0)), 1.0),
+            (1.0, g1),
+        );
+        let g707 = 0.1 * 0.707 * 40f64.ln() + 1.0;
+        close(
+            yarn_scales(Arch::Deepseek2, Some(&yarn(0.707)), 1.0),
+            (1.0, g707),
+        );
+        close(
+            yarn_scales(Arch::Deepseek2, Some(&yarn(0.0)), 1.0),
+            (g1, 1.0),
+        );
+        close(yarn_scales(Arch::Deepseek2, None, 1.0), (1.0, 1.0));
+        // rope.scaling.attn_factor: cos/sin always; kq_scale only in the deepseek2-family graphs.
+        close(
+            yarn_scales(Arch::Deepseek2, Some(&yarn(1.0)), 2.0),
+            (2.0, 2.0 * g1),
+        );
+        close(yarn_scales(Arch::GlmDsa, None, 2.0), (2.0, 2.0));
+        close(yarn_scales(Arch::Minicpm3, None, 2.0), (2.0, 1.0));
+        close(yarn_scales(Arch::Plm, None, 2.0), (2.0, 1.0));
+    }
+}
