@@ -109,7 +109,8 @@ pub struct RopeConfig {
     /// (`rope_factors_short.weight` / `rope_factors_long.weight`).
     pub freq_factors_short: Option<String>,
     pub freq_factors_long: Option<String>,
-    /// Magnitude multiplier applied to cos/sin (1.0 for DeepSeek YaRN: HF's mscale/mscale_all_dim ratio).
+    /// Magnitude multiplier applied to cos/sin (`yarn_scales`: 1 for DeepSeek YaRN, HF's
+    /// mscale/mscale_all_dim ratio; get_mscale(factor, 1) for YaRN without a log multiplier).
     pub attn_factor: f64,
 }
 
@@ -131,8 +132,15 @@ pub struct MlaConfig {
     /// True when the head sizes came from the `*_mla` keys (new-style file).
     pub mla_keys: bool,
     pub rope: RopeConfig,
+    /// eps of every RMSNorm (`layer_norm_rms_epsilon`; llama.cpp and vLLM use it for all of them).
     pub rms_eps: f64,
-    /// `mscale` of the softmax: `get_mscale(factor, mscale_all_dim)` (1 without YaRN).
+    /// eps of the two inner norms, q_a_norm and kv_a_norm. The file has one eps, so this is `rms_eps`, as
+    /// llama.cpp reads it; transformers and the original remote code (DeepSeek-V2, MiniCPM3) build those
+    /// two norms with their class default 1e-6 instead, which differs where `rms_eps` is not 1e-6 (GLM,
+    /// MiniCPM3: 1e-5). The golden test sets it to 1e-6 to reproduce transformers exactly.
+    pub lora_norm_eps: f64,
+    /// `mscale` of the softmax: `get_mscale(factor, mscale_all_dim)` with YaRN and a log multiplier, else 1
+    /// (times `rope.scaling.attn_factor`); see `yarn_scales`.
     pub mscale: f64,
     /// The softmax scale: `mscale² / sqrt(qk_nope + qk_rope)`.
     pub softmax_scale: f64,
@@ -184,6 +192,30 @@ fn opt_f64(f: &GgufFile, arch: &str, k: &str) -> Result<Option<f64>> {
             ))
         }),
     }
+}
+
+/// (cos/sin magnitude, softmax mscale) for a rope config, as transformers' DeepSeek-V3 / V2 / GLM-MoE-DSA
+/// define them (`_compute_yarn_parameters`, `yarn_apply_mscale`), reconstructed from what the file keeps:
+/// - YaRN with `mscale_all_dim` (m) ≠ 0: cos/sin × get_mscale(f, mscale)/get_mscale(f, m), which is 1
+///   because the file does not keep `mscale` and every released checkpoint has mscale = m (llama.cpp
+///   assumes the same for `deepseek2`); softmax mscale get_mscale(f, m). llama.cpp computes the same.
+/// - YaRN without it: cos/sin × get_mscale(f, 1) (HF's default attention_factor; llama.cpp agrees), and
+///   no softmax mscale (HF and vLLM: `yarn_apply_mscale` needs mscale_all_dim). llama.cpp's deepseek2
+///   graph squares get_mscale(f, 1) into kq_scale here as well; we follow the model definition.
+/// - No YaRN: 1 and 1.
+///
+/// `rope.scaling.attn_factor` (no MLA converter writes it) then multiplies the cos/sin magnitude, as in
+/// llama.cpp (`cparams.yarn_attn_factor *= hparams.rope_attn_factor`); the deepseek2-family graphs also
+/// square it into kq_scale (`attn_factor_org`), the minicpm3 and plm graphs do not.
+pub fn yarn_scales(arch: Arch, yarn: Option<&Yarn>, rope_attn_factor: f64) -> (f64, f64) {
+    let (attn, mscale) = match yarn {
+        Some(y) if y.mscale_all_dim != 0.0 => (1.0, Yarn::get_mscale(y.factor, y.mscale_all_dim)),
+        Some(y) => (Yarn::get_mscale(y.factor, 1.0), 1.0),
+        None => (1.0, 1.0),
+    };
+    let folds_into_kq = !matches!(arch, Arch::Minicpm3 | Arch::Plm);
+    let kq = if folds_into_kq { rope_attn_factor } else { 1.0 };
+    (attn * rope_attn_factor, mscale * kq)
 }
 
 impl MlaConfig {
@@ -300,26 +332,15 @@ impl MlaConfig {
         } else {
             None
         };
-        // Softmax mscale: llama.cpp deepseek2 graph, kq_scale = mscale² / sqrt(key_length_mla).
-        let mscale = match &yarn {
-            Some(y) if y.mscale_all_dim != 0.0 => Yarn::get_mscale(y.factor, y.mscale_all_dim),
-            // YaRN without a log multiplier: llama.cpp uses get_mscale(factor, 1) as the attention factor.
-            Some(y) => Yarn::get_mscale(y.factor, 1.0),
-            None => 1.0,
-        };
+        let rope_attn_factor = opt_f64(f, a, "rope.scaling.attn_factor")?.unwrap_or(1.0);
+        let (attn_factor, mscale) = yarn_scales(arch, yarn.as_ref(), rope_attn_factor);
         let softmax_scale = mscale * mscale / (qk as f64).sqrt();
         let has = |n: &str| f.tensor(n).is_some().then(|| n.to_string());
         let rope = RopeConfig {
             dim: qk_rope,
             base,
             pairing: arch.rope_pairing(),
-            // cos/sin magnitude: HF's get_mscale(f, mscale)/get_mscale(f, mscale_all_dim), which llama.cpp
-            // makes 1 for DeepSeek YaRN files; a plain attn_factor key applies otherwise.
-            attn_factor: if yarn.is_some() {
-                1.0
-            } else {
-                opt_f64(f, a, "rope.scaling.attn_factor")?.unwrap_or(1.0)
-            },
+            attn_factor,
             yarn,
             freq_factors_short: has("rope_factors_short.weight")
                 .or_else(|| has("rope_freqs.weight")),
@@ -342,9 +363,61 @@ impl MlaConfig {
             mla_keys,
             rope,
             rms_eps,
+            lora_norm_eps: rms_eps,
             mscale,
             softmax_scale,
             vocab_size,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn yarn(m: f64) -> Yarn {
+        Yarn {
+            factor: 40.0,
+            original_context: 4096,
+            mscale_all_dim: m,
+            log_multiplier_raw: 0.1 * m,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            ext_factor: 1.0,
+        }
+    }
+
+    /// The (cos/sin, softmax mscale) pairs derived in `yarn_scales`' doc from transformers and llama.cpp.
+    #[test]
+    fn yarn_scales_cases() {
+        let g1 = 0.1 * 40f64.ln() + 1.0; // 1.36889
+        let close = |(a, b): (f64, f64), (c, d): (f64, f64)| {
+            assert!(
+                (a - c).abs() < 1e-12 && (b - d).abs() < 1e-12,
+                "({a}, {b}) vs ({c}, {d})"
+            )
+        };
+        close(
+            yarn_scales(Arch::Deepseek2, Some(&yarn(1.0)), 1.0),
+            (1.0, g1),
+        );
+        let g707 = 0.1 * 0.707 * 40f64.ln() + 1.0;
+        close(
+            yarn_scales(Arch::Deepseek2, Some(&yarn(0.707)), 1.0),
+            (1.0, g707),
+        );
+        close(
+            yarn_scales(Arch::Deepseek2, Some(&yarn(0.0)), 1.0),
+            (g1, 1.0),
+        );
+        close(yarn_scales(Arch::Deepseek2, None, 1.0), (1.0, 1.0));
+        // rope.scaling.attn_factor: cos/sin always; kq_scale only in the deepseek2-family graphs.
+        close(
+            yarn_scales(Arch::Deepseek2, Some(&yarn(1.0)), 2.0),
+            (2.0, 2.0 * g1),
+        );
+        close(yarn_scales(Arch::GlmDsa, None, 2.0), (2.0, 2.0));
+        close(yarn_scales(Arch::Minicpm3, None, 2.0), (2.0, 1.0));
+        close(yarn_scales(Arch::Plm, None, 2.0), (2.0, 1.0));
     }
 }

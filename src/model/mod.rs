@@ -5,6 +5,6 @@ pub mod rope_factors;
 pub mod synthetic;
 pub mod weights;
 
-pub use config::{Arch, MlaConfig, RopeConfig, RopePairing, Yarn};
+pub use config::{yarn_scales, Arch, MlaConfig, RopeConfig, RopePairing, Yarn};
 pub use rope_factors::RopeFactors;
 pub use weights::{KvBLayout, LayerWeights, QProj};

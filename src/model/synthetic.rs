@@ -5,7 +5,7 @@
 //! path of that family runs); hidden size, head count and q-LoRA rank are reduced unless `full` dims are
 //! asked for.
 
-use super::config::{Arch, MlaConfig, RopeConfig, Yarn};
+use super::config::{yarn_scales, Arch, MlaConfig, RopeConfig, Yarn};
 use super::rope_factors::RopeFactors;
 use super::weights::{KvBLayout, LayerWeights, QProj};
 use ndarray::{Array1, Array2, Array3};
@@ -131,12 +131,8 @@ impl Family {
             Family::Glm5 => (Arch::GlmDsa, 1e6, None, 1e-5, false),
             Family::Minicpm3 => (Arch::Minicpm3, 10000.0, None, 1e-5, true),
         };
-        // Same chain as MlaConfig::from_gguf (llama.cpp deepseek2 graph).
-        let mscale = match &yarn {
-            Some(y) if y.mscale_all_dim != 0.0 => Yarn::get_mscale(y.factor, y.mscale_all_dim),
-            Some(y) => Yarn::get_mscale(y.factor, 1.0),
-            None => 1.0,
-        };
+        // Same chain as MlaConfig::from_gguf.
+        let (attn_factor, mscale) = yarn_scales(arch, yarn.as_ref(), 1.0);
         let qk = d.nope + d.rope;
         MlaConfig {
             arch,
@@ -157,9 +153,10 @@ impl Family {
                 yarn,
                 freq_factors_short: longrope.then(|| "rope_factors_short.weight".into()),
                 freq_factors_long: longrope.then(|| "rope_factors_long.weight".into()),
-                attn_factor: 1.0,
+                attn_factor,
             },
             rms_eps,
+            lora_norm_eps: rms_eps,
             mscale,
             softmax_scale: mscale * mscale / (qk as f64).sqrt(),
             vocab_size: None,

@@ -66,7 +66,7 @@ pub fn query(cfg: &MlaConfig, w: &LayerWeights, attn_in: ArrayView2<f64>) -> Arr
     match &w.q {
         QProj::Lora { a, a_norm, b } => {
             let qa = linear(attn_in, a.view());
-            let qa = rms_norm(qa.view(), a_norm, cfg.rms_eps);
+            let qa = rms_norm(qa.view(), a_norm, cfg.lora_norm_eps);
             linear(qa.view(), b.view())
         }
         QProj::Plain { q } => linear(attn_in, q.view()),
@@ -108,7 +108,7 @@ pub fn kv(
 ) -> (Array2<f64>, Array2<f64>) {
     let kv = linear(attn_in, w.kv_a.view());
     let lkv = cfg.kv_lora_rank;
-    let latent = rms_norm(kv.slice(s![.., ..lkv]), &w.kv_a_norm, cfg.rms_eps);
+    let latent = rms_norm(kv.slice(s![.., ..lkv]), &w.kv_a_norm, cfg.lora_norm_eps);
     let mut k_pe = kv.slice(s![.., lkv..]).to_owned().insert_axis(Axis(1));
     apply_rope(&mut k_pe, rope);
     (latent, k_pe.remove_axis(Axis(1)))

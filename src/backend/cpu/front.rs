@@ -138,7 +138,7 @@ pub fn query(
     match &mw.q {
         QProj::Lora { a, a_norm, b } => {
             let qa = linear(attn_in, a.view(), dt);
-            let qa = rms_norm(qa.view(), a_norm, cfg.rms_eps, dt);
+            let qa = rms_norm(qa.view(), a_norm, cfg.lora_norm_eps, dt);
             linear(qa.view(), b.view(), dt)
         }
         QProj::Plain { q } => linear(attn_in, q.view(), dt),
@@ -177,7 +177,12 @@ pub fn kv(
 ) -> (Array2<f32>, Array2<f32>, Array2<f32>) {
     let kv = linear(attn_in, mw.kv_a.view(), dt);
     let lkv = cfg.kv_lora_rank;
-    let latent = rms_norm(kv.slice(s![.., ..lkv]), &mw.kv_a_norm, cfg.rms_eps, dt);
+    let latent = rms_norm(
+        kv.slice(s![.., ..lkv]),
+        &mw.kv_a_norm,
+        cfg.lora_norm_eps,
+        dt,
+    );
     let mut k_pe = kv.slice(s![.., lkv..]).to_owned();
     for (t, mut row) in k_pe.rows_mut().into_iter().enumerate() {
         rope.rotate(t, row.as_slice_mut().expect("contiguous"), dt);
