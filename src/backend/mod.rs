@@ -2,6 +2,8 @@
 //! `cpu` is the CPU mirror (the executable specification of the fused path); `cuda` runs the kernels in
 //! `kernels/` through NVRTC.
 
+pub mod cuda;
+
 use crate::error::Result;
 use crate::model::{LayerWeights, MlaConfig};
 use crate::schedule::Schedule;
