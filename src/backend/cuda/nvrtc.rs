@@ -9,13 +9,14 @@ use std::path::{Path, PathBuf};
 
 /// Every kernel file, headers first. The `.cu` files are compiled; the `.cuh` files are passed to NVRTC
 /// as named headers.
-pub const KERNEL_FILES: [(&str, &str); 6] = [
+pub const KERNEL_FILES: [(&str, &str); 7] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("attention.cuh", include_str!("../../../kernels/attention.cuh")),
     ("norm_rope.cu", include_str!("../../../kernels/norm_rope.cu")),
     ("cache_write.cu", include_str!("../../../kernels/cache_write.cu")),
     ("prefill.cu", include_str!("../../../kernels/prefill.cu")),
     ("decode.cu", include_str!("../../../kernels/decode.cu")),
+    ("fill.cu", include_str!("../../../kernels/fill.cu")),
 ];
 
 /// The kernel sources a run uses.
