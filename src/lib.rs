@@ -6,10 +6,12 @@
 //! `report`. `fixture` writes synthetic GGUF files in llama.cpp's conventions.
 
 pub mod backend;
+pub mod compare;
 pub mod error;
 pub mod gguf;
 pub mod inspect;
 pub mod model;
+pub mod report;
 pub mod schedule;
 pub mod trace;
 

@@ -1,0 +1,338 @@
+//! The comparator: reference trace vs optimized trace, check by check, with positions decoded into named
+//! axes, and the verdict (first diverging layer, and inside it the first diverging check in dataflow order).
+
+pub mod checks;
+pub mod metrics;
+pub mod tolerance;
+
+pub use checks::{checks_for, Check, Phase};
+pub use tolerance::{Tolerance, ToleranceTable};
+
+use crate::backend::Dtype;
+use crate::error::{Error, Result};
+use crate::schedule::Schedule;
+use crate::trace::{LayerTrace, Stage, StageTensor};
+use serde::ser::SerializeMap;
+use serde::{Deserialize, Serialize};
+
+/// A position inside a stage tensor: the flat index and named coordinates (layer, token, head, dim, and
+/// page/slot/split details where they apply), in axis order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Position {
+    pub coords: Vec<(String, usize)>,
+}
+
+impl Serialize for Position {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(Some(self.coords.len()))?;
+        for (k, v) in &self.coords {
+            m.serialize_entry(k, v)?;
+        }
+        m.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for Position {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let m = std::collections::BTreeMap::<String, usize>::deserialize(d)?;
+        Ok(Position {
+            coords: m.into_iter().collect(),
+        })
+    }
+}
+
+impl std::fmt::Display for Position {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<String> = self
+            .coords
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect();
+        f.write_str(&parts.join(", "))
+    }
+}
+
+/// Every metric of one check. Positions are decoded; values are for finite pairs unless stated.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Metrics {
+    pub ref_l2: f64,
+    pub opt_l2: f64,
+    pub ref_rms: f64,
+    pub max_abs: f64,
+    pub max_abs_at: Option<Position>,
+    pub max_abs_ref: Option<f64>,
+    pub max_abs_opt: Option<f64>,
+    /// |o − r| / max(|r|, floor) with floor = `metrics::REL_FLOOR_RMS`·rms(r).
+    pub max_rel: f64,
+    pub max_rel_at: Option<Position>,
+    pub mean_abs: f64,
+    pub rel_l2: f64,
+    pub cos_diff: f64,
+    /// `null` when the two tensors are identical.
+    pub sqnr_db: Option<f64>,
+    pub outside: usize,
+    pub outside_share: f64,
+    pub first_outside_at: Option<Position>,
+    pub nonfinite: metrics::NonFinite,
+    pub first_nonfinite_at: Vec<Position>,
+    /// The factor by which the elementwise tolerance would have to grow for this check to pass it.
+    pub tol_factor_needed: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckResult {
+    pub check: String,
+    pub axes: Vec<String>,
+    pub shape: Vec<usize>,
+    pub pass: bool,
+    /// Why it failed, one line per violated criterion.
+    pub reasons: Vec<String>,
+    pub tolerance: Tolerance,
+    pub metrics: Metrics,
+}
+
+impl CheckResult {
+    /// How close to failing: the largest of metric/tolerance over the criteria (≥ 1 fails; ∞ for non-finite).
+    pub fn ratio(&self) -> f64 {
+        if self.metrics.nonfinite.mismatches > 0 {
+            return f64::INFINITY;
+        }
+        let t = &self.tolerance;
+        let r1 = if t.rel_l2 > 0.0 {
+            self.metrics.rel_l2 / t.rel_l2
+        } else if self.metrics.rel_l2 > 0.0 {
+            f64::INFINITY
+        } else {
+            0.0
+        };
+        r1.max(self.metrics.tol_factor_needed)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerResult {
+    pub layer: usize,
+    pub pass: bool,
+    /// The first failing check in dataflow order.
+    pub first_failure: Option<String>,
+    /// Free-running mode: rel-L2 of the optimized residual stream against the reference after this layer.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub drift: Option<f64>,
+    pub checks: Vec<CheckResult>,
+}
+
+/// Context for decoding positions.
+pub struct Ctx<'a> {
+    pub layer: usize,
+    pub sched: &'a Schedule,
+    pub block_table: &'a [usize],
+}
+
+fn position(ctx: &Ctx, stage: Stage, t: &StageTensor, row0: usize, flat: usize) -> Position {
+    let idx = t.unravel(flat);
+    let mut coords = vec![("layer".to_string(), ctx.layer)];
+    for (axis, &i) in stage.axes().iter().zip(&idx) {
+        match *axis {
+            "token" => {
+                let tok = row0 + i;
+                coords.push(("token".into(), tok));
+                coords.push(("pos".into(), tok + ctx.sched.pos_offset));
+                if stage == Stage::CacheRows {
+                    let page = ctx
+                        .block_table
+                        .get(tok / ctx.sched.page_size)
+                        .copied()
+                        .unwrap_or(usize::MAX);
+                    coords.push(("page".into(), page));
+                    coords.push(("page_row".into(), tok % ctx.sched.page_size));
+                }
+            }
+            "decode_token" => {
+                let tok = ctx.sched.prompt_len + row0 + i;
+                coords.push(("token".into(), tok));
+                coords.push(("decode_step".into(), (row0 + i) / ctx.sched.q_len));
+            }
+            "split" => {
+                let seq_len = {
+                    let dt = row0 + idx[0];
+                    ctx.sched.prompt_len + (dt / ctx.sched.q_len + 1) * ctx.sched.q_len
+                };
+                let r = ctx.sched.split_ranges(seq_len)[i].clone();
+                coords.push(("split".into(), i));
+                coords.push(("split_key_start".into(), r.start));
+                coords.push(("split_key_end".into(), r.end));
+            }
+            other => coords.push((other.to_string(), i)),
+        }
+    }
+    Position { coords }
+}
+
+/// Rows `rows` of a stage tensor (first axis), as a view.
+fn rows_of<'a>(t: &'a StageTensor, rows: &std::ops::Range<usize>) -> (&'a [f64], Vec<usize>) {
+    let per: usize = t.shape[1..].iter().product();
+    let mut shape = t.shape.clone();
+    shape[0] = rows.len();
+    (&t.data[rows.start * per..rows.end * per], shape)
+}
+
+/// Compare one check.
+pub fn compare_check(
+    ctx: &Ctx,
+    check: Check,
+    r: &StageTensor,
+    o: &StageTensor,
+    tol: Tolerance,
+) -> Result<CheckResult> {
+    if r.shape != o.shape {
+        return Err(Error::Usage(format!(
+            "layer {}: stage {} has shape {:?} in the reference but {:?} in the optimized trace",
+            ctx.layer, check.stage, r.shape, o.shape
+        )));
+    }
+    let rows = check.rows(ctx.sched);
+    let (rv, shape) = rows_of(r, &rows);
+    let (ov, _) = rows_of(o, &rows);
+    let view = StageTensor {
+        stage: check.stage,
+        shape: shape.clone(),
+        data: Vec::new(),
+    };
+    let pos = |flat: usize| position(ctx, check.stage, &view, rows.start, flat);
+    let ref_rms = metrics::rms(rv);
+    let atol = tol.atol_rms * ref_rms;
+    let (max_abs, max_abs_i) = metrics::max_abs_diff(rv, ov);
+    let (max_rel, max_rel_i) = metrics::max_rel_diff(rv, ov, metrics::REL_FLOOR_RMS * ref_rms);
+    let (outside, first_out) = metrics::count_outside(rv, ov, atol, tol.rtol);
+    let nf = metrics::nonfinite(rv, ov);
+    let m = Metrics {
+        ref_l2: metrics::l2_norm(rv),
+        opt_l2: metrics::l2_norm(ov),
+        ref_rms,
+        max_abs,
+        max_abs_at: max_abs_i.map(pos),
+        max_abs_ref: max_abs_i.map(|i| rv[i]),
+        max_abs_opt: max_abs_i.map(|i| ov[i]),
+        max_rel,
+        max_rel_at: max_rel_i.map(pos),
+        mean_abs: metrics::mean_abs_diff(rv, ov),
+        rel_l2: metrics::rel_l2(rv, ov),
+        cos_diff: metrics::cos_diff(rv, ov),
+        sqnr_db: metrics::sqnr_db(rv, ov),
+        outside,
+        outside_share: if rv.is_empty() {
+            0.0
+        } else {
+            outside as f64 / rv.len() as f64
+        },
+        first_outside_at: first_out.map(pos),
+        first_nonfinite_at: nf.first_mismatches.iter().map(|&i| pos(i)).collect(),
+        nonfinite: nf,
+        tol_factor_needed: metrics::tolerance_factor_needed(rv, ov, atol, tol.rtol),
+    };
+    let mut reasons = Vec::new();
+    if m.nonfinite.mismatches > 0 {
+        let at = m
+            .first_nonfinite_at
+            .first()
+            .map(|p| format!(", first at {p}"))
+            .unwrap_or_default();
+        let ref_nf = m.nonfinite.ref_nan + m.nonfinite.ref_inf;
+        reasons.push(format!(
+            "{} non-finite mismatches (optimized: {} NaN, {} inf; reference: {} non-finite){at}",
+            m.nonfinite.mismatches, m.nonfinite.opt_nan, m.nonfinite.opt_inf, ref_nf
+        ));
+    }
+    if m.rel_l2 > tol.rel_l2 {
+        reasons.push(format!("rel-L2 {:.3e} > {:.1e}", m.rel_l2, tol.rel_l2));
+    }
+    if m.outside > 0 {
+        reasons.push(format!(
+            "{} elements ({:.3}%) outside {:.1e}·rms + {:.1e}·|ref|; worst |diff| {:.4e} at {} (ref {:.6e}, opt {:.6e})",
+            m.outside,
+            100.0 * m.outside_share,
+            tol.atol_rms,
+            tol.rtol,
+            m.max_abs,
+            m.max_abs_at.as_ref().map(|p| p.to_string()).unwrap_or_default(),
+            m.max_abs_ref.unwrap_or(f64::NAN),
+            m.max_abs_opt.unwrap_or(f64::NAN)
+        ));
+    }
+    Ok(CheckResult {
+        check: check.name(),
+        axes: check.stage.axes().iter().map(|s| s.to_string()).collect(),
+        shape,
+        pass: reasons.is_empty(),
+        reasons,
+        tolerance: tol,
+        metrics: m,
+    })
+}
+
+/// Compare every check of a layer.
+pub fn compare_layer(
+    ctx: &Ctx,
+    reference: &LayerTrace,
+    optimized: &LayerTrace,
+    dtype: Dtype,
+    tols: &ToleranceTable,
+) -> Result<LayerResult> {
+    let mut out = Vec::new();
+    for check in checks_for(ctx.sched) {
+        let (Some(r), Some(o)) = (reference.get(check.stage), optimized.get(check.stage)) else {
+            continue;
+        };
+        out.push(compare_check(ctx, check, r, o, tols.get(dtype, &check)?)?);
+    }
+    let first_failure = out.iter().find(|c| !c.pass).map(|c| c.check.clone());
+    Ok(LayerResult {
+        layer: ctx.layer,
+        pass: first_failure.is_none(),
+        first_failure,
+        drift: None,
+        checks: out,
+    })
+}
+
+/// The verdict of one mode over all layers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Verdict {
+    pub pass: bool,
+    pub first_layer: Option<usize>,
+    pub first_check: Option<String>,
+    /// Where the reason is known: the first failing check's reasons.
+    pub reasons: Vec<String>,
+    pub message: String,
+}
+
+pub fn verdict(layers: &[LayerResult]) -> Verdict {
+    match layers.iter().find(|l| !l.pass) {
+        None => Verdict {
+            pass: true,
+            first_layer: None,
+            first_check: None,
+            reasons: vec![],
+            message: format!("PASS: {} layers within tolerance", layers.len()),
+        },
+        Some(l) => {
+            let c = l
+                .checks
+                .iter()
+                .find(|c| !c.pass)
+                .expect("failing layer has a failing check");
+            Verdict {
+                pass: false,
+                first_layer: Some(l.layer),
+                first_check: Some(c.check.clone()),
+                reasons: c.reasons.clone(),
+                message: format!(
+                    "DIVERGENCE: first at layer {}, stage {}: {}",
+                    l.layer,
+                    c.check,
+                    c.reasons.join("; ")
+                ),
+            }
+        }
+    }
+}

@@ -1,0 +1,64 @@
+//! Markdown for pull-request comments: the verdict, then a layer × check table of metric/tolerance.
+
+use super::Report;
+use std::fmt::Write;
+
+fn cell(ratio: f64) -> String {
+    if ratio.is_infinite() {
+        "❌ non-finite".into()
+    } else if ratio >= 1.0 {
+        format!("❌ {ratio:.2}")
+    } else {
+        format!("{ratio:.2}")
+    }
+}
+
+pub fn render(r: &Report) -> String {
+    let mut s = String::new();
+    let icon = if r.pass() { "✅" } else { "❌" };
+    writeln!(
+        s,
+        "### {icon} mla-diff: `{}` ({}, {}, {})\n",
+        r.file.path, r.file.architecture, r.run.backend, r.run.dtype
+    )
+    .ok();
+    writeln!(s, "**{}**\n", r.verdict.message).ok();
+    if let Some(b) = &r.baseline {
+        writeln!(s, "Baseline: {}\n", b.message).ok();
+    }
+    let sc = &r.run.schedule;
+    writeln!(
+        s,
+        "Schedule: prompt {} (chunk {}), {} decode steps × {} tokens, page {}, {} splits. Cells: worst metric ÷ tolerance (≥ 1 fails).\n",
+        sc.prompt_len, sc.chunk, sc.decode_steps, sc.q_len, sc.page_size, sc.num_splits
+    )
+    .ok();
+    for m in &r.modes {
+        let Some(first) = m.layers.first() else {
+            continue;
+        };
+        writeln!(s, "#### {} mode\n", m.mode).ok();
+        let names: Vec<&str> = first.checks.iter().map(|c| c.check.as_str()).collect();
+        writeln!(
+            s,
+            "| layer | {} |{}",
+            names.join(" | "),
+            if m.mode == "free" { " drift |" } else { "" }
+        )
+        .ok();
+        writeln!(
+            s,
+            "|---|{}{}",
+            "---|".repeat(names.len()),
+            if m.mode == "free" { "---|" } else { "" }
+        )
+        .ok();
+        for l in &m.layers {
+            let cells: Vec<String> = l.checks.iter().map(|c| cell(c.ratio())).collect();
+            let drift = l.drift.map(|d| format!(" {d:.2e} |")).unwrap_or_default();
+            writeln!(s, "| {} | {} |{drift}", l.layer, cells.join(" | ")).ok();
+        }
+        writeln!(s).ok();
+    }
+    s
+}

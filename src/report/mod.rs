@@ -1,0 +1,136 @@
+//! Reports of a run: the versioned JSON document (the source of truth; every other format is rendered
+//! from it), a terminal table, JUnit XML, Markdown, an SVG heat map, `.npy` dumps, and the baseline gate.
+
+pub mod baseline;
+pub mod junit;
+pub mod markdown;
+pub mod npy;
+pub mod svg;
+pub mod table;
+
+use crate::compare::{LayerResult, Verdict};
+use crate::error::{Error, Result};
+use crate::schedule::Schedule;
+use serde::{Deserialize, Serialize};
+
+/// Bumped on any breaking change of the JSON layout; `schema/report.schema.json` describes it.
+pub const SCHEMA_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolInfo {
+    pub name: String,
+    pub version: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FileInfo {
+    pub path: String,
+    pub architecture: String,
+    pub name: Option<String>,
+    pub size: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunInfo {
+    pub backend: String,
+    pub dtype: String,
+    pub modes: Vec<String>,
+    pub layers: Vec<usize>,
+    pub schedule: Schedule,
+    /// How layer inputs were made: `{"kind": "random", "seed": 0}`, `{"kind": "tokens", ...}`, `{"kind": "npy", ...}`.
+    pub input: serde_json::Value,
+    pub tolerances: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Environment {
+    /// The optimized backend as it described itself.
+    pub backend: String,
+    pub gpu: Option<String>,
+    pub crate_version: String,
+    pub os: String,
+    pub arch: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModeResult {
+    /// `shadow` (each layer gets the reference's input: local error) or `free` (each side feeds itself: drift).
+    pub mode: String,
+    pub verdict: Verdict,
+    pub layers: Vec<LayerResult>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    pub schema_version: u32,
+    pub tool: ToolInfo,
+    pub file: FileInfo,
+    pub config: serde_json::Value,
+    pub run: RunInfo,
+    pub environment: Environment,
+    pub modes: Vec<ModeResult>,
+    pub verdict: Verdict,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub baseline: Option<baseline::BaselineResult>,
+}
+
+impl Report {
+    /// Overall pass: every mode passed and no baseline regression.
+    pub fn pass(&self) -> bool {
+        self.verdict.pass && self.baseline.as_ref().is_none_or(|b| b.pass)
+    }
+    pub fn to_json(&self) -> String {
+        let mut s = serde_json::to_string_pretty(self).expect("report serialises");
+        s.push('\n');
+        s
+    }
+    pub fn from_json_file(path: &std::path::Path) -> Result<Report> {
+        let s = std::fs::read_to_string(path)
+            .map_err(|e| Error::io(format!("cannot read report {}", path.display()), e))?;
+        let v: serde_json::Value = serde_json::from_str(&s)
+            .map_err(|e| Error::Usage(format!("{}: not JSON: {e}", path.display())))?;
+        match v.get("schema_version").and_then(|x| x.as_u64()) {
+            Some(x) if x == SCHEMA_VERSION as u64 => {}
+            other => {
+                return Err(Error::Usage(format!(
+                    "{}: report schema_version {:?}, this mla-diff reads version {SCHEMA_VERSION}",
+                    path.display(),
+                    other
+                )))
+            }
+        }
+        serde_json::from_value(v)
+            .map_err(|e| Error::Usage(format!("{}: not an mla-diff report: {e}", path.display())))
+    }
+    /// Combine the modes' verdicts: shadow (local error) first, then free-running drift.
+    pub fn overall_verdict(modes: &[ModeResult]) -> Verdict {
+        modes
+            .iter()
+            .find(|m| !m.verdict.pass)
+            .map(|m| {
+                let mut v = m.verdict.clone();
+                v.message = format!("[{}] {}", m.mode, v.message);
+                v
+            })
+            .unwrap_or_else(|| Verdict {
+                pass: true,
+                first_layer: None,
+                first_check: None,
+                reasons: vec![],
+                message: format!(
+                    "PASS ({})",
+                    modes
+                        .iter()
+                        .map(|m| m.mode.as_str())
+                        .collect::<Vec<_>>()
+                        .join(" + ")
+                ),
+            })
+    }
+}
+
+/// Write text to a file with a clear error.
+pub fn write_file(path: &std::path::Path, contents: &str) -> Result<()> {
+    std::fs::write(path, contents)
+        .map_err(|e| Error::io(format!("cannot write {}", path.display()), e))
+}
