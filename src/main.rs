@@ -22,6 +22,74 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// CUDA kernel tools (no GPU needed for `check`).
+    Kernels {
+        #[command(subcommand)]
+        cmd: KernelsCmd,
+    },
+    /// Benchmarks (timings on this machine; not tests).
+    Bench {
+        #[command(subcommand)]
+        what: BenchCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum KernelsCmd {
+    /// Compile every kernel with NVRTC to PTX and CUBIN for several architectures, dims and dtypes;
+    /// print ptxas registers and spills per kernel. Exit 2 on a compile error.
+    Check {
+        /// Comma-separated target architectures.
+        #[arg(long, default_value = "sm_90,sm_80,sm_120", value_delimiter = ',')]
+        arch: Vec<String>,
+        /// Read the kernel sources from this directory instead of the embedded copy.
+        #[arg(long)]
+        kernels: Option<PathBuf>,
+    },
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq)]
+enum BenchBackend {
+    Cuda,
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Split-KV absorbed MLA decode at DeepSeek-V3 dims (B=64, s_k=4096, page 64; 16 and 128 heads).
+    Decode {
+        #[arg(long, value_enum, default_value = "cuda")]
+        backend: BenchBackend,
+        #[arg(long)]
+        kernels: Option<PathBuf>,
+        /// Also write the results as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Causal prefill flash attention at 4k tokens (qk 192 / v 128, 128 heads; 256 / 256, 64 heads).
+    Prefill {
+        #[arg(long, value_enum, default_value = "cuda")]
+        backend: BenchBackend,
+        #[arg(long)]
+        kernels: Option<PathBuf>,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+}
+
+fn cuda_bench(decode: bool, kernels: Option<PathBuf>, json: Option<PathBuf>) -> Result<i32, Error> {
+    let opts = mla_diff::backend::cuda::bench::BenchOptions {
+        kernels_dir: kernels,
+        decode,
+        prefill: !decode,
+        iters: 50,
+    };
+    let (rep, text) = mla_diff::backend::cuda::bench::bench(&opts)?;
+    print!("{text}");
+    if let Some(p) = json {
+        std::fs::write(&p, serde_json::to_string_pretty(&rep).expect("json"))
+            .map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
+    }
+    Ok(0)
 }
 
 fn run(cli: Cli) -> Result<i32, Error> {
@@ -39,6 +107,23 @@ fn run(cli: Cli) -> Result<i32, Error> {
             }
             Ok(0)
         }
+        Cmd::Kernels {
+            cmd: KernelsCmd::Check { arch, kernels },
+        } => {
+            let s = mla_diff::backend::cuda::check::kernels_check(&arch, kernels.as_deref())?;
+            print!("{}", s.report);
+            println!(
+                "{} compilations OK (PTX + CUBIN); {} kernel(s) with register spills{}",
+                s.compiles,
+                s.spilling.len(),
+                if s.spilling.is_empty() { String::new() } else { format!(": {}", s.spilling.join("; ")) }
+            );
+            Ok(0)
+        }
+        Cmd::Bench { what } => match what {
+            BenchCmd::Decode { backend: BenchBackend::Cuda, kernels, json } => cuda_bench(true, kernels, json),
+            BenchCmd::Prefill { backend: BenchBackend::Cuda, kernels, json } => cuda_bench(false, kernels, json),
+        },
     }
 }
 

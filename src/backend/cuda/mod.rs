@@ -5,6 +5,8 @@
 //! then attention: prefill in the decompressed form (causal over the chunk, non-causal over the cached
 //! context, LSE merge), decode in the absorbed form with split-KV and an LSE combine; then W_UV and o_proj.
 
+pub mod bench;
+pub mod check;
 pub mod device;
 pub mod kernels;
 pub mod nvrtc;
