@@ -7,11 +7,15 @@
 
 pub mod backend;
 pub mod compare;
+pub mod bench;
 pub mod error;
 pub mod gguf;
+pub mod input;
 pub mod inspect;
 pub mod model;
 pub mod report;
+pub mod reference;
+pub mod rope;
 pub mod schedule;
 pub mod trace;
 

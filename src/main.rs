@@ -55,6 +55,30 @@ enum BenchBackend {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// Time the fp64 reference of one synthetic layer next to a plain f64 GEMM of the same FLOP count.
+    Reference {
+        /// Layer shape family (per-head dims, rope, scaling); full model sizes unless overridden.
+        #[arg(long, value_enum, default_value = "deepseek-v3")]
+        preset: mla_diff::model::synthetic::Family,
+        #[arg(long)]
+        hidden: Option<usize>,
+        #[arg(long)]
+        heads: Option<usize>,
+        /// q-LoRA rank (0: no q-LoRA).
+        #[arg(long)]
+        q_lora: Option<usize>,
+        #[arg(long)]
+        kv_lora: Option<usize>,
+        #[arg(long, default_value_t = 128)]
+        tokens: usize,
+        /// Of the tokens, how many are decode steps (one token each).
+        #[arg(long, default_value_t = 16)]
+        decode_steps: usize,
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Split-KV absorbed MLA decode at DeepSeek-V3 dims (B=64, s_k=4096, page 64; 16 and 128 heads).
     Decode {
         #[arg(long, value_enum, default_value = "cuda")]
@@ -123,6 +147,35 @@ fn run(cli: Cli) -> Result<i32, Error> {
         Cmd::Bench { what } => match what {
             BenchCmd::Decode { backend: BenchBackend::Cuda, kernels, json } => cuda_bench(true, kernels, json),
             BenchCmd::Prefill { backend: BenchBackend::Cuda, kernels, json } => cuda_bench(false, kernels, json),
+            BenchCmd::Reference {
+                preset,
+                hidden,
+                heads,
+                q_lora,
+                kv_lora,
+                tokens,
+                decode_steps,
+                reps,
+                json,
+            } => {
+                let mut d = preset.full_dims();
+                d.hidden = hidden.unwrap_or(d.hidden);
+                d.n_head = heads.unwrap_or(d.n_head);
+                d.q_lora = q_lora.map_or(d.q_lora, |r| (r > 0).then_some(r));
+                d.kv_lora = kv_lora.unwrap_or(d.kv_lora);
+                if d.hidden == 0 || d.n_head == 0 || d.kv_lora == 0 || tokens == 0 {
+                    return Err(Error::Usage(
+                        "bench: hidden, heads, kv_lora and tokens must be at least 1".into(),
+                    ));
+                }
+                let r = mla_diff::bench::reference(preset, d, tokens, decode_steps, reps)?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&r).expect("json"));
+                } else {
+                    print!("{}", r.text());
+                }
+                Ok(0)
+            }
         },
     }
 }

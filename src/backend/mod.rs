@@ -2,6 +2,7 @@
 //! `cpu` is the CPU mirror (the executable specification of the fused path); `cuda` runs the kernels in
 //! `kernels/` through NVRTC.
 
+pub mod cpu;
 pub mod cuda;
 
 use crate::error::Result;

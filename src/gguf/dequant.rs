@@ -17,23 +17,68 @@ const CHUNK_ELEMS: usize = 8 << 20;
 
 /// Dequantize a whole tensor to f32, in file (row-major, `ne` reversed) order.
 pub fn dequantize_f32(file: &GgufFile, t: &TensorInfo) -> Result<Vec<f32>> {
-    let ty = match t.ty {
-        TensorType::Known(ty) if ty.dequantizable() => ty,
+    let ty = dequantizable_type(t)?;
+    let bytes = file.tensor_bytes(t)?;
+    dequantize_bytes(t, ty, bytes)
+}
+
+/// The dequantizable ggml type of a tensor, or an error naming it.
+fn dequantizable_type(t: &TensorInfo) -> Result<GgmlType> {
+    match t.ty {
+        TensorType::Known(ty) if ty.dequantizable() => Ok(ty),
         other => {
             let supported: Vec<&str> = GgmlType::all()
                 .iter()
                 .filter(|t| t.dequantizable())
                 .map(|t| t.name)
                 .collect();
-            return Err(Error::Unsupported(format!(
+            Err(Error::Unsupported(format!(
                 "tensor {:?} has type {other}, which mla-diff cannot dequantize (supported: {})",
                 t.name,
                 supported.join(", ")
+            )))
+        }
+    }
+}
+
+/// Dequantize selected rows (`ne[1]` indices, each `ne[0]` values) of a 2-D tensor, reading only those
+/// rows' bytes: e.g. the embeddings of a few token ids out of a large `token_embd`.
+pub fn dequantize_rows(file: &GgufFile, t: &TensorInfo, rows: &[usize]) -> Result<Vec<f32>> {
+    let ty = dequantizable_type(t)?;
+    if t.ne.len() != 2 {
+        return Err(Error::Tensor(format!(
+            "tensor {:?} has {} dimensions; row access needs 2",
+            t.name,
+            t.ne.len()
+        )));
+    }
+    let (width, n_rows) = (t.ne[0] as usize, t.ne[1] as usize);
+    let row_bytes = ty.bytes_for(width as u64).ok_or_else(|| {
+        Error::Tensor(format!(
+            "tensor {:?}: rows of {width} values are not whole {} blocks",
+            t.name, ty.name
+        ))
+    })? as usize;
+    let bytes = file.tensor_bytes(t)?;
+    let mut out = Vec::with_capacity(rows.len() * width);
+    for &r in rows {
+        if r >= n_rows {
+            return Err(Error::Usage(format!(
+                "row {r} of tensor {:?} is out of range (it has {n_rows} rows)",
+                t.name
             )));
         }
-    };
-    let bytes = file.tensor_bytes(t)?;
-    let n = t.n_elements() as usize;
+        let b = &bytes[r * row_bytes..(r + 1) * row_bytes];
+        out.extend(dequantize_bytes(t, ty, b)?);
+    }
+    Ok(out)
+}
+
+/// Dequantize whole rows of `t` held in `bytes`.
+fn dequantize_bytes(t: &TensorInfo, ty: GgmlType, bytes: &[u8]) -> Result<Vec<f32>> {
+    let row = t.ne[0] as usize;
+    let row_bytes = ty.bytes_for(row as u64).expect("checked at open") as usize;
+    let n = bytes.len() / row_bytes * row;
     match ty.name {
         "F32" => Ok(bytes
             .chunks_exact(4)
@@ -55,8 +100,6 @@ pub fn dequantize_f32(file: &GgufFile, t: &TensorInfo) -> Result<Vec<f32>> {
             let dtype = ty
                 .candle()
                 .expect("dequantizable block type has a candle dtype");
-            let row = t.ne[0] as usize;
-            let row_bytes = ty.bytes_for(row as u64).expect("checked at open") as usize;
             let rows = n / row;
             let rows_per_chunk = (CHUNK_ELEMS / row).max(1);
             let mut out = Vec::with_capacity(n);

@@ -6,6 +6,6 @@ pub mod dtype;
 pub mod file;
 pub mod write;
 
-pub use dequant::dequantize_f32;
+pub use dequant::{dequantize_f32, dequantize_rows};
 pub use dtype::GgmlType;
 pub use file::{GgufFile, TensorInfo, TensorType, Value};

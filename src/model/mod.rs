@@ -1,7 +1,10 @@
 //! The model as the attention sees it: hyper-parameters (`config`) and per-layer weights (`weights`).
 
 pub mod config;
+pub mod rope_factors;
+pub mod synthetic;
 pub mod weights;
 
 pub use config::{Arch, MlaConfig, RopeConfig, RopePairing, Yarn};
+pub use rope_factors::RopeFactors;
 pub use weights::{KvBLayout, LayerWeights, QProj};

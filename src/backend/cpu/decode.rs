@@ -1,0 +1,136 @@
+//! Decode steps: the absorbed query `[W_UKᵀ·q_nope | q_pe]` attends over the latent cache rows through
+//! the block table, split-KV (flash decoding): each split runs the tiled online softmax over its keys,
+//! keeps its partial in f32, and the splits are combined by lse; then `W_UV` per head.
+
+use super::cache::PagedCache;
+use super::flash::{attend, merge, Partial};
+use super::front::MirrorWeights;
+use super::ops::{dot, round_all};
+use super::{row3, MirrorFront};
+use crate::backend::Dtype;
+use crate::model::MlaConfig;
+use crate::schedule::Schedule;
+use ndarray::{s, Array2, Array3, Array4, ArrayView1};
+use std::ops::Range;
+
+/// The decode-only stages for all decode tokens.
+#[derive(Debug, Clone)]
+pub struct DecodeStages {
+    /// `[D, H, Lkv]`
+    pub q_abs: Array3<f32>,
+    /// `[D, H, S, Lkv]`, f32 partials.
+    pub split_out: Array4<f32>,
+    /// `[D, H, S]`
+    pub split_lse: Array3<f32>,
+    /// `[D, H, Lkv]`
+    pub attn_latent: Array3<f32>,
+}
+
+impl DecodeStages {
+    pub fn new(cfg: &MlaConfig, sched: &Schedule) -> DecodeStages {
+        let (d, h, lkv, ns) = (
+            sched.decode_tokens(),
+            cfg.n_head,
+            cfg.kv_lora_rank,
+            sched.num_splits,
+        );
+        DecodeStages {
+            q_abs: Array3::zeros((d, h, lkv)),
+            split_out: Array4::zeros((d, h, ns, lkv)),
+            split_lse: Array3::zeros((d, h, ns)),
+            attn_latent: Array3::zeros((d, h, lkv)),
+        }
+    }
+}
+
+/// `q_abs = round(W_UK[h]ᵀ · q_nope[h])` for the tokens `r`, `[n, H, Lkv]` (f32 accumulation; in fp16
+/// this can overflow to inf, as in real engines).
+pub fn absorb_query(
+    cfg: &MlaConfig,
+    mw: &MirrorWeights,
+    f: &MirrorFront,
+    r: Range<usize>,
+    dt: Dtype,
+) -> Array3<f32> {
+    let mut q_abs = Array3::zeros((r.len(), cfg.n_head, cfg.kv_lora_rank));
+    for h in 0..cfg.n_head {
+        let qn = f.q_nope.slice(s![r.clone(), h, ..]);
+        q_abs
+            .slice_mut(s![.., h, ..])
+            .assign(&round_all(qn.dot(&mw.uk(cfg, h)), dt));
+    }
+    q_abs
+}
+
+/// One split's partial for query `(q_abs, q_pe)` over cache rows `keys`.
+pub fn split_partial(
+    cfg: &MlaConfig,
+    cache: &PagedCache,
+    qa: &[f32],
+    qp: &[f32],
+    keys: Range<usize>,
+    dt: Dtype,
+) -> Partial {
+    let lkv = cfg.kv_lora_rank;
+    let scale = cfg.softmax_scale as f32;
+    attend(
+        keys,
+        lkv,
+        dt,
+        |j| {
+            let row = cache.row(j);
+            (dot(qa, &row[..lkv]) + dot(qp, &row[lkv..])) * scale
+        },
+        |j| &cache.row(j)[..lkv],
+    )
+}
+
+/// Decode step `r` (its rows already cached; keys `0..r.end`, causal within the step). Fills the
+/// decode stages and `heads`/`lse` of the step's tokens.
+#[allow(clippy::too_many_arguments)]
+pub fn step(
+    cfg: &MlaConfig,
+    mw: &MirrorWeights,
+    f: &MirrorFront,
+    cache: &PagedCache,
+    r: Range<usize>,
+    sched: &Schedule,
+    dt: Dtype,
+    out: &mut DecodeStages,
+    heads: &mut Array3<f32>,
+    lse: &mut Array2<f32>,
+) {
+    let d0 = r.start - sched.prompt_len;
+    let q_abs = absorb_query(cfg, mw, f, r.clone(), dt);
+    let splits = sched.split_ranges(r.end);
+    for (i, t) in r.clone().enumerate() {
+        for h in 0..cfg.n_head {
+            let qa = row3(&q_abs, i, h);
+            let qp = row3(&f.q_pe, t, h);
+            let parts: Vec<Partial> = splits
+                .iter()
+                .map(|sr| split_partial(cfg, cache, qa, qp, sr.start..sr.end.min(t + 1), dt))
+                .collect();
+            for (k, p) in parts.iter().enumerate() {
+                out.split_out
+                    .slice_mut(s![d0 + i, h, k, ..])
+                    .assign(&ArrayView1::from(&p.out));
+                out.split_lse[[d0 + i, h, k]] = p.lse;
+            }
+            let m = merge(&parts).rounded(dt);
+            out.attn_latent
+                .slice_mut(s![d0 + i, h, ..])
+                .assign(&ArrayView1::from(&m.out));
+            lse[[t, h]] = m.lse;
+        }
+    }
+    out.q_abs
+        .slice_mut(s![d0..d0 + r.len(), .., ..])
+        .assign(&q_abs);
+    for h in 0..cfg.n_head {
+        let lat = out.attn_latent.slice(s![d0..d0 + r.len(), h, ..]);
+        heads
+            .slice_mut(s![r.clone(), h, ..])
+            .assign(&round_all(lat.dot(&mw.uv(cfg, h).t()), dt));
+    }
+}

@@ -1,0 +1,119 @@
+//! Flash-style attention of one query: online softmax over key tiles, and the log-sum-exp merges that
+//! combine partial results (prefill context + chunk, decode splits).
+
+use crate::backend::Dtype;
+use std::ops::Range;
+
+/// Keys per tile of the online softmax.
+pub const TILE: usize = 64;
+
+/// One query's attention over a set of keys: output `acc / l` in f32 (not rounded) and
+/// `lse = m + ln l`. No key: output 0 and lse −inf.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Partial {
+    pub out: Vec<f32>,
+    pub lse: f32,
+}
+
+impl Partial {
+    pub fn empty(dim: usize) -> Partial {
+        Partial {
+            out: vec![0.0; dim],
+            lse: f32::NEG_INFINITY,
+        }
+    }
+    /// The output as a kernel stores it.
+    pub fn rounded(mut self, dt: Dtype) -> Partial {
+        self.out.iter_mut().for_each(|v| *v = dt.round(*v));
+        self
+    }
+}
+
+/// Online softmax over `keys` (all visible; the caller cuts causal ranges), tiles of `TILE` from
+/// `keys.start`. `score(j)` is the scaled f32 score, `value(j)` the stored value row. Per tile:
+/// `m' = max(m, max s)`, rescale `l` and `acc` by `exp(m − m')`, `p = exp(s − m')` in f32,
+/// `l += p` (unrounded), `acc += round(p) · v` (P is stored in the dtype for the P·V product).
+pub fn attend<'a>(
+    keys: Range<usize>,
+    dim: usize,
+    dt: Dtype,
+    score: impl Fn(usize) -> f32,
+    value: impl Fn(usize) -> &'a [f32],
+) -> Partial {
+    if keys.is_empty() {
+        return Partial::empty(dim);
+    }
+    let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+    let mut acc = vec![0f32; dim];
+    let mut s = Vec::with_capacity(TILE);
+    let mut k0 = keys.start;
+    while k0 < keys.end {
+        let tile = k0..(k0 + TILE).min(keys.end);
+        s.clear();
+        s.extend(tile.clone().map(&score));
+        let m_new = s.iter().copied().fold(m, f32::max);
+        let alpha = (m - m_new).exp();
+        l *= alpha;
+        acc.iter_mut().for_each(|a| *a *= alpha);
+        for (j, &sj) in tile.clone().zip(&s) {
+            let p = (sj - m_new).exp();
+            l += p;
+            let pr = dt.round(p);
+            for (a, &v) in acc.iter_mut().zip(value(j)) {
+                *a += pr * v;
+            }
+        }
+        m = m_new;
+        k0 = tile.end;
+    }
+    Partial {
+        out: acc.iter().map(|a| a / l).collect(),
+        lse: m + l.ln(),
+    }
+}
+
+/// Combine partial results over disjoint key sets by their lse (vLLM `merge_attn_states` for two,
+/// the Triton decode stage 2 for the splits), in f32: `m = max lse`, weights `exp(lse − m)` (0 for an
+/// empty part, lse −inf), `out = Σ w·o / Σ w`, `lse = m + ln Σ w`. The output is not rounded here.
+pub fn merge(parts: &[Partial]) -> Partial {
+    let dim = parts.first().map_or(0, |p| p.out.len());
+    let m = parts
+        .iter()
+        .map(|p| p.lse)
+        .fold(f32::NEG_INFINITY, f32::max);
+    // f32::max skips NaN: a NaN part must poison the result, not vanish from it.
+    if parts.iter().any(|p| p.lse.is_nan()) {
+        return Partial {
+            out: vec![f32::NAN; dim],
+            lse: f32::NAN,
+        };
+    }
+    if m == f32::NEG_INFINITY {
+        return Partial::empty(dim);
+    }
+    let w: Vec<f32> = parts
+        .iter()
+        .map(|p| {
+            if p.lse == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (p.lse - m).exp()
+            }
+        })
+        .collect();
+    let total: f32 = w.iter().sum();
+    let mut out = vec![0f32; dim];
+    for (p, &wk) in parts.iter().zip(&w) {
+        if wk == 0.0 {
+            continue;
+        }
+        let scale = wk / total;
+        for (o, &v) in out.iter_mut().zip(&p.out) {
+            *o += v * scale;
+        }
+    }
+    Partial {
+        out,
+        lse: m + total.ln(),
+    }
+}

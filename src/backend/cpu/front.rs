@@ -1,0 +1,176 @@
+//! The mirror's row-wise stages: the layer input in the dtype, attn_norm, q, kv_a, rope, decompression,
+//! o_proj. Each token's row is computed independently, so the schedule cannot change these values.
+
+use super::ops::{linear, rms_norm, rope, round_all, stored};
+use crate::backend::Dtype;
+use crate::model::{LayerWeights, MlaConfig, QProj, RopePairing};
+use crate::rope::RopeTables;
+use ndarray::{s, Array1, Array2, Array3, ArrayView2, Axis};
+
+/// The layer's weights stored in the dtype.
+#[derive(Debug, Clone)]
+pub struct MirrorWeights {
+    pub attn_norm: Array1<f32>,
+    pub q: QProj,
+    pub kv_a: Array2<f32>,
+    pub kv_a_norm: Array1<f32>,
+    /// `[H·P, Lkv]`
+    pub w_uk: Array2<f32>,
+    /// `[H·Dv, Lkv]`
+    pub w_uv: Array2<f32>,
+    pub o: Array2<f32>,
+}
+
+impl MirrorWeights {
+    pub fn new(cfg: &MlaConfig, w: &LayerWeights, dt: Dtype) -> MirrorWeights {
+        let (h, lkv) = (cfg.n_head, cfg.kv_lora_rank);
+        let flat = |m: &Array3<f32>, d: usize| {
+            stored(m, dt)
+                .into_shape_with_order((h * d, lkv))
+                .expect("[H, d, Lkv]")
+        };
+        MirrorWeights {
+            attn_norm: stored(&w.attn_norm, dt),
+            q: match &w.q {
+                QProj::Lora { a, a_norm, b } => QProj::Lora {
+                    a: stored(a, dt),
+                    a_norm: stored(a_norm, dt),
+                    b: stored(b, dt),
+                },
+                QProj::Plain { q } => QProj::Plain { q: stored(q, dt) },
+            },
+            kv_a: stored(&w.kv_a, dt),
+            kv_a_norm: stored(&w.kv_a_norm, dt),
+            w_uk: flat(&w.w_uk, cfg.qk_nope),
+            w_uv: flat(&w.w_uv, cfg.v_head_dim),
+            o: stored(&w.o, dt),
+        }
+    }
+    /// `W_UK[h]` as `[P, Lkv]`.
+    pub fn uk(&self, cfg: &MlaConfig, h: usize) -> ArrayView2<'_, f32> {
+        self.w_uk
+            .slice(s![h * cfg.qk_nope..(h + 1) * cfg.qk_nope, ..])
+    }
+    /// `W_UV[h]` as `[Dv, Lkv]`.
+    pub fn uv(&self, cfg: &MlaConfig, h: usize) -> ArrayView2<'_, f32> {
+        self.w_uv
+            .slice(s![h * cfg.v_head_dim..(h + 1) * cfg.v_head_dim, ..])
+    }
+}
+
+/// The rope tables as a kernel receives them: f32 `[n_pos, R/2]`.
+#[derive(Debug, Clone)]
+pub struct RopeF32 {
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+    pub half: usize,
+    pub pairing: RopePairing,
+}
+
+impl RopeF32 {
+    pub fn new(t: &RopeTables) -> RopeF32 {
+        let (cos, sin) = t.to_f32();
+        RopeF32 {
+            cos,
+            sin,
+            half: t.dim / 2,
+            pairing: t.pairing,
+        }
+    }
+    pub fn rotate(&self, t: usize, x: &mut [f32], dt: Dtype) {
+        let r = t * self.half..(t + 1) * self.half;
+        rope(x, &self.cos[r.clone()], &self.sin[r], self.pairing, dt);
+    }
+}
+
+/// The layer input in the dtype.
+pub fn input(x: &Array2<f64>, dt: Dtype) -> Array2<f32> {
+    round_all(x.mapv(|v| v as f32), dt)
+}
+
+pub fn attn_in(cfg: &MlaConfig, mw: &MirrorWeights, x: ArrayView2<f32>, dt: Dtype) -> Array2<f32> {
+    rms_norm(x, &mw.attn_norm, cfg.rms_eps, dt)
+}
+
+/// The full query `[T, H·(P+R)]`; with q-LoRA the low-rank activation is stored and normed in between.
+pub fn query(
+    cfg: &MlaConfig,
+    mw: &MirrorWeights,
+    attn_in: ArrayView2<f32>,
+    dt: Dtype,
+) -> Array2<f32> {
+    match &mw.q {
+        QProj::Lora { a, a_norm, b } => {
+            let qa = linear(attn_in, a.view(), dt);
+            let qa = rms_norm(qa.view(), a_norm, cfg.rms_eps, dt);
+            linear(qa.view(), b.view(), dt)
+        }
+        QProj::Plain { q } => linear(attn_in, q.view(), dt),
+    }
+}
+
+/// Split per head into `q_nope [T, H, P]` and the roped `q_pe [T, H, R]`.
+pub fn split_query(
+    cfg: &MlaConfig,
+    q: Array2<f32>,
+    rope: &RopeF32,
+    dt: Dtype,
+) -> (Array3<f32>, Array3<f32>) {
+    let (t, h, p) = (q.nrows(), cfg.n_head, cfg.qk_nope);
+    let q = q
+        .into_shape_with_order((t, h, cfg.qk_head_dim()))
+        .expect("H·Dk columns");
+    let q_nope = q.slice(s![.., .., ..p]).to_owned();
+    let mut q_pe = q.slice(s![.., .., p..]).to_owned();
+    for (tt, mut tok) in q_pe.axis_iter_mut(Axis(0)).enumerate() {
+        for mut head in tok.axis_iter_mut(Axis(0)) {
+            rope.rotate(tt, head.as_slice_mut().expect("contiguous"), dt);
+        }
+    }
+    (q_nope, q_pe)
+}
+
+/// `kv_a · attn_in` (stored), then the normed latent `[T, Lkv]` and the roped `k_pe [T, R]`.
+pub fn kv(
+    cfg: &MlaConfig,
+    mw: &MirrorWeights,
+    attn_in: ArrayView2<f32>,
+    rope: &RopeF32,
+    dt: Dtype,
+) -> (Array2<f32>, Array2<f32>) {
+    let kv = linear(attn_in, mw.kv_a.view(), dt);
+    let lkv = cfg.kv_lora_rank;
+    let latent = rms_norm(kv.slice(s![.., ..lkv]), &mw.kv_a_norm, cfg.rms_eps, dt);
+    let mut k_pe = kv.slice(s![.., lkv..]).to_owned();
+    for (t, mut row) in k_pe.rows_mut().into_iter().enumerate() {
+        rope.rotate(t, row.as_slice_mut().expect("contiguous"), dt);
+    }
+    (latent, k_pe)
+}
+
+/// Per-head `k_nope = round(W_UK·latent) [n, H, P]` and `v = round(W_UV·latent) [n, H, Dv]`.
+pub fn decompress(
+    cfg: &MlaConfig,
+    mw: &MirrorWeights,
+    latent: ArrayView2<f32>,
+    dt: Dtype,
+) -> (Array3<f32>, Array3<f32>) {
+    let (n, h) = (latent.nrows(), cfg.n_head);
+    let k = linear(latent, mw.w_uk.view(), dt)
+        .into_shape_with_order((n, h, cfg.qk_nope))
+        .expect("[n, H·P]");
+    let v = linear(latent, mw.w_uv.view(), dt)
+        .into_shape_with_order((n, h, cfg.v_head_dim))
+        .expect("[n, H·Dv]");
+    (k, v)
+}
+
+/// `attn_out = round(heads · W_oᵀ)`, heads flattened `[T, H·Dv]`.
+pub fn o_proj(mw: &MirrorWeights, heads: &Array3<f32>, dt: Dtype) -> Array2<f32> {
+    let (t, h, dv) = heads.dim();
+    let flat = heads
+        .view()
+        .into_shape_with_order((t, h * dv))
+        .expect("contiguous");
+    linear(flat, mw.o.view(), dt)
+}

@@ -1,0 +1,174 @@
+//! The CPU mirror of the fused serving path: the executable specification the CUDA kernels implement.
+//!
+//! Precision: weights and activations are stored in `dtype` (bf16, fp16 or f32); every dot product is
+//! accumulated in f32; `round` below means `Dtype::round`, applied wherever a kernel writes a result to
+//! memory. Scores, softmax statistics and split partials stay in f32.
+//!
+//! Row-wise stages (every token independently, `front.rs`):
+//! - `x = round(x)`; `attn_in = round(RMSNorm_f32(x) · round(w_attn_norm))`
+//!   (RMSNorm: `r = 1/sqrt(Σx²/n + eps)` in f32, `y = x·r·w`);
+//! - q-LoRA: `q_a = round(attn_in·W_qaᵀ)`, `q_a = round(RMSNorm(q_a)·w)`, `q = round(q_a·W_qbᵀ)`;
+//!   plain: `q = round(attn_in·W_qᵀ)`; per head `[q_nope(P) | q_pe(R)]`, `q_pe = round(rope_f32(q_pe))`;
+//! - `kv = round(attn_in·W_kvaᵀ)`, `latent = round(RMSNorm(kv[:Lkv])·w)`, `k_pe = round(rope_f32(kv[Lkv:]))`;
+//! - rope uses the f64 tables of `crate::rope` cast to f32: `x0' = round(x0·c − x1·s)`, `x1' = round(x0·s + x1·c)`.
+//!
+//! Paged cache (`cache.rs`): a pool of `Schedule::pool_pages()·page_size` rows of width `Lkv+R`, all NaN
+//! at start. The rows `[latent | k_pe]` of a prefill chunk or decode step are written through the block
+//! table (`table[t / page] · page + t % page`) before that chunk's or step's attention.
+//!
+//! Flash attention (`flash.rs`): online softmax over tiles of 64 keys from the start of the key range,
+//! score `s = (q_a·k_a + q_b·k_b)·scale` in f32 (two dot products, nope/latent and rope parts), per tile
+//! `m' = max(m, max s)`, `l, acc *= exp(m − m')`, `p = exp(s − m')`, `l += p` (unrounded f32),
+//! `acc += round(p)·v`; result `out = acc/l`, `lse = m + ln l` (natural log); no key: out 0, lse −inf.
+//! A merge of parts by lse: `m = max lse`, weights `exp(lse − m)` (0 for lse −inf), `out = Σw·o/Σw`,
+//! `lse = m + ln Σw`, all f32.
+//!
+//! Prefill (`prefill.rs`), chunks of `Schedule::prefill_chunks`: keys/values of the chunk from its fresh
+//! latent, `k_nope = round(W_UK·latent)`, `v = round(W_UV·latent)`, causal flash attention → `o = round(out)`.
+//! With cached context (`c0 > 0`): rows `0..c0` gathered from the cache, decompressed the same way,
+//! non-causal flash attention → `o_ctx = round(out)`, then the merge of (context, chunk) → `round(out)`,
+//! merged lse (vLLM `merge_attn_states`).
+//!
+//! Decode (`decode.rs`), steps of `Schedule::decode_ranges` (q_len ≥ 1, keys `0..seq_len` with `seq_len`
+//! the step's end, causal within the step): `q_abs = round(W_UK[h]ᵀ·q_nope[h])` (f32 accumulation; fp16
+//! may overflow to inf, as real engines do), query `[q_abs | q_pe]` over cache rows `[latent | k_pe]`
+//! read through the block table, splits of `Schedule::split_ranges(seq_len)`, each a flash attention over
+//! its keys visible to the query with value = latent (a split with none: out 0, lse −inf), partials kept
+//! in f32; merged → `attn_latent = round(out)`, lse; `attn_heads = round(W_UV[h]·attn_latent)`.
+//!
+//! Finally `attn_out = round(attn_heads·W_oᵀ)`. The trace has every stage in the reference's shapes;
+//! `cache_rows` is read back from the pool in token order after all writes.
+
+pub mod cache;
+pub mod decode;
+pub mod flash;
+pub mod front;
+pub mod ops;
+pub mod prefill;
+
+use super::{Backend, Dtype};
+use crate::error::Result;
+use crate::model::{LayerWeights, MlaConfig, RopeFactors};
+use crate::rope::RopeTables;
+use crate::schedule::Schedule;
+use crate::trace::{LayerTrace, Stage, StageTensor};
+use ndarray::{Array, Array2, Array3, Dimension};
+
+/// The row-wise stages of all tokens, in the dtype.
+#[derive(Debug, Clone)]
+pub struct MirrorFront {
+    pub attn_in: Array2<f32>,
+    pub q_nope: Array3<f32>,
+    pub q_pe: Array3<f32>,
+    pub latent: Array2<f32>,
+    pub k_pe: Array2<f32>,
+}
+
+/// `a[i, j, :]` of a standard-layout array.
+#[inline]
+pub fn row3(a: &Array3<f32>, i: usize, j: usize) -> &[f32] {
+    let (_, n1, n2) = a.dim();
+    let at = (i * n1 + j) * n2;
+    &a.as_slice().expect("standard layout")[at..at + n2]
+}
+
+/// The serving path at the engine's precision, on the CPU.
+#[derive(Debug, Clone)]
+pub struct CpuMirror {
+    pub dtype: Dtype,
+    /// LongRoPE factors of the model, if it has them (`RopeFactors::load`).
+    pub rope_factors: Option<RopeFactors>,
+}
+
+impl CpuMirror {
+    pub fn new(dtype: Dtype) -> CpuMirror {
+        CpuMirror {
+            dtype,
+            rope_factors: None,
+        }
+    }
+    pub fn with_rope_factors(mut self, f: Option<RopeFactors>) -> CpuMirror {
+        self.rope_factors = f;
+        self
+    }
+}
+
+fn stage<D: Dimension>(s: Stage, a: &Array<f32, D>) -> StageTensor {
+    StageTensor::new(s, a.shape().to_vec(), a.iter().map(|&v| v as f64).collect())
+}
+
+impl Backend for CpuMirror {
+    fn describe(&self) -> String {
+        format!("cpu-mirror ({}, f32 accumulation)", self.dtype.name())
+    }
+
+    fn run_layer(
+        &mut self,
+        cfg: &MlaConfig,
+        w: &LayerWeights,
+        x: &Array2<f64>,
+        sched: &Schedule,
+    ) -> Result<LayerTrace> {
+        let t = sched.total_tokens();
+        let tables = RopeTables::for_run(cfg, self.rope_factors.as_ref(), sched.pos_offset, t)?;
+        crate::reference::check_inputs(cfg, w, &tables, x, sched)?;
+        let dt = self.dtype;
+        let rope = front::RopeF32::new(&tables);
+        let mw = front::MirrorWeights::new(cfg, w, dt);
+
+        let x = front::input(x, dt);
+        let attn_in = front::attn_in(cfg, &mw, x.view(), dt);
+        let q = front::query(cfg, &mw, attn_in.view(), dt);
+        let (q_nope, q_pe) = front::split_query(cfg, q, &rope, dt);
+        let (latent, k_pe) = front::kv(cfg, &mw, attn_in.view(), &rope, dt);
+        let f = MirrorFront {
+            attn_in,
+            q_nope,
+            q_pe,
+            latent,
+            k_pe,
+        };
+
+        let (h, dv) = (cfg.n_head, cfg.v_head_dim);
+        let mut cache = cache::PagedCache::new(sched, cfg.cache_row());
+        let write = |cache: &mut cache::PagedCache, r: std::ops::Range<usize>| {
+            for tt in r {
+                cache.write(
+                    tt,
+                    f.latent.row(tt).as_slice().expect("contiguous"),
+                    f.k_pe.row(tt).as_slice().expect("contiguous"),
+                );
+            }
+        };
+        let mut heads = Array3::<f32>::zeros((t, h, dv));
+        let mut lse = Array2::<f32>::zeros((t, h));
+        for c in sched.prefill_chunks() {
+            write(&mut cache, c.clone());
+            prefill::chunk(cfg, &mw, &f, &cache, c, dt, &mut heads, &mut lse);
+        }
+        let mut dec = decode::DecodeStages::new(cfg, sched);
+        for r in sched.decode_ranges() {
+            write(&mut cache, r.clone());
+            decode::step(
+                cfg, &mw, &f, &cache, r, sched, dt, &mut dec, &mut heads, &mut lse,
+            );
+        }
+        let attn_out = front::o_proj(&mw, &heads, dt);
+
+        let mut tr = LayerTrace::new(w.layer);
+        tr.push(stage(Stage::AttnIn, &f.attn_in));
+        tr.push(stage(Stage::QNope, &f.q_nope));
+        tr.push(stage(Stage::QPe, &f.q_pe));
+        tr.push(stage(Stage::KvLatent, &f.latent));
+        tr.push(stage(Stage::KPe, &f.k_pe));
+        tr.push(stage(Stage::CacheRows, &cache.gather(0..t)));
+        tr.push(stage(Stage::QAbsorbed, &dec.q_abs));
+        tr.push(stage(Stage::SplitOut, &dec.split_out));
+        tr.push(stage(Stage::SplitLse, &dec.split_lse));
+        tr.push(stage(Stage::AttnLatent, &dec.attn_latent));
+        tr.push(stage(Stage::Lse, &lse));
+        tr.push(stage(Stage::AttnHeads, &heads));
+        tr.push(stage(Stage::AttnOut, &attn_out));
+        Ok(tr)
+    }
+}

@@ -1,0 +1,114 @@
+//! Chunked prefill: each chunk attends causally to itself in decompressed (MHA) form; a chunk with
+//! cached context also attends to the decompressed context rows read back from the paged cache, and the
+//! two results are merged by their lse (vLLM's `_forward_prefill` with `merge_attn_states`).
+
+use super::cache::PagedCache;
+use super::flash::{attend, merge, Partial};
+use super::front::{decompress, MirrorWeights};
+use super::ops::dot;
+use super::{row3, MirrorFront};
+use crate::backend::Dtype;
+use crate::model::MlaConfig;
+use ndarray::{s, Array2, Array3};
+use std::ops::Range;
+
+/// Decompressed keys and values of a run of tokens, with their shared `k_pe`.
+pub struct Kv {
+    /// `[n, H, P]`
+    pub k_nope: Array3<f32>,
+    /// `[n, R]`
+    pub k_pe: Array2<f32>,
+    /// `[n, H, Dv]`
+    pub v: Array3<f32>,
+}
+
+/// The chunk's own keys and values, from its fresh latent.
+pub fn chunk_kv(
+    cfg: &MlaConfig,
+    mw: &MirrorWeights,
+    f: &MirrorFront,
+    c: Range<usize>,
+    dt: Dtype,
+) -> Kv {
+    let (k_nope, v) = decompress(cfg, mw, f.latent.slice(s![c.clone(), ..]), dt);
+    Kv {
+        k_nope,
+        k_pe: f.k_pe.slice(s![c, ..]).to_owned(),
+        v,
+    }
+}
+
+/// The context rows `0..end` gathered from the paged cache and decompressed.
+pub fn context_kv(
+    cfg: &MlaConfig,
+    mw: &MirrorWeights,
+    cache: &PagedCache,
+    end: usize,
+    dt: Dtype,
+) -> Kv {
+    let rows = cache.gather(0..end);
+    let lkv = cfg.kv_lora_rank;
+    let (k_nope, v) = decompress(cfg, mw, rows.slice(s![.., ..lkv]), dt);
+    Kv {
+        k_nope,
+        k_pe: rows.slice(s![.., lkv..]).to_owned(),
+        v,
+    }
+}
+
+/// Attention of query `(t, h)` over `keys` (indices into `kv`); the output is stored in the dtype.
+pub fn attend_kv(
+    cfg: &MlaConfig,
+    f: &MirrorFront,
+    kv: &Kv,
+    t: usize,
+    h: usize,
+    keys: Range<usize>,
+    dt: Dtype,
+) -> Partial {
+    let (qn, qp) = (row3(&f.q_nope, t, h), row3(&f.q_pe, t, h));
+    let scale = cfg.softmax_scale as f32;
+    let k_pe = kv.k_pe.as_slice().expect("contiguous");
+    let r = cfg.qk_rope;
+    attend(
+        keys,
+        cfg.v_head_dim,
+        dt,
+        |j| (dot(qn, row3(&kv.k_nope, j, h)) + dot(qp, &k_pe[j * r..(j + 1) * r])) * scale,
+        |j| row3(&kv.v, j, h),
+    )
+    .rounded(dt)
+}
+
+/// Prefill chunk `c`: its rows must already be in the cache. Writes `heads [T, H, Dv]` and `lse [T, H]`
+/// for the chunk's tokens.
+#[allow(clippy::too_many_arguments)]
+pub fn chunk(
+    cfg: &MlaConfig,
+    mw: &MirrorWeights,
+    f: &MirrorFront,
+    cache: &PagedCache,
+    c: Range<usize>,
+    dt: Dtype,
+    heads: &mut Array3<f32>,
+    lse: &mut Array2<f32>,
+) {
+    let own = chunk_kv(cfg, mw, f, c.clone(), dt);
+    let ctx = (c.start > 0).then(|| context_kv(cfg, mw, cache, c.start, dt));
+    for (i, t) in c.clone().enumerate() {
+        for h in 0..cfg.n_head {
+            let mine = attend_kv(cfg, f, &own, t, h, 0..i + 1, dt);
+            let res = match &ctx {
+                None => mine,
+                Some(kv) => {
+                    let prefix = attend_kv(cfg, f, kv, t, h, 0..c.start, dt);
+                    merge(&[prefix, mine]).rounded(dt)
+                }
+            };
+            heads
+                .slice_mut(s![t, h, ..])
+                .assign(&ndarray::ArrayView1::from(&res.out));
+            lse[[t, h]] = res.lse;
+        }
+    }
+}
