@@ -373,6 +373,8 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
     dt* sP = reinterpret_cast<dt*>(smem + ATT_SQ + ATT_STAGES * (ATT_SK + ATT_SV));
     float* sMax = reinterpret_cast<float*>(smem + ATT_SQ + ATT_STAGES * (ATT_SK + ATT_SV) + ATT_SP);
     float* sSum = sMax + ATT_WN * ATT_BM;
+    (void)sP;  // unused with ATT_WN == 1 (P stays in registers)
+    (void)sSum;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp % ATT_WM, wn = warp / ATT_WM;

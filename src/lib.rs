@@ -6,15 +6,15 @@
 //! `report`. `fixture` writes synthetic GGUF files in llama.cpp's conventions.
 
 pub mod backend;
-pub mod compare;
 pub mod bench;
+pub mod compare;
 pub mod error;
 pub mod gguf;
 pub mod input;
 pub mod inspect;
 pub mod model;
-pub mod report;
 pub mod reference;
+pub mod report;
 pub mod rope;
 pub mod schedule;
 pub mod trace;

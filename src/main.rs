@@ -27,6 +27,9 @@ enum Cmd {
         #[command(subcommand)]
         cmd: KernelsCmd,
     },
+    /// Run the CUDA path on synthetic layers with real model dims and compare every stage with the CPU
+    /// mirror and the fp64 reference (needs a GPU).
+    GpuValidate(mla_diff::backend::cuda::validate::ValidateArgs),
     /// Benchmarks (timings on this machine; not tests).
     Bench {
         #[command(subcommand)]
@@ -140,13 +143,26 @@ fn run(cli: Cli) -> Result<i32, Error> {
                 "{} compilations OK (PTX + CUBIN); {} kernel(s) with register spills{}",
                 s.compiles,
                 s.spilling.len(),
-                if s.spilling.is_empty() { String::new() } else { format!(": {}", s.spilling.join("; ")) }
+                if s.spilling.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", s.spilling.join("; "))
+                }
             );
             Ok(0)
         }
+        Cmd::GpuValidate(a) => mla_diff::backend::cuda::validate::run(&a),
         Cmd::Bench { what } => match what {
-            BenchCmd::Decode { backend: BenchBackend::Cuda, kernels, json } => cuda_bench(true, kernels, json),
-            BenchCmd::Prefill { backend: BenchBackend::Cuda, kernels, json } => cuda_bench(false, kernels, json),
+            BenchCmd::Decode {
+                backend: BenchBackend::Cuda,
+                kernels,
+                json,
+            } => cuda_bench(true, kernels, json),
+            BenchCmd::Prefill {
+                backend: BenchBackend::Cuda,
+                kernels,
+                json,
+            } => cuda_bench(false, kernels, json),
             BenchCmd::Reference {
                 preset,
                 hidden,

@@ -75,11 +75,21 @@ struct Filler {
 impl Filler {
     fn new(k: &mut Kernels, dims: &Dims) -> Result<Filler> {
         let m = k.module("fill.cu", dims.defines())?;
-        Ok(Filler { f: m.func("fill_normal")?, _m: m })
+        Ok(Filler {
+            f: m.func("fill_normal")?,
+            _m: m,
+        })
     }
     fn fill(&self, b: &DevBuf, n: usize, seed: u32, scale: f32) -> Result<()> {
         let n = n as i64;
-        launch(self.f, "fill_normal", (1024, 1, 1), 256, 0, &mut [arg(&b.ptr), arg(&n), arg(&seed), arg(&scale)])
+        launch(
+            self.f,
+            "fill_normal",
+            (1024, 1, 1),
+            256,
+            0,
+            &mut [arg(&b.ptr), arg(&n), arg(&seed), arg(&scale)],
+        )
     }
 }
 
@@ -103,11 +113,31 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
     let blas = Blas::new()?;
     let mut k = Kernels::new(Sources::load(opts.kernels_dir.as_deref())?, &gpu);
     let dt = Dtype::Bf16;
-    let base = Dims { dtype: dt, lkv: 512, r: 64, p: 128, dv: 128, h: 128, page: 64, neox: false, debug: false };
+    let base = Dims {
+        dtype: dt,
+        lkv: 512,
+        r: 64,
+        p: 128,
+        dv: 128,
+        h: 128,
+        page: 64,
+        neox: false,
+        debug: false,
+    };
     let filler = Filler::new(&mut k, &base)?;
     let mut out = String::new();
     let info = &gpu.info;
-    writeln!(out, "GPU: {} (sm_{}{}, {} SMs, {:.0} GiB), driver {}", info.name, info.cc.0, info.cc.1, info.sms, info.total_mem as f64 / (1u64 << 30) as f64, info.driver_version).unwrap();
+    writeln!(
+        out,
+        "GPU: {} (sm_{}{}, {} SMs, {:.0} GiB), driver {}",
+        info.name,
+        info.cc.0,
+        info.cc.1,
+        info.sms,
+        info.total_mem as f64 / (1u64 << 30) as f64,
+        info.driver_version
+    )
+    .unwrap();
 
     // Ceilings.
     let copy_bytes = 1usize << 31;
@@ -115,9 +145,16 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
     let b = DevBuf::alloc(copy_bytes)?;
     filler.fill(&a, copy_bytes / 2, 1, 1.0)?;
     let (copy_us, _) = time_us(3, 20, || {
-        unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(b.ptr, a.ptr, copy_bytes, std::ptr::null_mut()) }
-            .result()
-            .map_err(super::device::drv_err("cuMemcpyDtoD"))
+        unsafe {
+            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
+                b.ptr,
+                a.ptr,
+                copy_bytes,
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(super::device::drv_err("cuMemcpyDtoD"))
     })?;
     drop((a, b));
     let copy_gbps = 2.0 * copy_bytes as f64 / (copy_us * 1e-6) / 1e9;
@@ -127,13 +164,37 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
     let gc = DevBuf::alloc(nm * nm * 2)?;
     filler.fill(&ga, nm * nm, 2, 1.0)?;
     filler.fill(&gb, nm * nm, 3, 1.0)?;
-    let (mm_us, _) = time_us(3, 20, || blas.batched(dt, Op::CUBLAS_OP_N, nm, nm, nm, ga.ptr, nm, 0, gb.ptr, nm, 0, gc.ptr, nm, 0, 1))?;
+    let (mm_us, _) = time_us(3, 20, || {
+        blas.batched(
+            dt,
+            Op::CUBLAS_OP_N,
+            nm,
+            nm,
+            nm,
+            ga.ptr,
+            nm,
+            0,
+            gb.ptr,
+            nm,
+            0,
+            gc.ptr,
+            nm,
+            0,
+            1,
+        )
+    })?;
     drop((ga, gb, gc));
     let matmul_tflops = 2.0 * (nm as f64).powi(3) / (mm_us * 1e-6) / 1e12;
     writeln!(out, "ceilings: device-to-device copy {copy_gbps:.0} GB/s (read+write, 2 GiB, median of 20); cuBLAS bf16 8192^3 GEMM {matmul_tflops:.1} TFLOP/s (random data, median of 20)").unwrap();
 
     let mut rows: Vec<BenchRow> = Vec::new();
-    let mk = |kernel: &str, shape: String, config: String, (med, min): (f64, f64), bytes: f64, flops: f64, check: String| BenchRow {
+    let mk = |kernel: &str,
+              shape: String,
+              config: String,
+              (med, min): (f64, f64),
+              bytes: f64,
+              flops: f64,
+              check: String| BenchRow {
         kernel: kernel.into(),
         shape,
         config,
@@ -213,16 +274,39 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
             let want: Vec<u16> = o.read(0, bsz * h * lkv)?;
             let mut tiles: Vec<Tile> = decode_tiles(h);
             tiles.extend(if h >= 64 {
-                vec![Tile { wm: 4, wn: 2, bn: 32, stages: 3 }]
+                vec![Tile {
+                    wm: 4,
+                    wn: 2,
+                    bn: 32,
+                    stages: 3,
+                }]
             } else {
-                vec![Tile { wm: 1, wn: 4, bn: 32, stages: 4 }, Tile { wm: 1, wn: 8, bn: 64, stages: 2 }]
+                vec![
+                    Tile {
+                        wm: 1,
+                        wn: 4,
+                        bn: 32,
+                        stages: 4,
+                    },
+                    Tile {
+                        wm: 1,
+                        wn: 8,
+                        bn: 64,
+                        stages: 2,
+                    },
+                ]
             });
             tiles.dedup();
             for tile in tiles {
                 let att = match Attn::load(&mut k, &gpu, "decode.cu", &dims, &[tile], false) {
                     Ok(a) if a.uses_mma() => a,
                     Ok(_) => {
-                        writeln!(out, "decode H={h}: tile {} does not fit shared memory, skipped", tile.label()).unwrap();
+                        writeln!(
+                            out,
+                            "decode H={h}: tile {} does not fit shared memory, skipped",
+                            tile.label()
+                        )
+                        .unwrap();
                         continue;
                     }
                     Err(e) => {
@@ -243,7 +327,16 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
                                 (rows_n as u32, 1, 1),
                                 128,
                                 0,
-                                &mut [arg(&po.ptr), arg(&pl.ptr), arg(&o.ptr), arg(&ors), arg(&ohs), arg(&lse.ptr), arg(&hh), arg(&nsi)],
+                                &mut [
+                                    arg(&po.ptr),
+                                    arg(&pl.ptr),
+                                    arg(&o.ptr),
+                                    arg(&ors),
+                                    arg(&ohs),
+                                    arg(&lse.ptr),
+                                    arg(&hh),
+                                    arg(&nsi),
+                                ],
                             )?;
                         }
                         Ok(())
@@ -272,7 +365,15 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
         let t = 4096usize;
         for (h, p, r, dv) in [(128usize, 128usize, 64usize, 128usize), (64, 192, 64, 256)] {
             let dqk = p + r;
-            let dims = Dims { h, p, r, dv, lkv: 512, page: 64, ..base };
+            let dims = Dims {
+                h,
+                p,
+                r,
+                dv,
+                lkv: 512,
+                page: 64,
+                ..base
+            };
             let q = DevBuf::alloc(t * h * dqk * 2)?;
             let kn = DevBuf::alloc(t * h * p * 2)?;
             let kpe = DevBuf::alloc(t * r * 2)?;
@@ -314,8 +415,18 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
             gpu.sync("prefill (scalar reference)")?;
             let want: Vec<u16> = o.read(0, t * h * dv)?;
             let mut tiles = prefill_tiles();
-            tiles.push(Tile { wm: 8, wn: 1, bn: 64, stages: 2 });
-            tiles.push(Tile { wm: 4, wn: 1, bn: 64, stages: 3 });
+            tiles.push(Tile {
+                wm: 8,
+                wn: 1,
+                bn: 64,
+                stages: 2,
+            });
+            tiles.push(Tile {
+                wm: 4,
+                wn: 1,
+                bn: 64,
+                stages: 3,
+            });
             for tile in tiles {
                 let att = match Attn::load(&mut k, &gpu, "prefill.cu", &dims, &[tile], false) {
                     Ok(a) if a.uses_mma() => a,
@@ -344,12 +455,26 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
         }
     }
 
-    writeln!(out, "\n{:<8} {:<42} {:<44} {:>9} {:>8} {:>8} {:>7} {:>8} {:>7}  check", "kernel", "shape", "config", "median us", "GB/s", "%copy", "TFLOP/s", "%matmul", "min us").unwrap();
+    writeln!(
+        out,
+        "\n{:<8} {:<42} {:<44} {:>9} {:>8} {:>8} {:>7} {:>8} {:>7}  check",
+        "kernel", "shape", "config", "median us", "GB/s", "%copy", "TFLOP/s", "%matmul", "min us"
+    )
+    .unwrap();
     for r in &rows {
         writeln!(
             out,
             "{:<8} {:<42} {:<44} {:>9.1} {:>8.0} {:>7.1}% {:>7.1} {:>7.1}% {:>7.1}  {}",
-            r.kernel, r.shape, r.config, r.median_us, r.gbps, r.pct_copy_bw, r.tflops, r.pct_matmul, r.min_us, r.check
+            r.kernel,
+            r.shape,
+            r.config,
+            r.median_us,
+            r.gbps,
+            r.pct_copy_bw,
+            r.tflops,
+            r.pct_matmul,
+            r.min_us,
+            r.check
         )
         .unwrap();
     }

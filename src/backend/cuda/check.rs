@@ -31,9 +31,19 @@ fn smem_limit(arch: &str) -> Option<usize> {
 pub fn ptx_attn_config(ptx: &str) -> Option<[i32; 4]> {
     let l = ptx.lines().find(|l| l.contains("attn_mma_config["))?;
     let inner = &l[l.find('{')? + 1..l.find('}')?];
-    let mut bytes: Vec<u8> = inner.split(',').filter_map(|b| b.trim().parse().ok()).collect();
+    let mut bytes: Vec<u8> = inner
+        .split(',')
+        .filter_map(|b| b.trim().parse().ok())
+        .collect();
     bytes.resize(16, 0);
-    let w = |i: usize| i32::from_le_bytes([bytes[4 * i], bytes[4 * i + 1], bytes[4 * i + 2], bytes[4 * i + 3]]);
+    let w = |i: usize| {
+        i32::from_le_bytes([
+            bytes[4 * i],
+            bytes[4 * i + 1],
+            bytes[4 * i + 2],
+            bytes[4 * i + 3],
+        ])
+    };
     Some([w(0), w(1), w(2), w(3)])
 }
 
@@ -43,7 +53,10 @@ pub struct CheckSummary {
     pub spilling: Vec<String>,
 }
 
-pub fn kernels_check(archs: &[String], kernels_dir: Option<&std::path::Path>) -> Result<CheckSummary> {
+pub fn kernels_check(
+    archs: &[String],
+    kernels_dir: Option<&std::path::Path>,
+) -> Result<CheckSummary> {
     let src = Sources::load(kernels_dir)?;
     let (maj, min) = nvrtc::nvrtc_version()?;
     let inc = nvrtc::include_paths();
@@ -52,13 +65,27 @@ pub fn kernels_check(archs: &[String], kernels_dir: Option<&std::path::Path>) ->
         rep,
         "NVRTC {maj}.{min}; kernels from {}; include path {}",
         src.dir.display(),
-        if inc.is_empty() { "(none: set MLA_DIFF_CUDA_INCLUDE)".to_string() } else { inc.join(":") }
+        if inc.is_empty() {
+            "(none: set MLA_DIFF_CUDA_INCLUDE)".to_string()
+        } else {
+            inc.join(":")
+        }
     )
     .unwrap();
     writeln!(
         rep,
         "{:<7} {:<12} {:<5} {:<15} {:<28} {:<15} {:>5} {:>7} {:>7} {:>6} {:>9}",
-        "arch", "dims", "dtype", "unit", "tile", "kernel", "regs", "spill-st", "spill-ld", "stack", "dyn-smem"
+        "arch",
+        "dims",
+        "dtype",
+        "unit",
+        "tile",
+        "kernel",
+        "regs",
+        "spill-st",
+        "spill-ld",
+        "stack",
+        "dyn-smem"
     )
     .unwrap();
     let mut compiles = 0;
@@ -66,8 +93,22 @@ pub fn kernels_check(archs: &[String], kernels_dir: Option<&std::path::Path>) ->
     for arch in archs {
         for &(name, lkv, r, p, dv, h, neox) in DIM_SETS.iter() {
             for dt in [Dtype::Bf16, Dtype::F16, Dtype::F32] {
-                let dims = Dims { dtype: dt, lkv, r, p, dv, h, page: 64, neox, debug: true };
-                let mut jobs: Vec<(&str, Option<Tile>)> = vec![("norm_rope.cu", None), ("cache_write.cu", None), ("fill.cu", None)];
+                let dims = Dims {
+                    dtype: dt,
+                    lkv,
+                    r,
+                    p,
+                    dv,
+                    h,
+                    page: 64,
+                    neox,
+                    debug: true,
+                };
+                let mut jobs: Vec<(&str, Option<Tile>)> = vec![
+                    ("norm_rope.cu", None),
+                    ("cache_write.cu", None),
+                    ("fill.cu", None),
+                ];
                 jobs.push(("prefill.cu", Some(prefill_tiles()[0])));
                 jobs.push(("decode.cu", Some(decode_tiles(64)[0])));
                 jobs.push(("decode.cu", Some(decode_tiles(1)[0])));
@@ -78,18 +119,27 @@ pub fn kernels_check(archs: &[String], kernels_dir: Option<&std::path::Path>) ->
                     }
                     let c = nvrtc::compile(&src, unit, &defs, arch, true)?;
                     compiles += 1;
-                    if c.cubin.as_ref().is_none_or(|b| b.len() < 4 || &b[..4] != b"\x7fELF") {
-                        return Err(Error::Environment(format!("{unit} for {arch}: NVRTC returned no ELF CUBIN")));
+                    if c.cubin
+                        .as_ref()
+                        .is_none_or(|b| b.len() < 4 || &b[..4] != b"\x7fELF")
+                    {
+                        return Err(Error::Environment(format!(
+                            "{unit} for {arch}: NVRTC returned no ELF CUBIN"
+                        )));
                     }
                     let ptx = String::from_utf8_lossy(&c.ptx);
                     if !ptx.contains(".target") {
-                        return Err(Error::Environment(format!("{unit} for {arch}: NVRTC returned no PTX")));
+                        return Err(Error::Environment(format!(
+                            "{unit} for {arch}: NVRTC returned no PTX"
+                        )));
                     }
                     let cfg = ptx_attn_config(&ptx);
                     for k in parse_ptxas(&c.log) {
                         let smem = if k.name == "attn_mma" {
                             cfg.map(|c| {
-                                let fits = smem_limit(arch).map(|l| if c[0] as usize <= l { "" } else { " (too big)" }).unwrap_or("");
+                                let fits = smem_limit(arch)
+                                    .map(|l| if c[0] as usize <= l { "" } else { " (too big)" })
+                                    .unwrap_or("");
                                 format!("{}{fits}", c[0])
                             })
                             .unwrap_or_default()
@@ -103,7 +153,8 @@ pub fn kernels_check(archs: &[String], kernels_dir: Option<&std::path::Path>) ->
                             name,
                             dt.name(),
                             unit,
-                            tile.map(|t| format!("{}x{} bn{} st{}", t.wm, t.wn, t.bn, t.stages)).unwrap_or("-".into()),
+                            tile.map(|t| format!("{}x{} bn{} st{}", t.wm, t.wn, t.bn, t.stages))
+                                .unwrap_or("-".into()),
                             k.name,
                             k.registers,
                             k.spill_stores,
@@ -120,7 +171,11 @@ pub fn kernels_check(archs: &[String], kernels_dir: Option<&std::path::Path>) ->
             }
         }
     }
-    Ok(CheckSummary { report: rep, compiles, spilling })
+    Ok(CheckSummary {
+        report: rep,
+        compiles,
+        spilling,
+    })
 }
 
 #[cfg(test)]

@@ -61,9 +61,12 @@ impl Gpu {
         }
         let dev = drv::device::get(0).map_err(drv_err("cuDeviceGet"))?;
         // SAFETY: dev is a valid device handle.
-        let ctx = unsafe { drv::primary_ctx::retain(dev) }.map_err(drv_err("cuDevicePrimaryCtxRetain"))?;
+        let ctx = unsafe { drv::primary_ctx::retain(dev) }
+            .map_err(drv_err("cuDevicePrimaryCtxRetain"))?;
         unsafe { drv::ctx::set_current(ctx) }.map_err(drv_err("cuCtxSetCurrent"))?;
-        let attr = |a| unsafe { drv::device::get_attribute(dev, a) }.map_err(drv_err("cuDeviceGetAttribute"));
+        let attr = |a| {
+            unsafe { drv::device::get_attribute(dev, a) }.map_err(drv_err("cuDeviceGetAttribute"))
+        };
         use sys::CUdevice_attribute as A;
         let cc = (
             attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
@@ -75,7 +78,8 @@ impl Gpu {
         unsafe { sys::cuDriverGetVersion(&mut driver_version) }
             .result()
             .map_err(drv_err("cuDriverGetVersion"))?;
-        let total_mem = unsafe { drv::device::total_mem(dev) }.map_err(drv_err("cuDeviceTotalMem"))?;
+        let total_mem =
+            unsafe { drv::device::total_mem(dev) }.map_err(drv_err("cuDeviceTotalMem"))?;
         let name = drv::device::get_name(dev).map_err(drv_err("cuDeviceGetName"))?;
         Ok(Gpu {
             dev,
@@ -118,8 +122,10 @@ pub struct DevBuf {
 impl DevBuf {
     pub fn alloc(bytes: usize) -> Result<DevBuf> {
         // A zero-byte request still gets a distinct, valid pointer so kernels may be passed it.
-        let ptr = unsafe { drv::malloc_sync(bytes.max(256)) }
-            .map_err(drv_err(&format!("allocating {} MiB of device memory", bytes >> 20)))?;
+        let ptr = unsafe { drv::malloc_sync(bytes.max(256)) }.map_err(drv_err(&format!(
+            "allocating {} MiB of device memory",
+            bytes >> 20
+        )))?;
         Ok(DevBuf { ptr, bytes })
     }
     pub fn zeros(bytes: usize) -> Result<DevBuf> {
@@ -130,9 +136,15 @@ impl DevBuf {
     /// Fill with the storage type's quiet NaN (cache-pool poison).
     pub fn fill_nan(&self, dt: Dtype) -> Result<()> {
         let r = match dt {
-            Dtype::Bf16 => unsafe { sys::cuMemsetD16Async(self.ptr, 0x7fc0, self.bytes / 2, std::ptr::null_mut()) },
-            Dtype::F16 => unsafe { sys::cuMemsetD16Async(self.ptr, 0x7e00, self.bytes / 2, std::ptr::null_mut()) },
-            Dtype::F32 => unsafe { sys::cuMemsetD32Async(self.ptr, 0x7fc0_0000, self.bytes / 4, std::ptr::null_mut()) },
+            Dtype::Bf16 => unsafe {
+                sys::cuMemsetD16Async(self.ptr, 0x7fc0, self.bytes / 2, std::ptr::null_mut())
+            },
+            Dtype::F16 => unsafe {
+                sys::cuMemsetD16Async(self.ptr, 0x7e00, self.bytes / 2, std::ptr::null_mut())
+            },
+            Dtype::F32 => unsafe {
+                sys::cuMemsetD32Async(self.ptr, 0x7fc0_0000, self.bytes / 4, std::ptr::null_mut())
+            },
         };
         r.result().map_err(drv_err("cuMemset (NaN poison)"))
     }
@@ -145,7 +157,10 @@ impl DevBuf {
         if data.is_empty() {
             return Ok(());
         }
-        assert!(std::mem::size_of_val(data) <= self.bytes, "upload larger than buffer");
+        assert!(
+            std::mem::size_of_val(data) <= self.bytes,
+            "upload larger than buffer"
+        );
         unsafe { drv::memcpy_htod_sync(self.ptr, data) }.map_err(drv_err("host-to-device copy"))
     }
     /// Copy `n` elements of type T starting at element `offset` back to the host.
@@ -155,9 +170,13 @@ impl DevBuf {
             return Ok(v);
         }
         let sz = std::mem::size_of::<T>();
-        assert!((offset + n) * sz <= self.bytes, "download past the end of a device buffer");
-        unsafe { drv::memcpy_dtoh_sync(&mut v, self.ptr + (offset * sz) as u64) }
-            .map_err(drv_err("device-to-host copy (an earlier kernel may have faulted)"))?;
+        assert!(
+            (offset + n) * sz <= self.bytes,
+            "download past the end of a device buffer"
+        );
+        unsafe { drv::memcpy_dtoh_sync(&mut v, self.ptr + (offset * sz) as u64) }.map_err(
+            drv_err("device-to-host copy (an earlier kernel may have faulted)"),
+        )?;
         Ok(v)
     }
     /// Device address of element `offset` of a buffer of `elem`-byte elements.
@@ -187,12 +206,14 @@ impl Timer {
         })
     }
     pub fn start(&self) -> Result<()> {
-        unsafe { drv::event::record(self.start, std::ptr::null_mut()) }.map_err(drv_err("cuEventRecord"))
+        unsafe { drv::event::record(self.start, std::ptr::null_mut()) }
+            .map_err(drv_err("cuEventRecord"))
     }
     /// Record the stop event, wait for it, and return the elapsed milliseconds.
     pub fn stop_ms(&self) -> Result<f32> {
         unsafe {
-            drv::event::record(self.stop, std::ptr::null_mut()).map_err(drv_err("cuEventRecord"))?;
+            drv::event::record(self.stop, std::ptr::null_mut())
+                .map_err(drv_err("cuEventRecord"))?;
             drv::event::synchronize(self.stop).map_err(drv_err("kernel execution (event sync)"))?;
             drv::event::elapsed(self.start, self.stop).map_err(drv_err("cuEventElapsedTime"))
         }
@@ -222,8 +243,12 @@ pub fn encode(dt: Dtype, vals: impl Iterator<Item = f64>) -> Vec<u8> {
     for v in vals {
         match dt {
             // via f32, exactly as `Dtype::round` does (f64 -> f32 -> storage type)
-            Dtype::Bf16 => out.extend_from_slice(&half::bf16::from_f32(v as f32).to_bits().to_le_bytes()),
-            Dtype::F16 => out.extend_from_slice(&half::f16::from_f32(v as f32).to_bits().to_le_bytes()),
+            Dtype::Bf16 => {
+                out.extend_from_slice(&half::bf16::from_f32(v as f32).to_bits().to_le_bytes())
+            }
+            Dtype::F16 => {
+                out.extend_from_slice(&half::f16::from_f32(v as f32).to_bits().to_le_bytes())
+            }
             Dtype::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
         }
     }

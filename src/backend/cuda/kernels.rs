@@ -76,7 +76,10 @@ impl Tile {
         ]
     }
     pub fn label(&self) -> String {
-        format!("{}x{} warps, {} keys/tile, {} stages", self.wm, self.wn, self.bn, self.stages)
+        format!(
+            "{}x{} warps, {} keys/tile, {} stages",
+            self.wm, self.wn, self.bn, self.stages
+        )
     }
 }
 
@@ -101,10 +104,15 @@ impl Module {
             .result()
             .map_err(drv_err(&format!("reading {name} from {}", self.unit)))?;
         if bytes < n * 4 {
-            return Err(Error::Environment(format!("{}: {name} is {bytes} bytes, expected {}", self.unit, n * 4)));
+            return Err(Error::Environment(format!(
+                "{}: {name} is {bytes} bytes, expected {}",
+                self.unit,
+                n * 4
+            )));
         }
         let mut v = vec![0i32; n];
-        unsafe { drv::memcpy_dtoh_sync(&mut v, ptr) }.map_err(drv_err("reading a module global"))?;
+        unsafe { drv::memcpy_dtoh_sync(&mut v, ptr) }
+            .map_err(drv_err("reading a module global"))?;
         Ok(v)
     }
 }
@@ -115,11 +123,14 @@ impl Drop for Module {
     }
 }
 
+/// A compiled unit: file name and its `-D` defines.
+type ModuleKey = (String, Vec<(String, String)>);
+
 /// Compiles kernels on first use for the device's architecture and keeps the modules.
 pub struct Kernels {
     pub src: Sources,
     pub arch: String,
-    cache: HashMap<(String, Vec<(String, String)>), Rc<Module>>,
+    cache: HashMap<ModuleKey, Rc<Module>>,
     /// Milliseconds spent in NVRTC.
     pub compile_ms: f64,
 }
@@ -142,8 +153,9 @@ impl Kernels {
         let c = nvrtc::compile(&self.src, unit, &key.1, &self.arch, false)?;
         self.compile_ms += t.elapsed().as_secs_f64() * 1e3;
         let image = c.cubin.unwrap_or(c.ptx);
-        let m = unsafe { drv::module::load_data(image.as_ptr() as *const c_void) }
-            .map_err(drv_err(&format!("loading module {unit} (arch {})", self.arch)))?;
+        let m = unsafe { drv::module::load_data(image.as_ptr() as *const c_void) }.map_err(
+            drv_err(&format!("loading module {unit} (arch {})", self.arch)),
+        )?;
         let m = Rc::new(Module {
             m,
             unit: unit.to_string(),
@@ -153,7 +165,9 @@ impl Kernels {
     }
 }
 
-/// Launch a kernel on the default stream.
+/// Launch a kernel on the default stream. `f` comes from a loaded `Module` and every entry of `params`
+/// points to a live value of the kernel parameter's type (the driver copies them during the call).
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub fn launch(
     f: sys::CUfunction,
     what: &str,
@@ -260,7 +274,15 @@ impl Attn {
             }
         }
         // The default tile (mma disabled for f32 / odd dims) still has to compile.
-        base.extend(Tile { wm: 1, wn: 1, bn: 32, stages: 2 }.defines());
+        base.extend(
+            Tile {
+                wm: 1,
+                wn: 1,
+                bn: 32,
+                stages: 2,
+            }
+            .defines(),
+        );
         let m = k.module(unit, base)?;
         let scalar = m.func("attn_scalar")?;
         Ok(Attn {
@@ -325,8 +347,35 @@ impl Blas {
 
     /// `y[n, out] = x[n, k] · Wᵀ` with W row-major `[out, k]` (torch orientation), leading dims in elements.
     #[allow(clippy::too_many_arguments)]
-    pub fn linear(&self, dt: Dtype, n: usize, out: usize, k: usize, x: u64, ldx: usize, w: u64, y: u64, ldy: usize) -> Result<()> {
-        self.batched(dt, blas::cublasOperation_t::CUBLAS_OP_T, out, n, k, w, k, 0, x, ldx, 0, y, ldy, 0, 1)
+    pub fn linear(
+        &self,
+        dt: Dtype,
+        n: usize,
+        out: usize,
+        k: usize,
+        x: u64,
+        ldx: usize,
+        w: u64,
+        y: u64,
+        ldy: usize,
+    ) -> Result<()> {
+        self.batched(
+            dt,
+            blas::cublasOperation_t::CUBLAS_OP_T,
+            out,
+            n,
+            k,
+            w,
+            k,
+            0,
+            x,
+            ldx,
+            0,
+            y,
+            ldy,
+            0,
+            1,
+        )
     }
 
     /// Column-major strided batched GEMM `C_b (m×n) = op(A_b) (m×k) · B_b (k×n)`, B not transposed.
@@ -388,5 +437,43 @@ impl Blas {
 impl Drop for Blas {
     fn drop(&mut self) {
         let _ = unsafe { cudarc::cublas::result::destroy_handle(self.h) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attn_args_match_the_kernel_struct() {
+        // kernels/attention.cuh: 10 pointers, 15 long longs, 5 ints and a float (checked again at run time
+        // against the module's `attn_args_size`).
+        assert_eq!(std::mem::size_of::<AttnArgs>(), 10 * 8 + 15 * 8 + 6 * 4);
+        assert_eq!(std::mem::align_of::<AttnArgs>(), 8);
+    }
+
+    #[test]
+    fn dims_become_defines_and_gate_the_tensor_cores() {
+        let d = Dims {
+            dtype: Dtype::Bf16,
+            lkv: 512,
+            r: 64,
+            p: 128,
+            dv: 128,
+            h: 16,
+            page: 64,
+            neox: false,
+            debug: true,
+        };
+        let defs = d.defines();
+        assert!(defs.contains(&("MLA_LKV".to_string(), "512".to_string())));
+        assert!(defs.contains(&("MLA_DTYPE".to_string(), "0".to_string())));
+        assert!(d.mma_ok(true) && d.mma_ok(false));
+        assert!(!Dims {
+            dtype: Dtype::F32,
+            ..d
+        }
+        .mma_ok(true));
+        assert!(!Dims { p: 10, ..d }.mma_ok(false));
     }
 }

@@ -10,12 +10,14 @@ pub mod check;
 pub mod device;
 pub mod kernels;
 pub mod nvrtc;
-pub mod rope_tables;
+pub mod validate;
 
 use crate::backend::{Backend, Dtype};
 use crate::error::{Error, Result};
+use crate::model::rope_factors::RopeFactors;
 use crate::model::weights::QProj;
 use crate::model::{LayerWeights, MlaConfig};
+use crate::rope::RopeTables;
 use crate::schedule::Schedule;
 use crate::trace::{LayerTrace, Stage, StageTensor};
 use cudarc::cublas::sys::cublasOperation_t as Op;
@@ -49,14 +51,39 @@ impl Default for CudaOptions {
 pub fn decode_tiles(rows: usize) -> Vec<Tile> {
     if rows >= 64 {
         vec![
-            Tile { wm: 4, wn: 2, bn: 64, stages: 2 },
-            Tile { wm: 4, wn: 2, bn: 32, stages: 2 },
-            Tile { wm: 2, wn: 2, bn: 32, stages: 2 },
+            Tile {
+                wm: 4,
+                wn: 2,
+                bn: 64,
+                stages: 2,
+            },
+            Tile {
+                wm: 4,
+                wn: 2,
+                bn: 32,
+                stages: 2,
+            },
+            Tile {
+                wm: 2,
+                wn: 2,
+                bn: 32,
+                stages: 2,
+            },
         ]
     } else {
         vec![
-            Tile { wm: 1, wn: 4, bn: 64, stages: 2 },
-            Tile { wm: 1, wn: 4, bn: 32, stages: 2 },
+            Tile {
+                wm: 1,
+                wn: 4,
+                bn: 64,
+                stages: 2,
+            },
+            Tile {
+                wm: 1,
+                wn: 4,
+                bn: 32,
+                stages: 2,
+            },
         ]
     }
 }
@@ -64,9 +91,24 @@ pub fn decode_tiles(rows: usize) -> Vec<Tile> {
 /// Tile choices for prefill (P stays in registers with one warp column).
 pub fn prefill_tiles() -> Vec<Tile> {
     vec![
-        Tile { wm: 4, wn: 1, bn: 64, stages: 2 },
-        Tile { wm: 4, wn: 1, bn: 32, stages: 2 },
-        Tile { wm: 2, wn: 1, bn: 32, stages: 2 },
+        Tile {
+            wm: 4,
+            wn: 1,
+            bn: 64,
+            stages: 2,
+        },
+        Tile {
+            wm: 4,
+            wn: 1,
+            bn: 32,
+            stages: 2,
+        },
+        Tile {
+            wm: 2,
+            wn: 1,
+            bn: 32,
+            stages: 2,
+        },
     ]
 }
 
@@ -75,6 +117,8 @@ pub struct CudaBackend {
     pub kernels: Kernels,
     pub blas: Blas,
     pub opts: CudaOptions,
+    /// LongRoPE factors of the model, if it has them (as for the CPU mirror).
+    pub rope_factors: Option<RopeFactors>,
     /// Which attention kernels the last layer used ("mma 4x2 warps…" / "scalar").
     pub last_paths: String,
 }
@@ -91,8 +135,13 @@ impl CudaBackend {
             kernels,
             blas,
             opts,
+            rope_factors: None,
             last_paths: String::new(),
         })
+    }
+    pub fn with_rope_factors(mut self, f: Option<RopeFactors>) -> CudaBackend {
+        self.rope_factors = f;
+        self
     }
 }
 
@@ -109,7 +158,10 @@ fn down(b: &DevBuf, dt: Dtype, off: usize, n: usize) -> Result<Vec<f64>> {
 }
 
 fn down_f32(b: &DevBuf, off: usize, n: usize) -> Result<Vec<f64>> {
-    Ok(b.read::<f32>(off, n)?.into_iter().map(|v| v as f64).collect())
+    Ok(b.read::<f32>(off, n)?
+        .into_iter()
+        .map(|v| v as f64)
+        .collect())
 }
 
 /// Column slice `[c0, c0+w)` of a row-major `[rows, cols]` tensor.
@@ -131,12 +183,30 @@ impl Backend for CudaBackend {
             i.cc.1,
             i.sms,
             self.opts.dtype.name(),
-            if self.opts.force_scalar { ", scalar attention" } else { "" }
+            if self.opts.force_scalar {
+                ", scalar attention"
+            } else {
+                ""
+            }
         )
     }
 
-    fn run_layer(&mut self, cfg: &MlaConfig, w: &LayerWeights, x: &ndarray::Array2<f64>, sched: &Schedule) -> Result<LayerTrace> {
+    fn run_layer(
+        &mut self,
+        cfg: &MlaConfig,
+        w: &LayerWeights,
+        x: &ndarray::Array2<f64>,
+        sched: &Schedule,
+    ) -> Result<LayerTrace> {
         sched.validate()?;
+        // The same cos/sin tables as the CPU mirror (f64 on the host, uploaded as f32).
+        let tables = RopeTables::for_run(
+            cfg,
+            self.rope_factors.as_ref(),
+            sched.pos_offset,
+            sched.total_tokens(),
+        )?;
+        crate::reference::check_inputs(cfg, w, &tables, x, sched)?;
         self.gpu.bind()?;
         let dt = self.opts.dtype;
         let es = elem_bytes(dt);
@@ -147,7 +217,13 @@ impl Backend for CudaBackend {
                 x.dim()
             )));
         }
-        let (h, p, r, lkv, dv) = (cfg.n_head, cfg.qk_nope, cfg.qk_rope, cfg.kv_lora_rank, cfg.v_head_dim);
+        let (h, p, r, lkv, dv) = (
+            cfg.n_head,
+            cfg.qk_nope,
+            cfg.qk_rope,
+            cfg.kv_lora_rank,
+            cfg.v_head_dim,
+        );
         let dqk = p + r;
         let row = lkv + r;
         let td = sched.decode_tokens();
@@ -177,16 +253,48 @@ impl Backend for CudaBackend {
         let f_cw = m_cw.func("cache_write")?;
         let f_gather = m_cw.func("cache_gather")?;
         let f_copy = m_cw.func("copy_heads")?;
-        let pre = Attn::load(k, &self.gpu, "prefill.cu", &dims, &prefill_tiles(), self.opts.force_scalar)?;
-        let dec = Attn::load(k, &self.gpu, "decode.cu", &dims, &decode_tiles(sched.q_len * h), self.opts.force_scalar)?;
+        let pre = Attn::load(
+            k,
+            &self.gpu,
+            "prefill.cu",
+            &dims,
+            &prefill_tiles(),
+            self.opts.force_scalar,
+        )?;
+        let dec = Attn::load(
+            k,
+            &self.gpu,
+            "decode.cu",
+            &dims,
+            &decode_tiles(sched.q_len * h),
+            self.opts.force_scalar,
+        )?;
         let m_pre = k.module("prefill.cu", {
             let mut d = dims.defines();
-            d.extend(pre.tile.unwrap_or(Tile { wm: 1, wn: 1, bn: 32, stages: 2 }).defines());
+            d.extend(
+                pre.tile
+                    .unwrap_or(Tile {
+                        wm: 1,
+                        wn: 1,
+                        bn: 32,
+                        stages: 2,
+                    })
+                    .defines(),
+            );
             d
         })?;
         let m_dec = k.module("decode.cu", {
             let mut d = dims.defines();
-            d.extend(dec.tile.unwrap_or(Tile { wm: 1, wn: 1, bn: 32, stages: 2 }).defines());
+            d.extend(
+                dec.tile
+                    .unwrap_or(Tile {
+                        wm: 1,
+                        wn: 1,
+                        bn: 32,
+                        stages: 2,
+                    })
+                    .defines(),
+            );
             d
         })?;
         for m in [&m_pre, &m_dec] {
@@ -234,7 +342,7 @@ impl Backend for CudaBackend {
         pool.fill_nan(dt)?;
         let table: Vec<i32> = sched.block_table().iter().map(|&v| v as i32).collect();
         let table_b = DevBuf::upload(&table)?;
-        let (cos, sin) = rope_tables::rope_tables(cfg, sched.pos_offset, t_all);
+        let (cos, sin) = tables.to_f32();
         let cos_b = DevBuf::upload(&cos)?;
         let sin_b = DevBuf::upload(&sin)?;
         let cmax = sched.chunk.min(p0).max(1);
@@ -257,7 +365,14 @@ impl Backend for CudaBackend {
         let blas = &self.blas;
 
         // RMSNorm of `rows` rows.
-        let norm = |xp: u64, xrs: usize, wp: u64, yp: u64, yrs: usize, n_rows: usize, n_cols: usize| -> Result<()> {
+        let norm = |xp: u64,
+                    xrs: usize,
+                    wp: u64,
+                    yp: u64,
+                    yrs: usize,
+                    n_rows: usize,
+                    n_cols: usize|
+         -> Result<()> {
             let (xrs, yrs, nc) = (xrs as i64, yrs as i64, n_cols as i32);
             launch(
                 f_norm,
@@ -265,35 +380,104 @@ impl Backend for CudaBackend {
                 (n_rows as u32, 1, 1),
                 256,
                 0,
-                &mut [arg(&xp), arg(&xrs), arg(&wp), arg(&yp), arg(&yrs), arg(&nc), arg(&eps)],
+                &mut [
+                    arg(&xp),
+                    arg(&xrs),
+                    arg(&wp),
+                    arg(&yp),
+                    arg(&yrs),
+                    arg(&nc),
+                    arg(&eps),
+                ],
             )
         };
-        let rope = |bp: u64, rs: usize, hs: usize, heads_n: usize, off: usize, t0: usize, n_rows: usize| -> Result<()> {
-            let (rs, hs, hn, off, t0) = (rs as i64, hs as i64, heads_n as i32, off as i32, t0 as i32);
+        let rope = |bp: u64,
+                    rs: usize,
+                    hs: usize,
+                    heads_n: usize,
+                    off: usize,
+                    t0: usize,
+                    n_rows: usize|
+         -> Result<()> {
+            let (rs, hs, hn, off, t0) =
+                (rs as i64, hs as i64, heads_n as i32, off as i32, t0 as i32);
             launch(
                 f_rope,
                 "rope",
                 (n_rows as u32, 1, 1),
                 128,
                 0,
-                &mut [arg(&bp), arg(&rs), arg(&hs), arg(&hn), arg(&off), arg(&cos_b.ptr), arg(&sin_b.ptr), arg(&t0)],
+                &mut [
+                    arg(&bp),
+                    arg(&rs),
+                    arg(&hs),
+                    arg(&hn),
+                    arg(&off),
+                    arg(&cos_b.ptr),
+                    arg(&sin_b.ptr),
+                    arg(&t0),
+                ],
             )
         };
         // Token-local stages for tokens [t0, t0+n), then their cache rows.
         let token_local = |t0: usize, n: usize| -> Result<()> {
-            norm(xb.at(t0 * e, es), e, wn_attn.ptr, attn_in.at(t0 * e, es), e, n, e)?;
+            norm(
+                xb.at(t0 * e, es),
+                e,
+                wn_attn.ptr,
+                attn_in.at(t0 * e, es),
+                e,
+                n,
+                e,
+            )?;
             let ain = attn_in.at(t0 * e, es);
             match (&wq_a, &wq_an) {
                 (Some(a), Some(an)) => {
                     blas.linear(dt, n, lq, e, ain, e, a.ptr, qa.at(t0 * lq, es), lq)?;
-                    norm(qa.at(t0 * lq, es), lq, an.ptr, qa.at(t0 * lq, es), lq, n, lq)?;
-                    blas.linear(dt, n, h * dqk, lq, qa.at(t0 * lq, es), lq, wq_b.ptr, q.at(t0 * h * dqk, es), h * dqk)?;
+                    norm(
+                        qa.at(t0 * lq, es),
+                        lq,
+                        an.ptr,
+                        qa.at(t0 * lq, es),
+                        lq,
+                        n,
+                        lq,
+                    )?;
+                    blas.linear(
+                        dt,
+                        n,
+                        h * dqk,
+                        lq,
+                        qa.at(t0 * lq, es),
+                        lq,
+                        wq_b.ptr,
+                        q.at(t0 * h * dqk, es),
+                        h * dqk,
+                    )?;
                 }
-                _ => blas.linear(dt, n, h * dqk, e, ain, e, wq_b.ptr, q.at(t0 * h * dqk, es), h * dqk)?,
+                _ => blas.linear(
+                    dt,
+                    n,
+                    h * dqk,
+                    e,
+                    ain,
+                    e,
+                    wq_b.ptr,
+                    q.at(t0 * h * dqk, es),
+                    h * dqk,
+                )?,
             }
             rope(q.at(t0 * h * dqk, es), h * dqk, dqk, h, p, t0, n)?;
             blas.linear(dt, n, row, e, ain, e, wkv_a.ptr, kv.at(t0 * row, es), row)?;
-            norm(kv.at(t0 * row, es), row, wkv_n.ptr, kv.at(t0 * row, es), row, n, lkv)?;
+            norm(
+                kv.at(t0 * row, es),
+                row,
+                wkv_n.ptr,
+                kv.at(t0 * row, es),
+                row,
+                n,
+                lkv,
+            )?;
             rope(kv.at(t0 * row, es), row, 0, 1, lkv, t0, n)?;
             let t0i = t0 as i32;
             launch(
@@ -302,7 +486,12 @@ impl Backend for CudaBackend {
                 (n as u32, 1, 1),
                 128,
                 0,
-                &mut [arg(&kv.at(t0 * row, es)), arg(&pool.ptr), arg(&table_b.ptr), arg(&t0i)],
+                &mut [
+                    arg(&kv.at(t0 * row, es)),
+                    arg(&pool.ptr),
+                    arg(&table_b.ptr),
+                    arg(&t0i),
+                ],
             )
         };
         let gather = |t0: usize, n: usize, dst: u64| -> Result<()> {
@@ -323,7 +512,15 @@ impl Backend for CudaBackend {
         };
         // Prefill attention args for the chunk's queries [c0, c0+n) over keys held in (kn, rows, v).
         #[allow(clippy::too_many_arguments)]
-        let prefill_args = |c0: usize, n: usize, knp: u64, rowsp: u64, vp: u64, n_keys: usize, causal: bool, outp: u64, lsep: u64| AttnArgs {
+        let prefill_args = |c0: usize,
+                            n: usize,
+                            knp: u64,
+                            rowsp: u64,
+                            vp: u64,
+                            n_keys: usize,
+                            causal: bool,
+                            outp: u64,
+                            lsep: u64| AttnArgs {
             q: q.at(c0 * h * dqk, es),
             ka: knp,
             kb: rowsp + (lkv * es) as u64,
@@ -365,12 +562,38 @@ impl Backend for CudaBackend {
             } else {
                 (own_out.ptr, own_lse.ptr)
             };
-            pre.run(&prefill_args(c0, n, kn.ptr, kv.at(c0 * row, es), vv.ptr, n, true, o_ptr, l_ptr), 1)?;
+            pre.run(
+                &prefill_args(
+                    c0,
+                    n,
+                    kn.ptr,
+                    kv.at(c0 * row, es),
+                    vv.ptr,
+                    n,
+                    true,
+                    o_ptr,
+                    l_ptr,
+                ),
+                1,
+            )?;
             sync_if_debug("prefill attention (own chunk)")?;
             if c0 > 0 {
                 gather(0, c0, ctx_rows.ptr)?;
                 decompress(ctx_rows.ptr, c0, ctx_kn.ptr, ctx_v.ptr)?;
-                pre.run(&prefill_args(c0, n, ctx_kn.ptr, ctx_rows.ptr, ctx_v.ptr, c0, false, ctx_out.ptr, ctx_lse.ptr), 1)?;
+                pre.run(
+                    &prefill_args(
+                        c0,
+                        n,
+                        ctx_kn.ptr,
+                        ctx_rows.ptr,
+                        ctx_v.ptr,
+                        c0,
+                        false,
+                        ctx_out.ptr,
+                        ctx_lse.ptr,
+                    ),
+                    1,
+                )?;
                 sync_if_debug("prefill attention (cached context)")?;
                 let (op, ol) = (heads.at(c0 * h * dv, es), lse.at(c0 * h, 4));
                 let hh = h as i32;
@@ -380,10 +603,28 @@ impl Backend for CudaBackend {
                     ((n * h) as u32, 1, 1),
                     128,
                     0,
-                    &mut [arg(&ctx_out.ptr), arg(&ctx_lse.ptr), arg(&own_out.ptr), arg(&own_lse.ptr), arg(&op), arg(&ol), arg(&hh)],
+                    &mut [
+                        arg(&ctx_out.ptr),
+                        arg(&ctx_lse.ptr),
+                        arg(&own_out.ptr),
+                        arg(&own_lse.ptr),
+                        arg(&op),
+                        arg(&ol),
+                        arg(&hh),
+                    ],
                 )?;
             }
-            blas.linear(dt, n, e, h * dv, heads.at(c0 * h * dv, es), h * dv, w_o.ptr, out.at(c0 * e, es), e)?;
+            blas.linear(
+                dt,
+                n,
+                e,
+                h * dv,
+                heads.at(c0 * h * dv, es),
+                h * dv,
+                w_o.ptr,
+                out.at(c0 * e, es),
+                e,
+            )?;
         }
 
         // Decode steps.
@@ -393,9 +634,32 @@ impl Backend for CudaBackend {
             let d0 = s0 - p0;
             token_local(s0, n)?;
             // q_abs[t, h, :] = W_UK[h]ᵀ q_nope[t, h, :]   (per head: [Lkv, P] x [P, n])
-            blas.batched(dt, Op::CUBLAS_OP_N, lkv, n, p, w_uk.ptr, lkv, p * lkv, q.at(s0 * h * dqk, es), h * dqk, dqk, qfull.at(d0 * h * row, es), h * row, row, h)?;
+            blas.batched(
+                dt,
+                Op::CUBLAS_OP_N,
+                lkv,
+                n,
+                p,
+                w_uk.ptr,
+                lkv,
+                p * lkv,
+                q.at(s0 * h * dqk, es),
+                h * dqk,
+                dqk,
+                qfull.at(d0 * h * row, es),
+                h * row,
+                row,
+                h,
+            )?;
             {
-                let (srs, shs, drs, dhs, hh, wd) = ((h * dqk) as i64, dqk as i64, (h * row) as i64, row as i64, h as i32, r as i32);
+                let (srs, shs, drs, dhs, hh, wd) = (
+                    (h * dqk) as i64,
+                    dqk as i64,
+                    (h * row) as i64,
+                    row as i64,
+                    h as i32,
+                    r as i32,
+                );
                 let (sp, dp) = (q.at(s0 * h * dqk + p, es), qfull.at(d0 * h * row + lkv, es));
                 launch(
                     f_copy,
@@ -403,7 +667,16 @@ impl Backend for CudaBackend {
                     (n as u32, 1, 1),
                     128,
                     0,
-                    &mut [arg(&sp), arg(&srs), arg(&shs), arg(&dp), arg(&drs), arg(&dhs), arg(&hh), arg(&wd)],
+                    &mut [
+                        arg(&sp),
+                        arg(&srs),
+                        arg(&shs),
+                        arg(&dp),
+                        arg(&drs),
+                        arg(&dhs),
+                        arg(&hh),
+                        arg(&wd),
+                    ],
                 )?;
             }
             let a = AttnArgs {
@@ -443,38 +716,125 @@ impl Backend for CudaBackend {
                     ((n * h) as u32, 1, 1),
                     128,
                     0,
-                    &mut [arg(&po), arg(&pl), arg(&o), arg(&ors), arg(&ohs), arg(&l), arg(&hh), arg(&nsi)],
+                    &mut [
+                        arg(&po),
+                        arg(&pl),
+                        arg(&o),
+                        arg(&ors),
+                        arg(&ohs),
+                        arg(&l),
+                        arg(&hh),
+                        arg(&nsi),
+                    ],
                 )?;
             }
             // attn_heads[t, h, :] = W_UV[h] · attn_latent[t, h, :]   (per head: [Dv, Lkv] x [Lkv, n])
-            blas.batched(dt, Op::CUBLAS_OP_T, dv, n, lkv, w_uv.ptr, lkv, dv * lkv, lat.at(d0 * h * lkv, es), h * lkv, lkv, heads.at(s0 * h * dv, es), h * dv, dv, h)?;
-            blas.linear(dt, n, e, h * dv, heads.at(s0 * h * dv, es), h * dv, w_o.ptr, out.at(s0 * e, es), e)?;
+            blas.batched(
+                dt,
+                Op::CUBLAS_OP_T,
+                dv,
+                n,
+                lkv,
+                w_uv.ptr,
+                lkv,
+                dv * lkv,
+                lat.at(d0 * h * lkv, es),
+                h * lkv,
+                lkv,
+                heads.at(s0 * h * dv, es),
+                h * dv,
+                dv,
+                h,
+            )?;
+            blas.linear(
+                dt,
+                n,
+                e,
+                h * dv,
+                heads.at(s0 * h * dv, es),
+                h * dv,
+                w_o.ptr,
+                out.at(s0 * e, es),
+                e,
+            )?;
         }
         gather(0, t_all, ctx_rows.ptr)?;
         self.gpu.sync("the layer's kernels")?;
 
         // The trace.
         let mut tr = LayerTrace::new(w.layer);
-        tr.push(StageTensor::new(Stage::AttnIn, vec![t_all, e], down(&attn_in, dt, 0, t_all * e)?));
+        tr.push(StageTensor::new(
+            Stage::AttnIn,
+            vec![t_all, e],
+            down(&attn_in, dt, 0, t_all * e)?,
+        ));
         let qv = down(&q, dt, 0, t_all * h * dqk)?;
-        tr.push(StageTensor::new(Stage::QNope, vec![t_all, h, p], cols(&qv, t_all * h, dqk, 0, p)));
-        tr.push(StageTensor::new(Stage::QPe, vec![t_all, h, r], cols(&qv, t_all * h, dqk, p, r)));
+        tr.push(StageTensor::new(
+            Stage::QNope,
+            vec![t_all, h, p],
+            cols(&qv, t_all * h, dqk, 0, p),
+        ));
+        tr.push(StageTensor::new(
+            Stage::QPe,
+            vec![t_all, h, r],
+            cols(&qv, t_all * h, dqk, p, r),
+        ));
         let kvv = down(&kv, dt, 0, t_all * row)?;
-        tr.push(StageTensor::new(Stage::KvLatent, vec![t_all, lkv], cols(&kvv, t_all, row, 0, lkv)));
-        tr.push(StageTensor::new(Stage::KPe, vec![t_all, r], cols(&kvv, t_all, row, lkv, r)));
-        tr.push(StageTensor::new(Stage::CacheRows, vec![t_all, row], down(&ctx_rows, dt, 0, t_all * row)?));
+        tr.push(StageTensor::new(
+            Stage::KvLatent,
+            vec![t_all, lkv],
+            cols(&kvv, t_all, row, 0, lkv),
+        ));
+        tr.push(StageTensor::new(
+            Stage::KPe,
+            vec![t_all, r],
+            cols(&kvv, t_all, row, lkv, r),
+        ));
+        tr.push(StageTensor::new(
+            Stage::CacheRows,
+            vec![t_all, row],
+            down(&ctx_rows, dt, 0, t_all * row)?,
+        ));
         if td > 0 {
             if self.opts.debug {
                 let qf = down(&qfull, dt, 0, td * h * row)?;
-                tr.push(StageTensor::new(Stage::QAbsorbed, vec![td, h, lkv], cols(&qf, td * h, row, 0, lkv)));
-                tr.push(StageTensor::new(Stage::SplitOut, vec![td, h, ns, lkv], down_f32(&part_out, 0, td * h * ns * lkv)?));
-                tr.push(StageTensor::new(Stage::SplitLse, vec![td, h, ns], down_f32(&part_lse, 0, td * h * ns)?));
+                tr.push(StageTensor::new(
+                    Stage::QAbsorbed,
+                    vec![td, h, lkv],
+                    cols(&qf, td * h, row, 0, lkv),
+                ));
+                tr.push(StageTensor::new(
+                    Stage::SplitOut,
+                    vec![td, h, ns, lkv],
+                    down_f32(&part_out, 0, td * h * ns * lkv)?,
+                ));
+                tr.push(StageTensor::new(
+                    Stage::SplitLse,
+                    vec![td, h, ns],
+                    down_f32(&part_lse, 0, td * h * ns)?,
+                ));
             }
-            tr.push(StageTensor::new(Stage::AttnLatent, vec![td, h, lkv], down(&lat, dt, 0, td * h * lkv)?));
+            tr.push(StageTensor::new(
+                Stage::AttnLatent,
+                vec![td, h, lkv],
+                down(&lat, dt, 0, td * h * lkv)?,
+            ));
         }
-        tr.push(StageTensor::new(Stage::Lse, vec![t_all, h], down_f32(&lse, 0, t_all * h)?));
-        tr.push(StageTensor::new(Stage::AttnHeads, vec![t_all, h, dv], down(&heads, dt, 0, t_all * h * dv)?));
-        tr.push(StageTensor::new(Stage::AttnOut, vec![t_all, e], down(&out, dt, 0, t_all * e)?));
+        tr.push(StageTensor::new(
+            Stage::Lse,
+            vec![t_all, h],
+            down_f32(&lse, 0, t_all * h)?,
+        ));
+        tr.push(StageTensor::new(
+            Stage::AttnHeads,
+            vec![t_all, h, dv],
+            down(&heads, dt, 0, t_all * h * dv)?,
+        ));
+        tr.push(StageTensor::new(
+            Stage::AttnOut,
+            vec![t_all, e],
+            down(&out, dt, 0, t_all * e)?,
+        ));
         Ok(tr)
     }
 }

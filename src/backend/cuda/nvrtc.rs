@@ -11,9 +11,18 @@ use std::path::{Path, PathBuf};
 /// as named headers.
 pub const KERNEL_FILES: [(&str, &str); 7] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
-    ("attention.cuh", include_str!("../../../kernels/attention.cuh")),
-    ("norm_rope.cu", include_str!("../../../kernels/norm_rope.cu")),
-    ("cache_write.cu", include_str!("../../../kernels/cache_write.cu")),
+    (
+        "attention.cuh",
+        include_str!("../../../kernels/attention.cuh"),
+    ),
+    (
+        "norm_rope.cu",
+        include_str!("../../../kernels/norm_rope.cu"),
+    ),
+    (
+        "cache_write.cu",
+        include_str!("../../../kernels/cache_write.cu"),
+    ),
     ("prefill.cu", include_str!("../../../kernels/prefill.cu")),
     ("decode.cu", include_str!("../../../kernels/decode.cu")),
     ("fill.cu", include_str!("../../../kernels/fill.cu")),
@@ -114,7 +123,9 @@ pub fn include_paths() -> Vec<String> {
         v.extend(p.split(':').filter(|s| !s.is_empty()).map(String::from));
     }
     for cand in [
-        std::env::var("CUDA_HOME").ok().map(|h| format!("{h}/include")),
+        std::env::var("CUDA_HOME")
+            .ok()
+            .map(|h| format!("{h}/include")),
         Some("/usr/local/cuda/include".to_string()),
     ]
     .into_iter()
@@ -164,7 +175,12 @@ pub fn rewrite_log(log: &str, dir: &Path) -> String {
                         && (name.ends_with(".cu") || name.ends_with(".cuh"))
                         && num.chars().all(|c| c.is_ascii_digit())
                     {
-                        return format!("{}:{}: {}", dir.join(name).display(), num, &rest[close + 3..]);
+                        return format!(
+                            "{}:{}: {}",
+                            dir.join(name).display(),
+                            num,
+                            &rest[close + 3..]
+                        );
                     }
                 }
             }
@@ -183,7 +199,8 @@ pub fn compile(
     ptxas_verbose: bool,
 ) -> Result<Compiled> {
     nvrtc_present()?;
-    let code = CString::new(src.get(unit)).map_err(|_| Error::Usage(format!("{unit}: NUL byte in source")))?;
+    let code = CString::new(src.get(unit))
+        .map_err(|_| Error::Usage(format!("{unit}: NUL byte in source")))?;
     let name = CString::new(unit).unwrap();
     let hdrs: Vec<(CString, CString)> = src
         .headers()
@@ -224,14 +241,23 @@ pub fn compile(
     for (k, v) in defines {
         opts.push(format!("-D{k}={v}"));
     }
-    let copts: Vec<CString> = opts.iter().map(|o| CString::new(o.as_str()).unwrap()).collect();
+    let copts: Vec<CString> = opts
+        .iter()
+        .map(|o| CString::new(o.as_str()).unwrap())
+        .collect();
     let optp: Vec<*const std::ffi::c_char> = copts.iter().map(|o| o.as_ptr()).collect();
     let rc = unsafe { sys::nvrtcCompileProgram(prog.0, optp.len() as i32, optp.as_ptr()) };
     let log = {
         let mut n = 0usize;
-        nv(unsafe { sys::nvrtcGetProgramLogSize(prog.0, &mut n) }, "log size")?;
+        nv(
+            unsafe { sys::nvrtcGetProgramLogSize(prog.0, &mut n) },
+            "log size",
+        )?;
         let mut buf = vec![0u8; n.max(1)];
-        nv(unsafe { sys::nvrtcGetProgramLog(prog.0, buf.as_mut_ptr() as *mut _) }, "log")?;
+        nv(
+            unsafe { sys::nvrtcGetProgramLog(prog.0, buf.as_mut_ptr() as *mut _) },
+            "log",
+        )?;
         CStr::from_bytes_until_nul(&buf)
             .map(|c| c.to_string_lossy().into_owned())
             .unwrap_or_default()
@@ -254,12 +280,21 @@ pub fn compile(
     let mut n = 0usize;
     nv(unsafe { sys::nvrtcGetPTXSize(prog.0, &mut n) }, "PTX size")?;
     let mut ptx = vec![0u8; n];
-    nv(unsafe { sys::nvrtcGetPTX(prog.0, ptx.as_mut_ptr() as *mut _) }, "PTX")?;
+    nv(
+        unsafe { sys::nvrtcGetPTX(prog.0, ptx.as_mut_ptr() as *mut _) },
+        "PTX",
+    )?;
     let cubin = if arch.starts_with("sm_") {
         let mut n = 0usize;
-        nv(unsafe { sys::nvrtcGetCUBINSize(prog.0, &mut n) }, "CUBIN size")?;
+        nv(
+            unsafe { sys::nvrtcGetCUBINSize(prog.0, &mut n) },
+            "CUBIN size",
+        )?;
         let mut c = vec![0u8; n];
-        nv(unsafe { sys::nvrtcGetCUBIN(prog.0, c.as_mut_ptr() as *mut _) }, "CUBIN")?;
+        nv(
+            unsafe { sys::nvrtcGetCUBIN(prog.0, c.as_mut_ptr() as *mut _) },
+            "CUBIN",
+        )?;
         Some(c)
     } else {
         None
@@ -298,7 +333,11 @@ pub fn parse_ptxas(log: &str) -> Vec<KernelResources> {
             } else if l.contains("Used ") && l.contains("registers") {
                 k.registers = num_before(l, "registers").unwrap_or(0);
                 if let Some(i) = l.find("bytes smem") {
-                    k.smem_static = l[..i].split_whitespace().last().and_then(|x| x.parse().ok()).unwrap_or(0);
+                    k.smem_static = l[..i]
+                        .split_whitespace()
+                        .last()
+                        .and_then(|x| x.parse().ok())
+                        .unwrap_or(0);
                 }
             }
         }
@@ -329,6 +368,14 @@ ptxas info    : Used 168 registers, used 1 barriers, 248 bytes cmem[0]\n";
         let k = parse_ptxas(log);
         assert_eq!(k.len(), 1);
         assert_eq!(k[0].name, "attn_mma");
-        assert_eq!((k[0].registers, k[0].spill_stores, k[0].spill_loads, k[0].stack), (168, 4, 12, 8));
+        assert_eq!(
+            (
+                k[0].registers,
+                k[0].spill_stores,
+                k[0].spill_loads,
+                k[0].stack
+            ),
+            (168, 4, 12, 8)
+        );
     }
 }
