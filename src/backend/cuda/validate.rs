@@ -33,6 +33,9 @@ pub struct ValidateArgs {
     /// Write the per-case, per-stage figures as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Only the cases whose name contains this text.
+    #[arg(long)]
+    pub case: Option<String>,
     /// CPU threads for the reference and the mirror (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -288,7 +291,10 @@ pub fn run(a: &ValidateArgs) -> Result<i32> {
     // Fail early and clearly when there is no GPU.
     println!("{}", CudaBackend::new(opts(Dtype::Bf16, false))?.describe());
     let tols = ToleranceTable::defaults();
-    let cases = cases(a.quick);
+    let cases: Vec<Case> = cases(a.quick)
+        .into_iter()
+        .filter(|c| a.case.as_ref().is_none_or(|f| c.name.contains(f.as_str())))
+        .collect();
     let threads = a
         .threads
         .unwrap_or_else(|| {
