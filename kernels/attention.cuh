@@ -251,8 +251,11 @@ extern "C" __global__ void __launch_bounds__(32 * SC_ROWS) attn_scalar(const Att
 // Tensor-core path: mma.sync m16n8k16 (bf16/fp16 in, f32 accumulate), ldmatrix from XOR-swizzled shared
 // memory, cp.async multi-stage key pipeline. Compiled only for 16-bit storage and dims that are multiples
 // of 8 (16-byte copies); otherwise the host uses attn_scalar.
-// Warp (wm, wn): S = Q·Kᵀ for rows [16wm, 16wm+16) and keys [wn·BN/WN, …); then O += P·V for the same
-// rows and value columns [wn·DVP/WN, …). With ATT_WN > 1, P goes through shared memory.
+// S phase, warp (wm, wn): S = Q·Kᵀ for rows [16wm, 16wm+16) and keys [wn·BN/WN, …).
+// PV phase, warp (pm, pn) = (w % (WM/PVM), w / (WM/PVM)): O += P·V for ATT_PVM 16-row m-tiles from row
+// 16·PVM·pm and value columns [pn·DVP/(WN·PVM), …). PVM = 2 feeds every V fragment to two m-tiles, which
+// halves the shared-memory reads of the PV phase. Unless WN = PVM = 1 (P stays in registers), P and the
+// per-row rescale factors go through shared memory.
 // ---------------------------------------------------------------------------------------------------
 #if MLA_DTYPE != 2 && ATT_DA % 8 == 0 && ATT_DB % 8 == 0 && ATT_DV % 8 == 0
 
@@ -262,9 +265,18 @@ extern "C" __global__ void __launch_bounds__(32 * SC_ROWS) attn_scalar(const Att
 #define ATT_CQ (ATT_DQKP / 8)                           // 16-byte chunks per key/query row
 #define ATT_BNW (ATT_BN / ATT_WN)                       // keys per warp in the S phase
 #define ATT_NTS (ATT_BNW / 8)                           // S n-tiles per warp
-#define ATT_DVP ((ATT_DV + 16 * ATT_WN - 1) / (16 * ATT_WN) * (16 * ATT_WN))
-#define ATT_DVW (ATT_DVP / ATT_WN)                      // value columns per warp
-#define ATT_NTO (ATT_DVW / 8)                           // O n-tiles per warp
+#ifndef ATT_PVM
+#define ATT_PVM 1
+#endif
+#ifndef ATT_SUNROLL
+#define ATT_SUNROLL (ATT_PVM > 1 ? 2 : 4)                // S-phase k-loop unroll (register pressure)
+#endif
+#define ATT_PWM (ATT_WM / ATT_PVM)                      // PV phase: warp rows
+#define ATT_PWN (ATT_WN * ATT_PVM)                      // PV phase: warp columns
+#define ATT_PSMEM (ATT_WN > 1 || ATT_PVM > 1)           // P through shared memory
+#define ATT_DVP ((ATT_DV + 16 * ATT_PWN - 1) / (16 * ATT_PWN) * (16 * ATT_PWN))
+#define ATT_DVW (ATT_DVP / ATT_PWN)                     // value columns per PV warp
+#define ATT_NTO (ATT_DVW / 8)                           // O n-tiles per m-tile of a PV warp
 #if ATT_V_IN_K
 #define ATT_CV ATT_CQ
 #else
@@ -276,6 +288,7 @@ extern "C" __global__ void __launch_bounds__(32 * SC_ROWS) attn_scalar(const Att
 static_assert(ATT_BNW % 8 == 0 && ATT_BN % 16 == 0, "ATT_BN must be a multiple of 16 and of 8*ATT_WN");
 static_assert(!ATT_V_IN_K || ATT_DVP <= ATT_DQKP, "value columns must lie inside the key row");
 static_assert(ATT_STAGES >= 2, "ATT_STAGES >= 2");
+static_assert(ATT_WM % ATT_PVM == 0, "ATT_PVM must divide ATT_WM");
 
 // Shared memory layout (bytes); the host reads `attn_mma_config` instead of recomputing it.
 #define ATT_SQ (ATT_BM * ATT_DQKP * 2)
@@ -285,8 +298,8 @@ static_assert(ATT_STAGES >= 2, "ATT_STAGES >= 2");
 #else
 #define ATT_SV (ATT_BN * ATT_CV * 8 * 2)
 #endif
-#define ATT_SP (ATT_WN > 1 ? ATT_BM * ATT_PS * 2 : 0)
-#define ATT_SRED (2 * ATT_WN * ATT_BM * 4)
+#define ATT_SP (ATT_PSMEM ? ATT_BM * ATT_PS * 2 : 0)
+#define ATT_SRED ((2 * ATT_WN + 1) * ATT_BM * 4)       // row max and sum per S warp column; rescale factors
 #define ATT_SMEM (ATT_SQ + ATT_STAGES * (ATT_SK + ATT_SV) + ATT_SP + ATT_SRED)
 
 // {dynamic shared bytes, threads per CTA, rows per CTA, keys per tile}
@@ -373,11 +386,13 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
     dt* sP = reinterpret_cast<dt*>(smem + ATT_SQ + ATT_STAGES * (ATT_SK + ATT_SV));
     float* sMax = reinterpret_cast<float*>(smem + ATT_SQ + ATT_STAGES * (ATT_SK + ATT_SV) + ATT_SP);
     float* sSum = sMax + ATT_WN * ATT_BM;
-    (void)sP;  // unused with ATT_WN == 1 (P stays in registers)
-    (void)sSum;
+    float* sAlpha = sSum + ATT_WN * ATT_BM;
+    (void)sP;  // unused when P stays in registers
+    (void)sAlpha;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp % ATT_WM, wn = warp / ATT_WM;
+    const int wm = warp % ATT_WM, wn = warp / ATT_WM;  // S phase
+    const int pm = warp % ATT_PWM, pn = warp / ATT_PWM;  // PV phase
     const int g = lane >> 2, t = lane & 3;
     const int b = blockIdx.z, tile = att_tile();
     const int n_keys = a.seq_lens ? a.seq_lens[b] : a.n_keys;
@@ -413,9 +428,11 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
     const RowInfo r0 = att_row(a, tile, wm * 16 + g, n_keys);
     const RowInfo r1 = att_row(a, tile, wm * 16 + g + 8, n_keys);
     float m0 = MLA_NEG_INF, m1 = MLA_NEG_INF, l0 = 0.f, l1 = 0.f;
-    float o[ATT_NTO][4];
+    float o[ATT_PVM][ATT_NTO][4];
 #pragma unroll
-    for (int n = 0; n < ATT_NTO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    for (int mt = 0; mt < ATT_PVM; ++mt)
+#pragma unroll
+        for (int n = 0; n < ATT_NTO; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
 
     const unsigned sQa = smem_u32(sQ);
     for (int it = 0; it < n_tiles; ++it) {
@@ -437,7 +454,7 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
         float s[ATT_NTS][4];
 #pragma unroll
         for (int n = 0; n < ATT_NTS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll 4
+#pragma unroll ATT_SUNROLL
         for (int kk = 0; kk < ATT_DQKP / 16; ++kk) {
             unsigned a0, a1, a2, a3;
             {
@@ -512,15 +529,23 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
         }
         l0 = l0 * al0 + rs0;  // per-thread partial; reduced over the quad and the WN warps at the end
         l1 = l1 * al1 + rs1;
+#if ATT_PVM == 1
+        // PV warp rows = S warp rows: rescale with this thread's own factors.
 #pragma unroll
         for (int n = 0; n < ATT_NTO; ++n) {
-            o[n][0] *= al0;
-            o[n][1] *= al0;
-            o[n][2] *= al1;
-            o[n][3] *= al1;
+            o[0][n][0] *= al0;
+            o[0][n][1] *= al0;
+            o[0][n][2] *= al1;
+            o[0][n][3] *= al1;
         }
+#else
+        if (wn == 0 && t == 0) {
+            sAlpha[wm * 16 + g] = al0;
+            sAlpha[wm * 16 + g + 8] = al1;
+        }
+#endif
 
-#if ATT_WN > 1
+#if ATT_PSMEM
         // P (rounded to the storage type) → shared, so every warp can multiply all keys of the tile.
 #pragma unroll
         for (int n = 0; n < ATT_NTS; ++n) {
@@ -531,72 +556,94 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
         __syncthreads();
         const unsigned sPa = smem_u32(sP);
 #endif
+#if ATT_PVM > 1
+#pragma unroll
+        for (int mt = 0; mt < ATT_PVM; ++mt) {
+            const float f0 = sAlpha[(pm * ATT_PVM + mt) * 16 + g], f1 = sAlpha[(pm * ATT_PVM + mt) * 16 + g + 8];
+#pragma unroll
+            for (int n = 0; n < ATT_NTO; ++n) {
+                o[mt][n][0] *= f0;
+                o[mt][n][1] *= f0;
+                o[mt][n][2] *= f1;
+                o[mt][n][3] *= f1;
+            }
+        }
+#endif
 #if ATT_V_IN_K
         const unsigned sVa = sKa;
 #else
         const unsigned sVa = smem_u32(sV + st * (ATT_SV / 2));
 #endif
-        // O += P V over the tile's keys, this warp's value columns.
+        // O += P V over the tile's keys, this PV warp's rows and value columns.
 #pragma unroll
         for (int kk = 0; kk < ATT_BN / 16; ++kk) {
-            unsigned a0, a1, a2, a3;
-#if ATT_WN > 1
-            {
-                const int row = wm * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
-                ldsm_x4(sPa + 2 * (row * ATT_PS + kk * 16 + 8 * (lane >> 4)), a0, a1, a2, a3);
+            unsigned pa[ATT_PVM][4];
+#if ATT_PSMEM
+#pragma unroll
+            for (int mt = 0; mt < ATT_PVM; ++mt) {
+                const int row = (pm * ATT_PVM + mt) * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+                ldsm_x4(sPa + 2 * (row * ATT_PS + kk * 16 + 8 * (lane >> 4)), pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3]);
             }
 #else
             // The S accumulator layout of two adjacent n-tiles is the A operand layout of one k-step.
-            a0 = pack2(s[2 * kk][0], s[2 * kk][1]);
-            a1 = pack2(s[2 * kk][2], s[2 * kk][3]);
-            a2 = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a3 = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            pa[0][0] = pack2(s[2 * kk][0], s[2 * kk][1]);
+            pa[0][1] = pack2(s[2 * kk][2], s[2 * kk][3]);
+            pa[0][2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[0][3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #endif
 #pragma unroll
             for (int np = 0; np < ATT_NTO / 2; ++np) {
                 const int key = kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
-                const int chunk = (wn * ATT_DVW + np * 16) / 8 + (lane >> 4);
+                const int chunk = (pn * ATT_DVW + np * 16) / 8 + (lane >> 4);
                 unsigned b0, b1, b2, b3;
                 ldsm_x4_t(sVa + 2 * swz(key, chunk, ATT_CV), b0, b1, b2, b3);
-                mma16816(o[2 * np], a0, a1, a2, a3, b0, b1);
-                mma16816(o[2 * np + 1], a0, a1, a2, a3, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < ATT_PVM; ++mt) {
+                    mma16816(o[mt][2 * np], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b0, b1);
+                    mma16816(o[mt][2 * np + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b2, b3);
+                }
             }
         }
     }
     cp_async_wait<0>();
 
-    // Row sums: over the quad, then over the WN warps that share the rows.
+    // Row sums: over the quad, then over the WN warps that share the rows (through shared memory, which
+    // also hands them to the PV warps, whose rows may differ).
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-#if ATT_WN > 1
     __syncthreads();
     if (t == 0) {
         sSum[wn * ATT_BM + wm * 16 + g] = l0;
         sSum[wn * ATT_BM + wm * 16 + g + 8] = l1;
     }
     __syncthreads();
-    l0 = 0.f;
-    l1 = 0.f;
+    auto row_sum = [&](int row) {
+        float l = 0.f;
 #pragma unroll
-    for (int w = 0; w < ATT_WN; ++w) {
-        l0 += sSum[w * ATT_BM + wm * 16 + g];
-        l1 += sSum[w * ATT_BM + wm * 16 + g + 8];
-    }
-#endif
-    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-#pragma unroll
-    for (int n = 0; n < ATT_NTO; ++n) {
-        const int col = wn * ATT_DVW + n * 8 + 2 * t;
-        if (col < ATT_DV) {
-            if (r0.valid) att_store(a, b, r0, col, o[n][0] * inv0, o[n][1] * inv0, 1);
-            if (r1.valid) att_store(a, b, r1, col, o[n][2] * inv1, o[n][3] * inv1, 1);
-        }
-    }
+        for (int w = 0; w < ATT_WN; ++w) l += sSum[w * ATT_BM + row];
+        return l;
+    };
     if (wn == 0 && t == 0) {
-        if (r0.valid) att_store_lse(a, b, r0, l0 > 0.f ? (m0 + log2f(l0)) * MLA_LN2 : MLA_NEG_INF);
-        if (r1.valid) att_store_lse(a, b, r1, l1 > 0.f ? (m1 + log2f(l1)) * MLA_LN2 : MLA_NEG_INF);
+        const float L0 = row_sum(wm * 16 + g), L1 = row_sum(wm * 16 + g + 8);
+        if (r0.valid) att_store_lse(a, b, r0, L0 > 0.f ? (m0 + log2f(L0)) * MLA_LN2 : MLA_NEG_INF);
+        if (r1.valid) att_store_lse(a, b, r1, L1 > 0.f ? (m1 + log2f(L1)) * MLA_LN2 : MLA_NEG_INF);
+    }
+#pragma unroll
+    for (int mt = 0; mt < ATT_PVM; ++mt) {
+        const int row = (pm * ATT_PVM + mt) * 16 + g;
+        const RowInfo p0 = att_row(a, tile, row, n_keys), p1 = att_row(a, tile, row + 8, n_keys);
+        const float L0 = row_sum(row), L1 = row_sum(row + 8);
+        const float inv0 = L0 > 0.f ? 1.f / L0 : 0.f, inv1 = L1 > 0.f ? 1.f / L1 : 0.f;
+#pragma unroll
+        for (int n = 0; n < ATT_NTO; ++n) {
+            const int col = pn * ATT_DVW + n * 8 + 2 * t;
+            if (col < ATT_DV) {
+                if (p0.valid) att_store(a, b, p0, col, o[mt][n][0] * inv0, o[mt][n][1] * inv0, 1);
+                if (p1.valid) att_store(a, b, p1, col, o[mt][n][2] * inv1, o[mt][n][3] * inv1, 1);
+            }
+        }
     }
 }
 #endif  // tensor-core path

@@ -48,6 +48,9 @@ enum KernelsCmd {
         /// Read the kernel sources from this directory instead of the embedded copy.
         #[arg(long)]
         kernels: Option<PathBuf>,
+        /// Also write every compiled PTX and CUBIN into this directory.
+        #[arg(long)]
+        dump: Option<PathBuf>,
     },
 }
 
@@ -135,9 +138,18 @@ fn run(cli: Cli) -> Result<i32, Error> {
             Ok(0)
         }
         Cmd::Kernels {
-            cmd: KernelsCmd::Check { arch, kernels },
+            cmd:
+                KernelsCmd::Check {
+                    arch,
+                    kernels,
+                    dump,
+                },
         } => {
-            let s = mla_diff::backend::cuda::check::kernels_check(&arch, kernels.as_deref())?;
+            let s = mla_diff::backend::cuda::check::kernels_check(
+                &arch,
+                kernels.as_deref(),
+                dump.as_deref(),
+            )?;
             print!("{}", s.report);
             println!(
                 "{} compilations OK (PTX + CUBIN); {} kernel(s) with register spills{}",

@@ -273,30 +273,9 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
             gpu.sync("decode (scalar reference)")?;
             let want: Vec<u16> = o.read(0, bsz * h * lkv)?;
             let mut tiles: Vec<Tile> = decode_tiles(h);
-            tiles.extend(if h >= 64 {
-                vec![Tile {
-                    wm: 4,
-                    wn: 2,
-                    bn: 32,
-                    stages: 3,
-                }]
-            } else {
-                vec![
-                    Tile {
-                        wm: 1,
-                        wn: 4,
-                        bn: 32,
-                        stages: 4,
-                    },
-                    Tile {
-                        wm: 1,
-                        wn: 8,
-                        bn: 64,
-                        stages: 2,
-                    },
-                ]
-            });
-            tiles.dedup();
+            if h < 64 {
+                tiles.push(Tile::new(1, 4, 32, 3, 1));
+            }
             for tile in tiles {
                 let att = match Attn::load(&mut k, &gpu, "decode.cu", &dims, &[tile], false) {
                     Ok(a) if a.uses_mma() => a,
@@ -415,18 +394,9 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
             gpu.sync("prefill (scalar reference)")?;
             let want: Vec<u16> = o.read(0, t * h * dv)?;
             let mut tiles = prefill_tiles();
-            tiles.push(Tile {
-                wm: 8,
-                wn: 1,
-                bn: 64,
-                stages: 2,
-            });
-            tiles.push(Tile {
-                wm: 4,
-                wn: 1,
-                bn: 64,
-                stages: 3,
-            });
+            tiles.truncate(2);
+            tiles.push(Tile::new(8, 1, 64, 2, 2));
+            tiles.push(Tile::new(8, 1, 32, 2, 1));
             for tile in tiles {
                 let att = match Attn::load(&mut k, &gpu, "prefill.cu", &dims, &[tile], false) {
                     Ok(a) if a.uses_mma() => a,

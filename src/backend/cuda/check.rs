@@ -53,9 +53,11 @@ pub struct CheckSummary {
     pub spilling: Vec<String>,
 }
 
+/// `dump`: also write each compile's PTX and CUBIN there (for `cuobjdump --dump-sass`).
 pub fn kernels_check(
     archs: &[String],
     kernels_dir: Option<&std::path::Path>,
+    dump: Option<&std::path::Path>,
 ) -> Result<CheckSummary> {
     let src = Sources::load(kernels_dir)?;
     let (maj, min) = nvrtc::nvrtc_version()?;
@@ -127,6 +129,25 @@ pub fn kernels_check(
                             "{unit} for {arch}: NVRTC returned no ELF CUBIN"
                         )));
                     }
+                    if let Some(d) = dump {
+                        let stem = format!(
+                            "{arch}-{name}-{}-{}{}",
+                            dt.name(),
+                            unit.trim_end_matches(".cu"),
+                            tile.map(|t| format!(
+                                "-{}x{}-bn{}-st{}-pv{}",
+                                t.wm, t.wn, t.bn, t.stages, t.pvm
+                            ))
+                            .unwrap_or_default()
+                        );
+                        let w = |ext: &str, bytes: &[u8]| {
+                            let p = d.join(format!("{stem}.{ext}"));
+                            std::fs::write(&p, bytes)
+                                .map_err(|e| Error::io(format!("writing {}", p.display()), e))
+                        };
+                        w("ptx", c.ptx.strip_suffix(&[0]).unwrap_or(&c.ptx))?;
+                        w("cubin", c.cubin.as_deref().unwrap_or_default())?;
+                    }
                     let ptx = String::from_utf8_lossy(&c.ptx);
                     if !ptx.contains(".target") {
                         return Err(Error::Environment(format!(
@@ -153,8 +174,11 @@ pub fn kernels_check(
                             name,
                             dt.name(),
                             unit,
-                            tile.map(|t| format!("{}x{} bn{} st{}", t.wm, t.wn, t.bn, t.stages))
-                                .unwrap_or("-".into()),
+                            tile.map(|t| format!(
+                                "{}x{} bn{} st{} pv{}",
+                                t.wm, t.wn, t.bn, t.stages, t.pvm
+                            ))
+                            .unwrap_or("-".into()),
                             k.name,
                             k.registers,
                             k.spill_stores,

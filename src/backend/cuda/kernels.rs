@@ -57,22 +57,36 @@ impl Dims {
     }
 }
 
-/// Attention tile configuration: `wm x wn` warps, `16*wm` rows, `bn` keys per tile, `stages`-deep pipeline.
+/// Attention tile configuration: `wm x wn` warps, `16*wm` rows, `bn` keys per tile, `stages`-deep pipeline;
+/// in the P·V phase each warp takes `pvm` 16-row m-tiles (kernels/attention.cuh).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Tile {
     pub wm: u32,
     pub wn: u32,
     pub bn: u32,
     pub stages: u32,
+    pub pvm: u32,
 }
 
 impl Tile {
+    pub const fn new(wm: u32, wn: u32, bn: u32, stages: u32, pvm: u32) -> Tile {
+        Tile {
+            wm,
+            wn,
+            bn,
+            stages,
+            pvm,
+        }
+    }
+    /// The tile defines used when only the scalar kernel runs (they must still compile).
+    pub const SCALAR_ONLY: Tile = Tile::new(1, 1, 32, 2, 1);
     pub fn defines(&self) -> Vec<(String, String)> {
         vec![
             ("ATT_WM".into(), self.wm.to_string()),
             ("ATT_WN".into(), self.wn.to_string()),
             ("ATT_BN".into(), self.bn.to_string()),
             ("ATT_STAGES".into(), self.stages.to_string()),
+            ("ATT_PVM".into(), self.pvm.to_string()),
         ]
     }
     pub fn label(&self) -> String {
@@ -274,15 +288,7 @@ impl Attn {
             }
         }
         // The default tile (mma disabled for f32 / odd dims) still has to compile.
-        base.extend(
-            Tile {
-                wm: 1,
-                wn: 1,
-                bn: 32,
-                stages: 2,
-            }
-            .defines(),
-        );
+        base.extend(Tile::SCALAR_ONLY.defines());
         let m = k.module(unit, base)?;
         let scalar = m.func("attn_scalar")?;
         Ok(Attn {

@@ -47,68 +47,32 @@ impl Default for CudaOptions {
     }
 }
 
-/// Tile choices for decode, best first; the first whose shared memory fits the device is used.
+/// Tile choices for decode, best first (by `mla-diff bench decode` on an H200, bench/RESULTS.md); the
+/// first whose shared memory fits the device is used.
 pub fn decode_tiles(rows: usize) -> Vec<Tile> {
     if rows >= 64 {
         vec![
-            Tile {
-                wm: 4,
-                wn: 2,
-                bn: 64,
-                stages: 2,
-            },
-            Tile {
-                wm: 4,
-                wn: 2,
-                bn: 32,
-                stages: 2,
-            },
-            Tile {
-                wm: 2,
-                wn: 2,
-                bn: 32,
-                stages: 2,
-            },
+            Tile::new(4, 2, 64, 2, 2),
+            Tile::new(4, 2, 64, 2, 1),
+            Tile::new(4, 2, 32, 2, 2),
+            Tile::new(2, 2, 32, 2, 1),
         ]
     } else {
         vec![
-            Tile {
-                wm: 1,
-                wn: 4,
-                bn: 64,
-                stages: 2,
-            },
-            Tile {
-                wm: 1,
-                wn: 4,
-                bn: 32,
-                stages: 2,
-            },
+            Tile::new(1, 4, 32, 2, 1),
+            Tile::new(1, 8, 64, 2, 1),
+            Tile::new(1, 4, 64, 2, 1),
         ]
     }
 }
 
-/// Tile choices for prefill (P stays in registers with one warp column).
+/// Tile choices for prefill, best first (with one warp column P stays in registers).
 pub fn prefill_tiles() -> Vec<Tile> {
     vec![
-        Tile {
-            wm: 4,
-            wn: 1,
-            bn: 64,
-            stages: 2,
-        },
-        Tile {
-            wm: 4,
-            wn: 1,
-            bn: 32,
-            stages: 2,
-        },
-        Tile {
-            wm: 2,
-            wn: 1,
-            bn: 32,
-            stages: 2,
-        },
+        Tile::new(8, 1, 64, 2, 1),
+        Tile::new(4, 1, 64, 2, 1),
+        Tile::new(4, 1, 32, 2, 1),
+        Tile::new(2, 1, 32, 2, 1),
     ]
 }
 
@@ -271,30 +235,12 @@ impl Backend for CudaBackend {
         )?;
         let m_pre = k.module("prefill.cu", {
             let mut d = dims.defines();
-            d.extend(
-                pre.tile
-                    .unwrap_or(Tile {
-                        wm: 1,
-                        wn: 1,
-                        bn: 32,
-                        stages: 2,
-                    })
-                    .defines(),
-            );
+            d.extend(pre.tile.unwrap_or(Tile::SCALAR_ONLY).defines());
             d
         })?;
         let m_dec = k.module("decode.cu", {
             let mut d = dims.defines();
-            d.extend(
-                dec.tile
-                    .unwrap_or(Tile {
-                        wm: 1,
-                        wn: 1,
-                        bn: 32,
-                        stages: 2,
-                    })
-                    .defines(),
-            );
+            d.extend(dec.tile.unwrap_or(Tile::SCALAR_ONLY).defines());
             d
         })?;
         for m in [&m_pre, &m_dec] {
