@@ -263,7 +263,17 @@ extern "C" __global__ void __launch_bounds__(32 * SC_ROWS) attn_scalar(const Att
 #define ATT_NT (ATT_NW * 32)
 #define ATT_DQKP ((ATT_DQK + 63) / 64 * 64)           // swizzle needs a multiple of 8 chunks per row
 #define ATT_CQ (ATT_DQKP / 8)                           // 16-byte chunks per key/query row
-#define ATT_BNW (ATT_BN / ATT_WN)                       // keys per warp in the S phase
+// S phase: ATT_SMT 16-row m-tiles per warp, ATT_SWN key groups; warps past ATT_SNW skip it. 32x32 warp
+// tiles (SMT 2, 4 n-tiles) read 256 B of fragments per mma instead of 384 B for 16x32.
+#ifndef ATT_SMT
+#define ATT_SMT 1
+#endif
+#ifndef ATT_SWN
+#define ATT_SWN ATT_WN
+#endif
+#define ATT_SWM (ATT_WM / ATT_SMT)                      // S phase: warp rows
+#define ATT_SNW (ATT_SWM * ATT_SWN)                     // S phase: warps taking part
+#define ATT_BNW (ATT_BN / ATT_SWN)                      // keys per warp in the S phase
 #define ATT_NTS (ATT_BNW / 8)                           // S n-tiles per warp
 #ifndef ATT_PVM
 #define ATT_PVM 1
@@ -273,7 +283,7 @@ extern "C" __global__ void __launch_bounds__(32 * SC_ROWS) attn_scalar(const Att
 #endif
 #define ATT_PWM (ATT_WM / ATT_PVM)                      // PV phase: warp rows
 #define ATT_PWN (ATT_WN * ATT_PVM)                      // PV phase: warp columns
-#define ATT_PSMEM (ATT_WN > 1 || ATT_PVM > 1)           // P through shared memory
+#define ATT_PSMEM (ATT_SWN > 1 || ATT_PVM > 1 || ATT_SMT > 1 || ATT_SNW != ATT_NW)  // P through shared memory
 #define ATT_DVP ((ATT_DV + 16 * ATT_PWN - 1) / (16 * ATT_PWN) * (16 * ATT_PWN))
 #define ATT_DVW (ATT_DVP / ATT_PWN)                     // value columns per PV warp
 #define ATT_NTO (ATT_DVW / 8)                           // O n-tiles per m-tile of a PV warp
@@ -289,6 +299,7 @@ static_assert(ATT_BNW % 8 == 0 && ATT_BN % 16 == 0, "ATT_BN must be a multiple o
 static_assert(!ATT_V_IN_K || ATT_DVP <= ATT_DQKP, "value columns must lie inside the key row");
 static_assert(ATT_STAGES >= 2, "ATT_STAGES >= 2");
 static_assert(ATT_WM % ATT_PVM == 0, "ATT_PVM must divide ATT_WM");
+static_assert(ATT_WM % ATT_SMT == 0 && ATT_SNW <= ATT_NW, "S-phase warp layout must fit the CTA");
 
 // Shared memory layout (bytes); the host reads `attn_mma_config` instead of recomputing it.
 #define ATT_SQ (ATT_BM * ATT_DQKP * 2)
@@ -299,7 +310,7 @@ static_assert(ATT_WM % ATT_PVM == 0, "ATT_PVM must divide ATT_WM");
 #define ATT_SV (ATT_BN * ATT_CV * 8 * 2)
 #endif
 #define ATT_SP (ATT_PSMEM ? ATT_BM * ATT_PS * 2 : 0)
-#define ATT_SRED ((2 * ATT_WN + 1) * ATT_BM * 4)       // row max and sum per S warp column; rescale factors
+#define ATT_SRED ((2 * ATT_SWN + 1) * ATT_BM * 4)      // row max and sum per S warp column; rescale factors
 #define ATT_SMEM (ATT_SQ + ATT_STAGES * (ATT_SK + ATT_SV) + ATT_SP + ATT_SRED)
 
 // {dynamic shared bytes, threads per CTA, rows per CTA, keys per tile}
@@ -385,13 +396,14 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
     dt* sV = reinterpret_cast<dt*>(smem + ATT_SQ + ATT_STAGES * ATT_SK);
     dt* sP = reinterpret_cast<dt*>(smem + ATT_SQ + ATT_STAGES * (ATT_SK + ATT_SV));
     float* sMax = reinterpret_cast<float*>(smem + ATT_SQ + ATT_STAGES * (ATT_SK + ATT_SV) + ATT_SP);
-    float* sSum = sMax + ATT_WN * ATT_BM;
-    float* sAlpha = sSum + ATT_WN * ATT_BM;
+    float* sSum = sMax + ATT_SWN * ATT_BM;
+    float* sAlpha = sSum + ATT_SWN * ATT_BM;
     (void)sP;  // unused when P stays in registers
     (void)sAlpha;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp % ATT_WM, wn = warp / ATT_WM;  // S phase
+    const int wm = warp % ATT_SWM, wn = warp / ATT_SWM;  // S phase (warps < ATT_SNW)
+    const bool s_warp = warp < ATT_SNW;
     const int pm = warp % ATT_PWM, pn = warp / ATT_PWM;  // PV phase
     const int g = lane >> 2, t = lane & 3;
     const int b = blockIdx.z, tile = att_tile();
@@ -425,9 +437,17 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
         cp_async_commit();
     }
 
-    const RowInfo r0 = att_row(a, tile, wm * 16 + g, n_keys);
-    const RowInfo r1 = att_row(a, tile, wm * 16 + g + 8, n_keys);
-    float m0 = MLA_NEG_INF, m1 = MLA_NEG_INF, l0 = 0.f, l1 = 0.f;
+    // S-phase rows of this thread: (m-tile mt, half e) -> row (wm*SMT + mt)*16 + g + 8e.
+    int lim[ATT_SMT][2];
+    float m[ATT_SMT][2], l[ATT_SMT][2];
+#pragma unroll
+    for (int mt = 0; mt < ATT_SMT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            lim[mt][e] = att_row(a, tile, (wm * ATT_SMT + mt) * 16 + g + 8 * e, n_keys).lim;
+            m[mt][e] = MLA_NEG_INF;
+            l[mt][e] = 0.f;
+        }
     float o[ATT_PVM][ATT_NTO][4];
 #pragma unroll
     for (int mt = 0; mt < ATT_PVM; ++mt)
@@ -450,113 +470,137 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
         const unsigned sKa = smem_u32(sK + st * (ATT_SK / 2));
         const int j0 = lo + it * ATT_BN;
 
-        // S = Q Kᵀ for this warp's 16 rows x ATT_BNW keys.
-        float s[ATT_NTS][4];
+        // S = Q Kᵀ for this warp's SMT·16 rows x ATT_BNW keys.
+        float s[ATT_SMT][ATT_NTS][4];
 #pragma unroll
-        for (int n = 0; n < ATT_NTS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        for (int mt = 0; mt < ATT_SMT; ++mt)
+#pragma unroll
+            for (int n = 0; n < ATT_NTS; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+        if (s_warp) {
 #pragma unroll ATT_SUNROLL
-        for (int kk = 0; kk < ATT_DQKP / 16; ++kk) {
-            unsigned a0, a1, a2, a3;
-            {
-                const int row = wm * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
-                ldsm_x4(sQa + 2 * swz(row, kk * 2 + (lane >> 4), ATT_CQ), a0, a1, a2, a3);
-            }
+            for (int kk = 0; kk < ATT_DQKP / 16; ++kk) {
+                unsigned qa[ATT_SMT][4];
 #pragma unroll
-            for (int np = 0; np < ATT_NTS / 2; ++np) {
-                const int key = wn * ATT_BNW + np * 16 + (lane & 7) + 8 * (lane >> 4);
-                unsigned b0, b1, b2, b3;
-                ldsm_x4(sKa + 2 * swz(key, kk * 2 + ((lane >> 3) & 1), ATT_CQ), b0, b1, b2, b3);
-                mma16816(s[2 * np], a0, a1, a2, a3, b0, b1);
-                mma16816(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
-            }
+                for (int mt = 0; mt < ATT_SMT; ++mt) {
+                    const int row = (wm * ATT_SMT + mt) * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+                    ldsm_x4(sQa + 2 * swz(row, kk * 2 + (lane >> 4), ATT_CQ), qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3]);
+                }
+#pragma unroll
+                for (int np = 0; np < ATT_NTS / 2; ++np) {
+                    const int key = wn * ATT_BNW + np * 16 + (lane & 7) + 8 * (lane >> 4);
+                    unsigned b0, b1, b2, b3;
+                    ldsm_x4(sKa + 2 * swz(key, kk * 2 + ((lane >> 3) & 1), ATT_CQ), b0, b1, b2, b3);
+#pragma unroll
+                    for (int mt = 0; mt < ATT_SMT; ++mt) {
+                        mma16816(s[mt][2 * np], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], b0, b1);
+                        mma16816(s[mt][2 * np + 1], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], b2, b3);
+                    }
+                }
 #if ATT_NTS % 2
-            {
-                const int key = wn * ATT_BNW + (ATT_NTS - 1) * 8 + (lane & 7);
-                unsigned b0, b1;
-                ldsm_x2(sKa + 2 * swz(key, kk * 2 + ((lane >> 3) & 1), ATT_CQ), b0, b1);
-                mma16816(s[ATT_NTS - 1], a0, a1, a2, a3, b0, b1);
-            }
+                {
+                    const int key = wn * ATT_BNW + (ATT_NTS - 1) * 8 + (lane & 7);
+                    unsigned b0, b1;
+                    ldsm_x2(sKa + 2 * swz(key, kk * 2 + ((lane >> 3) & 1), ATT_CQ), b0, b1);
+#pragma unroll
+                    for (int mt = 0; mt < ATT_SMT; ++mt)
+                        mma16816(s[mt][ATT_NTS - 1], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], b0, b1);
+                }
 #endif
+            }
         }
 
-        // Scale, mask, tile row max.
-        float tm0 = MLA_NEG_INF, tm1 = MLA_NEG_INF;
+        // Scale, mask, tile row max (per S-phase row: m-tile mt, half e).
+        float tm[ATT_SMT][2];
 #pragma unroll
-        for (int n = 0; n < ATT_NTS; ++n) {
+        for (int mt = 0; mt < ATT_SMT; ++mt) {
+            tm[mt][0] = tm[mt][1] = MLA_NEG_INF;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = j0 + wn * ATT_BNW + n * 8 + 2 * t + (e & 1);
-                const int lim = e < 2 ? r0.lim : r1.lim;
-                float v = s[n][e] * a.scale_log2;
-                if (key >= hi || key > lim) v = MLA_NEG_INF;
-                s[n][e] = v;
-                if (e < 2)
-                    tm0 = fmaxf(tm0, v);
-                else
-                    tm1 = fmaxf(tm1, v);
+            for (int n = 0; n < ATT_NTS; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = j0 + wn * ATT_BNW + n * 8 + 2 * t + (e & 1);
+                    float v = s[mt][n][e] * a.scale_log2;
+                    if (key >= hi || key > lim[mt][e >> 1]) v = MLA_NEG_INF;
+                    s[mt][n][e] = v;
+                    tm[mt][e >> 1] = fmaxf(tm[mt][e >> 1], v);
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                tm[mt][e] = fmaxf(tm[mt][e], __shfl_xor_sync(0xffffffffu, tm[mt][e], 1));
+                tm[mt][e] = fmaxf(tm[mt][e], __shfl_xor_sync(0xffffffffu, tm[mt][e], 2));
             }
         }
-        tm0 = fmaxf(tm0, __shfl_xor_sync(0xffffffffu, tm0, 1));
-        tm0 = fmaxf(tm0, __shfl_xor_sync(0xffffffffu, tm0, 2));
-        tm1 = fmaxf(tm1, __shfl_xor_sync(0xffffffffu, tm1, 1));
-        tm1 = fmaxf(tm1, __shfl_xor_sync(0xffffffffu, tm1, 2));
-#if ATT_WN > 1
-        if (t == 0) {
-            sMax[wn * ATT_BM + wm * 16 + g] = tm0;
-            sMax[wn * ATT_BM + wm * 16 + g + 8] = tm1;
+#if ATT_SWN > 1
+        if (s_warp && t == 0) {
+#pragma unroll
+            for (int mt = 0; mt < ATT_SMT; ++mt) {
+                sMax[wn * ATT_BM + (wm * ATT_SMT + mt) * 16 + g] = tm[mt][0];
+                sMax[wn * ATT_BM + (wm * ATT_SMT + mt) * 16 + g + 8] = tm[mt][1];
+            }
         }
         __syncthreads();
 #pragma unroll
-        for (int w = 0; w < ATT_WN; ++w) {
-            tm0 = fmaxf(tm0, sMax[w * ATT_BM + wm * 16 + g]);
-            tm1 = fmaxf(tm1, sMax[w * ATT_BM + wm * 16 + g + 8]);
-        }
-#endif
-        const float mn0 = fmaxf(m0, tm0), mn1 = fmaxf(m1, tm1);
-        const float mu0 = mn0 == MLA_NEG_INF ? 0.f : mn0, mu1 = mn1 == MLA_NEG_INF ? 0.f : mn1;
-        const float al0 = exp2f(m0 - mu0), al1 = exp2f(m1 - mu1);
-        m0 = mn0;
-        m1 = mn1;
-        float rs0 = 0.f, rs1 = 0.f;
+        for (int mt = 0; mt < ATT_SMT; ++mt)
 #pragma unroll
-        for (int n = 0; n < ATT_NTS; ++n) {
-            s[n][0] = exp2f(s[n][0] - mu0);
-            s[n][1] = exp2f(s[n][1] - mu0);
-            s[n][2] = exp2f(s[n][2] - mu1);
-            s[n][3] = exp2f(s[n][3] - mu1);
-            rs0 += s[n][0] + s[n][1];
-            rs1 += s[n][2] + s[n][3];
+            for (int w = 0; w < ATT_SWN; ++w) {
+                tm[mt][0] = fmaxf(tm[mt][0], sMax[w * ATT_BM + (wm * ATT_SMT + mt) * 16 + g]);
+                tm[mt][1] = fmaxf(tm[mt][1], sMax[w * ATT_BM + (wm * ATT_SMT + mt) * 16 + g + 8]);
+            }
+#endif
+        float al[ATT_SMT][2];
+#pragma unroll
+        for (int mt = 0; mt < ATT_SMT; ++mt) {
+            float mu[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float mn = fmaxf(m[mt][e], tm[mt][e]);
+                mu[e] = mn == MLA_NEG_INF ? 0.f : mn;
+                al[mt][e] = exp2f(m[mt][e] - mu[e]);
+                m[mt][e] = mn;
+            }
+#pragma unroll
+            for (int n = 0; n < ATT_NTS; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[mt][n][e] = exp2f(s[mt][n][e] - mu[e >> 1]);
+                    rs[e >> 1] += s[mt][n][e];
+                }
+            // per-thread partial; reduced over the quad and the key-group warps at the end
+            l[mt][0] = l[mt][0] * al[mt][0] + rs[0];
+            l[mt][1] = l[mt][1] * al[mt][1] + rs[1];
         }
-        l0 = l0 * al0 + rs0;  // per-thread partial; reduced over the quad and the WN warps at the end
-        l1 = l1 * al1 + rs1;
-#if ATT_PVM == 1
+#if !ATT_PSMEM
         // PV warp rows = S warp rows: rescale with this thread's own factors.
 #pragma unroll
         for (int n = 0; n < ATT_NTO; ++n) {
-            o[0][n][0] *= al0;
-            o[0][n][1] *= al0;
-            o[0][n][2] *= al1;
-            o[0][n][3] *= al1;
+            o[0][n][0] *= al[0][0];
+            o[0][n][1] *= al[0][0];
+            o[0][n][2] *= al[0][1];
+            o[0][n][3] *= al[0][1];
         }
 #else
-        if (wn == 0 && t == 0) {
-            sAlpha[wm * 16 + g] = al0;
-            sAlpha[wm * 16 + g + 8] = al1;
-        }
-#endif
-
-#if ATT_PSMEM
-        // P (rounded to the storage type) → shared, so every warp can multiply all keys of the tile.
+        if (s_warp) {
 #pragma unroll
-        for (int n = 0; n < ATT_NTS; ++n) {
-            const int col = wn * ATT_BNW + n * 8 + 2 * t;
-            *reinterpret_cast<unsigned*>(sP + (wm * 16 + g) * ATT_PS + col) = pack2(s[n][0], s[n][1]);
-            *reinterpret_cast<unsigned*>(sP + (wm * 16 + g + 8) * ATT_PS + col) = pack2(s[n][2], s[n][3]);
+            for (int mt = 0; mt < ATT_SMT; ++mt) {
+                const int row = (wm * ATT_SMT + mt) * 16 + g;
+                if (wn == 0 && t == 0) {
+                    sAlpha[row] = al[mt][0];
+                    sAlpha[row + 8] = al[mt][1];
+                }
+                // P (rounded to the storage type) → shared, so every warp can multiply all keys of the tile.
+#pragma unroll
+                for (int n = 0; n < ATT_NTS; ++n) {
+                    const int col = wn * ATT_BNW + n * 8 + 2 * t;
+                    *reinterpret_cast<unsigned*>(sP + row * ATT_PS + col) = pack2(s[mt][n][0], s[mt][n][1]);
+                    *reinterpret_cast<unsigned*>(sP + (row + 8) * ATT_PS + col) = pack2(s[mt][n][2], s[mt][n][3]);
+                }
+            }
         }
         __syncthreads();
         const unsigned sPa = smem_u32(sP);
 #endif
-#if ATT_PVM > 1
+#if ATT_PSMEM
 #pragma unroll
         for (int mt = 0; mt < ATT_PVM; ++mt) {
             const float f0 = sAlpha[(pm * ATT_PVM + mt) * 16 + g], f1 = sAlpha[(pm * ATT_PVM + mt) * 16 + g + 8];
@@ -586,10 +630,10 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
             }
 #else
             // The S accumulator layout of two adjacent n-tiles is the A operand layout of one k-step.
-            pa[0][0] = pack2(s[2 * kk][0], s[2 * kk][1]);
-            pa[0][1] = pack2(s[2 * kk][2], s[2 * kk][3]);
-            pa[0][2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[0][3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            pa[0][0] = pack2(s[0][2 * kk][0], s[0][2 * kk][1]);
+            pa[0][1] = pack2(s[0][2 * kk][2], s[0][2 * kk][3]);
+            pa[0][2] = pack2(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+            pa[0][3] = pack2(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
 #endif
 #pragma unroll
             for (int np = 0; np < ATT_NTO / 2; ++np) {
@@ -607,28 +651,40 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
     }
     cp_async_wait<0>();
 
-    // Row sums: over the quad, then over the WN warps that share the rows (through shared memory, which
-    // also hands them to the PV warps, whose rows may differ).
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    // Row sums: over the quad, then over the key-group warps that share the rows (through shared
+    // memory, which also hands them to the PV warps, whose rows may differ).
+#pragma unroll
+    for (int mt = 0; mt < ATT_SMT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            l[mt][e] += __shfl_xor_sync(0xffffffffu, l[mt][e], 1);
+            l[mt][e] += __shfl_xor_sync(0xffffffffu, l[mt][e], 2);
+        }
     __syncthreads();
-    if (t == 0) {
-        sSum[wn * ATT_BM + wm * 16 + g] = l0;
-        sSum[wn * ATT_BM + wm * 16 + g + 8] = l1;
+    if (s_warp && t == 0) {
+#pragma unroll
+        for (int mt = 0; mt < ATT_SMT; ++mt) {
+            sSum[wn * ATT_BM + (wm * ATT_SMT + mt) * 16 + g] = l[mt][0];
+            sSum[wn * ATT_BM + (wm * ATT_SMT + mt) * 16 + g + 8] = l[mt][1];
+        }
     }
     __syncthreads();
     auto row_sum = [&](int row) {
-        float l = 0.f;
+        float x = 0.f;
 #pragma unroll
-        for (int w = 0; w < ATT_WN; ++w) l += sSum[w * ATT_BM + row];
-        return l;
+        for (int w = 0; w < ATT_SWN; ++w) x += sSum[w * ATT_BM + row];
+        return x;
     };
-    if (wn == 0 && t == 0) {
-        const float L0 = row_sum(wm * 16 + g), L1 = row_sum(wm * 16 + g + 8);
-        if (r0.valid) att_store_lse(a, b, r0, L0 > 0.f ? (m0 + log2f(L0)) * MLA_LN2 : MLA_NEG_INF);
-        if (r1.valid) att_store_lse(a, b, r1, L1 > 0.f ? (m1 + log2f(L1)) * MLA_LN2 : MLA_NEG_INF);
+    if (s_warp && wn == 0 && t == 0) {
+#pragma unroll
+        for (int mt = 0; mt < ATT_SMT; ++mt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int row = (wm * ATT_SMT + mt) * 16 + g + 8 * e;
+                const RowInfo ri = att_row(a, tile, row, n_keys);
+                const float L = row_sum(row);
+                if (ri.valid) att_store_lse(a, b, ri, L > 0.f ? (m[mt][e] + log2f(L)) * MLA_LN2 : MLA_NEG_INF);
+            }
     }
 #pragma unroll
     for (int mt = 0; mt < ATT_PVM; ++mt) {

@@ -134,11 +134,8 @@ pub fn kernels_check(
                             "{arch}-{name}-{}-{}{}",
                             dt.name(),
                             unit.trim_end_matches(".cu"),
-                            tile.map(|t| format!(
-                                "-{}x{}-bn{}-st{}-pv{}",
-                                t.wm, t.wn, t.bn, t.stages, t.pvm
-                            ))
-                            .unwrap_or_default()
+                            tile.map(|t| format!("-{}", t.label().replace([' ', ':', '/'], "-")))
+                                .unwrap_or_default()
                         );
                         let w = |ext: &str, bytes: &[u8]| {
                             let p = d.join(format!("{stem}.{ext}"));
@@ -174,11 +171,7 @@ pub fn kernels_check(
                             name,
                             dt.name(),
                             unit,
-                            tile.map(|t| format!(
-                                "{}x{} bn{} st{} pv{}",
-                                t.wm, t.wn, t.bn, t.stages, t.pvm
-                            ))
-                            .unwrap_or("-".into()),
+                            tile.map(|t| t.label()).unwrap_or("-".into()),
                             k.name,
                             k.registers,
                             k.spill_stores,

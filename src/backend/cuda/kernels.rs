@@ -58,7 +58,8 @@ impl Dims {
 }
 
 /// Attention tile configuration: `wm x wn` warps, `16*wm` rows, `bn` keys per tile, `stages`-deep pipeline;
-/// in the P·V phase each warp takes `pvm` 16-row m-tiles (kernels/attention.cuh).
+/// in the P·V phase each warp takes `pvm` 16-row m-tiles; in the S phase `smt` m-tiles and one of `swn` key
+/// groups (kernels/attention.cuh).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Tile {
     pub wm: u32,
@@ -66,6 +67,8 @@ pub struct Tile {
     pub bn: u32,
     pub stages: u32,
     pub pvm: u32,
+    pub smt: u32,
+    pub swn: u32,
 }
 
 impl Tile {
@@ -76,7 +79,15 @@ impl Tile {
             bn,
             stages,
             pvm,
+            smt: 1,
+            swn: wn,
         }
+    }
+    /// The S phase with `smt` m-tiles per warp over `swn` key groups.
+    pub const fn s_phase(mut self, smt: u32, swn: u32) -> Tile {
+        self.smt = smt;
+        self.swn = swn;
+        self
     }
     /// The tile defines used when only the scalar kernel runs (they must still compile).
     pub const SCALAR_ONLY: Tile = Tile::new(1, 1, 32, 2, 1);
@@ -87,12 +98,16 @@ impl Tile {
             ("ATT_BN".into(), self.bn.to_string()),
             ("ATT_STAGES".into(), self.stages.to_string()),
             ("ATT_PVM".into(), self.pvm.to_string()),
+            ("ATT_SMT".into(), self.smt.to_string()),
+            ("ATT_SWN".into(), self.swn.to_string()),
         ]
     }
     pub fn label(&self) -> String {
+        // e.g. "4x2w bn64 st2 S:2m/2k PV:2m": warps, keys per tile, stages, S-phase m-tiles per warp and key
+        // groups, PV-phase m-tiles per warp.
         format!(
-            "{}x{} warps, {} keys/tile, {} stages",
-            self.wm, self.wn, self.bn, self.stages
+            "{}x{}w bn{} st{} S:{}m/{}k PV:{}m",
+            self.wm, self.wn, self.bn, self.stages, self.smt, self.swn, self.pvm
         )
     }
 }

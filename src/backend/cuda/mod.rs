@@ -52,9 +52,10 @@ impl Default for CudaOptions {
 pub fn decode_tiles(rows: usize) -> Vec<Tile> {
     if rows >= 64 {
         vec![
+            Tile::new(4, 2, 64, 2, 2).s_phase(2, 2),
             Tile::new(4, 2, 64, 2, 2),
             Tile::new(4, 2, 64, 2, 1),
-            Tile::new(4, 2, 32, 2, 2),
+            Tile::new(4, 2, 32, 2, 2).s_phase(2, 1),
             Tile::new(2, 2, 32, 2, 1),
         ]
     } else {
