@@ -310,7 +310,7 @@ static_assert(ATT_WM % ATT_SMT == 0 && ATT_SNW <= ATT_NW, "S-phase warp layout m
 #define ATT_SV (ATT_BN * ATT_CV * 8 * 2)
 #endif
 #define ATT_SP (ATT_PSMEM ? ATT_BM * ATT_PS * 2 : 0)
-#define ATT_SRED ((2 * ATT_SWN + 1) * ATT_BM * 4)      // row max and sum per S warp column; rescale factors
+#define ATT_SRED ((ATT_SWN + 1) * ATT_BM * 4)          // row max (loop) / row sum (epilogue) per key group; rescale factors
 #define ATT_SMEM (ATT_SQ + ATT_STAGES * (ATT_SK + ATT_SV) + ATT_SP + ATT_SRED)
 
 // {dynamic shared bytes, threads per CTA, rows per CTA, keys per tile}
@@ -396,8 +396,8 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
     dt* sV = reinterpret_cast<dt*>(smem + ATT_SQ + ATT_STAGES * ATT_SK);
     dt* sP = reinterpret_cast<dt*>(smem + ATT_SQ + ATT_STAGES * (ATT_SK + ATT_SV));
     float* sMax = reinterpret_cast<float*>(smem + ATT_SQ + ATT_STAGES * (ATT_SK + ATT_SV) + ATT_SP);
-    float* sSum = sMax + ATT_SWN * ATT_BM;
-    float* sAlpha = sSum + ATT_SWN * ATT_BM;
+    float* sSum = sMax;  // the epilogue's row sums reuse the loop's row-max exchange (after a barrier)
+    float* sAlpha = sMax + ATT_SWN * ATT_BM;
     (void)sP;  // unused when P stays in registers
     (void)sAlpha;
 

@@ -273,9 +273,15 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
             gpu.sync("decode (scalar reference)")?;
             let want: Vec<u16> = o.read(0, bsz * h * lkv)?;
             let mut tiles: Vec<Tile> = decode_tiles(h);
-            if h < 64 {
+            tiles.truncate(3);
+            if h >= 64 {
+                tiles.push(Tile::new(4, 4, 64, 2, 2).s_phase(1, 2).unroll(4));
+                tiles.push(Tile::new(4, 2, 64, 2, 2).s_phase(2, 2));
+            } else {
                 tiles.push(Tile::new(1, 4, 32, 3, 1));
             }
+            // One split fills the GPU at 128 heads (2 CTAs per request); 16 heads needs more.
+            let splits_list: &[usize] = if h >= 64 { &[1, 2] } else { &[2, 4, 8] };
             for tile in tiles {
                 let att = match Attn::load(&mut k, &gpu, "decode.cu", &dims, &[tile], false) {
                     Ok(a) if a.uses_mma() => a,
@@ -293,7 +299,7 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
                         continue;
                     }
                 };
-                for splits in [1usize, 2, 4, 8] {
+                for &splits in splits_list {
                     let a = args(splits);
                     let (rows_n, hh, nsi) = (bsz * h, h as i32, splits as i32);
                     let (ors, ohs) = ((h * lkv) as i64, lkv as i64);

@@ -69,6 +69,8 @@ pub struct Tile {
     pub pvm: u32,
     pub smt: u32,
     pub swn: u32,
+    /// S-phase k-loop unroll (0: the kernel's default).
+    pub su: u32,
 }
 
 impl Tile {
@@ -81,7 +83,12 @@ impl Tile {
             pvm,
             smt: 1,
             swn: wn,
+            su: 0,
         }
+    }
+    pub const fn unroll(mut self, su: u32) -> Tile {
+        self.su = su;
+        self
     }
     /// The S phase with `smt` m-tiles per warp over `swn` key groups.
     pub const fn s_phase(mut self, smt: u32, swn: u32) -> Tile {
@@ -92,7 +99,7 @@ impl Tile {
     /// The tile defines used when only the scalar kernel runs (they must still compile).
     pub const SCALAR_ONLY: Tile = Tile::new(1, 1, 32, 2, 1);
     pub fn defines(&self) -> Vec<(String, String)> {
-        vec![
+        let mut d: Vec<(String, String)> = vec![
             ("ATT_WM".into(), self.wm.to_string()),
             ("ATT_WN".into(), self.wn.to_string()),
             ("ATT_BN".into(), self.bn.to_string()),
@@ -100,14 +107,29 @@ impl Tile {
             ("ATT_PVM".into(), self.pvm.to_string()),
             ("ATT_SMT".into(), self.smt.to_string()),
             ("ATT_SWN".into(), self.swn.to_string()),
-        ]
+        ];
+        if self.su > 0 {
+            d.push(("ATT_SUNROLL".into(), self.su.to_string()));
+        }
+        d
     }
     pub fn label(&self) -> String {
         // e.g. "4x2w bn64 st2 S:2m/2k PV:2m": warps, keys per tile, stages, S-phase m-tiles per warp and key
         // groups, PV-phase m-tiles per warp.
         format!(
-            "{}x{}w bn{} st{} S:{}m/{}k PV:{}m",
-            self.wm, self.wn, self.bn, self.stages, self.smt, self.swn, self.pvm
+            "{}x{}w bn{} st{} S:{}m/{}k{} PV:{}m",
+            self.wm,
+            self.wn,
+            self.bn,
+            self.stages,
+            self.smt,
+            self.swn,
+            if self.su > 0 {
+                format!(" u{}", self.su)
+            } else {
+                String::new()
+            },
+            self.pvm
         )
     }
 }

@@ -52,10 +52,10 @@ impl Default for CudaOptions {
 pub fn decode_tiles(rows: usize) -> Vec<Tile> {
     if rows >= 64 {
         vec![
-            Tile::new(4, 2, 64, 2, 2).s_phase(2, 2),
+            // 16 warps: 8 compute S (16x32 tiles), all 16 do P·V on 32x64 tiles (64 accumulator registers).
+            Tile::new(4, 4, 64, 2, 2).s_phase(1, 2),
             Tile::new(4, 2, 64, 2, 2),
             Tile::new(4, 2, 64, 2, 1),
-            Tile::new(4, 2, 32, 2, 2).s_phase(2, 1),
             Tile::new(2, 2, 32, 2, 1),
         ]
     } else {
