@@ -274,10 +274,7 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
             let want: Vec<u16> = o.read(0, bsz * h * lkv)?;
             let mut tiles: Vec<Tile> = decode_tiles(h);
             tiles.truncate(3);
-            if h >= 64 {
-                tiles.push(Tile::new(4, 4, 64, 2, 2).s_phase(1, 2).unroll(4));
-                tiles.push(Tile::new(4, 2, 64, 2, 2).s_phase(2, 2));
-            } else {
+            if h < 64 {
                 tiles.push(Tile::new(1, 4, 32, 3, 1));
             }
             // One split fills the GPU at 128 heads (2 CTAs per request); 16 heads needs more.

@@ -52,9 +52,12 @@ impl Default for CudaOptions {
 pub fn decode_tiles(rows: usize) -> Vec<Tile> {
     if rows >= 64 {
         vec![
-            // 16 warps: 8 compute S (16x32 tiles), all 16 do P·V on 32x64 tiles (64 accumulator registers).
-            Tile::new(4, 4, 64, 2, 2).s_phase(1, 2),
+            // 8 warps: S on 16x32 warp tiles, P·V on 32x256 (two m-tiles share each V fragment).
             Tile::new(4, 2, 64, 2, 2),
+            // S on 32x32 warp tiles by 4 warps: fewer fragment bytes, but slower on the H200.
+            Tile::new(4, 2, 64, 2, 2).s_phase(2, 2),
+            // 16 warps (8 compute S), P·V on 32x64: 128 registers, no spills, but slower on the H200.
+            Tile::new(4, 4, 64, 2, 2).s_phase(1, 2),
             Tile::new(4, 2, 64, 2, 1),
             Tile::new(2, 2, 32, 2, 1),
         ]
