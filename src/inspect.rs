@@ -6,6 +6,16 @@ use crate::model::MlaConfig;
 use serde_json::json;
 use std::fmt::Write;
 
+/// `1.23 GB` / `4.9 MB` / `512 B`.
+pub fn human_bytes(b: u64) -> String {
+    match b {
+        b if b >= 1_000_000_000 => format!("{:.2} GB", b as f64 / 1e9),
+        b if b >= 1_000_000 => format!("{:.1} MB", b as f64 / 1e6),
+        b if b >= 1_000 => format!("{:.1} kB", b as f64 / 1e3),
+        b => format!("{b} B"),
+    }
+}
+
 /// One attention tensor of one layer, as stored.
 fn layer_tensors(f: &GgufFile, layer: usize) -> Vec<serde_json::Value> {
     crate::model::weights::tensor_names(layer)
@@ -161,10 +171,122 @@ pub fn inspect_text(f: &GgufFile) -> Result<String> {
     }
     writeln!(
         s,
-        "attention weights: {:.3} GB in {} layers",
-        total as f64 / 1e9,
+        "attention weights: {} in {} layers",
+        human_bytes(total),
         c.n_layer
     )
     .ok();
     Ok(s)
+}
+
+/// One loaded weight's L2 norm.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TensorNorm {
+    /// The `LayerWeights` field.
+    pub weight: &'static str,
+    /// The GGUF tensor it came from.
+    pub tensor: String,
+    /// Torch-orientation shape as held in memory.
+    pub shape: Vec<usize>,
+    pub l2: f64,
+}
+
+/// `inspect --load-layer`: what loading one layer's attention weights gives.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LayerNorms {
+    pub file: String,
+    pub layer: usize,
+    pub kv_b_layout: crate::model::KvBLayout,
+    pub tensors: Vec<TensorNorm>,
+}
+
+/// Load layer `layer` (dequantized and shape-checked, as a run would) and measure each weight.
+pub fn layer_norms(f: &GgufFile, layer: usize) -> Result<LayerNorms> {
+    use crate::model::{KvBLayout, LayerWeights, QProj};
+    let cfg = MlaConfig::from_gguf(f)?;
+    let w = LayerWeights::load(f, &cfg, layer)?;
+    let n = |s: &str| format!("blk.{layer}.{s}.weight");
+    let norm = |weight, tensor: String, shape: &[usize], v: ndarray::ArrayViewD<f32>| TensorNorm {
+        weight,
+        tensor,
+        shape: shape.to_vec(),
+        l2: v.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt(),
+    };
+    let mut t = vec![norm(
+        "attn_norm",
+        n("attn_norm"),
+        w.attn_norm.shape(),
+        w.attn_norm.view().into_dyn(),
+    )];
+    match &w.q {
+        QProj::Lora { a, a_norm, b } => {
+            t.push(norm("q_a", n("attn_q_a"), a.shape(), a.view().into_dyn()));
+            t.push(norm(
+                "q_a_norm",
+                n("attn_q_a_norm"),
+                a_norm.shape(),
+                a_norm.view().into_dyn(),
+            ));
+            t.push(norm("q_b", n("attn_q_b"), b.shape(), b.view().into_dyn()));
+        }
+        QProj::Plain { q } => t.push(norm("q", n("attn_q"), q.shape(), q.view().into_dyn())),
+    }
+    t.push(norm(
+        "kv_a",
+        n("attn_kv_a_mqa"),
+        w.kv_a.shape(),
+        w.kv_a.view().into_dyn(),
+    ));
+    t.push(norm(
+        "kv_a_norm",
+        n("attn_kv_a_norm"),
+        w.kv_a_norm.shape(),
+        w.kv_a_norm.view().into_dyn(),
+    ));
+    let (uk, uv) = match w.kv_b_layout {
+        KvBLayout::Split => (n("attn_k_b"), n("attn_v_b")),
+        KvBLayout::Unsplit => (n("attn_kv_b"), n("attn_kv_b")),
+    };
+    t.push(norm("w_uk", uk, w.w_uk.shape(), w.w_uk.view().into_dyn()));
+    t.push(norm("w_uv", uv, w.w_uv.shape(), w.w_uv.view().into_dyn()));
+    t.push(norm(
+        "o",
+        n("attn_output"),
+        w.o.shape(),
+        w.o.view().into_dyn(),
+    ));
+    Ok(LayerNorms {
+        file: f.path.display().to_string(),
+        layer,
+        kv_b_layout: w.kv_b_layout,
+        tensors: t,
+    })
+}
+
+pub fn layer_norms_text(n: &LayerNorms) -> String {
+    let mut s = String::new();
+    writeln!(
+        s,
+        "{}  layer {} attention weights (kv_b layout: {:?})",
+        n.file, n.layer, n.kv_b_layout
+    )
+    .ok();
+    writeln!(
+        s,
+        "{:<10} {:<28} {:>18} {:>14}",
+        "weight", "from tensor", "shape", "L2 norm"
+    )
+    .ok();
+    for t in &n.tensors {
+        writeln!(
+            s,
+            "{:<10} {:<28} {:>18} {:>14.6}",
+            t.weight,
+            t.tensor,
+            format!("{:?}", t.shape),
+            t.l2
+        )
+        .ok();
+    }
+    s
 }

@@ -7,8 +7,10 @@
 
 pub mod backend;
 pub mod bench;
+pub mod calibrate;
 pub mod compare;
 pub mod error;
+pub mod fixture;
 pub mod gguf;
 pub mod input;
 pub mod inspect;
@@ -16,6 +18,7 @@ pub mod model;
 pub mod reference;
 pub mod report;
 pub mod rope;
+pub mod run;
 pub mod schedule;
 pub mod trace;
 

@@ -1,7 +1,12 @@
 //! The `mla-diff` command line: a thin layer over the library.
 
-use clap::{Parser, Subcommand};
-use mla_diff::error::{Error, EXIT_ERROR};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use mla_diff::backend::{Backend, Dtype};
+use mla_diff::compare::ToleranceTable;
+use mla_diff::error::{Error, EXIT_DIVERGENCE, EXIT_ERROR, EXIT_PASS};
+use mla_diff::report;
+use mla_diff::run::{DumpLayers, InputSpec, Modes, RunOptions};
+use mla_diff::schedule::Schedule;
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -11,7 +16,110 @@ struct Cli {
     cmd: Cmd,
 }
 
-const EXIT_CODES: &str = "Exit codes: 0 pass, 1 divergence found, 2 usage/input/environment error.";
+const EXIT_CODES: &str = "Exit codes: 0 pass, 1 divergence found (or baseline regression), 2 usage/input/environment error.";
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BackendArg {
+    /// The CPU mirror of the fused path.
+    Cpu,
+    /// The CUDA kernels in kernels/ (needs an NVIDIA GPU and driver).
+    Cuda,
+    /// CUDA when a GPU is present, else the CPU mirror.
+    Auto,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ModeArg {
+    /// Each layer gets the reference's input: the layer's local error.
+    Shadow,
+    /// Each side feeds its own output forward: the accumulated drift.
+    Free,
+    Both,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// The MLA GGUF file.
+    file: PathBuf,
+    /// Layers: `all`, `N`, `A..B` (half-open), `A..=B`, or a comma list.
+    #[arg(long, default_value = "all")]
+    layers: String,
+    /// Token ids (comma-separated) fed through token_embd; their count must equal the schedule's tokens.
+    #[arg(long, value_delimiter = ',', conflicts_with = "hidden")]
+    tokens: Option<Vec<u32>>,
+    /// Seed of the random hidden states (used when neither --tokens nor --hidden is given).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Captured activations (.npy, f32/f64): [T, hidden] or [layers, T, hidden].
+    #[arg(long)]
+    hidden: Option<PathBuf>,
+    /// Tokens processed by prefill.
+    #[arg(long, default_value_t = Schedule::default().prompt_len)]
+    prompt_len: usize,
+    /// Decode steps after the prompt.
+    #[arg(long, default_value_t = Schedule::default().decode_steps)]
+    decode_steps: usize,
+    /// Query tokens per decode step (> 1: speculative / MTP decode).
+    #[arg(long, default_value_t = 1)]
+    q_len: usize,
+    /// Prefill chunk size.
+    #[arg(long, default_value_t = Schedule::default().chunk)]
+    chunk: usize,
+    /// Rows per cache page.
+    #[arg(long, default_value_t = Schedule::default().page_size)]
+    page_size: usize,
+    /// Split-KV ways for decode.
+    #[arg(long, default_value_t = Schedule::default().num_splits)]
+    num_splits: usize,
+    /// Keep the block table in order instead of shuffling it.
+    #[arg(long)]
+    no_shuffle: bool,
+    /// Position of the first token (rope offset).
+    #[arg(long, default_value_t = 0)]
+    pos_offset: usize,
+    /// Storage precision of the optimized path (accumulation is f32).
+    #[arg(long, value_enum, default_value_t = Dtype::Bf16)]
+    dtype: Dtype,
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
+    #[arg(long, value_enum, default_value_t = ModeArg::Both)]
+    mode: ModeArg,
+    /// Tolerance override, repeatable: `STAGE=rel_l2:X,atol_rms:Y,rtol:Z` (STAGE may be `attn_out[decode]`).
+    #[arg(long = "tol")]
+    tol: Vec<String>,
+    /// Tolerance file (the format of `mla-diff calibrate`), laid over the defaults.
+    #[arg(long)]
+    tol_file: Option<PathBuf>,
+    /// Write the JSON report here (`-` for stdout).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write JUnit XML here.
+    #[arg(long)]
+    junit: Option<PathBuf>,
+    /// Write a Markdown summary here.
+    #[arg(long)]
+    markdown: Option<PathBuf>,
+    /// Write an SVG heat map of error over layer × stage here.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Dump reference and optimized stage tensors as .npy into this directory.
+    #[arg(long)]
+    dump_dir: Option<PathBuf>,
+    /// Which layers to dump: `first` (first diverging), `all`, or a comma list.
+    #[arg(long, default_value = "first")]
+    dump_layers: String,
+    /// Fail when any metric is worse than this earlier report by more than --baseline-factor.
+    #[arg(long)]
+    baseline: Option<PathBuf>,
+    #[arg(long, default_value_t = report::baseline::DEFAULT_FACTOR)]
+    baseline_factor: f64,
+    /// Write this run's report as the new baseline.
+    #[arg(long)]
+    write_baseline: Option<PathBuf>,
+    /// Directory of edited kernels (.cu) to compile at run time instead of the built-in ones.
+    #[arg(long)]
+    kernels: Option<PathBuf>,
+}
 
 #[derive(Subcommand)]
 enum Cmd {
@@ -21,6 +129,56 @@ enum Cmd {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+        /// Load layer L's attention weights (dequantized, shape-checked) and print per-tensor L2 norms.
+        #[arg(long, value_name = "L")]
+        load_layer: Option<usize>,
+    },
+    /// Write a synthetic MLA GGUF in llama.cpp's conventions (real models' attention dims, seeded random
+    /// weights; attention tensors and token_embd only).
+    Fixture {
+        #[arg(long, value_enum)]
+        preset: mla_diff::fixture::Preset,
+        /// Number of layers (default: the model's).
+        #[arg(long)]
+        layers: Option<usize>,
+        /// Weight type: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k..q6_k. 1-D tensors stay F32;
+        /// rows that do not fit the block size fall back as llama.cpp's quantizer does.
+        #[arg(long, default_value = "bf16")]
+        quant: String,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Pre-llama.cpp-#12801 layout: one unsplit attn_kv_b, head_count_kv = heads, no *_mla keys.
+        #[arg(long)]
+        legacy_kv_b: bool,
+        /// Override the hidden size (keeps the real head dims; for small files).
+        #[arg(long)]
+        hidden: Option<usize>,
+        /// Override the number of attention heads.
+        #[arg(long)]
+        heads: Option<usize>,
+        /// Override the q-LoRA rank (0: no q-LoRA, plain attn_q).
+        #[arg(long)]
+        q_lora_rank: Option<usize>,
+        /// Rows of token_embd.weight.
+        #[arg(long)]
+        vocab: Option<usize>,
+        /// Output file.
+        #[arg(short = 'o', long = "output", value_name = "FILE")]
+        output: PathBuf,
+    },
+    /// Run every layer's attention through the fp64 reference and the optimized path and compare stage by stage.
+    Run(Box<RunArgs>),
+    /// Measure the CPU mirror's noise on GGUF files and write the tolerance table it implies.
+    Calibrate {
+        files: Vec<PathBuf>,
+        /// Factor applied to the worst observed noise.
+        #[arg(long, default_value_t = 4.0)]
+        margin: f64,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Output file (default: stdout).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
     },
     /// CUDA kernel tools (no GPU needed for `check`).
     Kernels {
@@ -66,22 +224,28 @@ enum BenchCmd {
         /// Layer shape family (per-head dims, rope, scaling); full model sizes unless overridden.
         #[arg(long, value_enum, default_value = "deepseek-v3")]
         preset: mla_diff::model::synthetic::Family,
+        /// Hidden size (default: the preset's real model).
         #[arg(long)]
         hidden: Option<usize>,
+        /// Attention heads (default: the preset's real model).
         #[arg(long)]
         heads: Option<usize>,
         /// q-LoRA rank (0: no q-LoRA).
         #[arg(long)]
         q_lora: Option<usize>,
+        /// kv latent rank (default: the preset's).
         #[arg(long)]
         kv_lora: Option<usize>,
+        /// Tokens of the run (prefill + decode).
         #[arg(long, default_value_t = 128)]
         tokens: usize,
         /// Of the tokens, how many are decode steps (one token each).
         #[arg(long, default_value_t = 16)]
         decode_steps: usize,
+        /// Timed repetitions of each side (best of).
         #[arg(long, default_value_t = 3)]
         reps: usize,
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
@@ -124,9 +288,20 @@ fn cuda_bench(decode: bool, kernels: Option<PathBuf>, json: Option<PathBuf>) -> 
 
 fn run(cli: Cli) -> Result<i32, Error> {
     match cli.cmd {
-        Cmd::Inspect { file, json } => {
+        Cmd::Inspect {
+            file,
+            json,
+            load_layer,
+        } => {
             let f = mla_diff::gguf::GgufFile::open(&file)?;
-            if json {
+            if let Some(layer) = load_layer {
+                let norms = mla_diff::inspect::layer_norms(&f, layer)?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&norms).expect("json"));
+                } else {
+                    print!("{}", mla_diff::inspect::layer_norms_text(&norms));
+                }
+            } else if json {
                 println!(
                     "{}",
                     serde_json::to_string_pretty(&mla_diff::inspect::inspect_json(&f)?)
@@ -205,10 +380,241 @@ fn run(cli: Cli) -> Result<i32, Error> {
                 Ok(0)
             }
         },
+        Cmd::Fixture {
+            preset,
+            layers,
+            quant,
+            seed,
+            legacy_kv_b,
+            hidden,
+            heads,
+            q_lora_rank,
+            vocab,
+            output,
+        } => {
+            use mla_diff::fixture;
+            let quant = mla_diff::gguf::GgmlType::from_name(&quant).ok_or_else(|| {
+                Error::Usage(format!(
+                    "--quant {quant}: unknown type (choose one of: {})",
+                    fixture::quant_names().join(", ")
+                ))
+            })?;
+            let spec = fixture::Spec::from_options(&fixture::Options {
+                preset,
+                layers,
+                quant,
+                seed,
+                legacy_kv_b,
+                hidden,
+                heads,
+                q_lora_rank,
+                vocab,
+            })?;
+            let s = fixture::write(&spec, &output)?;
+            let types: Vec<String> = s.types.iter().map(|(t, n)| format!("{n} {t}")).collect();
+            println!(
+                "wrote {}: {} tensors ({}), {:.1} MB",
+                output.display(),
+                s.tensors,
+                types.join(", "),
+                s.bytes as f64 / 1e6
+            );
+            Ok(0)
+        }
+        Cmd::Run(args) => run_cmd(*args),
+        Cmd::Calibrate {
+            files,
+            margin,
+            seed,
+            output,
+        } => {
+            if files.is_empty() {
+                return Err(Error::Usage(
+                    "calibrate needs at least one GGUF file".into(),
+                ));
+            }
+            let (table, summary) = mla_diff::calibrate::calibrate(
+                &files,
+                margin,
+                &[Dtype::Bf16, Dtype::F16, Dtype::F32],
+                seed,
+            )?;
+            eprint!("{summary}");
+            let json = serde_json::to_string_pretty(&table).expect("json") + "\n";
+            match output {
+                Some(p) => report::write_file(&p, &json)?,
+                None => print!("{json}"),
+            }
+            Ok(0)
+        }
     }
 }
 
+/// The backend, its kind for the report ("cpu" / "cuda") and the GPU's name.
+type Chosen = (Box<dyn Backend>, &'static str, Option<String>);
+
+/// The optimized backend the user asked for, its kind for the report, and the GPU name if any.
+fn make_backend(
+    choice: BackendArg,
+    dtype: Dtype,
+    file: &mla_diff::gguf::GgufFile,
+    kernels: Option<PathBuf>,
+) -> Result<Chosen, Error> {
+    let cpu = |file| -> Result<Box<dyn Backend>, Error> {
+        let cfg = mla_diff::model::MlaConfig::from_gguf(file)?;
+        let factors = mla_diff::model::rope_factors::RopeFactors::load(file, &cfg)?;
+        Ok(Box::new(
+            mla_diff::backend::cpu::CpuMirror::new(dtype).with_rope_factors(factors),
+        ))
+    };
+    match choice {
+        BackendArg::Cpu => Ok((cpu(file)?, "cpu", None)),
+        BackendArg::Auto
+            if kernels.is_none() && !mla_diff::backend::cuda::device::gpu_present() =>
+        {
+            Ok((cpu(file)?, "cpu", None))
+        }
+        // Auto with a GPU present, or an explicit kernel directory: the GPU path (its errors are errors).
+        BackendArg::Cuda | BackendArg::Auto => {
+            let cfg = mla_diff::model::MlaConfig::from_gguf(file)?;
+            let factors = mla_diff::model::rope_factors::RopeFactors::load(file, &cfg)?;
+            let b =
+                mla_diff::backend::cuda::CudaBackend::new(mla_diff::backend::cuda::CudaOptions {
+                    dtype,
+                    kernels_dir: kernels,
+                    debug: true,
+                    force_scalar: false,
+                })?
+                .with_rope_factors(factors);
+            let name = b.gpu.info.name.clone();
+            Ok((Box::new(b), "cuda", Some(name)))
+        }
+    }
+}
+
+fn run_cmd(a: RunArgs) -> Result<i32, Error> {
+    let file = mla_diff::gguf::GgufFile::open(&a.file)?;
+    let cfg = mla_diff::model::MlaConfig::from_gguf(&file)?;
+    let sched = Schedule {
+        prompt_len: a.prompt_len,
+        chunk: a.chunk,
+        decode_steps: a.decode_steps,
+        q_len: a.q_len,
+        page_size: a.page_size,
+        num_splits: a.num_splits,
+        shuffle_seed: if a.no_shuffle {
+            None
+        } else {
+            Schedule::default().shuffle_seed
+        },
+        spare_pages: Schedule::default().spare_pages,
+        pos_offset: a.pos_offset,
+    };
+    sched.validate()?;
+    let mut tolerances = ToleranceTable::defaults();
+    let mut source = "defaults (calibrated, src/compare/tolerances.json)".to_string();
+    if let Some(p) = &a.tol_file {
+        tolerances.merge(&ToleranceTable::from_file(p)?);
+        source = format!("defaults + {}", p.display());
+    }
+    for t in &a.tol {
+        tolerances.apply_override(a.dtype, t)?;
+    }
+    if !a.tol.is_empty() {
+        source.push_str(&format!(" + --tol {}", a.tol.join(" --tol ")));
+    }
+    let dump = match &a.dump_dir {
+        None => None,
+        Some(d) => Some((
+            d.clone(),
+            match a.dump_layers.as_str() {
+                "first" => DumpLayers::First,
+                "all" => DumpLayers::All,
+                list => DumpLayers::List(mla_diff::run::parse_layers(list, cfg.n_layer)?),
+            },
+        )),
+    };
+    let input = match (&a.tokens, &a.hidden) {
+        (Some(t), _) => InputSpec::Tokens(t.clone()),
+        (None, Some(p)) => InputSpec::Npy(p.clone()),
+        (None, None) => InputSpec::Random { seed: a.seed },
+    };
+    let opts = RunOptions {
+        layers: Some(mla_diff::run::parse_layers(&a.layers, cfg.n_layer)?),
+        input,
+        sched,
+        dtype: a.dtype,
+        modes: Modes {
+            shadow: a.mode != ModeArg::Free,
+            free: a.mode != ModeArg::Shadow,
+        },
+        tolerances,
+        tolerance_source: source,
+        dump,
+        progress: true,
+    };
+    // Fail on unusable output paths before the (possibly long) run.
+    let baseline = match &a.baseline {
+        Some(p) => Some(report::Report::from_json_file(p)?),
+        None => None,
+    };
+    let (mut backend, kind, gpu) = make_backend(a.backend, a.dtype, &file, a.kernels.clone())?;
+    let started = std::time::Instant::now();
+    let mut rep = mla_diff::run::run(&file, backend.as_mut(), kind, gpu, &opts)?;
+    if let (Some(b), Some(p)) = (&baseline, &a.baseline) {
+        rep.baseline = Some(report::baseline::gate(
+            &rep,
+            b,
+            &p.display().to_string(),
+            a.baseline_factor,
+        ));
+    }
+    let json_to_stdout = a.json.as_deref() == Some(std::path::Path::new("-"));
+    if !json_to_stdout {
+        print!(
+            "{}",
+            report::table::render(&rep, &report::table::Style::detect())
+        );
+    }
+    if let Some(p) = &a.json {
+        if json_to_stdout {
+            print!("{}", rep.to_json());
+        } else {
+            report::write_file(p, &rep.to_json())?;
+        }
+    }
+    if let Some(p) = &a.write_baseline {
+        let mut b = rep.clone();
+        b.baseline = None;
+        report::write_file(p, &b.to_json())?;
+    }
+    if let Some(p) = &a.junit {
+        report::write_file(p, &report::junit::render(&rep))?;
+    }
+    if let Some(p) = &a.markdown {
+        report::write_file(p, &report::markdown::render(&rep))?;
+    }
+    if let Some(p) = &a.plot {
+        report::write_file(p, &report::svg::render(&rep)?)?;
+    }
+    eprintln!(
+        "mla-diff: {} layer(s) in {:.2} s",
+        rep.run.layers.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(if rep.pass() {
+        EXIT_PASS
+    } else {
+        EXIT_DIVERGENCE
+    })
+}
+
 fn main() {
+    // Die quietly on a closed pipe (`mla-diff ... | head`) like other Unix tools, instead of panicking in println!.
+    #[cfg(unix)]
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

@@ -16,6 +16,8 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
     Bf16,
+    #[value(name = "fp16", alias = "f16")]
+    #[serde(rename = "fp16", alias = "f16")]
     F16,
     F32,
 }

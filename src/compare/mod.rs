@@ -313,7 +313,7 @@ pub fn verdict(layers: &[LayerResult]) -> Verdict {
             first_layer: None,
             first_check: None,
             reasons: vec![],
-            message: format!("PASS: {} layers within tolerance", layers.len()),
+            message: format!("PASS: {} layer(s) within tolerance", layers.len()),
         },
         Some(l) => {
             let c = l

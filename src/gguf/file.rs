@@ -338,7 +338,7 @@ impl GgufFile {
         // Smallest metadata entry: 8 (key len) + 1 (key) + 4 (type) + 1 (value) bytes.
         if n_kv > r.remaining() as u64 / 14 {
             return Err(r.err(format!(
-                "metadata count {n_kv} is impossible for a file of {file_size} bytes"
+                "metadata count {n_kv} is impossible for a file of {file_size} bytes (truncated or corrupt)"
             )));
         }
         let mut metadata = Vec::with_capacity(n_kv as usize);
@@ -355,7 +355,7 @@ impl GgufFile {
         // Smallest tensor info: 8 + 1 (name) + 4 (n_dims) + 8 (one dim) + 4 (type) + 8 (offset).
         if n_tensors > r.remaining() as u64 / 33 {
             return Err(r.err(format!(
-                "tensor count {n_tensors} is impossible for a file of {file_size} bytes"
+                "tensor count {n_tensors} is impossible for a file of {file_size} bytes (truncated or corrupt)"
             )));
         }
         let mut tensors = Vec::with_capacity(n_tensors as usize);

@@ -222,7 +222,19 @@ impl MlaConfig {
         let v_mla = opt_u64(f, a, "attention.value_length_mla")?;
         let (qk, v_head_dim, mla_keys) = match (k_mla, v_mla) {
             (Some(k), Some(v)) => (k, v, true),
-            (None, None) => (req_u64(f, a, "attention.key_length")?, req_u64(f, a, "attention.value_length")?, false),
+            // llama.cpp defaults both head sizes to n_embd / n_head when the key is absent; the MiniCPM3
+            // converter relies on that and writes no value_length (conversion/minicpm.py).
+            (None, None) => {
+                let default = (n_head > 0 && hidden % n_head == 0).then(|| hidden / n_head);
+                let head = |k: &str| -> Result<usize> {
+                    match (opt_u64(f, a, k)?, default) {
+                        (Some(v), _) => Ok(v),
+                        (None, Some(d)) => Ok(d),
+                        (None, None) => req_u64(f, a, k),
+                    }
+                };
+                (head("attention.key_length")?, head("attention.value_length")?, false)
+            }
             _ => {
                 return Err(Error::Unsupported(format!(
                     "{}: only one of {a}.attention.key_length_mla / value_length_mla is present (llama.cpp needs both or neither)",
@@ -271,7 +283,8 @@ impl MlaConfig {
         let yarn = if scaling == "yarn" && factor > 1.0 {
             let raw = opt_f64(f, a, "rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0);
             // TAG_DEEPSEEK2_YARN_LOG_MUL_FIX: the converter stores 0.1·mscale_all_dim; llama.cpp divides by 0.1.
-            let mscale_all_dim = raw / 0.1;
+            // In f32 as llama.cpp does (`rope_yarn_log_mul /= 0.1f`), so 0.1f gives exactly 1.
+            let mscale_all_dim = (raw as f32 / 0.1f32) as f64;
             Some(Yarn {
                 factor,
                 original_context: opt_u64(f, a, "rope.scaling.original_context_length")?

@@ -21,6 +21,7 @@ pub enum Family {
     /// DeepSeek-V2-Lite: no q-LoRA, 128/64/128, YaRN ×40, mscale_all_dim 0.707.
     DeepseekV2Lite,
     /// GLM-5: 192/64/256, 64 heads, no YaRN.
+    #[value(name = "glm-5")]
     Glm5,
     /// MiniCPM3: NEOX rope, 64/32/64, kv_lora 256, LongRoPE factors.
     Minicpm3,

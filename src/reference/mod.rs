@@ -57,11 +57,8 @@ pub fn check_inputs(
             sched.q_len
         )));
     }
-    if let Some(bad) = x.iter().find(|v| !v.is_finite()) {
-        return Err(Error::Usage(format!(
-            "layer input holds a non-finite value ({bad})"
-        )));
-    }
+    // Non-finite inputs are not rejected here: user inputs are checked when loaded (input.rs), and in
+    // free-running mode a NaN produced by the optimized path must flow on, as it would in an engine.
     if rope.pos_start != sched.pos_offset || rope.n_pos() < t || rope.dim != cfg.qk_rope {
         return Err(Error::Usage(format!(
             "rope tables cover {} positions from {} with {} dims; the run needs {t} from {} with {}",

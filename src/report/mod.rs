@@ -102,30 +102,35 @@ impl Report {
         serde_json::from_value(v)
             .map_err(|e| Error::Usage(format!("{}: not an mla-diff report: {e}", path.display())))
     }
-    /// Combine the modes' verdicts: shadow (local error) first, then free-running drift.
+    /// The overall verdict. With shadow mode it decides: a layer's local error is the kernel's fault,
+    /// while free-running drift grows with depth even for a correct kernel, so the layer where the drift
+    /// crosses the tolerance is reported (in the free mode's own verdict) without failing the run.
+    /// Free mode alone decides only when shadow mode was not run.
     pub fn overall_verdict(modes: &[ModeResult]) -> Verdict {
-        modes
-            .iter()
-            .find(|m| !m.verdict.pass)
-            .map(|m| {
-                let mut v = m.verdict.clone();
-                v.message = format!("[{}] {}", m.mode, v.message);
-                v
-            })
-            .unwrap_or_else(|| Verdict {
-                pass: true,
-                first_layer: None,
-                first_check: None,
-                reasons: vec![],
-                message: format!(
-                    "PASS ({})",
-                    modes
-                        .iter()
-                        .map(|m| m.mode.as_str())
-                        .collect::<Vec<_>>()
-                        .join(" + ")
-                ),
-            })
+        let decisive = modes.iter().find(|m| m.mode == "shadow").or(modes.first());
+        let mut v = decisive.map(|m| m.verdict.clone()).unwrap_or(Verdict {
+            pass: false,
+            first_layer: None,
+            first_check: None,
+            reasons: vec![],
+            message: "no mode ran".into(),
+        });
+        if let Some(m) = decisive {
+            v.message = format!("[{}] {}", m.mode, v.message);
+        }
+        for m in modes.iter().filter(|m| Some(m) != decisive.as_ref()) {
+            match m.verdict.first_layer {
+                Some(l) => v.message.push_str(&format!(
+                    "; [{}] accumulated drift crosses the tolerance at layer {l} ({})",
+                    m.mode,
+                    m.verdict.first_check.as_deref().unwrap_or("?")
+                )),
+                None => v
+                    .message
+                    .push_str(&format!("; [{}] within tolerance", m.mode)),
+            }
+        }
+        v
     }
 }
 

@@ -38,6 +38,13 @@ impl DeviceInfo {
     }
 }
 
+/// Whether a CUDA GPU can be used here (driver library loads, at least one device). Never panics.
+pub fn gpu_present() -> bool {
+    // SAFETY: only tries to dlopen the driver library.
+    let lib = unsafe { sys::is_culib_present() };
+    lib && drv::init().is_ok() && drv::device::get_count().map(|n| n > 0).unwrap_or(false)
+}
+
 /// An initialised device with its primary context current on this thread.
 pub struct Gpu {
     pub dev: sys::CUdevice,

@@ -94,8 +94,9 @@ pub struct CudaBackend {
 impl CudaBackend {
     pub fn new(opts: CudaOptions) -> Result<CudaBackend> {
         let src = nvrtc::Sources::load(opts.kernels_dir.as_deref())?;
-        nvrtc::nvrtc_present()?;
+        // The driver first: "no GPU" is the more useful message on a machine without either.
         let gpu = Gpu::open()?;
+        nvrtc::nvrtc_present()?;
         let blas = Blas::new()?;
         let kernels = Kernels::new(src, &gpu);
         Ok(CudaBackend {

@@ -1,0 +1,294 @@
+//! `mla-diff run`: every selected layer through the fp64 reference and the optimized backend, in shadow
+//! mode (each layer gets the reference's input: the layer's local error) and/or free-running mode (each
+//! side feeds its own output forward through the residual `h ← h + attn(h)`: the accumulated drift).
+//!
+//! Only attention is modelled: the FFN/MoE blocks between layers are not, so the "residual stream" here is
+//! the attention-only one. That is enough to see whether an attention error grows or washes out.
+
+use crate::backend::{Backend, Dtype};
+use crate::compare::{self, LayerResult, ToleranceTable};
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::input::LayerInputs;
+use crate::model::rope_factors::RopeFactors;
+use crate::model::{LayerWeights, MlaConfig};
+use crate::report::{Environment, FileInfo, ModeResult, Report, RunInfo, ToolInfo, SCHEMA_VERSION};
+use crate::rope::RopeTables;
+use crate::schedule::Schedule;
+use crate::trace::{LayerTrace, Stage};
+use ndarray::Array2;
+use std::path::PathBuf;
+
+/// Where layer inputs come from.
+#[derive(Debug, Clone)]
+pub enum InputSpec {
+    /// Seeded random hidden states with a few large-magnitude channels.
+    Random { seed: u64 },
+    /// Token ids through `token_embd`.
+    Tokens(Vec<u32>),
+    /// Captured activations, `[T, hidden]` or `[layers, T, hidden]`.
+    Npy(PathBuf),
+}
+
+/// Which layers get `.npy` dumps.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DumpLayers {
+    /// The first diverging layer (of the first failing mode), or nothing when all pass.
+    First,
+    All,
+    List(Vec<usize>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Modes {
+    pub shadow: bool,
+    pub free: bool,
+}
+
+pub struct RunOptions {
+    pub layers: Option<Vec<usize>>,
+    pub input: InputSpec,
+    pub sched: Schedule,
+    pub dtype: Dtype,
+    pub modes: Modes,
+    pub tolerances: ToleranceTable,
+    pub tolerance_source: String,
+    pub dump: Option<(PathBuf, DumpLayers)>,
+    /// Show a progress bar on stderr (it hides itself when stderr is not a terminal).
+    pub progress: bool,
+}
+
+/// Parse `--layers`: `all`, `N`, `A..B` (half-open), `A..=B`, or a comma list of those.
+pub fn parse_layers(spec: &str, n_layer: usize) -> Result<Vec<usize>> {
+    let bad = |m: String| Error::Usage(format!("--layers {spec:?}: {m}"));
+    if spec == "all" {
+        return Ok((0..n_layer).collect());
+    }
+    let mut out = Vec::new();
+    for part in spec.split(',').map(str::trim) {
+        let num = |s: &str| {
+            s.trim()
+                .parse::<usize>()
+                .map_err(|_| bad(format!("{s:?} is not a layer number")))
+        };
+        if let Some((a, b)) = part.split_once("..=") {
+            out.extend(num(a)?..=num(b)?);
+        } else if let Some((a, b)) = part.split_once("..") {
+            let end = if b.is_empty() { n_layer } else { num(b)? };
+            out.extend(num(a)?..end);
+        } else {
+            out.push(num(part)?);
+        }
+    }
+    if out.is_empty() {
+        return Err(bad("selects no layer".into()));
+    }
+    if let Some(&l) = out.iter().find(|&&l| l >= n_layer) {
+        return Err(bad(format!(
+            "layer {l} does not exist: the model has {n_layer} layers (0..{n_layer})"
+        )));
+    }
+    let mut sorted = out.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    if sorted.len() != out.len() || sorted != out {
+        return Err(bad("layers must be increasing and distinct".into()));
+    }
+    Ok(out)
+}
+
+fn input_json(spec: &InputSpec) -> serde_json::Value {
+    match spec {
+        InputSpec::Random { seed } => serde_json::json!({ "kind": "random", "seed": seed }),
+        InputSpec::Tokens(t) => serde_json::json!({ "kind": "tokens", "count": t.len(), "ids": t }),
+        InputSpec::Npy(p) => serde_json::json!({ "kind": "npy", "path": p.display().to_string() }),
+    }
+}
+
+fn attn_out(t: &LayerTrace) -> Result<&[f64]> {
+    t.get(Stage::AttnOut)
+        .map(|s| s.data.as_slice())
+        .ok_or_else(|| Error::Usage("trace has no attn_out stage".into()))
+}
+
+fn add_residual(h: &mut Array2<f64>, out: &[f64]) {
+    for (a, b) in h.iter_mut().zip(out) {
+        *a += b;
+    }
+}
+
+/// Run the comparison and build the report. `backend` is the optimized path.
+pub fn run(
+    file: &GgufFile,
+    backend: &mut dyn Backend,
+    backend_kind: &str,
+    gpu: Option<String>,
+    opts: &RunOptions,
+) -> Result<Report> {
+    let cfg = MlaConfig::from_gguf(file)?;
+    opts.sched.validate()?;
+    if !opts.modes.shadow && !opts.modes.free {
+        return Err(Error::Usage("--mode selects no mode".into()));
+    }
+    let layers = match &opts.layers {
+        Some(l) => l.clone(),
+        None => (0..cfg.n_layer).collect(),
+    };
+    if let Some(&l) = layers.iter().find(|&&l| l >= cfg.n_layer) {
+        return Err(Error::Usage(format!(
+            "layer {l} does not exist: the model has {} layers",
+            cfg.n_layer
+        )));
+    }
+    let t = opts.sched.total_tokens();
+    let inputs = match &opts.input {
+        InputSpec::Random { seed } => {
+            LayerInputs::Shared(crate::input::random_hidden(cfg.hidden, t, *seed))
+        }
+        InputSpec::Tokens(ids) => {
+            if ids.len() != t {
+                return Err(Error::Usage(format!(
+                    "{} token ids given but the schedule has {t} tokens (prompt {} + {} decode steps × {}); adjust --prompt-len/--decode-steps",
+                    ids.len(),
+                    opts.sched.prompt_len,
+                    opts.sched.decode_steps,
+                    opts.sched.q_len
+                )));
+            }
+            LayerInputs::Shared(crate::input::from_token_ids(file, &cfg, ids)?)
+        }
+        InputSpec::Npy(p) => crate::input::load_npy(p, cfg.hidden, t)?,
+    };
+    let factors = RopeFactors::load(file, &cfg)?;
+    let rope = RopeTables::for_run(&cfg, factors.as_ref(), opts.sched.pos_offset, t)?;
+    let block_table = opts.sched.block_table();
+
+    let bar = if opts.progress && layers.len() > 1 {
+        let b = indicatif::ProgressBar::with_draw_target(
+            Some(layers.len() as u64),
+            indicatif::ProgressDrawTarget::stderr(),
+        );
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{prefix} [{bar:30}] {pos}/{len} layers {msg} ({elapsed})",
+            )
+            .expect("template")
+            .progress_chars("=> "),
+        );
+        b.set_prefix("mla-diff");
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+
+    let mut h_ref = inputs.layer(layers[0])?;
+    let mut h_opt = h_ref.clone();
+    let (mut shadow, mut free) = (Vec::<LayerResult>::new(), Vec::<LayerResult>::new());
+    let mut dumped = false;
+    for (i, &l) in layers.iter().enumerate() {
+        bar.set_message(format!("layer {l}"));
+        // Captured per-layer inputs replace the attention-only residual stream in shadow mode.
+        if i > 0 {
+            if let LayerInputs::PerLayer(_) = inputs {
+                h_ref = inputs.layer(l)?;
+            }
+        }
+        let w = LayerWeights::load(file, &cfg, l)?;
+        let reference = crate::reference::run_layer(&cfg, &w, &rope, &h_ref, &opts.sched)?;
+        let ctx = compare::Ctx {
+            layer: l,
+            sched: &opts.sched,
+            block_table: &block_table,
+        };
+        let mut dump_traces: Vec<(LayerTrace, bool)> = Vec::new();
+        if opts.modes.shadow {
+            let opt = backend.run_layer(&cfg, &w, &h_ref, &opts.sched)?;
+            let r = compare::compare_layer(&ctx, &reference, &opt, opts.dtype, &opts.tolerances)?;
+            dump_traces.push((opt, r.pass));
+            shadow.push(r);
+        }
+        if opts.modes.free {
+            let opt = backend.run_layer(&cfg, &w, &h_opt, &opts.sched)?;
+            let mut r =
+                compare::compare_layer(&ctx, &reference, &opt, opts.dtype, &opts.tolerances)?;
+            add_residual(&mut h_opt, attn_out(&opt)?);
+            let mut next_ref = h_ref.clone();
+            add_residual(&mut next_ref, attn_out(&reference)?);
+            r.drift = Some(compare::metrics::rel_l2(
+                next_ref.as_slice().expect("standard layout"),
+                h_opt.as_slice().expect("standard layout"),
+            ));
+            dump_traces.push((opt, r.pass));
+            free.push(r);
+        }
+        if let Some((dir, which)) = &opts.dump {
+            let failing = dump_traces.iter().find(|(_, pass)| !pass).map(|(t, _)| t);
+            let chosen = match which {
+                DumpLayers::All => dump_traces.first().map(|(t, _)| t),
+                DumpLayers::List(ls) if ls.contains(&l) => dump_traces.first().map(|(t, _)| t),
+                DumpLayers::First if !dumped => failing,
+                _ => None,
+            };
+            if let Some(opt) = chosen {
+                crate::report::npy::dump_layer(dir, &reference, opt)?;
+                dumped = true;
+            }
+        }
+        add_residual(&mut h_ref, attn_out(&reference)?);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+
+    let mut modes = Vec::new();
+    if opts.modes.shadow {
+        modes.push(ModeResult {
+            mode: "shadow".into(),
+            verdict: compare::verdict(&shadow),
+            layers: shadow,
+        });
+    }
+    if opts.modes.free {
+        modes.push(ModeResult {
+            mode: "free".into(),
+            verdict: compare::verdict(&free),
+            layers: free,
+        });
+    }
+    let verdict = Report::overall_verdict(&modes);
+    Ok(Report {
+        schema_version: SCHEMA_VERSION,
+        tool: ToolInfo {
+            name: "mla-diff".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+        },
+        file: FileInfo {
+            path: file.path.display().to_string(),
+            architecture: cfg.arch.gguf_name().into(),
+            name: file
+                .get("general.name")
+                .and_then(|v| v.as_str())
+                .map(String::from),
+            size: file.file_size,
+        },
+        config: serde_json::to_value(&cfg).expect("config serialises"),
+        run: RunInfo {
+            backend: backend_kind.into(),
+            dtype: opts.dtype.name().into(),
+            modes: modes.iter().map(|m| m.mode.clone()).collect(),
+            layers,
+            schedule: opts.sched.clone(),
+            input: input_json(&opts.input),
+            tolerances: opts.tolerance_source.clone(),
+        },
+        environment: Environment {
+            backend: backend.describe(),
+            gpu,
+            crate_version: env!("CARGO_PKG_VERSION").into(),
+            os: std::env::consts::OS.into(),
+            arch: std::env::consts::ARCH.into(),
+        },
+        modes,
+        verdict,
+        baseline: None,
+    })
+}

@@ -1,0 +1,275 @@
+//! Bad input through the binary: each must give exit code 2 and exactly one clear stderr line, never a
+//! panic. Header problems surface on `inspect`; missing/wrong/unsupported tensors only when weights are
+//! loaded (`inspect --load-layer`), since nothing else reads tensor data.
+
+mod common;
+
+use common::{assert_clean_error, make_fixture, run};
+use mla_diff::gguf::write::GgufWriter;
+use mla_diff::gguf::{GgmlType, GgufFile, TensorType, Value};
+use std::path::{Path, PathBuf};
+
+/// A valid tiny MLA file (hidden 256, so a 256-block type fits attn_q_a's rows).
+fn valid(dir: &Path) -> PathBuf {
+    make_fixture(dir, "valid.gguf", &["--preset", "tiny", "--quant", "q8_0"])
+}
+
+struct Tensor {
+    name: String,
+    ne: Vec<u64>,
+    type_id: u32,
+    bytes: Vec<u8>,
+}
+
+/// Copy a GGUF through our writer, editing metadata and tensors on the way.
+fn rewrite(
+    src: &Path,
+    dst: &Path,
+    edit_meta: impl FnOnce(&mut Vec<(String, Value)>),
+    edit_tensors: impl FnOnce(&mut Vec<Tensor>),
+) -> PathBuf {
+    let f = GgufFile::open(src).unwrap();
+    let mut meta = f.metadata.clone();
+    let mut tensors: Vec<Tensor> = f
+        .tensors
+        .iter()
+        .map(|t| Tensor {
+            name: t.name.clone(),
+            ne: t.ne.clone(),
+            type_id: match t.ty {
+                TensorType::Known(g) => g.id,
+                TensorType::Unknown(id) => id,
+            },
+            bytes: f.tensor_bytes(t).unwrap().to_vec(),
+        })
+        .collect();
+    edit_meta(&mut meta);
+    edit_tensors(&mut tensors);
+    let mut w = GgufWriter::new();
+    for (k, v) in meta {
+        w.add(k, v).unwrap();
+    }
+    for t in &tensors {
+        w.add_tensor_raw(&t.name, &t.ne, t.type_id, t.bytes.len() as u64)
+            .unwrap();
+    }
+    let mut sink = w.start(std::fs::File::create(dst).unwrap()).unwrap();
+    for t in &tensors {
+        if !t.bytes.is_empty() {
+            sink.write(&t.bytes).unwrap();
+        }
+    }
+    sink.finish().unwrap();
+    dst.to_path_buf()
+}
+
+fn tensor<'a>(ts: &'a mut [Tensor], name: &str) -> &'a mut Tensor {
+    ts.iter_mut().find(|t| t.name == name).unwrap()
+}
+
+fn patch(src: &Path, dst: &Path, f: impl FnOnce(&mut Vec<u8>)) -> PathBuf {
+    let mut b = std::fs::read(src).unwrap();
+    f(&mut b);
+    std::fs::write(dst, b).unwrap();
+    dst.to_path_buf()
+}
+
+fn inspect(p: &Path) -> std::process::Output {
+    run(&["inspect", p.to_str().unwrap()])
+}
+
+fn load_layer(p: &Path, layer: &str) -> std::process::Output {
+    run(&["inspect", p.to_str().unwrap(), "--load-layer", layer])
+}
+
+#[test]
+fn truncated_tensor_data() {
+    let d = tempfile::tempdir().unwrap();
+    let p = patch(&valid(d.path()), &d.path().join("t.gguf"), |b| {
+        b.truncate(b.len() * 3 / 5)
+    });
+    assert_clean_error(&inspect(&p), "truncated");
+}
+
+#[test]
+fn truncated_header() {
+    let d = tempfile::tempdir().unwrap();
+    let p = patch(&valid(d.path()), &d.path().join("t.gguf"), |b| {
+        b.truncate(100)
+    });
+    assert_clean_error(&inspect(&p), "truncated");
+}
+
+#[test]
+fn bad_magic() {
+    let d = tempfile::tempdir().unwrap();
+    let p = patch(&valid(d.path()), &d.path().join("t.gguf"), |b| {
+        b[..4].copy_from_slice(b"GGML")
+    });
+    assert_clean_error(&inspect(&p), "magic");
+}
+
+#[test]
+fn unsupported_version() {
+    let d = tempfile::tempdir().unwrap();
+    let p = patch(&valid(d.path()), &d.path().join("t.gguf"), |b| {
+        b[4..8].copy_from_slice(&4u32.to_le_bytes())
+    });
+    assert_clean_error(&inspect(&p), "unsupported GGUF version 4");
+}
+
+#[test]
+fn absurd_tensor_count() {
+    let d = tempfile::tempdir().unwrap();
+    let p = patch(&valid(d.path()), &d.path().join("t.gguf"), |b| {
+        b[8..16].copy_from_slice(&(u64::MAX / 3).to_le_bytes())
+    });
+    assert_clean_error(&inspect(&p), "tensor count");
+}
+
+#[test]
+fn absurd_metadata_count() {
+    let d = tempfile::tempdir().unwrap();
+    let p = patch(&valid(d.path()), &d.path().join("t.gguf"), |b| {
+        b[16..24].copy_from_slice(&(1u64 << 60).to_le_bytes())
+    });
+    assert_clean_error(&inspect(&p), "metadata count");
+}
+
+#[test]
+fn absurd_dims() {
+    let d = tempfile::tempdir().unwrap();
+    let p = rewrite(
+        &valid(d.path()),
+        &d.path().join("t.gguf"),
+        |_| {},
+        |ts| {
+            ts.push(Tensor {
+                name: "huge.weight".into(),
+                ne: vec![1 << 40, 1 << 40, 1 << 40],
+                type_id: 0,
+                bytes: vec![0; 32],
+            })
+        },
+    );
+    assert_clean_error(&inspect(&p), "absurd dimensions");
+}
+
+#[test]
+fn missing_tensor() {
+    let d = tempfile::tempdir().unwrap();
+    let p = rewrite(
+        &valid(d.path()),
+        &d.path().join("t.gguf"),
+        |_| {},
+        |ts| ts.retain(|t| t.name != "blk.1.attn_kv_a_mqa.weight"),
+    );
+    // The header is fine; the gap only matters once layer 1 is loaded.
+    assert!(inspect(&p).status.success());
+    assert!(load_layer(&p, "0").status.success());
+    assert_clean_error(
+        &load_layer(&p, "1"),
+        "blk.1.attn_kv_a_mqa.weight is missing",
+    );
+}
+
+#[test]
+fn wrong_shape() {
+    let d = tempfile::tempdir().unwrap();
+    let p = rewrite(
+        &valid(d.path()),
+        &d.path().join("t.gguf"),
+        |_| {},
+        |ts| {
+            // {E, Lkv+R} = {256, 80} becomes {256, 64}: Q8_0 rows of 256 are 272 bytes.
+            let t = tensor(ts, "blk.0.attn_kv_a_mqa.weight");
+            t.ne = vec![256, 64];
+            t.bytes = vec![0; 64 * 272];
+        },
+    );
+    assert_clean_error(
+        &load_layer(&p, "0"),
+        "blk.0.attn_kv_a_mqa.weight has shape (ne) {256, 64}, expected {256, 80}",
+    );
+}
+
+#[test]
+fn non_mla_architecture() {
+    let d = tempfile::tempdir().unwrap();
+    let p = rewrite(
+        &valid(d.path()),
+        &d.path().join("t.gguf"),
+        |m| m[0].1 = Value::String("llama".into()),
+        |_| {},
+    );
+    assert_clean_error(
+        &inspect(&p),
+        "\"llama\" does not use Multi-head Latent Attention",
+    );
+}
+
+#[test]
+fn unsupported_quant_type_in_attention_tensor() {
+    let d = tempfile::tempdir().unwrap();
+    let iq = GgmlType::from_name("IQ2_XXS").unwrap();
+    let p = rewrite(
+        &valid(d.path()),
+        &d.path().join("t.gguf"),
+        |_| {},
+        |ts| {
+            let t = tensor(ts, "blk.0.attn_q_a.weight");
+            t.type_id = iq.id;
+            t.bytes = vec![0; iq.bytes_for(t.ne.iter().product()).unwrap() as usize];
+        },
+    );
+    assert!(inspect(&p).status.success(), "the header alone is readable");
+    assert_clean_error(
+        &load_layer(&p, "0"),
+        "tensor \"blk.0.attn_q_a.weight\" has type IQ2_XXS",
+    );
+    // Another layer does not need that tensor.
+    assert!(load_layer(&p, "1").status.success());
+}
+
+#[test]
+fn unknown_type_id_in_attention_tensor() {
+    let d = tempfile::tempdir().unwrap();
+    let p = rewrite(
+        &valid(d.path()),
+        &d.path().join("t.gguf"),
+        |_| {},
+        |ts| tensor(ts, "blk.1.attn_output.weight").type_id = 99,
+    );
+    assert!(inspect(&p).status.success());
+    assert_clean_error(&load_layer(&p, "1"), "unknown ggml type 99");
+}
+
+#[test]
+fn unsupported_type_outside_attention_is_never_read() {
+    let d = tempfile::tempdir().unwrap();
+    let iq = GgmlType::from_name("IQ2_XXS").unwrap();
+    let p = rewrite(
+        &valid(d.path()),
+        &d.path().join("t.gguf"),
+        |_| {},
+        |ts| {
+            let t = tensor(ts, "token_embd.weight");
+            t.type_id = iq.id;
+            t.bytes = vec![0; iq.bytes_for(t.ne.iter().product()).unwrap() as usize];
+        },
+    );
+    let o = load_layer(&p, "0");
+    assert!(o.status.success(), "{}", common::stderr(&o));
+}
+
+#[test]
+fn layer_out_of_range() {
+    let d = tempfile::tempdir().unwrap();
+    assert_clean_error(&load_layer(&valid(d.path()), "2"), "layer 2 does not exist");
+}
+
+#[test]
+fn not_a_file() {
+    let d = tempfile::tempdir().unwrap();
+    assert_clean_error(&inspect(&d.path().join("nope.gguf")), "cannot open");
+}

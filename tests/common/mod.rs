@@ -1,0 +1,277 @@
+//! Helpers shared by the integration tests: synthetic layers on a schedule, per-stage error figures, and running the binary.
+#![allow(dead_code)]
+
+use mla_diff::input::random_hidden;
+use mla_diff::model::synthetic::{self, Family};
+use mla_diff::model::{LayerWeights, MlaConfig, RopeFactors};
+use mla_diff::rope::RopeTables;
+use mla_diff::schedule::Schedule;
+use mla_diff::trace::{LayerTrace, Stage, StageTensor};
+use ndarray::Array2;
+
+/// One synthetic layer with its inputs for a schedule.
+pub struct Case {
+    pub family: Family,
+    pub cfg: MlaConfig,
+    pub w: LayerWeights,
+    pub factors: Option<RopeFactors>,
+    pub rope: RopeTables,
+    pub x: Array2<f64>,
+    pub sched: Schedule,
+}
+
+impl Case {
+    pub fn new(family: Family, sched: Schedule, seed: u64) -> Case {
+        let cfg = family.test_config();
+        Case::with_config(family, cfg, sched, seed)
+    }
+    pub fn with_config(family: Family, cfg: MlaConfig, sched: Schedule, seed: u64) -> Case {
+        let w = synthetic::weights(&cfg, seed);
+        let factors = synthetic::rope_factors(&cfg, seed + 1);
+        let t = sched.total_tokens();
+        let rope = RopeTables::for_run(&cfg, factors.as_ref(), sched.pos_offset, t).unwrap();
+        let x = random_hidden(cfg.hidden, t, seed + 2);
+        Case {
+            family,
+            cfg,
+            w,
+            factors,
+            rope,
+            x,
+            sched,
+        }
+    }
+    pub fn reference(&self) -> LayerTrace {
+        mla_diff::reference::run_layer(&self.cfg, &self.w, &self.rope, &self.x, &self.sched)
+            .unwrap()
+    }
+    pub fn mirror(&self, dt: mla_diff::backend::Dtype) -> LayerTrace {
+        use mla_diff::backend::Backend;
+        let mut m =
+            mla_diff::backend::cpu::CpuMirror::new(dt).with_rope_factors(self.factors.clone());
+        m.run_layer(&self.cfg, &self.w, &self.x, &self.sched)
+            .unwrap()
+    }
+}
+
+/// A schedule with every feature on: several prefill chunks (context merges, > 64-key context tiles),
+/// multi-token decode steps, a shuffled table with spare pages and a partly filled last page, splits
+/// that end up empty for early queries of a step.
+pub fn busy_schedule() -> Schedule {
+    Schedule {
+        prompt_len: 90,
+        chunk: 40,
+        decode_steps: 6,
+        q_len: 2,
+        page_size: 16,
+        num_splits: 5,
+        shuffle_seed: Some(11),
+        spare_pages: 3,
+        pos_offset: 0,
+    }
+}
+
+/// A short run where decode splits end up empty (for every step some trailing split, or the last
+/// split for the first query of a step), with pages of 4 rows.
+pub fn small_schedule() -> Schedule {
+    Schedule {
+        prompt_len: 5,
+        chunk: 3,
+        decode_steps: 6,
+        q_len: 2,
+        page_size: 4,
+        num_splits: 4,
+        shuffle_seed: Some(5),
+        spare_pages: 2,
+        pos_offset: 0,
+    }
+}
+
+/// Error figures of one stage against the reference.
+#[derive(Debug, Clone, Copy)]
+pub struct StageError {
+    /// ‖a − b‖₂ / ‖b‖₂ over entries finite on both sides.
+    pub rel_l2: f64,
+    pub max_abs: f64,
+}
+
+/// Compare a stage: entries that are non-finite must be the same non-finite value on both sides (−inf
+/// of an empty split); NaN, or a finite/non-finite mismatch, is an infinite error.
+pub fn stage_error(a: &StageTensor, b: &StageTensor) -> StageError {
+    assert_eq!(a.shape, b.shape, "stage {} shapes", a.stage);
+    let (mut num, mut den, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
+    for (&x, &y) in a.data.iter().zip(&b.data) {
+        if x.is_nan() || y.is_nan() || (x.is_finite() != y.is_finite()) {
+            return StageError {
+                rel_l2: f64::INFINITY,
+                max_abs: f64::INFINITY,
+            };
+        }
+        if !x.is_finite() {
+            if x != y {
+                return StageError {
+                    rel_l2: f64::INFINITY,
+                    max_abs: f64::INFINITY,
+                };
+            }
+            continue;
+        }
+        let d = x - y;
+        num += d * d;
+        den += y * y;
+        max_abs = max_abs.max(d.abs());
+    }
+    let rel_l2 = if den > 0.0 {
+        (num / den).sqrt()
+    } else {
+        num.sqrt()
+    };
+    StageError { rel_l2, max_abs }
+}
+
+pub fn errors(a: &LayerTrace, b: &LayerTrace) -> Vec<(Stage, StageError)> {
+    Stage::ALL
+        .iter()
+        .map(|&s| {
+            let (x, y) = (a.get(s).expect("stage"), b.get(s).expect("stage"));
+            (s, stage_error(x, y))
+        })
+        .collect()
+}
+
+pub fn all_finite(t: &LayerTrace) -> Result<(), String> {
+    for st in &t.stages {
+        // Empty splits carry lse −inf by definition; nothing else may be non-finite.
+        let bad = st.data.iter().position(|v| {
+            v.is_nan()
+                || (v.is_infinite() && !(st.stage == Stage::SplitLse && *v == f64::NEG_INFINITY))
+        });
+        if let Some(i) = bad {
+            return Err(format!(
+                "stage {} holds {} at {:?}",
+                st.stage,
+                st.data[i],
+                st.unravel(i)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Unit roundoff of a storage dtype (half the spacing of values in [1, 2)).
+pub fn unit_roundoff(dt: mla_diff::backend::Dtype) -> f64 {
+    use mla_diff::backend::Dtype;
+    match dt {
+        Dtype::Bf16 => 2f64.powi(-8),
+        Dtype::F16 => 2f64.powi(-11),
+        Dtype::F32 => 2f64.powi(-24),
+    }
+}
+
+/// Distinct dtype roundings on the dataflow path of a stage of the mirror (weights and activations),
+/// counted from its spec: x, attn_norm weight, attn_in (3); q-LoRA adds W_qa, q_a, its norm weight and
+/// output (4); q adds W_q(b) and q (2), rope 1; the kv branch W_kva, kv, kv norm weight, latent, k_pe
+/// rope (5); W_UK and q_abs / k_nope (2); P (1); the attention output stores and merge (2); W_UV and
+/// its output (2); W_o and its output (2).
+pub fn roundings(stage: Stage, lora: bool) -> usize {
+    let lq = if lora { 4 } else { 0 };
+    match stage {
+        Stage::AttnIn => 3,
+        Stage::QNope => 5 + lq,
+        Stage::QPe => 6 + lq,
+        Stage::KvLatent | Stage::CacheRows => 7,
+        Stage::KPe => 6,
+        Stage::QAbsorbed => 7 + lq,
+        Stage::SplitLse | Stage::Lse => 13 + lq,
+        Stage::SplitOut => 14 + lq,
+        Stage::AttnLatent => 15 + lq,
+        Stage::AttnHeads => 18 + lq,
+        Stage::AttnOut => 20 + lq,
+    }
+}
+
+/// Expected-error bound of a mirror stage against the fp64 reference: `sqrt(n) · u` for `n` roundings.
+/// Each rounding has relative error ≤ u, RMS ≤ u/√3 for a uniform error; independent errors add in
+/// quadrature, so `sqrt(n)·u/√3` is the first-order RMS bound and `sqrt(n)·u` leaves a factor √3 for
+/// the (modest, unit-scale) conditioning of norms and softmax in these synthetic layers.
+pub fn tolerance(stage: Stage, lora: bool, dt: mla_diff::backend::Dtype) -> f64 {
+    (roundings(stage, lora) as f64).sqrt() * unit_roundoff(dt)
+}
+
+// ---- CLI helpers (fixture and bad-input tests) ----
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_mla-diff"))
+}
+
+pub fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
+
+pub fn fixture(name: &str) -> PathBuf {
+    fixtures_dir().join(name)
+}
+
+/// Run the binary, panicking only if it cannot be started.
+pub fn run(args: &[&str]) -> Output {
+    bin().args(args).output().expect("run mla-diff")
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// `inspect --json` on a file; the command must succeed.
+pub fn inspect_json(path: &Path) -> serde_json::Value {
+    let o = run(&["inspect", path.to_str().unwrap(), "--json"]);
+    assert!(
+        o.status.success(),
+        "inspect {} failed: {}",
+        path.display(),
+        stderr(&o)
+    );
+    serde_json::from_slice(&o.stdout).expect("inspect --json prints JSON")
+}
+
+/// The contract for bad input: exit code 2, exactly one line on stderr naming the problem, no panic.
+pub fn assert_clean_error(o: &Output, needle: &str) {
+    let err = stderr(o);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "expected exit code 2, got {:?}; stderr: {err}",
+        o.status
+    );
+    assert!(!err.contains("panicked"), "panic: {err}");
+    assert_eq!(
+        err.lines().count(),
+        1,
+        "expected one stderr line, got: {err:?}"
+    );
+    assert!(
+        err.starts_with("mla-diff: error: "),
+        "unexpected stderr: {err}"
+    );
+    assert!(
+        err.contains(needle),
+        "stderr should mention {needle:?}: {err}"
+    );
+}
+
+/// Generate a fixture with the binary into `dir`.
+pub fn make_fixture(dir: &Path, name: &str, args: &[&str]) -> PathBuf {
+    let path = dir.join(name);
+    let mut all = vec!["fixture"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["-o", path.to_str().unwrap()]);
+    let o = run(&all);
+    assert!(
+        o.status.success(),
+        "fixture {args:?} failed: {}",
+        stderr(&o)
+    );
+    path
+}

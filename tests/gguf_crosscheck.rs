@@ -1,0 +1,190 @@
+//! Independent cross-check with gguf-py (PyPI `gguf`, run by tests/gguf_crosscheck.py):
+//! 1. gguf-py reads every shipped fixture: same metadata (keys, order, types, values), same tensor
+//!    names/shapes/types, and its dequantized values equal ours bit for bit;
+//! 2. we read a deepseek2 file gguf-py wrote: the config, every tensor bit for bit, and the kv_b
+//!    decompression (the converter's split and k_b transpose) as W_UK/W_UV.
+//!
+//! Needs the interpreter named by MLA_DIFF_PYTHON (with gguf==0.19.0 and numpy). Without it the test
+//! fails under CI (env CI set) and is skipped, loudly, elsewhere.
+
+mod common;
+
+use mla_diff::gguf::{dequantize_f32, GgufFile, TensorType, Value};
+use mla_diff::model::{LayerWeights, MlaConfig, QProj};
+use ndarray::ArrayD;
+use serde_json::Value as J;
+use std::path::Path;
+
+fn python() -> Option<String> {
+    match std::env::var("MLA_DIFF_PYTHON") {
+        Ok(p) if !p.is_empty() => Some(p),
+        _ if std::env::var_os("CI").is_some() => {
+            panic!("MLA_DIFF_PYTHON is not set, but CI is: the gguf-py cross-check must run in CI (see .ci/run)")
+        }
+        _ => {
+            // Straight to the process's stderr: the harness captures eprintln! of passing tests.
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED gguf_crosscheck: set MLA_DIFF_PYTHON to a python with gguf==0.19.0 and numpy \
+                 (python3 -m venv .venv && .venv/bin/pip install gguf==0.19.0, then \
+                 MLA_DIFF_PYTHON=$PWD/.venv/bin/python cargo test --release)"
+            );
+            None
+        }
+    }
+}
+
+fn npy(out: &Path, rel: &J) -> ArrayD<f32> {
+    ndarray_npy::read_npy(out.join(rel.as_str().unwrap())).unwrap()
+}
+
+fn same_bits(ours: &[f32], theirs: &ArrayD<f32>, what: &str) {
+    let theirs: Vec<f32> = theirs.iter().copied().collect();
+    assert_eq!(ours.len(), theirs.len(), "{what}: element count");
+    if let Some(i) = ours
+        .iter()
+        .zip(&theirs)
+        .position(|(a, b)| a.to_bits() != b.to_bits())
+    {
+        panic!(
+            "{what}: element {i}: ours {} vs gguf-py {}",
+            ours[i], theirs[i]
+        );
+    }
+}
+
+/// Our metadata value against gguf-py's `field.contents()` (JSON) and its type id.
+fn same_value(ours: &Value, ty: u64, theirs: &J, key: &str) {
+    assert_eq!(ours.type_id() as u64, ty, "{key}: value type");
+    match ours {
+        Value::String(s) => assert_eq!(theirs.as_str(), Some(s.as_str()), "{key}"),
+        Value::Bool(b) => assert_eq!(theirs.as_bool(), Some(*b), "{key}"),
+        Value::F32(x) => assert_eq!(theirs.as_f64().map(|v| v as f32), Some(*x), "{key}"),
+        Value::F64(x) => assert_eq!(theirs.as_f64(), Some(*x), "{key}"),
+        Value::Array(items) => {
+            let t = theirs
+                .as_array()
+                .unwrap_or_else(|| panic!("{key}: not an array"));
+            assert_eq!(items.len(), t.len(), "{key}: array length");
+            for (a, b) in items.iter().zip(t) {
+                match a {
+                    Value::String(s) => assert_eq!(b.as_str(), Some(s.as_str()), "{key}"),
+                    Value::F32(x) => assert_eq!(b.as_f64().map(|v| v as f32), Some(*x), "{key}"),
+                    other => assert_eq!(other.as_f64(), b.as_f64(), "{key}"),
+                }
+            }
+        }
+        Value::I8(_) | Value::I16(_) | Value::I32(_) | Value::I64(_) => {
+            assert_eq!(ours.to_json().as_i64(), theirs.as_i64(), "{key}")
+        }
+        other => assert_eq!(other.as_u64(), theirs.as_u64(), "{key}"),
+    }
+}
+
+#[test]
+fn gguf_py_agrees_bit_for_bit_both_ways() {
+    let Some(py) = python() else { return };
+    let out = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gguf_crosscheck.py");
+    let o = std::process::Command::new(&py)
+        .arg(&script)
+        .arg(common::fixtures_dir())
+        .arg(out.path())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {py}: {e}"));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = out.path();
+    let m: J =
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    eprintln!("gguf-py {}", m["gguf_version"]);
+
+    // 1. gguf-py reads what we wrote.
+    let fixtures = m["fixtures"].as_array().unwrap();
+    assert_eq!(fixtures.len(), 5, "every shipped fixture was read");
+    for fx in fixtures {
+        let f = GgufFile::open(common::fixture(fx["file"].as_str().unwrap())).unwrap();
+        let theirs = fx["metadata"].as_array().unwrap();
+        let keys: Vec<&str> = theirs.iter().map(|e| e["key"].as_str().unwrap()).collect();
+        let ours: Vec<&str> = f.metadata.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(ours, keys, "{}: metadata keys and order", f.path.display());
+        for ((k, v), e) in f.metadata.iter().zip(theirs) {
+            same_value(v, e["type"].as_u64().unwrap(), &e["value"], k);
+        }
+        let tensors = fx["tensors"].as_array().unwrap();
+        assert_eq!(tensors.len(), f.tensors.len());
+        for (t, e) in f.tensors.iter().zip(tensors) {
+            assert_eq!(t.name, e["name"].as_str().unwrap());
+            assert_eq!(t.ty.to_string(), e["type"].as_str().unwrap(), "{}", t.name);
+            let shape: Vec<usize> = serde_json::from_value(e["shape"].clone()).unwrap();
+            assert_eq!(t.shape(), shape, "{}", t.name);
+            let v = npy(out, &e["npy"]);
+            assert_eq!(v.shape(), shape.as_slice());
+            same_bits(&dequantize_f32(&f, t).unwrap(), &v, &t.name);
+        }
+    }
+
+    // 2. We read what gguf-py wrote.
+    let w = &m["written"];
+    let f = GgufFile::open(out.join(w["file"].as_str().unwrap())).unwrap();
+    let cfg = MlaConfig::from_gguf(&f).unwrap();
+    let c = &w["config"];
+    assert_eq!(cfg.arch.gguf_name(), c["arch"].as_str().unwrap());
+    for (got, key) in [
+        (cfg.n_layer, "n_layer"),
+        (cfg.hidden, "hidden"),
+        (cfg.n_head, "n_head"),
+        (cfg.n_head_kv, "n_head_kv"),
+        (cfg.kv_lora_rank, "kv_lora_rank"),
+        (cfg.qk_nope, "qk_nope"),
+        (cfg.qk_rope, "qk_rope"),
+        (cfg.v_head_dim, "v_head_dim"),
+    ] {
+        assert_eq!(got as u64, c[key].as_u64().unwrap(), "{key}");
+    }
+    assert_eq!(cfg.q_lora_rank.map(|r| r as u64), c["q_lora_rank"].as_u64());
+    assert!(cfg.mla_keys);
+    let y = cfg.rope.yarn.as_ref().expect("yarn");
+    assert_eq!(y.factor, c["yarn_factor"].as_f64().unwrap());
+    assert_eq!(
+        y.original_context,
+        c["yarn_original_context"].as_u64().unwrap()
+    );
+    assert!((y.mscale_all_dim - c["mscale_all_dim"].as_f64().unwrap()).abs() < 1e-6);
+    assert_eq!((y.beta_fast, y.beta_slow), (32.0, 1.0));
+    // (0.1·0.707·ln 40 + 1)² / sqrt(32 + 16)
+    assert_eq!(format!("{:.6}", cfg.softmax_scale), "0.229443");
+    // Other value types.
+    assert_eq!(
+        f.get("crosscheck.strings"),
+        Some(&Value::Array(vec![
+            Value::String("alpha".into()),
+            Value::String("".into()),
+            Value::String("γ".into())
+        ]))
+    );
+    assert_eq!(f.get("crosscheck.u64"), Some(&Value::U64((1 << 63) + 5)));
+    assert_eq!(f.get("crosscheck.i8"), Some(&Value::I8(-7)));
+    assert_eq!(f.get("crosscheck.f64"), Some(&Value::F64(0.1)));
+
+    let written = w["tensors"].as_array().unwrap();
+    assert_eq!(written.len(), f.tensors.len());
+    let mut types = std::collections::BTreeSet::new();
+    for e in written {
+        let name = e["name"].as_str().unwrap();
+        let t = f.tensor(name).unwrap();
+        assert_eq!(t.ty.to_string(), e["type"].as_str().unwrap(), "{name}");
+        if let TensorType::Known(ty) = t.ty {
+            types.insert(ty.name);
+        }
+        same_bits(&dequantize_f32(&f, t).unwrap(), &npy(out, &e["npy"]), name);
+    }
+    assert!(types.len() >= 6, "several tensor types: {types:?}");
+
+    let lw = LayerWeights::load(&f, &cfg, 0).unwrap();
+    let uk: Vec<f32> = lw.w_uk.iter().copied().collect();
+    let uv: Vec<f32> = lw.w_uv.iter().copied().collect();
+    same_bits(&uk, &npy(out, &w["w_uk"]), "W_UK from gguf-py's attn_k_b");
+    same_bits(&uv, &npy(out, &w["w_uv"]), "W_UV from gguf-py's attn_v_b");
+    assert!(matches!(lw.q, QProj::Lora { .. }));
+}
