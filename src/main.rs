@@ -213,11 +213,41 @@ enum Cmd {
         #[arg(long)]
         list: bool,
     },
+    /// CUDA kernel tools (no GPU needed for `check`).
+    Kernels {
+        #[command(subcommand)]
+        cmd: KernelsCmd,
+    },
+    /// Run the CUDA path on synthetic layers with real model dims and compare every stage with the CPU
+    /// mirror and the fp64 reference (needs a GPU).
+    GpuValidate(mla_diff::backend::cuda::validate::ValidateArgs),
     /// Benchmarks (timings on this machine; not tests).
     Bench {
         #[command(subcommand)]
         what: BenchCmd,
     },
+}
+
+#[derive(Subcommand)]
+enum KernelsCmd {
+    /// Compile every kernel with NVRTC to PTX and CUBIN for several architectures, dims and dtypes;
+    /// print ptxas registers and spills per kernel. Exit 2 on a compile error.
+    Check {
+        /// Comma-separated target architectures.
+        #[arg(long, default_value = "sm_90,sm_80,sm_120", value_delimiter = ',')]
+        arch: Vec<String>,
+        /// Read the kernel sources from this directory instead of the embedded copy.
+        #[arg(long)]
+        kernels: Option<PathBuf>,
+        /// Also write every compiled PTX and CUBIN into this directory.
+        #[arg(long)]
+        dump: Option<PathBuf>,
+    },
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq)]
+enum BenchBackend {
+    Cuda,
 }
 
 #[derive(Subcommand)]
@@ -252,6 +282,41 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Split-KV absorbed MLA decode at DeepSeek-V3 dims (B=64, s_k=4096, page 64; 16 and 128 heads).
+    Decode {
+        #[arg(long, value_enum, default_value = "cuda")]
+        backend: BenchBackend,
+        #[arg(long)]
+        kernels: Option<PathBuf>,
+        /// Also write the results as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Causal prefill flash attention at 4k tokens (qk 192 / v 128, 128 heads; 256 / 256, 64 heads).
+    Prefill {
+        #[arg(long, value_enum, default_value = "cuda")]
+        backend: BenchBackend,
+        #[arg(long)]
+        kernels: Option<PathBuf>,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+}
+
+fn cuda_bench(decode: bool, kernels: Option<PathBuf>, json: Option<PathBuf>) -> Result<i32, Error> {
+    let opts = mla_diff::backend::cuda::bench::BenchOptions {
+        kernels_dir: kernels,
+        decode,
+        prefill: !decode,
+        iters: 50,
+    };
+    let (rep, text) = mla_diff::backend::cuda::bench::bench(&opts)?;
+    print!("{text}");
+    if let Some(p) = json {
+        std::fs::write(&p, serde_json::to_string_pretty(&rep).expect("json"))
+            .map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
+    }
+    Ok(0)
 }
 
 fn run(cli: Cli) -> Result<i32, Error> {
@@ -280,7 +345,44 @@ fn run(cli: Cli) -> Result<i32, Error> {
             }
             Ok(0)
         }
+        Cmd::Kernels {
+            cmd:
+                KernelsCmd::Check {
+                    arch,
+                    kernels,
+                    dump,
+                },
+        } => {
+            let s = mla_diff::backend::cuda::check::kernels_check(
+                &arch,
+                kernels.as_deref(),
+                dump.as_deref(),
+            )?;
+            print!("{}", s.report);
+            println!(
+                "{} compilations OK (PTX + CUBIN); {} kernel(s) with register spills{}",
+                s.compiles,
+                s.spilling.len(),
+                if s.spilling.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", s.spilling.join("; "))
+                }
+            );
+            Ok(0)
+        }
+        Cmd::GpuValidate(a) => mla_diff::backend::cuda::validate::run(&a),
         Cmd::Bench { what } => match what {
+            BenchCmd::Decode {
+                backend: BenchBackend::Cuda,
+                kernels,
+                json,
+            } => cuda_bench(true, kernels, json),
+            BenchCmd::Prefill {
+                backend: BenchBackend::Cuda,
+                kernels,
+                json,
+            } => cuda_bench(false, kernels, json),
             BenchCmd::Reference {
                 preset,
                 hidden,
@@ -417,17 +519,30 @@ fn make_backend(
     let cpu = |file| cpu_mirror(file, dtype, faults.clone());
     match choice {
         BackendArg::Cpu => Ok((cpu(file)?, "cpu", None)),
+        BackendArg::Auto
+            if kernels.is_none() && !mla_diff::backend::cuda::device::gpu_present() =>
+        {
+            Ok((cpu(file)?, "cpu", None))
+        }
+        // Auto with a GPU present, or an explicit kernel directory: the GPU path (its errors are errors).
         BackendArg::Cuda | BackendArg::Auto => {
-            if kernels.is_some() && choice == BackendArg::Auto {
-                // An explicit kernel directory means the user wants the GPU path.
-                return make_backend(BackendArg::Cuda, dtype, file, kernels, faults);
+            if !faults.0.is_empty() {
+                return Err(Error::Usage(
+                    "--inject with the CUDA backend: the kernels' fault defines are not wired yet (use --backend cpu)".into(),
+                ));
             }
-            if choice == BackendArg::Auto {
-                return Ok((cpu(file)?, "cpu", None));
-            }
-            Err(Error::Environment(
-                "--backend cuda: this build has no CUDA backend yet".into(),
-            ))
+            let cfg = mla_diff::model::MlaConfig::from_gguf(file)?;
+            let factors = mla_diff::model::rope_factors::RopeFactors::load(file, &cfg)?;
+            let b =
+                mla_diff::backend::cuda::CudaBackend::new(mla_diff::backend::cuda::CudaOptions {
+                    dtype,
+                    kernels_dir: kernels,
+                    debug: true,
+                    force_scalar: false,
+                })?
+                .with_rope_factors(factors);
+            let name = b.gpu.info.name.clone();
+            Ok((Box::new(b), "cuda", Some(name)))
         }
     }
 }

@@ -3,6 +3,7 @@
 //! `kernels/` through NVRTC.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::error::Result;
 use crate::model::{LayerWeights, MlaConfig};

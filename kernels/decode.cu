@@ -1,0 +1,38 @@
+// decode.cu — absorbed MQA over the paged latent cache with split-KV, and the LSE combine of the splits.
+//
+// q_full [query][head][Lkv+R] = [W_UKᵀ·q_nope | rope(q_pe)]; each cache row is [latent | k_pe]; the value
+// of a key is its latent (the first Lkv columns of the same row). Split k of a step with seq_len keys
+// covers keys [k·c, (k+1)·c) ∩ [0, seq_len), c = ceil(seq_len / num_splits), and writes its partial
+// (out f32 [Lkv], lse f32); an empty split writes out 0, lse -inf. `combine_splits` merges them.
+#define ATT_DA (MLA_LKV + MLA_R)
+#define ATT_DB 0
+#define ATT_DV MLA_LKV
+#define ATT_MQA 1
+#define ATT_V_IN_K 1
+#define ATT_PAGED 1
+#include "attention.cuh"
+
+// One block per (batch, query, head) row: out = Σ_k w_k·out_k / Σ_k w_k with w_k = exp(lse_k - max),
+// rounded to the storage type; lse = max + ln Σ w_k. Splits with lse = -inf get weight 0.
+extern "C" __global__ void combine_splits(const float* part_out, const float* part_lse, dt* out, long long out_rs,
+                                          long long out_hs, float* lse, int n_heads, int num_splits) {
+    const long long row = blockIdx.x;  // (b * n_q + i) * n_heads + h, with b folded into i for the layout
+    const int h = (int)(row % n_heads);
+    const long long i = row / n_heads;
+    const float* pl = part_lse + row * num_splits;
+    float mx = MLA_NEG_INF;
+    for (int k = 0; k < num_splits; ++k) mx = fmaxf(mx, pl[k]);
+    float wsum = 0.f;
+    for (int k = 0; k < num_splits; ++k) wsum += pl[k] == MLA_NEG_INF ? 0.f : expf(pl[k] - mx);
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    dt* o = out + i * out_rs + (long long)h * out_hs;
+    for (int c = threadIdx.x; c < MLA_LKV; c += blockDim.x) {
+        float acc = 0.f;
+        for (int k = 0; k < num_splits; ++k) {
+            if (pl[k] == MLA_NEG_INF) continue;
+            acc += expf(pl[k] - mx) * part_out[(row * num_splits + k) * MLA_LKV + c];
+        }
+        o[c] = from_f(acc * inv);
+    }
+    if (threadIdx.x == 0) lse[row] = wsum > 0.f ? mx + logf(wsum) : MLA_NEG_INF;
+}

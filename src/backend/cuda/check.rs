@@ -1,0 +1,207 @@
+//! `mla-diff kernels check`: compile every kernel with NVRTC (no GPU needed) to PTX and CUBIN for several
+//! architectures, model dims and storage types; report ptxas registers, spills and shared memory.
+
+use super::kernels::{Dims, Tile};
+use super::nvrtc::{self, parse_ptxas, Sources};
+use super::{decode_tiles, prefill_tiles};
+use crate::backend::Dtype;
+use crate::error::{Error, Result};
+use std::fmt::Write;
+
+/// Named dim sets: (name, Lkv, R, P, Dv, H, NEOX rope).
+pub const DIM_SETS: [(&str, usize, usize, usize, usize, usize, bool); 4] = [
+    ("deepseek-v3", 512, 64, 128, 128, 128, false),
+    ("glm-5", 512, 64, 192, 256, 64, false),
+    ("minicpm3", 256, 32, 64, 64, 40, true),
+    // dims that are not multiples of 8: only the scalar attention applies
+    ("odd", 20, 6, 10, 12, 3, false),
+];
+
+/// Largest dynamic shared memory per block (opt-in) by architecture, for the fit column.
+fn smem_limit(arch: &str) -> Option<usize> {
+    match arch {
+        "sm_90" | "sm_90a" | "sm_100" | "sm_100a" => Some(232_448),
+        "sm_80" | "sm_87" => Some(166_912),
+        "sm_86" | "sm_89" | "sm_120" | "sm_120a" => Some(101_376),
+        _ => None,
+    }
+}
+
+/// Parse `attn_mma_config` (dynamic smem bytes, threads, rows, keys) from PTX.
+pub fn ptx_attn_config(ptx: &str) -> Option<[i32; 4]> {
+    let l = ptx.lines().find(|l| l.contains("attn_mma_config["))?;
+    let inner = &l[l.find('{')? + 1..l.find('}')?];
+    let mut bytes: Vec<u8> = inner
+        .split(',')
+        .filter_map(|b| b.trim().parse().ok())
+        .collect();
+    bytes.resize(16, 0);
+    let w = |i: usize| {
+        i32::from_le_bytes([
+            bytes[4 * i],
+            bytes[4 * i + 1],
+            bytes[4 * i + 2],
+            bytes[4 * i + 3],
+        ])
+    };
+    Some([w(0), w(1), w(2), w(3)])
+}
+
+pub struct CheckSummary {
+    pub report: String,
+    pub compiles: usize,
+    pub spilling: Vec<String>,
+}
+
+/// `dump`: also write each compile's PTX and CUBIN there (for `cuobjdump --dump-sass`).
+pub fn kernels_check(
+    archs: &[String],
+    kernels_dir: Option<&std::path::Path>,
+    dump: Option<&std::path::Path>,
+) -> Result<CheckSummary> {
+    let src = Sources::load(kernels_dir)?;
+    let (maj, min) = nvrtc::nvrtc_version()?;
+    let inc = nvrtc::include_paths();
+    let mut rep = String::new();
+    writeln!(
+        rep,
+        "NVRTC {maj}.{min}; kernels from {}; include path {}",
+        src.dir.display(),
+        if inc.is_empty() {
+            "(none: set MLA_DIFF_CUDA_INCLUDE)".to_string()
+        } else {
+            inc.join(":")
+        }
+    )
+    .unwrap();
+    writeln!(
+        rep,
+        "{:<7} {:<12} {:<5} {:<15} {:<28} {:<15} {:>5} {:>7} {:>7} {:>6} {:>9}",
+        "arch",
+        "dims",
+        "dtype",
+        "unit",
+        "tile",
+        "kernel",
+        "regs",
+        "spill-st",
+        "spill-ld",
+        "stack",
+        "dyn-smem"
+    )
+    .unwrap();
+    let mut compiles = 0;
+    let mut spilling = Vec::new();
+    for arch in archs {
+        for &(name, lkv, r, p, dv, h, neox) in DIM_SETS.iter() {
+            for dt in [Dtype::Bf16, Dtype::F16, Dtype::F32] {
+                let dims = Dims {
+                    dtype: dt,
+                    lkv,
+                    r,
+                    p,
+                    dv,
+                    h,
+                    page: 64,
+                    neox,
+                    debug: true,
+                };
+                let mut jobs: Vec<(&str, Option<Tile>)> = vec![
+                    ("norm_rope.cu", None),
+                    ("cache_write.cu", None),
+                    ("fill.cu", None),
+                ];
+                jobs.push(("prefill.cu", Some(prefill_tiles()[0])));
+                jobs.push(("decode.cu", Some(decode_tiles(64)[0])));
+                jobs.push(("decode.cu", Some(decode_tiles(1)[0])));
+                for (unit, tile) in jobs {
+                    let mut defs = dims.defines();
+                    if let Some(t) = tile {
+                        defs.extend(t.defines());
+                    }
+                    let c = nvrtc::compile(&src, unit, &defs, arch, true)?;
+                    compiles += 1;
+                    if c.cubin
+                        .as_ref()
+                        .is_none_or(|b| b.len() < 4 || &b[..4] != b"\x7fELF")
+                    {
+                        return Err(Error::Environment(format!(
+                            "{unit} for {arch}: NVRTC returned no ELF CUBIN"
+                        )));
+                    }
+                    if let Some(d) = dump {
+                        let stem = format!(
+                            "{arch}-{name}-{}-{}{}",
+                            dt.name(),
+                            unit.trim_end_matches(".cu"),
+                            tile.map(|t| format!("-{}", t.label().replace([' ', ':', '/'], "-")))
+                                .unwrap_or_default()
+                        );
+                        let w = |ext: &str, bytes: &[u8]| {
+                            let p = d.join(format!("{stem}.{ext}"));
+                            std::fs::write(&p, bytes)
+                                .map_err(|e| Error::io(format!("writing {}", p.display()), e))
+                        };
+                        w("ptx", c.ptx.strip_suffix(&[0]).unwrap_or(&c.ptx))?;
+                        w("cubin", c.cubin.as_deref().unwrap_or_default())?;
+                    }
+                    let ptx = String::from_utf8_lossy(&c.ptx);
+                    if !ptx.contains(".target") {
+                        return Err(Error::Environment(format!(
+                            "{unit} for {arch}: NVRTC returned no PTX"
+                        )));
+                    }
+                    let cfg = ptx_attn_config(&ptx);
+                    for k in parse_ptxas(&c.log) {
+                        let smem = if k.name == "attn_mma" {
+                            cfg.map(|c| {
+                                let fits = smem_limit(arch)
+                                    .map(|l| if c[0] as usize <= l { "" } else { " (too big)" })
+                                    .unwrap_or("");
+                                format!("{}{fits}", c[0])
+                            })
+                            .unwrap_or_default()
+                        } else {
+                            String::new()
+                        };
+                        writeln!(
+                            rep,
+                            "{:<7} {:<12} {:<5} {:<15} {:<28} {:<15} {:>5} {:>7} {:>7} {:>6} {:>9}",
+                            arch,
+                            name,
+                            dt.name(),
+                            unit,
+                            tile.map(|t| t.label()).unwrap_or("-".into()),
+                            k.name,
+                            k.registers,
+                            k.spill_stores,
+                            k.spill_loads,
+                            k.stack,
+                            smem
+                        )
+                        .unwrap();
+                        if k.spill_stores > 0 || k.spill_loads > 0 {
+                            spilling.push(format!("{arch} {name} {} {unit} {}", dt.name(), k.name));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(CheckSummary {
+        report: rep,
+        compiles,
+        spilling,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attn_config_is_read_from_ptx() {
+        let ptx = ".global .align 4 .b8 attn_mma_config[16] = {0, 136, 3, 0, 0, 1, 0, 0, 64, 0, 0, 0, 64};";
+        assert_eq!(ptx_attn_config(ptx), Some([231_424, 256, 64, 64]));
+    }
+}

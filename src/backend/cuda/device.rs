@@ -1,0 +1,286 @@
+//! Device probing, the context, device buffers and events — raw driver calls through cudarc's
+//! dynamically loaded bindings. cudarc panics when libcuda is missing, so `Gpu::open` checks first.
+
+use crate::backend::Dtype;
+use crate::error::{Error, Result};
+use cudarc::driver::{result as drv, sys, DriverError};
+use std::ffi::c_void;
+
+/// Map a driver error to an environment error naming what was being done.
+pub fn drv_err(what: &str) -> impl Fn(DriverError) -> Error + '_ {
+    move |e| {
+        let name = e
+            .error_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| format!("{:?}", e.0));
+        let msg = e
+            .error_string()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        Error::Environment(format!("CUDA {what} failed: {name} ({msg})"))
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub name: String,
+    pub cc: (i32, i32),
+    pub sms: i32,
+    pub smem_optin: usize,
+    pub driver_version: i32,
+    pub total_mem: usize,
+}
+
+impl DeviceInfo {
+    /// NVRTC target for this device, e.g. "sm_90".
+    pub fn arch(&self) -> String {
+        format!("sm_{}{}", self.cc.0, self.cc.1)
+    }
+}
+
+/// Whether a CUDA GPU can be used here (driver library loads, at least one device). Never panics.
+pub fn gpu_present() -> bool {
+    // SAFETY: only tries to dlopen the driver library.
+    let lib = unsafe { sys::is_culib_present() };
+    lib && drv::init().is_ok() && drv::device::get_count().map(|n| n > 0).unwrap_or(false)
+}
+
+/// An initialised device with its primary context current on this thread.
+pub struct Gpu {
+    pub dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+    pub info: DeviceInfo,
+}
+
+impl Gpu {
+    /// Open GPU 0. Every failure (no driver library, no device, init error) is `Error::Environment`.
+    pub fn open() -> Result<Gpu> {
+        // SAFETY: only tries to dlopen the driver library.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::Environment(
+                "the CUDA backend needs an NVIDIA driver: libcuda.so.1 was not found (no GPU on this machine?)".into(),
+            ));
+        }
+        drv::init().map_err(drv_err("cuInit (is a GPU visible?)"))?;
+        let n = drv::device::get_count().map_err(drv_err("cuDeviceGetCount"))?;
+        if n < 1 {
+            return Err(Error::Environment("no CUDA device found".into()));
+        }
+        let dev = drv::device::get(0).map_err(drv_err("cuDeviceGet"))?;
+        // SAFETY: dev is a valid device handle.
+        let ctx = unsafe { drv::primary_ctx::retain(dev) }
+            .map_err(drv_err("cuDevicePrimaryCtxRetain"))?;
+        unsafe { drv::ctx::set_current(ctx) }.map_err(drv_err("cuCtxSetCurrent"))?;
+        let attr = |a| {
+            unsafe { drv::device::get_attribute(dev, a) }.map_err(drv_err("cuDeviceGetAttribute"))
+        };
+        use sys::CUdevice_attribute as A;
+        let cc = (
+            attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        );
+        let sms = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let smem_optin = attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize;
+        let mut driver_version = 0;
+        unsafe { sys::cuDriverGetVersion(&mut driver_version) }
+            .result()
+            .map_err(drv_err("cuDriverGetVersion"))?;
+        let total_mem =
+            unsafe { drv::device::total_mem(dev) }.map_err(drv_err("cuDeviceTotalMem"))?;
+        let name = drv::device::get_name(dev).map_err(drv_err("cuDeviceGetName"))?;
+        Ok(Gpu {
+            dev,
+            ctx,
+            info: DeviceInfo {
+                name,
+                cc,
+                sms,
+                smem_optin,
+                driver_version,
+                total_mem,
+            },
+        })
+    }
+
+    /// Make the context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        unsafe { drv::ctx::set_current(self.ctx) }.map_err(drv_err("cuCtxSetCurrent"))
+    }
+
+    /// Wait for all queued work; a kernel fault surfaces here, named by `what`.
+    pub fn sync(&self, what: &str) -> Result<()> {
+        drv::ctx::synchronize().map_err(drv_err(what))
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // SAFETY: the context was retained in `open`.
+        let _ = unsafe { drv::primary_ctx::release(self.dev) };
+    }
+}
+
+/// A device allocation (freed on drop). Holds raw bytes; the element type is the caller's business.
+pub struct DevBuf {
+    pub ptr: sys::CUdeviceptr,
+    pub bytes: usize,
+}
+
+impl DevBuf {
+    pub fn alloc(bytes: usize) -> Result<DevBuf> {
+        // A zero-byte request still gets a distinct, valid pointer so kernels may be passed it.
+        let ptr = unsafe { drv::malloc_sync(bytes.max(256)) }.map_err(drv_err(&format!(
+            "allocating {} MiB of device memory",
+            bytes >> 20
+        )))?;
+        Ok(DevBuf { ptr, bytes })
+    }
+    pub fn zeros(bytes: usize) -> Result<DevBuf> {
+        let b = DevBuf::alloc(bytes)?;
+        unsafe { drv::memset_d8_sync(b.ptr, 0, bytes.max(256)) }.map_err(drv_err("cuMemsetD8"))?;
+        Ok(b)
+    }
+    /// Fill with the storage type's quiet NaN (cache-pool poison).
+    pub fn fill_nan(&self, dt: Dtype) -> Result<()> {
+        let r = match dt {
+            Dtype::Bf16 => unsafe {
+                sys::cuMemsetD16Async(self.ptr, 0x7fc0, self.bytes / 2, std::ptr::null_mut())
+            },
+            Dtype::F16 => unsafe {
+                sys::cuMemsetD16Async(self.ptr, 0x7e00, self.bytes / 2, std::ptr::null_mut())
+            },
+            Dtype::F32 => unsafe {
+                sys::cuMemsetD32Async(self.ptr, 0x7fc0_0000, self.bytes / 4, std::ptr::null_mut())
+            },
+        };
+        r.result().map_err(drv_err("cuMemset (NaN poison)"))
+    }
+    pub fn upload<T: Copy>(data: &[T]) -> Result<DevBuf> {
+        let b = DevBuf::alloc(std::mem::size_of_val(data))?;
+        b.write(data)?;
+        Ok(b)
+    }
+    pub fn write<T: Copy>(&self, data: &[T]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        assert!(
+            std::mem::size_of_val(data) <= self.bytes,
+            "upload larger than buffer"
+        );
+        unsafe { drv::memcpy_htod_sync(self.ptr, data) }.map_err(drv_err("host-to-device copy"))
+    }
+    /// Copy `n` elements of type T starting at element `offset` back to the host.
+    pub fn read<T: Copy + Default>(&self, offset: usize, n: usize) -> Result<Vec<T>> {
+        let mut v = vec![T::default(); n];
+        if n == 0 {
+            return Ok(v);
+        }
+        let sz = std::mem::size_of::<T>();
+        assert!(
+            (offset + n) * sz <= self.bytes,
+            "download past the end of a device buffer"
+        );
+        unsafe { drv::memcpy_dtoh_sync(&mut v, self.ptr + (offset * sz) as u64) }.map_err(
+            drv_err("device-to-host copy (an earlier kernel may have faulted)"),
+        )?;
+        Ok(v)
+    }
+    /// Device address of element `offset` of a buffer of `elem`-byte elements.
+    pub fn at(&self, offset: usize, elem: usize) -> u64 {
+        self.ptr + (offset * elem) as u64
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        let _ = unsafe { drv::free_sync(self.ptr) };
+    }
+}
+
+/// A pair of events around a region on the default stream.
+pub struct Timer {
+    start: sys::CUevent,
+    stop: sys::CUevent,
+}
+
+impl Timer {
+    pub fn new() -> Result<Timer> {
+        let f = sys::CUevent_flags::CU_EVENT_DEFAULT;
+        Ok(Timer {
+            start: drv::event::create(f).map_err(drv_err("cuEventCreate"))?,
+            stop: drv::event::create(f).map_err(drv_err("cuEventCreate"))?,
+        })
+    }
+    pub fn start(&self) -> Result<()> {
+        unsafe { drv::event::record(self.start, std::ptr::null_mut()) }
+            .map_err(drv_err("cuEventRecord"))
+    }
+    /// Record the stop event, wait for it, and return the elapsed milliseconds.
+    pub fn stop_ms(&self) -> Result<f32> {
+        unsafe {
+            drv::event::record(self.stop, std::ptr::null_mut())
+                .map_err(drv_err("cuEventRecord"))?;
+            drv::event::synchronize(self.stop).map_err(drv_err("kernel execution (event sync)"))?;
+            drv::event::elapsed(self.start, self.stop).map_err(drv_err("cuEventElapsedTime"))
+        }
+    }
+}
+
+impl Drop for Timer {
+    fn drop(&mut self) {
+        unsafe {
+            let _ = drv::event::destroy(self.start);
+            let _ = drv::event::destroy(self.stop);
+        }
+    }
+}
+
+/// Storage bytes per element.
+pub fn elem_bytes(dt: Dtype) -> usize {
+    match dt {
+        Dtype::Bf16 | Dtype::F16 => 2,
+        Dtype::F32 => 4,
+    }
+}
+
+/// Encode f64 values in the storage type (round to nearest even), as raw little-endian bytes.
+pub fn encode(dt: Dtype, vals: impl Iterator<Item = f64>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for v in vals {
+        match dt {
+            // via f32, exactly as `Dtype::round` does (f64 -> f32 -> storage type)
+            Dtype::Bf16 => {
+                out.extend_from_slice(&half::bf16::from_f32(v as f32).to_bits().to_le_bytes())
+            }
+            Dtype::F16 => {
+                out.extend_from_slice(&half::f16::from_f32(v as f32).to_bits().to_le_bytes())
+            }
+            Dtype::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// Decode storage-type bytes to f64.
+pub fn decode(dt: Dtype, bytes: &[u8]) -> Vec<f64> {
+    match dt {
+        Dtype::Bf16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f64())
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f64())
+            .collect(),
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+            .collect(),
+    }
+}
+
+/// Raw pointer helper for kernel parameter arrays.
+pub fn arg<T>(v: &T) -> *mut c_void {
+    v as *const T as *mut c_void
+}

@@ -1,0 +1,522 @@
+//! Compiled kernel modules (cached by their defines), launches, and the cuBLAS projections.
+
+use super::device::{drv_err, Gpu};
+use super::nvrtc::{self, Sources};
+use crate::backend::Dtype;
+use crate::error::{Error, Result};
+use cudarc::cublas::sys as blas;
+use cudarc::driver::{result as drv, sys};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::rc::Rc;
+
+/// Model dims and schedule constants compiled into the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Dims {
+    pub dtype: Dtype,
+    pub lkv: usize,
+    pub r: usize,
+    pub p: usize,
+    pub dv: usize,
+    pub h: usize,
+    pub page: usize,
+    pub neox: bool,
+    pub debug: bool,
+}
+
+impl Dims {
+    pub fn defines(&self) -> Vec<(String, String)> {
+        let d = |k: &str, v: usize| (k.to_string(), v.to_string());
+        vec![
+            d(
+                "MLA_DTYPE",
+                match self.dtype {
+                    Dtype::Bf16 => 0,
+                    Dtype::F16 => 1,
+                    Dtype::F32 => 2,
+                },
+            ),
+            d("MLA_LKV", self.lkv),
+            d("MLA_R", self.r),
+            d("MLA_P", self.p),
+            d("MLA_DV", self.dv),
+            d("MLA_H", self.h),
+            d("MLA_PAGE", self.page),
+            d("MLA_ROPE_NEOX", self.neox as usize),
+            d("MLA_DEBUG", self.debug as usize),
+        ]
+    }
+    /// Whether the tensor-core attention applies (16-bit storage, dims multiples of 8).
+    pub fn mma_ok(&self, decode: bool) -> bool {
+        let dims = if decode {
+            [self.lkv + self.r, 0, self.lkv]
+        } else {
+            [self.p, self.r, self.dv]
+        };
+        self.dtype != Dtype::F32 && dims.iter().all(|d| d % 8 == 0)
+    }
+}
+
+/// Attention tile configuration: `wm x wn` warps, `16*wm` rows, `bn` keys per tile, `stages`-deep pipeline;
+/// in the P·V phase each warp takes `pvm` 16-row m-tiles; in the S phase `smt` m-tiles and one of `swn` key
+/// groups (kernels/attention.cuh).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Tile {
+    pub wm: u32,
+    pub wn: u32,
+    pub bn: u32,
+    pub stages: u32,
+    pub pvm: u32,
+    pub smt: u32,
+    pub swn: u32,
+    /// S-phase k-loop unroll (0: the kernel's default).
+    pub su: u32,
+}
+
+impl Tile {
+    pub const fn new(wm: u32, wn: u32, bn: u32, stages: u32, pvm: u32) -> Tile {
+        Tile {
+            wm,
+            wn,
+            bn,
+            stages,
+            pvm,
+            smt: 1,
+            swn: wn,
+            su: 0,
+        }
+    }
+    pub const fn unroll(mut self, su: u32) -> Tile {
+        self.su = su;
+        self
+    }
+    /// The S phase with `smt` m-tiles per warp over `swn` key groups.
+    pub const fn s_phase(mut self, smt: u32, swn: u32) -> Tile {
+        self.smt = smt;
+        self.swn = swn;
+        self
+    }
+    /// The tile defines used when only the scalar kernel runs (they must still compile).
+    pub const SCALAR_ONLY: Tile = Tile::new(1, 1, 32, 2, 1);
+    pub fn defines(&self) -> Vec<(String, String)> {
+        let mut d: Vec<(String, String)> = vec![
+            ("ATT_WM".into(), self.wm.to_string()),
+            ("ATT_WN".into(), self.wn.to_string()),
+            ("ATT_BN".into(), self.bn.to_string()),
+            ("ATT_STAGES".into(), self.stages.to_string()),
+            ("ATT_PVM".into(), self.pvm.to_string()),
+            ("ATT_SMT".into(), self.smt.to_string()),
+            ("ATT_SWN".into(), self.swn.to_string()),
+        ];
+        if self.su > 0 {
+            d.push(("ATT_SUNROLL".into(), self.su.to_string()));
+        }
+        d
+    }
+    pub fn label(&self) -> String {
+        // e.g. "4x2w bn64 st2 S:2m/2k PV:2m": warps, keys per tile, stages, S-phase m-tiles per warp and key
+        // groups, PV-phase m-tiles per warp.
+        format!(
+            "{}x{}w bn{} st{} S:{}m/{}k{} PV:{}m",
+            self.wm,
+            self.wn,
+            self.bn,
+            self.stages,
+            self.smt,
+            self.swn,
+            if self.su > 0 {
+                format!(" u{}", self.su)
+            } else {
+                String::new()
+            },
+            self.pvm
+        )
+    }
+}
+
+/// A loaded module.
+pub struct Module {
+    m: sys::CUmodule,
+    pub unit: String,
+}
+
+impl Module {
+    pub fn func(&self, name: &str) -> Result<sys::CUfunction> {
+        let c = CString::new(name).unwrap();
+        unsafe { drv::module::get_function(self.m, c) }
+            .map_err(drv_err(&format!("finding kernel {name} in {}", self.unit)))
+    }
+    /// Read a small `__device__ const int[]` table (the kernel's own account of its launch config).
+    pub fn global_i32s(&self, name: &str, n: usize) -> Result<Vec<i32>> {
+        let c = CString::new(name).unwrap();
+        let mut ptr = 0u64;
+        let mut bytes = 0usize;
+        unsafe { sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, self.m, c.as_ptr()) }
+            .result()
+            .map_err(drv_err(&format!("reading {name} from {}", self.unit)))?;
+        if bytes < n * 4 {
+            return Err(Error::Environment(format!(
+                "{}: {name} is {bytes} bytes, expected {}",
+                self.unit,
+                n * 4
+            )));
+        }
+        let mut v = vec![0i32; n];
+        unsafe { drv::memcpy_dtoh_sync(&mut v, ptr) }
+            .map_err(drv_err("reading a module global"))?;
+        Ok(v)
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        let _ = unsafe { drv::module::unload(self.m) };
+    }
+}
+
+/// A compiled unit: file name and its `-D` defines.
+type ModuleKey = (String, Vec<(String, String)>);
+
+/// Compiles kernels on first use for the device's architecture and keeps the modules.
+pub struct Kernels {
+    pub src: Sources,
+    pub arch: String,
+    cache: HashMap<ModuleKey, Rc<Module>>,
+    /// Milliseconds spent in NVRTC.
+    pub compile_ms: f64,
+}
+
+impl Kernels {
+    pub fn new(src: Sources, gpu: &Gpu) -> Kernels {
+        Kernels {
+            src,
+            arch: gpu.info.arch(),
+            cache: HashMap::new(),
+            compile_ms: 0.0,
+        }
+    }
+    pub fn module(&mut self, unit: &str, defines: Vec<(String, String)>) -> Result<Rc<Module>> {
+        let key = (unit.to_string(), defines);
+        if let Some(m) = self.cache.get(&key) {
+            return Ok(m.clone());
+        }
+        let t = std::time::Instant::now();
+        let c = nvrtc::compile(&self.src, unit, &key.1, &self.arch, false)?;
+        self.compile_ms += t.elapsed().as_secs_f64() * 1e3;
+        let image = c.cubin.unwrap_or(c.ptx);
+        let m = unsafe { drv::module::load_data(image.as_ptr() as *const c_void) }.map_err(
+            drv_err(&format!("loading module {unit} (arch {})", self.arch)),
+        )?;
+        let m = Rc::new(Module {
+            m,
+            unit: unit.to_string(),
+        });
+        self.cache.insert(key, m.clone());
+        Ok(m)
+    }
+}
+
+/// Launch a kernel on the default stream. `f` comes from a loaded `Module` and every entry of `params`
+/// points to a live value of the kernel parameter's type (the driver copies them during the call).
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
+pub fn launch(
+    f: sys::CUfunction,
+    what: &str,
+    grid: (u32, u32, u32),
+    block: u32,
+    smem: u32,
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+        return Ok(());
+    }
+    unsafe { drv::launch_kernel(f, grid, (block, 1, 1), smem, std::ptr::null_mut(), params) }
+        .map_err(drv_err(&format!("launching {what}")))
+}
+
+/// Arguments of `attn_mma` / `attn_scalar` (kernels/attention.cuh `AttnArgs`, same order, repr(C)).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AttnArgs {
+    pub q: u64,
+    pub ka: u64,
+    pub kb: u64,
+    pub v: u64,
+    pub table: u64,
+    pub seq_lens: u64,
+    pub out: u64,
+    pub lse: u64,
+    pub part_out: u64,
+    pub part_lse: u64,
+    pub q_bs: i64,
+    pub q_rs: i64,
+    pub q_hs: i64,
+    pub ka_bs: i64,
+    pub ka_rs: i64,
+    pub ka_hs: i64,
+    pub kb_bs: i64,
+    pub kb_rs: i64,
+    pub v_bs: i64,
+    pub v_rs: i64,
+    pub v_hs: i64,
+    pub out_bs: i64,
+    pub out_rs: i64,
+    pub out_hs: i64,
+    pub table_bs: i64,
+    pub n_keys: i32,
+    pub n_q: i32,
+    pub n_heads: i32,
+    pub num_splits: i32,
+    pub causal: i32,
+    pub scale_log2: f32,
+}
+
+/// One attention module (prefill.cu or decode.cu) with its tensor-core and scalar kernels.
+pub struct Attn {
+    _m: Rc<Module>,
+    /// (function, dynamic smem bytes, threads, rows per CTA); None: scalar only.
+    mma: Option<(sys::CUfunction, u32, u32, u32)>,
+    scalar: sys::CUfunction,
+    pub mqa: bool,
+    pub tile: Option<Tile>,
+}
+
+impl Attn {
+    /// Load `unit` with `dims`; use the first tile in `tiles` whose shared memory fits the device
+    /// (none, or `force_scalar`: the scalar kernel only).
+    pub fn load(
+        k: &mut Kernels,
+        gpu: &Gpu,
+        unit: &str,
+        dims: &Dims,
+        tiles: &[Tile],
+        force_scalar: bool,
+    ) -> Result<Attn> {
+        let mqa = unit == "decode.cu";
+        let mut base = dims.defines();
+        let use_mma = !force_scalar && dims.mma_ok(mqa);
+        if use_mma {
+            for t in tiles {
+                let mut d = base.clone();
+                d.extend(t.defines());
+                let m = k.module(unit, d)?;
+                let cfg = m.global_i32s("attn_mma_config", 4)?;
+                let smem = cfg[0] as usize;
+                if smem > gpu.info.smem_optin {
+                    continue;
+                }
+                let f = m.func("attn_mma")?;
+                unsafe {
+                    drv::function::set_function_attribute(
+                        f,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem as i32,
+                    )
+                }
+                .map_err(drv_err("raising the kernel's shared-memory limit"))?;
+                let scalar = m.func("attn_scalar")?;
+                return Ok(Attn {
+                    _m: m,
+                    mma: Some((f, smem as u32, cfg[1] as u32, cfg[2] as u32)),
+                    scalar,
+                    mqa,
+                    tile: Some(*t),
+                });
+            }
+        }
+        // The default tile (mma disabled for f32 / odd dims) still has to compile.
+        base.extend(Tile::SCALAR_ONLY.defines());
+        let m = k.module(unit, base)?;
+        let scalar = m.func("attn_scalar")?;
+        Ok(Attn {
+            _m: m,
+            mma: None,
+            scalar,
+            mqa,
+            tile: None,
+        })
+    }
+
+    pub fn uses_mma(&self) -> bool {
+        self.mma.is_some()
+    }
+
+    /// Launch over `batch` independent problems; heads `a.n_heads`, queries `a.n_q`.
+    pub fn run(&self, a: &AttnArgs, batch: u32) -> Result<()> {
+        let rows = |bm: u32| -> (u32, u32, u32) {
+            if self.mqa {
+                let r = (a.n_q * a.n_heads) as u32;
+                (a.num_splits as u32, r.div_ceil(bm), batch)
+            } else {
+                ((a.n_q as u32).div_ceil(bm), a.n_heads as u32, batch)
+            }
+        };
+        let mut p = [a as *const AttnArgs as *mut c_void];
+        match self.mma {
+            Some((f, smem, threads, bm)) => launch(f, "attn_mma", rows(bm), threads, smem, &mut p),
+            None => launch(self.scalar, "attn_scalar", rows(4), 128, 0, &mut p),
+        }
+    }
+}
+
+/// cuBLAS handle; every projection is a GEMM with f32 accumulation and storage-type output.
+pub struct Blas {
+    h: blas::cublasHandle_t,
+}
+
+fn blas_err(what: &str) -> impl Fn(cudarc::cublas::result::CublasError) -> Error + '_ {
+    move |e| Error::Environment(format!("cuBLAS {what} failed: {:?}", e.0))
+}
+
+pub fn blas_type(dt: Dtype) -> blas::cudaDataType {
+    match dt {
+        Dtype::Bf16 => blas::cudaDataType::CUDA_R_16BF,
+        Dtype::F16 => blas::cudaDataType::CUDA_R_16F,
+        Dtype::F32 => blas::cudaDataType::CUDA_R_32F,
+    }
+}
+
+impl Blas {
+    pub fn new() -> Result<Blas> {
+        // SAFETY: only tries to dlopen the library.
+        if !unsafe { blas::is_culib_present() } {
+            return Err(Error::Environment(
+                "cuBLAS (libcublas.so.13) was not found: add /usr/local/cuda/lib64 to LD_LIBRARY_PATH".into(),
+            ));
+        }
+        let h = cudarc::cublas::result::create_handle().map_err(blas_err("cublasCreate"))?;
+        Ok(Blas { h })
+    }
+
+    /// `y[n, out] = x[n, k] · Wᵀ` with W row-major `[out, k]` (torch orientation), leading dims in elements.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear(
+        &self,
+        dt: Dtype,
+        n: usize,
+        out: usize,
+        k: usize,
+        x: u64,
+        ldx: usize,
+        w: u64,
+        y: u64,
+        ldy: usize,
+    ) -> Result<()> {
+        self.batched(
+            dt,
+            blas::cublasOperation_t::CUBLAS_OP_T,
+            out,
+            n,
+            k,
+            w,
+            k,
+            0,
+            x,
+            ldx,
+            0,
+            y,
+            ldy,
+            0,
+            1,
+        )
+    }
+
+    /// Column-major strided batched GEMM `C_b (m×n) = op(A_b) (m×k) · B_b (k×n)`, B not transposed.
+    #[allow(clippy::too_many_arguments)]
+    pub fn batched(
+        &self,
+        dt: Dtype,
+        op_a: blas::cublasOperation_t,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: u64,
+        lda: usize,
+        sa: usize,
+        b: u64,
+        ldb: usize,
+        sb: usize,
+        c: u64,
+        ldc: usize,
+        sc: usize,
+        batch: usize,
+    ) -> Result<()> {
+        if m == 0 || n == 0 || batch == 0 {
+            return Ok(());
+        }
+        let ty = blas_type(dt);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        unsafe {
+            cudarc::cublas::result::gemm_strided_batched_ex(
+                self.h,
+                op_a,
+                blas::cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                &alpha as *const f32 as *const c_void,
+                a as *const c_void,
+                ty,
+                lda as i32,
+                sa as i64,
+                b as *const c_void,
+                ty,
+                ldb as i32,
+                sb as i64,
+                &beta as *const f32 as *const c_void,
+                c as *mut c_void,
+                ty,
+                ldc as i32,
+                sc as i64,
+                batch as i32,
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(blas_err("GEMM"))
+    }
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        let _ = unsafe { cudarc::cublas::result::destroy_handle(self.h) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attn_args_match_the_kernel_struct() {
+        // kernels/attention.cuh: 10 pointers, 15 long longs, 5 ints and a float (checked again at run time
+        // against the module's `attn_args_size`).
+        assert_eq!(std::mem::size_of::<AttnArgs>(), 10 * 8 + 15 * 8 + 6 * 4);
+        assert_eq!(std::mem::align_of::<AttnArgs>(), 8);
+    }
+
+    #[test]
+    fn dims_become_defines_and_gate_the_tensor_cores() {
+        let d = Dims {
+            dtype: Dtype::Bf16,
+            lkv: 512,
+            r: 64,
+            p: 128,
+            dv: 128,
+            h: 16,
+            page: 64,
+            neox: false,
+            debug: true,
+        };
+        let defs = d.defines();
+        assert!(defs.contains(&("MLA_LKV".to_string(), "512".to_string())));
+        assert!(defs.contains(&("MLA_DTYPE".to_string(), "0".to_string())));
+        assert!(d.mma_ok(true) && d.mma_ok(false));
+        assert!(!Dims {
+            dtype: Dtype::F32,
+            ..d
+        }
+        .mma_ok(true));
+        assert!(!Dims { p: 10, ..d }.mma_ok(false));
+    }
+}

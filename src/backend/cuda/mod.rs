@@ -1,0 +1,791 @@
+//! The CUDA backend: the fused MLA path on the GPU, same schedule and stage trace as the CPU mirror.
+//!
+//! Per prefill chunk / decode step, the token-local part (RMSNorm, projections through cuBLAS, rope,
+//! kv_a_norm) runs on the chunk's rows, the rows `[latent | k_pe]` go into the NaN-poisoned paged cache,
+//! then attention: prefill in the decompressed form (causal over the chunk, non-causal over the cached
+//! context, LSE merge), decode in the absorbed form with split-KV and an LSE combine; then W_UV and o_proj.
+
+pub mod bench;
+pub mod check;
+pub mod device;
+pub mod kernels;
+pub mod nvrtc;
+pub mod validate;
+
+use crate::backend::{Backend, Dtype};
+use crate::error::{Error, Result};
+use crate::model::rope_factors::RopeFactors;
+use crate::model::weights::QProj;
+use crate::model::{LayerWeights, MlaConfig};
+use crate::rope::RopeTables;
+use crate::schedule::Schedule;
+use crate::trace::{LayerTrace, Stage, StageTensor};
+use cudarc::cublas::sys::cublasOperation_t as Op;
+use device::{arg, decode, elem_bytes, encode, DevBuf, Gpu};
+use kernels::{launch, Attn, AttnArgs, Blas, Dims, Kernels, Tile};
+use std::path::PathBuf;
+
+#[derive(Debug, Clone)]
+pub struct CudaOptions {
+    pub dtype: Dtype,
+    /// Read kernels from this directory instead of the embedded copy.
+    pub kernels_dir: Option<PathBuf>,
+    /// Also record decode's internal stages (q_absorbed, split partials and lse); compiled in as MLA_DEBUG.
+    pub debug: bool,
+    /// Use the scalar attention kernels even where the tensor-core ones apply (a cross-check).
+    pub force_scalar: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            dtype: Dtype::Bf16,
+            kernels_dir: None,
+            debug: true,
+            force_scalar: false,
+        }
+    }
+}
+
+/// Tile choices for decode, best first (by `mla-diff bench decode` on an H200, bench/RESULTS.md); the
+/// first whose shared memory fits the device is used.
+pub fn decode_tiles(rows: usize) -> Vec<Tile> {
+    if rows >= 64 {
+        vec![
+            // 8 warps: S on 16x32 warp tiles, P·V on 32x256 (two m-tiles share each V fragment).
+            Tile::new(4, 2, 64, 2, 2),
+            // S on 32x32 warp tiles by 4 warps: fewer fragment bytes, but slower on the H200.
+            Tile::new(4, 2, 64, 2, 2).s_phase(2, 2),
+            // 16 warps (8 compute S), P·V on 32x64: 128 registers, no spills, but slower on the H200.
+            Tile::new(4, 4, 64, 2, 2).s_phase(1, 2),
+            Tile::new(4, 2, 64, 2, 1),
+            Tile::new(2, 2, 32, 2, 1),
+        ]
+    } else {
+        vec![
+            Tile::new(1, 4, 32, 2, 1),
+            Tile::new(1, 8, 64, 2, 1),
+            Tile::new(1, 4, 64, 2, 1),
+        ]
+    }
+}
+
+/// Tile choices for prefill, best first (with one warp column P stays in registers).
+pub fn prefill_tiles() -> Vec<Tile> {
+    vec![
+        Tile::new(8, 1, 64, 2, 1),
+        Tile::new(4, 1, 64, 2, 1),
+        Tile::new(4, 1, 32, 2, 1),
+        Tile::new(2, 1, 32, 2, 1),
+    ]
+}
+
+pub struct CudaBackend {
+    pub gpu: Gpu,
+    pub kernels: Kernels,
+    pub blas: Blas,
+    pub opts: CudaOptions,
+    /// LongRoPE factors of the model, if it has them (as for the CPU mirror).
+    pub rope_factors: Option<RopeFactors>,
+    /// Which attention kernels the last layer used ("mma 4x2 warps…" / "scalar").
+    pub last_paths: String,
+}
+
+impl CudaBackend {
+    pub fn new(opts: CudaOptions) -> Result<CudaBackend> {
+        let src = nvrtc::Sources::load(opts.kernels_dir.as_deref())?;
+        // The driver first: "no GPU" is the more useful message on a machine without either.
+        let gpu = Gpu::open()?;
+        nvrtc::nvrtc_present()?;
+        let blas = Blas::new()?;
+        let kernels = Kernels::new(src, &gpu);
+        Ok(CudaBackend {
+            gpu,
+            kernels,
+            blas,
+            opts,
+            rope_factors: None,
+            last_paths: String::new(),
+        })
+    }
+    pub fn with_rope_factors(mut self, f: Option<RopeFactors>) -> CudaBackend {
+        self.rope_factors = f;
+        self
+    }
+}
+
+/// Upload an f32 host tensor in the storage type.
+fn up(dt: Dtype, v: impl IntoIterator<Item = f32>) -> Result<DevBuf> {
+    DevBuf::upload(&encode(dt, v.into_iter().map(|x| x as f64)))
+}
+
+/// Download `n` storage-type elements starting at element `off`.
+fn down(b: &DevBuf, dt: Dtype, off: usize, n: usize) -> Result<Vec<f64>> {
+    let es = elem_bytes(dt);
+    let raw: Vec<u8> = b.read(off * es, n * es)?;
+    Ok(decode(dt, &raw))
+}
+
+fn down_f32(b: &DevBuf, off: usize, n: usize) -> Result<Vec<f64>> {
+    Ok(b.read::<f32>(off, n)?
+        .into_iter()
+        .map(|v| v as f64)
+        .collect())
+}
+
+/// Column slice `[c0, c0+w)` of a row-major `[rows, cols]` tensor.
+fn cols(v: &[f64], rows: usize, cols: usize, c0: usize, w: usize) -> Vec<f64> {
+    let mut o = Vec::with_capacity(rows * w);
+    for r in 0..rows {
+        o.extend_from_slice(&v[r * cols + c0..r * cols + c0 + w]);
+    }
+    o
+}
+
+impl Backend for CudaBackend {
+    fn describe(&self) -> String {
+        let i = &self.gpu.info;
+        format!(
+            "cuda: {} (sm_{}{}, {} SMs), {}{}",
+            i.name,
+            i.cc.0,
+            i.cc.1,
+            i.sms,
+            self.opts.dtype.name(),
+            if self.opts.force_scalar {
+                ", scalar attention"
+            } else {
+                ""
+            }
+        )
+    }
+
+    fn run_layer(
+        &mut self,
+        cfg: &MlaConfig,
+        w: &LayerWeights,
+        x: &ndarray::Array2<f64>,
+        sched: &Schedule,
+    ) -> Result<LayerTrace> {
+        sched.validate()?;
+        // The same cos/sin tables as the CPU mirror (f64 on the host, uploaded as f32).
+        let tables = RopeTables::for_run(
+            cfg,
+            self.rope_factors.as_ref(),
+            sched.pos_offset,
+            sched.total_tokens(),
+        )?;
+        crate::reference::check_inputs(cfg, w, &tables, x, sched)?;
+        self.gpu.bind()?;
+        let dt = self.opts.dtype;
+        let es = elem_bytes(dt);
+        let (t_all, e) = (sched.total_tokens(), cfg.hidden);
+        if x.dim() != (t_all, e) {
+            return Err(Error::Usage(format!(
+                "layer input is {:?}, the schedule needs [{t_all}, {e}]",
+                x.dim()
+            )));
+        }
+        let (h, p, r, lkv, dv) = (
+            cfg.n_head,
+            cfg.qk_nope,
+            cfg.qk_rope,
+            cfg.kv_lora_rank,
+            cfg.v_head_dim,
+        );
+        let dqk = p + r;
+        let row = lkv + r;
+        let td = sched.decode_tokens();
+        let p0 = sched.prompt_len;
+        let ns = sched.num_splits;
+        let page = sched.page_size;
+        let eps = cfg.rms_eps as f32;
+        let scale_log2 = (cfg.softmax_scale * std::f64::consts::LOG2_E) as f32;
+        let dims = Dims {
+            dtype: dt,
+            lkv,
+            r,
+            p,
+            dv,
+            h,
+            page,
+            neox: cfg.rope.pairing == crate::model::config::RopePairing::Neox,
+            debug: self.opts.debug,
+        };
+
+        // Kernels.
+        let k = &mut self.kernels;
+        let m_nr = k.module("norm_rope.cu", dims.defines())?;
+        let m_cw = k.module("cache_write.cu", dims.defines())?;
+        let f_norm = m_nr.func("rmsnorm")?;
+        let f_rope = m_nr.func("rope")?;
+        let f_cw = m_cw.func("cache_write")?;
+        let f_gather = m_cw.func("cache_gather")?;
+        let f_copy = m_cw.func("copy_heads")?;
+        let pre = Attn::load(
+            k,
+            &self.gpu,
+            "prefill.cu",
+            &dims,
+            &prefill_tiles(),
+            self.opts.force_scalar,
+        )?;
+        let dec = Attn::load(
+            k,
+            &self.gpu,
+            "decode.cu",
+            &dims,
+            &decode_tiles(sched.q_len * h),
+            self.opts.force_scalar,
+        )?;
+        let m_pre = k.module("prefill.cu", {
+            let mut d = dims.defines();
+            d.extend(pre.tile.unwrap_or(Tile::SCALAR_ONLY).defines());
+            d
+        })?;
+        let m_dec = k.module("decode.cu", {
+            let mut d = dims.defines();
+            d.extend(dec.tile.unwrap_or(Tile::SCALAR_ONLY).defines());
+            d
+        })?;
+        for m in [&m_pre, &m_dec] {
+            let sz = m.global_i32s("attn_args_size", 1)?[0] as usize;
+            if sz != std::mem::size_of::<AttnArgs>() {
+                return Err(Error::Environment(format!(
+                    "{}: struct AttnArgs is {sz} bytes in the kernel but {} on the host (kernels/attention.cuh and src/backend/cuda/kernels.rs disagree)",
+                    m.unit,
+                    std::mem::size_of::<AttnArgs>()
+                )));
+            }
+        }
+        let f_merge = m_pre.func("merge_states")?;
+        let f_combine = m_dec.func("combine_splits")?;
+        let path = |a: &Attn| match a.tile {
+            Some(t) if a.uses_mma() => format!("mma ({})", t.label()),
+            _ => "scalar".to_string(),
+        };
+        self.last_paths = format!("prefill: {}; decode: {}", path(&pre), path(&dec));
+
+        // Weights in the storage type.
+        let wn_attn = up(dt, w.attn_norm.iter().copied())?;
+        let (lq, wq_a, wq_an, wq_b) = match &w.q {
+            QProj::Lora { a, a_norm, b } => (
+                a.nrows(),
+                Some(up(dt, a.iter().copied())?),
+                Some(up(dt, a_norm.iter().copied())?),
+                up(dt, b.iter().copied())?,
+            ),
+            QProj::Plain { q } => (0, None, None, up(dt, q.iter().copied())?),
+        };
+        let wkv_a = up(dt, w.kv_a.iter().copied())?;
+        let wkv_n = up(dt, w.kv_a_norm.iter().copied())?;
+        let w_uk = up(dt, w.w_uk.iter().copied())?; // [H·P, Lkv]
+        let w_uv = up(dt, w.w_uv.iter().copied())?; // [H·Dv, Lkv]
+        let w_o = up(dt, w.o.iter().copied())?; // [E, H·Dv]
+
+        // Activations.
+        let xb = DevBuf::upload(&encode(dt, x.iter().copied()))?;
+        let attn_in = DevBuf::alloc(t_all * e * es)?;
+        let qa = DevBuf::alloc(t_all * lq.max(1) * es)?;
+        let q = DevBuf::alloc(t_all * h * dqk * es)?;
+        let kv = DevBuf::alloc(t_all * row * es)?;
+        let pool = DevBuf::alloc(sched.pool_pages() * page * row * es)?;
+        pool.fill_nan(dt)?;
+        let table: Vec<i32> = sched.block_table().iter().map(|&v| v as i32).collect();
+        let table_b = DevBuf::upload(&table)?;
+        let (cos, sin) = tables.to_f32();
+        let cos_b = DevBuf::upload(&cos)?;
+        let sin_b = DevBuf::upload(&sin)?;
+        let cmax = sched.chunk.min(p0).max(1);
+        let kn = DevBuf::alloc(cmax * h * p * es)?;
+        let vv = DevBuf::alloc(cmax * h * dv * es)?;
+        let own_out = DevBuf::alloc(cmax * h * dv * es)?;
+        let own_lse = DevBuf::alloc(cmax * h * 4)?;
+        let ctx_out = DevBuf::alloc(cmax * h * dv * es)?;
+        let ctx_lse = DevBuf::alloc(cmax * h * 4)?;
+        let ctx_rows = DevBuf::alloc(t_all.max(1) * row * es)?;
+        let ctx_kn = DevBuf::alloc(p0.max(1) * h * p * es)?;
+        let ctx_v = DevBuf::alloc(p0.max(1) * h * dv * es)?;
+        let heads = DevBuf::alloc(t_all * h * dv * es)?;
+        let lse = DevBuf::alloc(t_all * h * 4)?;
+        let qfull = DevBuf::alloc(td.max(1) * h * row * es)?;
+        let part_out = DevBuf::alloc(td.max(1) * h * ns * lkv * 4)?;
+        let part_lse = DevBuf::alloc(td.max(1) * h * ns * 4)?;
+        let lat = DevBuf::alloc(td.max(1) * h * lkv * es)?;
+        let out = DevBuf::alloc(t_all * e * es)?;
+        let blas = &self.blas;
+
+        // RMSNorm of `rows` rows.
+        let norm = |xp: u64,
+                    xrs: usize,
+                    wp: u64,
+                    yp: u64,
+                    yrs: usize,
+                    n_rows: usize,
+                    n_cols: usize|
+         -> Result<()> {
+            let (xrs, yrs, nc) = (xrs as i64, yrs as i64, n_cols as i32);
+            launch(
+                f_norm,
+                "rmsnorm",
+                (n_rows as u32, 1, 1),
+                256,
+                0,
+                &mut [
+                    arg(&xp),
+                    arg(&xrs),
+                    arg(&wp),
+                    arg(&yp),
+                    arg(&yrs),
+                    arg(&nc),
+                    arg(&eps),
+                ],
+            )
+        };
+        let rope = |bp: u64,
+                    rs: usize,
+                    hs: usize,
+                    heads_n: usize,
+                    off: usize,
+                    t0: usize,
+                    n_rows: usize|
+         -> Result<()> {
+            let (rs, hs, hn, off, t0) =
+                (rs as i64, hs as i64, heads_n as i32, off as i32, t0 as i32);
+            launch(
+                f_rope,
+                "rope",
+                (n_rows as u32, 1, 1),
+                128,
+                0,
+                &mut [
+                    arg(&bp),
+                    arg(&rs),
+                    arg(&hs),
+                    arg(&hn),
+                    arg(&off),
+                    arg(&cos_b.ptr),
+                    arg(&sin_b.ptr),
+                    arg(&t0),
+                ],
+            )
+        };
+        // Token-local stages for tokens [t0, t0+n), then their cache rows.
+        let token_local = |t0: usize, n: usize| -> Result<()> {
+            norm(
+                xb.at(t0 * e, es),
+                e,
+                wn_attn.ptr,
+                attn_in.at(t0 * e, es),
+                e,
+                n,
+                e,
+            )?;
+            let ain = attn_in.at(t0 * e, es);
+            match (&wq_a, &wq_an) {
+                (Some(a), Some(an)) => {
+                    blas.linear(dt, n, lq, e, ain, e, a.ptr, qa.at(t0 * lq, es), lq)?;
+                    norm(
+                        qa.at(t0 * lq, es),
+                        lq,
+                        an.ptr,
+                        qa.at(t0 * lq, es),
+                        lq,
+                        n,
+                        lq,
+                    )?;
+                    blas.linear(
+                        dt,
+                        n,
+                        h * dqk,
+                        lq,
+                        qa.at(t0 * lq, es),
+                        lq,
+                        wq_b.ptr,
+                        q.at(t0 * h * dqk, es),
+                        h * dqk,
+                    )?;
+                }
+                _ => blas.linear(
+                    dt,
+                    n,
+                    h * dqk,
+                    e,
+                    ain,
+                    e,
+                    wq_b.ptr,
+                    q.at(t0 * h * dqk, es),
+                    h * dqk,
+                )?,
+            }
+            rope(q.at(t0 * h * dqk, es), h * dqk, dqk, h, p, t0, n)?;
+            blas.linear(dt, n, row, e, ain, e, wkv_a.ptr, kv.at(t0 * row, es), row)?;
+            norm(
+                kv.at(t0 * row, es),
+                row,
+                wkv_n.ptr,
+                kv.at(t0 * row, es),
+                row,
+                n,
+                lkv,
+            )?;
+            rope(kv.at(t0 * row, es), row, 0, 1, lkv, t0, n)?;
+            let t0i = t0 as i32;
+            launch(
+                f_cw,
+                "cache_write",
+                (n as u32, 1, 1),
+                128,
+                0,
+                &mut [
+                    arg(&kv.at(t0 * row, es)),
+                    arg(&pool.ptr),
+                    arg(&table_b.ptr),
+                    arg(&t0i),
+                ],
+            )
+        };
+        let gather = |t0: usize, n: usize, dst: u64| -> Result<()> {
+            let t0i = t0 as i32;
+            launch(
+                f_gather,
+                "cache_gather",
+                (n as u32, 1, 1),
+                128,
+                0,
+                &mut [arg(&pool.ptr), arg(&table_b.ptr), arg(&dst), arg(&t0i)],
+            )
+        };
+        // Decompress latent rows (row stride `row`) into k_nope [n, H·P] and v [n, H·Dv].
+        let decompress = |lat_rows: u64, n: usize, kdst: u64, vdst: u64| -> Result<()> {
+            blas.linear(dt, n, h * p, lkv, lat_rows, row, w_uk.ptr, kdst, h * p)?;
+            blas.linear(dt, n, h * dv, lkv, lat_rows, row, w_uv.ptr, vdst, h * dv)
+        };
+        // Prefill attention args for the chunk's queries [c0, c0+n) over keys held in (kn, rows, v).
+        #[allow(clippy::too_many_arguments)]
+        let prefill_args = |c0: usize,
+                            n: usize,
+                            knp: u64,
+                            rowsp: u64,
+                            vp: u64,
+                            n_keys: usize,
+                            causal: bool,
+                            outp: u64,
+                            lsep: u64| AttnArgs {
+            q: q.at(c0 * h * dqk, es),
+            ka: knp,
+            kb: rowsp + (lkv * es) as u64,
+            v: vp,
+            out: outp,
+            lse: lsep,
+            q_rs: (h * dqk) as i64,
+            q_hs: dqk as i64,
+            ka_rs: (h * p) as i64,
+            ka_hs: p as i64,
+            kb_rs: row as i64,
+            v_rs: (h * dv) as i64,
+            v_hs: dv as i64,
+            out_rs: (h * dv) as i64,
+            out_hs: dv as i64,
+            n_keys: n_keys as i32,
+            n_q: n as i32,
+            n_heads: h as i32,
+            num_splits: 1,
+            causal: causal as i32,
+            scale_log2,
+            ..Default::default()
+        };
+        let sync_if_debug = |what: &str| -> Result<()> {
+            if self.opts.debug {
+                self.gpu.sync(what)
+            } else {
+                Ok(())
+            }
+        };
+
+        // Prefill, chunk by chunk.
+        for ch in sched.prefill_chunks() {
+            let (c0, n) = (ch.start, ch.len());
+            token_local(c0, n)?;
+            decompress(kv.at(c0 * row, es), n, kn.ptr, vv.ptr)?;
+            let (o_ptr, l_ptr) = if c0 == 0 {
+                (heads.at(c0 * h * dv, es), lse.at(c0 * h, 4))
+            } else {
+                (own_out.ptr, own_lse.ptr)
+            };
+            pre.run(
+                &prefill_args(
+                    c0,
+                    n,
+                    kn.ptr,
+                    kv.at(c0 * row, es),
+                    vv.ptr,
+                    n,
+                    true,
+                    o_ptr,
+                    l_ptr,
+                ),
+                1,
+            )?;
+            sync_if_debug("prefill attention (own chunk)")?;
+            if c0 > 0 {
+                gather(0, c0, ctx_rows.ptr)?;
+                decompress(ctx_rows.ptr, c0, ctx_kn.ptr, ctx_v.ptr)?;
+                pre.run(
+                    &prefill_args(
+                        c0,
+                        n,
+                        ctx_kn.ptr,
+                        ctx_rows.ptr,
+                        ctx_v.ptr,
+                        c0,
+                        false,
+                        ctx_out.ptr,
+                        ctx_lse.ptr,
+                    ),
+                    1,
+                )?;
+                sync_if_debug("prefill attention (cached context)")?;
+                let (op, ol) = (heads.at(c0 * h * dv, es), lse.at(c0 * h, 4));
+                let hh = h as i32;
+                launch(
+                    f_merge,
+                    "merge_states",
+                    ((n * h) as u32, 1, 1),
+                    128,
+                    0,
+                    &mut [
+                        arg(&ctx_out.ptr),
+                        arg(&ctx_lse.ptr),
+                        arg(&own_out.ptr),
+                        arg(&own_lse.ptr),
+                        arg(&op),
+                        arg(&ol),
+                        arg(&hh),
+                    ],
+                )?;
+            }
+            blas.linear(
+                dt,
+                n,
+                e,
+                h * dv,
+                heads.at(c0 * h * dv, es),
+                h * dv,
+                w_o.ptr,
+                out.at(c0 * e, es),
+                e,
+            )?;
+        }
+
+        // Decode steps.
+        let partials = self.opts.debug || ns > 1;
+        for st in sched.decode_ranges() {
+            let (s0, n) = (st.start, st.len());
+            let d0 = s0 - p0;
+            token_local(s0, n)?;
+            // q_abs[t, h, :] = W_UK[h]ᵀ q_nope[t, h, :]   (per head: [Lkv, P] x [P, n])
+            blas.batched(
+                dt,
+                Op::CUBLAS_OP_N,
+                lkv,
+                n,
+                p,
+                w_uk.ptr,
+                lkv,
+                p * lkv,
+                q.at(s0 * h * dqk, es),
+                h * dqk,
+                dqk,
+                qfull.at(d0 * h * row, es),
+                h * row,
+                row,
+                h,
+            )?;
+            {
+                let (srs, shs, drs, dhs, hh, wd) = (
+                    (h * dqk) as i64,
+                    dqk as i64,
+                    (h * row) as i64,
+                    row as i64,
+                    h as i32,
+                    r as i32,
+                );
+                let (sp, dp) = (q.at(s0 * h * dqk + p, es), qfull.at(d0 * h * row + lkv, es));
+                launch(
+                    f_copy,
+                    "copy_heads",
+                    (n as u32, 1, 1),
+                    128,
+                    0,
+                    &mut [
+                        arg(&sp),
+                        arg(&srs),
+                        arg(&shs),
+                        arg(&dp),
+                        arg(&drs),
+                        arg(&dhs),
+                        arg(&hh),
+                        arg(&wd),
+                    ],
+                )?;
+            }
+            let a = AttnArgs {
+                q: qfull.at(d0 * h * row, es),
+                ka: pool.ptr,
+                kb: pool.ptr,
+                v: pool.ptr,
+                table: table_b.ptr,
+                out: lat.at(d0 * h * lkv, es),
+                lse: lse.at(s0 * h, 4),
+                part_out: part_out.at(d0 * h * ns * lkv, 4),
+                part_lse: part_lse.at(d0 * h * ns, 4),
+                q_rs: (h * row) as i64,
+                q_hs: row as i64,
+                ka_rs: row as i64,
+                kb_rs: row as i64,
+                v_rs: row as i64,
+                out_rs: (h * lkv) as i64,
+                out_hs: lkv as i64,
+                n_keys: st.end as i32,
+                n_q: n as i32,
+                n_heads: h as i32,
+                num_splits: ns as i32,
+                causal: 1,
+                scale_log2,
+                ..Default::default()
+            };
+            dec.run(&a, 1)?;
+            sync_if_debug("decode attention")?;
+            if partials {
+                let (o, l) = (lat.at(d0 * h * lkv, es), lse.at(s0 * h, 4));
+                let (ors, ohs, hh, nsi) = ((h * lkv) as i64, lkv as i64, h as i32, ns as i32);
+                let (po, pl) = (a.part_out, a.part_lse);
+                launch(
+                    f_combine,
+                    "combine_splits",
+                    ((n * h) as u32, 1, 1),
+                    128,
+                    0,
+                    &mut [
+                        arg(&po),
+                        arg(&pl),
+                        arg(&o),
+                        arg(&ors),
+                        arg(&ohs),
+                        arg(&l),
+                        arg(&hh),
+                        arg(&nsi),
+                    ],
+                )?;
+            }
+            // attn_heads[t, h, :] = W_UV[h] · attn_latent[t, h, :]   (per head: [Dv, Lkv] x [Lkv, n])
+            blas.batched(
+                dt,
+                Op::CUBLAS_OP_T,
+                dv,
+                n,
+                lkv,
+                w_uv.ptr,
+                lkv,
+                dv * lkv,
+                lat.at(d0 * h * lkv, es),
+                h * lkv,
+                lkv,
+                heads.at(s0 * h * dv, es),
+                h * dv,
+                dv,
+                h,
+            )?;
+            blas.linear(
+                dt,
+                n,
+                e,
+                h * dv,
+                heads.at(s0 * h * dv, es),
+                h * dv,
+                w_o.ptr,
+                out.at(s0 * e, es),
+                e,
+            )?;
+        }
+        gather(0, t_all, ctx_rows.ptr)?;
+        self.gpu.sync("the layer's kernels")?;
+
+        // The trace.
+        let mut tr = LayerTrace::new(w.layer);
+        tr.push(StageTensor::new(
+            Stage::AttnIn,
+            vec![t_all, e],
+            down(&attn_in, dt, 0, t_all * e)?,
+        ));
+        let qv = down(&q, dt, 0, t_all * h * dqk)?;
+        tr.push(StageTensor::new(
+            Stage::QNope,
+            vec![t_all, h, p],
+            cols(&qv, t_all * h, dqk, 0, p),
+        ));
+        tr.push(StageTensor::new(
+            Stage::QPe,
+            vec![t_all, h, r],
+            cols(&qv, t_all * h, dqk, p, r),
+        ));
+        let kvv = down(&kv, dt, 0, t_all * row)?;
+        tr.push(StageTensor::new(
+            Stage::KvLatent,
+            vec![t_all, lkv],
+            cols(&kvv, t_all, row, 0, lkv),
+        ));
+        tr.push(StageTensor::new(
+            Stage::KPe,
+            vec![t_all, r],
+            cols(&kvv, t_all, row, lkv, r),
+        ));
+        tr.push(StageTensor::new(
+            Stage::CacheRows,
+            vec![t_all, row],
+            down(&ctx_rows, dt, 0, t_all * row)?,
+        ));
+        if td > 0 {
+            if self.opts.debug {
+                let qf = down(&qfull, dt, 0, td * h * row)?;
+                tr.push(StageTensor::new(
+                    Stage::QAbsorbed,
+                    vec![td, h, lkv],
+                    cols(&qf, td * h, row, 0, lkv),
+                ));
+                tr.push(StageTensor::new(
+                    Stage::SplitOut,
+                    vec![td, h, ns, lkv],
+                    down_f32(&part_out, 0, td * h * ns * lkv)?,
+                ));
+                tr.push(StageTensor::new(
+                    Stage::SplitLse,
+                    vec![td, h, ns],
+                    down_f32(&part_lse, 0, td * h * ns)?,
+                ));
+            }
+            tr.push(StageTensor::new(
+                Stage::AttnLatent,
+                vec![td, h, lkv],
+                down(&lat, dt, 0, td * h * lkv)?,
+            ));
+        }
+        tr.push(StageTensor::new(
+            Stage::Lse,
+            vec![t_all, h],
+            down_f32(&lse, 0, t_all * h)?,
+        ));
+        tr.push(StageTensor::new(
+            Stage::AttnHeads,
+            vec![t_all, h, dv],
+            down(&heads, dt, 0, t_all * h * dv)?,
+        ));
+        tr.push(StageTensor::new(
+            Stage::AttnOut,
+            vec![t_all, e],
+            down(&out, dt, 0, t_all * e)?,
+        ));
+        Ok(tr)
+    }
+}

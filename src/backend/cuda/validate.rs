@@ -1,0 +1,654 @@
+//! `mla-diff gpu-validate`: the CUDA path against the CPU mirror (same algorithm: agreement at rounding
+//! level) and the fp64 reference (the calibrated tolerance table), every stage, on synthetic layers with
+//! real model dims, over schedules that cross page and split boundaries.
+//!
+//! The GPU runs are serial; the CPU work (reference and mirror of every case) runs on all cores at once,
+//! so a whole sweep fits a short lease.
+
+use super::{CudaBackend, CudaOptions};
+use crate::backend::cpu::CpuMirror;
+use crate::backend::{Backend, Dtype};
+use crate::compare::{self, metrics, ToleranceTable};
+use crate::error::{Error, Result};
+use crate::model::rope_factors::RopeFactors;
+use crate::model::synthetic::{self, Family};
+use crate::model::{LayerWeights, MlaConfig};
+use crate::rope::RopeTables;
+use crate::schedule::Schedule;
+use crate::trace::{LayerTrace, Stage};
+use std::fmt::Write;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ValidateArgs {
+    /// Storage types to run.
+    #[arg(long, value_delimiter = ',', default_value = "bf16,f16")]
+    pub dtype: Vec<Dtype>,
+    /// Only the small cases (a quick smoke test).
+    #[arg(long)]
+    pub quick: bool,
+    /// Read the kernel sources from this directory instead of the embedded copy.
+    #[arg(long)]
+    pub kernels: Option<PathBuf>,
+    /// Write the per-case, per-stage figures as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Only the cases whose name contains this text.
+    #[arg(long)]
+    pub case: Option<String>,
+    /// CPU threads for the reference and the mirror (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+/// One validation case: a layer shape and a schedule.
+#[derive(Debug, Clone)]
+pub struct Case {
+    pub name: String,
+    pub family: Family,
+    pub hidden: Option<usize>,
+    pub heads: Option<usize>,
+    pub q_lora: Option<usize>,
+    pub sched: Schedule,
+}
+
+fn sched(
+    prompt: usize,
+    chunk: usize,
+    steps: usize,
+    q_len: usize,
+    page: usize,
+    splits: usize,
+) -> Schedule {
+    Schedule {
+        prompt_len: prompt,
+        chunk,
+        decode_steps: steps,
+        q_len,
+        page_size: page,
+        num_splits: splits,
+        shuffle_seed: Some(prompt as u64 * 31 + steps as u64),
+        spare_pages: 3,
+        pos_offset: 0,
+    }
+}
+
+/// The sweep. Full model dims at short schedules; reduced hidden/heads (attention dims unchanged) at
+/// long ones, so the fp64 reference stays cheap. Every case crosses page and split boundaries.
+pub fn cases(quick: bool) -> Vec<Case> {
+    let c = |name: &str, family, hidden, heads, q_lora, s| Case {
+        name: name.into(),
+        family,
+        hidden,
+        heads,
+        q_lora,
+        sched: s,
+    };
+    let mut v = vec![
+        c(
+            "deepseek-v3 full dims",
+            Family::DeepseekV3,
+            None,
+            None,
+            None,
+            sched(40, 16, 64, 1, 16, 4),
+        ),
+        c(
+            "glm-5 full dims, MTP q_len 2",
+            Family::Glm5,
+            None,
+            None,
+            None,
+            sched(37, 16, 64, 2, 16, 3),
+        ),
+        c(
+            "minicpm3 full dims",
+            Family::Minicpm3,
+            None,
+            None,
+            None,
+            sched(45, 20, 64, 1, 16, 4),
+        ),
+        c(
+            "deepseek-v3 dims, prompt 1",
+            Family::DeepseekV3,
+            Some(512),
+            Some(16),
+            Some(256),
+            sched(1, 1, 70, 1, 16, 4),
+        ),
+    ];
+    if !quick {
+        v.extend([
+            c(
+                "deepseek-v3 dims H16, prompt 2048",
+                Family::DeepseekV3,
+                Some(1024),
+                Some(16),
+                Some(512),
+                sched(2048, 512, 64, 1, 64, 8),
+            ),
+            c(
+                "glm-5 dims H8, prompt 777, q_len 2",
+                Family::Glm5,
+                Some(1024),
+                Some(8),
+                Some(512),
+                sched(777, 256, 64, 2, 32, 5),
+            ),
+            c(
+                "minicpm3 dims, prompt 1500",
+                Family::Minicpm3,
+                Some(1024),
+                None,
+                Some(384),
+                sched(1500, 600, 64, 1, 64, 3),
+            ),
+            c(
+                "deepseek-v3 dims H128, prompt 300",
+                Family::DeepseekV3,
+                Some(1024),
+                None,
+                Some(512),
+                sched(300, 128, 64, 1, 64, 4),
+            ),
+        ]);
+    }
+    v
+}
+
+pub fn case_layer(c: &Case) -> (MlaConfig, LayerWeights, Option<RopeFactors>) {
+    let mut d = c.family.full_dims();
+    if let Some(h) = c.hidden {
+        d.hidden = h;
+    }
+    if let Some(h) = c.heads {
+        d.n_head = h;
+    }
+    if c.q_lora.is_some() {
+        d.q_lora = c.q_lora;
+    }
+    let cfg = c.family.config(d);
+    let w = synthetic::weights(&cfg, 1234);
+    let rf = synthetic::rope_factors(&cfg, 99);
+    (cfg, w, rf)
+}
+
+/// Per-stage figures of one comparison.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StageFig {
+    pub stage: String,
+    pub rel_l2: f64,
+    pub max_abs: f64,
+    pub nonfinite_mismatch: usize,
+}
+
+fn figs(a: &LayerTrace, b: &LayerTrace) -> Vec<StageFig> {
+    Stage::ALL
+        .iter()
+        .filter_map(|&s| {
+            let (x, y) = (a.get(s)?, b.get(s)?);
+            let nf = metrics::nonfinite(&x.data, &y.data);
+            Some(StageFig {
+                stage: s.name().into(),
+                rel_l2: metrics::rel_l2(&x.data, &y.data),
+                max_abs: metrics::max_abs_diff(&x.data, &y.data).0,
+                nonfinite_mismatch: nf.mismatches,
+            })
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CaseResult {
+    pub case: String,
+    pub dtype: String,
+    pub dims: String,
+    pub schedule: String,
+    pub kernels: String,
+    pub pass: bool,
+    pub verdict: String,
+    pub failures: Vec<String>,
+    /// CUDA vs CPU mirror.
+    pub cuda_vs_mirror: Vec<StageFig>,
+    /// CUDA vs fp64 reference.
+    pub cuda_vs_ref: Vec<StageFig>,
+    /// CPU mirror vs fp64 reference (the rounding noise the CUDA path should match).
+    pub mirror_vs_ref: Vec<StageFig>,
+    /// Tensor-core kernels vs the scalar CUDA kernels.
+    pub mma_vs_scalar: Vec<StageFig>,
+    pub gpu_ms: f64,
+}
+
+/// Agreement "at rounding level": per stage, CUDA may differ from the mirror by no more than the
+/// mirror differs from the reference (plus a floor of a quarter ulp of the dtype for stages the mirror
+/// reproduces exactly), and never in where values are finite.
+fn rounding_level(dt: Dtype, cm: &[StageFig], mr: &[StageFig]) -> Vec<String> {
+    let ulp = match dt {
+        Dtype::Bf16 => 2f64.powi(-8),
+        Dtype::F16 => 2f64.powi(-11),
+        Dtype::F32 => 2f64.powi(-24),
+    };
+    let mut bad = Vec::new();
+    for c in cm {
+        let m = mr
+            .iter()
+            .find(|m| m.stage == c.stage)
+            .map(|m| m.rel_l2)
+            .unwrap_or(0.0);
+        let bound = m.max(0.25 * ulp);
+        if c.nonfinite_mismatch > 0 {
+            bad.push(format!(
+                "{}: {} non-finite mismatches vs the mirror",
+                c.stage, c.nonfinite_mismatch
+            ));
+        } else if c.rel_l2.is_nan() || c.rel_l2 > bound {
+            bad.push(format!(
+                "{}: rel-L2 vs mirror {:.2e} > {:.2e} (mirror vs reference)",
+                c.stage, c.rel_l2, bound
+            ));
+        }
+    }
+    bad
+}
+
+/// One unit of work of the sweep.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Job {
+    /// CUDA (tensor-core and scalar kernels) for a case and dtype.
+    Gpu(usize, Dtype),
+    /// The fp64 reference of a case.
+    Reference(usize),
+    /// The CPU mirror of a case in a dtype.
+    Mirror(usize, Dtype),
+}
+
+enum JobOut {
+    Gpu {
+        mma: LayerTrace,
+        sc: LayerTrace,
+        ms: f64,
+        paths: String,
+    },
+    Cpu(LayerTrace),
+}
+
+struct GpuRes {
+    mma: LayerTrace,
+    sc: LayerTrace,
+    ms: f64,
+    paths: String,
+    dt: Dtype,
+}
+
+/// Each stage of `got` (vs the reference) within twice the mirror's distance to the reference (floor:
+/// a quarter ulp of the dtype), with no non-finite mismatch.
+fn within_mirror_error(dt: Dtype, what: &str, got: &[StageFig], mr: &[StageFig]) -> Vec<String> {
+    let ulp = match dt {
+        Dtype::Bf16 => 2f64.powi(-8),
+        Dtype::F16 => 2f64.powi(-11),
+        Dtype::F32 => 2f64.powi(-24),
+    };
+    let mut bad = Vec::new();
+    for c in got {
+        let m = mr
+            .iter()
+            .find(|m| m.stage == c.stage)
+            .map(|m| m.rel_l2)
+            .unwrap_or(0.0);
+        let bound = (2.0 * m).max(0.25 * ulp);
+        if c.nonfinite_mismatch > 0 {
+            bad.push(format!(
+                "{what} {}: {} non-finite mismatches",
+                c.stage, c.nonfinite_mismatch
+            ));
+        } else if c.rel_l2.is_nan() || c.rel_l2 > bound {
+            bad.push(format!(
+                "{what} {}: rel-L2 {:.2e} > {:.2e} (2 x mirror vs reference)",
+                c.stage, c.rel_l2, bound
+            ));
+        }
+    }
+    bad
+}
+
+pub fn run(a: &ValidateArgs) -> Result<i32> {
+    let opts = |dt, scalar| CudaOptions {
+        dtype: dt,
+        kernels_dir: a.kernels.clone(),
+        debug: true,
+        force_scalar: scalar,
+    };
+    // Fail early and clearly when there is no GPU.
+    println!("{}", CudaBackend::new(opts(Dtype::Bf16, false))?.describe());
+    let tols = ToleranceTable::defaults();
+    let cases: Vec<Case> = cases(a.quick)
+        .into_iter()
+        .filter(|c| a.case.as_ref().is_none_or(|f| c.name.contains(f.as_str())))
+        .collect();
+    let threads = a
+        .threads
+        .unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2)
+        })
+        .max(1);
+
+    // Layers and inputs, built in parallel.
+    let layers: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = cases
+            .iter()
+            .enumerate()
+            .map(|(ci, c)| {
+                s.spawn(move || {
+                    let (cfg, w, rf) = case_layer(c);
+                    let x = crate::input::random_hidden(
+                        cfg.hidden,
+                        c.sched.total_tokens(),
+                        77 + ci as u64,
+                    );
+                    (cfg, w, x, rf)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("layer generation"))
+            .collect()
+    });
+
+    // Every job on a pool of workers; GPU jobs first (their NVRTC compiles run in parallel too), then
+    // the CPU jobs, longest cases first.
+    let mut jobs: Vec<Job> = Vec::new();
+    for ci in 0..cases.len() {
+        for &dt in &a.dtype {
+            jobs.push(Job::Gpu(ci, dt));
+        }
+    }
+    let mut order: Vec<usize> = (0..cases.len()).collect();
+    order.sort_by_key(|&ci| {
+        std::cmp::Reverse(cases[ci].sched.prompt_len * cases[ci].sched.prompt_len)
+    });
+    for &ci in &order {
+        jobs.push(Job::Reference(ci));
+        for &dt in &a.dtype {
+            jobs.push(Job::Mirror(ci, dt));
+        }
+    }
+    let results: std::sync::Mutex<Vec<(Job, Result<JobOut>)>> = std::sync::Mutex::new(Vec::new());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..threads.min(jobs.len()) {
+            s.spawn(|| {
+                let mut gpu: Option<(CudaBackend, CudaBackend)> = None;
+                loop {
+                    let j = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let Some(&job) = jobs.get(j) else { break };
+                    let t = std::time::Instant::now();
+                    let out =
+                        (|| -> Result<JobOut> {
+                            match job {
+                                Job::Gpu(ci, dt) => {
+                                    if gpu.is_none() {
+                                        gpu = Some((
+                                            CudaBackend::new(opts(dt, false))?,
+                                            CudaBackend::new(opts(dt, true))?,
+                                        ));
+                                    }
+                                    let (cu, sc) = gpu.as_mut().unwrap();
+                                    let (cfg, w, x, rf) = &layers[ci];
+                                    for b in [&mut *cu, &mut *sc] {
+                                        b.opts.dtype = dt;
+                                        b.rope_factors = rf.clone();
+                                    }
+                                    let t = std::time::Instant::now();
+                                    let mma = cu.run_layer(cfg, w, x, &cases[ci].sched)?;
+                                    let ms = t.elapsed().as_secs_f64() * 1e3;
+                                    let sct = sc.run_layer(cfg, w, x, &cases[ci].sched)?;
+                                    Ok(JobOut::Gpu {
+                                        mma,
+                                        sc: sct,
+                                        ms,
+                                        paths: cu.last_paths.clone(),
+                                    })
+                                }
+                                Job::Reference(ci) => {
+                                    let (cfg, w, x, rf) = &layers[ci];
+                                    let sched = &cases[ci].sched;
+                                    let rt = RopeTables::for_run(
+                                        cfg,
+                                        rf.as_ref(),
+                                        sched.pos_offset,
+                                        sched.total_tokens(),
+                                    )?;
+                                    Ok(JobOut::Cpu(crate::reference::run_layer(
+                                        cfg, w, &rt, x, sched,
+                                    )?))
+                                }
+                                Job::Mirror(ci, dt) => {
+                                    let (cfg, w, x, rf) = &layers[ci];
+                                    Ok(JobOut::Cpu(
+                                        CpuMirror::new(dt)
+                                            .with_rope_factors(rf.clone())
+                                            .run_layer(cfg, w, x, &cases[ci].sched)?,
+                                    ))
+                                }
+                            }
+                        })();
+                    let ci = match job {
+                        Job::Gpu(c, _) | Job::Reference(c) | Job::Mirror(c, _) => c,
+                    };
+                    eprintln!(
+                        "{:?} {} ({:.1} s){}",
+                        job,
+                        cases[ci].name,
+                        t.elapsed().as_secs_f64(),
+                        out.as_ref()
+                            .err()
+                            .map(|e| format!(": ERROR {e}"))
+                            .unwrap_or_default()
+                    );
+                    results.lock().unwrap().push((job, out));
+                }
+            });
+        }
+    });
+    let mut results = results.into_inner().unwrap();
+    let mut take = |job: Job| -> Result<JobOut> {
+        let i = results
+            .iter()
+            .position(|(j, _)| *j == job)
+            .ok_or_else(|| Error::Environment(format!("missing result of {job:?}")))?;
+        results.swap_remove(i).1
+    };
+    let cpu = |o: Result<JobOut>| -> Result<LayerTrace> {
+        match o? {
+            JobOut::Cpu(t) => Ok(t),
+            JobOut::Gpu { .. } => unreachable!("CPU job"),
+        }
+    };
+
+    // Compare.
+    let mut out = Vec::new();
+    let mut text = String::new();
+    let mut errors = Vec::new();
+    for ci in 0..cases.len() {
+        let reference = match cpu(take(Job::Reference(ci))) {
+            Ok(r) => r,
+            Err(e) => {
+                errors.push(format!("{}: fp64 reference: {e}", cases[ci].name));
+                continue;
+            }
+        };
+        for &dt in &a.dtype {
+            let (g_mma, g_sc, g_ms, g_paths) = match take(Job::Gpu(ci, dt)) {
+                Ok(JobOut::Gpu { mma, sc, ms, paths }) => (mma, sc, ms, paths),
+                Ok(JobOut::Cpu(_)) => unreachable!("GPU job"),
+                Err(e) => {
+                    errors.push(format!("{} [{}]: CUDA: {e}", cases[ci].name, dt.name()));
+                    continue;
+                }
+            };
+            let mirror = match cpu(take(Job::Mirror(ci, dt))) {
+                Ok(m) => m,
+                Err(e) => {
+                    errors.push(format!("{} [{}]: mirror: {e}", cases[ci].name, dt.name()));
+                    continue;
+                }
+            };
+            let reference = &reference;
+            let c = &cases[ci];
+            let cfg = &layers[ci].0;
+            let g = GpuRes {
+                mma: g_mma,
+                sc: g_sc,
+                ms: g_ms,
+                paths: g_paths,
+                dt,
+            };
+            let table = c.sched.block_table();
+            let ctx = compare::Ctx {
+                layer: 0,
+                sched: &c.sched,
+                block_table: &table,
+            };
+            let cm = figs(&g.mma, &mirror);
+            let mr = figs(&mirror, reference);
+            let cr = figs(&g.mma, reference);
+            let sr = figs(&g.sc, reference);
+            let mut failures = rounding_level(g.dt, &cm, &mr);
+            // Against the reference: the calibrated tolerance table when it covers this dtype; otherwise
+            // (an uncalibrated table) each stage may be at most twice as far from the reference as the
+            // mirror is: the same algorithm, so the same rounding error up to summation order.
+            let verdict = match compare::compare_layer(&ctx, reference, &g.mma, g.dt, &tols) {
+                Ok(lr) => {
+                    for ch in lr.checks.iter().filter(|c| !c.pass) {
+                        failures.push(format!(
+                            "vs reference {}: {}",
+                            ch.check,
+                            ch.reasons.join("; ")
+                        ));
+                    }
+                    // The scalar kernels compute the same function: they must pass too.
+                    let lr_s = compare::compare_layer(&ctx, reference, &g.sc, g.dt, &tols)?;
+                    for ch in lr_s.checks.iter().filter(|c| !c.pass) {
+                        failures.push(format!(
+                            "scalar kernels vs reference {}: {}",
+                            ch.check,
+                            ch.reasons.join("; ")
+                        ));
+                    }
+                    compare::verdict(&[lr]).message
+                }
+                Err(e) => {
+                    failures.extend(within_mirror_error(g.dt, "vs reference", &cr, &mr));
+                    failures.extend(within_mirror_error(
+                        g.dt,
+                        "scalar kernels vs reference",
+                        &sr,
+                        &mr,
+                    ));
+                    format!("tolerance table: {e}; criterion: per stage rel-L2(CUDA, reference) <= 2 x rel-L2(mirror, reference)")
+                }
+            };
+            let s = &c.sched;
+            let res = CaseResult {
+                case: c.name.clone(),
+                dtype: g.dt.name().into(),
+                dims: format!(
+                    "E={} H={} q_lora={:?} Lkv={} R={} P={} Dv={} rope={:?}",
+                    cfg.hidden,
+                    cfg.n_head,
+                    cfg.q_lora_rank,
+                    cfg.kv_lora_rank,
+                    cfg.qk_rope,
+                    cfg.qk_nope,
+                    cfg.v_head_dim,
+                    cfg.rope.pairing
+                ),
+                schedule: format!(
+                    "prompt {} chunk {} decode {}x{} page {} splits {}",
+                    s.prompt_len, s.chunk, s.decode_steps, s.q_len, s.page_size, s.num_splits
+                ),
+                kernels: g.paths.clone(),
+                pass: failures.is_empty(),
+                verdict,
+                failures,
+                cuda_vs_mirror: cm,
+                cuda_vs_ref: cr,
+                mirror_vs_ref: mr,
+                mma_vs_scalar: figs(&g.mma, &g.sc),
+                gpu_ms: g.ms,
+            };
+            writeln!(
+                text,
+                "\n== {} [{}] {} | {} | {}",
+                res.case, res.dtype, res.dims, res.schedule, res.kernels
+            )
+            .unwrap();
+            writeln!(
+                text,
+                "   {:<12} {:>12} {:>12} {:>12} {:>12}",
+                "stage", "cuda~mirror", "cuda~ref", "mirror~ref", "mma~scalar"
+            )
+            .unwrap();
+            for f in &res.cuda_vs_mirror {
+                let get = |v: &[StageFig]| {
+                    v.iter()
+                        .find(|x| x.stage == f.stage)
+                        .map(|x| x.rel_l2)
+                        .unwrap_or(f64::NAN)
+                };
+                writeln!(
+                    text,
+                    "   {:<12} {:>12.2e} {:>12.2e} {:>12.2e} {:>12.2e}{}",
+                    f.stage,
+                    f.rel_l2,
+                    get(&res.cuda_vs_ref),
+                    get(&res.mirror_vs_ref),
+                    get(&res.mma_vs_scalar),
+                    if f.nonfinite_mismatch > 0 {
+                        format!("  ({} non-finite mismatches)", f.nonfinite_mismatch)
+                    } else {
+                        String::new()
+                    }
+                )
+                .unwrap();
+            }
+            writeln!(
+                text,
+                "   {}: {}",
+                if res.pass { "PASS" } else { "FAIL" },
+                res.verdict
+            )
+            .unwrap();
+            for f in &res.failures {
+                writeln!(text, "   - {f}").unwrap();
+            }
+            out.push(res);
+        }
+    }
+    let n_fail = out.iter().filter(|r| !r.pass).count();
+    print!("{text}");
+    for e in &errors {
+        println!("ERROR {e}");
+    }
+    println!(
+        "\ngpu-validate: {} of {} case runs pass, {} errors (rel-L2 per stage: CUDA vs mirror / vs fp64 reference)",
+        out.len() - n_fail,
+        out.len(),
+        errors.len()
+    );
+    if !errors.is_empty() {
+        return Err(Error::Environment(format!(
+            "{} validation runs failed to run: {}",
+            errors.len(),
+            errors.join(" | ")
+        )));
+    }
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_string_pretty(&out).expect("json"))
+            .map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
+    }
+    Ok(if n_fail == 0 { 0 } else { 1 })
+}

@@ -1,0 +1,54 @@
+//! The CUDA commands on a machine without a GPU (CI): a clear one-line error and exit code 2, never a
+//! panic. (On a GPU host these paths are exercised by `mla-diff gpu-validate` instead.)
+
+use std::process::Command;
+
+fn mla_diff(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_mla-diff"))
+        .args(args)
+        .output()
+        .expect("run mla-diff");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn cuda_without_a_gpu_is_an_environment_error() {
+    if mla_diff::backend::cuda::device::gpu_present() {
+        eprintln!("a GPU is present: covered by gpu-validate");
+        return;
+    }
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/glm-5-q4_0.gguf");
+    for args in [
+        vec!["run", fixture, "--backend", "cuda"],
+        vec!["bench", "decode", "--backend", "cuda"],
+        vec!["gpu-validate", "--quick"],
+    ] {
+        let (code, err) = mla_diff(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(
+            err.trim().lines().count(),
+            1,
+            "{args:?}: one line expected: {err}"
+        );
+        assert!(err.contains("error:"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn edited_kernels_dir_must_hold_every_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, err) = mla_diff(&[
+        "kernels",
+        "check",
+        "--arch",
+        "sm_90",
+        "--kernels",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("common.cuh"), "{err}");
+}
