@@ -17,11 +17,15 @@ use crate::schedule::Schedule;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-/// The elementwise relative part of the tolerance: about one rounding of the storage type.
+/// The elementwise relative part of the tolerance: four unit roundoffs of the storage type. A stored
+/// value passes through several roundings (input, weight, output: three for `attn_in`), so one unit
+/// roundoff is too tight for the large-magnitude channels, where the RMS-relative part cannot help
+/// (seen on the H200 at GLM-5 dims: a 68.4 activation off by 0.8%). 4u is FlashMLA's `2.01/128` for
+/// bf16 outputs.
 pub fn base_rtol(dtype: Dtype) -> f64 {
     match dtype {
-        Dtype::Bf16 => 1.0 / 256.0,
-        Dtype::F16 => 1.0 / 2048.0,
+        Dtype::Bf16 => 4.0 / 256.0,
+        Dtype::F16 => 4.0 / 2048.0,
         Dtype::F32 => 1e-6,
     }
 }
