@@ -196,6 +196,7 @@ pub fn run(
         let w = LayerWeights::load(file, &cfg, l)?;
         let reference = crate::reference::run_layer(&cfg, &w, &rope, &h_ref, &opts.sched)?;
         let ctx = compare::Ctx {
+            elementwise: true,
             layer: l,
             sched: &opts.sched,
             block_table: &block_table,
@@ -209,8 +210,12 @@ pub fn run(
         }
         if opts.modes.free {
             let opt = backend.run_layer(&cfg, &w, &h_opt, &opts.sched)?;
+            let free_ctx = compare::Ctx {
+                elementwise: false,
+                ..ctx
+            };
             let mut r =
-                compare::compare_layer(&ctx, &reference, &opt, opts.dtype, &opts.tolerances)?;
+                compare::compare_layer(&free_ctx, &reference, &opt, opts.dtype, &opts.tolerances)?;
             add_residual(&mut h_opt, attn_out(&opt)?);
             let mut next_ref = h_ref.clone();
             add_residual(&mut next_ref, attn_out(&reference)?);

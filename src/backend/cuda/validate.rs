@@ -508,6 +508,7 @@ pub fn run(a: &ValidateArgs) -> Result<i32> {
             };
             let table = c.sched.block_table();
             let ctx = compare::Ctx {
+                elementwise: true,
                 layer: 0,
                 sched: &c.sched,
                 block_table: &table,
