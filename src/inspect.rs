@@ -68,11 +68,11 @@ pub fn inspect_text(f: &GgufFile) -> Result<String> {
         .unwrap_or("(unnamed)");
     writeln!(
         s,
-        "{}  GGUF v{}, {} tensors, {:.2} GB",
+        "{}  GGUF v{}, {} tensors, {}",
         f.path.display(),
         f.version,
         f.tensors.len(),
-        f.file_size as f64 / 1e9
+        human_bytes(f.file_size)
     )
     .ok();
     writeln!(
@@ -134,7 +134,12 @@ pub fn inspect_text(f: &GgufFile) -> Result<String> {
         )
         .ok();
     }
-    writeln!(s, "rms eps       {:e}", c.rms_eps).ok();
+    writeln!(
+        s,
+        "rms eps       {:e} (q_a/kv_a norms: {:e})",
+        c.rms_eps, c.lora_norm_eps
+    )
+    .ok();
     writeln!(
         s,
         "softmax scale {:.6}  (mscale {:.5}² / sqrt({}))",
