@@ -338,7 +338,7 @@ impl std::fmt::Display for Fault {
 }
 
 /// The faults active in one layer.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Active(u32);
 
 impl Active {
