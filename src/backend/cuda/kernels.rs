@@ -586,6 +586,60 @@ mod tests {
     }
 
     #[test]
+    fn kernel_faults_are_exactly_the_defines_the_kernels_test() {
+        // Every kernel fault has a switch in kernels/ and no host fault has one (a host fault's define in
+        // a kernel would never be set, as `Dims::defines` passes kernel faults only).
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+        let src: String = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap())
+            .collect();
+        for f in Fault::ALL {
+            let define = f.info().define;
+            assert_eq!(
+                src.contains(define),
+                KERNEL_FAULTS.contains(&f),
+                "{define} in kernels/"
+            );
+        }
+    }
+
+    #[test]
+    fn only_kernel_faults_become_defines() {
+        let d = Dims {
+            dtype: Dtype::Bf16,
+            lkv: 512,
+            r: 64,
+            p: 128,
+            dv: 128,
+            h: 16,
+            page: 64,
+            neox: false,
+            debug: true,
+            faults: Active::NONE
+                .with(Fault::SplitDropLast)
+                .with(Fault::Scale576),
+        };
+        let faults: Vec<String> = d
+            .defines()
+            .into_iter()
+            .filter(|(k, _)| k.starts_with("MLA_FAULT_"))
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        assert_eq!(faults, ["MLA_FAULT_SPLIT_DROP_LAST=1"]);
+        // A host fault alone compiles the same modules as the clean path (no second compile).
+        let host_only = Dims {
+            faults: Active::NONE.with(Fault::KvBSwap),
+            ..d
+        };
+        let clean = Dims {
+            faults: Active::NONE,
+            ..d
+        };
+        assert_eq!(host_only.defines(), clean.defines());
+    }
+
+    #[test]
     fn dims_become_defines_and_gate_the_tensor_cores() {
         let d = Dims {
             dtype: Dtype::Bf16,

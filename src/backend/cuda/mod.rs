@@ -315,8 +315,9 @@ impl Backend for CudaBackend {
         };
         let w_uk = up(dt, uk.iter().copied())?; // [H·P, Lkv]
         let w_uv = up(dt, uv.iter().copied())?; // [H·Dv, Lkv]
-                                                // The q_absorbed GEMM's W_UK. Host fault k_b_untransposed: each head's buffer holds W_UKᵀ
-                                                // ([Lkv, P] row-major, attn_k_b as stored) but is read as [P, Lkv], as the CPU mirror does.
+
+        // The q_absorbed GEMM's W_UK. Host fault k_b_untransposed: each head's buffer holds W_UKᵀ
+        // ([Lkv, P] row-major, attn_k_b as stored) but is read as [P, Lkv], as the CPU mirror does.
         let (kb_untransposed, fp16_accum) =
             (fx.on(Fault::KBUntransposed), fx.on(Fault::QAbsFp16Accum));
         let uk_abs: Vec<f32> = match (kb_untransposed, fp16_accum) {
