@@ -66,6 +66,40 @@ struct AttnArgs {
 // The host checks its copy of the struct against this size before the first launch.
 extern "C" __device__ const int attn_args_size = sizeof(AttnArgs);
 
+// The split this CTA computes (decode: blockIdx.x; prefill has one).
+__device__ __forceinline__ int att_split() {
+#if ATT_MQA
+    return blockIdx.x;
+#else
+    return 0;
+#endif
+}
+
+// Planted bugs (src/faults.rs), all off unless the host defines MLA_FAULT_…:
+//   CAUSAL_OFF_BY_ONE  every causal row sees one key past its limit (prefill's own chunk, decode steps);
+//   READ_PAST_END      decode's last split runs one key further: its end and each row's limit move by one
+//                      (past the sequence end that is an unwritten, NaN-poisoned cache row);
+//   EMPTY_CTX_LSE_INF  prefill: a row that sees no key reports lse = +inf (FA2) instead of -inf.
+__device__ __forceinline__ int att_last_split_extra(const AttnArgs& a) {
+#if defined(MLA_FAULT_READ_PAST_END) && ATT_PAGED
+    return att_split() == a.num_splits - 1;
+#else
+    return 0;
+#endif
+}
+__device__ __forceinline__ int att_causal_extra(const AttnArgs& a) {
+#ifdef MLA_FAULT_CAUSAL_OFF_BY_ONE
+    return 1 + att_last_split_extra(a);
+#else
+    return att_last_split_extra(a);
+#endif
+}
+#if defined(MLA_FAULT_EMPTY_CTX_LSE_INF) && !ATT_MQA
+#define ATT_EMPTY_LSE __int_as_float(0x7f800000)
+#else
+#define ATT_EMPTY_LSE MLA_NEG_INF
+#endif
+
 struct RowInfo {
     int i, h;     // query index, head
     int valid;    // row exists
@@ -85,7 +119,7 @@ __device__ __forceinline__ RowInfo att_row(const AttnArgs& a, int tile, int r, i
     ri.h = blockIdx.y;
     ri.valid = ri.i < a.n_q;
 #endif
-    ri.lim = a.causal ? ri.i + (n_keys - a.n_q) : ATT_NO_LIMIT;
+    ri.lim = a.causal ? ri.i + (n_keys - a.n_q) + att_causal_extra(a) : ATT_NO_LIMIT;
     return ri;
 }
 
@@ -94,13 +128,6 @@ __device__ __forceinline__ int att_tile() {
     return blockIdx.y;
 #else
     return gridDim.x - 1 - blockIdx.x;  // longest causal rows first
-#endif
-}
-__device__ __forceinline__ int att_split() {
-#if ATT_MQA
-    return blockIdx.x;
-#else
-    return 0;
 #endif
 }
 
@@ -119,6 +146,7 @@ __device__ __forceinline__ void att_key_range(const AttnArgs& a, int n_keys, int
     const int per = (n_keys + a.num_splits - 1) / a.num_splits;
     const int s = att_split();
     int k0 = min(s * per, n_keys), k1 = min(k0 + per, n_keys);
+    k1 += att_last_split_extra(a);
     // rows are ordered by query index, so the last valid row has the largest limit
     int last = ATT_BM - 1;
     while (last > 0 && !att_row(a, tile, last, n_keys).valid) --last;
@@ -176,11 +204,11 @@ extern "C" __global__ void __launch_bounds__(32 * SC_ROWS) attn_scalar(const Att
     ri.valid = ri.i < a.n_q;
 #endif
     if (!ri.valid) return;
-    ri.lim = a.causal ? ri.i + (n_keys - a.n_q) : ATT_NO_LIMIT;
+    ri.lim = a.causal ? ri.i + (n_keys - a.n_q) + att_causal_extra(a) : ATT_NO_LIMIT;
     const int per = (n_keys + a.num_splits - 1) / a.num_splits;
     const int s = att_split();
     const int k0 = min(s * per, n_keys);
-    const int k1 = min(min(k0 + per, n_keys), max(k0, ri.lim + 1));
+    const int k1 = min(min(k0 + per, n_keys) + att_last_split_extra(a), max(k0, ri.lim + 1));
     const int* table = a.table ? a.table + b * a.table_bs : nullptr;
 
     const dt* qr = a.q + b * a.q_bs + (long long)ri.i * a.q_rs + (long long)ri.h * a.q_hs;
@@ -244,7 +272,7 @@ extern "C" __global__ void __launch_bounds__(32 * SC_ROWS) attn_scalar(const Att
         const int d = lane + 32 * c;
         if (d < ATT_DV) att_store(a, b, ri, d, acc[c] * inv, 0.f, 0);
     }
-    if (lane == 0) att_store_lse(a, b, ri, l > 0.f ? (m + log2f(l)) * MLA_LN2 : MLA_NEG_INF);
+    if (lane == 0) att_store_lse(a, b, ri, l > 0.f ? (m + log2f(l)) * MLA_LN2 : ATT_EMPTY_LSE);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -683,7 +711,7 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
                 const int row = (wm * ATT_SMT + mt) * 16 + g + 8 * e;
                 const RowInfo ri = att_row(a, tile, row, n_keys);
                 const float L = row_sum(row);
-                if (ri.valid) att_store_lse(a, b, ri, L > 0.f ? (m[mt][e] + log2f(L)) * MLA_LN2 : MLA_NEG_INF);
+                if (ri.valid) att_store_lse(a, b, ri, L > 0.f ? (m[mt][e] + log2f(L)) * MLA_LN2 : ATT_EMPTY_LSE);
             }
     }
 #pragma unroll

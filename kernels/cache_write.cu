@@ -12,7 +12,16 @@ extern "C" __global__ void cache_write(const dt* rows, dt* pool, const int* tabl
     const long long t = t0 + blockIdx.x;
     const dt* src = rows + (long long)blockIdx.x * MLA_ROW;
     dt* dst = pool + cache_slot(table, t) * MLA_ROW;
+#ifdef MLA_FAULT_PAGE_OFF_BY_ONE
+    // Planted bug: the page of token t taken from (t - 1) / page (a page's first row lands on the previous page).
+    if (t > 0) dst = pool + ((long long)table[(t - 1) / MLA_PAGE] * MLA_PAGE + t % MLA_PAGE) * MLA_ROW;
+#endif
+#ifdef MLA_FAULT_CACHE_PE_FIRST
+    // Planted bug: the row written [k_pe | latent]; every reader still expects [latent | k_pe].
+    for (int c = threadIdx.x; c < MLA_ROW; c += blockDim.x) dst[(c + MLA_R) % MLA_ROW] = src[c];
+#else
     for (int c = threadIdx.x; c < MLA_ROW; c += blockDim.x) dst[c] = src[c];
+#endif
 }
 
 // Gather rows of tokens t0..t0+n from the pool into a contiguous [n, MLA_ROW] buffer.

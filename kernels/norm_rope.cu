@@ -1,6 +1,15 @@
 // norm_rope.cu — RMSNorm and rotary embedding, the token-local stages before attention.
 #include "common.cuh"
 
+// Planted bugs (src/faults.rs): a rope kernel with its pairing hard-coded, whatever the model's.
+#if defined(MLA_FAULT_ROPE_NEOX)
+#define ROPE_PAIRS_NEOX 1
+#elif defined(MLA_FAULT_ROPE_NORM)
+#define ROPE_PAIRS_NEOX 0
+#else
+#define ROPE_PAIRS_NEOX MLA_ROPE_NEOX
+#endif
+
 // y[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w   (f32 math, one rounding at the store).
 // One block per row; x and y may alias (in-place norm of the latent part of kv_a's output).
 extern "C" __global__ void rmsnorm(const dt* x, long long x_rs, const dt* w, dt* y, long long y_rs,
@@ -27,7 +36,7 @@ extern "C" __global__ void rope(dt* buf, long long row_stride, long long head_st
     for (int k = threadIdx.x; k < heads * half; k += blockDim.x) {
         const int h = k / half, i = k % half;
         dt* v = buf + (long long)blockIdx.x * row_stride + (long long)h * head_stride + offset;
-#if MLA_ROPE_NEOX
+#if ROPE_PAIRS_NEOX
         const int i0 = i, i1 = i + half;
 #else
         const int i0 = 2 * i, i1 = 2 * i + 1;

@@ -17,8 +17,11 @@ extern "C" __global__ void merge_states(const dt* p_out, const float* p_lse, con
                                         dt* out, float* lse, int n_heads) {
     const long long row = blockIdx.x;
     float pl = p_lse[row], sl = s_lse[row];
+#ifndef MLA_FAULT_EMPTY_CTX_LSE_INF
+    // An empty side may report +inf (FA2); it must weigh nothing. The planted bug merges it as it is.
     pl = isinf(pl) ? MLA_NEG_INF : pl;
     sl = isinf(sl) ? MLA_NEG_INF : sl;
+#endif
     const float mx = fmaxf(pl, sl);
     const float pse = expf(pl - mx), sse = expf(sl - mx), ose = pse + sse;
     const float ps = pse / ose, ss = sse / ose;

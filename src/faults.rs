@@ -226,7 +226,7 @@ impl Fault {
                 "the cache holds the RMS-normed latent (llama.cpp deepseek2 graph §1.5; vLLM concat_and_cache_mla(k_c_normed) §3)",
                 "cache_rows",
                 &[],
-                "host, src/backend/cuda/mod.rs token_local(): `cache_write` launched before the kv_a_norm `rmsnorm` (kernels/cache_write.cu unchanged)",
+                "host, src/backend/cuda/mod.rs token_local(): `cache_write` launched before the kv_a_norm `rmsnorm` (after the k_pe `rope`; kernels/cache_write.cu unchanged)",
             ),
             Fault::KPeBeforeRope => i(
                 "k_pe_before_rope",
@@ -271,7 +271,7 @@ impl Fault {
                 "vLLM PR #15492 (FA2 gives +inf for an empty context, merge_attn_states assumed −inf) and PR #49294, §5.6",
                 "lse[prefill]",
                 &[Prefill],
-                "host: run the context pass and `merge_states` (kernels/prefill.cu) for the first chunk too (0 keys); kernels/attention.cuh: a row that sees no key writes lse = +inf",
+                "host: run the context pass and `merge_states` (kernels/prefill.cu) for the first chunk too (0 keys); kernels/attention.cuh (prefill.cu): a row that sees no key writes lse = +inf; `merge_states` then merges it without its isinf guard",
             ),
             Fault::CausalOffByOne => i(
                 "causal_off_by_one",
@@ -289,7 +289,7 @@ impl Fault {
                 "llama.cpp PR #13137: the wk_b batched GEMM ran in fp16 on CUDA (GGML_PREC_F32 ignored) and overflowed (V2-Lite ppl 27.6 vs 7.9); PR #12801 discussion, §5.5",
                 "q_absorbed",
                 &[Decode, LargeQAbs],
-                "host, src/backend/cuda/mod.rs: the q_absorbed cuBLAS batched GEMM with fp16 operands, CUBLAS_COMPUTE_16F and an fp16 result",
+                "host, src/backend/cuda/mod.rs: the q_absorbed cuBLAS batched GEMM with fp16 operands, CUBLAS_COMPUTE_16F and an fp16 result (operands and result converted on the host)",
             ),
             Fault::ReadPastEnd => i(
                 "read_past_end",
@@ -298,7 +298,7 @@ impl Fault {
                 "paged-cache boundary bugs, §5.7 (cutlass PR #2221 pages-per-sequence vs pool, ROCm/aiter PR #4452 offsets); NaN-poisoned pool as in peer harnesses",
                 "split_out",
                 &[Decode, EndInsidePage],
-                "kernels/attention.cuh (decode.cu, ATT_PAGED): the last split's key end is min(split end, limit) + 1",
+                "kernels/attention.cuh (decode.cu, ATT_PAGED): the last split's key end and each row's causal limit one key further, i.e. min(split end, limit) + 1",
             ),
             Fault::SplitDropLast => i(
                 "split_drop_last",
@@ -316,7 +316,7 @@ impl Fault {
                 "llama.cpp PR #7327 (n_embd_head_k used for n_embd_head_v when reshaping kqv), §5.13; local-inference-lab/vllm PR #17 (head stride 192 vs 128), §5.6",
                 "attn_out[prefill]",
                 &[QkNotV, Prefill],
-                "host, src/backend/cuda/mod.rs: the o_proj input re-strided with `copy_heads` (kernels/cache_write.cu) using a source head stride of P+R",
+                "host, src/backend/cuda/mod.rs: the o_proj input re-strided with `copy_heads` (kernels/cache_write.cu) using a source head stride of P+R, once over all rows after every head is computed (reads past the end hit NaN padding)",
             ),
         }
     }
@@ -338,7 +338,7 @@ impl std::fmt::Display for Fault {
 }
 
 /// The faults active in one layer.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Active(u32);
 
 impl Active {

@@ -526,11 +526,6 @@ fn make_backend(
         }
         // Auto with a GPU present, or an explicit kernel directory: the GPU path (its errors are errors).
         BackendArg::Cuda | BackendArg::Auto => {
-            if !faults.0.is_empty() {
-                return Err(Error::Usage(
-                    "--inject with the CUDA backend: the kernels' fault defines are not wired yet (use --backend cpu)".into(),
-                ));
-            }
             let cfg = mla_diff::model::MlaConfig::from_gguf(file)?;
             let factors = mla_diff::model::rope_factors::RopeFactors::load(file, &cfg)?;
             let b =
@@ -540,7 +535,8 @@ fn make_backend(
                     debug: true,
                     force_scalar: false,
                 })?
-                .with_rope_factors(factors);
+                .with_rope_factors(factors)
+                .with_faults(faults);
             let name = b.gpu.info.name.clone();
             Ok((Box::new(b), "cuda", Some(name)))
         }
@@ -716,22 +712,25 @@ fn selftest_cmd(
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    if backend == SelftestBackend::Cuda {
-        return Err(Error::Environment(
-            "selftest --backend cuda: this build has no CUDA backend (src/backend/cuda is not on this branch yet); \
-             the kernels must also implement the MLA_FAULT_* switches listed by `mla-diff selftest --list`"
-                .into(),
-        ));
-    }
+    let kind = match backend {
+        SelftestBackend::Cpu => "cpu",
+        SelftestBackend::Cuda => "cuda",
+    };
     let opts = selftest::Options {
         fixtures,
         only,
         seed,
-        kind: "cpu",
+        kind,
     };
-    println!("mla-diff selftest: backend cpu, every fault injected into layer {} of a {}-layer fixture, shadow mode", selftest::TARGET, selftest::LAYERS);
-    let mut factory = cpu_mirror;
-    let summary = selftest::run(&opts, &mut factory, &mut |o| println!("{}", o.line()))?;
+    println!("mla-diff selftest: backend {kind}, every fault injected into layer {} of a {}-layer fixture, shadow mode", selftest::TARGET, selftest::LAYERS);
+    let mut cpu_factory = cpu_mirror;
+    // One GPU context and kernel cache for all cases (opened by the first case).
+    let mut cuda_factory = mla_diff::backend::cuda::shared::factory(None);
+    let factory: &mut selftest::BackendFactory = match backend {
+        SelftestBackend::Cpu => &mut cpu_factory,
+        SelftestBackend::Cuda => &mut cuda_factory,
+    };
+    let summary = selftest::run(&opts, factory, &mut |o| println!("{}", o.line()))?;
     println!("\n{}", summary.matrix());
     let controls = summary.controls_matrix();
     if controls.lines().count() > 2 {

@@ -23,6 +23,21 @@ fn cuda_without_a_gpu_is_an_environment_error() {
     let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/glm-5-q4_0.gguf");
     for args in [
         vec!["run", fixture, "--backend", "cuda"],
+        vec![
+            "run",
+            fixture,
+            "--backend",
+            "cuda",
+            "--inject",
+            "rope_neox@layer=0",
+        ],
+        vec![
+            "selftest",
+            "--backend",
+            "cuda",
+            "--fault",
+            "split_drop_last",
+        ],
         vec!["bench", "decode", "--backend", "cuda"],
         vec!["gpu-validate", "--quick"],
     ] {

@@ -70,7 +70,7 @@ impl MirrorWeights {
 
 /// `(W_UK, W_UV)` read from each head's kv_b block `[W_UK[h]; W_UV[h]]` (P + Dv rows) with the split the
 /// wrong way round: the first Dv rows taken as W_UV, the next P rows as W_UK.
-fn kv_b_split_swapped(cfg: &MlaConfig, w: &LayerWeights) -> (Array3<f32>, Array3<f32>) {
+pub fn kv_b_split_swapped(cfg: &MlaConfig, w: &LayerWeights) -> (Array3<f32>, Array3<f32>) {
     let (p, dv) = (cfg.qk_nope, cfg.v_head_dim);
     let mut uk = Array3::zeros(w.w_uk.raw_dim());
     let mut uv = Array3::zeros(w.w_uv.raw_dim());

@@ -108,7 +108,7 @@ impl CpuMirror {
 
 /// The softmax scale the attention kernels are given (faults: YaRN's mscale² missing, FlashMLA's
 /// 1/sqrt(Lkv+R) default).
-fn kernel_scale(cfg: &MlaConfig, fx: Active) -> f64 {
+pub fn kernel_scale(cfg: &MlaConfig, fx: Active) -> f64 {
     if fx.on(Fault::Scale576) {
         1.0 / (cfg.cache_row() as f64).sqrt()
     } else if fx.on(Fault::YarnMscaleMissing) {

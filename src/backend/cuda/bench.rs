@@ -123,6 +123,7 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
         page: 64,
         neox: false,
         debug: false,
+        faults: crate::faults::Active::NONE,
     };
     let filler = Filler::new(&mut k, &base)?;
     let mut out = String::new();

@@ -1,11 +1,13 @@
 //! `mla-diff kernels check`: compile every kernel with NVRTC (no GPU needed) to PTX and CUBIN for several
 //! architectures, model dims and storage types; report ptxas registers, spills and shared memory.
 
-use super::kernels::{Dims, Tile};
+use super::kernels::{Dims, Tile, KERNEL_FAULTS};
 use super::nvrtc::{self, parse_ptxas, Sources};
 use super::{decode_tiles, prefill_tiles};
 use crate::backend::Dtype;
 use crate::error::{Error, Result};
+use crate::faults::Active;
+use std::collections::HashMap;
 use std::fmt::Write;
 
 /// Named dim sets: (name, Lkv, R, P, Dv, H, NEOX rope).
@@ -45,6 +47,108 @@ pub fn ptx_attn_config(ptx: &str) -> Option<[i32; 4]> {
         ])
     };
     Some([w(0), w(1), w(2), w(3)])
+}
+
+/// The (dim set, dtype) pairs each kernel fault is compiled for: the tensor-core path on a NORM model and
+/// the scalar path on a NEOX one (so each rope fault changes code in one of them).
+const FAULT_SETS: [(&str, Dtype); 2] = [("deepseek-v3", Dtype::Bf16), ("minicpm3", Dtype::F32)];
+
+/// The architecture the kernel faults are compiled for: sm_90 if asked for, else the first one.
+fn fault_arch(archs: &[String]) -> Option<&String> {
+    archs.iter().find(|a| *a == "sm_90").or(archs.first())
+}
+
+/// One compile job: unit and attention tile.
+type Job = (&'static str, Option<Tile>);
+
+fn jobs() -> Vec<Job> {
+    vec![
+        ("norm_rope.cu", None),
+        ("cache_write.cu", None),
+        ("fill.cu", None),
+        ("prefill.cu", Some(prefill_tiles()[0])),
+        ("decode.cu", Some(decode_tiles(64)[0])),
+        ("decode.cu", Some(decode_tiles(1)[0])),
+    ]
+}
+
+fn job_defines(dims: &Dims, tile: Option<Tile>) -> Vec<(String, String)> {
+    let mut defs = dims.defines();
+    if let Some(t) = tile {
+        defs.extend(t.defines());
+    }
+    defs
+}
+
+fn job_label(unit: &str, tile: Option<Tile>) -> String {
+    match tile {
+        Some(t) => format!("{unit} ({})", t.label()),
+        None => unit.to_string(),
+    }
+}
+
+/// Compile every unit with each kernel fault's define (`-D MLA_FAULT_…=1`): each must compile, and
+/// must change the PTX of at least one unit (a misspelt switch changes nothing). `clean` holds the
+/// clean PTX of the same jobs, by (dim set, dtype, job label).
+fn check_faults(
+    src: &Sources,
+    arch: &str,
+    clean: &HashMap<(String, Dtype, String), Vec<u8>>,
+    rep: &mut String,
+) -> Result<usize> {
+    let mut compiles = 0;
+    writeln!(
+        rep,
+        "\nkernel faults, {arch}, on {}:",
+        FAULT_SETS
+            .iter()
+            .map(|(n, d)| format!("{n} {}", d.name()))
+            .collect::<Vec<_>>()
+            .join(" and ")
+    )
+    .unwrap();
+    for f in KERNEL_FAULTS {
+        let define = f.info().define;
+        let mut changed = Vec::new();
+        for &(name, dt) in FAULT_SETS.iter() {
+            let &(_, lkv, r, p, dv, h, neox) = DIM_SETS
+                .iter()
+                .find(|d| d.0 == name)
+                .expect("a named dim set");
+            let dims = Dims {
+                dtype: dt,
+                lkv,
+                r,
+                p,
+                dv,
+                h,
+                page: 64,
+                neox,
+                debug: true,
+                faults: Active::NONE.with(f),
+            };
+            for (unit, tile) in jobs() {
+                let c = nvrtc::compile(src, unit, &job_defines(&dims, tile), arch, true).map_err(
+                    |e| Error::Environment(format!("{unit} with {define}=1 for {arch}: {e}")),
+                )?;
+                compiles += 1;
+                let label = job_label(unit, tile);
+                let base = clean
+                    .get(&(name.to_string(), dt, label.clone()))
+                    .expect("the clean compile of every job");
+                if *base != c.ptx {
+                    changed.push(format!("{name} {} {label}", dt.name()));
+                }
+            }
+        }
+        if changed.is_empty() {
+            return Err(Error::Environment(format!(
+                "{define}=1 compiles but changes no kernel's PTX: its switch in kernels/ is missing or misspelt"
+            )));
+        }
+        writeln!(rep, "  {define}: changes {}", changed.join("; ")).unwrap();
+    }
+    Ok(compiles)
 }
 
 pub struct CheckSummary {
@@ -92,6 +196,8 @@ pub fn kernels_check(
     .unwrap();
     let mut compiles = 0;
     let mut spilling = Vec::new();
+    let fault_arch = fault_arch(archs);
+    let mut clean_ptx = HashMap::new();
     for arch in archs {
         for &(name, lkv, r, p, dv, h, neox) in DIM_SETS.iter() {
             for dt in [Dtype::Bf16, Dtype::F16, Dtype::F32] {
@@ -105,22 +211,15 @@ pub fn kernels_check(
                     page: 64,
                     neox,
                     debug: true,
+                    faults: Active::NONE,
                 };
-                let mut jobs: Vec<(&str, Option<Tile>)> = vec![
-                    ("norm_rope.cu", None),
-                    ("cache_write.cu", None),
-                    ("fill.cu", None),
-                ];
-                jobs.push(("prefill.cu", Some(prefill_tiles()[0])));
-                jobs.push(("decode.cu", Some(decode_tiles(64)[0])));
-                jobs.push(("decode.cu", Some(decode_tiles(1)[0])));
-                for (unit, tile) in jobs {
-                    let mut defs = dims.defines();
-                    if let Some(t) = tile {
-                        defs.extend(t.defines());
-                    }
-                    let c = nvrtc::compile(&src, unit, &defs, arch, true)?;
+                for (unit, tile) in jobs() {
+                    let c = nvrtc::compile(&src, unit, &job_defines(&dims, tile), arch, true)?;
                     compiles += 1;
+                    if Some(arch) == fault_arch && FAULT_SETS.contains(&(name, dt)) {
+                        clean_ptx
+                            .insert((name.to_string(), dt, job_label(unit, tile)), c.ptx.clone());
+                    }
                     if c.cubin
                         .as_ref()
                         .is_none_or(|b| b.len() < 4 || &b[..4] != b"\x7fELF")
@@ -187,6 +286,9 @@ pub fn kernels_check(
                 }
             }
         }
+    }
+    if let Some(arch) = fault_arch {
+        compiles += check_faults(&src, arch, &clean_ptx, &mut rep)?;
     }
     Ok(CheckSummary {
         report: rep,

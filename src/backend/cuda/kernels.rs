@@ -4,6 +4,7 @@ use super::device::{drv_err, Gpu};
 use super::nvrtc::{self, Sources};
 use crate::backend::Dtype;
 use crate::error::{Error, Result};
+use crate::faults::{Active, Fault};
 use cudarc::cublas::sys as blas;
 use cudarc::driver::{result as drv, sys};
 use std::collections::HashMap;
@@ -22,12 +23,28 @@ pub struct Dims {
     pub page: usize,
     pub neox: bool,
     pub debug: bool,
+    /// Planted bugs of the layer; those in `KERNEL_FAULTS` are compiled in as `-D MLA_FAULT_…=1`.
+    pub faults: Active,
 }
+
+/// The faults switched inside the kernels (kernels/*.cu); every other fault is a host switch in
+/// `CudaBackend::run_layer` (`faults::Info::cuda_site` says which).
+pub const KERNEL_FAULTS: [Fault; 9] = [
+    Fault::RopeNeox,
+    Fault::RopeNorm,
+    Fault::CachePeFirst,
+    Fault::PageOffByOne,
+    Fault::LseLog2Merge,
+    Fault::EmptyCtxLseInf,
+    Fault::CausalOffByOne,
+    Fault::ReadPastEnd,
+    Fault::SplitDropLast,
+];
 
 impl Dims {
     pub fn defines(&self) -> Vec<(String, String)> {
         let d = |k: &str, v: usize| (k.to_string(), v.to_string());
-        vec![
+        let mut defs = vec![
             d(
                 "MLA_DTYPE",
                 match self.dtype {
@@ -44,7 +61,12 @@ impl Dims {
             d("MLA_PAGE", self.page),
             d("MLA_ROPE_NEOX", self.neox as usize),
             d("MLA_DEBUG", self.debug as usize),
-        ]
+        ];
+        // Only the kernel faults: a host fault must not cost a second compile of unchanged kernels.
+        for f in KERNEL_FAULTS.iter().filter(|f| self.faults.on(**f)) {
+            defs.push(d(f.info().define, 1));
+        }
+        defs
     }
     /// Whether the tensor-core attention applies (16-bit storage, dims multiples of 8).
     pub fn mma_ok(&self, decode: bool) -> bool {
@@ -446,6 +468,74 @@ impl Blas {
         }
         let ty = blas_type(dt);
         let (alpha, beta) = (1.0f32, 0.0f32);
+        self.gemm(
+            ty,
+            blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            &alpha as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
+            op_a,
+            [m, n, k],
+            (a, lda, sa),
+            (b, ldb, sb),
+            (c, ldc, sc),
+            batch,
+        )
+    }
+
+    /// `batched` with fp16 operands, an fp16 accumulator (CUBLAS_COMPUTE_16F) and an fp16 result: the
+    /// planted bug `q_abs_fp16_accum` (llama.cpp #13137), never the real path.
+    #[allow(clippy::too_many_arguments)]
+    pub fn batched_fp16_accum(
+        &self,
+        op_a: blas::cublasOperation_t,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: u64,
+        lda: usize,
+        sa: usize,
+        b: u64,
+        ldb: usize,
+        sb: usize,
+        c: u64,
+        ldc: usize,
+        sc: usize,
+        batch: usize,
+    ) -> Result<()> {
+        if m == 0 || n == 0 || batch == 0 {
+            return Ok(());
+        }
+        // With a 16F compute type cuBLAS takes alpha and beta as fp16.
+        let (alpha, beta) = (half::f16::ONE, half::f16::ZERO);
+        self.gemm(
+            blas::cudaDataType::CUDA_R_16F,
+            blas::cublasComputeType_t::CUBLAS_COMPUTE_16F,
+            &alpha as *const half::f16 as *const c_void,
+            &beta as *const half::f16 as *const c_void,
+            op_a,
+            [m, n, k],
+            (a, lda, sa),
+            (b, ldb, sb),
+            (c, ldc, sc),
+            batch,
+        )
+    }
+
+    /// One `cublasGemmStridedBatchedEx`; each operand as (pointer, leading dim, batch stride).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        ty: blas::cudaDataType,
+        compute: blas::cublasComputeType_t,
+        alpha: *const c_void,
+        beta: *const c_void,
+        op_a: blas::cublasOperation_t,
+        [m, n, k]: [usize; 3],
+        (a, lda, sa): (u64, usize, usize),
+        (b, ldb, sb): (u64, usize, usize),
+        (c, ldc, sc): (u64, usize, usize),
+        batch: usize,
+    ) -> Result<()> {
         unsafe {
             cudarc::cublas::result::gemm_strided_batched_ex(
                 self.h,
@@ -454,7 +544,7 @@ impl Blas {
                 m as i32,
                 n as i32,
                 k as i32,
-                &alpha as *const f32 as *const c_void,
+                alpha,
                 a as *const c_void,
                 ty,
                 lda as i32,
@@ -463,13 +553,13 @@ impl Blas {
                 ty,
                 ldb as i32,
                 sb as i64,
-                &beta as *const f32 as *const c_void,
+                beta,
                 c as *mut c_void,
                 ty,
                 ldc as i32,
                 sc as i64,
                 batch as i32,
-                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                compute,
                 blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
@@ -496,6 +586,60 @@ mod tests {
     }
 
     #[test]
+    fn kernel_faults_are_exactly_the_defines_the_kernels_test() {
+        // Every kernel fault has a switch in kernels/ and no host fault has one (a host fault's define in
+        // a kernel would never be set, as `Dims::defines` passes kernel faults only).
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+        let src: String = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap())
+            .collect();
+        for f in Fault::ALL {
+            let define = f.info().define;
+            assert_eq!(
+                src.contains(define),
+                KERNEL_FAULTS.contains(&f),
+                "{define} in kernels/"
+            );
+        }
+    }
+
+    #[test]
+    fn only_kernel_faults_become_defines() {
+        let d = Dims {
+            dtype: Dtype::Bf16,
+            lkv: 512,
+            r: 64,
+            p: 128,
+            dv: 128,
+            h: 16,
+            page: 64,
+            neox: false,
+            debug: true,
+            faults: Active::NONE
+                .with(Fault::SplitDropLast)
+                .with(Fault::Scale576),
+        };
+        let faults: Vec<String> = d
+            .defines()
+            .into_iter()
+            .filter(|(k, _)| k.starts_with("MLA_FAULT_"))
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        assert_eq!(faults, ["MLA_FAULT_SPLIT_DROP_LAST=1"]);
+        // A host fault alone compiles the same modules as the clean path (no second compile).
+        let host_only = Dims {
+            faults: Active::NONE.with(Fault::KvBSwap),
+            ..d
+        };
+        let clean = Dims {
+            faults: Active::NONE,
+            ..d
+        };
+        assert_eq!(host_only.defines(), clean.defines());
+    }
+
+    #[test]
     fn dims_become_defines_and_gate_the_tensor_cores() {
         let d = Dims {
             dtype: Dtype::Bf16,
@@ -507,6 +651,7 @@ mod tests {
             page: 64,
             neox: false,
             debug: true,
+            faults: Active::NONE,
         };
         let defs = d.defines();
         assert!(defs.contains(&("MLA_LKV".to_string(), "512".to_string())));

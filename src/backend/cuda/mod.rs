@@ -4,16 +4,23 @@
 //! kv_a_norm) runs on the chunk's rows, the rows `[latent | k_pe]` go into the NaN-poisoned paged cache,
 //! then attention: prefill in the decompressed form (causal over the chunk, non-causal over the cached
 //! context, LSE merge), decode in the absorbed form with split-KV and an LSE combine; then W_UV and o_proj.
+//!
+//! Planted bugs (`crate::faults`, `CudaBackend::with_faults`) change what the CPU mirror's versions change:
+//! the kernel faults (`kernels::KERNEL_FAULTS`) are compiled in as `-D MLA_FAULT_…=1` through `Dims`, so a
+//! layer-targeted fault gets its own lazily compiled module set next to the clean one (both cached by
+//! their defines); the host faults are switched below, each at the one launch, weight or scale it models.
 
 pub mod bench;
 pub mod check;
 pub mod device;
 pub mod kernels;
 pub mod nvrtc;
+pub mod shared;
 pub mod validate;
 
 use crate::backend::{Backend, Dtype};
 use crate::error::{Error, Result};
+use crate::faults::{Fault, FaultSet};
 use crate::model::rope_factors::RopeFactors;
 use crate::model::weights::QProj;
 use crate::model::{LayerWeights, MlaConfig};
@@ -89,6 +96,8 @@ pub struct CudaBackend {
     pub rope_factors: Option<RopeFactors>,
     /// Which attention kernels the last layer used ("mma 4x2 warps…" / "scalar").
     pub last_paths: String,
+    /// Planted bugs (`mla-diff run --inject`); empty for the real path.
+    pub faults: FaultSet,
 }
 
 impl CudaBackend {
@@ -106,7 +115,12 @@ impl CudaBackend {
             opts,
             rope_factors: None,
             last_paths: String::new(),
+            faults: FaultSet::default(),
         })
+    }
+    pub fn with_faults(mut self, faults: FaultSet) -> CudaBackend {
+        self.faults = faults;
+        self
     }
     pub fn with_rope_factors(mut self, f: Option<RopeFactors>) -> CudaBackend {
         self.rope_factors = f;
@@ -157,7 +171,15 @@ impl Backend for CudaBackend {
             } else {
                 ""
             }
-        )
+        ) + &if self.faults.is_empty() {
+            String::new()
+        } else {
+            format!(" with injected faults: {}", self.faults)
+        }
+    }
+
+    fn injected(&self) -> Vec<crate::faults::Injection> {
+        self.faults.0.clone()
     }
 
     fn run_layer(
@@ -200,7 +222,10 @@ impl Backend for CudaBackend {
         let ns = sched.num_splits;
         let page = sched.page_size;
         let eps = cfg.rms_eps as f32;
-        let scale_log2 = (cfg.softmax_scale * std::f64::consts::LOG2_E) as f32;
+        let fx = self.faults.active(w.layer);
+        // The softmax scale the attention kernels are given (host faults: mscale² missing, 1/sqrt(Lkv+R)).
+        let scale = crate::backend::cpu::kernel_scale(cfg, fx);
+        let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
         let dims = Dims {
             dtype: dt,
             lkv,
@@ -211,6 +236,7 @@ impl Backend for CudaBackend {
             page,
             neox: cfg.rope.pairing == crate::model::config::RopePairing::Neox,
             debug: self.opts.debug,
+            faults: fx,
         };
 
         // Kernels.
@@ -279,8 +305,39 @@ impl Backend for CudaBackend {
         };
         let wkv_a = up(dt, w.kv_a.iter().copied())?;
         let wkv_n = up(dt, w.kv_a_norm.iter().copied())?;
-        let w_uk = up(dt, w.w_uk.iter().copied())?; // [H·P, Lkv]
-        let w_uv = up(dt, w.w_uv.iter().copied())?; // [H·Dv, Lkv]
+        // Host fault kv_b_swap: each head's kv_b block split [v | k_nope] (the CPU mirror's own split).
+        let swapped = fx
+            .on(Fault::KvBSwap)
+            .then(|| crate::backend::cpu::front::kv_b_split_swapped(cfg, w));
+        let (uk, uv) = match &swapped {
+            Some((uk, uv)) => (uk, uv),
+            None => (&w.w_uk, &w.w_uv),
+        };
+        let w_uk = up(dt, uk.iter().copied())?; // [H·P, Lkv]
+        let w_uv = up(dt, uv.iter().copied())?; // [H·Dv, Lkv]
+
+        // The q_absorbed GEMM's W_UK. Host fault k_b_untransposed: each head's buffer holds W_UKᵀ
+        // ([Lkv, P] row-major, attn_k_b as stored) but is read as [P, Lkv], as the CPU mirror does.
+        let (kb_untransposed, fp16_accum) =
+            (fx.on(Fault::KBUntransposed), fx.on(Fault::QAbsFp16Accum));
+        let uk_abs: Vec<f32> = match (kb_untransposed, fp16_accum) {
+            (false, false) => Vec::new(),
+            (true, _) => uk.view().permuted_axes([0, 2, 1]).iter().copied().collect(),
+            (false, true) => uk.iter().copied().collect(),
+        };
+        let w_uk_t = match kb_untransposed {
+            true => Some(up(dt, uk_abs.iter().copied())?),
+            false => None,
+        };
+        let w_uk_abs = w_uk_t.as_ref().map_or(w_uk.ptr, |b| b.ptr);
+        // Host fault q_abs_fp16_accum: that W_UK as fp16, converted from its stored values.
+        let w_uk_abs16 = match fp16_accum {
+            true => Some(DevBuf::upload(&encode(
+                Dtype::F16,
+                uk_abs.iter().map(|&v| dt.round(v) as f64),
+            ))?),
+            false => None,
+        };
         let w_o = up(dt, w.o.iter().copied())?; // [E, H·Dv]
 
         // Activations.
@@ -306,7 +363,20 @@ impl Backend for CudaBackend {
         let ctx_rows = DevBuf::alloc(t_all.max(1) * row * es)?;
         let ctx_kn = DevBuf::alloc(p0.max(1) * h * p * es)?;
         let ctx_v = DevBuf::alloc(p0.max(1) * h * dv * es)?;
-        let heads = DevBuf::alloc(t_all * h * dv * es)?;
+        // Host fault head_stride_qk: o_proj reads the heads with head stride P+R, so it runs once after
+        // all heads exist, from a re-strided copy; reads past the last row land in NaN padding (the CPU
+        // mirror's `restride_heads` reads NaN there too).
+        let head_stride_qk = fx.on(Fault::HeadStrideQk);
+        let heads_pad = if head_stride_qk { h * dqk } else { 0 };
+        let heads = DevBuf::alloc((t_all * h * dv + heads_pad) * es)?;
+        let restrided = DevBuf::alloc(if head_stride_qk {
+            t_all * h * dv * es
+        } else {
+            0
+        })?;
+        if head_stride_qk {
+            heads.fill_nan(dt)?;
+        }
         let lse = DevBuf::alloc(t_all * h * 4)?;
         let qfull = DevBuf::alloc(td.max(1) * h * row * es)?;
         let part_out = DevBuf::alloc(td.max(1) * h * ns * lkv * 4)?;
@@ -420,30 +490,53 @@ impl Backend for CudaBackend {
             }
             rope(q.at(t0 * h * dqk, es), h * dqk, dqk, h, p, t0, n)?;
             blas.linear(dt, n, row, e, ain, e, wkv_a.ptr, kv.at(t0 * row, es), row)?;
-            norm(
-                kv.at(t0 * row, es),
-                row,
-                wkv_n.ptr,
-                kv.at(t0 * row, es),
-                row,
-                n,
-                lkv,
-            )?;
-            rope(kv.at(t0 * row, es), row, 0, 1, lkv, t0, n)?;
+            let kv_norm = || {
+                norm(
+                    kv.at(t0 * row, es),
+                    row,
+                    wkv_n.ptr,
+                    kv.at(t0 * row, es),
+                    row,
+                    n,
+                    lkv,
+                )
+            };
+            let kv_rope = || rope(kv.at(t0 * row, es), row, 0, 1, lkv, t0, n);
             let t0i = t0 as i32;
-            launch(
-                f_cw,
-                "cache_write",
-                (n as u32, 1, 1),
-                128,
-                0,
-                &mut [
-                    arg(&kv.at(t0 * row, es)),
-                    arg(&pool.ptr),
-                    arg(&table_b.ptr),
-                    arg(&t0i),
-                ],
-            )
+            let write = || {
+                launch(
+                    f_cw,
+                    "cache_write",
+                    (n as u32, 1, 1),
+                    128,
+                    0,
+                    &mut [
+                        arg(&kv.at(t0 * row, es)),
+                        arg(&pool.ptr),
+                        arg(&table_b.ptr),
+                        arg(&t0i),
+                    ],
+                )
+            };
+            // Host faults latent_before_norm / k_pe_before_rope: the cache row written before the
+            // in-place norm of the latent columns / rope of the k_pe columns (the two touch disjoint
+            // columns, so the order of the others is unchanged).
+            let (late_norm, late_rope) =
+                (fx.on(Fault::LatentBeforeNorm), fx.on(Fault::KPeBeforeRope));
+            if !late_norm {
+                kv_norm()?;
+            }
+            if !late_rope {
+                kv_rope()?;
+            }
+            write()?;
+            if late_norm {
+                kv_norm()?;
+            }
+            if late_rope {
+                kv_rope()?;
+            }
+            Ok(())
         };
         let gather = |t0: usize, n: usize, dst: u64| -> Result<()> {
             let t0i = t0 as i32;
@@ -454,6 +547,43 @@ impl Backend for CudaBackend {
                 128,
                 0,
                 &mut [arg(&pool.ptr), arg(&table_b.ptr), arg(&dst), arg(&t0i)],
+            )
+        };
+        // Strided copy of `width` columns of each of the H heads, for `n` rows (`copy_heads`).
+        #[allow(clippy::too_many_arguments)]
+        let copy_heads = |src: u64,
+                          src_rs: usize,
+                          src_hs: usize,
+                          dst: u64,
+                          dst_rs: usize,
+                          dst_hs: usize,
+                          width: usize,
+                          n: usize|
+         -> Result<()> {
+            let (srs, shs, drs, dhs, hh, wd) = (
+                src_rs as i64,
+                src_hs as i64,
+                dst_rs as i64,
+                dst_hs as i64,
+                h as i32,
+                width as i32,
+            );
+            launch(
+                f_copy,
+                "copy_heads",
+                (n as u32, 1, 1),
+                128,
+                0,
+                &mut [
+                    arg(&src),
+                    arg(&srs),
+                    arg(&shs),
+                    arg(&dst),
+                    arg(&drs),
+                    arg(&dhs),
+                    arg(&hh),
+                    arg(&wd),
+                ],
             )
         };
         // Decompress latent rows (row stride `row`) into k_nope [n, H·P] and v [n, H·Dv].
@@ -495,6 +625,20 @@ impl Backend for CudaBackend {
             scale_log2,
             ..Default::default()
         };
+        // o_proj of rows [t0, t0+n) from heads with row stride H·Dv.
+        let o_proj = |t0: usize, n: usize, src: &DevBuf| -> Result<()> {
+            blas.linear(
+                dt,
+                n,
+                e,
+                h * dv,
+                src.at(t0 * h * dv, es),
+                h * dv,
+                w_o.ptr,
+                out.at(t0 * e, es),
+                e,
+            )
+        };
         let sync_if_debug = |what: &str| -> Result<()> {
             if self.opts.debug {
                 self.gpu.sync(what)
@@ -503,12 +647,16 @@ impl Backend for CudaBackend {
             }
         };
 
+        // Host part of fault empty_ctx_lse_inf: the context pass and the merge run for the first chunk
+        // too, over 0 keys (the kernel part makes such a row report lse +inf and the merge keep it).
+        let empty_ctx_pass = fx.on(Fault::EmptyCtxLseInf);
         // Prefill, chunk by chunk.
         for ch in sched.prefill_chunks() {
             let (c0, n) = (ch.start, ch.len());
             token_local(c0, n)?;
             decompress(kv.at(c0 * row, es), n, kn.ptr, vv.ptr)?;
-            let (o_ptr, l_ptr) = if c0 == 0 {
+            let ctx_pass = c0 > 0 || empty_ctx_pass;
+            let (o_ptr, l_ptr) = if !ctx_pass {
                 (heads.at(c0 * h * dv, es), lse.at(c0 * h, 4))
             } else {
                 (own_out.ptr, own_lse.ptr)
@@ -528,9 +676,11 @@ impl Backend for CudaBackend {
                 1,
             )?;
             sync_if_debug("prefill attention (own chunk)")?;
-            if c0 > 0 {
-                gather(0, c0, ctx_rows.ptr)?;
-                decompress(ctx_rows.ptr, c0, ctx_kn.ptr, ctx_v.ptr)?;
+            if ctx_pass {
+                if c0 > 0 {
+                    gather(0, c0, ctx_rows.ptr)?;
+                    decompress(ctx_rows.ptr, c0, ctx_kn.ptr, ctx_v.ptr)?;
+                }
                 pre.run(
                     &prefill_args(
                         c0,
@@ -565,17 +715,9 @@ impl Backend for CudaBackend {
                     ],
                 )?;
             }
-            blas.linear(
-                dt,
-                n,
-                e,
-                h * dv,
-                heads.at(c0 * h * dv, es),
-                h * dv,
-                w_o.ptr,
-                out.at(c0 * e, es),
-                e,
-            )?;
+            if !head_stride_qk {
+                o_proj(c0, n, &heads)?;
+            }
         }
 
         // Decode steps.
@@ -585,23 +727,62 @@ impl Backend for CudaBackend {
             let d0 = s0 - p0;
             token_local(s0, n)?;
             // q_abs[t, h, :] = W_UK[h]ᵀ q_nope[t, h, :]   (per head: [Lkv, P] x [P, n])
-            blas.batched(
-                dt,
-                Op::CUBLAS_OP_N,
-                lkv,
-                n,
-                p,
-                w_uk.ptr,
-                lkv,
-                p * lkv,
-                q.at(s0 * h * dqk, es),
-                h * dqk,
-                dqk,
-                qfull.at(d0 * h * row, es),
-                h * row,
-                row,
-                h,
-            )?;
+            match &w_uk_abs16 {
+                None => blas.batched(
+                    dt,
+                    Op::CUBLAS_OP_N,
+                    lkv,
+                    n,
+                    p,
+                    w_uk_abs,
+                    lkv,
+                    p * lkv,
+                    q.at(s0 * h * dqk, es),
+                    h * dqk,
+                    dqk,
+                    qfull.at(d0 * h * row, es),
+                    h * row,
+                    row,
+                    h,
+                )?,
+                // Host fault q_abs_fp16_accum: the same GEMM in fp16 (operands, accumulator, result),
+                // then stored in the storage type; conversions on the host, as this is a test path.
+                Some(w16) => {
+                    let qn = down(&q, dt, s0 * h * dqk, n * h * dqk)?;
+                    let q16 = DevBuf::upload(&encode(Dtype::F16, qn.into_iter()))?;
+                    let c16 = DevBuf::alloc(n * h * lkv * 2)?;
+                    blas.batched_fp16_accum(
+                        Op::CUBLAS_OP_N,
+                        lkv,
+                        n,
+                        p,
+                        w16.ptr,
+                        lkv,
+                        p * lkv,
+                        q16.ptr,
+                        h * dqk,
+                        dqk,
+                        c16.ptr,
+                        h * lkv,
+                        lkv,
+                        h,
+                    )?;
+                    let r16 = down(&c16, Dtype::F16, 0, n * h * lkv)?;
+                    let rdt = DevBuf::upload(&encode(dt, r16.into_iter()))?;
+                    copy_heads(
+                        rdt.ptr,
+                        h * lkv,
+                        lkv,
+                        qfull.at(d0 * h * row, es),
+                        h * row,
+                        row,
+                        lkv,
+                        n,
+                    )?;
+                    // The copy must finish before its source buffer is freed.
+                    self.gpu.sync("q_absorbed (fp16 fault path)")?;
+                }
+            }
             {
                 let (srs, shs, drs, dhs, hh, wd) = (
                     (h * dqk) as i64,
@@ -697,17 +878,13 @@ impl Backend for CudaBackend {
                 dv,
                 h,
             )?;
-            blas.linear(
-                dt,
-                n,
-                e,
-                h * dv,
-                heads.at(s0 * h * dv, es),
-                h * dv,
-                w_o.ptr,
-                out.at(s0 * e, es),
-                e,
-            )?;
+            if !head_stride_qk {
+                o_proj(s0, n, &heads)?;
+            }
+        }
+        if head_stride_qk {
+            copy_heads(heads.ptr, h * dv, dqk, restrided.ptr, h * dv, dv, dv, t_all)?;
+            o_proj(0, t_all, &restrided)?;
         }
         gather(0, t_all, ctx_rows.ptr)?;
         self.gpu.sync("the layer's kernels")?;
