@@ -7,7 +7,7 @@
 
 use crate::backend::cpu::CpuMirror;
 use crate::backend::{Backend, Dtype};
-use crate::compare::{checks_for, metrics, Tolerance, ToleranceTable};
+use crate::compare::{checks_for, metrics, rows_of, Tolerance, ToleranceTable};
 use crate::error::Result;
 use crate::gguf::GgufFile;
 use crate::model::rope_factors::RopeFactors;
@@ -113,11 +113,7 @@ pub fn calibrate(
                             continue;
                         };
                         let rows = check.rows(&sched);
-                        let per: usize = rt.shape[1..].iter().product();
-                        let (rv, ov) = (
-                            &rt.data[rows.start * per..rows.end * per],
-                            &ot.data[rows.start * per..rows.end * per],
-                        );
+                        let (rv, ov) = (rows_of(rt, &rows).0, rows_of(ot, &rows).0);
                         let nf = metrics::nonfinite(rv, ov);
                         if nf.mismatches > 0 {
                             summary.push_str(&format!(

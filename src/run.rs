@@ -195,6 +195,9 @@ pub fn run(
         }
         let w = LayerWeights::load(file, &cfg, l)?;
         let reference = crate::reference::run_layer(&cfg, &w, &rope, &h_ref, &opts.sched)?;
+        // The reference residual after this layer: the next layer's shadow input and free mode's yardstick.
+        let mut next_ref = h_ref.clone();
+        add_residual(&mut next_ref, attn_out(&reference)?);
         let ctx = compare::Ctx {
             elementwise: true,
             layer: l,
@@ -217,8 +220,6 @@ pub fn run(
             let mut r =
                 compare::compare_layer(&free_ctx, &reference, &opt, opts.dtype, &opts.tolerances)?;
             add_residual(&mut h_opt, attn_out(&opt)?);
-            let mut next_ref = h_ref.clone();
-            add_residual(&mut next_ref, attn_out(&reference)?);
             r.drift = Some(compare::metrics::rel_l2(
                 next_ref.as_slice().expect("standard layout"),
                 h_opt.as_slice().expect("standard layout"),
@@ -239,7 +240,7 @@ pub fn run(
                 dumped = true;
             }
         }
-        add_residual(&mut h_ref, attn_out(&reference)?);
+        h_ref = next_ref;
         bar.inc(1);
     }
     bar.finish_and_clear();

@@ -1,5 +1,7 @@
 //! `mla-diff run`: verdicts, localisation, report formats and the baseline gate.
 
+mod common;
+
 use mla_diff::backend::cpu::CpuMirror;
 use mla_diff::backend::{Backend, Dtype};
 use mla_diff::compare::ToleranceTable;
@@ -19,20 +21,11 @@ fn tiny4() -> PathBuf {
     PATH.get_or_init(|| {
         let dir = std::env::temp_dir().join(format!("mla-diff-run-tests-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join("tiny4.gguf");
-        let out = Command::new(BIN)
-            .args([
-                "fixture", "--preset", "tiny", "--layers", "4", "--seed", "3", "-o",
-            ])
-            .arg(&p)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "fixture failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        p
+        common::make_fixture(
+            &dir,
+            "tiny4.gguf",
+            &["--preset", "tiny", "--layers", "4", "--seed", "3"],
+        )
     })
     .clone()
 }

@@ -2,6 +2,8 @@
 //! fails when a backend does not honour the injection, faults stay in their layer, and `run --inject`
 //! validates its names and records them in the report.
 
+mod common;
+
 use mla_diff::backend::cpu::CpuMirror;
 use mla_diff::backend::{Backend, Dtype};
 use mla_diff::faults::{Fault, FaultSet, Injection};
@@ -149,18 +151,7 @@ fn tiny3() -> PathBuf {
     PATH.get_or_init(|| {
         let dir = std::env::temp_dir().join(format!("mla-diff-fault-tests-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join("tiny3.gguf");
-        let out = Command::new(BIN)
-            .args(["fixture", "--preset", "tiny", "--layers", "3", "-o"])
-            .arg(&p)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        p
+        common::make_fixture(&dir, "tiny3.gguf", &["--preset", "tiny", "--layers", "3"])
     })
     .clone()
 }

@@ -183,7 +183,7 @@ fn position(ctx: &Ctx, stage: Stage, t: &StageTensor, row0: usize, flat: usize) 
 }
 
 /// Rows `rows` of a stage tensor (first axis), as a view.
-fn rows_of<'a>(t: &'a StageTensor, rows: &std::ops::Range<usize>) -> (&'a [f64], Vec<usize>) {
+pub fn rows_of<'a>(t: &'a StageTensor, rows: &std::ops::Range<usize>) -> (&'a [f64], Vec<usize>) {
     let per: usize = t.shape[1..].iter().product();
     let mut shape = t.shape.clone();
     shape[0] = rows.len();
