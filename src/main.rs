@@ -369,6 +369,15 @@ fn run(cli: Cli) -> Result<i32, Error> {
                     format!(": {}", s.spilling.join("; "))
                 }
             );
+            for w in &s.warnings {
+                println!("ptxas: {w}");
+            }
+            // A serialized wgmma still computes the right answer, only slowly: fail so it is seen.
+            if let Some(w) = s.warnings.iter().find(|w| w.contains("wgmma")) {
+                return Err(Error::Environment(format!(
+                    "ptxas serialized the warpgroup MMAs: {w}"
+                )));
+            }
             Ok(0)
         }
         Cmd::GpuValidate(a) => mla_diff::backend::cuda::validate::run(&a),

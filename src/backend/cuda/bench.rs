@@ -286,7 +286,7 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
                     Ok(_) => {
                         writeln!(
                             out,
-                            "decode H={h}: tile {} does not fit shared memory, skipped",
+                            "decode H={h}: tile {} not available here (shared memory, or wgmma off Hopper), skipped",
                             tile.label()
                         )
                         .unwrap();

@@ -29,9 +29,10 @@ fn smem_limit(arch: &str) -> Option<usize> {
     }
 }
 
-/// Parse `attn_mma_config` (dynamic smem bytes, threads, rows, keys) from PTX.
-pub fn ptx_attn_config(ptx: &str) -> Option<[i32; 4]> {
-    let l = ptx.lines().find(|l| l.contains("attn_mma_config["))?;
+/// Parse a kernel's `{name}_config` (dynamic smem bytes, threads, rows, keys) from PTX.
+pub fn ptx_attn_config(ptx: &str, kernel: &str) -> Option<[i32; 4]> {
+    let key = format!("{kernel}_config[");
+    let l = ptx.lines().find(|l| l.contains(&key))?;
     let inner = &l[l.find('{')? + 1..l.find('}')?];
     let mut bytes: Vec<u8> = inner
         .split(',')
@@ -155,6 +156,8 @@ pub struct CheckSummary {
     pub report: String,
     pub compiles: usize,
     pub spilling: Vec<String>,
+    /// ptxas warnings, e.g. wgmma serialized (the Hopper kernel then runs without its pipelining).
+    pub warnings: Vec<String>,
 }
 
 /// `dump`: also write each compile's PTX and CUBIN there (for `cuobjdump --dump-sass`).
@@ -196,6 +199,7 @@ pub fn kernels_check(
     .unwrap();
     let mut compiles = 0;
     let mut spilling = Vec::new();
+    let mut warnings = Vec::new();
     let fault_arch = fault_arch(archs);
     let mut clean_ptx = HashMap::new();
     for arch in archs {
@@ -250,16 +254,26 @@ pub fn kernels_check(
                             "{unit} for {arch}: NVRTC returned no PTX"
                         )));
                     }
-                    let cfg = ptx_attn_config(&ptx);
+                    for w in c.log.lines().filter(|l| l.contains("arning")) {
+                        warnings.push(format!("{arch} {name} {} {unit}: {}", dt.name(), w.trim()));
+                    }
+                    let wgmma_tile = tile.is_some_and(|t| t.wgmma);
                     for k in parse_ptxas(&c.log) {
-                        let smem = if k.name == "attn_mma" {
-                            cfg.map(|c| {
-                                let fits = smem_limit(arch)
-                                    .map(|l| if c[0] as usize <= l { "" } else { " (too big)" })
-                                    .unwrap_or("");
-                                format!("{}{fits}", c[0])
-                            })
-                            .unwrap_or_default()
+                        // a decode module carries both tensor-core kernels: show the one its tile runs
+                        if (k.name == "attn_wgmma" && !wgmma_tile)
+                            || (k.name == "attn_mma" && wgmma_tile)
+                        {
+                            continue;
+                        }
+                        let smem = if k.name == "attn_mma" || k.name == "attn_wgmma" {
+                            ptx_attn_config(&ptx, &k.name)
+                                .map(|c| {
+                                    let fits = smem_limit(arch)
+                                        .map(|l| if c[0] as usize <= l { "" } else { " (too big)" })
+                                        .unwrap_or("");
+                                    format!("{}{fits}", c[0])
+                                })
+                                .unwrap_or_default()
                         } else {
                             String::new()
                         };
@@ -294,6 +308,7 @@ pub fn kernels_check(
         report: rep,
         compiles,
         spilling,
+        warnings,
     })
 }
 
@@ -304,6 +319,10 @@ mod tests {
     #[test]
     fn attn_config_is_read_from_ptx() {
         let ptx = ".global .align 4 .b8 attn_mma_config[16] = {0, 136, 3, 0, 0, 1, 0, 0, 64, 0, 0, 0, 64};";
-        assert_eq!(ptx_attn_config(ptx), Some([231_424, 256, 64, 64]));
+        assert_eq!(
+            ptx_attn_config(ptx, "attn_mma"),
+            Some([231_424, 256, 64, 64])
+        );
+        assert_eq!(ptx_attn_config(ptx, "attn_wgmma"), None);
     }
 }

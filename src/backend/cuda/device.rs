@@ -32,9 +32,13 @@ pub struct DeviceInfo {
 }
 
 impl DeviceInfo {
-    /// NVRTC target for this device, e.g. "sm_90".
+    /// NVRTC target for this device, e.g. "sm_80". Hopper gets the arch-specific "sm_90a", whose wgmma
+    /// the decode kernel uses (the image then runs on sm_90 devices only, which is all it is built for).
     pub fn arch(&self) -> String {
-        format!("sm_{}{}", self.cc.0, self.cc.1)
+        match self.cc {
+            (9, 0) => "sm_90a".to_string(),
+            (major, minor) => format!("sm_{major}{minor}"),
+        }
     }
 }
 

@@ -93,6 +93,9 @@ pub struct Tile {
     pub swn: u32,
     /// S-phase k-loop unroll (0: the kernel's default).
     pub su: u32,
+    /// Decode on Hopper's warpgroup MMA (`attn_wgmma`, kernels/attention_sm90.cuh: 64 rows, 64 keys,
+    /// fixed layout); the other fields then only configure the module's fallback `attn_mma`.
+    pub wgmma: bool,
 }
 
 impl Tile {
@@ -106,7 +109,14 @@ impl Tile {
             smt: 1,
             swn: wn,
             su: 0,
+            wgmma: false,
         }
+    }
+    /// The Hopper decode kernel; its module still carries `attn_mma` with the tile `fallback`.
+    pub const fn wgmma(fallback: Tile) -> Tile {
+        let mut t = fallback;
+        t.wgmma = true;
+        t
     }
     pub const fn unroll(mut self, su: u32) -> Tile {
         self.su = su;
@@ -136,6 +146,9 @@ impl Tile {
         d
     }
     pub fn label(&self) -> String {
+        if self.wgmma {
+            return "wgmma 2 warpgroups bn64 st2".to_string();
+        }
         // e.g. "4x2w bn64 st2 S:2m/2k PV:2m": warps, keys per tile, stages, S-phase m-tiles per warp and key
         // groups, PV-phase m-tiles per warp.
         format!(
@@ -167,6 +180,14 @@ impl Module {
         let c = CString::new(name).unwrap();
         unsafe { drv::module::get_function(self.m, c) }
             .map_err(drv_err(&format!("finding kernel {name} in {}", self.unit)))
+    }
+    /// Whether the module defines a global named `name`.
+    pub fn has_global(&self, name: &str) -> bool {
+        let c = CString::new(name).unwrap();
+        let (mut ptr, mut bytes) = (0u64, 0usize);
+        unsafe { sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, self.m, c.as_ptr()) }
+            .result()
+            .is_ok()
     }
     /// Read a small `__device__ const int[]` table (the kernel's own account of its launch config).
     pub fn global_i32s(&self, name: &str, n: usize) -> Result<Vec<i32>> {
@@ -298,6 +319,8 @@ pub struct Attn {
     _m: Rc<Module>,
     /// (function, dynamic smem bytes, threads, rows per CTA); None: scalar only.
     mma: Option<(sys::CUfunction, u32, u32, u32)>,
+    /// The kernel `run` launches.
+    pub name: &'static str,
     scalar: sys::CUfunction,
     pub mqa: bool,
     pub tile: Option<Tile>,
@@ -322,12 +345,21 @@ impl Attn {
                 let mut d = base.clone();
                 d.extend(t.defines());
                 let m = k.module(unit, d)?;
-                let cfg = m.global_i32s("attn_mma_config", 4)?;
+                let (config, name) = if t.wgmma {
+                    // Present only when compiled for sm_90a with dims the kernel supports.
+                    if !m.has_global("attn_wgmma_config") {
+                        continue;
+                    }
+                    ("attn_wgmma_config", "attn_wgmma")
+                } else {
+                    ("attn_mma_config", "attn_mma")
+                };
+                let cfg = m.global_i32s(config, 4)?;
                 let smem = cfg[0] as usize;
                 if smem > gpu.info.smem_optin {
                     continue;
                 }
-                let f = m.func("attn_mma")?;
+                let f = m.func(name)?;
                 unsafe {
                     drv::function::set_function_attribute(
                         f,
@@ -340,6 +372,7 @@ impl Attn {
                 return Ok(Attn {
                     _m: m,
                     mma: Some((f, smem as u32, cfg[1] as u32, cfg[2] as u32)),
+                    name,
                     scalar,
                     mqa,
                     tile: Some(*t),
@@ -353,6 +386,7 @@ impl Attn {
         Ok(Attn {
             _m: m,
             mma: None,
+            name: "attn_scalar",
             scalar,
             mqa,
             tile: None,
@@ -375,7 +409,7 @@ impl Attn {
         };
         let mut p = [a as *const AttnArgs as *mut c_void];
         match self.mma {
-            Some((f, smem, threads, bm)) => launch(f, "attn_mma", rows(bm), threads, smem, &mut p),
+            Some((f, smem, threads, bm)) => launch(f, self.name, rows(bm), threads, smem, &mut p),
             None => launch(self.scalar, "attn_scalar", rows(4), 128, 0, &mut p),
         }
     }

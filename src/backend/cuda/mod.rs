@@ -59,6 +59,8 @@ impl Default for CudaOptions {
 pub fn decode_tiles(rows: usize) -> Vec<Tile> {
     if rows >= 64 {
         vec![
+            // Hopper: warpgroup MMA (sm_90a; skipped elsewhere or for dims it does not take).
+            Tile::wgmma(Tile::new(4, 2, 64, 2, 2)),
             // 8 warps: S on 16x32 warp tiles, P·V on 32x256 (two m-tiles share each V fragment).
             Tile::new(4, 2, 64, 2, 2),
             // S on 32x32 warp tiles by 4 warps: fewer fragment bytes, but slower on the H200.

@@ -9,11 +9,15 @@ use std::path::{Path, PathBuf};
 
 /// Every kernel file, headers first. The `.cu` files are compiled; the `.cuh` files are passed to NVRTC
 /// as named headers.
-pub const KERNEL_FILES: [(&str, &str); 7] = [
+pub const KERNEL_FILES: [(&str, &str); 8] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "attention.cuh",
         include_str!("../../../kernels/attention.cuh"),
+    ),
+    (
+        "attention_sm90.cuh",
+        include_str!("../../../kernels/attention_sm90.cuh"),
     ),
     (
         "norm_rope.cu",

@@ -144,6 +144,16 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 Some(384),
                 sched(1500, 600, 64, 1, 64, 3),
             ),
+            // 40 heads x q_len 2 = 80 rows: Hopper's wgmma decode (64-row tiles, the second one partly
+            // empty) with MiniCPM3's 256-wide latent and 288-wide key rows.
+            c(
+                "minicpm3 dims, MTP q_len 2, prompt 700",
+                Family::Minicpm3,
+                Some(1024),
+                None,
+                Some(384),
+                sched(700, 256, 64, 2, 32, 3),
+            ),
             c(
                 "deepseek-v3 dims H128, prompt 300",
                 Family::DeepseekV3,

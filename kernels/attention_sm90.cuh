@@ -1,0 +1,302 @@
+// attention_sm90.cuh — split-KV absorbed decode on Hopper's warpgroup tensor cores (wgmma); sm_90a only.
+//
+// Same contract and numerics as attn_mma in attention.cuh (the CPU mirror's specification): rows are
+// (query, head) pairs over the shared paged latent cache; scores in f32 scaled by the softmax scale; online
+// softmax per 64-key tile; P rounded to the storage type for P·V, the row sum l from unrounded P;
+// lse = m + ln(l); a row that sees no key gets out = 0, lse = -inf. It reuses that file's row, key-range and
+// store helpers, so the planted faults (src/faults.rs) reach this kernel too.
+//
+// CTA: 64 rows, two warpgroups (256 threads), one split of one request. Per 64-key tile:
+//   S    warpgroup g computes S[:, 32g, 32g+32) = Q·Kᵀ (wgmma m64n32k16, Q and K read from shared memory);
+//   max  the two halves swap row maxima through shared memory;
+//   P    each writes its exp2(S - m), rounded to the storage type, into one shared P tile;
+//   P·V  warpgroup g accumulates O[:, g·Dv/2, (g+1)·Dv/2) += P·V (wgmma m64n(Dv/2)k16), V being the latent
+//        columns of the same K tile read transposed (no second copy). P·V is left in flight while the next
+//        tile's S is issued, so the tensor cores see S(i+1) right behind P·V(i).
+// K tiles are double-buffered with cp.async; the load of tile i+1 starts once both warpgroups are done
+// with tile i-1 (after the row-max exchange of tile i).
+//
+// Shared layout (what wgmma reads with the 128-byte swizzle): a tile of 64 rows is stored as 64-column
+// blocks of 8 KB; in a block, row r is 128 bytes at r·128 and its 16-byte chunk c sits at chunk c ^ (r % 8).
+// Columns past the key width (MiniCPM3's 288 → 320) are zero. At DeepSeek dims Q + 2 K stages + P = 224 KB.
+#pragma once
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && ATT_MQA && ATT_V_IN_K && ATT_DB == 0 && MLA_DTYPE != 2 && \
+    (ATT_DV == 512 || ATT_DV == 256) && ATT_DA % 8 == 0
+
+#define WG_BM 64
+#define WG_BN 64
+#define WG_NT 256
+#define WG_KB ((ATT_DQK + 63) / 64)  // 64-column blocks per row
+#define WG_CH (WG_KB * 8)            // 16-byte chunks per row
+#define WG_BLK (64 * 128)            // one block: 64 rows x 128 bytes
+#define WG_TILE (WG_KB * WG_BLK)     // a Q or K tile
+#define WG_NV (ATT_DV / 2)           // value columns per warpgroup
+// 1 KB of slack to align the tiles to 1024 bytes (the swizzle pattern's period), Q, 2 K stages, P, and
+// the row max / row sum exchange ([2][64] floats each).
+#define WG_SMEM (1024 + 3 * WG_TILE + WG_BLK + 4 * WG_BM * 4)
+// att_row / att_key_range (attention.cuh) number rows by ATT_BM: the module's fallback tile must have 64.
+static_assert(ATT_BM == WG_BM, "compile attn_wgmma with a 64-row fallback tile (ATT_WM = 4)");
+
+// {dynamic shared bytes, threads per CTA, rows per CTA, keys per tile}
+extern "C" __device__ const int attn_wgmma_config[4] = {WG_SMEM, WG_NT, WG_BM, WG_BN};
+
+// Shared-memory matrix descriptor: start address, leading / stride byte offsets (16-byte units), 128-byte
+// swizzle. K-major operands (Q, K, P) step 8-row groups by 1024 B (stride); V, read N-major, steps 64-column
+// blocks by WG_BLK (leading) and 8-key groups by 1024 B (stride).
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Make generic-proxy writes (cp.async, st.shared) visible to wgmma's reads (async proxy).
+__device__ __forceinline__ void wg_fence_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Pin accumulators after a wait: reads of them may not move above it.
+template <int N>
+__device__ __forceinline__ void wg_pin(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D (+)= A·B for one warpgroup; A and B by descriptor; `acc` = 0 overwrites D. `_bt`: B is N-major.
+__device__ __forceinline__ void wg_m64n32k16(float (&d)[16], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32." MMA_TYPE "." MMA_TYPE " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(acc));
+}
+
+#if ATT_DV == 512
+__device__ __forceinline__ void wg_m64n256k16_bt(float (&d)[128], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32." MMA_TYPE "." MMA_TYPE " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(acc));
+}
+#define wg_pv wg_m64n256k16_bt
+#else
+__device__ __forceinline__ void wg_m64n128k16_bt(float (&d)[64], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." MMA_TYPE "." MMA_TYPE " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, 1;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(acc));
+}
+#define wg_pv wg_m64n128k16_bt
+#endif
+
+// Byte offset of (row, 16-byte chunk) in a swizzled tile.
+__device__ __forceinline__ unsigned wg_off(int r, int c) {
+    return (c >> 3) * WG_BLK + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+
+// Key rows [j0, j0 + 64) ∩ [.., hi) of the paged cache into a K stage; rows past `hi` are zero (a page past
+// the sequence holds NaN poison and is never read).
+__device__ __forceinline__ void wg_load_k(const AttnArgs& a, int b, const int* table, int j0, int hi, unsigned dst) {
+    for (int idx = threadIdx.x; idx < WG_BN * WG_CH; idx += WG_NT) {
+        const int r = idx / WG_CH, c = idx % WG_CH;
+        const int j = j0 + r;
+        const bool in = j < hi && c < ATT_DQK / 8;
+        const dt* src = in ? a.ka + b * a.ka_bs + key_slot(a, table, j) * a.ka_rs + c * 8 : a.ka;
+        cp_async16(dst + wg_off(r, c), src, in ? 16 : 0);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs a) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const unsigned raw = smem_u32(smem), base = (raw + 1023) & ~1023u;
+    unsigned char* gbase = smem + (base - raw);
+    const unsigned sQ = base, sK0 = base + WG_TILE, sP = base + 3 * WG_TILE;
+    float* sMax = reinterpret_cast<float*>(gbase + 3 * WG_TILE + WG_BLK);  // [warpgroup][row]
+    float* sSum = sMax + 2 * WG_BM;                                         // [warpgroup][row]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wr = (warp & 3) * 16;  // warpgroup; first of this warp's 16 rows
+    const int g = lane >> 2, t = lane & 3;
+    const int b = blockIdx.z, tile = blockIdx.y;
+    const int n_keys = a.seq_lens ? a.seq_lens[b] : a.n_keys;
+    const int* table = a.table ? a.table + b * a.table_bs : nullptr;
+    int lo, hi;
+    att_key_range(a, n_keys, tile, &lo, &hi);
+    const int n_tiles = hi > lo ? (hi - lo + WG_BN - 1) / WG_BN : 0;
+
+    // Q (rows past the end are zero) and the first key tile: one cp.async group.
+    for (int idx = tid; idx < WG_BM * WG_CH; idx += WG_NT) {
+        const int r = idx / WG_CH, c = idx % WG_CH;
+        const RowInfo ri = att_row(a, tile, r, n_keys);
+        const bool in = ri.valid && c < ATT_DQK / 8;
+        const dt* src = in ? a.q + b * a.q_bs + (long long)ri.i * a.q_rs + (long long)ri.h * a.q_hs + c * 8 : a.q;
+        cp_async16(sQ + wg_off(r, c), src, in ? 16 : 0);
+    }
+    if (n_tiles > 0) wg_load_k(a, b, table, lo, hi, sK0);
+    cp_async_commit();
+
+    // This thread's rows: wr + g + 8e.
+    int lim[2];
+    float m[2], l[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        lim[e] = att_row(a, tile, wr + g + 8 * e, n_keys).lim;
+        m[e] = MLA_NEG_INF;
+        l[e] = 0.f;
+    }
+    float o[WG_NV / 2];
+#pragma unroll
+    for (int i = 0; i < WG_NV / 2; ++i) o[i] = 0.f;
+
+    for (int it = 0; it < n_tiles; ++it) {
+        const unsigned sK = sK0 + (it & 1) * WG_TILE;
+        const int j0 = lo + it * WG_BN;
+        cp_async_wait<0>();
+        wg_fence_smem();
+        __syncthreads();  // tile `it` is in shared memory for everyone
+
+        // S = Q·Kᵀ for this warpgroup's 32 keys (also completes this warpgroup's P·V of the previous tile).
+        float s[16];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < WG_KB * 4; ++kk) {
+            const unsigned off = (kk >> 2) * WG_BLK + (kk & 3) * 32;
+            wg_m64n32k16(s, wg_desc(sQ + off, 16, 1024), wg_desc(sK + wg * 32 * 128 + off, 16, 1024), kk > 0);
+        }
+        wg_commit();
+        wg_wait<0>();
+        wg_pin(s);
+        wg_pin(o);
+
+        // Scale, mask, this half's row max → shared.
+        float tm[2] = {MLA_NEG_INF, MLA_NEG_INF};
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = j0 + wg * 32 + n * 8 + 2 * t + (e & 1);
+                float v = s[4 * n + e] * a.scale_log2;
+                if (key >= hi || key > lim[e >> 1]) v = MLA_NEG_INF;
+                s[4 * n + e] = v;
+                tm[e >> 1] = fmaxf(tm[e >> 1], v);
+            }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            tm[e] = fmaxf(tm[e], __shfl_xor_sync(0xffffffffu, tm[e], 1));
+            tm[e] = fmaxf(tm[e], __shfl_xor_sync(0xffffffffu, tm[e], 2));
+            if (t == 0) sMax[wg * WG_BM + wr + g + 8 * e] = tm[e];
+        }
+        __syncthreads();  // both halves' maxima are in; both warpgroups are done with tile it-1 and P
+
+        if (it + 1 < n_tiles) wg_load_k(a, b, table, j0 + WG_BN, hi, sK0 + ((it + 1) & 1) * WG_TILE);
+        cp_async_commit();
+
+        float al[2], mu[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int row = wr + g + 8 * e;
+            const float mn = fmaxf(m[e], fmaxf(sMax[row], sMax[WG_BM + row]));
+            mu[e] = mn == MLA_NEG_INF ? 0.f : mn;
+            al[e] = exp2f(m[e] - mu[e]);
+            m[e] = mn;
+        }
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[4 * n + e] = exp2f(s[4 * n + e] - mu[e >> 1]);
+                rs[e >> 1] += s[4 * n + e];
+            }
+            // P (storage type) → shared: key column 32·wg + 8n + 2t is chunk 4·wg + n, bytes 4t.
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int row = wr + g + 8 * e;
+                *reinterpret_cast<unsigned*>(gbase + 3 * WG_TILE + wg_off(row, 4 * wg + n) + 4 * t) =
+                    pack2(s[4 * n + 2 * e], s[4 * n + 2 * e + 1]);
+            }
+        }
+        l[0] = l[0] * al[0] + rs[0];  // per-thread partial; reduced at the end
+        l[1] = l[1] * al[1] + rs[1];
+#pragma unroll
+        for (int i = 0; i < WG_NV / 2; ++i) o[i] *= al[(i >> 1) & 1];
+        wg_fence_smem();
+        __syncthreads();  // P complete
+
+        // O += P·V over the tile's 64 keys for this warpgroup's value columns; left in flight.
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < WG_BN / 16; ++kk)
+            wg_pv(o, wg_desc(sP + kk * 32, 16, 1024), wg_desc(sK + wg * (WG_NV / 64) * WG_BLK + kk * 16 * 128, WG_BLK, 1024), 1);
+        wg_commit();
+    }
+    wg_wait<0>();
+    wg_pin(o);
+    cp_async_wait<0>();
+
+    // Row sums: over the quad, then over the two warpgroups.
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        l[e] += __shfl_xor_sync(0xffffffffu, l[e], 1);
+        l[e] += __shfl_xor_sync(0xffffffffu, l[e], 2);
+        if (t == 0) sSum[wg * WG_BM + wr + g + 8 * e] = l[e];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int row = wr + g + 8 * e;
+        const RowInfo ri = att_row(a, tile, row, n_keys);
+        if (!ri.valid) continue;
+        const float L = sSum[row] + sSum[WG_BM + row];
+        if (wg == 0 && t == 0) att_store_lse(a, b, ri, L > 0.f ? (m[e] + log2f(L)) * MLA_LN2 : ATT_EMPTY_LSE);
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+#pragma unroll
+        for (int n = 0; n < WG_NV / 8; ++n)
+            att_store(a, b, ri, wg * WG_NV + n * 8 + 2 * t, o[4 * n + 2 * e] * inv, o[4 * n + 2 * e + 1] * inv, 1);
+    }
+}
+#endif  // wgmma path
