@@ -422,12 +422,11 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
     dt* sQ = reinterpret_cast<dt*>(smem);
     dt* sK = reinterpret_cast<dt*>(smem + ATT_SQ);
     dt* sV = reinterpret_cast<dt*>(smem + ATT_SQ + ATT_STAGES * ATT_SK);
-    dt* sP = reinterpret_cast<dt*>(smem + ATT_SQ + ATT_STAGES * (ATT_SK + ATT_SV));
+    // sP and sAlpha are unused when P stays in registers
+    [[maybe_unused]] dt* sP = reinterpret_cast<dt*>(smem + ATT_SQ + ATT_STAGES * (ATT_SK + ATT_SV));
     float* sMax = reinterpret_cast<float*>(smem + ATT_SQ + ATT_STAGES * (ATT_SK + ATT_SV) + ATT_SP);
     float* sSum = sMax;  // the epilogue's row sums reuse the loop's row-max exchange (after a barrier)
-    float* sAlpha = sMax + ATT_SWN * ATT_BM;
-    (void)sP;  // unused when P stays in registers
-    (void)sAlpha;
+    [[maybe_unused]] float* sAlpha = sMax + ATT_SWN * ATT_BM;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp % ATT_SWM, wn = warp / ATT_SWM;  // S phase (warps < ATT_SNW)

@@ -21,8 +21,10 @@
 // Columns past the key width (MiniCPM3's 288 → 320) are zero. At DeepSeek dims Q + 2 K stages + P = 224 KB.
 #pragma once
 
+// att_row / att_key_range (attention.cuh) number rows by ATT_BM, so the module's fallback tile must have
+// 64 rows (ATT_WM = 4) for attn_wgmma to exist; the host skips the tile when it does not.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && ATT_MQA && ATT_V_IN_K && ATT_DB == 0 && MLA_DTYPE != 2 && \
-    (ATT_DV == 512 || ATT_DV == 256) && ATT_DA % 8 == 0
+    (ATT_DV == 512 || ATT_DV == 256) && ATT_DA % 8 == 0 && ATT_BM == 64
 
 #define WG_BM 64
 #define WG_BN 64
@@ -35,8 +37,6 @@
 // 1 KB of slack to align the tiles to 1024 bytes (the swizzle pattern's period), Q, 2 K stages, P, and
 // the row max / row sum exchange ([2][64] floats each).
 #define WG_SMEM (1024 + 3 * WG_TILE + WG_BLK + 4 * WG_BM * 4)
-// att_row / att_key_range (attention.cuh) number rows by ATT_BM: the module's fallback tile must have 64.
-static_assert(ATT_BM == WG_BM, "compile attn_wgmma with a 64-row fallback tile (ATT_WM = 4)");
 
 // {dynamic shared bytes, threads per CTA, rows per CTA, keys per tile}
 extern "C" __device__ const int attn_wgmma_config[4] = {WG_SMEM, WG_NT, WG_BM, WG_BN};

@@ -254,14 +254,16 @@ pub fn kernels_check(
                             "{unit} for {arch}: NVRTC returned no PTX"
                         )));
                     }
-                    for w in c.log.lines().filter(|l| l.contains("arning")) {
+                    for w in c.log.lines().filter(|l| l.contains("warning")) {
                         warnings.push(format!("{arch} {name} {} {unit}: {}", dt.name(), w.trim()));
                     }
-                    let wgmma_tile = tile.is_some_and(|t| t.wgmma);
-                    for k in parse_ptxas(&c.log) {
-                        // a decode module carries both tensor-core kernels: show the one its tile runs
-                        if (k.name == "attn_wgmma" && !wgmma_tile)
-                            || (k.name == "attn_mma" && wgmma_tile)
+                    let kernels = parse_ptxas(&c.log);
+                    // On sm_90a a decode module carries both tensor-core kernels: show the one its tile runs.
+                    let runs_wgmma = tile.is_some_and(|t| t.wgmma)
+                        && kernels.iter().any(|k| k.name == "attn_wgmma");
+                    for k in kernels {
+                        if (k.name == "attn_wgmma" && !runs_wgmma)
+                            || (k.name == "attn_mma" && runs_wgmma)
                         {
                             continue;
                         }
@@ -284,7 +286,12 @@ pub fn kernels_check(
                             name,
                             dt.name(),
                             unit,
-                            tile.map(|t| t.label()).unwrap_or("-".into()),
+                            tile.map(|t| Tile {
+                                wgmma: runs_wgmma,
+                                ..t
+                            }
+                            .label())
+                                .unwrap_or("-".into()),
                             k.name,
                             k.registers,
                             k.spill_stores,
