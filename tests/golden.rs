@@ -28,13 +28,16 @@ const TOL: f64 = 1e-6;
 /// A convention error must move the output by far more than the tolerance.
 const DETECT: f64 = 100.0 * TOL;
 
-const FAMILIES: [&str; 6] = [
+const FAMILIES: [&str; 9] = [
     "deepseek-v3",
     "deepseek-v3-yarn-no-mscale",
     "deepseek-v2-lite",
+    "kimi-k2",
+    "glm-4.7-flash",
     "glm-5",
     "minicpm3",
     "minicpm3-long",
+    "deepseek-v3-legacy-kv-b",
 ];
 
 fn dir() -> PathBuf {
@@ -212,8 +215,8 @@ fn reference_matches_transformers_inner_norm_eps() {
         }
     }
     assert_eq!(
-        seen, 3,
-        "glm-5, minicpm3, minicpm3-long have rms_norm_eps 1e-5"
+        seen, 4,
+        "glm-4.7-flash, glm-5, minicpm3, minicpm3-long have rms_norm_eps 1e-5"
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
@@ -310,6 +313,19 @@ fn goldens_detect_convention_errors() {
                     Box::new(none),
                 ));
             }
+            let y = g.cfg.rope.yarn.as_ref().unwrap();
+            if (y.beta_fast, y.beta_slow) != (32.0, 1.0) {
+                // A reader that ignores the file's YaRN betas (Kimi-K2: 1/1) and takes DeepSeek's 32/1.
+                let mut cfg = g.cfg.clone();
+                let y = cfg.rope.yarn.as_mut().unwrap();
+                (y.beta_fast, y.beta_slow) = (32.0, 1.0);
+                cases.push((
+                    "YaRN betas 32/1 (defaults)",
+                    cfg,
+                    g.factors.clone(),
+                    Box::new(none),
+                ));
+            }
             if g.cfg.rope.attn_factor != 1.0 {
                 // This reader's state before the fix: cos/sin at 1 and llama.cpp's get_mscale(f, 1)² in the
                 // softmax.
@@ -381,7 +397,39 @@ fn goldens_detect_convention_errors() {
                     Box::new(|w: &mut LayerWeights| std::mem::swap(&mut w.w_uk, &mut w.w_uv)),
                 ));
             }
-            _ => {}
+            mla_diff::model::KvBLayout::Unsplit => {
+                // The same bytes (attn_kv_b rows, torch [H·(P+Dv), Lkv]) cut the wrong way: each head
+                // as [v | k_nope], or the whole matrix as [k_nope of every head | v of every head].
+                cases.push((
+                    "kv_b heads [v | k_nope]",
+                    g.cfg.clone(),
+                    g.factors.clone(),
+                    Box::new(move |w: &mut LayerWeights| {
+                        let kv_b = unsplit_rows(w);
+                        let heads = kv_b.into_shape_with_order((h, p + dv, lkv)).unwrap();
+                        w.w_uv = heads.slice(s![.., ..dv, ..]).to_owned();
+                        w.w_uk = heads.slice(s![.., dv.., ..]).to_owned();
+                    }),
+                ));
+                cases.push((
+                    "kv_b [all k_nope | all v]",
+                    g.cfg.clone(),
+                    g.factors.clone(),
+                    Box::new(move |w: &mut LayerWeights| {
+                        let kv_b = unsplit_rows(w);
+                        w.w_uk = kv_b
+                            .slice(s![..h * p, ..])
+                            .to_owned()
+                            .into_shape_with_order((h, p, lkv))
+                            .unwrap();
+                        w.w_uv = kv_b
+                            .slice(s![h * p.., ..])
+                            .to_owned()
+                            .into_shape_with_order((h, dv, lkv))
+                            .unwrap();
+                    }),
+                ));
+            }
         }
         // kv_a output rows read as [k_pe | latent].
         cases.push((
@@ -407,6 +455,19 @@ fn goldens_detect_convention_errors() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The rows of an unsplit `attn_kv_b` (torch `[H·(P+Dv), Lkv]`, each head `[k_nope | v]`), rebuilt from
+/// the loaded `W_UK`/`W_UV`: the bytes a misreading would cut differently.
+fn unsplit_rows(w: &LayerWeights) -> Array2<f32> {
+    let (h, p, lkv) = w.w_uk.dim();
+    let dv = w.w_uv.dim().1;
+    let heads = ndarray::concatenate(Axis(1), &[w.w_uk.view(), w.w_uv.view()]).unwrap();
+    heads
+        .as_standard_layout()
+        .to_owned()
+        .into_shape_with_order((h * (p + dv), lkv))
+        .unwrap()
 }
 
 /// The converter's attn_k_b / attn_v_b, read by our loader, are HF's kv_b_proj split per head into
@@ -459,7 +520,11 @@ fn spec_for(g: &Golden) -> Spec {
     let u = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("{}: {k}", g.name)) as usize;
     let rp = &c["rope_parameters"];
     let preset = match g.name {
-        "deepseek-v3" | "deepseek-v3-yarn-no-mscale" => Preset::DeepseekV3,
+        "deepseek-v3" | "deepseek-v3-yarn-no-mscale" | "deepseek-v3-legacy-kv-b" => {
+            Preset::DeepseekV3
+        }
+        "kimi-k2" => Preset::KimiK2,
+        "glm-4.7-flash" => Preset::Glm47Flash,
         "deepseek-v2-lite" => Preset::DeepseekV2Lite,
         "glm-5" => Preset::Glm5,
         "minicpm3" | "minicpm3-long" => Preset::Minicpm3,
@@ -496,6 +561,8 @@ fn spec_for(g: &Golden) -> Spec {
         ));
     }
     s.quant = GgmlType::from_name("F32").unwrap();
+    // The legacy golden is the converter's file rewritten into the pre-PR #12801 layout (make_goldens.py).
+    s.legacy_kv_b |= g.name == "deepseek-v3-legacy-kv-b";
     s
 }
 
