@@ -266,6 +266,21 @@ fn scales_and_rope_frequencies_match_transformers() {
     }
 }
 
+/// GLM-4.7-Flash's file, like the real one, ends with the NextN/MTP block the converter appends
+/// (`block_count` = trunk + 1, `nextn_predict_layers` = 1, `blk.{trunk}.nextn.*` beside a full attention).
+/// transformers' forward runs the trunk only, and so must the reference: the MTP block is not layer `trunk`.
+#[test]
+fn mtp_block_is_not_a_trunk_layer() {
+    let g = load("glm-4.7-flash");
+    let key = |k: &str| g.file.get(&format!("deepseek2.{k}")).unwrap().as_u64();
+    assert_eq!(key("block_count"), Some(3));
+    assert_eq!(key("nextn_predict_layers"), Some(1));
+    assert!(g.file.tensor("blk.2.nextn.eh_proj.weight").is_some());
+    assert!(g.file.tensor("blk.2.attn_kv_a_mqa.weight").is_some());
+    assert_eq!(g.cfg.n_layer, 2);
+    assert_eq!(g.x.dim().0, g.cfg.n_layer);
+}
+
 /// A misreading to try: its name, the config and rope factors it reads, and its edit of the weights.
 type Mutation = (
     &'static str,
@@ -313,8 +328,8 @@ fn goldens_detect_convention_errors() {
                     Box::new(none),
                 ));
             }
-            let y = g.cfg.rope.yarn.as_ref().unwrap();
-            if (y.beta_fast, y.beta_slow) != (32.0, 1.0) {
+            let betas = g.cfg.rope.yarn.as_ref().map(|y| (y.beta_fast, y.beta_slow));
+            if betas != Some((32.0, 1.0)) {
                 // A reader that ignores the file's YaRN betas (Kimi-K2: 1/1) and takes DeepSeek's 32/1.
                 let mut cfg = g.cfg.clone();
                 let y = cfg.rope.yarn.as_mut().unwrap();
@@ -609,10 +624,20 @@ fn fixture_writes_what_the_converter_writes() {
         // The converter writes these only because transformers' config carries them; they do not change
         // attention while the context is within index_topk (see README, "Conventions").
         let converter_only_ok = [format!("{arch}.attention.indexer.types")];
+        // GLM-4.7-Flash's MTP block: the fixture, like the GLM-5 preset, writes the trunk only.
+        let nextn = conv
+            .get(&format!("{arch}.nextn_predict_layers"))
+            .and_then(|v| v.as_u64())
+            .unwrap_or(0) as usize;
         let mut mismatches = Vec::new();
         for k in ko.union(&kc).filter(|k| attention_key(&arch, k)) {
             match (ours.get(k), conv.get(k)) {
                 (Some(a), Some(b)) if a == b => {}
+                // block_count counts the MTP block; the trunk must agree.
+                (Some(a), Some(b))
+                    if *k == format!("{arch}.block_count")
+                        && a.as_u64().map(|v| v as usize + nextn)
+                            == b.as_u64().map(|v| v as usize) => {}
                 (None, Some(_)) if converter_only_ok.contains(k) => {}
                 (a, b) => mismatches.push(format!("{k}: ours {a:?}, converter {b:?}")),
             }
@@ -688,8 +713,10 @@ fn fixture_writes_what_the_converter_writes() {
         println!("{name:27} tensors only in the converter's file: {extra:?}");
         // FFN and the output norm are outside attention; the DSA indexer (GLM-5) is not used by the dense
         // MLA graph, and selects every key while the context is within index_topk.
+        let mtp_block = format!("blk.{}.", spec.layers);
         let outside = |n: &str| {
-            n == "output_norm.weight"
+            (nextn > 0 && n.starts_with(&mtp_block))
+                || n == "output_norm.weight"
                 || n.contains(".ffn_")
                 || n.contains(".exp_probs_b")
                 || n.contains(".indexer.")
