@@ -28,13 +28,16 @@ const TOL: f64 = 1e-6;
 /// A convention error must move the output by far more than the tolerance.
 const DETECT: f64 = 100.0 * TOL;
 
-const FAMILIES: [&str; 6] = [
+const FAMILIES: [&str; 9] = [
     "deepseek-v3",
     "deepseek-v3-yarn-no-mscale",
     "deepseek-v2-lite",
+    "kimi-k2",
+    "glm-4.7-flash",
     "glm-5",
     "minicpm3",
     "minicpm3-long",
+    "deepseek-v3-legacy-kv-b",
 ];
 
 fn dir() -> PathBuf {
@@ -212,8 +215,8 @@ fn reference_matches_transformers_inner_norm_eps() {
         }
     }
     assert_eq!(
-        seen, 3,
-        "glm-5, minicpm3, minicpm3-long have rms_norm_eps 1e-5"
+        seen, 4,
+        "glm-4.7-flash, glm-5, minicpm3, minicpm3-long have rms_norm_eps 1e-5"
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
@@ -263,6 +266,21 @@ fn scales_and_rope_frequencies_match_transformers() {
     }
 }
 
+/// GLM-4.7-Flash's file, like the real one, ends with the NextN/MTP block the converter appends
+/// (`block_count` = trunk + 1, `nextn_predict_layers` = 1, `blk.{trunk}.nextn.*` beside a full attention).
+/// transformers' forward runs the trunk only, and so must the reference: the MTP block is not layer `trunk`.
+#[test]
+fn mtp_block_is_not_a_trunk_layer() {
+    let g = load("glm-4.7-flash");
+    let key = |k: &str| g.file.get(&format!("deepseek2.{k}")).unwrap().as_u64();
+    assert_eq!(key("block_count"), Some(3));
+    assert_eq!(key("nextn_predict_layers"), Some(1));
+    assert!(g.file.tensor("blk.2.nextn.eh_proj.weight").is_some());
+    assert!(g.file.tensor("blk.2.attn_kv_a_mqa.weight").is_some());
+    assert_eq!(g.cfg.n_layer, 2);
+    assert_eq!(g.x.dim().0, g.cfg.n_layer);
+}
+
 /// A misreading to try: its name, the config and rope factors it reads, and its edit of the weights.
 type Mutation = (
     &'static str,
@@ -305,6 +323,19 @@ fn goldens_detect_convention_errors() {
                 cfg.softmax_scale = 1.0 / (g.cfg.qk_head_dim() as f64).sqrt();
                 cases.push((
                     "softmax without mscale²",
+                    cfg,
+                    g.factors.clone(),
+                    Box::new(none),
+                ));
+            }
+            let betas = g.cfg.rope.yarn.as_ref().map(|y| (y.beta_fast, y.beta_slow));
+            if betas != Some((32.0, 1.0)) {
+                // A reader that ignores the file's YaRN betas (Kimi-K2: 1/1) and takes DeepSeek's 32/1.
+                let mut cfg = g.cfg.clone();
+                let y = cfg.rope.yarn.as_mut().unwrap();
+                (y.beta_fast, y.beta_slow) = (32.0, 1.0);
+                cases.push((
+                    "YaRN betas 32/1 (defaults)",
                     cfg,
                     g.factors.clone(),
                     Box::new(none),
@@ -381,7 +412,39 @@ fn goldens_detect_convention_errors() {
                     Box::new(|w: &mut LayerWeights| std::mem::swap(&mut w.w_uk, &mut w.w_uv)),
                 ));
             }
-            _ => {}
+            mla_diff::model::KvBLayout::Unsplit => {
+                // The same bytes (attn_kv_b rows, torch [H·(P+Dv), Lkv]) cut the wrong way: each head
+                // as [v | k_nope], or the whole matrix as [k_nope of every head | v of every head].
+                cases.push((
+                    "kv_b heads [v | k_nope]",
+                    g.cfg.clone(),
+                    g.factors.clone(),
+                    Box::new(move |w: &mut LayerWeights| {
+                        let kv_b = unsplit_rows(w);
+                        let heads = kv_b.into_shape_with_order((h, p + dv, lkv)).unwrap();
+                        w.w_uv = heads.slice(s![.., ..dv, ..]).to_owned();
+                        w.w_uk = heads.slice(s![.., dv.., ..]).to_owned();
+                    }),
+                ));
+                cases.push((
+                    "kv_b [all k_nope | all v]",
+                    g.cfg.clone(),
+                    g.factors.clone(),
+                    Box::new(move |w: &mut LayerWeights| {
+                        let kv_b = unsplit_rows(w);
+                        w.w_uk = kv_b
+                            .slice(s![..h * p, ..])
+                            .to_owned()
+                            .into_shape_with_order((h, p, lkv))
+                            .unwrap();
+                        w.w_uv = kv_b
+                            .slice(s![h * p.., ..])
+                            .to_owned()
+                            .into_shape_with_order((h, dv, lkv))
+                            .unwrap();
+                    }),
+                ));
+            }
         }
         // kv_a output rows read as [k_pe | latent].
         cases.push((
@@ -407,6 +470,19 @@ fn goldens_detect_convention_errors() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The rows of an unsplit `attn_kv_b` (torch `[H·(P+Dv), Lkv]`, each head `[k_nope | v]`), rebuilt from
+/// the loaded `W_UK`/`W_UV`: the bytes a misreading would cut differently.
+fn unsplit_rows(w: &LayerWeights) -> Array2<f32> {
+    let (h, p, lkv) = w.w_uk.dim();
+    let dv = w.w_uv.dim().1;
+    let heads = ndarray::concatenate(Axis(1), &[w.w_uk.view(), w.w_uv.view()]).unwrap();
+    heads
+        .as_standard_layout()
+        .to_owned()
+        .into_shape_with_order((h * (p + dv), lkv))
+        .unwrap()
 }
 
 /// The converter's attn_k_b / attn_v_b, read by our loader, are HF's kv_b_proj split per head into
@@ -459,7 +535,11 @@ fn spec_for(g: &Golden) -> Spec {
     let u = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("{}: {k}", g.name)) as usize;
     let rp = &c["rope_parameters"];
     let preset = match g.name {
-        "deepseek-v3" | "deepseek-v3-yarn-no-mscale" => Preset::DeepseekV3,
+        "deepseek-v3" | "deepseek-v3-yarn-no-mscale" | "deepseek-v3-legacy-kv-b" => {
+            Preset::DeepseekV3
+        }
+        "kimi-k2" => Preset::KimiK2,
+        "glm-4.7-flash" => Preset::Glm47Flash,
         "deepseek-v2-lite" => Preset::DeepseekV2Lite,
         "glm-5" => Preset::Glm5,
         "minicpm3" | "minicpm3-long" => Preset::Minicpm3,
@@ -496,6 +576,8 @@ fn spec_for(g: &Golden) -> Spec {
         ));
     }
     s.quant = GgmlType::from_name("F32").unwrap();
+    // The legacy golden is the converter's file rewritten into the pre-PR #12801 layout (make_goldens.py).
+    s.legacy_kv_b |= g.name == "deepseek-v3-legacy-kv-b";
     s
 }
 
@@ -542,10 +624,20 @@ fn fixture_writes_what_the_converter_writes() {
         // The converter writes these only because transformers' config carries them; they do not change
         // attention while the context is within index_topk (see README, "Conventions").
         let converter_only_ok = [format!("{arch}.attention.indexer.types")];
+        // GLM-4.7-Flash's MTP block: the fixture, like the GLM-5 preset, writes the trunk only.
+        let nextn = conv
+            .get(&format!("{arch}.nextn_predict_layers"))
+            .and_then(|v| v.as_u64())
+            .unwrap_or(0) as usize;
         let mut mismatches = Vec::new();
         for k in ko.union(&kc).filter(|k| attention_key(&arch, k)) {
             match (ours.get(k), conv.get(k)) {
                 (Some(a), Some(b)) if a == b => {}
+                // block_count counts the MTP block; the trunk must agree.
+                (Some(a), Some(b))
+                    if *k == format!("{arch}.block_count")
+                        && a.as_u64().map(|v| v as usize + nextn)
+                            == b.as_u64().map(|v| v as usize) => {}
                 (None, Some(_)) if converter_only_ok.contains(k) => {}
                 (a, b) => mismatches.push(format!("{k}: ours {a:?}, converter {b:?}")),
             }
@@ -621,8 +713,10 @@ fn fixture_writes_what_the_converter_writes() {
         println!("{name:27} tensors only in the converter's file: {extra:?}");
         // FFN and the output norm are outside attention; the DSA indexer (GLM-5) is not used by the dense
         // MLA graph, and selects every key while the context is within index_topk.
+        let mtp_block = format!("blk.{}.", spec.layers);
         let outside = |n: &str| {
-            n == "output_norm.weight"
+            (nextn > 0 && n.starts_with(&mtp_block))
+                || n == "output_norm.weight"
                 || n.contains(".ffn_")
                 || n.contains(".exp_probs_b")
                 || n.contains(".indexer.")

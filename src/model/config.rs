@@ -118,6 +118,7 @@ pub struct RopeConfig {
 #[derive(Debug, Clone, Serialize)]
 pub struct MlaConfig {
     pub arch: Arch,
+    /// Trunk layers: `block_count` minus the appended NextN/MTP blocks (`nextn_predict_layers`).
     pub n_layer: usize,
     pub hidden: usize,
     pub n_head: usize,
@@ -243,7 +244,17 @@ impl MlaConfig {
             ))
         })?;
         let a = name;
-        let n_layer = req_u64(f, a, "block_count")?;
+        let block_count = req_u64(f, a, "block_count")?;
+        // block_count also counts the NextN/MTP blocks the converter appends after the trunk (GLM-4.7-Flash,
+        // GLM-5: nextn_predict_layers = 1); llama.cpp's n_layer() and the model's forward run the trunk only.
+        let nextn = opt_u64(f, a, "nextn_predict_layers")?.unwrap_or(0);
+        if nextn > 0 && nextn >= block_count {
+            return Err(Error::Unsupported(format!(
+                "{}: nextn_predict_layers {nextn} leaves no trunk layers of block_count {block_count} (an MTP-only file?)",
+                f.path.display()
+            )));
+        }
+        let n_layer = block_count - nextn;
         let hidden = req_u64(f, a, "embedding_length")?;
         let n_head = req_u64(f, a, "attention.head_count")?;
         let n_head_kv = opt_u64(f, a, "attention.head_count_kv")?.unwrap_or(n_head);
