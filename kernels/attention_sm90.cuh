@@ -140,14 +140,21 @@ __device__ __forceinline__ unsigned wg_off(int r, int c) {
 }
 
 // Key rows [j0, j0 + 64) ∩ [.., hi) of the paged cache into a K stage; rows past `hi` are zero (a page past
-// the sequence holds NaN poison and is never read).
+// the sequence holds NaN poison and is never read). Eight threads per row, one 128-byte line per pass, so
+// each thread looks up the block table once per row and its chunk's swizzled slot is fixed.
 __device__ __forceinline__ void wg_load_k(const AttnArgs& a, int b, const int* table, int j0, int hi, unsigned dst) {
-    for (int idx = threadIdx.x; idx < WG_BN * WG_CH; idx += WG_NT) {
-        const int r = idx / WG_CH, c = idx % WG_CH;
+    const int q = threadIdx.x & 7;
+#pragma unroll
+    for (int r = threadIdx.x >> 3; r < WG_BN; r += WG_NT / 8) {
         const int j = j0 + r;
-        const bool in = j < hi && c < ATT_DQK / 8;
-        const dt* src = in ? a.ka + b * a.ka_bs + key_slot(a, table, j) * a.ka_rs + c * 8 : a.ka;
-        cp_async16(dst + wg_off(r, c), src, in ? 16 : 0);
+        const dt* row = j < hi ? a.ka + b * a.ka_bs + key_slot(a, table, j) * a.ka_rs : nullptr;
+        const unsigned d = dst + r * 128 + ((q ^ (r & 7)) << 4);
+#pragma unroll
+        for (int k = 0; k < WG_KB; ++k) {
+            const int c = 8 * k + q;
+            const bool in = row && c < ATT_DQK / 8;
+            cp_async16(d + k * WG_BLK, in ? row + c * 8 : a.ka, in ? 16 : 0);
+        }
     }
 }
 

@@ -291,6 +291,12 @@ enum BenchCmd {
         /// Also write the results as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Head counts to time (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "16,128")]
+        heads: Vec<usize>,
+        /// Time only the first (preferred) tile of each head count, not the alternatives.
+        #[arg(long)]
+        best_only: bool,
     },
     /// Causal prefill flash attention at 4k tokens (qk 192 / v 128, 128 heads; 256 / 256, 64 heads).
     Prefill {
@@ -303,12 +309,20 @@ enum BenchCmd {
     },
 }
 
-fn cuda_bench(decode: bool, kernels: Option<PathBuf>, json: Option<PathBuf>) -> Result<i32, Error> {
+fn cuda_bench(
+    decode: bool,
+    kernels: Option<PathBuf>,
+    json: Option<PathBuf>,
+    decode_heads: Vec<usize>,
+    best_only: bool,
+) -> Result<i32, Error> {
     let opts = mla_diff::backend::cuda::bench::BenchOptions {
         kernels_dir: kernels,
         decode,
         prefill: !decode,
         iters: 50,
+        decode_heads,
+        best_only,
     };
     let (rep, text) = mla_diff::backend::cuda::bench::bench(&opts)?;
     print!("{text}");
@@ -386,12 +400,14 @@ fn run(cli: Cli) -> Result<i32, Error> {
                 backend: BenchBackend::Cuda,
                 kernels,
                 json,
-            } => cuda_bench(true, kernels, json),
+                heads,
+                best_only,
+            } => cuda_bench(true, kernels, json, heads, best_only),
             BenchCmd::Prefill {
                 backend: BenchBackend::Cuda,
                 kernels,
                 json,
-            } => cuda_bench(false, kernels, json),
+            } => cuda_bench(false, kernels, json, vec![], false),
             BenchCmd::Reference {
                 preset,
                 hidden,

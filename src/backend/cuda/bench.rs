@@ -44,6 +44,10 @@ pub struct BenchOptions {
     pub decode: bool,
     pub prefill: bool,
     pub iters: usize,
+    /// Decode head counts to time.
+    pub decode_heads: Vec<usize>,
+    /// Only the first tile of each shape (the one `run` uses).
+    pub best_only: bool,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -223,7 +227,7 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
         }
         let table = DevBuf::upload(&perm)?;
         let scale_log2 = (1.0 / (192f64).sqrt() * std::f64::consts::LOG2_E) as f32;
-        for h in [16usize, 128] {
+        for &h in &opts.decode_heads {
             let dims = Dims { h, page, ..base };
             let q = DevBuf::alloc(bsz * h * row * 2)?;
             filler.fill(&q, bsz * h * row, 12 + h as u32, 1.0)?;
@@ -274,8 +278,8 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
             gpu.sync("decode (scalar reference)")?;
             let want: Vec<u16> = o.read(0, bsz * h * lkv)?;
             let mut tiles: Vec<Tile> = decode_tiles(h);
-            tiles.truncate(3);
-            if h < 64 {
+            tiles.truncate(if opts.best_only { 1 } else { 3 });
+            if h < 64 && !opts.best_only {
                 tiles.push(Tile::new(1, 4, 32, 3, 1));
             }
             // One split fills the GPU at 128 heads (2 CTAs per request); 16 heads needs more.
