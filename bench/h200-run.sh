@@ -9,19 +9,7 @@ B=${B:-.carry/mla-diff}
 mkdir -p "$OUT/r"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 fail=0
-for f in fixtures/*.gguf; do
-  n=$(basename "$f" .gguf)
-  for dt in bf16 fp16; do
-    for sc in default long; do
-      extra=()
-      [ "$sc" = long ] && extra=(--prompt-len 777 --chunk 256 --decode-steps 64 --page-size 64 --num-splits 8)
-      NO_COLOR=1 "$B" run "$f" --backend cuda --dtype "$dt" "${extra[@]}" --json "$OUT/r/$n-$dt-$sc.json" > "$OUT/r/$n-$dt-$sc.txt" 2>&1
-      rc=$?
-      echo "run $n $dt $sc: exit $rc: $(grep -E 'PASS|DIVERGENCE' "$OUT/r/$n-$dt-$sc.txt" | tail -1 | cut -c1-160)"
-      [ $rc -eq 0 ] || fail=1
-    done
-  done
-done
+B="$B" DIR="$OUT/r" bash bench/run-fixtures.sh || fail=1
 echo "--- auto picks the GPU:"
 "$B" run fixtures/deepseek-v3-yarn-q4_k.gguf --json - 2>/dev/null | grep -E '"backend"|"gpu"' | head -3
 echo "--- gpu-validate (full sweep, calibrated tolerances):"

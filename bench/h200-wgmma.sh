@@ -6,6 +6,7 @@
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 B=${B:-.carry/mla-diff}
+fail=0
 mkdir -p "$OUT/w"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 NO_COLOR=1 timeout 240 "$B" bench decode --backend cuda --json "$OUT/w/bench-decode.json" > "$OUT/w/bench-decode.txt" 2>&1
@@ -22,15 +23,6 @@ for tool in racecheck synccheck; do
   timeout 150 /usr/local/cuda/bin/compute-sanitizer --tool $tool "$B" run fixtures/glm-5-q4_0.gguf --backend cuda > "$OUT/w/$tool.txt" 2>&1
   echo "$tool (glm-5 fixture: attn_wgmma): exit $?"; tail -3 "$OUT/w/$tool.txt"
 done
-for f in fixtures/*.gguf; do
-  n=$(basename "$f" .gguf)
-  for dt in bf16 fp16; do
-    for sc in default long; do
-      extra=()
-      [ "$sc" = long ] && extra=(--prompt-len 777 --chunk 256 --decode-steps 64 --page-size 64 --num-splits 8)
-      NO_COLOR=1 timeout 60 "$B" run "$f" --backend cuda --dtype "$dt" "${extra[@]}" --json "$OUT/w/run-$n-$dt-$sc.json" > "$OUT/w/run-$n-$dt-$sc.txt" 2>&1
-      echo "run $n $dt $sc: exit $?: $(grep -E 'PASS|DIVERGENCE' "$OUT/w/run-$n-$dt-$sc.txt" | tail -1 | cut -c1-150)"
-    done
-  done
-done
+B="$B" DIR="$OUT/w" bash bench/run-fixtures.sh || fail=1
 tar czf "$OUT/wgmma.tar.gz" -C "$OUT" w && rm -rf "$OUT/w"
+exit $fail
