@@ -234,7 +234,11 @@ enum KernelsCmd {
     /// print ptxas registers and spills per kernel. Exit 2 on a compile error.
     Check {
         /// Comma-separated target architectures.
-        #[arg(long, default_value = "sm_90a,sm_90,sm_80,sm_120", value_delimiter = ',')]
+        #[arg(
+            long,
+            default_value = "sm_90a,sm_90,sm_80,sm_120",
+            value_delimiter = ','
+        )]
         arch: Vec<String>,
         /// Read the kernel sources from this directory instead of the embedded copy.
         #[arg(long)]
