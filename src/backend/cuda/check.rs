@@ -54,9 +54,13 @@ pub fn ptx_attn_config(ptx: &str, kernel: &str) -> Option<[i32; 4]> {
 /// the scalar path on a NEOX one (so each rope fault changes code in one of them).
 const FAULT_SETS: [(&str, Dtype); 2] = [("deepseek-v3", Dtype::Bf16), ("minicpm3", Dtype::F32)];
 
-/// The architecture the kernel faults are compiled for: sm_90 if asked for, else the first one.
+/// The architecture the kernel faults are compiled for: sm_90a if asked for (its decode module holds both
+/// tensor-core kernels), else sm_90, else the first one.
 fn fault_arch(archs: &[String]) -> Option<&String> {
-    archs.iter().find(|a| *a == "sm_90").or(archs.first())
+    ["sm_90a", "sm_90"]
+        .iter()
+        .find_map(|p| archs.iter().find(|a| a == p))
+        .or(archs.first())
 }
 
 /// One compile job: unit and attention tile.
@@ -137,9 +141,34 @@ fn check_faults(
                 let base = clean
                     .get(&(name.to_string(), dt, label.clone()))
                     .expect("the clean compile of every job");
-                if *base != c.ptx {
-                    changed.push(format!("{name} {} {label}", dt.name()));
+                let (before, after) = (
+                    String::from_utf8_lossy(base),
+                    String::from_utf8_lossy(&c.ptx),
+                );
+                let (before, after) = (ptx_entries(&before), ptx_entries(&after));
+                let kernels: Vec<&str> = after
+                    .iter()
+                    .filter(|(k, body)| {
+                        before.iter().find(|(b, _)| b == k).map(|(_, b)| b) != Some(body)
+                    })
+                    .map(|(k, _)| *k)
+                    .collect();
+                if kernels.is_empty() {
+                    continue;
                 }
+                // A fault in the attention core must reach both tensor-core decode kernels.
+                let has_wgmma = after.iter().any(|(k, _)| *k == "attn_wgmma");
+                if has_wgmma && kernels.contains(&"attn_mma") && !kernels.contains(&"attn_wgmma") {
+                    return Err(Error::Environment(format!(
+                        "{define}=1 changes attn_mma but not attn_wgmma ({name} {} {unit}): the Hopper kernel misses the fault's switch",
+                        dt.name()
+                    )));
+                }
+                changed.push(format!(
+                    "{name} {} {label} [{}]",
+                    dt.name(),
+                    kernels.join(", ")
+                ));
             }
         }
         if changed.is_empty() {
@@ -150,6 +179,21 @@ fn check_faults(
         writeln!(rep, "  {define}: changes {}", changed.join("; ")).unwrap();
     }
     Ok(compiles)
+}
+
+/// The `.entry` functions of a PTX file with their text (up to the next entry).
+fn ptx_entries(ptx: &str) -> Vec<(&str, &str)> {
+    let starts: Vec<usize> = ptx.match_indices(".entry ").map(|(i, _)| i).collect();
+    starts
+        .iter()
+        .enumerate()
+        .map(|(n, &i)| {
+            let end = starts.get(n + 1).copied().unwrap_or(ptx.len());
+            let text = &ptx[i..end];
+            let name = text[7..].split(['(', ' ', '\n']).next().unwrap_or("");
+            (name, text)
+        })
+        .collect()
 }
 
 pub struct CheckSummary {
@@ -322,6 +366,27 @@ pub fn kernels_check(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ptx_is_split_into_entries() {
+        let ptx = ".global .b8 x[4];\n.visible .entry a(\n.param .u64 p)\n{ ret; }\n.visible .entry bb(\n)\n{ exit; }\n";
+        let e = ptx_entries(ptx);
+        assert_eq!(e.iter().map(|x| x.0).collect::<Vec<_>>(), ["a", "bb"]);
+        assert!(e[0].1.contains("ret;") && !e[0].1.contains("exit;"));
+        assert!(e[1].1.ends_with("{ exit; }\n"));
+    }
+
+    #[test]
+    fn faults_compile_for_hopper_first() {
+        let v = |s: &[&str]| s.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            fault_arch(&v(&["sm_80", "sm_90", "sm_90a"])).unwrap(),
+            "sm_90a"
+        );
+        assert_eq!(fault_arch(&v(&["sm_80", "sm_90"])).unwrap(), "sm_90");
+        assert_eq!(fault_arch(&v(&["sm_120"])).unwrap(), "sm_120");
+        assert_eq!(fault_arch(&[]), None);
+    }
 
     #[test]
     fn attn_config_is_read_from_ptx() {
