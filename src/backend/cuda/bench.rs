@@ -7,7 +7,7 @@
 //! causal prefill FLOPs = H·T²·(dqk+dv) (half of the full T×T score matrix).
 
 use super::device::{arg, DevBuf, Gpu, Timer};
-use super::kernels::{launch, Attn, AttnArgs, Blas, Dims, Kernels, Tile};
+use super::kernels::{launch, Attn, AttnArgs, Blas, Dims, GemmPrecision, Kernels, Tile};
 use super::nvrtc::Sources;
 use super::{decode_tiles, prefill_tiles};
 use crate::backend::Dtype;
@@ -171,7 +171,7 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
     filler.fill(&gb, nm * nm, 3, 1.0)?;
     let (mm_us, _) = time_us(3, 20, || {
         blas.batched(
-            dt,
+            GemmPrecision::Storage(dt),
             Op::CUBLAS_OP_N,
             nm,
             nm,

@@ -415,6 +415,16 @@ impl Attn {
     }
 }
 
+/// Operand/result type and accumulator of a GEMM.
+#[derive(Debug, Clone, Copy)]
+pub enum GemmPrecision {
+    /// Storage-type operands and result, f32 accumulation: every real projection.
+    Storage(Dtype),
+    /// fp16 operands, accumulator and result (CUBLAS_COMPUTE_16F): the planted bug `q_abs_fp16_accum`
+    /// (llama.cpp #13137), never the real path.
+    Fp16Accum,
+}
+
 /// cuBLAS handle; every projection is a GEMM with f32 accumulation and storage-type output.
 pub struct Blas {
     h: blas::cublasHandle_t,
@@ -459,7 +469,7 @@ impl Blas {
         ldy: usize,
     ) -> Result<()> {
         self.batched(
-            dt,
+            GemmPrecision::Storage(dt),
             blas::cublasOperation_t::CUBLAS_OP_T,
             out,
             n,
@@ -481,7 +491,7 @@ impl Blas {
     #[allow(clippy::too_many_arguments)]
     pub fn batched(
         &self,
-        dt: Dtype,
+        prec: GemmPrecision,
         op_a: blas::cublasOperation_t,
         m: usize,
         n: usize,
@@ -500,52 +510,28 @@ impl Blas {
         if m == 0 || n == 0 || batch == 0 {
             return Ok(());
         }
-        let ty = blas_type(dt);
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        // alpha = 1, beta = 0 in the compute type (cuBLAS reads them as fp16 with a 16F compute type).
+        let ab32 = [1.0f32, 0.0];
+        let ab16 = [half::f16::ONE, half::f16::ZERO];
+        let (ty, compute, alpha, beta) = match prec {
+            GemmPrecision::Storage(dt) => (
+                blas_type(dt),
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                &ab32[0] as *const f32 as *const c_void,
+                &ab32[1] as *const f32 as *const c_void,
+            ),
+            GemmPrecision::Fp16Accum => (
+                blas::cudaDataType::CUDA_R_16F,
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_16F,
+                &ab16[0] as *const half::f16 as *const c_void,
+                &ab16[1] as *const half::f16 as *const c_void,
+            ),
+        };
         self.gemm(
             ty,
-            blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            &alpha as *const f32 as *const c_void,
-            &beta as *const f32 as *const c_void,
-            op_a,
-            [m, n, k],
-            (a, lda, sa),
-            (b, ldb, sb),
-            (c, ldc, sc),
-            batch,
-        )
-    }
-
-    /// `batched` with fp16 operands, an fp16 accumulator (CUBLAS_COMPUTE_16F) and an fp16 result: the
-    /// planted bug `q_abs_fp16_accum` (llama.cpp #13137), never the real path.
-    #[allow(clippy::too_many_arguments)]
-    pub fn batched_fp16_accum(
-        &self,
-        op_a: blas::cublasOperation_t,
-        m: usize,
-        n: usize,
-        k: usize,
-        a: u64,
-        lda: usize,
-        sa: usize,
-        b: u64,
-        ldb: usize,
-        sb: usize,
-        c: u64,
-        ldc: usize,
-        sc: usize,
-        batch: usize,
-    ) -> Result<()> {
-        if m == 0 || n == 0 || batch == 0 {
-            return Ok(());
-        }
-        // With a 16F compute type cuBLAS takes alpha and beta as fp16.
-        let (alpha, beta) = (half::f16::ONE, half::f16::ZERO);
-        self.gemm(
-            blas::cudaDataType::CUDA_R_16F,
-            blas::cublasComputeType_t::CUBLAS_COMPUTE_16F,
-            &alpha as *const half::f16 as *const c_void,
-            &beta as *const half::f16 as *const c_void,
+            compute,
+            alpha,
+            beta,
             op_a,
             [m, n, k],
             (a, lda, sa),

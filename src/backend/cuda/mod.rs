@@ -29,7 +29,7 @@ use crate::schedule::Schedule;
 use crate::trace::{LayerTrace, Stage, StageTensor};
 use cudarc::cublas::sys::cublasOperation_t as Op;
 use device::{arg, decode, elem_bytes, encode, DevBuf, Gpu};
-use kernels::{launch, Attn, AttnArgs, Blas, Dims, Kernels, Tile};
+use kernels::{launch, Attn, AttnArgs, Blas, Dims, GemmPrecision, Kernels, Tile};
 use std::path::PathBuf;
 
 #[derive(Debug, Clone)]
@@ -731,7 +731,7 @@ impl Backend for CudaBackend {
             // q_abs[t, h, :] = W_UK[h]ᵀ q_nope[t, h, :]   (per head: [Lkv, P] x [P, n])
             match &w_uk_abs16 {
                 None => blas.batched(
-                    dt,
+                    GemmPrecision::Storage(dt),
                     Op::CUBLAS_OP_N,
                     lkv,
                     n,
@@ -753,7 +753,8 @@ impl Backend for CudaBackend {
                     let qn = down(&q, dt, s0 * h * dqk, n * h * dqk)?;
                     let q16 = DevBuf::upload(&encode(Dtype::F16, qn.into_iter()))?;
                     let c16 = DevBuf::alloc(n * h * lkv * 2)?;
-                    blas.batched_fp16_accum(
+                    blas.batched(
+                        GemmPrecision::Fp16Accum,
                         Op::CUBLAS_OP_N,
                         lkv,
                         n,
@@ -864,7 +865,7 @@ impl Backend for CudaBackend {
             }
             // attn_heads[t, h, :] = W_UV[h] · attn_latent[t, h, :]   (per head: [Dv, Lkv] x [Lkv, n])
             blas.batched(
-                dt,
+                GemmPrecision::Storage(dt),
                 Op::CUBLAS_OP_T,
                 dv,
                 n,
