@@ -213,15 +213,10 @@ fn reports_validate_and_parse() {
     assert!(stdout.contains("PASS"), "{stdout}");
     assert!(!stdout.contains('\x1b'), "no colour when not a terminal");
 
-    let schema: serde_json::Value =
-        serde_json::from_str(include_str!("../schema/report.schema.json")).unwrap();
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(p("r.json")).unwrap()).unwrap();
-    let validator = jsonschema::validator_for(&schema).unwrap();
-    let errors: Vec<String> = validator
-        .iter_errors(&report)
-        .map(|e| format!("{e} at {}", e.instance_path))
-        .collect();
+    let validator = common::report_validator();
+    let errors = common::schema_errors(&validator, &report);
     assert!(errors.is_empty(), "schema errors: {errors:#?}");
     // The schema is not vacuous: a report without its verdict is rejected.
     let mut broken = report.clone();

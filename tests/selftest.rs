@@ -225,13 +225,8 @@ fn injected_faults_are_reported_and_validate() {
     );
     assert_eq!(report["verdict"]["first_layer"], 2);
     assert_eq!(report["verdict"]["first_check"], "cache_rows");
-    let schema: serde_json::Value =
-        serde_json::from_str(include_str!("../schema/report.schema.json")).unwrap();
-    let validator = jsonschema::validator_for(&schema).unwrap();
-    let errors: Vec<String> = validator
-        .iter_errors(&report)
-        .map(|e| format!("{e} at {}", e.instance_path))
-        .collect();
+    let validator = common::report_validator();
+    let errors = common::schema_errors(&validator, &report);
     assert!(errors.is_empty(), "schema errors: {errors:#?}");
     let mut bad = report.clone();
     bad["run"]["injected"][0]["name"] = serde_json::json!("Rope Neox");

@@ -275,3 +275,17 @@ pub fn make_fixture(dir: &Path, name: &str, args: &[&str]) -> PathBuf {
     );
     path
 }
+
+/// The JSON report schema (schema/report.schema.json), compiled.
+pub fn report_validator() -> jsonschema::Validator {
+    let schema: serde_json::Value =
+        serde_json::from_str(include_str!("../../schema/report.schema.json")).unwrap();
+    jsonschema::validator_for(&schema).unwrap()
+}
+
+/// Every schema error of `report`, with where it is.
+pub fn schema_errors(v: &jsonschema::Validator, report: &serde_json::Value) -> Vec<String> {
+    v.iter_errors(report)
+        .map(|e| format!("{e} at {}", e.instance_path))
+        .collect()
+}
