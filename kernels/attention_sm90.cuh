@@ -30,7 +30,6 @@
 #define WG_BN 64
 #define WG_NT 256
 #define WG_KB ((ATT_DQK + 63) / 64)  // 64-column blocks per row
-#define WG_CH (WG_KB * 8)            // 16-byte chunks per row
 #define WG_BLK (64 * 128)            // one block: 64 rows x 128 bytes
 #define WG_TILE (WG_KB * WG_BLK)     // a Q or K tile
 #define WG_NV (ATT_DV / 2)           // value columns per warpgroup
@@ -139,22 +138,26 @@ __device__ __forceinline__ unsigned wg_off(int r, int c) {
     return (c >> 3) * WG_BLK + r * 128 + (((c & 7) ^ (r & 7)) << 4);
 }
 
-// Key rows [j0, j0 + 64) ∩ [.., hi) of the paged cache into a K stage; rows past `hi` are zero (a page past
-// the sequence holds NaN poison and is never read). Eight threads per row, one 128-byte line per pass, so
-// each thread looks up the block table once per row and its chunk's swizzled slot is fixed.
-__device__ __forceinline__ void wg_load_k(const AttnArgs& a, int b, const int* table, int j0, int hi, unsigned dst) {
+// Row r of a tile from `src` (null: zeros) into its swizzled slots, eight threads per row: this thread
+// copies the 16-byte chunks q, q + 8, … (q = threadIdx % 8), one 128-byte line per pass of the eight.
+__device__ __forceinline__ void wg_load_row(unsigned dst, int r, const dt* src, const dt* any_valid) {
     const int q = threadIdx.x & 7;
+    const unsigned d = dst + r * 128 + ((q ^ (r & 7)) << 4);
+#pragma unroll
+    for (int k = 0; k < WG_KB; ++k) {
+        const int c = 8 * k + q;
+        const bool in = src && c < ATT_DQK / 8;
+        cp_async16(d + k * WG_BLK, in ? src + c * 8 : any_valid, in ? 16 : 0);
+    }
+}
+
+// Key rows [j0, j0 + 64) ∩ [.., hi) of the paged cache into a K stage, one block-table lookup per row;
+// rows past `hi` are zero (a page past the sequence holds NaN poison and is never read).
+__device__ __forceinline__ void wg_load_k(const AttnArgs& a, int b, const int* table, int j0, int hi, unsigned dst) {
 #pragma unroll
     for (int r = threadIdx.x >> 3; r < WG_BN; r += WG_NT / 8) {
         const int j = j0 + r;
-        const dt* row = j < hi ? a.ka + b * a.ka_bs + key_slot(a, table, j) * a.ka_rs : nullptr;
-        const unsigned d = dst + r * 128 + ((q ^ (r & 7)) << 4);
-#pragma unroll
-        for (int k = 0; k < WG_KB; ++k) {
-            const int c = 8 * k + q;
-            const bool in = row && c < ATT_DQK / 8;
-            cp_async16(d + k * WG_BLK, in ? row + c * 8 : a.ka, in ? 16 : 0);
-        }
+        wg_load_row(dst, r, j < hi ? a.ka + b * a.ka_bs + key_slot(a, table, j) * a.ka_rs : nullptr, a.ka);
     }
 }
 
@@ -177,12 +180,10 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs
     const int n_tiles = hi > lo ? (hi - lo + WG_BN - 1) / WG_BN : 0;
 
     // Q (rows past the end are zero) and the first key tile: one cp.async group.
-    for (int idx = tid; idx < WG_BM * WG_CH; idx += WG_NT) {
-        const int r = idx / WG_CH, c = idx % WG_CH;
+    for (int r = tid >> 3; r < WG_BM; r += WG_NT / 8) {
         const RowInfo ri = att_row(a, tile, r, n_keys);
-        const bool in = ri.valid && c < ATT_DQK / 8;
-        const dt* src = in ? a.q + b * a.q_bs + (long long)ri.i * a.q_rs + (long long)ri.h * a.q_hs + c * 8 : a.q;
-        cp_async16(sQ + wg_off(r, c), src, in ? 16 : 0);
+        const dt* src = a.q + b * a.q_bs + (long long)ri.i * a.q_rs + (long long)ri.h * a.q_hs;
+        wg_load_row(sQ, r, ri.valid ? src : nullptr, a.q);
     }
     if (n_tiles > 0) wg_load_k(a, b, table, lo, hi, sK0);
     cp_async_commit();

@@ -236,12 +236,6 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
             let max_splits = 8;
             let po = DevBuf::alloc(bsz * h * max_splits * lkv * 4)?;
             let pl = DevBuf::alloc(bsz * h * max_splits * 4)?;
-            let m_dec = k.module("decode.cu", {
-                let mut d = dims.defines();
-                d.extend(decode_tiles(h)[0].defines());
-                d
-            })?;
-            let f_combine = m_dec.func("combine_splits")?;
             let bytes = (bsz * s * row * 2 + bsz * h * row * 2 + bsz * h * lkv * 2) as f64;
             let flops = 2.0 * (bsz * h * s) as f64 * (row + lkv) as f64;
             let args = |splits: usize| AttnArgs {
@@ -255,22 +249,14 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
                 part_out: po.ptr,
                 part_lse: pl.ptr,
                 q_bs: (h * row) as i64,
-                q_rs: (h * row) as i64,
-                q_hs: row as i64,
-                ka_rs: row as i64,
-                kb_rs: row as i64,
-                v_rs: row as i64,
                 out_bs: (h * lkv) as i64,
-                out_rs: (h * lkv) as i64,
-                out_hs: lkv as i64,
                 table_bs: (s / page) as i64,
                 n_keys: s as i32,
                 n_q: 1,
-                n_heads: h as i32,
                 num_splits: splits as i32,
                 causal: 1,
                 scale_log2,
-                ..Default::default()
+                ..AttnArgs::decode_layout(h, lkv, r)
             };
             // Reference output for the self-check: the scalar kernel, one split.
             let scalar = Attn::load(&mut k, &gpu, "decode.cu", &dims, &[], true)?;
@@ -303,28 +289,10 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
                 };
                 for &splits in splits_list {
                     let a = args(splits);
-                    let (rows_n, hh, nsi) = (bsz * h, h as i32, splits as i32);
-                    let (ors, ohs) = ((h * lkv) as i64, lkv as i64);
                     let run = || -> Result<()> {
                         att.run(&a, bsz as u32)?;
                         if splits > 1 {
-                            launch(
-                                f_combine,
-                                "combine_splits",
-                                (rows_n as u32, 1, 1),
-                                128,
-                                0,
-                                &mut [
-                                    arg(&po.ptr),
-                                    arg(&pl.ptr),
-                                    arg(&o.ptr),
-                                    arg(&ors),
-                                    arg(&ohs),
-                                    arg(&lse.ptr),
-                                    arg(&hh),
-                                    arg(&nsi),
-                                ],
-                            )?;
+                            att.combine(&a, bsz * h)?;
                         }
                         Ok(())
                     };
@@ -378,22 +346,11 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
                 v: v.ptr,
                 out: o.ptr,
                 lse: lse.ptr,
-                q_rs: (h * dqk) as i64,
-                q_hs: dqk as i64,
-                ka_rs: (h * p) as i64,
-                ka_hs: p as i64,
-                kb_rs: r as i64,
-                v_rs: (h * dv) as i64,
-                v_hs: dv as i64,
-                out_rs: (h * dv) as i64,
-                out_hs: dv as i64,
                 n_keys: t as i32,
                 n_q: t as i32,
-                n_heads: h as i32,
-                num_splits: 1,
                 causal: 1,
                 scale_log2: (1.0 / (dqk as f64).sqrt() * std::f64::consts::LOG2_E) as f32,
-                ..Default::default()
+                ..AttnArgs::prefill_layout(h, p, r, dv, r)
             };
             let flops = (h * t * t) as f64 * (dqk + dv) as f64;
             let bytes = ((t * h * (dqk + p + dv + dv)) * 2 + t * r * 2) as f64;

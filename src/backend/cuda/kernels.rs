@@ -1,6 +1,6 @@
 //! Compiled kernel modules (cached by their defines), launches, and the cuBLAS projections.
 
-use super::device::{drv_err, Gpu};
+use super::device::{arg, drv_err, Gpu};
 use super::nvrtc::{self, Sources};
 use crate::backend::Dtype;
 use crate::error::{Error, Result};
@@ -181,22 +181,22 @@ impl Module {
         unsafe { drv::module::get_function(self.m, c) }
             .map_err(drv_err(&format!("finding kernel {name} in {}", self.unit)))
     }
-    /// Whether the module defines a global named `name`.
-    pub fn has_global(&self, name: &str) -> bool {
+    /// Device address and size of the module's global `name`.
+    fn global(&self, name: &str) -> Result<(u64, usize)> {
         let c = CString::new(name).unwrap();
         let (mut ptr, mut bytes) = (0u64, 0usize);
         unsafe { sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, self.m, c.as_ptr()) }
             .result()
-            .is_ok()
+            .map_err(drv_err(&format!("reading {name} from {}", self.unit)))?;
+        Ok((ptr, bytes))
+    }
+    /// Whether the module defines a global named `name`.
+    pub fn has_global(&self, name: &str) -> bool {
+        self.global(name).is_ok()
     }
     /// Read a small `__device__ const int[]` table (the kernel's own account of its launch config).
     pub fn global_i32s(&self, name: &str, n: usize) -> Result<Vec<i32>> {
-        let c = CString::new(name).unwrap();
-        let mut ptr = 0u64;
-        let mut bytes = 0usize;
-        unsafe { sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, self.m, c.as_ptr()) }
-            .result()
-            .map_err(drv_err(&format!("reading {name} from {}", self.unit)))?;
+        let (ptr, bytes) = self.global(name)?;
         if bytes < n * 4 {
             return Err(Error::Environment(format!(
                 "{}: {name} is {bytes} bytes, expected {}",
@@ -314,6 +314,44 @@ pub struct AttnArgs {
     pub scale_log2: f32,
 }
 
+impl AttnArgs {
+    /// Strides of prefill over one request: q `[query][head][P+R]`, k_nope `[key][head][P]`, k_pe rows of
+    /// `kb_rs` elements shared by the heads, v and out `[.][head][Dv]`; one split.
+    pub fn prefill_layout(h: usize, p: usize, r: usize, dv: usize, kb_rs: usize) -> AttnArgs {
+        let dqk = p + r;
+        AttnArgs {
+            q_rs: (h * dqk) as i64,
+            q_hs: dqk as i64,
+            ka_rs: (h * p) as i64,
+            ka_hs: p as i64,
+            kb_rs: kb_rs as i64,
+            v_rs: (h * dv) as i64,
+            v_hs: dv as i64,
+            out_rs: (h * dv) as i64,
+            out_hs: dv as i64,
+            n_heads: h as i32,
+            num_splits: 1,
+            ..Default::default()
+        }
+    }
+    /// Strides of absorbed decode over one request: q `[query][head][Lkv+R]`, cache rows `[latent | k_pe]`
+    /// (the value is the latent: key and value read the same row), out `[query][head][Lkv]`.
+    pub fn decode_layout(h: usize, lkv: usize, r: usize) -> AttnArgs {
+        let row = lkv + r;
+        AttnArgs {
+            q_rs: (h * row) as i64,
+            q_hs: row as i64,
+            ka_rs: row as i64,
+            kb_rs: row as i64,
+            v_rs: row as i64,
+            out_rs: (h * lkv) as i64,
+            out_hs: lkv as i64,
+            n_heads: h as i32,
+            ..Default::default()
+        }
+    }
+}
+
 /// One attention module (prefill.cu or decode.cu) with its tensor-core and scalar kernels.
 pub struct Attn {
     _m: Rc<Module>,
@@ -322,6 +360,8 @@ pub struct Attn {
     /// The kernel `run` launches.
     pub name: &'static str,
     scalar: sys::CUfunction,
+    /// decode.cu's `combine_splits` (None for prefill).
+    combine: Option<sys::CUfunction>,
     pub mqa: bool,
     pub tile: Option<Tile>,
 }
@@ -338,6 +378,13 @@ impl Attn {
         force_scalar: bool,
     ) -> Result<Attn> {
         let mqa = unit == "decode.cu";
+        let combine = |m: &Module| -> Result<Option<sys::CUfunction>> {
+            Ok(if mqa {
+                Some(m.func("combine_splits")?)
+            } else {
+                None
+            })
+        };
         let mut base = dims.defines();
         let use_mma = !force_scalar && dims.mma_ok(mqa);
         if use_mma {
@@ -370,6 +417,7 @@ impl Attn {
                 .map_err(drv_err("raising the kernel's shared-memory limit"))?;
                 let scalar = m.func("attn_scalar")?;
                 return Ok(Attn {
+                    combine: combine(&m)?,
                     _m: m,
                     mma: Some((f, smem as u32, cfg[1] as u32, cfg[2] as u32)),
                     name,
@@ -384,6 +432,7 @@ impl Attn {
         let m = k.module(unit, base)?;
         let scalar = m.func("attn_scalar")?;
         Ok(Attn {
+            combine: combine(&m)?,
             _m: m,
             mma: None,
             name: "attn_scalar",
@@ -412,6 +461,33 @@ impl Attn {
             Some((f, smem, threads, bm)) => launch(f, self.name, rows(bm), threads, smem, &mut p),
             None => launch(self.scalar, "attn_scalar", rows(4), 128, 0, &mut p),
         }
+    }
+
+    /// Decode: merge the split partials (`a.part_out`, `a.part_lse`) of `rows` (query, head) rows into
+    /// `a.out` and `a.lse` (decode.cu `combine_splits`; a batch folds into the rows through `a.out_rs`).
+    pub fn combine(&self, a: &AttnArgs, rows: usize) -> Result<()> {
+        let f = self.combine.ok_or_else(|| {
+            Error::Environment("combine_splits belongs to the decode module".into())
+        })?;
+        let (po, pl, o, l) = (a.part_out, a.part_lse, a.out, a.lse);
+        let (ors, ohs, hh, ns) = (a.out_rs, a.out_hs, a.n_heads, a.num_splits);
+        launch(
+            f,
+            "combine_splits",
+            (rows as u32, 1, 1),
+            128,
+            0,
+            &mut [
+                arg(&po),
+                arg(&pl),
+                arg(&o),
+                arg(&ors),
+                arg(&ohs),
+                arg(&l),
+                arg(&hh),
+                arg(&ns),
+            ],
+        )
     }
 }
 
@@ -624,9 +700,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn only_kernel_faults_become_defines() {
-        let d = Dims {
+    /// DeepSeek-V3 attention dims, 16 heads, bf16, no fault.
+    fn deepseek_bf16() -> Dims {
+        Dims {
             dtype: Dtype::Bf16,
             lkv: 512,
             r: 64,
@@ -636,9 +712,17 @@ mod tests {
             page: 64,
             neox: false,
             debug: true,
+            faults: Active::NONE,
+        }
+    }
+
+    #[test]
+    fn only_kernel_faults_become_defines() {
+        let d = Dims {
             faults: Active::NONE
                 .with(Fault::SplitDropLast)
                 .with(Fault::Scale576),
+            ..deepseek_bf16()
         };
         let faults: Vec<String> = d
             .defines()
@@ -661,18 +745,7 @@ mod tests {
 
     #[test]
     fn dims_become_defines_and_gate_the_tensor_cores() {
-        let d = Dims {
-            dtype: Dtype::Bf16,
-            lkv: 512,
-            r: 64,
-            p: 128,
-            dv: 128,
-            h: 16,
-            page: 64,
-            neox: false,
-            debug: true,
-            faults: Active::NONE,
-        };
+        let d = deepseek_bf16();
         let defs = d.defines();
         assert!(defs.contains(&("MLA_LKV".to_string(), "512".to_string())));
         assert!(defs.contains(&("MLA_DTYPE".to_string(), "0".to_string())));

@@ -287,7 +287,6 @@ impl Backend for CudaBackend {
             }
         }
         let f_merge = m_pre.func("merge_states")?;
-        let f_combine = m_dec.func("combine_splits")?;
         let path = |a: &Attn| match a.tile {
             Some(t) if a.uses_mma() => format!("mma ({})", t.label()),
             _ => "scalar".to_string(),
@@ -610,22 +609,11 @@ impl Backend for CudaBackend {
             v: vp,
             out: outp,
             lse: lsep,
-            q_rs: (h * dqk) as i64,
-            q_hs: dqk as i64,
-            ka_rs: (h * p) as i64,
-            ka_hs: p as i64,
-            kb_rs: row as i64,
-            v_rs: (h * dv) as i64,
-            v_hs: dv as i64,
-            out_rs: (h * dv) as i64,
-            out_hs: dv as i64,
             n_keys: n_keys as i32,
             n_q: n as i32,
-            n_heads: h as i32,
-            num_splits: 1,
             causal: causal as i32,
             scale_log2,
-            ..Default::default()
+            ..AttnArgs::prefill_layout(h, p, r, dv, row)
         };
         // o_proj of rows [t0, t0+n) from heads with row stride H·Dv.
         let o_proj = |t0: usize, n: usize, src: &DevBuf| -> Result<()> {
@@ -824,44 +812,17 @@ impl Backend for CudaBackend {
                 lse: lse.at(s0 * h, 4),
                 part_out: part_out.at(d0 * h * ns * lkv, 4),
                 part_lse: part_lse.at(d0 * h * ns, 4),
-                q_rs: (h * row) as i64,
-                q_hs: row as i64,
-                ka_rs: row as i64,
-                kb_rs: row as i64,
-                v_rs: row as i64,
-                out_rs: (h * lkv) as i64,
-                out_hs: lkv as i64,
                 n_keys: st.end as i32,
                 n_q: n as i32,
-                n_heads: h as i32,
                 num_splits: ns as i32,
                 causal: 1,
                 scale_log2,
-                ..Default::default()
+                ..AttnArgs::decode_layout(h, lkv, r)
             };
             dec.run(&a, 1)?;
             sync_if_debug("decode attention")?;
             if partials {
-                let (o, l) = (lat.at(d0 * h * lkv, es), lse.at(s0 * h, 4));
-                let (ors, ohs, hh, nsi) = ((h * lkv) as i64, lkv as i64, h as i32, ns as i32);
-                let (po, pl) = (a.part_out, a.part_lse);
-                launch(
-                    f_combine,
-                    "combine_splits",
-                    ((n * h) as u32, 1, 1),
-                    128,
-                    0,
-                    &mut [
-                        arg(&po),
-                        arg(&pl),
-                        arg(&o),
-                        arg(&ors),
-                        arg(&ohs),
-                        arg(&l),
-                        arg(&hh),
-                        arg(&nsi),
-                    ],
-                )?;
+                dec.combine(&a, n * h)?;
             }
             // attn_heads[t, h, :] = W_UV[h] · attn_latent[t, h, :]   (per head: [Dv, Lkv] x [Lkv, n])
             blas.batched(
