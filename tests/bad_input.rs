@@ -413,7 +413,10 @@ fn large_u8_array_is_held_compactly() {
     );
     let (code, rss) = peak_rss(&["inspect", p.to_str().unwrap(), "--json"]);
     assert_eq!(code, Some(0));
-    eprintln!("inspect --json of a 64 Mi-element u8 array: peak RSS {} MB", rss >> 20);
+    eprintln!(
+        "inspect --json of a 64 Mi-element u8 array: peak RSS {} MB",
+        rss >> 20
+    );
     // The file's pages (64 MiB, mapped) plus the array (64 MiB) plus the program.
     assert!(rss < 200 << 20, "peak RSS {} MB", rss >> 20);
     let f = GgufFile::open(&p).unwrap();
