@@ -385,6 +385,8 @@ fn absurd_block_count_is_rejected_fast() {
 }
 
 /// Run the binary and return its exit code and peak resident memory in bytes (its own, via wait4).
+// The child is reaped by wait4 (which also gives its rusage), not by Child::wait.
+#[allow(clippy::zombie_processes)]
 fn peak_rss(args: &[&str]) -> (Option<i32>, u64) {
     let child = common::bin()
         .args(args)
