@@ -60,3 +60,68 @@ impl From<candle_core::Error> for Error {
         Error::Unsupported(format!("candle: {e}"))
     }
 }
+
+/// Longest file-derived name shown in a message, in characters after escaping.
+const QUOTE_MAX: usize = 80;
+
+/// A name, key or string read from a file, fit for a one-line message: quoted, control and other
+/// non-printable characters escaped (a name may hold newlines or binary), cut at 80 characters.
+pub fn quote(s: &str) -> String {
+    let mut out = String::from("\"");
+    let mut n = 0;
+    for c in s.chars() {
+        // escape_debug covers quotes, backslashes, control and non-printable characters; other line or
+        // paragraph separators (U+2028 ...) must not break the line either.
+        let esc: String = if c.is_whitespace() && !matches!(c, ' ' | '\n' | '\t' | '\r') {
+            c.escape_unicode().collect()
+        } else {
+            c.escape_debug().collect()
+        };
+        n += esc.chars().count();
+        if n > QUOTE_MAX {
+            out.push_str("\"… (");
+            out.push_str(&format!("{} bytes)", s.len()));
+            return out;
+        }
+        out.push_str(&esc);
+    }
+    out.push('"');
+    out
+}
+
+/// The last guard of the one-line rule: whatever an error says, print it as one bounded line.
+pub fn one_line(msg: &str) -> String {
+    const MAX: usize = 1000;
+    let mut s: String = msg
+        .chars()
+        .flat_map(|c| match c {
+            '\n' => "\\n".chars().collect::<Vec<_>>(),
+            '\r' => "\\r".chars().collect(),
+            c if c.is_control() || (c.is_whitespace() && c != ' ') => c.escape_unicode().collect(),
+            c => vec![c],
+        })
+        .take(MAX + 1)
+        .collect();
+    if s.chars().count() > MAX {
+        s = s.chars().take(MAX).collect();
+        s.push('…');
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quote_escapes_and_truncates() {
+        assert_eq!(quote("blk.0.x"), "\"blk.0.x\"");
+        assert_eq!(quote("a\nb\"c\u{2028}\0"), "\"a\\nb\\\"c\\u{2028}\\0\"");
+        let long = "x\n".repeat(1000);
+        let q = quote(&long);
+        assert!(!q.contains('\n') && q.chars().count() < 110, "{q}");
+        assert!(q.ends_with("(2000 bytes)"), "{q}");
+        assert_eq!(one_line("a\nb\u{85}c"), "a\\nb\\u{85}c");
+        assert!(one_line(&"y".repeat(5000)).chars().count() == 1001);
+    }
+}

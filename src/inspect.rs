@@ -32,6 +32,14 @@ fn layer_tensors(f: &GgufFile, layer: usize) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// The files the model was read from (one unless it is split).
+fn shards_json(f: &GgufFile) -> serde_json::Value {
+    f.shards
+        .iter()
+        .map(|s| json!({ "file": s.path.display().to_string(), "size": s.file_size, "tensors": s.n_tensors }))
+        .collect()
+}
+
 /// The inspect report as JSON (stable keys; `schema_version` bumps on breaking change).
 pub fn inspect_json(f: &GgufFile) -> Result<serde_json::Value> {
     let cfg = MlaConfig::from_gguf(f)?;
@@ -50,6 +58,7 @@ pub fn inspect_json(f: &GgufFile) -> Result<serde_json::Value> {
         "gguf_version": f.version,
         "name": f.get("general.name").and_then(|v| v.as_str()),
         "tensor_count": f.tensors.len(),
+        "shards": shards_json(f),
         "config": cfg,
         "qk_head_dim": cfg.qk_head_dim(),
         "cache_row": cfg.cache_row(),
@@ -75,6 +84,20 @@ pub fn inspect_text(f: &GgufFile) -> Result<String> {
         human_bytes(f.file_size)
     )
     .ok();
+    if f.shards.len() > 1 {
+        writeln!(s, "split         {} shards:", f.shards.len()).ok();
+        for (i, sh) in f.shards.iter().enumerate() {
+            writeln!(
+                s,
+                "  {:>5}  {}  {} tensors, {}",
+                i + 1,
+                sh.path.display(),
+                sh.n_tensors,
+                human_bytes(sh.file_size)
+            )
+            .ok();
+        }
+    }
     writeln!(
         s,
         "model         {name}  (architecture {})",

@@ -799,7 +799,10 @@ fn main() {
     match run(cli) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("mla-diff: error: {e}");
+            eprintln!(
+                "mla-diff: error: {}",
+                mla_diff::error::one_line(&e.to_string())
+            );
             std::process::exit(EXIT_ERROR);
         }
     }

@@ -10,7 +10,11 @@ Run by tests/gguf_crosscheck.rs:  gguf_crosscheck.py FIXTURES_DIR OUT_DIR
    types, kv_b split and k_b transposed as the converter does); the values a reader must see are
    saved as .npy, plus the kv_b decompression in mla-diff's W_UK [H, P, Lkv] / W_UV [H, Dv, Lkv] form.
 
-OUT_DIR/manifest.json describes both.
+3. SPLIT_SOURCE is re-written by GGUFWriter as a split model (split_max_tensors, metadata-only first
+   shard as llama.cpp's `gguf-split --no-tensor-first-split` makes it), so the Rust side can check that
+   any shard reads as the unsplit file.
+
+OUT_DIR/manifest.json describes all three.
 """
 
 import importlib.metadata
@@ -162,6 +166,32 @@ def write_deepseek2(out):
     }
 
 
+SPLIT_SOURCE = "deepseek-v3-yarn-q4_k.gguf"
+
+
+def write_split(fixtures, out):
+    """SPLIT_SOURCE as gguf-py's own split writer lays out a split model."""
+    r = gguf.GGUFReader(fixtures / SPLIT_SOURCE)
+    arch = r.fields["general.architecture"].contents()
+    d = out / "split"
+    d.mkdir(exist_ok=True)
+    w = gguf.GGUFWriter(str(d / "model.gguf"), arch, split_max_tensors=7, small_first_shard=True)
+    for name, field in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = gguf.GGUFValueType(field.types[0])
+        sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, field.contents(), vtype, sub)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    shards = sorted(p.name for p in d.glob("model-*-of-*.gguf"))
+    return {"source": SPLIT_SOURCE, "shards": [f"split/{n}" for n in shards], "tensors": len(r.tensors)}
+
+
 def main():
     fixtures, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
@@ -169,6 +199,7 @@ def main():
         "gguf_version": importlib.metadata.version("gguf"),
         "fixtures": read_fixtures(fixtures, out),
         "written": write_deepseek2(out),
+        "split": write_split(fixtures, out),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False))
 

@@ -2,14 +2,16 @@
 //! 1. gguf-py reads every shipped fixture: same metadata (keys, order, types, values), same tensor
 //!    names/shapes/types, and its dequantized values equal ours bit for bit;
 //! 2. we read a deepseek2 file gguf-py wrote: the config, every tensor bit for bit, and the kv_b
-//!    decompression (the converter's split and k_b transpose) as W_UK/W_UV.
+//!    decompression (the converter's split and k_b transpose) as W_UK/W_UV;
+//! 3. a fixture split into shards by gguf-py's GGUFWriter reads, from any shard, as the unsplit file:
+//!    same tensors bit for bit, same `inspect --load-layer` norms, same `run` numbers.
 //!
 //! Needs the interpreter named by MLA_DIFF_PYTHON (with gguf==0.19.0 and numpy). Without it the test
 //! fails under CI (env CI set) and is skipped, loudly, elsewhere.
 
 mod common;
 
-use mla_diff::gguf::{dequantize_f32, GgufFile, TensorType, Value};
+use mla_diff::gguf::{dequantize_f32, Array, GgufFile, TensorType, Value};
 use mla_diff::model::{LayerWeights, MlaConfig, QProj};
 use ndarray::ArrayD;
 use serde_json::Value as J;
@@ -68,7 +70,7 @@ fn same_value(ours: &Value, ty: u64, theirs: &J, key: &str) {
                 .unwrap_or_else(|| panic!("{key}: not an array"));
             assert_eq!(items.len(), t.len(), "{key}: array length");
             for (a, b) in items.iter().zip(t) {
-                match a {
+                match &a {
                     Value::String(s) => assert_eq!(b.as_str(), Some(s.as_str()), "{key}"),
                     Value::F32(x) => assert_eq!(b.as_f64().map(|v| v as f32), Some(*x), "{key}"),
                     other => assert_eq!(other.as_f64(), b.as_f64(), "{key}"),
@@ -157,11 +159,11 @@ fn gguf_py_agrees_bit_for_bit_both_ways() {
     // Other value types.
     assert_eq!(
         f.get("crosscheck.strings"),
-        Some(&Value::Array(vec![
-            Value::String("alpha".into()),
-            Value::String("".into()),
-            Value::String("γ".into())
-        ]))
+        Some(&Value::Array(Array::String(vec![
+            "alpha".into(),
+            "".into(),
+            "γ".into()
+        ])))
     );
     assert_eq!(f.get("crosscheck.u64"), Some(&Value::U64((1 << 63) + 5)));
     assert_eq!(f.get("crosscheck.i8"), Some(&Value::I8(-7)));
@@ -187,4 +189,87 @@ fn gguf_py_agrees_bit_for_bit_both_ways() {
     same_bits(&uk, &npy(out, &w["w_uk"]), "W_UK from gguf-py's attn_k_b");
     same_bits(&uv, &npy(out, &w["w_uv"]), "W_UV from gguf-py's attn_v_b");
     assert!(matches!(lw.q, QProj::Lora { .. }));
+
+    // 3. gguf-py's split model reads as the unsplit file, from any shard.
+    let sp = &m["split"];
+    let whole_path = common::fixture(sp["source"].as_str().unwrap());
+    let whole = GgufFile::open(&whole_path).unwrap();
+    let shards: Vec<_> = sp["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| out.join(p.as_str().unwrap()))
+        .collect();
+    assert!(shards.len() >= 3, "{shards:?}");
+    let cli = |args: &[&str]| -> J {
+        let o = common::run(args);
+        assert!(o.status.success(), "{args:?}: {}", common::stderr(&o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let report = |p: &Path| -> J {
+        let json = out.join("report.json");
+        let o = common::run(&[
+            "run",
+            p.to_str().unwrap(),
+            "--backend",
+            "cpu",
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{}", common::stderr(&o));
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+    };
+    let layer = |p: &Path, l: &str| -> J {
+        let mut v = cli(&["inspect", p.to_str().unwrap(), "--load-layer", l, "--json"]);
+        v.as_object_mut().unwrap().remove("file");
+        v
+    };
+    let whole_run = report(&whole_path);
+    for (i, s) in shards.iter().enumerate() {
+        let f = GgufFile::open(s).unwrap();
+        assert_eq!(f.shards.len(), shards.len(), "{}", s.display());
+        assert_eq!(
+            f.shards[0].n_tensors, 0,
+            "gguf-py's small first shard holds metadata only"
+        );
+        assert_eq!(f.tensors.len() as u64, sp["tensors"].as_u64().unwrap());
+        assert_eq!(
+            f.file_size,
+            f.shards.iter().map(|s| s.file_size).sum::<u64>()
+        );
+        for t in &whole.tensors {
+            let u = f
+                .tensor(&t.name)
+                .unwrap_or_else(|| panic!("{} missing", t.name));
+            assert_eq!((u.ne.clone(), u.ty), (t.ne.clone(), t.ty), "{}", t.name);
+            assert_eq!(
+                f.tensor_bytes(u).unwrap(),
+                whole.tensor_bytes(t).unwrap(),
+                "{}",
+                t.name
+            );
+        }
+        for key in [
+            "general.name",
+            "deepseek2.block_count",
+            "deepseek2.rope.scaling.factor",
+        ] {
+            assert_eq!(f.get(key), whole.get(key), "{key}");
+        }
+        let j = cli(&["inspect", s.to_str().unwrap(), "--json"]);
+        assert_eq!(j["shards"].as_array().unwrap().len(), shards.len());
+        assert_eq!(j["shards"][i]["file"].as_str(), s.to_str());
+        for l in ["0", "1"] {
+            assert_eq!(
+                layer(s, l),
+                layer(&whole_path, l),
+                "layer {l} via {}",
+                s.display()
+            );
+        }
+        let r = report(s);
+        for k in ["config", "modes", "verdict"] {
+            assert_eq!(r[k], whole_run[k], "run report {k} via {}", s.display());
+        }
+    }
 }

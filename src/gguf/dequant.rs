@@ -103,10 +103,11 @@ fn dequantize_bytes(t: &TensorInfo, ty: GgmlType, bytes: &[u8]) -> Result<Vec<f3
             let rows = n / row;
             let rows_per_chunk = (CHUNK_ELEMS / row).max(1);
             let mut out = Vec::with_capacity(n);
+            let mut scratch = Vec::new();
             let mut r0 = 0;
             while r0 < rows {
                 let r1 = (r0 + rows_per_chunk).min(rows);
-                let chunk = &bytes[r0 * row_bytes..r1 * row_bytes];
+                let chunk = aligned(&bytes[r0 * row_bytes..r1 * row_bytes], &mut scratch);
                 let storage = QStorage::from_data(Cow::Borrowed(chunk), &Device::Cpu, dtype)
                     .map_err(|e| Error::Unsupported(format!("tensor {:?}: {e}", t.name)))?;
                 let q = QTensor::new(storage, ((r1 - r0) * row,))
@@ -123,4 +124,18 @@ fn dequantize_bytes(t: &TensorInfo, ty: GgmlType, bytes: &[u8]) -> Result<Vec<f3
             Ok(out)
         }
     }
+}
+
+/// `b` itself when it sits at an 8-byte aligned address, else a copy in `scratch` that does. candle views
+/// block bytes as block structs (which need up to 4-byte alignment) and panics on a misaligned pointer,
+/// while GGUF allows any power-of-two `general.alignment`, down to 1, so data may start at odd offsets.
+fn aligned<'a>(b: &'a [u8], scratch: &'a mut Vec<u64>) -> &'a [u8] {
+    if (b.as_ptr() as usize).is_multiple_of(8) {
+        return b;
+    }
+    scratch.clear();
+    scratch.resize(b.len().div_ceil(8), 0);
+    let dst: &mut [u8] = bytemuck::cast_slice_mut(scratch);
+    dst[..b.len()].copy_from_slice(b);
+    &dst[..b.len()]
 }

@@ -4,8 +4,9 @@
 pub mod dequant;
 pub mod dtype;
 pub mod file;
+mod split;
 pub mod write;
 
 pub use dequant::{dequantize_f32, dequantize_rows};
 pub use dtype::GgmlType;
-pub use file::{GgufFile, TensorInfo, TensorType, Value};
+pub use file::{Array, GgufFile, Shard, TensorInfo, TensorType, Value};

@@ -6,11 +6,11 @@
 //! compatible type when a row does not fit the requested block size (`storage_type`).
 
 use super::dtype::GgmlType;
-use super::file::{Value, GGUF_MAGIC};
+use super::file::{Array, Value, GGUF_MAGIC};
 use crate::error::{Error, Result};
 use std::io::Write;
 
-/// GGUF's default alignment (llama.cpp, gguf-py); we never write `general.alignment`.
+/// GGUF's default alignment (llama.cpp, gguf-py), used unless `general.alignment` is added.
 pub const ALIGNMENT: u64 = 32;
 
 /// One tensor as it will appear in the header.
@@ -31,6 +31,8 @@ pub struct GgufWriter {
     metadata: Vec<(String, Value)>,
     tensors: Vec<PlannedTensor>,
     data_size: u64,
+    /// From `general.alignment`; 0 means the default `ALIGNMENT`.
+    alignment: u64,
 }
 
 fn bad(msg: impl Into<String>) -> Error {
@@ -42,16 +44,33 @@ impl GgufWriter {
         Self::default()
     }
 
-    /// Add a metadata entry. Keys must be unique; array elements must share one type (GGUF stores the
-    /// element type once per array).
+    /// Add a metadata entry. Keys must be unique. `general.alignment` (a power of two, added before any
+    /// tensor) sets the alignment of the data section and of every tensor, as readers expect.
     pub fn add(&mut self, key: impl Into<String>, value: Value) -> Result<()> {
         let key = key.into();
         if self.metadata.iter().any(|(k, _)| *k == key) {
             return Err(bad(format!("metadata key {key:?} added twice")));
         }
-        check_value(&key, &value)?;
+        if key == "general.alignment" {
+            match value.as_u64() {
+                Some(a) if a.is_power_of_two() && self.tensors.is_empty() => self.alignment = a,
+                _ => {
+                    return Err(bad(
+                        "general.alignment must be a power of two added before any tensor",
+                    ))
+                }
+            }
+        }
         self.metadata.push((key, value));
         Ok(())
+    }
+
+    fn align(&self) -> u64 {
+        if self.alignment == 0 {
+            ALIGNMENT
+        } else {
+            self.alignment
+        }
     }
 
     pub fn metadata(&self) -> &[(String, Value)] {
@@ -94,7 +113,7 @@ impl GgufWriter {
             return Err(bad(format!("tensor {name:?} added twice")));
         }
         let offset = self.data_size;
-        self.data_size = offset + n_bytes.div_ceil(ALIGNMENT) * ALIGNMENT;
+        self.data_size = offset + n_bytes.div_ceil(self.align()) * self.align();
         self.tensors.push(PlannedTensor {
             name,
             ne: ne.to_vec(),
@@ -126,7 +145,7 @@ impl GgufWriter {
             b.extend_from_slice(&t.type_id.to_le_bytes());
             b.extend_from_slice(&t.offset.to_le_bytes());
         }
-        let padded = (b.len() as u64).div_ceil(ALIGNMENT) * ALIGNMENT;
+        let padded = (b.len() as u64).div_ceil(self.align()) * self.align();
         b.resize(padded as usize, 0);
         b
     }
@@ -142,6 +161,7 @@ impl GgufWriter {
             .map_err(|e| Error::io("writing GGUF header", e))?;
         let mut sink = TensorSink {
             w,
+            alignment: self.align(),
             tensors: self.tensors,
             current: 0,
             done_in_current: 0,
@@ -154,6 +174,7 @@ impl GgufWriter {
 /// Receives tensor data after the header, in declaration order; pads each tensor to the alignment.
 pub struct TensorSink<W: Write> {
     w: W,
+    alignment: u64,
     tensors: Vec<PlannedTensor>,
     current: usize,
     done_in_current: u64,
@@ -181,14 +202,14 @@ impl<W: Write> TensorSink<W> {
             )));
         }
         let pad = if bytes.len() as u64 == left {
-            t.n_bytes.div_ceil(ALIGNMENT) * ALIGNMENT - t.n_bytes
+            t.n_bytes.div_ceil(self.alignment) * self.alignment - t.n_bytes
         } else {
             0
         };
         let name = t.name.clone();
         self.w
             .write_all(bytes)
-            .and_then(|_| self.w.write_all(&[0u8; ALIGNMENT as usize][..pad as usize]))
+            .and_then(|_| self.w.write_all(&vec![0u8; pad as usize]))
             .map_err(|e| Error::io(format!("writing tensor {name}"), e))?;
         self.done_in_current += bytes.len() as u64;
         if self.done_in_current == self.tensors[self.current].n_bytes {
@@ -225,22 +246,6 @@ impl<W: Write> TensorSink<W> {
     }
 }
 
-fn check_value(key: &str, v: &Value) -> Result<()> {
-    if let Value::Array(items) = v {
-        if let Some(first) = items.first() {
-            if items.iter().any(|x| x.type_id() != first.type_id()) {
-                return Err(bad(format!(
-                    "metadata key {key:?}: array elements of mixed types"
-                )));
-            }
-        }
-        for x in items {
-            check_value(key, x)?;
-        }
-    }
-    Ok(())
-}
-
 fn put_str(b: &mut Vec<u8>, s: &str) {
     b.extend_from_slice(&(s.len() as u64).to_le_bytes());
     b.extend_from_slice(s.as_bytes());
@@ -257,18 +262,20 @@ fn put_value(b: &mut Vec<u8>, v: &Value) {
         Value::F32(x) => b.extend_from_slice(&x.to_le_bytes()),
         Value::Bool(x) => b.push(*x as u8),
         Value::String(s) => put_str(b, s),
-        Value::Array(items) => {
-            // An empty array still needs an element type; gguf-py and llama.cpp accept any.
-            let elem = items.first().map_or(0, |x| x.type_id());
-            b.extend_from_slice(&elem.to_le_bytes());
-            b.extend_from_slice(&(items.len() as u64).to_le_bytes());
-            for x in items {
-                put_value(b, x);
-            }
-        }
+        Value::Array(a) => put_array(b, a),
         Value::U64(x) => b.extend_from_slice(&x.to_le_bytes()),
         Value::I64(x) => b.extend_from_slice(&x.to_le_bytes()),
         Value::F64(x) => b.extend_from_slice(&x.to_le_bytes()),
+    }
+}
+
+fn put_array(b: &mut Vec<u8>, a: &Array) {
+    b.extend_from_slice(&a.elem_type_id().to_le_bytes());
+    b.extend_from_slice(&(a.len() as u64).to_le_bytes());
+    match a {
+        Array::U8(v) => b.extend_from_slice(v),
+        Array::Array(v) => v.iter().for_each(|x| put_array(b, x)),
+        other => other.iter().for_each(|x| put_value(b, &x)),
     }
 }
 
@@ -368,19 +375,19 @@ mod tests {
             ("a.f64", Value::F64(-1e300)),
             (
                 "a.strs",
-                Value::Array(vec![Value::String("x".into()), Value::String("".into())]),
+                Value::Array(vec!["x".to_string(), "".into()].into()),
             ),
-            (
-                "a.f32s",
-                Value::Array(vec![Value::F32(1.5), Value::F32(-0.0)]),
-            ),
-            ("a.empty", Value::Array(vec![])),
+            ("a.f32s", Value::Array(vec![1.5f32, -0.0].into())),
+            ("a.u8s", Value::Array(vec![0u8, 255, 7].into())),
+            ("a.bools", Value::Array(vec![true, false].into())),
+            ("a.i64s", Value::Array(vec![i64::MIN, -1].into())),
+            ("a.empty", Value::Array(Vec::<u16>::new().into())),
             (
                 "a.nested",
-                Value::Array(vec![
-                    Value::Array(vec![Value::I32(1)]),
-                    Value::Array(vec![Value::String("s".into())]),
-                ]),
+                Value::Array(Array::Array(vec![
+                    vec![1i32].into(),
+                    vec!["s".to_string()].into(),
+                ])),
             ),
         ];
         let mut w = GgufWriter::new();
@@ -435,9 +442,7 @@ mod tests {
         let mut w = GgufWriter::new();
         w.add("k", Value::U32(1)).unwrap();
         assert!(w.add("k", Value::U32(2)).is_err(), "duplicate key");
-        assert!(w
-            .add("m", Value::Array(vec![Value::U32(1), Value::F32(1.0)]))
-            .is_err());
+        assert!(w.add("general.alignment", Value::U32(3)).is_err());
         assert!(
             w.add_tensor("q", &[48, 2], ty("Q8_0")).is_err(),
             "row not a whole block"

@@ -4,7 +4,7 @@
 //! architecture, `*_mla` vs legacy head sizes) follow llama.cpp; the README's "Conventions" section
 //! lists them with sources.
 
-use crate::error::{Error, Result};
+use crate::error::{quote, Error, Result};
 use crate::gguf::{GgufFile, Value};
 use serde::Serialize;
 
@@ -238,8 +238,9 @@ impl MlaConfig {
         let arch = Arch::from_gguf(name).ok_or_else(|| {
             let known: Vec<&str> = Arch::ALL.iter().map(|(n, _)| *n).collect();
             Error::Unsupported(format!(
-                "{}: architecture {name:?} does not use Multi-head Latent Attention (MLA architectures: {})",
+                "{}: architecture {} does not use Multi-head Latent Attention (MLA architectures: {})",
                 f.path.display(),
+                quote(name),
                 known.join(", ")
             ))
         })?;
@@ -255,6 +256,15 @@ impl MlaConfig {
             )));
         }
         let n_layer = block_count - nextn;
+        // Bound the layer count by what the file can hold before anything loops over layers: every
+        // layer has its own attention tensors, so a file cannot have more layers than tensors.
+        if n_layer > f.tensors.len() {
+            return Err(Error::Unsupported(format!(
+                "{}: block_count {block_count} is impossible: the file has only {} tensors, and every layer needs its own attention tensors",
+                f.path.display(),
+                f.tensors.len()
+            )));
+        }
         let hidden = req_u64(f, a, "embedding_length")?;
         let n_head = req_u64(f, a, "attention.head_count")?;
         let n_head_kv = opt_u64(f, a, "attention.head_count_kv")?.unwrap_or(n_head);
@@ -309,6 +319,8 @@ impl MlaConfig {
             ("kv_lora_rank", kv_lora_rank),
             ("key_length", qk),
             ("value_length", v_head_dim),
+            ("head_count_kv", n_head_kv),
+            ("q_lora_rank", q_lora_rank.unwrap_or(0)),
         ] {
             if v > limit {
                 return Err(bad(format!("{what} = {v} is implausible (> {limit})")));
