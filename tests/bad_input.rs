@@ -161,21 +161,22 @@ fn non_mla_architecture() {
 #[test]
 fn unsupported_quant_type_in_attention_tensor() {
     let d = tempfile::tempdir().unwrap();
-    let iq = GgmlType::from_name("IQ2_XXS").unwrap();
+    // Q1_0: sized in the type table, but neither gguf-py 0.19 nor we dequantize it.
+    let q1 = GgmlType::from_name("Q1_0").unwrap();
     let p = rewrite(
         &valid(d.path()),
         &d.path().join("t.gguf"),
         |_| {},
         |ts| {
             let t = tensor(ts, "blk.0.attn_q_a.weight");
-            t.type_id = iq.id;
-            t.bytes = vec![0; iq.bytes_for(t.ne.iter().product()).unwrap() as usize];
+            t.type_id = q1.id;
+            t.bytes = vec![0; q1.bytes_for(t.ne.iter().product()).unwrap() as usize];
         },
     );
     assert!(inspect(&p).status.success(), "the header alone is readable");
     assert_clean_error(
         &load_layer(&p, "0"),
-        "tensor \"blk.0.attn_q_a.weight\" has type IQ2_XXS",
+        "tensor \"blk.0.attn_q_a.weight\" has type Q1_0",
     );
     // Another layer does not need that tensor.
     assert!(load_layer(&p, "1").status.success());
@@ -197,15 +198,15 @@ fn unknown_type_id_in_attention_tensor() {
 #[test]
 fn unsupported_type_outside_attention_is_never_read() {
     let d = tempfile::tempdir().unwrap();
-    let iq = GgmlType::from_name("IQ2_XXS").unwrap();
+    let q1 = GgmlType::from_name("Q1_0").unwrap();
     let p = rewrite(
         &valid(d.path()),
         &d.path().join("t.gguf"),
         |_| {},
         |ts| {
             let t = tensor(ts, "token_embd.weight");
-            t.type_id = iq.id;
-            t.bytes = vec![0; iq.bytes_for(t.ne.iter().product()).unwrap() as usize];
+            t.type_id = q1.id;
+            t.bytes = vec![0; q1.bytes_for(t.ne.iter().product()).unwrap() as usize];
         },
     );
     let o = load_layer(&p, "0");

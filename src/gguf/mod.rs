@@ -4,6 +4,7 @@
 pub mod dequant;
 pub mod dtype;
 pub mod file;
+mod fuel;
 pub mod write;
 
 pub use dequant::{dequantize_f32, dequantize_rows};
