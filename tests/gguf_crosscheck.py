@@ -2,6 +2,8 @@
 """Independent cross-check of mla-diff's GGUF reading and writing with gguf-py (PyPI gguf==0.19.0).
 
 Run by tests/gguf_crosscheck.rs:  gguf_crosscheck.py FIXTURES_DIR OUT_DIR
+                              or:  gguf_crosscheck.py blocks OUT_DIR
+                              or:  gguf_crosscheck.py fill OUT_JSON FILE...
 
 1. Every FIXTURES_DIR/*.gguf is read with gguf-py's GGUFReader; each tensor is dequantized with
    gguf.quants.dequantize and saved as float32 .npy in numpy (torch) order, and every metadata value
@@ -15,6 +17,12 @@ Run by tests/gguf_crosscheck.rs:  gguf_crosscheck.py FIXTURES_DIR OUT_DIR
    any shard reads as the unsplit file.
 
 OUT_DIR/manifest.json describes all three.
+
+`blocks`: random bytes (random f16/f32 scales, NaN and Inf included) of every type gguf-py dequantizes,
+written as OUT_DIR/blocks.gguf with gguf-py's dequantized values as .npy; OUT_DIR/blocks.json lists them.
+
+`fill`: overwrites, in place, every tensor of each FILE whose type only the low-bit dequantizer reads with
+random blocks that dequantize to finite values, and writes every tensor's L2 norm (float64) to OUT_JSON.
 """
 
 import importlib.metadata
@@ -192,7 +200,77 @@ def write_split(fixtures, out):
     return {"source": SPLIT_SOURCE, "shards": [f"split/{n}" for n in shards], "tensors": len(r.tensors)}
 
 
+def dequantizable_types():
+    """Every type gguf.quants.dequantize handles, in id order."""
+    return [T.F32, T.F16] + sorted(gguf.quants._type_traits, key=int)
+
+
+def random_blocks(out, blocks_per_row=32, rows=40):
+    """blocks_per_row * rows (1280) random blocks per type, dequantized by gguf-py."""
+    rng = np.random.default_rng(20240611)
+    path = out / "blocks.gguf"
+    w = gguf.GGUFWriter(str(path), "crosscheck")
+    entries = []
+    for i, qtype in enumerate(dequantizable_types()):
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        # Plain types: as many values as the block types have blocks, times 32 (a Q4_0 block's count).
+        per_row = blocks_per_row * (32 if block == 1 else 1)
+        raw = rng.integers(0, 256, size=(rows, per_row * size), dtype=np.uint8)
+        name = f"{qtype.name.lower()}.weight"
+        w.add_tensor(name, raw, raw_dtype=qtype)
+        with np.errstate(all="ignore"):  # NaN/Inf scales are the point
+            vals = gguf.quants.dequantize(raw, qtype).astype(np.float32, copy=False)
+        vals = vals.reshape(rows, per_row * block)
+        npy = f"blocks/{i:04d}.npy"
+        np.save(out / npy, vals)
+        entries.append({"name": name, "type": qtype.name, "blocks": rows * per_row, "npy": npy})
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"file": path.name, "tensors": entries}
+
+
+# Types mla-diff reads through fuel-quantized rather than candle: the ones `fill` randomizes.
+LOW_BIT = {T.IQ2_XXS, T.IQ2_XS, T.IQ3_XXS, T.IQ1_S, T.IQ4_NL, T.IQ3_S, T.IQ2_S, T.IQ4_XS, T.IQ1_M,
+           T.TQ1_0, T.TQ2_0, T.MXFP4, T.NVFP4}
+
+
+def fill(out_json, files):
+    rng = np.random.default_rng(7)
+    norms = {}
+    for f in files:
+        r = gguf.GGUFReader(f, "r+")
+        n = {}
+        for t in r.tensors:
+            if t.tensor_type in LOW_BIT:
+                block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+                want = t.data.size // size
+                good = np.empty((0, size), dtype=np.uint8)
+                while len(good) < want:
+                    cand = rng.integers(0, 256, size=(4 * want, size), dtype=np.uint8)
+                    with np.errstate(all="ignore"):
+                        v = gguf.quants.dequantize(cand, t.tensor_type).reshape(len(cand), block)
+                        ok = np.isfinite(v).all(axis=1) & (np.abs(v).max(axis=1) < 1e4)
+                    good = np.concatenate([good, cand[ok]])
+                t.data.reshape(-1)[:] = good[:want].reshape(-1)
+            v = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
+            n[t.name] = float(np.sqrt(np.sum(v * v)))
+        r.data.flush()
+        norms[str(f)] = n
+    pathlib.Path(out_json).write_text(json.dumps(norms, indent=1))
+
+
 def main():
+    if sys.argv[1] == "blocks":
+        out = pathlib.Path(sys.argv[2])
+        (out / "blocks").mkdir(parents=True, exist_ok=True)
+        manifest = {"gguf_version": importlib.metadata.version("gguf"), **random_blocks(out)}
+        (out / "blocks.json").write_text(json.dumps(manifest, indent=1))
+        return
+    if sys.argv[1] == "fill":
+        fill(sys.argv[2], sys.argv[3:])
+        return
     fixtures, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     manifest = {

@@ -4,14 +4,18 @@
 //! 2. we read a deepseek2 file gguf-py wrote: the config, every tensor bit for bit, and the kv_b
 //!    decompression (the converter's split and k_b transpose) as W_UK/W_UV;
 //! 3. a fixture split into shards by gguf-py's GGUFWriter reads, from any shard, as the unsplit file:
-//!    same tensors bit for bit, same `inspect --load-layer` norms, same `run` numbers.
+//!    same tensors bit for bit, same `inspect --load-layer` norms, same `run` numbers;
+//! 4. random blocks (random scales, NaN and Inf included) of every type gguf-py dequantizes come out
+//!    of our dequantizer bit for bit;
+//! 5. attention weights in the low-bit types (IQ*, TQ*, MXFP4, NVFP4) load end to end
+//!    (`inspect --load-layer`) with the L2 norms gguf-py computes.
 //!
 //! Needs the interpreter named by MLA_DIFF_PYTHON (with gguf==0.19.0 and numpy). Without it the test
 //! fails under CI (env CI set) and is skipped, loudly, elsewhere.
 
 mod common;
 
-use mla_diff::gguf::{dequantize_f32, Array, GgufFile, TensorType, Value};
+use mla_diff::gguf::{dequantize_f32, dequantize_rows, Array, GgmlType, GgufFile, TensorType, Value};
 use mla_diff::model::{LayerWeights, MlaConfig, QProj};
 use ndarray::ArrayD;
 use serde_json::Value as J;
@@ -54,6 +58,35 @@ fn same_bits(ours: &[f32], theirs: &ArrayD<f32>, what: &str) {
             ours[i], theirs[i]
         );
     }
+}
+
+/// Like `same_bits`, except that NaN equals NaN whatever the payload (bits of a NaN scale times a
+/// value are not something two implementations need to agree on); NaN against a number still fails.
+fn same_bits_or_both_nan(ours: &[f32], theirs: &[f32], what: &str) {
+    assert_eq!(ours.len(), theirs.len(), "{what}: element count");
+    if let Some(i) = ours
+        .iter()
+        .zip(theirs)
+        .position(|(a, b)| a.to_bits() != b.to_bits() && !(a.is_nan() && b.is_nan()))
+    {
+        panic!(
+            "{what}: element {i}: ours {} ({:#010x}) vs gguf-py {} ({:#010x})",
+            ours[i],
+            ours[i].to_bits(),
+            theirs[i],
+            theirs[i].to_bits()
+        );
+    }
+}
+
+fn run_script(py: &str, args: &[&std::ffi::OsStr]) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gguf_crosscheck.py");
+    let o = std::process::Command::new(py)
+        .arg(&script)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {py}: {e}"));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
 /// Our metadata value against gguf-py's `field.contents()` (JSON) and its type id.
@@ -270,6 +303,149 @@ fn gguf_py_agrees_bit_for_bit_both_ways() {
         let r = report(s);
         for k in ["config", "modes", "verdict"] {
             assert_eq!(r[k], whole_run[k], "run report {k} via {}", s.display());
+        }
+    }
+}
+
+/// The ggml types issue #11 names for attention weights of low-bit releases, plus NVFP4.
+const LOW_BIT: [&str; 13] = [
+    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+    "TQ1_0", "TQ2_0", "MXFP4", "NVFP4",
+];
+
+#[test]
+fn random_blocks_of_every_type_gguf_py_dequantizes_match_bit_for_bit() {
+    let Some(py) = python() else { return };
+    let out = tempfile::tempdir().unwrap();
+    run_script(&py, &["blocks".as_ref(), out.path().as_os_str()]);
+    let out = out.path();
+    let m: J =
+        serde_json::from_str(&std::fs::read_to_string(out.join("blocks.json")).unwrap()).unwrap();
+    let f = GgufFile::open(out.join(m["file"].as_str().unwrap())).unwrap();
+    let mut seen = Vec::new();
+    let (mut nan, mut inf) = (0usize, 0usize);
+    for e in m["tensors"].as_array().unwrap() {
+        let (name, ty) = (e["name"].as_str().unwrap(), e["type"].as_str().unwrap());
+        let t = f.tensor(name).unwrap();
+        let TensorType::Known(g) = t.ty else {
+            panic!("{name}: gguf-py's {ty} is not in our type table")
+        };
+        assert_eq!(g.name, ty, "{name}");
+        assert!(g.dequantizable(), "gguf-py dequantizes {ty}; we must too");
+        assert!(e["blocks"].as_u64().unwrap() >= 1000, "{ty}: enough blocks");
+        let theirs: Vec<f32> = npy(out, &e["npy"]).iter().copied().collect();
+        nan += theirs.iter().filter(|x| x.is_nan()).count();
+        inf += theirs.iter().filter(|x| x.is_infinite()).count();
+        same_bits_or_both_nan(&dequantize_f32(&f, t).unwrap(), &theirs, ty);
+        // The row path (token embeddings) on a few rows, out of order.
+        let width = t.ne[0] as usize;
+        let rows = [t.ne[1] as usize - 1, 0, 17];
+        let want: Vec<f32> = rows
+            .iter()
+            .flat_map(|&r| theirs[r * width..(r + 1) * width].iter().copied())
+            .collect();
+        let got = dequantize_rows(&f, t, &rows).unwrap();
+        same_bits_or_both_nan(&got, &want, &format!("{ty} rows {rows:?}"));
+        seen.push(ty.to_string());
+    }
+    for ty in LOW_BIT {
+        assert!(seen.iter().any(|s| s == ty), "{ty} was checked: {seen:?}");
+    }
+    // Random scales: the special values were exercised, not just finite ones.
+    assert!(nan > 0 && inf > 0, "NaN {nan}, Inf {inf}");
+}
+
+#[test]
+fn low_bit_attention_weights_load_with_gguf_py_norms() {
+    let Some(py) = python() else { return };
+    let d = tempfile::tempdir().unwrap();
+    // ne[0]: q_a, kv_a_mqa and v_b 512, q_b 256, k_b 128 (so only 32/64-blocks), output 1024.
+    let variants: [&[(&str, &str)]; 3] = [
+        &[
+            ("attn_q_a", "IQ2_XXS"),
+            ("attn_q_b", "IQ2_XS"),
+            ("attn_kv_a_mqa", "IQ2_S"),
+            ("attn_k_b", "IQ4_NL"),
+            ("attn_v_b", "IQ3_XXS"),
+            ("attn_output", "IQ3_S"),
+        ],
+        &[
+            ("attn_q_a", "IQ1_S"),
+            ("attn_q_b", "IQ1_M"),
+            ("attn_kv_a_mqa", "IQ4_XS"),
+            ("attn_k_b", "NVFP4"),
+            ("attn_v_b", "TQ1_0"),
+            ("attn_output", "TQ2_0"),
+        ],
+        &[("attn_q_a", "MXFP4"), ("attn_k_b", "MXFP4")],
+    ];
+    let mut files = Vec::new();
+    let mut covered = std::collections::BTreeSet::new();
+    for (i, v) in variants.iter().enumerate() {
+        let p = common::rewrite(
+            &common::fixture("deepseek-v3-yarn-q4_k.gguf"),
+            &d.path().join(format!("v{i}.gguf")),
+            |_| {},
+            |ts| {
+                for (w, ty) in v.iter() {
+                    let g = GgmlType::from_name(ty).unwrap();
+                    let name = format!("blk.0.{w}.weight");
+                    let t = ts.iter_mut().find(|t| t.name == name).unwrap();
+                    t.type_id = g.id;
+                    // Zeros here; the script fills in random blocks with finite values.
+                    t.bytes = vec![0; g.bytes_for(t.ne.iter().product()).unwrap() as usize];
+                    covered.insert(*ty);
+                }
+            },
+        );
+        files.push(p);
+    }
+    assert_eq!(
+        covered.len(),
+        LOW_BIT.len(),
+        "every low-bit type: {covered:?}"
+    );
+    let norms_json = d.path().join("norms.json");
+    let mut args = vec!["fill".as_ref(), norms_json.as_os_str()];
+    args.extend(files.iter().map(|p| p.as_os_str()));
+    run_script(&py, &args);
+    let theirs: J = serde_json::from_str(&std::fs::read_to_string(&norms_json).unwrap()).unwrap();
+    for (p, v) in files.iter().zip(variants) {
+        let o = common::run(&[
+            "inspect",
+            p.to_str().unwrap(),
+            "--load-layer",
+            "0",
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", common::stderr(&o));
+        let ours: J = serde_json::from_slice(&o.stdout).unwrap();
+        let theirs = &theirs[p.to_str().unwrap()];
+        let rows = ours["tensors"].as_array().unwrap();
+        for (w, _) in v.iter() {
+            let name = format!("blk.0.{w}.weight");
+            assert!(
+                rows.iter().any(|r| r["tensor"] == name.as_str()),
+                "{name} loaded"
+            );
+        }
+        for r in rows {
+            let name = r["tensor"].as_str().unwrap();
+            let (a, b) = (r["l2"].as_f64().unwrap(), theirs[name].as_f64().unwrap());
+            // Both sum the exact f64 squares of the same f32 values (bit-exact: the test above), in
+            // different orders: the sums may differ by the rounding bound of an n-term sum, n·ε.
+            let n: u64 = r["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap())
+                .product();
+            let bound = n as f64 * f64::EPSILON;
+            assert!(
+                b > 0.0 && ((a * a - b * b) / (b * b)).abs() <= bound,
+                "{}: {name}: ours {a} vs gguf-py {b} (relative bound on the sums {bound:e})",
+                p.display()
+            );
         }
     }
 }

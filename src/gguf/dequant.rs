@@ -2,6 +2,7 @@
 //!
 //! Plain float types are converted directly; block-quantized types go through candle's CPU dequantizers,
 //! a bounded number of rows at a time so that peak memory stays close to the size of the f32 result.
+//! The low-bit types candle lacks (IQ*, TQ*, MXFP4, NVFP4) go through fuel-quantized (`fuel`).
 //! The error for an unsupported type names the tensor and the type, and is raised only when that tensor
 //! is actually needed.
 
@@ -79,6 +80,9 @@ fn dequantize_bytes(t: &TensorInfo, ty: GgmlType, bytes: &[u8]) -> Result<Vec<f3
     let row = t.ne[0] as usize;
     let row_bytes = ty.bytes_for(row as u64).expect("checked at open") as usize;
     let n = bytes.len() / row_bytes * row;
+    if ty.fuel().is_some() {
+        return super::fuel::dequantize(&t.name, ty, bytes);
+    }
     match ty.name {
         "F32" => Ok(bytes
             .chunks_exact(4)

@@ -1,7 +1,8 @@
 //! The ggml tensor type table: ids, names, block sizes and byte sizes.
 //!
-//! Kept complete (IQ*, TQ*, MXFP4 ...) even for types we cannot dequantize, so that any real file can be
-//! parsed, inspected and sized; only a tensor that is actually needed errors out on its type.
+//! Kept complete (ids and sizes as gguf-py 0.19 knows them) even for types we cannot dequantize (Q8_1,
+//! Q8_K, I8..I64, Q1_0), so that any real file can be parsed, inspected and sized; only a tensor that is
+//! actually needed errors out on its type.
 
 /// One ggml type. `block` elements are stored in `type_size` bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -26,6 +27,7 @@ types! {
     18 "IQ3_XXS" 256 98; 19 "IQ1_S" 256 50; 20 "IQ4_NL" 32 18; 21 "IQ3_S" 256 110; 22 "IQ2_S" 256 82;
     23 "IQ4_XS" 256 136; 24 "I8" 1 1; 25 "I16" 1 2; 26 "I32" 1 4; 27 "I64" 1 8; 28 "F64" 1 8;
     29 "IQ1_M" 256 56; 30 "BF16" 1 2; 34 "TQ1_0" 256 54; 35 "TQ2_0" 256 66; 39 "MXFP4" 32 17;
+    40 "NVFP4" 64 36; 41 "Q1_0" 128 18;
 }
 
 impl GgmlType {
@@ -61,9 +63,29 @@ impl GgmlType {
             _ => return None,
         })
     }
-    /// Whether values of this type can be turned into numbers here (candle's types plus plain F64).
+    /// fuel-quantized's dtype for the block types candle lacks (the low-bit IQ*, TQ*, MXFP4, NVFP4).
+    pub fn fuel(&self) -> Option<fuel_quantized::GgmlDType> {
+        use fuel_quantized::GgmlDType as D;
+        Some(match self.id {
+            16 => D::Iq2Xxs,
+            17 => D::Iq2Xs,
+            18 => D::Iq3Xxs,
+            19 => D::Iq1S,
+            20 => D::Iq4Nl,
+            21 => D::Iq3S,
+            22 => D::Iq2S,
+            23 => D::Iq4Xs,
+            29 => D::Iq1M,
+            34 => D::Tq1_0,
+            35 => D::Tq2_0,
+            39 => D::Mxfp4,
+            40 => D::Nvfp4,
+            _ => return None,
+        })
+    }
+    /// Whether values of this type can be turned into numbers here: candle's and fuel's types, plain F64.
     pub fn dequantizable(&self) -> bool {
-        self.candle().is_some() || self.id == 28
+        self.candle().is_some() || self.fuel().is_some() || self.id == 28
     }
     /// Bytes of a row-major tensor of `n` elements, `None` if `n` is not a whole number of blocks.
     pub fn bytes_for(&self, n: u64) -> Option<u64> {

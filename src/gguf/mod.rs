@@ -4,6 +4,7 @@
 pub mod dequant;
 pub mod dtype;
 pub mod file;
+mod fuel;
 mod split;
 pub mod write;
 

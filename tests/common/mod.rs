@@ -261,6 +261,56 @@ pub fn assert_clean_error(o: &Output, needle: &str) {
     );
 }
 
+/// A tensor as [`rewrite`] hands it out for editing: raw bytes and a type id (any, even unknown).
+pub struct Tensor {
+    pub name: String,
+    pub ne: Vec<u64>,
+    pub type_id: u32,
+    pub bytes: Vec<u8>,
+}
+
+/// Copy a GGUF through our writer, editing metadata and tensors on the way.
+pub fn rewrite(
+    src: &Path,
+    dst: &Path,
+    edit_meta: impl FnOnce(&mut Vec<(String, mla_diff::gguf::Value)>),
+    edit_tensors: impl FnOnce(&mut Vec<Tensor>),
+) -> PathBuf {
+    let f = mla_diff::gguf::GgufFile::open(src).unwrap();
+    let mut meta = f.metadata.clone();
+    let mut tensors: Vec<Tensor> = f
+        .tensors
+        .iter()
+        .map(|t| Tensor {
+            name: t.name.clone(),
+            ne: t.ne.clone(),
+            type_id: match t.ty {
+                mla_diff::gguf::TensorType::Known(g) => g.id,
+                mla_diff::gguf::TensorType::Unknown(id) => id,
+            },
+            bytes: f.tensor_bytes(t).unwrap().to_vec(),
+        })
+        .collect();
+    edit_meta(&mut meta);
+    edit_tensors(&mut tensors);
+    let mut w = mla_diff::gguf::write::GgufWriter::new();
+    for (k, v) in meta {
+        w.add(k, v).unwrap();
+    }
+    for t in &tensors {
+        w.add_tensor_raw(&t.name, &t.ne, t.type_id, t.bytes.len() as u64)
+            .unwrap();
+    }
+    let mut sink = w.start(std::fs::File::create(dst).unwrap()).unwrap();
+    for t in &tensors {
+        if !t.bytes.is_empty() {
+            sink.write(&t.bytes).unwrap();
+        }
+    }
+    sink.finish().unwrap();
+    dst.to_path_buf()
+}
+
 /// Generate a fixture with the binary into `dir`.
 pub fn make_fixture(dir: &Path, name: &str, args: &[&str]) -> PathBuf {
     let path = dir.join(name);
