@@ -5,11 +5,13 @@
 use crate::error::{Error, Result};
 use crate::gguf::{dequantize_rows, GgufFile};
 use crate::model::MlaConfig;
-use ndarray::{s, Array2, Array3, ArrayD, Ix2, Ix3};
+use ndarray::{s, Array2, Array3, Ix2, Ix3};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
 use std::path::Path;
+
+pub mod npy;
 
 /// The embeddings of `ids` (`[T, hidden]`); only those rows of `token_embd.weight` are read.
 pub fn from_token_ids(f: &GgufFile, cfg: &MlaConfig, ids: &[u32]) -> Result<Array2<f64>> {
@@ -87,51 +89,36 @@ impl LayerInputs {
     }
 }
 
-fn read_any(path: &Path) -> Result<ArrayD<f64>> {
-    use ndarray_npy::{read_npy, ReadNpyError};
-    let shown = path.display();
-    let err = |e: ReadNpyError| match e {
-        ReadNpyError::Io(e) => Error::io(format!("reading {shown}"), e),
-        e => Error::Usage(format!("{shown}: not a readable .npy array: {e}")),
-    };
-    match read_npy::<_, ArrayD<f32>>(path) {
-        Ok(a) => Ok(a.mapv(f64::from)),
-        Err(ReadNpyError::WrongDescriptor(_)) => match read_npy::<_, ArrayD<f64>>(path) {
-            Ok(a) => Ok(a),
-            Err(ReadNpyError::WrongDescriptor(d)) => Err(Error::Usage(format!(
-                "{shown}: element type {d} is not supported; save the activations as float32 or float64"
-            ))),
-            Err(e) => Err(err(e)),
-        },
-        Err(e) => Err(err(e)),
-    }
-}
-
-/// Captured activations: `[T, hidden]` (every layer) or `[layers, T, hidden]`, f32 or f64.
+/// Captured activations: `[T, hidden]` (every layer) or `[layers, T, hidden]`; float16/32/64 in either
+/// byte order, C or Fortran order (see `npy`).
 pub fn load_npy(path: &Path, hidden: usize, n_tokens: usize) -> Result<LayerInputs> {
-    let a = read_any(path)?;
+    let h = npy::read_header(path)?;
     let shown = path.display();
-    let shape = a.shape().to_vec();
     let fits = |t: usize, e: usize| t == n_tokens && e == hidden;
-    let out = match *shape.as_slice() {
-        [t, e] if fits(t, e) => LayerInputs::Shared(a.into_dimensionality::<Ix2>().expect("2-D")),
-        [_, t, e] if fits(t, e) => {
-            LayerInputs::PerLayer(a.into_dimensionality::<Ix3>().expect("3-D"))
-        }
+    // The shape is checked before the data is read (and read_data checks it against the file size).
+    match *h.shape.as_slice() {
+        [t, e] | [_, t, e] if fits(t, e) => {}
         _ => {
             return Err(Error::Usage(format!(
-                "{shown}: shape {shape:?} does not fit: expected [{n_tokens}, {hidden}] (tokens, hidden) or [layers, {n_tokens}, {hidden}]"
+                "{shown}: shape {:?} does not fit: expected [{n_tokens}, {hidden}] (tokens, hidden) or [layers, {n_tokens}, {hidden}]",
+                h.shape
             )))
         }
-    };
-    let finite = match &out {
-        LayerInputs::Shared(x) => x.iter().all(|v| v.is_finite()),
-        LayerInputs::PerLayer(x) => x.iter().all(|v| v.is_finite()),
-    };
-    if !finite {
+    }
+    let a = npy::read_data(path, &h)?;
+    if !a.iter().all(|v| v.is_finite()) {
         return Err(Error::Usage(format!(
             "{shown}: the activations hold NaN or infinite values"
         )));
     }
-    Ok(out)
+    let bad_dim = |e: ndarray::ShapeError| Error::Usage(format!("{shown}: {e}"));
+    Ok(match h.shape.len() {
+        2 => LayerInputs::Shared(a.into_dimensionality::<Ix2>().map_err(bad_dim)?),
+        _ => LayerInputs::PerLayer(a.into_dimensionality::<Ix3>().map_err(bad_dim)?),
+    })
+}
+
+/// The number of dimensions of a `.npy` file (header only): 3 means per-layer captures.
+pub fn npy_ndim(path: &Path) -> Result<usize> {
+    Ok(npy::read_header(path)?.shape.len())
 }

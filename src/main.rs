@@ -51,10 +51,13 @@ struct RunArgs {
     /// Seed of the random hidden states (used when neither --tokens nor --hidden is given).
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Captured activations (.npy, f32/f64): [T, hidden] or [layers, T, hidden].
+    /// Captured activations (.npy as numpy writes it: float16/32/64, C or Fortran order): [T, hidden] or
+    /// [layers, T, hidden] (per-layer captures: shadow mode only).
     #[arg(long)]
     hidden: Option<PathBuf>,
-    /// Tokens processed by prefill.
+    /// Tokens processed by prefill. All tokens (prompt + decode steps × q-len) at most 2^20, and at most
+    /// what memory allows: the fp64 reference keeps T×T scores per head, so a layer needs O(T²) bytes;
+    /// the run stops with the estimate when it exceeds MemAvailable (or MLA_DIFF_MAX_MEMORY, bytes).
     #[arg(long, default_value_t = Schedule::default().prompt_len)]
     prompt_len: usize,
     /// Decode steps after the prompt.
@@ -66,16 +69,16 @@ struct RunArgs {
     /// Prefill chunk size.
     #[arg(long, default_value_t = Schedule::default().chunk)]
     chunk: usize,
-    /// Rows per cache page.
+    /// Rows per cache page (at most 2^20).
     #[arg(long, default_value_t = Schedule::default().page_size)]
     page_size: usize,
-    /// Split-KV ways for decode.
+    /// Split-KV ways for decode (at most 2^20).
     #[arg(long, default_value_t = Schedule::default().num_splits)]
     num_splits: usize,
     /// Keep the block table in order instead of shuffling it.
     #[arg(long)]
     no_shuffle: bool,
-    /// Position of the first token (rope offset).
+    /// Position of the first token (rope offset; the last position must stay below 2^31).
     #[arg(long, default_value_t = 0)]
     pos_offset: usize,
     /// Storage precision of the optimized path (accumulation is f32).
@@ -83,8 +86,14 @@ struct RunArgs {
     dtype: Dtype,
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
     backend: BackendArg,
-    #[arg(long, value_enum, default_value_t = ModeArg::Both)]
-    mode: ModeArg,
+    /// Default: both, or shadow when --hidden holds per-layer captures.
+    #[arg(long, value_enum)]
+    mode: Option<ModeArg>,
+    /// Run a DSA model (GLM-5, DeepSeek-V3.2) on a schedule where queries see more keys than the
+    /// indexer's top_k: the reference is dense, so the run then checks dense attention, not the model.
+    /// Without this flag such a run is refused; with it every report carries a notice.
+    #[arg(long)]
+    allow_dense_beyond_topk: bool,
     /// Tolerance override, repeatable: `STAGE=rel_l2:X,atol_rms:Y,rtol:Z` (STAGE may be `attn_out[decode]`).
     #[arg(long = "tol")]
     tol: Vec<String>,
@@ -628,6 +637,26 @@ fn run_cmd(a: RunArgs) -> Result<i32, Error> {
     };
     let layers = mla_diff::run::parse_layers(&a.layers, cfg.n_layer)?;
     faults.check_layers(cfg.n_layer, &layers)?;
+    if let Some(n) = mla_diff::run::dense_beyond_top_k(&file, &cfg, &sched) {
+        if !a.allow_dense_beyond_topk {
+            return Err(Error::Usage(format!(
+                "{n}. Pass --allow-dense-beyond-topk to run anyway, or use at most top_k tokens"
+            )));
+        }
+        eprintln!("mla-diff: note: {n}");
+    }
+    let mode = match (a.mode, &a.hidden) {
+        (Some(m), _) => m,
+        // Per-layer captures restart the reference at each layer, so free mode has no meaning there.
+        (None, Some(p)) if a.tokens.is_none() && mla_diff::input::npy_ndim(p)? == 3 => {
+            eprintln!(
+                "mla-diff: note: per-layer captures in {}: shadow mode only",
+                p.display()
+            );
+            ModeArg::Shadow
+        }
+        (None, _) => ModeArg::Both,
+    };
     for b in faults.blind_spots(&cfg, &sched) {
         eprintln!("mla-diff: note: injected fault {b} may not show on this run");
     }
@@ -637,8 +666,8 @@ fn run_cmd(a: RunArgs) -> Result<i32, Error> {
         sched,
         dtype: a.dtype,
         modes: Modes {
-            shadow: a.mode != ModeArg::Free,
-            free: a.mode != ModeArg::Shadow,
+            shadow: mode != ModeArg::Free,
+            free: mode != ModeArg::Shadow,
         },
         tolerances,
         tolerance_source: source,

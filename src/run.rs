@@ -71,11 +71,24 @@ pub fn parse_layers(spec: &str, n_layer: usize) -> Result<Vec<usize>> {
                 .parse::<usize>()
                 .map_err(|_| bad(format!("{s:?} is not a layer number")))
         };
+        // Ranges are checked against the model before they are expanded (`0..18446744073709551615`).
+        let past = |l: usize| {
+            bad(format!(
+                "layer {l} does not exist: the model has {n_layer} layers (0..{n_layer})"
+            ))
+        };
         if let Some((a, b)) = part.split_once("..=") {
-            out.extend(num(a)?..=num(b)?);
+            let (a, b) = (num(a)?, num(b)?);
+            if b >= n_layer && a <= b {
+                return Err(past(b));
+            }
+            out.extend(a..=b);
         } else if let Some((a, b)) = part.split_once("..") {
-            let end = if b.is_empty() { n_layer } else { num(b)? };
-            out.extend(num(a)?..end);
+            let (a, end) = (num(a)?, if b.is_empty() { n_layer } else { num(b)? });
+            if end > n_layer && a < end {
+                return Err(past(end - 1));
+            }
+            out.extend(a..end);
         } else {
             out.push(num(part)?);
         }
@@ -127,6 +140,8 @@ pub fn run(
 ) -> Result<Report> {
     let cfg = MlaConfig::from_gguf(file)?;
     opts.sched.validate()?;
+    // Before the inputs, the rope tables or any layer buffer is allocated.
+    opts.sched.check_memory(&cfg)?;
     if !opts.modes.shadow && !opts.modes.free {
         return Err(Error::Usage("--mode selects no mode".into()));
     }
@@ -159,6 +174,15 @@ pub fn run(
         }
         InputSpec::Npy(p) => crate::input::load_npy(p, cfg.hidden, t)?,
     };
+    // Free mode needs each side to feed its own output forward, but per-layer captures restart the
+    // reference at every layer: the "drift" would compare two different streams.
+    if opts.modes.free {
+        if let LayerInputs::PerLayer(_) = inputs {
+            return Err(Error::Usage(
+                "free-running mode cannot use per-layer captures ([layers, T, hidden] .npy): the reference would restart from each capture while the optimized path runs on; use --mode shadow, or a [T, hidden] capture".into(),
+            ));
+        }
+    }
     let factors = RopeFactors::load(file, &cfg)?;
     let rope = RopeTables::for_run(&cfg, factors.as_ref(), opts.sched.pos_offset, t)?;
     let block_table = opts.sched.block_table();
@@ -286,6 +310,9 @@ pub fn run(
             input: input_json(&opts.input),
             tolerances: opts.tolerance_source.clone(),
             injected: backend.injected(),
+            notices: dense_beyond_top_k(file, &cfg, &opts.sched)
+                .into_iter()
+                .collect(),
         },
         environment: Environment {
             backend: backend.describe(),
@@ -298,4 +325,32 @@ pub fn run(
         verdict,
         baseline: None,
     })
+}
+
+/// The lightning indexer's `top_k` of a DSA model (GLM-5 `glm-dsa`, DeepSeek-V3.2 `deepseek32`), `None`
+/// for dense-attention architectures; `Some(None)` when a DSA file lacks the key.
+pub fn dsa_top_k(file: &GgufFile, cfg: &MlaConfig) -> Option<Option<u64>> {
+    use crate::model::config::Arch;
+    matches!(cfg.arch, Arch::GlmDsa | Arch::Deepseek32).then(|| {
+        file.get(&format!("{}.attention.indexer.top_k", cfg.arch.gguf_name()))
+            .and_then(|v| v.as_u64())
+    })
+}
+
+/// A notice when the schedule lets a query see more keys than a DSA model's indexer keeps: the model
+/// attends to its top_k keys only, the reference (and mla-diff's optimized paths) to all of them.
+pub fn dense_beyond_top_k(file: &GgufFile, cfg: &MlaConfig, sched: &Schedule) -> Option<String> {
+    // The last token sees every key of the run (causal).
+    let keys = sched.total_tokens() as u64;
+    match dsa_top_k(file, cfg)? {
+        Some(k) if keys <= k => None,
+        Some(k) => Some(format!(
+            "dense attention beyond the DSA top-k: queries see up to {keys} keys but the model's lightning indexer keeps {k} ({}.attention.indexer.top_k); the reference is dense (no indexer), so this run does not check what the model computes",
+            cfg.arch.gguf_name()
+        )),
+        None => Some(format!(
+            "dense attention on a DSA model whose indexer top_k is unknown ({}.attention.indexer.top_k is missing); the reference is dense (no indexer), exact only while queries see at most top_k keys",
+            cfg.arch.gguf_name()
+        )),
+    }
 }

@@ -50,6 +50,12 @@ impl Default for Schedule {
     }
 }
 
+/// Most tokens in a run; also the bound of `--page-size`, `--num-splits` and the spare pages, so that no
+/// product of schedule counts can overflow.
+pub const MAX_TOKENS: usize = 1 << 20;
+/// Positions are 32-bit signed in serving engines (llama.cpp's `llama_pos`, vLLM's int32 positions).
+pub const MAX_POSITION: usize = i32::MAX as usize;
+
 impl Schedule {
     pub fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(Error::Usage(format!("schedule: {m}")));
@@ -68,24 +74,51 @@ impl Schedule {
         if self.num_splits == 0 {
             return bad("--num-splits must be at least 1");
         }
-        if self.total_tokens() > 1 << 20 {
-            return bad("more than 1M tokens");
+        // Checked: in release builds a wrapped product would pass the limit and size arrays wrongly.
+        let tokens = self
+            .decode_steps
+            .checked_mul(self.q_len)
+            .and_then(|d| d.checked_add(self.prompt_len));
+        match tokens {
+            Some(t) if t <= MAX_TOKENS => {}
+            _ => {
+                return bad(&format!(
+                "more than {MAX_TOKENS} tokens (--prompt-len {} + --decode-steps {} × --q-len {})",
+                self.prompt_len, self.decode_steps, self.q_len
+            ))
+            }
+        }
+        for (name, v) in [
+            ("--page-size", self.page_size),
+            ("--num-splits", self.num_splits),
+            ("spare pages", self.spare_pages),
+        ] {
+            if v > MAX_TOKENS {
+                return bad(&format!("{name} {v} is above the limit {MAX_TOKENS}"));
+            }
+        }
+        if self.pos_offset > MAX_POSITION - self.total_tokens() {
+            return bad(&format!(
+                "--pos-offset {} + {} tokens passes position {MAX_POSITION} (engines keep positions in 32-bit ints)",
+                self.pos_offset,
+                self.total_tokens()
+            ));
         }
         Ok(())
     }
-    /// T: all tokens of the run.
+    /// T: all tokens of the run (saturating, so that an unvalidated schedule never looks small).
     pub fn total_tokens(&self) -> usize {
-        self.prompt_len + self.decode_steps * self.q_len
+        self.decode_tokens().saturating_add(self.prompt_len)
     }
     /// Number of decode tokens (the rows of decode-only stages).
     pub fn decode_tokens(&self) -> usize {
-        self.decode_steps * self.q_len
+        self.decode_steps.saturating_mul(self.q_len)
     }
     /// Token ranges of the prefill chunks.
     pub fn prefill_chunks(&self) -> Vec<Range<usize>> {
         (0..self.prompt_len)
             .step_by(self.chunk)
-            .map(|s| s..(s + self.chunk).min(self.prompt_len))
+            .map(|s| s..s + self.chunk.min(self.prompt_len - s))
             .collect()
     }
     /// Token ranges of the decode steps.
@@ -127,4 +160,83 @@ impl Schedule {
     pub fn cache_slot(&self, table: &[usize], t: usize) -> usize {
         table[t / self.page_size] * self.page_size + t % self.page_size
     }
+}
+
+/// Environment variable that overrides the memory a run may use (bytes).
+pub const MEMORY_ENV: &str = "MLA_DIFF_MAX_MEMORY";
+
+impl Schedule {
+    /// Bytes the largest buffers of one layer take (the fp64 reference, the CPU mirror's cache pool and
+    /// split partials, and up to three stage traces), from the schedule and the model's dims. The reference's
+    /// T×T scores per head and its [H, decode, T] absorbed scores make this quadratic in T.
+    pub fn peak_bytes(&self, cfg: &crate::model::MlaConfig) -> u128 {
+        let n = |v: usize| v as u128;
+        let (t, d) = (n(self.total_tokens()), n(self.decode_tokens()));
+        let (e, h, lkv, r) = (
+            n(cfg.hidden),
+            n(cfg.n_head),
+            n(cfg.kv_lora_rank),
+            n(cfg.qk_rope),
+        );
+        let (p, dv, s, w) = (
+            n(cfg.qk_nope),
+            n(cfg.v_head_dim),
+            n(self.num_splits),
+            n(cfg.cache_row()),
+        );
+        let pool_rows = n(self.pool_pages()).saturating_mul(n(self.page_size));
+        // Saturating throughout: a count that overflows u128 is "too much" all the same.
+        let m = |f: &[u128]| f.iter().fold(1u128, |a, &b| a.saturating_mul(b));
+        let sum = |f: &[u128]| f.iter().fold(0u128, |a, &b| a.saturating_add(b));
+        let scores = sum(&[m(&[t, t]), m(&[h, d, t]), m(&[d, t])]);
+        let partials = m(&[d, h, s, lkv.saturating_add(1)]);
+        let trace = sum(&[
+            m(&[t, sum(&[e, e, m(&[h, sum(&[p, r, dv, 1])]), lkv, r, w])]),
+            m(&[d, h, 3, lkv]),
+            partials,
+        ]);
+        let f64s = sum(&[scores, m(&[3, trace]), m(&[t, h, sum(&[p, dv])]), partials]);
+        let f32s = sum(&[m(&[pool_rows, w]), partials, m(&[2, trace])]);
+        sum(&[m(&[8, f64s]), m(&[4, f32s])])
+    }
+
+    /// Refuse a schedule whose buffers (`peak_bytes`) exceed the memory available: MLA_DIFF_MAX_MEMORY if
+    /// set, else MemAvailable from /proc/meminfo, else 64 GiB. Called before anything large is allocated.
+    pub fn check_memory(&self, cfg: &crate::model::MlaConfig) -> Result<()> {
+        let need = self.peak_bytes(cfg);
+        let (avail, source) = available_memory()?;
+        if need > avail as u128 {
+            return Err(Error::Usage(format!(
+                "schedule: one layer of this run needs about {} of memory ({} tokens: the reference keeps T×T scores), more than the {} available ({source}); use fewer tokens, splits or a smaller page, or set {MEMORY_ENV}",
+                gib(need),
+                self.total_tokens(),
+                gib(avail as u128)
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn gib(b: u128) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+/// The memory a run may use and where that number comes from.
+fn available_memory() -> Result<(u64, String)> {
+    if let Ok(v) = std::env::var(MEMORY_ENV) {
+        return v
+            .trim()
+            .parse::<u64>()
+            .map(|b| (b, MEMORY_ENV.to_string()))
+            .map_err(|_| Error::Usage(format!("{MEMORY_ENV}={v:?} is not a byte count")));
+    }
+    let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+    });
+    Ok(match avail {
+        Some(kb) => (kb.saturating_mul(1024), "MemAvailable".into()),
+        None => (64 << 30, "assumed; MemAvailable unknown".into()),
+    })
 }

@@ -7,6 +7,9 @@ pub fn render(r: &Report) -> String {
     let mut report = JReport::new("mla-diff");
     for m in &r.modes {
         let mut suite = TestSuite::new(format!("{} {} {}", r.file.path, m.mode, r.run.dtype));
+        for n in &r.run.notices {
+            suite.add_property(quick_junit::Property::new("mla-diff.notice", n.as_str()));
+        }
         for l in &m.layers {
             let status = if l.pass {
                 TestCaseStatus::success()

@@ -26,6 +26,9 @@ pub fn render(r: &Report) -> String {
     if let Some(b) = &r.baseline {
         writeln!(s, "Baseline: {}\n", b.message).ok();
     }
+    for n in &r.run.notices {
+        writeln!(s, "> ⚠️ **Notice:** {n}\n").ok();
+    }
     let sc = &r.run.schedule;
     writeln!(
         s,

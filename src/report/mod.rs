@@ -43,6 +43,9 @@ pub struct RunInfo {
     /// Faults planted in the optimized path (`--inject`); absent for a real run.
     #[serde(skip_serializing_if = "Vec::is_empty", default)]
     pub injected: Vec<crate::faults::Injection>,
+    /// Caveats of the run that every output format repeats (e.g. dense attention beyond a DSA top-k).
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub notices: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

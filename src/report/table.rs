@@ -84,6 +84,9 @@ pub fn render(r: &Report, style: &Style) -> String {
         sc.prompt_len, sc.chunk, sc.decode_steps, sc.q_len, sc.page_size, sc.num_splits
     )
     .ok();
+    for n in &r.run.notices {
+        writeln!(s, "{}", style.red(&format!("NOTICE: {n}"))).ok();
+    }
     for m in &r.modes {
         let Some(first) = m.layers.first() else {
             continue;

@@ -121,7 +121,8 @@ impl RopeF32 {
 
 /// The layer input in the dtype.
 pub fn input(x: &Array2<f64>, dt: Dtype) -> Array2<f32> {
-    round_all(x.mapv(|v| v as f32), dt)
+    // Rows are read as slices downstream: standard layout whatever the caller passed.
+    round_all(x.as_standard_layout().mapv(|v| v as f32), dt)
 }
 
 pub fn attn_in(cfg: &MlaConfig, mw: &MirrorWeights, x: ArrayView2<f32>, dt: Dtype) -> Array2<f32> {
