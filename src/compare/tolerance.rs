@@ -137,11 +137,13 @@ impl ToleranceTable {
                         rtol: 0.0,
                     }
                 }
-                None => return Err(Error::Usage(format!(
+                None => {
+                    return Err(Error::Usage(format!(
                     "tolerance {name} at {}: no value to lay a partial entry over; give all of {}",
                     dtype.name(),
                     FIELDS.join(", ")
-                ))),
+                )))
+                }
             };
             table.insert(
                 name,
