@@ -94,24 +94,34 @@ struct RunArgs {
     /// Without this flag such a run is refused; with it every report carries a notice.
     #[arg(long)]
     allow_dense_beyond_topk: bool,
-    /// Tolerance override, repeatable: `STAGE=rel_l2:X,atol_rms:Y,rtol:Z` (STAGE may be `attn_out[decode]`).
-    #[arg(long = "tol")]
+    /// Tolerance override for --dtype, repeatable: `STAGE=FIELD:X,...` with FIELD rel_l2, atol_rms or rtol
+    /// (any subset). STAGE: a long or table name (`attn_out`, `out`), all phases, or one phase
+    /// (`attn_out[decode]`, `out.d`).
+    #[arg(long = "tol", value_name = "STAGE=FIELD:X,...")]
     tol: Vec<String>,
-    /// Tolerance file (the format of `mla-diff calibrate`), laid over the defaults.
+    /// Tolerance file `{"dtypes": {DTYPE: {STAGE: {FIELD: X}}}}` (the format of `mla-diff calibrate`;
+    /// keys and partial entries as for --tol), laid over the defaults.
     #[arg(long)]
     tol_file: Option<PathBuf>,
-    /// Write the JSON report here (`-` for stdout).
+    /// Write the JSON report here. `-` is stdout for every format (one of them at most; the table then
+    /// goes to stderr).
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Write JUnit XML here.
+    /// Write JUnit XML here (`-` for stdout).
     #[arg(long)]
     junit: Option<PathBuf>,
-    /// Write a Markdown summary here.
+    /// Write a Markdown summary here (`-` for stdout).
     #[arg(long)]
     markdown: Option<PathBuf>,
-    /// Write an SVG heat map of error over layer × stage here.
+    /// Write an SVG heat map of error over layer × stage here (`-` for stdout).
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Colour the table: `auto` on a terminal unless NO_COLOR is set. Failing cells carry `!` either way.
+    #[arg(long, value_enum, default_value_t = report::table::ColorChoice::Auto)]
+    color: report::table::ColorChoice,
+    /// Print only the verdict line (and errors): no table, progress or notes.
+    #[arg(short, long)]
+    quiet: bool,
     /// Dump reference and optimized stage tensors as .npy into this directory.
     #[arg(long)]
     dump_dir: Option<PathBuf>,
@@ -123,7 +133,11 @@ struct RunArgs {
     baseline: Option<PathBuf>,
     #[arg(long, default_value_t = report::baseline::DEFAULT_FACTOR)]
     baseline_factor: f64,
-    /// Write this run's report as the new baseline.
+    /// Compare against a --baseline of another file, architecture, dtype, schedule, input or tolerance
+    /// set (refused by default, exit 2); the report records each difference.
+    #[arg(long)]
+    allow_baseline_mismatch: bool,
+    /// Write this run's report as the new baseline (`-` for stdout).
     #[arg(long)]
     write_baseline: Option<PathBuf>,
     /// Directory of edited kernels (.cu) to compile at run time instead of the built-in ones.
@@ -610,11 +624,13 @@ fn run_cmd(a: RunArgs) -> Result<i32, Error> {
     let mut tolerances = ToleranceTable::defaults();
     let mut source = "defaults (calibrated, src/compare/tolerances.json)".to_string();
     if let Some(p) = &a.tol_file {
-        tolerances.merge(&ToleranceTable::from_file(p)?);
+        for (dtype, o) in ToleranceTable::overrides_from_file(p)? {
+            tolerances.apply(dtype, &o)?;
+        }
         source = format!("defaults + {}", p.display());
     }
     for t in &a.tol {
-        tolerances.apply_override(a.dtype, t)?;
+        tolerances.apply(a.dtype, &ToleranceTable::parse_override(t)?)?;
     }
     if !a.tol.is_empty() {
         source.push_str(&format!(" + --tol {}", a.tol.join(" --tol ")));
@@ -657,8 +673,59 @@ fn run_cmd(a: RunArgs) -> Result<i32, Error> {
         }
         (None, _) => ModeArg::Both,
     };
-    for b in faults.blind_spots(&cfg, &sched) {
-        eprintln!("mla-diff: note: injected fault {b} may not show on this run");
+    // Fail on unusable output paths and a mismatched baseline before the (possibly long) run.
+    let targets = report::output::file_targets(&[
+        ("--json", a.json.as_deref()),
+        ("--junit", a.junit.as_deref()),
+        ("--markdown", a.markdown.as_deref()),
+        ("--plot", a.plot.as_deref()),
+        ("--write-baseline", a.write_baseline.as_deref()),
+    ])?;
+    let [json, junit, markdown, plot, write_baseline]: [Option<report::output::Target>; 5] =
+        targets.try_into().expect("five outputs");
+    if let Some(d) = &a.dump_dir {
+        report::output::dir_target("--dump-dir", d)?;
+    }
+    let stdout_taken = [&json, &junit, &markdown, &plot, &write_baseline]
+        .iter()
+        .any(|t| **t == Some(report::output::Target::Stdout));
+    let mut tol_by_check = std::collections::BTreeMap::new();
+    for c in mla_diff::compare::checks_for(&sched) {
+        tol_by_check.insert(c.name(), tolerances.get(a.dtype, &c)?);
+    }
+    let planned = report::baseline::Identity {
+        file: a
+            .file
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        size: file.file_size,
+        architecture: cfg.arch.gguf_name().into(),
+        dtype: a.dtype.name().into(),
+        schedule: serde_json::to_value(&sched).expect("schedule serialises"),
+        input: mla_diff::run::input_json(&input),
+        layers: layers.clone(),
+        tolerances: tol_by_check,
+    };
+    let baseline = match &a.baseline {
+        Some(p) => {
+            let b = report::Report::from_json_file(p)?;
+            let diffs = planned.differences(&report::baseline::Identity::of(&b));
+            if !diffs.is_empty() && !a.allow_baseline_mismatch {
+                return Err(Error::Usage(format!(
+                    "--baseline {} is a report of another run: {} (--allow-baseline-mismatch compares anyway)",
+                    p.display(),
+                    diffs.join("; ")
+                )));
+            }
+            Some((b, diffs))
+        }
+        None => None,
+    };
+    if !a.quiet {
+        for b in faults.blind_spots(&cfg, &sched) {
+            eprintln!("mla-diff: note: injected fault {b} may not show on this run");
+        }
     }
     let opts = RunOptions {
         layers: Some(layers),
@@ -672,58 +739,75 @@ fn run_cmd(a: RunArgs) -> Result<i32, Error> {
         tolerances,
         tolerance_source: source,
         dump,
-        progress: true,
-    };
-    // Fail on unusable output paths before the (possibly long) run.
-    let baseline = match &a.baseline {
-        Some(p) => Some(report::Report::from_json_file(p)?),
-        None => None,
+        progress: !a.quiet,
     };
     let (mut backend, kind, gpu) =
         make_backend(a.backend, a.dtype, &file, a.kernels.clone(), faults)?;
     let started = std::time::Instant::now();
     let mut rep = mla_diff::run::run(&file, backend.as_mut(), kind, gpu, &opts)?;
-    if let (Some(b), Some(p)) = (&baseline, &a.baseline) {
-        rep.baseline = Some(report::baseline::gate(
-            &rep,
-            b,
-            &p.display().to_string(),
-            a.baseline_factor,
-        ));
+    if let (Some((b, diffs)), Some(p)) = (baseline, &a.baseline) {
+        let mut g = report::baseline::gate(&rep, &b, &p.display().to_string(), a.baseline_factor);
+        g.across = diffs;
+        rep.set_baseline(g);
     }
-    let json_to_stdout = a.json.as_deref() == Some(std::path::Path::new("-"));
-    if !json_to_stdout {
-        print!(
-            "{}",
-            report::table::render(&rep, &report::table::Style::detect())
+    // The table (or, with -q, the verdict line) goes to stdout unless a report took it.
+    let to_terminal = {
+        use std::io::IsTerminal;
+        if stdout_taken {
+            std::io::stderr().is_terminal()
+        } else {
+            std::io::stdout().is_terminal()
+        }
+    };
+    let style = report::table::Style::new(a.color, to_terminal);
+    let text = if a.quiet {
+        report::table::verdict_line(&rep, &style)
+    } else {
+        report::table::render(&rep, &style)
+    };
+    if stdout_taken {
+        eprint!("{text}");
+    } else {
+        print!("{text}");
+    }
+    if let Some(t) = &json {
+        t.write(&rep.to_json())?;
+    }
+    if let Some(t) = &write_baseline {
+        let mut b = rep.clone();
+        // A baseline is this run's measurements, not its comparison with an older one.
+        b.baseline = None;
+        b.verdict = report::Report::overall_verdict(&b.modes);
+        t.write(&b.to_json())?;
+    }
+    if let Some(t) = &junit {
+        t.write(&report::junit::render(&rep))?;
+    }
+    if let Some(t) = &markdown {
+        t.write(&report::markdown::render(&rep))?;
+    }
+    if let Some(t) = &plot {
+        t.write(&report::svg::render(&rep)?)?;
+    }
+    if !a.quiet {
+        if let Some(d) = &a.dump_dir {
+            if rep.dumps.is_empty() {
+                eprintln!(
+                    "mla-diff: no layer dumped into {} (--dump-layers {}: nothing selected)",
+                    d.display(),
+                    a.dump_layers
+                );
+            }
+            for d in &rep.dumps {
+                eprintln!("mla-diff: dumped {}", d.display());
+            }
+        }
+        eprintln!(
+            "mla-diff: {} layer(s) in {:.2} s",
+            rep.run.layers.len(),
+            started.elapsed().as_secs_f64()
         );
     }
-    if let Some(p) = &a.json {
-        if json_to_stdout {
-            print!("{}", rep.to_json());
-        } else {
-            report::write_file(p, &rep.to_json())?;
-        }
-    }
-    if let Some(p) = &a.write_baseline {
-        let mut b = rep.clone();
-        b.baseline = None;
-        report::write_file(p, &b.to_json())?;
-    }
-    if let Some(p) = &a.junit {
-        report::write_file(p, &report::junit::render(&rep))?;
-    }
-    if let Some(p) = &a.markdown {
-        report::write_file(p, &report::markdown::render(&rep))?;
-    }
-    if let Some(p) = &a.plot {
-        report::write_file(p, &report::svg::render(&rep)?)?;
-    }
-    eprintln!(
-        "mla-diff: {} layer(s) in {:.2} s",
-        rep.run.layers.len(),
-        started.elapsed().as_secs_f64()
-    );
     Ok(if rep.pass() {
         EXIT_PASS
     } else {

@@ -110,7 +110,7 @@ pub fn parse_layers(spec: &str, n_layer: usize) -> Result<Vec<usize>> {
     Ok(out)
 }
 
-fn input_json(spec: &InputSpec) -> serde_json::Value {
+pub fn input_json(spec: &InputSpec) -> serde_json::Value {
     match spec {
         InputSpec::Random { seed } => serde_json::json!({ "kind": "random", "seed": seed }),
         InputSpec::Tokens(t) => serde_json::json!({ "kind": "tokens", "count": t.len(), "ids": t }),
@@ -208,7 +208,7 @@ pub fn run(
     let mut h_ref = inputs.layer(layers[0])?;
     let mut h_opt = h_ref.clone();
     let (mut shadow, mut free) = (Vec::<LayerResult>::new(), Vec::<LayerResult>::new());
-    let mut dumped = false;
+    let mut dumped = Vec::new();
     for (i, &l) in layers.iter().enumerate() {
         bar.set_message(format!("layer {l}"));
         // Captured per-layer inputs replace the attention-only residual stream in shadow mode.
@@ -256,12 +256,11 @@ pub fn run(
             let chosen = match which {
                 DumpLayers::All => dump_traces.first().map(|(t, _)| t),
                 DumpLayers::List(ls) if ls.contains(&l) => dump_traces.first().map(|(t, _)| t),
-                DumpLayers::First if !dumped => failing,
+                DumpLayers::First if dumped.is_empty() => failing,
                 _ => None,
             };
             if let Some(opt) = chosen {
-                crate::report::npy::dump_layer(dir, &reference, opt)?;
-                dumped = true;
+                dumped.push(crate::report::npy::dump_layer(dir, &reference, opt)?);
             }
         }
         h_ref = next_ref;
@@ -324,6 +323,7 @@ pub fn run(
         modes,
         verdict,
         baseline: None,
+        dumps: dumped,
     })
 }
 

@@ -235,6 +235,31 @@ fn reports_validate_and_parse() {
     let svg = std::fs::read_to_string(p("r.svg")).unwrap();
     let doc = roxmltree::Document::parse(&svg).unwrap();
     assert!(doc.descendants().filter(|n| n.has_tag_name("rect")).count() >= 4 * 10);
+    let texts: Vec<String> = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .map(|n| n.text().unwrap_or("").trim().to_string())
+        .collect();
+    // The title names the file by its base name; no absolute path anywhere.
+    assert!(
+        texts
+            .iter()
+            .any(|t| t.starts_with("tiny4.gguf: shadow mode")),
+        "{texts:?}"
+    );
+    let fixture_dir = tiny4().parent().unwrap().display().to_string();
+    assert!(texts.iter().all(|t| !t.contains(&fixture_dir)), "{texts:?}");
+    // Full stage labels, axis titles, and a colour bar with the tolerance marked.
+    for label in [
+        "attn_heads[prefill]",
+        "attn_out[decode]",
+        "layer",
+        "1 = tolerance",
+        "NaN / Inf",
+    ] {
+        assert!(texts.iter().any(|t| t == label), "{label}: {texts:?}");
+    }
+    assert!(texts.iter().any(|t| t.starts_with("stage")), "{texts:?}");
     assert!(std::fs::read_to_string(p("r.md"))
         .unwrap()
         .contains("| layer |"));
@@ -355,4 +380,316 @@ fn mirror_passes_on_every_shipped_fixture() {
         n += 1;
     }
     assert!(n >= 5, "expected the shipped fixtures in {}", dir.display());
+}
+
+/// Failure count of a JUnit document.
+fn junit_failures(xml: &str) -> usize {
+    let doc = roxmltree::Document::parse(xml).unwrap();
+    doc.descendants()
+        .filter(|n| n.has_tag_name("failure"))
+        .count()
+}
+
+/// Exit code, JSON `verdict.pass`, JUnit and Markdown say the same for a pass, a divergence and a
+/// baseline regression (which used to exit 1 with `verdict.pass` true and a green JUnit).
+#[test]
+fn verdicts_agree_everywhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).display().to_string();
+    let fx = tiny4().display().to_string();
+    let base = p("base.json");
+    let common = ["run", &fx, "--backend", "cpu", "--layers", "0..2"];
+    let (code, _, err) = run_cli(&[&common[..], &["--write-baseline", &base]].concat());
+    assert_eq!(code, 0, "{err}");
+    // A baseline 10x better at one metric: the same run is a regression there.
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&base).unwrap()).unwrap();
+    let m = &mut v["modes"][0]["layers"][1]["checks"][1]["metrics"]["rel_l2"];
+    *m = serde_json::json!(m.as_f64().unwrap() / 10.0);
+    let better = p("better.json");
+    std::fs::write(&better, serde_json::to_string(&v).unwrap()).unwrap();
+
+    for (case, extra, want) in [
+        ("pass", vec!["--baseline", base.as_str()], 0),
+        ("divergence", vec!["--inject", "rope_neox@layer=1"], 1),
+        (
+            "baseline regression",
+            vec!["--baseline", better.as_str()],
+            1,
+        ),
+    ] {
+        let outs = ["--json", &p("r.json"), "--junit", &p("r.xml")];
+        let md = ["--markdown", &p("r.md")];
+        let args = [&common[..], &extra[..], &outs[..], &md[..]].concat();
+        let (code, out, err) = run_cli(&args);
+        assert_eq!(code, want, "{case}: {out}\n{err}");
+        let pass = want == 0;
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(p("r.json")).unwrap()).unwrap();
+        assert_eq!(json["verdict"]["pass"], pass, "{case}: {}", json["verdict"]);
+        let errors = common::schema_errors(&common::report_validator(), &json);
+        assert!(errors.is_empty(), "{case}: {errors:#?}");
+        let junit = std::fs::read_to_string(p("r.xml")).unwrap();
+        assert_eq!(junit_failures(&junit) == 0, pass, "{case}: {junit}");
+        let md = std::fs::read_to_string(p("r.md")).unwrap();
+        let head = md.lines().next().unwrap();
+        assert!(
+            head.contains(if pass { "✅" } else { "❌" }),
+            "{case}: {md}"
+        );
+        if case == "baseline regression" {
+            let msg = json["verdict"]["message"].as_str().unwrap();
+            assert!(msg.contains("BASELINE REGRESSION"), "{msg}");
+            assert!(junit.contains("baseline gate"), "{junit}");
+            assert!(md.contains("BASELINE REGRESSION"), "{md}");
+        }
+    }
+}
+
+/// A baseline of another problem is refused (exit 2, one line naming each difference) unless asked for;
+/// the same file elsewhere (another checkout) is the same problem.
+#[test]
+fn baseline_identity_is_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).display().to_string();
+    let fx = tiny4().display().to_string();
+    let base = p("base.json");
+    let common = ["run", &fx, "--backend", "cpu", "--layers", "0..2"];
+    let (code, _, err) = run_cli(&[&common[..], &["--write-baseline", &base]].concat());
+    assert_eq!(code, 0, "{err}");
+
+    for (mut extra, needle) in [
+        (vec!["--seed", "7"], "seed 7 vs baseline 0"),
+        (vec!["--dtype", "fp16"], "dtype fp16 vs baseline bf16"),
+        (vec!["--num-splits", "3"], "num_splits 3 vs baseline"),
+        (vec!["--tol", "q_pe=rtol:0.5"], "tolerances of q_pe"),
+        (vec!["--layers", "3"], "none in common"),
+    ] {
+        if extra[0] != "--layers" {
+            extra.extend_from_slice(&["--layers", "0..2"]);
+        }
+        let mut args = ["run", fx.as_str(), "--backend", "cpu", "--baseline", &base].to_vec();
+        args.extend_from_slice(&extra);
+        let (code, out, err) = run_cli(&args);
+        assert_eq!(code, 2, "{extra:?}: {out}\n{err}");
+        assert_eq!(err.trim().lines().count(), 1, "{extra:?}: {err}");
+        assert!(err.contains(needle), "{extra:?}: {err}");
+        assert!(out.is_empty(), "refused before the run: {out}");
+    }
+    let other = tiny_fixture_other_seed(dir.path());
+    let (code, _, err) = run_cli(&[
+        "run",
+        &other,
+        "--backend",
+        "cpu",
+        "--layers",
+        "0..2",
+        "--baseline",
+        &base,
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("file "), "{err}");
+
+    // Asked for: compared, and the report says across what.
+    let json = p("r.json");
+    let (code, _, err) = run_cli(
+        &[
+            &common[..],
+            &[
+                "--baseline",
+                &base,
+                "--seed",
+                "7",
+                "--allow-baseline-mismatch",
+                "--json",
+                &json,
+            ],
+        ]
+        .concat(),
+    );
+    assert!(code == 0 || code == 1, "{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let across = v["baseline"]["across"].as_array().unwrap();
+    assert!(across[0].as_str().unwrap().contains("seed"), "{across:?}");
+
+    // The same file copied elsewhere (another checkout) matches.
+    let moved = dir.path().join("elsewhere");
+    std::fs::create_dir(&moved).unwrap();
+    let copy = moved.join("tiny4.gguf");
+    std::fs::copy(tiny4(), &copy).unwrap();
+    let copy = copy.display().to_string();
+    let (code, out, err) = run_cli(&[
+        "run",
+        &copy,
+        "--backend",
+        "cpu",
+        "--layers",
+        "0..2",
+        "--baseline",
+        &base,
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+}
+
+/// A 4-layer tiny fixture with other weights, under the same base name.
+fn tiny_fixture_other_seed(dir: &Path) -> String {
+    let d = dir.join("other");
+    std::fs::create_dir_all(&d).unwrap();
+    common::make_fixture(
+        &d,
+        "tiny4.gguf",
+        &[
+            "--preset", "tiny", "--layers", "4", "--seed", "4", "--quant", "f32",
+        ],
+    )
+    .display()
+    .to_string()
+}
+
+/// `--tol` and `--tol-file` share one grammar: keys without a phase apply to both phases (they used to
+/// be ignored in the file), short names work, partial entries keep the other fields, and bad entries
+/// are one-line errors listing what is valid.
+#[test]
+fn tolerance_options_share_one_grammar() {
+    let dir = tempfile::tempdir().unwrap();
+    let fx = tiny4().display().to_string();
+    let tol = dir.path().join("tol.json");
+    let common = [
+        "run",
+        &fx,
+        "--backend",
+        "cpu",
+        "--layers",
+        "0",
+        "--mode",
+        "shadow",
+    ];
+    let run_file = |body: &str| {
+        std::fs::write(&tol, body).unwrap();
+        let t = tol.display().to_string();
+        run_cli(&[&common[..], &["--tol-file", &t]].concat())
+    };
+    // A zero rel-L2 on attn_out (no phase, one field): both phases are held to it and fail.
+    let (code, out, err) = run_file(r#"{"dtypes": {"bf16": {"attn_out": {"rel_l2": 0}}}}"#);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(out.contains("attn_out[prefill]"), "{out}");
+    // The same through --tol with the table's short name of one phase.
+    let (code, out, err) = run_cli(&[&common[..], &["--tol", "out.d=rel_l2:0"]].concat());
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(out.contains("attn_out[decode]"), "{out}");
+    assert!(
+        !out.contains("first at layer 0, stage attn_out[prefill]"),
+        "{out}"
+    );
+
+    for (body, needle) in [
+        (
+            r#"{"dtypes": {"bf16": {"attn_out": {"rel_l2": -1}}}}"#,
+            "finite and >= 0",
+        ),
+        (
+            r#"{"dtypes": {"bf16": {"bogus": {"rel_l2": 1}}}}"#,
+            "attn_out (out)",
+        ),
+        (
+            r#"{"dtypes": {"bf16": {"attn_out": {"atol": 1}}}}"#,
+            "rel_l2, atol_rms, rtol",
+        ),
+        (r#"{"dtypes": {"int8": {}}}"#, "bf16, fp16, f32"),
+    ] {
+        let (code, _, err) = run_file(body);
+        assert_eq!(code, 2, "{body}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{body}: {err}");
+        assert!(err.contains(needle), "{body}: {err}");
+    }
+    for spec in ["attn_out=rel_l2:-1", "nope=rtol:1", "q_pe[decode]=rtol:1"] {
+        let (code, _, err) = run_cli(&[&common[..], &["--tol", spec]].concat());
+        assert_eq!(code, 2, "{spec}: {err}");
+        assert!(err.contains("valid"), "{spec}: {err}");
+    }
+}
+
+/// Output paths are checked before the run; `-` is stdout for every format (one at most); colour and
+/// `-q` behave; failing cells are marked without colour; dump directories are printed.
+#[test]
+fn output_options() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).display().to_string();
+    let fx = tiny4().display().to_string();
+    let common = ["run", &fx, "--backend", "cpu", "--layers", "0..2"];
+    for bad in [
+        vec!["--junit", "/nonexistent-dir/x.xml"],
+        vec!["--json", "/"],
+        vec!["--markdown", "-", "--json", "-"],
+        vec!["--json", "a.json", "--junit", "a.json"],
+        vec!["--dump-dir", "/proc/version/x"],
+    ] {
+        let started = std::time::Instant::now();
+        let (code, out, err) = run_cli(&[&common[..], &bad[..]].concat());
+        assert_eq!(code, 2, "{bad:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{bad:?}: {err}");
+        assert!(out.is_empty(), "{bad:?}: nothing ran: {out}");
+        assert!(started.elapsed().as_secs() < 5, "{bad:?} failed late");
+    }
+    // `-` for Markdown and SVG: stdout, no file named `-`; the table goes to stderr.
+    for (flag, marker) in [
+        ("--markdown", "### "),
+        ("--plot", "<svg"),
+        ("--junit", "<testsuites"),
+    ] {
+        let out = Command::new(BIN)
+            .args([&common[..], &[flag, "-"]].concat())
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{flag}: {stderr}");
+        assert!(
+            stdout.starts_with(marker) || stdout.contains(marker),
+            "{flag}: {stdout}"
+        );
+        assert!(
+            stderr.contains("[shadow mode]"),
+            "{flag}: table on stderr: {stderr}"
+        );
+        assert!(
+            !dir.path().join("-").exists(),
+            "{flag} wrote a file named -"
+        );
+    }
+    // Colour on demand; failing cells carry `!` without colour.
+    let fail = ["--inject", "rope_neox@layer=1", "--mode", "shadow"];
+    let (code, out, _) = run_cli(&[&common[..], &fail[..], &["--color", "never"]].concat());
+    assert_eq!(code, 1);
+    assert!(!out.contains('\x1b'), "{out}");
+    let row = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("1 FAIL"))
+        .unwrap();
+    assert!(row.contains('!'), "{row}");
+    let ok_row = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("0 PASS"))
+        .unwrap();
+    assert!(!ok_row.contains('!'), "{ok_row}");
+    let (_, out, _) = run_cli(&[&common[..], &fail[..], &["--color", "always"]].concat());
+    assert!(out.contains("\x1b[31;1m"), "{out}");
+    // -q: the verdict line only.
+    let (code, out, err) = run_cli(&[&common[..], &fail[..], &["-q"]].concat());
+    assert_eq!(code, 1);
+    assert_eq!(out.lines().count(), 1, "{out}");
+    assert!(out.contains("DIVERGENCE"), "{out}");
+    assert!(err.is_empty(), "{err}");
+    // Where dumps went.
+    let dump = p("dump");
+    let (_, _, err) = run_cli(&[&common[..], &fail[..], &["--dump-dir", &dump]].concat());
+    assert!(
+        err.contains(&format!(
+            "dumped {}",
+            dir.path().join("dump/layer1").display()
+        )),
+        "{err}"
+    );
 }

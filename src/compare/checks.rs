@@ -57,7 +57,37 @@ impl Check {
 }
 
 /// Stages whose values are computed differently for prefill and decode tokens.
-const PHASED: [Stage; 3] = [Stage::Lse, Stage::AttnHeads, Stage::AttnOut];
+pub const PHASED: [Stage; 3] = [Stage::Lse, Stage::AttnHeads, Stage::AttnOut];
+
+/// The terminal table's column name of a stage (so that ~16 checks fit in ~120 columns); `--tol` and
+/// `--tol-file` accept it too, with `.p` / `.d` for the phase, as the table prints it.
+pub fn short_name(stage: Stage) -> &'static str {
+    match stage {
+        Stage::AttnIn => "in",
+        Stage::QNope => "qnope",
+        Stage::QPe => "qpe",
+        Stage::KvLatent => "latnt",
+        Stage::KPe => "kpe",
+        Stage::CacheRows => "cache",
+        Stage::QAbsorbed => "qabs",
+        Stage::SplitOut => "splO",
+        Stage::SplitLse => "splL",
+        Stage::AttnLatent => "attL",
+        Stage::Lse => "lse",
+        Stage::AttnHeads => "heads",
+        Stage::AttnOut => "out",
+    }
+}
+
+/// The table's column name of a check: short stage name and `.p` / `.d` for the phase.
+pub fn short_check_name(c: &Check) -> String {
+    let phase = match c.phase {
+        None => "",
+        Some(Phase::Prefill) => ".p",
+        Some(Phase::Decode) => ".d",
+    };
+    format!("{}{phase}", short_name(c.stage))
+}
 
 /// All checks for a schedule, in dataflow order: projections, cache, prefill attention, decode attention,
 /// output projection. Checks with no rows under the schedule are left out.

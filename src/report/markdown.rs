@@ -19,12 +19,24 @@ pub fn render(r: &Report) -> String {
     writeln!(
         s,
         "### {icon} mla-diff: `{}` ({}, {}, {})\n",
-        r.file.path, r.file.architecture, r.run.backend, r.run.dtype
+        r.file.base_name(),
+        r.file.architecture,
+        r.run.backend,
+        r.run.dtype
     )
     .ok();
     writeln!(s, "**{}**\n", r.verdict.message).ok();
     if let Some(b) = &r.baseline {
         writeln!(s, "Baseline: {}\n", b.message).ok();
+        for reg in b.regressions.iter().take(10) {
+            writeln!(s, "- {reg}").ok();
+        }
+        if !b.regressions.is_empty() {
+            writeln!(s).ok();
+        }
+        if !b.across.is_empty() {
+            writeln!(s, "Compared across differences: {}\n", b.across.join("; ")).ok();
+        }
     }
     for n in &r.run.notices {
         writeln!(s, "> ⚠️ **Notice:** {n}\n").ok();
@@ -40,7 +52,12 @@ pub fn render(r: &Report) -> String {
         let Some(first) = m.layers.first() else {
             continue;
         };
-        writeln!(s, "#### {} mode\n", m.mode).ok();
+        let note = if r.decisive_mode() == Some(m.mode.as_str()) {
+            ""
+        } else {
+            " (informational: drift; it does not decide the verdict)"
+        };
+        writeln!(s, "#### {} mode{note}\n", m.mode).ok();
         let names: Vec<&str> = first.checks.iter().map(|c| c.check.as_str()).collect();
         writeln!(
             s,

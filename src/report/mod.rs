@@ -5,6 +5,7 @@ pub mod baseline;
 pub mod junit;
 pub mod markdown;
 pub mod npy;
+pub mod output;
 pub mod svg;
 pub mod table;
 
@@ -78,12 +79,49 @@ pub struct Report {
     pub verdict: Verdict,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub baseline: Option<baseline::BaselineResult>,
+    /// Directories the run wrote `.npy` dumps into (printed, not part of the JSON: paths are local).
+    #[serde(skip)]
+    pub dumps: Vec<std::path::PathBuf>,
+}
+
+impl FileInfo {
+    /// The file's name without its directory: what reports show, so that they do not depend on where
+    /// a checkout lives.
+    pub fn base_name(&self) -> String {
+        std::path::Path::new(&self.path)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| self.path.clone())
+    }
 }
 
 impl Report {
-    /// Overall pass: every mode passed and no baseline regression.
+    /// Overall pass: every mode passed and no baseline regression (the same as `verdict.pass` once the
+    /// gate's result is set with [`Report::set_baseline`]).
     pub fn pass(&self) -> bool {
         self.verdict.pass && self.baseline.as_ref().is_none_or(|b| b.pass)
+    }
+    /// Record the baseline gate's result and fold it into the top-level verdict, so that the exit
+    /// code, `verdict.pass`, JUnit and Markdown all say the same.
+    pub fn set_baseline(&mut self, b: baseline::BaselineResult) {
+        if !b.pass {
+            let v = &mut self.verdict;
+            v.message = if v.pass {
+                format!("{}; {}", b.message, v.message)
+            } else {
+                format!("{}; {}", v.message, b.message)
+            };
+            v.reasons.push(b.message.clone());
+            v.pass = false;
+        }
+        self.baseline = Some(b);
+    }
+    /// The mode whose verdict decides the run (see [`Report::overall_verdict`]).
+    pub fn decisive_mode(&self) -> Option<&str> {
+        Self::decisive(&self.modes).map(|m| m.mode.as_str())
+    }
+    fn decisive(modes: &[ModeResult]) -> Option<&ModeResult> {
+        modes.iter().find(|m| m.mode == "shadow").or(modes.first())
     }
     pub fn to_json(&self) -> String {
         let mut s = serde_json::to_string_pretty(self).expect("report serialises");
@@ -113,7 +151,7 @@ impl Report {
     /// crosses the tolerance is reported (in the free mode's own verdict) without failing the run.
     /// Free mode alone decides only when shadow mode was not run.
     pub fn overall_verdict(modes: &[ModeResult]) -> Verdict {
-        let decisive = modes.iter().find(|m| m.mode == "shadow").or(modes.first());
+        let decisive = Self::decisive(modes);
         let mut v = decisive.map(|m| m.verdict.clone()).unwrap_or(Verdict {
             pass: false,
             first_layer: None,

@@ -6,7 +6,12 @@ use crate::trace::LayerTrace;
 use ndarray::{ArrayD, IxDyn};
 use std::path::Path;
 
-pub fn dump_layer(dir: &Path, reference: &LayerTrace, optimized: &LayerTrace) -> Result<()> {
+/// Returns the layer's directory.
+pub fn dump_layer(
+    dir: &Path,
+    reference: &LayerTrace,
+    optimized: &LayerTrace,
+) -> Result<std::path::PathBuf> {
     let d = dir.join(format!("layer{}", reference.layer));
     std::fs::create_dir_all(&d)
         .map_err(|e| Error::io(format!("cannot create {}", d.display()), e))?;
@@ -27,5 +32,6 @@ pub fn dump_layer(dir: &Path, reference: &LayerTrace, optimized: &LayerTrace) ->
     super::write_file(
         &d.join("axes.json"),
         &serde_json::to_string_pretty(&axes).expect("json"),
-    )
+    )?;
+    Ok(d)
 }

@@ -4,43 +4,43 @@
 use super::Report;
 use std::fmt::Write;
 
-/// Short column headers, so that all checks fit in ~120 columns.
+/// Short column headers, so that all checks fit in ~120 columns (`--tol` accepts them too).
 fn short(check: &str) -> String {
-    let (stage, phase) = match check.split_once('[') {
-        Some((s, p)) => (s, if p.starts_with('p') { ".p" } else { ".d" }),
-        None => (check, ""),
-    };
-    let s = match stage {
-        "attn_in" => "in",
-        "q_nope" => "qnope",
-        "q_pe" => "qpe",
-        "kv_latent" => "latnt",
-        "k_pe" => "kpe",
-        "cache_rows" => "cache",
-        "q_absorbed" => "qabs",
-        "split_out" => "splO",
-        "split_lse" => "splL",
-        "attn_latent" => "attL",
-        "lse" => "lse",
-        "attn_heads" => "heads",
-        "attn_out" => "out",
-        other => other,
-    };
-    format!("{s}{phase}")
+    crate::compare::Check::parse(check)
+        .map(|c| crate::compare::checks::short_check_name(&c))
+        .unwrap_or_else(|| check.to_string())
 }
 
 pub struct Style {
     pub color: bool,
 }
 
+/// `--color`: `auto` colours when the table's stream is a terminal and NO_COLOR is unset
+/// (https://no-color.org).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ColorChoice {
+    Auto,
+    Always,
+    Never,
+}
+
 impl Style {
-    /// Colour when stdout is a terminal and NO_COLOR is unset (https://no-color.org).
+    /// `to_terminal`: whether the stream the table goes to is a terminal.
+    pub fn new(choice: ColorChoice, to_terminal: bool) -> Style {
+        Style {
+            color: match choice {
+                ColorChoice::Always => true,
+                ColorChoice::Never => false,
+                ColorChoice::Auto => {
+                    to_terminal && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+                }
+            },
+        }
+    }
+    /// Colour when stdout is a terminal and NO_COLOR is unset.
     pub fn detect() -> Style {
         use std::io::IsTerminal;
-        Style {
-            color: std::io::stdout().is_terminal()
-                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
-        }
+        Style::new(ColorChoice::Auto, std::io::stdout().is_terminal())
     }
     fn paint(&self, s: &str, code: &str) -> String {
         if self.color {
@@ -57,9 +57,10 @@ impl Style {
     }
 }
 
+/// A cell's number; the caller marks failing cells with `!` so that logs without colour show them.
 fn cell(ratio: f64) -> String {
     if ratio.is_infinite() {
-        "NaN!".into()
+        "NaN".into()
     } else if ratio >= 100.0 {
         format!("{:.0e}", ratio)
     } else if ratio >= 10.0 {
@@ -80,7 +81,7 @@ pub fn render(r: &Report, style: &Style) -> String {
     .ok();
     writeln!(
         s,
-        "schedule: prompt {} in chunks of {}, {} decode steps x {} tokens, page {}, {} splits   cells: worst metric / tolerance (>= 1 fails)",
+        "schedule: prompt {} in chunks of {}, {} decode steps x {} tokens, page {}, {} splits   cells: worst metric / tolerance (>= 1 fails, marked !)",
         sc.prompt_len, sc.chunk, sc.decode_steps, sc.q_len, sc.page_size, sc.num_splits
     )
     .ok();
@@ -91,10 +92,15 @@ pub fn render(r: &Report, style: &Style) -> String {
         let Some(first) = m.layers.first() else {
             continue;
         };
-        writeln!(s, "\n[{} mode]", m.mode).ok();
+        let note = if r.decisive_mode() == Some(m.mode.as_str()) {
+            ""
+        } else {
+            ", informational: drift does not decide the verdict"
+        };
+        writeln!(s, "\n[{} mode{note}]", m.mode).ok();
         let mut head = format!("{:>5} {:>4} ", "layer", "");
         for c in &first.checks {
-            write!(head, " {:>7}", short(&c.check)).ok();
+            write!(head, "{:>7} ", short(&c.check)).ok();
         }
         if m.mode == "free" {
             write!(head, " {:>8}", "drift").ok();
@@ -108,8 +114,8 @@ pub fn render(r: &Report, style: &Style) -> String {
             };
             let mut row = format!("{:>5} {} ", l.layer, verdict);
             for c in &l.checks {
-                let txt = format!("{:>7}", cell(c.ratio()));
-                row.push(' ');
+                let mark = if c.pass { ' ' } else { '!' };
+                let txt = format!("{:>7}{mark}", cell(c.ratio()));
                 row.push_str(&if c.pass { txt } else { style.red(&txt) });
             }
             if let Some(d) = l.drift {
@@ -119,22 +125,28 @@ pub fn render(r: &Report, style: &Style) -> String {
         }
     }
     writeln!(s).ok();
-    let msg = if r.verdict.pass {
+    s.push_str(&verdict_line(r, style));
+    if let Some(b) = &r.baseline {
+        // A failing gate's message is already part of the verdict line.
+        if b.pass {
+            writeln!(s, "{}", style.green(&b.message)).ok();
+        }
+        for reg in b.regressions.iter().take(10) {
+            writeln!(s, "  {reg}").ok();
+        }
+        if !b.across.is_empty() {
+            writeln!(s, "  compared across: {}", b.across.join("; ")).ok();
+        }
+    }
+    s
+}
+
+/// The overall verdict, one line (all that `-q` prints).
+pub fn verdict_line(r: &Report, style: &Style) -> String {
+    let msg = if r.pass() {
         style.green(&r.verdict.message)
     } else {
         style.red(&r.verdict.message)
     };
-    writeln!(s, "{msg}").ok();
-    if let Some(b) = &r.baseline {
-        let msg = if b.pass {
-            style.green(&b.message)
-        } else {
-            style.red(&b.message)
-        };
-        writeln!(s, "{msg}").ok();
-        for reg in b.regressions.iter().take(10) {
-            writeln!(s, "  {reg}").ok();
-        }
-    }
-    s
+    format!("{msg}\n")
 }
