@@ -33,6 +33,9 @@ struct Args {
     /// Per-execution time budget in seconds; longer counts as a hang.
     #[arg(long, default_value_t = 10)]
     hang_secs: u64,
+    /// Stop after this many findings.
+    #[arg(long)]
+    max_findings: Option<u64>,
     /// Also write the summary as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -63,6 +66,7 @@ fn main() {
     o.corpus_weight = a.corpus_weight;
     o.hang_secs = a.hang_secs;
     o.progress = true;
+    o.max_findings = a.max_findings.unwrap_or(u64::MAX);
     match fuzz::supervise(&o, &[]) {
         Ok(s) => {
             print!("{}", s.text());

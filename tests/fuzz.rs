@@ -25,7 +25,7 @@ fn env_u64(k: &str, default: u64) -> u64 {
 #[test]
 fn fuzz_bounded_pass() {
     let seed = env_u64("MLA_DIFF_FUZZ_SEED", 20261130);
-    let execs = env_u64("MLA_DIFF_FUZZ_EXECS", 20_000);
+    let execs = env_u64("MLA_DIFF_FUZZ_EXECS", 10_000);
     let crash_dir = std::env::temp_dir().join(format!("mla-diff-fuzz-ci-{}", std::process::id()));
     let corpus = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures"))
         .unwrap()
@@ -36,6 +36,9 @@ fn fuzz_bounded_pass() {
         .collect::<Vec<_>>();
     let mut o = Options::new(seed, execs, crash_dir.clone());
     o.corpus = corpus;
+    // Bounded time even when the code under test hangs: executions take milliseconds.
+    o.hang_secs = 5;
+    o.max_findings = 10;
     let s = fuzz::supervise(
         &o,
         &[
@@ -48,6 +51,12 @@ fn fuzz_bounded_pass() {
     )
     .unwrap();
     eprint!("{}", s.text());
+    assert!(
+        s.findings.is_empty(),
+        "fuzz findings (reproducers in {}):\n{}",
+        crash_dir.display(),
+        s.text()
+    );
     assert_eq!(s.execs, execs, "every execution ran");
     // The target must get past the header often enough to test the later stages.
     assert!(

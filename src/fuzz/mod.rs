@@ -46,6 +46,8 @@ pub struct Options {
     pub keep_per_finding: usize,
     /// Print progress to stderr every few seconds.
     pub progress: bool,
+    /// Stop once this many findings are counted (the run then has fewer executions than asked).
+    pub max_findings: u64,
 }
 
 impl Options {
@@ -67,6 +69,7 @@ impl Options {
             hang_secs: 10,
             keep_per_finding: 3,
             progress: false,
+            max_findings: u64::MAX,
         }
     }
 }
@@ -391,8 +394,13 @@ pub fn supervise(o: &Options, worker_args: &[&str]) -> Result<Summary> {
         let out = std::io::BufReader::new(child.stdout.take().expect("piped"));
         for line in out.lines() {
             let Ok(line) = line else { break };
+            // libtest may have printed `test fuzz_worker ... ` without a newline just before.
+            let Some(at) = line.find("@fuzz ") else {
+                continue;
+            };
+            let line = &line[at..];
             let p: Vec<&str> = line.splitn(6, ' ').collect();
-            if p.len() < 3 || p[0] != "@fuzz" {
+            if p.len() < 3 {
                 continue;
             }
             match p[1] {
@@ -418,6 +426,10 @@ pub fn supervise(o: &Options, worker_args: &[&str]) -> Result<Summary> {
                 }
                 _ => {}
             }
+            if sum.finding_count() >= o.max_findings {
+                let _ = child.kill();
+                break;
+            }
             if o.progress && last_progress.elapsed() > Duration::from_secs(10) {
                 last_progress = Instant::now();
                 eprintln!(
@@ -439,7 +451,7 @@ pub fn supervise(o: &Options, worker_args: &[&str]) -> Result<Summary> {
         sum.peak_max = sum.peak_max.max(seg.peak_max);
         sum.peak_per_file_byte = sum.peak_per_file_byte.max(seg.peak_per_file_byte);
         sum.peak_per_allowance = sum.peak_per_allowance.max(seg.peak_per_allowance);
-        if status.success() {
+        if status.success() || sum.finding_count() >= o.max_findings {
             break;
         }
         let Some(iter) = last_iter else {
@@ -458,7 +470,8 @@ pub fn supervise(o: &Options, worker_args: &[&str]) -> Result<Summary> {
         let msg = tail
             .lines()
             .rev()
-            .find(|l| l.starts_with("fuzz: ") || l.contains("memory allocation"))
+            .find(|l| l.starts_with("fuzz: "))
+            .or_else(|| tail.lines().rev().find(|l| l.contains("memory allocation")))
             .or_else(|| tail.lines().rev().find(|l| !l.trim().is_empty()))
             .unwrap_or("")
             .to_string();
