@@ -129,7 +129,7 @@ impl Summary {
                 f.kind,
                 f.count,
                 f.first_iter,
-                f.message,
+                &f.message[..f.message.floor_char_boundary(300)],
                 f.files
                     .iter()
                     .map(|p| p.display().to_string())
