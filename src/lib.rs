@@ -12,6 +12,7 @@ pub mod compare;
 pub mod error;
 pub mod faults;
 pub mod fixture;
+pub mod fuzz;
 pub mod gguf;
 pub mod input;
 pub mod inspect;

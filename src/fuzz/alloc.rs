@@ -1,0 +1,140 @@
+//! A counting global allocator for the fuzz driver: live bytes, the peak since the last `arm`, and a hard
+//! per-execution limit. A request past the limit is refused (null), so the process aborts with the
+//! standard "memory allocation failed" message right at the offending call site, after one stderr line
+//! from us naming the sizes; the supervisor records that as an over-allocation finding.
+//!
+//! The driver binary installs it: `#[global_allocator] static A: CountingAlloc = CountingAlloc;`.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+
+pub struct CountingAlloc;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+/// Absolute cap on `LIVE` while armed (`usize::MAX` when not).
+static CAP: AtomicUsize = AtomicUsize::new(usize::MAX);
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+impl CountingAlloc {
+    fn admit(n: usize) -> bool {
+        INSTALLED.store(true, Relaxed);
+        let live = LIVE.fetch_add(n, Relaxed).saturating_add(n);
+        let cap = CAP.load(Relaxed);
+        if live > cap {
+            LIVE.fetch_sub(n, Relaxed);
+            report(n, live - n, cap);
+            return false;
+        }
+        PEAK.fetch_max(live, Relaxed);
+        true
+    }
+}
+
+/// One stderr line without allocating (we are inside the allocator).
+fn report(request: usize, live: usize, cap: usize) {
+    let mut buf = [0u8; 160];
+    let mut len = 0;
+    let mut put = |s: &[u8]| {
+        let n = s.len().min(buf.len() - len);
+        buf[len..len + n].copy_from_slice(&s[..n]);
+        len += n;
+    };
+    let num = |mut v: usize| {
+        let mut d = [0u8; 20];
+        let mut i = d.len();
+        loop {
+            i -= 1;
+            d[i] = b'0' + (v % 10) as u8;
+            v /= 10;
+            if v == 0 {
+                return (d, i);
+            }
+        }
+    };
+    let (d, i) = num(request);
+    put(b"fuzz: over-allocation: request of ");
+    put(&d[i..]);
+    let (d, i) = num(live);
+    put(b" bytes with ");
+    put(&d[i..]);
+    let (d, i) = num(cap);
+    put(b" live exceeds the cap of ");
+    put(&d[i..]);
+    put(b" bytes\n");
+    // SAFETY: writing a stack buffer to fd 2.
+    unsafe { libc::write(2, buf.as_ptr().cast(), len) };
+}
+
+unsafe impl GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        if !Self::admit(l.size()) {
+            return std::ptr::null_mut();
+        }
+        let p = System.alloc(l);
+        if p.is_null() {
+            LIVE.fetch_sub(l.size(), Relaxed);
+        }
+        p
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        if !Self::admit(l.size()) {
+            return std::ptr::null_mut();
+        }
+        let p = System.alloc_zeroed(l);
+        if p.is_null() {
+            LIVE.fetch_sub(l.size(), Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        System.dealloc(p, l);
+        LIVE.fetch_sub(l.size(), Relaxed);
+    }
+    // Counted as the size change: the system realloc may grow in place (mremap for large blocks).
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        let old = l.size();
+        if new > old && !Self::admit(new - old) {
+            return std::ptr::null_mut();
+        }
+        let q = System.realloc(p, l, new);
+        if q.is_null() {
+            if new > old {
+                LIVE.fetch_sub(new - old, Relaxed);
+            }
+        } else if new < old {
+            LIVE.fetch_sub(old - new, Relaxed);
+        }
+        q
+    }
+}
+
+/// Whether the process allocates through `CountingAlloc` (nothing is measured otherwise).
+pub fn installed() -> bool {
+    drop(std::hint::black_box(Box::new(0u64)));
+    INSTALLED.load(Relaxed)
+}
+
+/// Bytes live now (all threads).
+pub fn live() -> usize {
+    LIVE.load(Relaxed)
+}
+
+/// Start an execution: the peak restarts at the current live bytes, and at most `extra` more may be live.
+pub fn arm(extra: usize) -> usize {
+    let base = LIVE.load(Relaxed);
+    PEAK.store(base, Relaxed);
+    CAP.store(base.saturating_add(extra), Relaxed);
+    base
+}
+
+/// Raise (or lower) the allowance of the running execution, relative to its base.
+pub fn set_allowance(base: usize, extra: usize) {
+    CAP.store(base.saturating_add(extra), Relaxed);
+}
+
+/// End an execution: the limit is lifted; returns the peak bytes above `base`.
+pub fn disarm(base: usize) -> usize {
+    CAP.store(usize::MAX, Relaxed);
+    PEAK.load(Relaxed).saturating_sub(base)
+}
