@@ -515,6 +515,13 @@ fn names_in_errors_are_escaped_and_cut() {
         b[at..at + 4].copy_from_slice(&99u32.to_le_bytes());
     });
     check(inspect(&p), "unknown value type 99");
+    // The same key in a file cut right after it: the truncation message names the key, escaped.
+    let p = patch(&src, &d.path().join("k3.gguf"), |b| {
+        let key = junk.as_bytes();
+        let at = b.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+        b.truncate(at + 2);
+    });
+    check(inspect(&p), "truncated: needs 4 bytes");
     // A string value: the architecture.
     let p = rewrite(
         &valid(d.path()),

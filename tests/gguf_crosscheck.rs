@@ -15,7 +15,9 @@
 
 mod common;
 
-use mla_diff::gguf::{dequantize_f32, dequantize_rows, Array, GgmlType, GgufFile, TensorType, Value};
+use mla_diff::gguf::{
+    dequantize_f32, dequantize_rows, Array, GgmlType, GgufFile, TensorType, Value,
+};
 use mla_diff::model::{LayerWeights, MlaConfig, QProj};
 use ndarray::ArrayD;
 use serde_json::Value as J;

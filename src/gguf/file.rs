@@ -345,6 +345,17 @@ fn elems<const N: usize, T>(b: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
         .collect()
 }
 
+/// A label for an error message: our own labels ("tensor count") as they are, anything that came from
+/// the file (a key or tensor name: control characters, megabytes of junk) escaped and cut by `quote`.
+fn label(what: &str) -> String {
+    let plain = what.len() <= 80 && what.bytes().all(|b| (0x20..0x7f).contains(&b));
+    if plain {
+        what.to_string()
+    } else {
+        quote(what)
+    }
+}
+
 impl<'a> Reader<'a> {
     fn err(&self, msg: impl Into<String>) -> Error {
         Error::format(self.path.display(), msg)
@@ -355,7 +366,8 @@ impl<'a> Reader<'a> {
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
         if n > self.remaining() {
             return Err(self.err(format!(
-                "truncated: needs {n} bytes for {what} at byte {}, but the file ends at byte {}",
+                "truncated: needs {n} bytes for {} at byte {}, but the file ends at byte {}",
+                label(what),
                 self.pos,
                 self.buf.len()
             )));
@@ -377,7 +389,8 @@ impl<'a> Reader<'a> {
         let len = self.u64(what)?;
         if len > self.remaining() as u64 {
             return Err(self.err(format!(
-                "{what}: string length {len} at byte {} exceeds the {} bytes left in the file",
+                "{}: string length {len} at byte {} exceeds the {} bytes left in the file",
+                label(what),
                 self.pos - 8,
                 self.remaining()
             )));
