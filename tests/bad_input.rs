@@ -4,75 +4,14 @@
 
 mod common;
 
-use common::{assert_clean_error, make_fixture, run};
-use mla_diff::gguf::write::GgufWriter;
-use mla_diff::gguf::{Array, GgmlType, GgufFile, TensorType, Value};
+use common::{assert_clean_error, make_fixture, read_parts, rewrite, run, write_gguf, Tensor};
+use mla_diff::gguf::{Array, GgmlType, GgufFile, Value};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// A valid tiny MLA file (hidden 256, so a 256-block type fits attn_q_a's rows).
 fn valid(dir: &Path) -> PathBuf {
     make_fixture(dir, "valid.gguf", &["--preset", "tiny", "--quant", "q8_0"])
-}
-
-#[derive(Clone)]
-struct Tensor {
-    name: String,
-    ne: Vec<u64>,
-    type_id: u32,
-    bytes: Vec<u8>,
-}
-
-/// A GGUF's metadata and tensors (with their bytes).
-fn read_parts(src: &Path) -> (Vec<(String, Value)>, Vec<Tensor>) {
-    let f = GgufFile::open(src).unwrap();
-    let meta = f.metadata.clone();
-    let tensors: Vec<Tensor> = f
-        .tensors
-        .iter()
-        .map(|t| Tensor {
-            name: t.name.clone(),
-            ne: t.ne.clone(),
-            type_id: match t.ty {
-                TensorType::Known(g) => g.id,
-                TensorType::Unknown(id) => id,
-            },
-            bytes: f.tensor_bytes(t).unwrap().to_vec(),
-        })
-        .collect();
-    (meta, tensors)
-}
-
-/// Copy a GGUF through our writer, editing metadata and tensors on the way.
-fn rewrite(
-    src: &Path,
-    dst: &Path,
-    edit_meta: impl FnOnce(&mut Vec<(String, Value)>),
-    edit_tensors: impl FnOnce(&mut Vec<Tensor>),
-) -> PathBuf {
-    let (mut meta, mut tensors) = read_parts(src);
-    edit_meta(&mut meta);
-    edit_tensors(&mut tensors);
-    write_gguf(dst, meta, &tensors)
-}
-
-fn write_gguf(dst: &Path, meta: Vec<(String, Value)>, tensors: &[Tensor]) -> PathBuf {
-    let mut w = GgufWriter::new();
-    for (k, v) in meta {
-        w.add(k, v).unwrap();
-    }
-    for t in tensors {
-        w.add_tensor_raw(&t.name, &t.ne, t.type_id, t.bytes.len() as u64)
-            .unwrap();
-    }
-    let mut sink = w.start(std::fs::File::create(dst).unwrap()).unwrap();
-    for t in tensors {
-        if !t.bytes.is_empty() {
-            sink.write(&t.bytes).unwrap();
-        }
-    }
-    sink.finish().unwrap();
-    dst.to_path_buf()
 }
 
 fn tensor<'a>(ts: &'a mut [Tensor], name: &str) -> &'a mut Tensor {

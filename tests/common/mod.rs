@@ -262,6 +262,7 @@ pub fn assert_clean_error(o: &Output, needle: &str) {
 }
 
 /// A tensor as [`rewrite`] hands it out for editing: raw bytes and a type id (any, even unknown).
+#[derive(Clone)]
 pub struct Tensor {
     pub name: String,
     pub ne: Vec<u64>,
@@ -269,16 +270,11 @@ pub struct Tensor {
     pub bytes: Vec<u8>,
 }
 
-/// Copy a GGUF through our writer, editing metadata and tensors on the way.
-pub fn rewrite(
-    src: &Path,
-    dst: &Path,
-    edit_meta: impl FnOnce(&mut Vec<(String, mla_diff::gguf::Value)>),
-    edit_tensors: impl FnOnce(&mut Vec<Tensor>),
-) -> PathBuf {
+/// A GGUF's metadata and tensors (with their bytes).
+pub fn read_parts(src: &Path) -> (Vec<(String, mla_diff::gguf::Value)>, Vec<Tensor>) {
     let f = mla_diff::gguf::GgufFile::open(src).unwrap();
-    let mut meta = f.metadata.clone();
-    let mut tensors: Vec<Tensor> = f
+    let meta = f.metadata.clone();
+    let tensors: Vec<Tensor> = f
         .tensors
         .iter()
         .map(|t| Tensor {
@@ -291,18 +287,37 @@ pub fn rewrite(
             bytes: f.tensor_bytes(t).unwrap().to_vec(),
         })
         .collect();
+    (meta, tensors)
+}
+
+/// Copy a GGUF through our writer, editing metadata and tensors on the way.
+pub fn rewrite(
+    src: &Path,
+    dst: &Path,
+    edit_meta: impl FnOnce(&mut Vec<(String, mla_diff::gguf::Value)>),
+    edit_tensors: impl FnOnce(&mut Vec<Tensor>),
+) -> PathBuf {
+    let (mut meta, mut tensors) = read_parts(src);
     edit_meta(&mut meta);
     edit_tensors(&mut tensors);
+    write_gguf(dst, meta, &tensors)
+}
+
+pub fn write_gguf(
+    dst: &Path,
+    meta: Vec<(String, mla_diff::gguf::Value)>,
+    tensors: &[Tensor],
+) -> PathBuf {
     let mut w = mla_diff::gguf::write::GgufWriter::new();
     for (k, v) in meta {
         w.add(k, v).unwrap();
     }
-    for t in &tensors {
+    for t in tensors {
         w.add_tensor_raw(&t.name, &t.ne, t.type_id, t.bytes.len() as u64)
             .unwrap();
     }
     let mut sink = w.start(std::fs::File::create(dst).unwrap()).unwrap();
-    for t in &tensors {
+    for t in tensors {
         if !t.bytes.is_empty() {
             sink.write(&t.bytes).unwrap();
         }
