@@ -69,23 +69,19 @@ fn memory_is_estimated_before_allocating() {
     let o = run_on(f, &["--decode-steps", "100000"]);
     assert_clean_error(&o, "GiB of memory (100048 tokens");
     // The limit comes from the environment when set: the default run needs a few MB.
-    let o = bin()
-        .args(["run", fixture(f).to_str().unwrap(), "--backend", "cpu"])
-        .env(mla_diff::schedule::MEMORY_ENV, "1000000")
-        .output()
-        .unwrap();
-    assert_clean_error(&o, "more than the 0.00 GiB available (MLA_DIFF_MAX_MEMORY)");
-    let o = bin()
-        .args(["run", fixture(f).to_str().unwrap(), "--backend", "cpu"])
-        .env(mla_diff::schedule::MEMORY_ENV, "lots")
-        .output()
-        .unwrap();
-    assert_clean_error(&o, "is not a byte count");
-    let o = bin()
-        .args(["run", fixture(f).to_str().unwrap(), "--backend", "cpu"])
-        .env(mla_diff::schedule::MEMORY_ENV, "200000000")
-        .output()
-        .unwrap();
+    let with_limit = |limit: &str| {
+        bin()
+            .args(["run", fixture(f).to_str().unwrap(), "--backend", "cpu"])
+            .env(mla_diff::schedule::MEMORY_ENV, limit)
+            .output()
+            .unwrap()
+    };
+    assert_clean_error(
+        &with_limit("1000000"),
+        "more than the 0.00 GiB available (MLA_DIFF_MAX_MEMORY)",
+    );
+    assert_clean_error(&with_limit("lots"), "is not a byte count");
+    let o = with_limit("200000000");
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
 }
 
