@@ -77,7 +77,7 @@ impl Identity {
             architecture: r.file.architecture.clone(),
             dtype: r.run.dtype.clone(),
             schedule: serde_json::to_value(&r.run.schedule).expect("schedule serialises"),
-            input: input_identity(&r.run.input),
+            input: r.run.input.clone(),
             layers: r.run.layers.clone(),
             tolerances,
         }
@@ -100,9 +100,12 @@ impl Identity {
                 d.push(format!("{what} {now} vs baseline {then}"));
             }
         }
+        // Inputs are compared by file base name, whichever side built the identity (a planned run or a
+        // report), so a capture in another checkout is the same input.
+        let (input, base_input) = (input_identity(&self.input), input_identity(&base.input));
         for (what, now, then) in [
             ("schedule", &self.schedule, &base.schedule),
-            ("input", &self.input, &base.input),
+            ("input", &input, &base_input),
         ] {
             if now != then {
                 d.push(format!("{what}{}", value_diff(now, then)));
@@ -214,5 +217,38 @@ pub fn gate(current: &Report, base: &Report, path: &str, factor: f64) -> Baselin
         regressions,
         message,
         across: Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ident(input: serde_json::Value) -> Identity {
+        Identity {
+            file: "m.gguf".into(),
+            size: 1,
+            architecture: "deepseek2".into(),
+            dtype: "bf16".into(),
+            schedule: serde_json::json!({}),
+            input,
+            layers: vec![0],
+            tolerances: BTreeMap::new(),
+        }
+    }
+
+    /// A planned run holds the capture's path as given; a report of the same run made in another
+    /// checkout holds another directory: the same input. Another file name is not.
+    #[test]
+    fn captures_compare_by_base_name() {
+        let npy = |p: &str| serde_json::json!({ "kind": "npy", "path": p });
+        let planned = ident(npy("/work/ci/caps/x.npy"));
+        assert!(planned
+            .differences(&ident(npy("/home/me/caps/x.npy")))
+            .is_empty());
+        assert!(planned.differences(&ident(npy("x.npy"))).is_empty());
+        let d = planned.differences(&ident(npy("/work/ci/caps/y.npy")));
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert!(d[0].starts_with("input"), "{d:?}");
     }
 }
