@@ -16,7 +16,10 @@ t0=$SECONDS
 timeout 200 "$B" gpu-validate --json "$OUT/gpu-validate.json" > "$OUT/gpu-validate.txt" 2>&1
 echo "gpu-validate: exit $? ($((SECONDS-t0)) s)"; tail -3 "$OUT/gpu-validate.txt"
 t0=$SECONDS
-B="$B" DIR="$OUT" bash bench/run-fixtures.sh || fail=1
+mkdir -p "$OUT/runs"
+B="$B" DIR="$OUT/runs" bash bench/run-fixtures.sh || fail=1
+# One file: the device hands back a limited number of files.
+tar czf "$OUT/runs.tar.gz" -C "$OUT" runs && rm -rf "$OUT/runs"
 echo "fixture sweep: $((SECONDS-t0)) s"
 t0=$SECONDS
 timeout 100 /usr/local/cuda/bin/compute-sanitizer --tool memcheck "$B" run fixtures/glm-5-q4_0.gguf --backend cuda --prompt-len 77 --chunk 32 --decode-steps 9 --page-size 16 --num-splits 3 > "$OUT/memcheck.txt" 2>&1
