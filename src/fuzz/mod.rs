@@ -9,6 +9,7 @@
 //! Every finding is reproducible with `--seed S --start I --execs 1`.
 
 pub mod alloc;
+pub mod doc;
 pub mod mutate;
 pub mod target;
 

@@ -1,13 +1,17 @@
-//! GGUF files: the container (`file`), the ggml type table (`dtype`), dequantization (`dequant`) and
+//! GGUF files: the container (`file`, read by `reader`, metadata `value`s), the ggml type table (`dtype`), dequantization (`dequant`) and
 //! writing (`write`, used by the fixture generator).
 
 pub mod dequant;
 pub mod dtype;
 pub mod file;
 mod fuel;
+mod reader;
 mod split;
+pub mod value;
 pub mod write;
 
 pub use dequant::{dequantize_f32, dequantize_rows};
 pub use dtype::GgmlType;
-pub use file::{Array, GgufFile, Shard, TensorInfo, TensorType, Value};
+pub use file::{GgufFile, Shard, TensorInfo, TensorType};
+pub use reader::GGUF_MAGIC;
+pub use value::{Array, Value};

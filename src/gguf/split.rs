@@ -3,7 +3,7 @@
 //! `split.tensors.count` (the total), and the model's metadata in the first shard only
 //! (llama.cpp `llama_split_path`, `LLM_KV_SPLIT_*`). Given any shard, find and check all of them.
 
-use super::file::{parse_file, Parsed};
+use super::reader::{parse_file, Parsed};
 use crate::error::{quote, Error, Result};
 use std::path::{Path, PathBuf};
 

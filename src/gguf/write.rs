@@ -6,7 +6,8 @@
 //! compatible type when a row does not fit the requested block size (`storage_type`).
 
 use super::dtype::GgmlType;
-use super::file::{Array, Value, GGUF_MAGIC};
+use super::reader::GGUF_MAGIC;
+use super::value::{Array, Value};
 use crate::error::{Error, Result};
 use std::io::Write;
 
