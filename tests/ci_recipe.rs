@@ -1,7 +1,7 @@
 //! The CI recipe in docs/ci/mla-diff-gate.yml, run locally: its shell steps, taken from the workflow
 //! file itself, against a shipped fixture with the built binary (write a baseline, gate a clean run,
 //! gate a run with a planted bug, gate against a baseline of another problem). And the docs' links:
-//! every relative link in README.md and docs/ resolves, and nothing points outside the repository.
+//! every relative link in the READMEs and docs/ resolves, and nothing points outside the repository.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -249,7 +249,11 @@ fn gate_recipe_on_a_shipped_fixture() {
 
 /// Markdown files whose links must resolve and stay inside the repository.
 fn doc_files() -> Vec<PathBuf> {
-    let mut v = vec![repo().join("README.md")];
+    let mut v = vec![
+        repo().join("README.md"),
+        repo().join("fixtures/README.md"),
+        repo().join("fixtures/golden/README.md"),
+    ];
     let mut docs: Vec<PathBuf> = std::fs::read_dir(repo().join("docs"))
         .unwrap()
         .map(|e| e.unwrap().path())
