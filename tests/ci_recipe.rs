@@ -244,7 +244,9 @@ fn gate_recipe_on_a_shipped_fixture() {
     for f in ["junit.xml", "summary.md", "report.json"] {
         assert!(!job.reports(f).exists(), "stale {f}");
     }
-    assert!(job.summary().ends_with("mla-diff exited 2 before writing a report (see the error above)\n"));
+    assert!(job
+        .summary()
+        .ends_with("mla-diff exited 2 before writing a report (see the error above)\n"));
 }
 
 /// Markdown files whose links must resolve and stay inside the repository.
@@ -316,7 +318,11 @@ fn relative_links_in_the_docs_resolve() {
         }
     }
     assert!(checked >= 10, "only {checked} relative links found");
-    assert!(bad.is_empty(), "links to nothing in the repository:\n{}", bad.join("\n"));
+    assert!(
+        bad.is_empty(),
+        "links to nothing in the repository:\n{}",
+        bad.join("\n")
+    );
 }
 
 #[test]
