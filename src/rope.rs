@@ -8,7 +8,8 @@
 //!   `theta = theta_interp · (1 − ramp_mix) + theta_extrap · ramp_mix`;
 //!   YaRN with `ext_factor = 0` is plain interpolation, `theta = theta_interp`;
 //! - `cos`/`sin` are scaled by `RopeConfig::attn_factor`, the net magnitude (llama.cpp divides its
-//!   attention factor by the `1 + 0.1·ln(factor)` that the kernel multiplies in, see mla-conventions §1.6).
+//!   attention factor by the `1 + 0.1·ln(factor)` that the kernel multiplies in: `src/llama-context.cpp`
+//!   in https://github.com/ggml-org/llama.cpp; docs/conventions.md).
 //!
 //! Pairing: NORM rotates `(x[2i], x[2i+1])`, NEOX rotates `(x[i], x[i+R/2])`;
 //! `x0' = x0·cos − x1·sin`, `x1' = x0·sin + x1·cos`. The rotated vector keeps the file's element order.

@@ -80,7 +80,7 @@ fn shipped_fixtures_fit_the_size_budget() {
     assert!(total <= 20_000_000, "fixtures take {total} bytes");
 }
 
-/// What a fixture must look like, stated from the conventions (mla-conventions.md §1.2/§1.3), not from
+/// What a fixture must look like, stated from the conventions (docs/conventions.md, "The file"), not from
 /// the generator.
 struct Expect {
     file: &'static str,
@@ -162,7 +162,7 @@ fn check(e: &Expect) {
     assert_eq!(c["rope"]["freq_factors_long"].is_string(), e.longrope);
     assert_eq!(c["rope"]["freq_factors_short"].is_string(), e.longrope);
 
-    // Every layer's attention tensors: names in order, types, ne (§1.3) and byte sizes.
+    // Every layer's attention tensors: names in order, types, ne and byte sizes.
     let (ex, h, lkv, r, p, v) = (e.hidden, e.heads, e.kv_lora, e.rope, e.nope, e.v);
     let layers = j["layers"].as_array().unwrap();
     assert_eq!(layers.len() as u64, e.layers);

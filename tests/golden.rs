@@ -622,7 +622,7 @@ fn fixture_writes_what_the_converter_writes() {
         };
         let (ko, kc) = (keys(&ours), keys(conv));
         // The converter writes these only because transformers' config carries them; they do not change
-        // attention while the context is within index_topk (see README, "Conventions").
+        // attention while the context is within index_topk (see docs/conventions.md).
         let converter_only_ok = [format!("{arch}.attention.indexer.types")];
         // GLM-4.7-Flash's MTP block: the fixture, like the GLM-5 preset, writes the trunk only.
         let nextn = conv

@@ -1,7 +1,7 @@
 //! `MlaConfig`: the attention hyper-parameters of an MLA model, read from GGUF metadata.
 //!
 //! The conventions (key names, the converter's ×0.1 on `yarn_log_multiplier`, rope pairing per
-//! architecture, `*_mla` vs legacy head sizes) follow llama.cpp; the README's "Conventions" section
+//! architecture, `*_mla` vs legacy head sizes) follow llama.cpp; docs/conventions.md
 //! lists them with sources.
 
 use crate::error::{quote, Error, Result};
