@@ -39,6 +39,17 @@ pub enum DumpLayers {
     List(Vec<usize>),
 }
 
+impl DumpLayers {
+    /// Parse `--dump-layers`: `first`, `all`, or a layer list as `--layers` takes it.
+    pub fn parse(spec: &str, n_layer: usize) -> Result<DumpLayers> {
+        Ok(match spec {
+            "first" => DumpLayers::First,
+            "all" => DumpLayers::All,
+            list => DumpLayers::List(parse_layers(list, n_layer)?),
+        })
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Modes {
     pub shadow: bool,

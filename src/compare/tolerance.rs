@@ -42,6 +42,30 @@ impl ToleranceTable {
         serde_json::from_str(DEFAULTS_JSON).expect("src/compare/tolerances.json is valid")
     }
 
+    /// The defaults, then a tolerance file's entries, then `--tol` overrides for `dtype`, in that order;
+    /// with the line the report shows as the table's source.
+    pub fn with_overrides(
+        dtype: Dtype,
+        file: Option<&std::path::Path>,
+        tol: &[String],
+    ) -> Result<(ToleranceTable, String)> {
+        let mut table = ToleranceTable::defaults();
+        let mut source = "defaults (calibrated, src/compare/tolerances.json)".to_string();
+        if let Some(p) = file {
+            for (d, o) in ToleranceTable::overrides_from_file(p)? {
+                table.apply(d, &o)?;
+            }
+            source = format!("defaults + {}", p.display());
+        }
+        for t in tol {
+            table.apply(dtype, &ToleranceTable::parse_override(t)?)?;
+        }
+        if !tol.is_empty() {
+            source.push_str(&format!(" + --tol {}", tol.join(" --tol ")));
+        }
+        Ok((table, source))
+    }
+
     /// Read a tolerance file (the format `mla-diff calibrate` writes; `dtypes` is the only key needed):
     /// every entry goes through the same grammar as `--tol` (see [`Override`]).
     pub fn overrides_from_file(path: &std::path::Path) -> Result<Vec<(Dtype, Override)>> {
@@ -333,5 +357,31 @@ mod tests {
                 .to_string();
             assert!(e.contains(needle), "{spec}: {e}");
         }
+    }
+
+    /// The file's entries are laid first, `--tol` last (it wins), and the source line names both.
+    #[test]
+    fn overrides_in_order_with_their_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.json");
+        std::fs::write(
+            &p,
+            r#"{"dtypes": {"bf16": {"attn_out": {"rel_l2": 0.25}, "q_nope": {"rtol": 3}}}}"#,
+        )
+        .unwrap();
+        let tol = ["out=rel_l2:0.5".to_string()];
+        let (t, source) = ToleranceTable::with_overrides(Dtype::Bf16, Some(&p), &tol).unwrap();
+        assert_eq!(get(&t, Dtype::Bf16, "attn_out[decode]").rel_l2, 0.5);
+        assert_eq!(get(&t, Dtype::Bf16, "q_nope").rtol, 3.0);
+        assert_eq!(
+            source,
+            format!("defaults + {} + --tol out=rel_l2:0.5", p.display())
+        );
+        let (t, source) = ToleranceTable::with_overrides(Dtype::Bf16, None, &[]).unwrap();
+        assert_eq!(
+            get(&t, Dtype::Bf16, "q_nope"),
+            get(&ToleranceTable::defaults(), Dtype::Bf16, "q_nope")
+        );
+        assert_eq!(source, "defaults (calibrated, src/compare/tolerances.json)");
     }
 }

@@ -19,25 +19,20 @@ use crate::trace::{LayerTrace, Stage};
 use std::fmt::Write;
 use std::path::PathBuf;
 
-#[derive(clap::Args, Debug, Clone)]
-pub struct ValidateArgs {
+/// What `mla-diff gpu-validate` runs (its flags: `cli/gpu_validate.rs`).
+#[derive(Debug, Clone)]
+pub struct Options {
     /// Storage types to run.
-    #[arg(long, value_delimiter = ',', default_value = "bf16,f16")]
     pub dtype: Vec<Dtype>,
     /// Only the small cases (a quick smoke test).
-    #[arg(long)]
     pub quick: bool,
     /// Read the kernel sources from this directory instead of the embedded copy.
-    #[arg(long)]
     pub kernels: Option<PathBuf>,
     /// Write the per-case, per-stage figures as JSON here.
-    #[arg(long)]
     pub json: Option<PathBuf>,
     /// Only the cases whose name contains this text.
-    #[arg(long)]
     pub case: Option<String>,
     /// CPU threads for the reference and the mirror (default: all cores).
-    #[arg(long)]
     pub threads: Option<usize>,
 }
 
@@ -322,7 +317,7 @@ fn within_mirror_error(dt: Dtype, what: &str, got: &[StageFig], mr: &[StageFig])
     bad
 }
 
-pub fn run(a: &ValidateArgs) -> Result<i32> {
+pub fn run(a: &Options) -> Result<i32> {
     let opts = |dt, scalar| CudaOptions {
         dtype: dt,
         kernels_dir: a.kernels.clone(),

@@ -1,0 +1,157 @@
+//! `mla-diff bench`: timings on this machine (not tests).
+
+use super::backend::BenchBackend;
+use clap::Subcommand;
+use mla_diff::backend::cuda::bench::BenchOptions;
+use mla_diff::error::Error;
+use mla_diff::model::synthetic::{Dims, Family};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    what: BenchCmd,
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Time the fp64 reference of one synthetic layer next to a plain f64 GEMM of the same FLOP count.
+    Reference(ReferenceArgs),
+    /// Split-KV absorbed MLA decode at DeepSeek-V3 dims (B=64, s_k=4096, page 64; 16 and 128 heads).
+    Decode(DecodeArgs),
+    /// Causal prefill flash attention at 4k tokens (qk 192 / v 128, 128 heads; 256 / 256, 64 heads).
+    Prefill(PrefillArgs),
+}
+
+#[derive(clap::Args)]
+struct ReferenceArgs {
+    /// Layer shape family (per-head dims, rope, scaling); full model sizes unless overridden.
+    #[arg(long, value_enum, default_value = "deepseek-v3")]
+    preset: Family,
+    /// Hidden size (default: the preset's real model).
+    #[arg(long)]
+    hidden: Option<usize>,
+    /// Attention heads (default: the preset's real model).
+    #[arg(long)]
+    heads: Option<usize>,
+    /// q-LoRA rank (0: no q-LoRA).
+    #[arg(long)]
+    q_lora: Option<usize>,
+    /// kv latent rank (default: the preset's).
+    #[arg(long)]
+    kv_lora: Option<usize>,
+    /// Tokens of the run (prefill + decode).
+    #[arg(long, default_value_t = 128)]
+    tokens: usize,
+    /// Of the tokens, how many are decode steps (one token each).
+    #[arg(long, default_value_t = 16)]
+    decode_steps: usize,
+    /// Timed repetitions of each side (best of).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+struct DecodeArgs {
+    #[arg(long, value_enum, default_value = "cuda")]
+    backend: BenchBackend,
+    #[arg(long)]
+    kernels: Option<PathBuf>,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Head counts to time (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "16,128")]
+    heads: Vec<usize>,
+    /// Time only the first (preferred) tile of each head count, not the alternatives.
+    #[arg(long)]
+    best_only: bool,
+}
+
+#[derive(clap::Args)]
+struct PrefillArgs {
+    #[arg(long, value_enum, default_value = "cuda")]
+    backend: BenchBackend,
+    #[arg(long)]
+    kernels: Option<PathBuf>,
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+impl ReferenceArgs {
+    /// The preset's full dims with the overrides laid over them.
+    fn dims(&self) -> Result<Dims, Error> {
+        let mut d = self.preset.full_dims();
+        d.hidden = self.hidden.unwrap_or(d.hidden);
+        d.n_head = self.heads.unwrap_or(d.n_head);
+        d.q_lora = self.q_lora.map_or(d.q_lora, |r| (r > 0).then_some(r));
+        d.kv_lora = self.kv_lora.unwrap_or(d.kv_lora);
+        if d.hidden == 0 || d.n_head == 0 || d.kv_lora == 0 || self.tokens == 0 {
+            return Err(Error::Usage(
+                "bench: hidden, heads, kv_lora and tokens must be at least 1".into(),
+            ));
+        }
+        Ok(d)
+    }
+}
+
+impl DecodeArgs {
+    fn options(&self) -> BenchOptions {
+        let BenchBackend::Cuda = self.backend;
+        BenchOptions {
+            kernels_dir: self.kernels.clone(),
+            decode: true,
+            prefill: false,
+            iters: ITERS,
+            decode_heads: self.heads.clone(),
+            best_only: self.best_only,
+        }
+    }
+}
+
+impl PrefillArgs {
+    fn options(&self) -> BenchOptions {
+        let BenchBackend::Cuda = self.backend;
+        BenchOptions {
+            kernels_dir: self.kernels.clone(),
+            decode: false,
+            prefill: true,
+            iters: ITERS,
+            decode_heads: vec![],
+            best_only: false,
+        }
+    }
+}
+
+/// Timed launches per kernel configuration (the median is reported).
+const ITERS: usize = 50;
+
+pub fn exec(a: Args) -> Result<i32, Error> {
+    match a.what {
+        BenchCmd::Reference(a) => {
+            let r =
+                mla_diff::bench::reference(a.preset, a.dims()?, a.tokens, a.decode_steps, a.reps)?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&r).expect("json"));
+            } else {
+                print!("{}", r.text());
+            }
+            Ok(0)
+        }
+        BenchCmd::Decode(a) => cuda_bench(&a.options(), a.json.as_deref()),
+        BenchCmd::Prefill(a) => cuda_bench(&a.options(), a.json.as_deref()),
+    }
+}
+
+fn cuda_bench(opts: &BenchOptions, json: Option<&std::path::Path>) -> Result<i32, Error> {
+    let (rep, text) = mla_diff::backend::cuda::bench::bench(opts)?;
+    print!("{text}");
+    if let Some(p) = json {
+        std::fs::write(p, serde_json::to_string_pretty(&rep).expect("json"))
+            .map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
+    }
+    Ok(0)
+}

@@ -1,0 +1,63 @@
+//! The commands, one module each (cargo's layout): a clap `Args` struct, its conversion into the
+//! library's plain options, and an `exec` that returns the exit code.
+
+use clap::{Parser, Subcommand};
+use mla_diff::error::Error;
+
+mod backend;
+mod bench;
+mod calibrate;
+mod fixture;
+mod gpu_validate;
+mod inspect;
+mod kernels;
+mod run;
+mod selftest;
+
+#[derive(Parser)]
+#[command(name = "mla-diff", version, about = "Where does the fast MLA path stop computing the model?", after_help = EXIT_CODES)]
+pub struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+const EXIT_CODES: &str = "Exit codes: 0 pass, 1 divergence found (or baseline regression), 2 usage/input/environment error.";
+
+// The variants' doc comments are the commands' help texts (the Args structs carry none, so these win).
+#[derive(Subcommand)]
+enum Cmd {
+    /// Describe an MLA GGUF file: dims, rope/YaRN, softmax scale, attention tensors (reads the header only).
+    Inspect(inspect::Args),
+    /// Write a synthetic MLA GGUF in llama.cpp's conventions (real models' attention dims, seeded random
+    /// weights; attention tensors and token_embd only).
+    Fixture(fixture::Args),
+    /// Run every layer's attention through the fp64 reference and the optimized path and compare stage by stage.
+    Run(Box<run::Args>),
+    /// Measure the CPU mirror's noise on GGUF files and write the tolerance table it implies.
+    Calibrate(calibrate::Args),
+    /// Plant every bug of the fault catalogue in the optimized path, one run each on small fixtures, and
+    /// check that each is detected in the injected layer at its earliest stage, and that the clean runs
+    /// pass. Exit 0 when all of that holds, 1 otherwise.
+    Selftest(selftest::Args),
+    /// CUDA kernel tools (no GPU needed for `check`).
+    Kernels(kernels::Args),
+    /// Run the CUDA path on synthetic layers with real model dims and compare every stage with the CPU
+    /// mirror and the fp64 reference (needs a GPU).
+    GpuValidate(gpu_validate::Args),
+    /// Benchmarks (timings on this machine; not tests).
+    Bench(bench::Args),
+}
+
+/// Run the parsed command; its exit code.
+pub fn exec(cli: Cli) -> Result<i32, Error> {
+    match cli.cmd {
+        Cmd::Inspect(a) => inspect::exec(a),
+        Cmd::Fixture(a) => fixture::exec(a),
+        Cmd::Run(a) => run::exec(*a),
+        Cmd::Calibrate(a) => calibrate::exec(a),
+        Cmd::Selftest(a) => selftest::exec(a),
+        Cmd::Kernels(a) => kernels::exec(a),
+        Cmd::GpuValidate(a) => gpu_validate::exec(a),
+        Cmd::Bench(a) => bench::exec(a),
+    }
+}
