@@ -22,31 +22,7 @@ use std::io::Write;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// The models whose attention shapes the presets carry (mla-conventions.md §2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Preset {
-    DeepseekV3,
-    DeepseekV2Lite,
-    KimiK2,
-    #[value(name = "glm-4.7-flash")]
-    Glm47Flash,
-    #[value(name = "glm-5")]
-    Glm5,
-    Minicpm3,
-    /// Small DeepSeek-style dims with YaRN, for fast tests.
-    Tiny,
-}
-
-/// YaRN as the HF config states it (before the converter's ×0.1 on `mscale_all_dim`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct YarnSpec {
-    pub factor: f32,
-    pub original_context: u32,
-    /// A Python float in the HF config: f64, so 0.1·0.707 rounds to f32 exactly as the converter's does.
-    pub mscale_all_dim: Option<f64>,
-    pub beta_fast: Option<f32>,
-    pub beta_slow: Option<f32>,
-}
+pub use crate::model::catalogue::{Preset, YarnSpec};
 
 /// Everything that determines a fixture file.
 #[derive(Debug, Clone)]
@@ -91,136 +67,34 @@ pub struct Options {
     pub vocab: Option<usize>,
 }
 
+/// Rows of `token_embd` in a fixture unless `--vocab` says otherwise (not the real model's vocabulary).
+const VOCAB: usize = 512;
+
 impl Preset {
+    /// The fixture of the model as the catalogue states it (BF16, seed 0).
     pub fn spec(self) -> Spec {
-        let yarn = |factor, mscale_all_dim, beta_fast, beta_slow| {
-            Some(YarnSpec {
-                factor,
-                original_context: 4096,
-                mscale_all_dim: Some(mscale_all_dim),
-                beta_fast: Some(beta_fast),
-                beta_slow: Some(beta_slow),
-            })
-        };
-        let base = Spec {
+        let e = self.entry();
+        Spec {
             preset: self,
-            model_name: "",
-            arch: Arch::Deepseek2,
-            layers: 0,
-            hidden: 0,
-            n_head: 0,
-            q_lora_rank: None,
-            kv_lora_rank: 512,
-            qk_nope: 128,
-            qk_rope: 64,
-            v_head_dim: 128,
-            rope_base: Some(10000.0),
-            yarn: None,
-            rms_eps: 1e-6,
-            context_length: 163840,
-            vocab: 512,
-            legacy_kv_b: false,
-            indexer: None,
+            model_name: e.model_name,
+            arch: e.arch,
+            layers: e.layers,
+            hidden: e.hidden,
+            n_head: e.heads,
+            q_lora_rank: e.q_lora,
+            kv_lora_rank: e.kv_lora,
+            qk_nope: e.qk_nope,
+            qk_rope: e.qk_rope,
+            v_head_dim: e.v_head,
+            rope_base: e.rope_base.map(|b| b as f32),
+            yarn: e.yarn.clone(),
+            rms_eps: e.rms_eps as f32,
+            context_length: e.context_length,
+            vocab: VOCAB,
+            legacy_kv_b: e.unsplit_kv_b,
+            indexer: e.indexer.map(|i| (i.heads, i.key_length, i.top_k)),
             quant: GgmlType::from_name("BF16").unwrap(),
             seed: 0,
-        };
-        match self {
-            Preset::DeepseekV3 => Spec {
-                model_name: "DeepSeek-V3",
-                layers: 61,
-                hidden: 7168,
-                n_head: 128,
-                q_lora_rank: Some(1536),
-                yarn: yarn(40.0, 1.0, 32.0, 1.0),
-                ..base
-            },
-            Preset::DeepseekV2Lite => Spec {
-                model_name: "DeepSeek-V2-Lite",
-                layers: 27,
-                hidden: 2048,
-                n_head: 16,
-                yarn: yarn(40.0, 0.707, 32.0, 1.0),
-                ..base
-            },
-            Preset::KimiK2 => Spec {
-                model_name: "Kimi-K2",
-                layers: 61,
-                hidden: 7168,
-                n_head: 64,
-                q_lora_rank: Some(1536),
-                rope_base: Some(50000.0),
-                yarn: yarn(32.0, 1.0, 1.0, 1.0),
-                context_length: 131072,
-                ..base
-            },
-            // rope_theta for GLM-4.7-Flash / GLM-5 is not settled by the reference notes; 1e6 is GLM-5.1's.
-            Preset::Glm47Flash => Spec {
-                model_name: "GLM-4.7-Flash",
-                layers: 47,
-                hidden: 2048,
-                n_head: 20,
-                q_lora_rank: Some(768),
-                qk_nope: 192,
-                v_head_dim: 256,
-                rope_base: Some(1e6),
-                rms_eps: 1e-5,
-                context_length: 202752,
-                ..base
-            },
-            // The 78 trunk layers; the converter also appends the NextN/MTP block (block_count 79) and the
-            // DSA indexer tensors, neither of which the dense MLA graph uses, so they are not generated.
-            Preset::Glm5 => Spec {
-                model_name: "GLM-5",
-                arch: Arch::GlmDsa,
-                layers: 78,
-                hidden: 6144,
-                n_head: 64,
-                q_lora_rank: Some(2048),
-                qk_nope: 192,
-                v_head_dim: 256,
-                rope_base: Some(1e6),
-                rms_eps: 1e-5,
-                context_length: 202752,
-                indexer: Some((32, 128, 2048)),
-                ..base
-            },
-            Preset::Minicpm3 => Spec {
-                model_name: "MiniCPM3-4B",
-                arch: Arch::Minicpm3,
-                layers: 62,
-                hidden: 2560,
-                n_head: 40,
-                q_lora_rank: Some(768),
-                kv_lora_rank: 256,
-                qk_nope: 64,
-                qk_rope: 32,
-                v_head_dim: 64,
-                rope_base: None,
-                rms_eps: 1e-5,
-                context_length: 32768,
-                legacy_kv_b: true,
-                ..base
-            },
-            Preset::Tiny => Spec {
-                model_name: "tiny-mla",
-                layers: 2,
-                hidden: 256,
-                n_head: 4,
-                q_lora_rank: Some(64),
-                kv_lora_rank: 64,
-                qk_nope: 32,
-                qk_rope: 16,
-                v_head_dim: 32,
-                yarn: Some(YarnSpec {
-                    factor: 4.0,
-                    original_context: 256,
-                    mscale_all_dim: Some(1.0),
-                    beta_fast: Some(32.0),
-                    beta_slow: Some(1.0),
-                }),
-                context_length: 1024,
-                ..base
-            },
         }
     }
 }
