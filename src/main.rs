@@ -824,23 +824,7 @@ fn selftest_cmd(
 ) -> Result<i32, Error> {
     use mla_diff::selftest;
     if list {
-        for f in Fault::ALL {
-            let i = f.info();
-            let needs: Vec<&str> = i.needs.iter().map(|n| n.name()).collect();
-            println!("{}  ({})", i.name, i.define);
-            println!("    {}", i.summary);
-            println!("    expected first failure: {}", i.expected);
-            println!(
-                "    needs: {}",
-                if needs.is_empty() {
-                    "-".to_string()
-                } else {
-                    needs.join(", ")
-                }
-            );
-            println!("    models: {}", i.models);
-            println!("    cuda: {}", i.cuda_site);
-        }
+        print!("{}", mla_diff::faults::list_text());
         return Ok(EXIT_PASS);
     }
     let only = only
