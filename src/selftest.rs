@@ -285,4 +285,3 @@ fn q_abs_rms(r: &Report) -> Option<f64> {
         .find(|c| c.check == "q_absorbed")
         .map(|c| c.metrics.ref_rms)
 }
-

@@ -216,4 +216,3 @@ pub const CATALOGUE: [Info; 17] = [
         cuda_site: "host, src/backend/cuda/mod.rs: the o_proj input re-strided with `copy_heads` (kernels/cache_write.cu) using a source head stride of P+R, once over all rows after every head is computed (reads past the end hit NaN padding)",
     },
 ];
-

@@ -62,7 +62,9 @@ pub fn markdown() -> String {
          plants in any run). Each one models a real MLA bug or bug class; the selftest proves the comparator \
          catches it in the injected layer, first at the check named here, on a run that has what it needs.\n\n",
     );
-    s.push_str("| fault | what goes wrong | the real bug it models | sources | first check | needs |\n");
+    s.push_str(
+        "| fault | what goes wrong | the real bug it models | sources | first check | needs |\n",
+    );
     s.push_str("|---|---|---|---|---|---|\n");
     for i in &CATALOGUE {
         let sources: Vec<String> = i
@@ -140,8 +142,14 @@ mod tests {
         for i in &CATALOGUE {
             for word in i.cuda_site.split([' ', '(', ')', ',', ';', ':', '`']) {
                 let is_path = word.starts_with("kernels/") || word.starts_with("src/");
-                if is_path && (word.ends_with(".cu") || word.ends_with(".cuh") || word.ends_with(".rs")) {
-                    assert!(root.join(word).exists(), "{}: {word} does not exist", i.name);
+                if is_path
+                    && (word.ends_with(".cu") || word.ends_with(".cuh") || word.ends_with(".rs"))
+                {
+                    assert!(
+                        root.join(word).exists(),
+                        "{}: {word} does not exist",
+                        i.name
+                    );
                 }
             }
         }

@@ -332,4 +332,128 @@ mod tests {
             assert!(e.qk_rope.is_multiple_of(2) && e.hidden > 0 && e.heads > 0);
         }
     }
+
+    /// Every entry through the fixture writer's header (metadata and tensor plan, at the model's full
+    /// dims, one layer; tensor data left as a hole) and back through `MlaConfig::from_gguf`: the same
+    /// dims, architecture, rope and scaling.
+    #[test]
+    fn every_entry_round_trips_through_the_fixture_writer() {
+        use crate::gguf::write::GgufWriter;
+        use crate::gguf::GgufFile;
+        use crate::model::MlaConfig;
+        let dir = tempfile::tempdir().unwrap();
+        for p in Preset::ALL {
+            let e = p.entry();
+            let mut spec = p.spec();
+            spec.layers = 1;
+            let mut w = GgufWriter::new();
+            for (k, v) in spec.metadata() {
+                w.add(k, v).unwrap();
+            }
+            for t in spec.plan() {
+                w.add_tensor(&t.name, &t.ne(), t.ty).unwrap();
+            }
+            let path = dir.path().join(format!("{}.gguf", e.name));
+            let f = std::fs::File::create(&path).unwrap();
+            std::io::Write::write_all(&mut &f, &w.header_bytes()).unwrap();
+            f.set_len(w.file_size()).unwrap();
+            let cfg = MlaConfig::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+            check(e, &cfg, e.hidden, e.heads, e.q_lora);
+        }
+    }
+
+    /// The same through the whole writer (values included) at reduced hidden size and heads.
+    #[test]
+    fn every_entry_round_trips_through_a_written_fixture() {
+        use crate::gguf::{GgmlType, GgufFile};
+        use crate::model::MlaConfig;
+        let dir = tempfile::tempdir().unwrap();
+        for p in Preset::ALL {
+            let e = p.entry();
+            let spec = crate::fixture::Spec::from_options(&crate::fixture::Options {
+                preset: p,
+                layers: Some(1),
+                quant: GgmlType::from_name("F32").unwrap(),
+                seed: 1,
+                legacy_kv_b: false,
+                hidden: Some(128),
+                heads: Some(2),
+                q_lora_rank: None,
+                vocab: Some(8),
+            })
+            .unwrap();
+            let path = dir.path().join(format!("{}.gguf", e.name));
+            crate::fixture::write(&spec, &path).unwrap();
+            let cfg = MlaConfig::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+            check(e, &cfg, 128, 2, e.q_lora);
+        }
+    }
+
+    fn check(
+        e: &Entry,
+        cfg: &crate::model::MlaConfig,
+        hidden: usize,
+        heads: usize,
+        q: Option<usize>,
+    ) {
+        let n = e.name;
+        assert_eq!(cfg.arch, e.arch, "{n}");
+        assert_eq!(cfg.n_layer, 1, "{n}");
+        assert_eq!(
+            (cfg.hidden, cfg.n_head, cfg.q_lora_rank),
+            (hidden, heads, q),
+            "{n}"
+        );
+        assert_eq!(
+            (cfg.kv_lora_rank, cfg.qk_nope, cfg.qk_rope, cfg.v_head_dim),
+            (e.kv_lora, e.qk_nope, e.qk_rope, e.v_head),
+            "{n}"
+        );
+        assert_eq!(cfg.rope.pairing, e.rope, "{n}");
+        assert_eq!(cfg.rope.base, e.rope_base.unwrap_or(10000.0), "{n}");
+        assert_eq!(cfg.rms_eps, e.rms_eps as f32 as f64, "{n}");
+        assert_eq!(cfg.rope.freq_factors_long.is_some(), e.longrope, "{n}");
+        assert_eq!(cfg.rope.freq_factors_short.is_some(), e.longrope, "{n}");
+        match (&cfg.rope.yarn, &e.yarn) {
+            (None, None) => {}
+            (Some(y), Some(s)) => {
+                assert_eq!(y.factor, s.factor as f64, "{n}");
+                assert_eq!(y.original_context, s.original_context as u64, "{n}");
+                assert_eq!(y.beta_fast, s.beta_fast.unwrap() as f64, "{n}");
+                assert_eq!(y.beta_slow, s.beta_slow.unwrap() as f64, "{n}");
+                let m = s.mscale_all_dim.unwrap();
+                assert!(
+                    (y.mscale_all_dim - m).abs() < 1e-6,
+                    "{n}: {}",
+                    y.mscale_all_dim
+                );
+            }
+            (a, b) => panic!("{n}: yarn {a:?} vs {b:?}"),
+        }
+        // The synthetic layer of the entry is the same model.
+        let syn = e.preset.config(e.preset.full_dims());
+        assert_eq!(
+            (
+                syn.arch,
+                syn.rope.pairing,
+                syn.rope.base,
+                syn.kv_lora_rank,
+                syn.qk_nope
+            ),
+            (
+                cfg.arch,
+                cfg.rope.pairing,
+                cfg.rope.base,
+                cfg.kv_lora_rank,
+                cfg.qk_nope
+            ),
+            "{n}"
+        );
+        assert!(
+            (syn.mscale - cfg.mscale).abs() < 1e-6,
+            "{n}: mscale {} vs {}",
+            syn.mscale,
+            cfg.mscale
+        );
+    }
 }

@@ -114,7 +114,10 @@ pub const CONTROLS: [Control; 11] = [
         fault: Fault::CausalOffByOne,
         lacking: Need::Prefill,
         model: None,
-        sched: Some(Schedule { chunk: 1, ..MINIMAL }),
+        sched: Some(Schedule {
+            chunk: 1,
+            ..MINIMAL
+        }),
     },
     Control {
         fault: Fault::EmptyCtxLseInf,
@@ -265,7 +268,10 @@ mod tests {
             assert!(f.info().needs.contains(&n), "{f}: {}", n.name());
             c.sched.validate().unwrap();
             if let Some(met) = n.met(&cfg, &c.sched).filter(|_| {
-                !matches!(n, Need::NormRope | Need::NeoxRope | Need::Yarn | Need::QkNotV)
+                !matches!(
+                    n,
+                    Need::NormRope | Need::NeoxRope | Need::Yarn | Need::QkNotV
+                )
             }) {
                 assert!(!met, "{f}: the control run has {}", n.name());
             }

@@ -164,7 +164,6 @@ pub fn scale_tensors(path: &Path, scales: &[(String, f32)]) -> Result<()> {
         .map_err(|e| Error::io(format!("cannot write {}", path.display()), e))
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

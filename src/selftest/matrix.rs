@@ -71,7 +71,6 @@ fn margin_text(m: f64) -> String {
     }
 }
 
-
 /// All outcomes: clean runs first, then one per fault.
 pub struct Summary {
     pub backend: String,
@@ -174,4 +173,3 @@ fn table(head: &[&str], rows: impl Iterator<Item = Vec<String>>) -> String {
     }
     s
 }
-

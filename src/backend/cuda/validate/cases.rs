@@ -255,7 +255,11 @@ mod tests {
             c.sched.validate().unwrap();
             // Every case crosses page and split boundaries.
             let s = &c.sched;
-            assert!(s.total_tokens() > s.page_size && s.num_splits >= 2, "{}", c.name);
+            assert!(
+                s.total_tokens() > s.page_size && s.num_splits >= 2,
+                "{}",
+                c.name
+            );
         }
         assert_eq!(
             CASES[0].vars(),
