@@ -50,30 +50,9 @@ impl Args {
     }
 }
 
-// The catalogue printer stays here until faults.rs's catalogue settles (it belongs next to it).
-fn print_catalogue() {
-    for f in Fault::ALL {
-        let i = f.info();
-        let needs: Vec<&str> = i.needs.iter().map(|n| n.name()).collect();
-        println!("{}  ({})", i.name, i.define);
-        println!("    {}", i.summary);
-        println!("    expected first failure: {}", i.expected);
-        println!(
-            "    needs: {}",
-            if needs.is_empty() {
-                "-".to_string()
-            } else {
-                needs.join(", ")
-            }
-        );
-        println!("    models: {}", i.models);
-        println!("    cuda: {}", i.cuda_site);
-    }
-}
-
 pub fn exec(a: Args) -> Result<i32, Error> {
     if a.list {
-        print_catalogue();
+        print!("{}", mla_diff::faults::list_text());
         return Ok(EXIT_PASS);
     }
     let opts = a.options()?;

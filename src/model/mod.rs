@@ -1,5 +1,6 @@
 //! The model as the attention sees it: hyper-parameters (`config`) and per-layer weights (`weights`).
 
+pub mod catalogue;
 pub mod config;
 pub mod rope_factors;
 pub mod synthetic;

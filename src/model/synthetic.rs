@@ -1,11 +1,12 @@
 //! Synthetic in-memory models: an `MlaConfig` with a family's attention conventions and seeded random
 //! `LayerWeights`, for tests and benchmarks that need no GGUF file.
 //!
-//! Each family keeps its real per-head dims, latent rank, rope pairing and rope scaling (so every code
-//! path of that family runs); hidden size, head count and q-LoRA rank are reduced unless `full` dims are
-//! asked for.
+//! Each model of the catalogue (`super::catalogue`) keeps its real per-head dims, latent rank, rope
+//! pairing and rope scaling (so every code path of that model runs); hidden size, head count and q-LoRA
+//! rank are reduced unless `full` dims are asked for.
 
-use super::config::{yarn_scales, Arch, MlaConfig, RopeConfig, Yarn};
+use super::catalogue::Preset;
+use super::config::{yarn_scales, MlaConfig, RopeConfig, Yarn};
 use super::rope_factors::RopeFactors;
 use super::weights::{KvBLayout, LayerWeights, QProj};
 use ndarray::{Array1, Array2, Array3};
@@ -13,19 +14,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
 
-/// The attention families the tool must handle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Family {
-    /// DeepSeek-V3/R1 (Kimi-K2 alike): q-LoRA, 128/64/128, YaRN ×40, mscale_all_dim 1.
-    DeepseekV3,
-    /// DeepSeek-V2-Lite: no q-LoRA, 128/64/128, YaRN ×40, mscale_all_dim 0.707.
-    DeepseekV2Lite,
-    /// GLM-5: 192/64/256, 64 heads, no YaRN.
-    #[value(name = "glm-5")]
-    Glm5,
-    /// MiniCPM3: NEOX rope, 64/32/64, kv_lora 256, LongRoPE factors.
-    Minicpm3,
-}
+/// The synthetic layers' handle: a row of the model catalogue (`--preset` of `mla-diff bench reference`).
+pub type Family = Preset;
 
 /// The sizes of a synthetic layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,71 +29,27 @@ pub struct Dims {
     pub v: usize,
 }
 
-impl Family {
-    pub const ALL: [Family; 4] = [
-        Family::DeepseekV3,
-        Family::DeepseekV2Lite,
-        Family::Glm5,
-        Family::Minicpm3,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Family::DeepseekV3 => "deepseek-v3",
-            Family::DeepseekV2Lite => "deepseek-v2-lite",
-            Family::Glm5 => "glm-5",
-            Family::Minicpm3 => "minicpm3",
-        }
-    }
-
+impl Preset {
     /// The real model's dims.
     pub fn full_dims(self) -> Dims {
-        match self {
-            Family::DeepseekV3 => Dims {
-                hidden: 7168,
-                n_head: 128,
-                q_lora: Some(1536),
-                kv_lora: 512,
-                nope: 128,
-                rope: 64,
-                v: 128,
-            },
-            Family::DeepseekV2Lite => Dims {
-                hidden: 2048,
-                n_head: 16,
-                q_lora: None,
-                kv_lora: 512,
-                nope: 128,
-                rope: 64,
-                v: 128,
-            },
-            Family::Glm5 => Dims {
-                hidden: 6144,
-                n_head: 64,
-                q_lora: Some(2048),
-                kv_lora: 512,
-                nope: 192,
-                rope: 64,
-                v: 256,
-            },
-            Family::Minicpm3 => Dims {
-                hidden: 2560,
-                n_head: 40,
-                q_lora: Some(768),
-                kv_lora: 256,
-                nope: 64,
-                rope: 32,
-                v: 64,
-            },
+        let e = self.entry();
+        Dims {
+            hidden: e.hidden,
+            n_head: e.heads,
+            q_lora: e.q_lora,
+            kv_lora: e.kv_lora,
+            nope: e.qk_nope,
+            rope: e.qk_rope,
+            v: e.v_head,
         }
     }
 
-    /// Test-sized dims: the family's per-head dims and latent rank, a small hidden size and q-LoRA rank,
+    /// Test-sized dims: the model's per-head dims and latent rank, a small hidden size and q-LoRA rank,
     /// few heads (GLM-5 keeps its 64 heads: head count is one of its differences).
     pub fn test_dims(self) -> Dims {
         let full = self.full_dims();
         let (hidden, n_head) = match self {
-            Family::Glm5 => (256, 64),
+            Preset::Glm5 => (256, 64),
             _ => (256, 4),
         };
         Dims {
@@ -114,23 +60,24 @@ impl Family {
         }
     }
 
-    /// A config with this family's conventions and the given dims.
+    /// A config with this model's conventions (architecture, rope, scaling, eps) and the given dims.
     pub fn config(self, d: Dims) -> MlaConfig {
-        let yarn = |mscale_all_dim: f64| Yarn {
-            factor: 40.0,
-            original_context: 4096,
-            mscale_all_dim,
-            log_multiplier_raw: 0.1 * mscale_all_dim,
-            beta_fast: 32.0,
-            beta_slow: 1.0,
-            ext_factor: 1.0,
-        };
-        let (arch, base, yarn, rms_eps, longrope) = match self {
-            Family::DeepseekV3 => (Arch::Deepseek2, 10000.0, Some(yarn(1.0)), 1e-6, false),
-            Family::DeepseekV2Lite => (Arch::Deepseek2, 10000.0, Some(yarn(0.707)), 1e-6, false),
-            Family::Glm5 => (Arch::GlmDsa, 1e6, None, 1e-5, false),
-            Family::Minicpm3 => (Arch::Minicpm3, 10000.0, None, 1e-5, true),
-        };
+        let e = self.entry();
+        let yarn = e.yarn.as_ref().map(|y| {
+            let mscale_all_dim = y.mscale_all_dim.unwrap_or(0.0);
+            Yarn {
+                factor: y.factor as f64,
+                original_context: y.original_context as u64,
+                mscale_all_dim,
+                log_multiplier_raw: 0.1 * mscale_all_dim,
+                beta_fast: y.beta_fast.unwrap_or(32.0) as f64,
+                beta_slow: y.beta_slow.unwrap_or(1.0) as f64,
+                ext_factor: 1.0,
+            }
+        });
+        let arch = e.arch;
+        // llama.cpp's default when the file has no rope.freq_base.
+        let base = e.rope_base.unwrap_or(10000.0);
         // Same chain as MlaConfig::from_gguf.
         let (attn_factor, mscale) = yarn_scales(arch, yarn.as_ref(), 1.0);
         let qk = d.nope + d.rope;
@@ -149,14 +96,14 @@ impl Family {
             rope: RopeConfig {
                 dim: d.rope,
                 base,
-                pairing: arch.rope_pairing(),
+                pairing: e.rope,
                 yarn,
-                freq_factors_short: longrope.then(|| "rope_factors_short.weight".into()),
-                freq_factors_long: longrope.then(|| "rope_factors_long.weight".into()),
+                freq_factors_short: e.longrope.then(|| "rope_factors_short.weight".into()),
+                freq_factors_long: e.longrope.then(|| "rope_factors_long.weight".into()),
                 attn_factor,
             },
-            rms_eps,
-            lora_norm_eps: rms_eps,
+            rms_eps: e.rms_eps,
+            lora_norm_eps: e.rms_eps,
             mscale,
             softmax_scale: mscale * mscale / (qk as f64).sqrt(),
             vocab_size: None,

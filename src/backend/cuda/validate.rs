@@ -11,10 +11,8 @@ use crate::backend::{Backend, Dtype};
 use crate::compare::{self, metrics, ToleranceTable};
 use crate::error::{Error, Result};
 use crate::model::rope_factors::RopeFactors;
-use crate::model::synthetic::{self, Family};
 use crate::model::{LayerWeights, MlaConfig};
 use crate::rope::RopeTables;
-use crate::schedule::Schedule;
 use crate::trace::{LayerTrace, Stage};
 use std::fmt::Write;
 use std::path::PathBuf;
@@ -36,147 +34,11 @@ pub struct Options {
     pub threads: Option<usize>,
 }
 
-/// One validation case: a layer shape and a schedule.
-#[derive(Debug, Clone)]
-pub struct Case {
-    pub name: String,
-    pub family: Family,
-    pub hidden: Option<usize>,
-    pub heads: Option<usize>,
-    pub q_lora: Option<usize>,
-    pub sched: Schedule,
-}
-
-fn sched(
-    prompt: usize,
-    chunk: usize,
-    steps: usize,
-    q_len: usize,
-    page: usize,
-    splits: usize,
-) -> Schedule {
-    Schedule {
-        prompt_len: prompt,
-        chunk,
-        decode_steps: steps,
-        q_len,
-        page_size: page,
-        num_splits: splits,
-        shuffle_seed: Some(prompt as u64 * 31 + steps as u64),
-        spare_pages: 3,
-        pos_offset: 0,
-    }
-}
-
-/// The sweep. Full model dims at short schedules; reduced hidden/heads (attention dims unchanged) at
-/// long ones, so the fp64 reference stays cheap. Every case crosses page and split boundaries.
-pub fn cases(quick: bool) -> Vec<Case> {
-    let c = |name: &str, family, hidden, heads, q_lora, s| Case {
-        name: name.into(),
-        family,
-        hidden,
-        heads,
-        q_lora,
-        sched: s,
-    };
-    let mut v = vec![
-        c(
-            "deepseek-v3 full dims",
-            Family::DeepseekV3,
-            None,
-            None,
-            None,
-            sched(40, 16, 64, 1, 16, 4),
-        ),
-        c(
-            "glm-5 full dims, MTP q_len 2",
-            Family::Glm5,
-            None,
-            None,
-            None,
-            sched(37, 16, 64, 2, 16, 3),
-        ),
-        c(
-            "minicpm3 full dims",
-            Family::Minicpm3,
-            None,
-            None,
-            None,
-            sched(45, 20, 64, 1, 16, 4),
-        ),
-        c(
-            "deepseek-v3 dims, prompt 1",
-            Family::DeepseekV3,
-            Some(512),
-            Some(16),
-            Some(256),
-            sched(1, 1, 70, 1, 16, 4),
-        ),
-    ];
-    if !quick {
-        v.extend([
-            c(
-                "deepseek-v3 dims H16, prompt 2048",
-                Family::DeepseekV3,
-                Some(1024),
-                Some(16),
-                Some(512),
-                sched(2048, 512, 64, 1, 64, 8),
-            ),
-            c(
-                "glm-5 dims H8, prompt 777, q_len 2",
-                Family::Glm5,
-                Some(1024),
-                Some(8),
-                Some(512),
-                sched(777, 256, 64, 2, 32, 5),
-            ),
-            c(
-                "minicpm3 dims, prompt 1500",
-                Family::Minicpm3,
-                Some(1024),
-                None,
-                Some(384),
-                sched(1500, 600, 64, 1, 64, 3),
-            ),
-            // 40 heads x q_len 2 = 80 rows: Hopper's wgmma decode (64-row tiles, the second one partly
-            // empty) with MiniCPM3's 256-wide latent and 288-wide key rows.
-            c(
-                "minicpm3 dims, MTP q_len 2, prompt 700",
-                Family::Minicpm3,
-                Some(1024),
-                None,
-                Some(384),
-                sched(700, 256, 64, 2, 32, 3),
-            ),
-            c(
-                "deepseek-v3 dims H128, prompt 300",
-                Family::DeepseekV3,
-                Some(1024),
-                None,
-                Some(512),
-                sched(300, 128, 64, 1, 64, 4),
-            ),
-        ]);
-    }
-    v
-}
+pub mod cases;
+pub use cases::{cases, Case, CaseSpec, CASES};
 
 pub fn case_layer(c: &Case) -> (MlaConfig, LayerWeights, Option<RopeFactors>) {
-    let mut d = c.family.full_dims();
-    if let Some(h) = c.hidden {
-        d.hidden = h;
-    }
-    if let Some(h) = c.heads {
-        d.n_head = h;
-    }
-    if c.q_lora.is_some() {
-        d.q_lora = c.q_lora;
-    }
-    let cfg = c.family.config(d);
-    let w = synthetic::weights(&cfg, 1234);
-    let rf = synthetic::rope_factors(&cfg, 99);
-    (cfg, w, rf)
+    c.layer()
 }
 
 /// Per-stage figures of one comparison.
@@ -557,7 +419,6 @@ pub fn run(a: &Options) -> Result<i32> {
                     format!("tolerance table: {e}; criterion: per stage rel-L2(CUDA, reference) <= 2 x rel-L2(mirror, reference)")
                 }
             };
-            let s = &c.sched;
             let res = CaseResult {
                 case: c.name.clone(),
                 dtype: g.dt.name().into(),
@@ -572,10 +433,7 @@ pub fn run(a: &Options) -> Result<i32> {
                     cfg.v_head_dim,
                     cfg.rope.pairing
                 ),
-                schedule: format!(
-                    "prompt {} chunk {} decode {}x{} page {} splits {}",
-                    s.prompt_len, s.chunk, s.decode_steps, s.q_len, s.page_size, s.num_splits
-                ),
+                schedule: c.spec.sched_vars(),
                 kernels: g.paths.clone(),
                 pass: failures.is_empty(),
                 verdict,

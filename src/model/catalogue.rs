@@ -1,0 +1,459 @@
+//! The model catalogue: one table of the real models whose attention shapes the tool knows, used by the
+//! fixture writer (`mla-diff fixture --preset`), the synthetic layers (`model::synthetic`, `mla-diff bench
+//! reference --preset`), the selftest's fixtures and the GPU validation cases.
+//!
+//! Each entry states the model as its Hugging Face config and llama.cpp's converter state it. Where an
+//! entry is not the published model (the tiny test model), it says so.
+
+use super::config::{Arch, RopePairing};
+
+/// A model of the catalogue (the `--preset` values). The variant names appear in the fixture files'
+/// `general.description` (Debug formatting): renaming one changes the shipped fixtures' bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Preset {
+    DeepseekV3,
+    DeepseekV2Lite,
+    KimiK2,
+    Glm47Flash,
+    Glm5,
+    Minicpm3,
+    Tiny,
+}
+
+/// YaRN as the HF config states it (before the converter's ×0.1 on `mscale_all_dim`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct YarnSpec {
+    pub factor: f32,
+    pub original_context: u32,
+    /// A Python float in the HF config: f64, so 0.1·0.707 rounds to f32 exactly as the converter's does.
+    pub mscale_all_dim: Option<f64>,
+    pub beta_fast: Option<f32>,
+    pub beta_slow: Option<f32>,
+}
+
+/// The DSA indexer of GLM-5 (written to the file; the dense MLA graph does not use it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Indexer {
+    pub heads: u32,
+    pub key_length: u32,
+    pub top_k: u32,
+}
+
+/// One model's attention, as its HF config and the GGUF converter state it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    pub preset: Preset,
+    /// The `--preset` value.
+    pub name: &'static str,
+    /// The model's own name (`general.name` of a fixture).
+    pub model_name: &'static str,
+    /// The GGUF architecture the converter writes.
+    pub arch: Arch,
+    /// Trunk layers (without NextN/MTP blocks).
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    /// `None`: no q-LoRA (a plain `attn_q`).
+    pub q_lora: Option<usize>,
+    pub kv_lora: usize,
+    pub qk_nope: usize,
+    pub qk_rope: usize,
+    pub v_head: usize,
+    /// The rope pair layout (llama.cpp derives it from the architecture; a test checks they agree).
+    pub rope: RopePairing,
+    /// `None`: the converter writes no `rope.freq_base` (MiniCPM3; llama.cpp then uses 10000).
+    pub rope_base: Option<f64>,
+    pub yarn: Option<YarnSpec>,
+    /// LongRoPE frequency factors (`rope_factors_long`/`_short` tensors).
+    pub longrope: bool,
+    pub rms_eps: f64,
+    pub context_length: u32,
+    /// The converter writes one unsplit `attn_kv_b` (MiniCPM3 always; DeepSeek files before llama.cpp
+    /// PR #12801 too, which the fixture writer can also produce).
+    pub unsplit_kv_b: bool,
+    pub indexer: Option<Indexer>,
+    /// A note for `--help`, where the entry needs one beyond its dims.
+    pub note: &'static str,
+}
+
+/// DeepSeek's YaRN: factor 40 over 4096 positions, β 32/1.
+const DEEPSEEK_YARN: YarnSpec = YarnSpec {
+    factor: 40.0,
+    original_context: 4096,
+    mscale_all_dim: Some(1.0),
+    beta_fast: Some(32.0),
+    beta_slow: Some(1.0),
+};
+
+/// Every model, in `Preset` order.
+pub const CATALOGUE: [Entry; 7] = [
+    Entry {
+        preset: Preset::DeepseekV3,
+        name: "deepseek-v3",
+        model_name: "DeepSeek-V3",
+        arch: Arch::Deepseek2,
+        layers: 61,
+        hidden: 7168,
+        heads: 128,
+        q_lora: Some(1536),
+        kv_lora: 512,
+        qk_nope: 128,
+        qk_rope: 64,
+        v_head: 128,
+        rope: RopePairing::Norm,
+        rope_base: Some(10000.0),
+        yarn: Some(DEEPSEEK_YARN),
+        longrope: false,
+        rms_eps: 1e-6,
+        context_length: 163840,
+        unsplit_kv_b: false,
+        indexer: None,
+        note: "",
+    },
+    Entry {
+        preset: Preset::DeepseekV2Lite,
+        name: "deepseek-v2-lite",
+        model_name: "DeepSeek-V2-Lite",
+        arch: Arch::Deepseek2,
+        layers: 27,
+        hidden: 2048,
+        heads: 16,
+        q_lora: None,
+        kv_lora: 512,
+        qk_nope: 128,
+        qk_rope: 64,
+        v_head: 128,
+        rope: RopePairing::Norm,
+        rope_base: Some(10000.0),
+        yarn: Some(YarnSpec {
+            mscale_all_dim: Some(0.707),
+            ..DEEPSEEK_YARN
+        }),
+        longrope: false,
+        rms_eps: 1e-6,
+        context_length: 163840,
+        unsplit_kv_b: false,
+        indexer: None,
+        note: "",
+    },
+    Entry {
+        preset: Preset::KimiK2,
+        name: "kimi-k2",
+        model_name: "Kimi-K2",
+        arch: Arch::Deepseek2,
+        layers: 61,
+        hidden: 7168,
+        heads: 64,
+        q_lora: Some(1536),
+        kv_lora: 512,
+        qk_nope: 128,
+        qk_rope: 64,
+        v_head: 128,
+        rope: RopePairing::Norm,
+        rope_base: Some(50000.0),
+        yarn: Some(YarnSpec {
+            factor: 32.0,
+            beta_fast: Some(1.0),
+            ..DEEPSEEK_YARN
+        }),
+        longrope: false,
+        rms_eps: 1e-6,
+        context_length: 131072,
+        unsplit_kv_b: false,
+        indexer: None,
+        note: "",
+    },
+    // rope_theta for GLM-4.7-Flash / GLM-5 is not settled by the public configs we know; 1e6 is GLM-5.1's.
+    Entry {
+        preset: Preset::Glm47Flash,
+        name: "glm-4.7-flash",
+        model_name: "GLM-4.7-Flash",
+        arch: Arch::Deepseek2,
+        layers: 47,
+        hidden: 2048,
+        heads: 20,
+        q_lora: Some(768),
+        kv_lora: 512,
+        qk_nope: 192,
+        qk_rope: 64,
+        v_head: 256,
+        rope: RopePairing::Norm,
+        rope_base: Some(1e6),
+        yarn: None,
+        longrope: false,
+        rms_eps: 1e-5,
+        context_length: 202752,
+        unsplit_kv_b: false,
+        indexer: None,
+        note: "",
+    },
+    // The 78 trunk layers; the converter also appends the NextN/MTP block (block_count 79) and the DSA
+    // indexer tensors, neither of which the dense MLA graph uses, so the fixture writes neither.
+    Entry {
+        preset: Preset::Glm5,
+        name: "glm-5",
+        model_name: "GLM-5",
+        arch: Arch::GlmDsa,
+        layers: 78,
+        hidden: 6144,
+        heads: 64,
+        q_lora: Some(2048),
+        kv_lora: 512,
+        qk_nope: 192,
+        qk_rope: 64,
+        v_head: 256,
+        rope: RopePairing::Norm,
+        rope_base: Some(1e6),
+        yarn: None,
+        longrope: false,
+        rms_eps: 1e-5,
+        context_length: 202752,
+        unsplit_kv_b: false,
+        indexer: Some(Indexer {
+            heads: 32,
+            key_length: 128,
+            top_k: 2048,
+        }),
+        note: "",
+    },
+    Entry {
+        preset: Preset::Minicpm3,
+        name: "minicpm3",
+        model_name: "MiniCPM3-4B",
+        arch: Arch::Minicpm3,
+        layers: 62,
+        hidden: 2560,
+        heads: 40,
+        q_lora: Some(768),
+        kv_lora: 256,
+        qk_nope: 64,
+        qk_rope: 32,
+        v_head: 64,
+        rope: RopePairing::Neox,
+        rope_base: None,
+        yarn: None,
+        longrope: true,
+        rms_eps: 1e-5,
+        context_length: 32768,
+        unsplit_kv_b: true,
+        indexer: None,
+        note: "",
+    },
+    Entry {
+        preset: Preset::Tiny,
+        name: "tiny",
+        model_name: "tiny-mla",
+        arch: Arch::Deepseek2,
+        layers: 2,
+        hidden: 256,
+        heads: 4,
+        q_lora: Some(64),
+        kv_lora: 64,
+        qk_nope: 32,
+        qk_rope: 16,
+        v_head: 32,
+        rope: RopePairing::Norm,
+        rope_base: Some(10000.0),
+        yarn: Some(YarnSpec {
+            factor: 4.0,
+            original_context: 256,
+            ..DEEPSEEK_YARN
+        }),
+        longrope: false,
+        rms_eps: 1e-6,
+        context_length: 1024,
+        unsplit_kv_b: false,
+        indexer: None,
+        note: "Small DeepSeek-style dims with YaRN, for fast tests",
+    },
+];
+
+impl Preset {
+    pub const ALL: [Preset; 7] = [
+        Preset::DeepseekV3,
+        Preset::DeepseekV2Lite,
+        Preset::KimiK2,
+        Preset::Glm47Flash,
+        Preset::Glm5,
+        Preset::Minicpm3,
+        Preset::Tiny,
+    ];
+
+    /// The model's row of the catalogue.
+    pub fn entry(self) -> &'static Entry {
+        &CATALOGUE[self as usize]
+    }
+
+    /// The `--preset` value.
+    pub fn name(self) -> &'static str {
+        self.entry().name
+    }
+
+    pub fn from_name(s: &str) -> Option<Preset> {
+        Preset::ALL.into_iter().find(|p| p.name() == s)
+    }
+}
+
+impl std::fmt::Display for Preset {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+// By hand rather than derived, so that the names and help come from the table.
+impl clap::ValueEnum for Preset {
+    fn value_variants<'a>() -> &'a [Self] {
+        &Preset::ALL
+    }
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        let e = self.entry();
+        let v = clap::builder::PossibleValue::new(e.name);
+        Some(if e.note.is_empty() { v } else { v.help(e.note) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_are_in_preset_order_and_consistent() {
+        let mut names = std::collections::HashSet::new();
+        for p in Preset::ALL {
+            let e = p.entry();
+            assert_eq!(e.preset, p);
+            assert!(names.insert(e.name), "duplicate {}", e.name);
+            assert_eq!(Preset::from_name(e.name), Some(p));
+            // The table states the pairing; llama.cpp derives it from the architecture.
+            assert_eq!(e.rope, e.arch.rope_pairing(), "{}", e.name);
+            // LongRoPE factors and an unsplit kv_b are MiniCPM3's, as the converter writes them.
+            assert_eq!(e.longrope, e.arch == Arch::Minicpm3, "{}", e.name);
+            assert_eq!(e.unsplit_kv_b, e.arch == Arch::Minicpm3, "{}", e.name);
+            assert!(e.qk_rope.is_multiple_of(2) && e.hidden > 0 && e.heads > 0);
+        }
+    }
+
+    /// Every entry through the fixture writer's header (metadata and tensor plan, at the model's full
+    /// dims, one layer; tensor data left as a hole) and back through `MlaConfig::from_gguf`: the same
+    /// dims, architecture, rope and scaling.
+    #[test]
+    fn every_entry_round_trips_through_the_fixture_writer() {
+        use crate::gguf::write::GgufWriter;
+        use crate::gguf::GgufFile;
+        use crate::model::MlaConfig;
+        let dir = tempfile::tempdir().unwrap();
+        for p in Preset::ALL {
+            let e = p.entry();
+            let mut spec = p.spec();
+            spec.layers = 1;
+            let mut w = GgufWriter::new();
+            for (k, v) in spec.metadata() {
+                w.add(k, v).unwrap();
+            }
+            for t in spec.plan() {
+                w.add_tensor(&t.name, &t.ne(), t.ty).unwrap();
+            }
+            let path = dir.path().join(format!("{}.gguf", e.name));
+            let f = std::fs::File::create(&path).unwrap();
+            std::io::Write::write_all(&mut &f, &w.header_bytes()).unwrap();
+            f.set_len(w.file_size()).unwrap();
+            let cfg = MlaConfig::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+            check(e, &cfg, e.hidden, e.heads, e.q_lora);
+        }
+    }
+
+    /// The same through the whole writer (values included) at reduced hidden size and heads.
+    #[test]
+    fn every_entry_round_trips_through_a_written_fixture() {
+        use crate::gguf::{GgmlType, GgufFile};
+        use crate::model::MlaConfig;
+        let dir = tempfile::tempdir().unwrap();
+        for p in Preset::ALL {
+            let e = p.entry();
+            let spec = crate::fixture::Spec::from_options(&crate::fixture::Options {
+                preset: p,
+                layers: Some(1),
+                quant: GgmlType::from_name("F32").unwrap(),
+                seed: 1,
+                legacy_kv_b: false,
+                hidden: Some(128),
+                heads: Some(2),
+                q_lora_rank: None,
+                vocab: Some(8),
+            })
+            .unwrap();
+            let path = dir.path().join(format!("{}.gguf", e.name));
+            crate::fixture::write(&spec, &path).unwrap();
+            let cfg = MlaConfig::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+            check(e, &cfg, 128, 2, e.q_lora);
+        }
+    }
+
+    fn check(
+        e: &Entry,
+        cfg: &crate::model::MlaConfig,
+        hidden: usize,
+        heads: usize,
+        q: Option<usize>,
+    ) {
+        let n = e.name;
+        assert_eq!(cfg.arch, e.arch, "{n}");
+        assert_eq!(cfg.n_layer, 1, "{n}");
+        assert_eq!(
+            (cfg.hidden, cfg.n_head, cfg.q_lora_rank),
+            (hidden, heads, q),
+            "{n}"
+        );
+        assert_eq!(
+            (cfg.kv_lora_rank, cfg.qk_nope, cfg.qk_rope, cfg.v_head_dim),
+            (e.kv_lora, e.qk_nope, e.qk_rope, e.v_head),
+            "{n}"
+        );
+        assert_eq!(cfg.rope.pairing, e.rope, "{n}");
+        assert_eq!(cfg.rope.base, e.rope_base.unwrap_or(10000.0), "{n}");
+        assert_eq!(cfg.rms_eps, e.rms_eps as f32 as f64, "{n}");
+        assert_eq!(cfg.rope.freq_factors_long.is_some(), e.longrope, "{n}");
+        assert_eq!(cfg.rope.freq_factors_short.is_some(), e.longrope, "{n}");
+        match (&cfg.rope.yarn, &e.yarn) {
+            (None, None) => {}
+            (Some(y), Some(s)) => {
+                assert_eq!(y.factor, s.factor as f64, "{n}");
+                assert_eq!(y.original_context, s.original_context as u64, "{n}");
+                assert_eq!(y.beta_fast, s.beta_fast.unwrap() as f64, "{n}");
+                assert_eq!(y.beta_slow, s.beta_slow.unwrap() as f64, "{n}");
+                let m = s.mscale_all_dim.unwrap();
+                assert!(
+                    (y.mscale_all_dim - m).abs() < 1e-6,
+                    "{n}: {}",
+                    y.mscale_all_dim
+                );
+            }
+            (a, b) => panic!("{n}: yarn {a:?} vs {b:?}"),
+        }
+        // The synthetic layer of the entry is the same model.
+        let syn = e.preset.config(e.preset.full_dims());
+        assert_eq!(
+            (
+                syn.arch,
+                syn.rope.pairing,
+                syn.rope.base,
+                syn.kv_lora_rank,
+                syn.qk_nope
+            ),
+            (
+                cfg.arch,
+                cfg.rope.pairing,
+                cfg.rope.base,
+                cfg.kv_lora_rank,
+                cfg.qk_nope
+            ),
+            "{n}"
+        );
+        assert!(
+            (syn.mscale - cfg.mscale).abs() < 1e-6,
+            "{n}: mscale {} vs {}",
+            syn.mscale,
+            cfg.mscale
+        );
+    }
+}

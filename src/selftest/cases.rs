@@ -1,0 +1,280 @@
+//! The selftest's runs: for each fault, the run its needs call for, and the controls (the fault on a run
+//! that lacks one need), as a table.
+
+use super::fixtures::Model;
+use crate::backend::Dtype;
+use crate::faults::{Fault, Need};
+use crate::schedule::Schedule;
+
+/// The minimal run: one prefill chunk of 6 tokens at position 0, all in one page, no decode.
+pub const MINIMAL: Schedule = Schedule {
+    prompt_len: 6,
+    chunk: 6,
+    decode_steps: 0,
+    q_len: 1,
+    page_size: 64,
+    num_splits: 1,
+    shuffle_seed: Some(7),
+    spare_pages: 1,
+    pos_offset: 0,
+};
+
+/// The schedule for a fault's needs: `MINIMAL` grown by each need.
+pub fn schedule_for(needs: &[Need]) -> Schedule {
+    let mut s = MINIMAL;
+    for n in needs {
+        match n {
+            Need::Positions => s.pos_offset = 5,
+            Need::Decode | Need::EndInsidePage => s.decode_steps = s.decode_steps.max(3),
+            Need::MultiSplit => {
+                s.decode_steps = s.decode_steps.max(3);
+                s.num_splits = 3;
+            }
+            Need::PageCrossing => (s.page_size, s.spare_pages) = (4, 2),
+            Need::NormRope
+            | Need::NeoxRope
+            | Need::Yarn
+            | Need::QkNotV
+            | Need::LargeQAbs
+            | Need::F32
+            | Need::Prefill => {}
+        }
+    }
+    if needs.contains(&Need::EndInsidePage) && s.total_tokens().is_multiple_of(s.page_size) {
+        s.decode_steps += 1;
+    }
+    s
+}
+
+/// One run of the selftest: a fault (or none) on a fixture and schedule.
+#[derive(Debug, Clone)]
+pub struct Case {
+    pub fault: Option<Fault>,
+    /// A control: the fault on a run that lacks this one need, where it must stay invisible.
+    pub lacking: Option<Need>,
+    pub model: Model,
+    pub dtype: Dtype,
+    pub sched: Schedule,
+}
+
+/// A control: a fault on a run that lacks one of its needs (and has the others), where it must not be
+/// detected. This shows that the need is real and that the exposing run is not arbitrary.
+#[derive(Debug, Clone)]
+pub struct Control {
+    pub fault: Fault,
+    pub lacking: Need,
+    /// `None`: the fault's own fixture.
+    pub model: Option<Model>,
+    /// `None`: the fault's own schedule.
+    pub sched: Option<Schedule>,
+}
+
+pub const CONTROLS: [Control; 11] = [
+    Control {
+        fault: Fault::RopeNeox,
+        lacking: Need::NormRope,
+        model: Some(Model::Minicpm3),
+        sched: None,
+    },
+    Control {
+        fault: Fault::RopeNorm,
+        lacking: Need::NeoxRope,
+        model: Some(Model::DeepseekV3),
+        sched: None,
+    },
+    Control {
+        fault: Fault::YarnMscaleMissing,
+        lacking: Need::Yarn,
+        model: Some(Model::Glm5),
+        sched: None,
+    },
+    Control {
+        fault: Fault::HeadStrideQk,
+        lacking: Need::QkNotV,
+        model: Some(Model::Glm5),
+        sched: None,
+    },
+    Control {
+        fault: Fault::QAbsFp16Accum,
+        lacking: Need::LargeQAbs,
+        model: Some(Model::DeepseekV3),
+        sched: None,
+    },
+    Control {
+        fault: Fault::KPeBeforeRope,
+        lacking: Need::Positions,
+        model: None,
+        sched: Some(Schedule {
+            prompt_len: 1,
+            chunk: 1,
+            ..MINIMAL
+        }),
+    },
+    Control {
+        fault: Fault::CausalOffByOne,
+        lacking: Need::Prefill,
+        model: None,
+        sched: Some(Schedule {
+            chunk: 1,
+            ..MINIMAL
+        }),
+    },
+    Control {
+        fault: Fault::EmptyCtxLseInf,
+        lacking: Need::Prefill,
+        model: None,
+        sched: Some(Schedule {
+            prompt_len: 0,
+            chunk: 1,
+            decode_steps: 3,
+            ..MINIMAL
+        }),
+    },
+    Control {
+        fault: Fault::KBUntransposed,
+        lacking: Need::Decode,
+        model: None,
+        sched: Some(MINIMAL),
+    },
+    Control {
+        fault: Fault::PageOffByOne,
+        lacking: Need::PageCrossing,
+        model: None,
+        sched: Some(MINIMAL),
+    },
+    // Its own run (decode, 3 splits) with one split.
+    Control {
+        fault: Fault::LseLog2Merge,
+        lacking: Need::MultiSplit,
+        model: None,
+        sched: Some(Schedule {
+            decode_steps: 3,
+            ..MINIMAL
+        }),
+    },
+];
+
+/// The controls as runs.
+pub fn controls() -> Vec<Case> {
+    CONTROLS
+        .iter()
+        .map(|k| {
+            let c = Case::for_fault(k.fault);
+            Case {
+                lacking: Some(k.lacking),
+                model: k.model.unwrap_or(c.model),
+                sched: k.sched.clone().unwrap_or(c.sched.clone()),
+                ..c
+            }
+        })
+        .collect()
+}
+
+impl Model {
+    /// The fixture a fault's model needs.
+    pub fn for_needs(needs: &[Need]) -> Model {
+        if needs.contains(&Need::NeoxRope) {
+            Model::Minicpm3
+        } else if needs.contains(&Need::LargeQAbs) {
+            Model::V2LiteLargeQAbs
+        } else {
+            Model::DeepseekV3
+        }
+    }
+}
+
+impl Case {
+    pub fn for_fault(f: Fault) -> Case {
+        let needs = f.info().needs;
+        Case {
+            fault: Some(f),
+            lacking: None,
+            model: Model::for_needs(needs),
+            dtype: match needs.contains(&Need::F32) {
+                true => Dtype::F32,
+                false => Dtype::Bf16,
+            },
+            sched: schedule_for(needs),
+        }
+    }
+    pub(super) fn clean(&self) -> Case {
+        Case {
+            fault: None,
+            lacking: None,
+            ..self.clone()
+        }
+    }
+    pub(super) fn setup_key(&self) -> String {
+        format!(
+            "{} {} {}",
+            self.model.name(),
+            self.dtype.name(),
+            self.params()
+        )
+    }
+    /// The run's schedule, test-backend-ops style.
+    pub fn params(&self) -> String {
+        let s = &self.sched;
+        format!(
+            "prompt={} chunk={} decode={} q_len={} page={} splits={} pos={}",
+            s.prompt_len, s.chunk, s.decode_steps, s.q_len, s.page_size, s.num_splits, s.pos_offset
+        )
+    }
+    /// The whole run, test-backend-ops style: `model=deepseek-v3 dtype=bf16 prompt=6 chunk=6 …`.
+    pub fn vars(&self) -> String {
+        format!(
+            "model={} dtype={} {}",
+            self.model.name(),
+            self.dtype.name(),
+            self.params()
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedules_meet_static_needs() {
+        for f in Fault::ALL {
+            let c = Case::for_fault(f);
+            c.sched.validate().unwrap();
+            // Model needs are checked against the fixture in `judge`; here the schedule needs.
+            for n in f.info().needs {
+                let cfg = crate::model::catalogue::Preset::DeepseekV3.test_config();
+                if matches!(
+                    n,
+                    Need::Positions
+                        | Need::Prefill
+                        | Need::Decode
+                        | Need::MultiSplit
+                        | Need::PageCrossing
+                        | Need::EndInsidePage
+                ) {
+                    assert_eq!(n.met(&cfg, &c.sched), Some(true), "{f}: {}", n.name());
+                }
+            }
+        }
+    }
+
+    /// Each control's run is the fault's own run without the one need (the schedule ones checked here;
+    /// model and value needs in `judge`).
+    #[test]
+    fn controls_lack_their_need() {
+        let cfg = crate::model::catalogue::Preset::DeepseekV3.test_config();
+        for c in controls() {
+            let (f, n) = (c.fault.unwrap(), c.lacking.unwrap());
+            assert!(f.info().needs.contains(&n), "{f}: {}", n.name());
+            c.sched.validate().unwrap();
+            if let Some(met) = n.met(&cfg, &c.sched).filter(|_| {
+                !matches!(
+                    n,
+                    Need::NormRope | Need::NeoxRope | Need::Yarn | Need::QkNotV
+                )
+            }) {
+                assert!(!met, "{f}: the control run has {}", n.name());
+            }
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! The selftest's fixtures: small synthetic files with the real models' head dims (from the model
+//! catalogue), one per kind of run a fault may need.
+
+use crate::error::{Error, Result};
+use crate::fixture;
+use crate::gguf::{GgmlType, GgufFile};
+use crate::model::catalogue::Preset;
+use std::path::Path;
+
+use super::LAYERS;
+
+/// A selftest fixture (its row of `FIXTURES`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Model {
+    DeepseekV3,
+    Minicpm3,
+    V2LiteLargeQAbs,
+    Glm5,
+}
+
+/// One selftest fixture: a catalogue model at hidden 256, 4 heads, 3 layers, vocab 64, BF16.
+#[derive(Debug, Clone, Copy)]
+pub struct Fixture {
+    pub model: Model,
+    /// The fixture's name in the matrix and in its file name.
+    pub name: &'static str,
+    /// The catalogue model whose attention dims, rope and scaling it has.
+    pub preset: Preset,
+    /// The q-LoRA rank (`None`: the model has none).
+    pub q_lora: Option<usize>,
+    /// `Some(K)`: `attn_k_b` and `attn_v_b` × 2^K and `attn_kv_a_norm` × 2^-K after writing.
+    pub scale_log2: Option<i32>,
+    /// Why the selftest has it.
+    pub purpose: &'static str,
+}
+
+/// The exponent K of `Model::V2LiteLargeQAbs`: puts the rms of q_absorbed above 65504 (checked on the
+/// reference values of every run that needs it).
+pub const LARGE_QABS_LOG2: i32 = 18;
+
+/// Every selftest fixture, in `Model` order.
+pub const FIXTURES: [Fixture; 4] = [
+    Fixture {
+        model: Model::DeepseekV3,
+        name: "deepseek-v3",
+        preset: Preset::DeepseekV3,
+        q_lora: Some(128),
+        scale_log2: None,
+        purpose: "NORM rope, YaRN factor 40 (mscale² 1.87), P+R ≠ Dv: the default",
+    },
+    Fixture {
+        model: Model::Minicpm3,
+        name: "minicpm3",
+        preset: Preset::Minicpm3,
+        q_lora: Some(128),
+        scale_log2: None,
+        purpose: "NEOX rope, LongRoPE factors",
+    },
+    // No q-LoRA, the model of llama.cpp #13137. The scaling makes q_absorbed = W_UKᵀ·q_nope leave the
+    // fp16 range (and the latent shrink by 2^-K), while scores, k_nope, v, the heads, attn_out and so every
+    // layer's input stay what they were. Power-of-two scaling is exact in bf16 and f32, so every relative
+    // error is unchanged too (fp16 cannot hold the small latent: this fixture is for bf16 runs).
+    Fixture {
+        model: Model::V2LiteLargeQAbs,
+        name: "v2-lite-large-qabs",
+        preset: Preset::DeepseekV2Lite,
+        q_lora: None,
+        scale_log2: Some(LARGE_QABS_LOG2),
+        purpose: "q_absorbed beyond the fp16 range",
+    },
+    Fixture {
+        model: Model::Glm5,
+        name: "glm-5",
+        preset: Preset::Glm5,
+        q_lora: Some(64),
+        scale_log2: None,
+        purpose: "no YaRN, P+R = Dv: for the controls",
+    },
+];
+
+impl Model {
+    /// The fixture's row of `FIXTURES`.
+    pub fn fixture(self) -> &'static Fixture {
+        &FIXTURES[self as usize]
+    }
+    pub fn name(self) -> &'static str {
+        self.fixture().name
+    }
+    pub fn file_name(self) -> String {
+        format!("selftest-{}.gguf", self.name())
+    }
+    fn spec(self) -> Result<fixture::Spec> {
+        let f = self.fixture();
+        fixture::Spec::from_options(&fixture::Options {
+            preset: f.preset,
+            layers: Some(LAYERS),
+            quant: GgmlType::from_name("BF16").expect("bf16"),
+            seed: 0,
+            legacy_kv_b: false,
+            hidden: Some(256),
+            heads: Some(4),
+            // 0: no q-LoRA.
+            q_lora_rank: Some(f.q_lora.unwrap_or(0)),
+            vocab: Some(64),
+        })
+    }
+    /// Write the fixture to `path`.
+    pub fn write(self, path: &Path) -> Result<()> {
+        fixture::write(&self.spec()?, path)?;
+        if let Some(k) = self.fixture().scale_log2 {
+            let mut scales = Vec::new();
+            for l in 0..LAYERS {
+                scales.push((format!("blk.{l}.attn_k_b.weight"), 2f32.powi(k)));
+                scales.push((format!("blk.{l}.attn_v_b.weight"), 2f32.powi(k)));
+                scales.push((format!("blk.{l}.attn_kv_a_norm.weight"), 2f32.powi(-k)));
+            }
+            scale_tensors(path, &scales)?;
+        }
+        Ok(())
+    }
+}
+
+/// Multiply tensors of a GGUF file in place (F32, F16 or BF16 data).
+pub fn scale_tensors(path: &Path, scales: &[(String, f32)]) -> Result<()> {
+    let bytes = {
+        let f = GgufFile::open(path)?;
+        let mut bytes = std::fs::read(path)
+            .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+        for (name, s) in scales {
+            let t = f.tensor(name).ok_or_else(|| {
+                Error::Tensor(format!("{}: no tensor {name} to scale", path.display()))
+            })?;
+            let start = (f.data_offset + t.offset) as usize;
+            let n = t.n_elements() as usize;
+            let ty = t.ty.to_string();
+            let data = bytes.get_mut(start..).unwrap_or_default();
+            match ty.as_str() {
+                "F32" => data.chunks_exact_mut(4).take(n).for_each(|c| {
+                    let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * s;
+                    c.copy_from_slice(&v.to_le_bytes());
+                }),
+                "BF16" => data.chunks_exact_mut(2).take(n).for_each(|c| {
+                    let v = half::bf16::from_le_bytes([c[0], c[1]]).to_f32() * s;
+                    c.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes());
+                }),
+                "F16" => data.chunks_exact_mut(2).take(n).for_each(|c| {
+                    let v = half::f16::from_le_bytes([c[0], c[1]]).to_f32() * s;
+                    c.copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+                }),
+                other => {
+                    return Err(Error::Unsupported(format!(
+                        "{}: cannot scale {name} of type {other}",
+                        path.display()
+                    )))
+                }
+            }
+        }
+        bytes
+    };
+    // Write through a temporary file: the mapping above is closed, the original stays intact on error.
+    let tmp = path.with_extension("scaled.tmp");
+    std::fs::write(&tmp, &bytes)
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|e| Error::io(format!("cannot write {}", path.display()), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_are_in_model_order() {
+        for (i, f) in FIXTURES.iter().enumerate() {
+            assert_eq!(f.model as usize, i, "{}", f.name);
+        }
+    }
+}
