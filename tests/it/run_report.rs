@@ -1,6 +1,6 @@
 //! `mla-diff run`: verdicts, localisation, report formats and the baseline gate.
 
-mod common;
+use crate::common;
 
 use mla_diff::backend::cpu::CpuMirror;
 use mla_diff::backend::{Backend, Dtype};

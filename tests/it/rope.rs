@@ -1,7 +1,7 @@
 //! Rope tables against hand-computed ggml values, pairings, and the relative-position property that any
 //! correct rotation has (an error in the rotation formula or a pairing mix-up inside one table breaks it).
 
-mod common;
+use crate::common;
 use common::*;
 use mla_diff::model::synthetic::{self, Family};
 use mla_diff::model::RopePairing;

@@ -2,7 +2,7 @@
 //! `inspect --json` says about each of them (dims, rope, YaRN, softmax scale, every attention tensor's
 //! name, type, ne and size), plus the raw metadata keys the llama.cpp converter would write.
 
-mod common;
+use crate::common;
 
 use common::{fixture, fixtures_dir, inspect_json, run, stderr};
 use mla_diff::gguf::{GgufFile, Value};

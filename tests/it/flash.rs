@@ -1,7 +1,7 @@
 //! The mirror's online softmax and lse merge against exact f64 softmax; empty and poisoned parts; bad
 //! layer inputs are errors, not panics.
 
-mod common;
+use crate::common;
 use common::*;
 use mla_diff::backend::cpu::flash::{attend, merge, Partial, TILE};
 use mla_diff::backend::cpu::CpuMirror;

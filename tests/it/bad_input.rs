@@ -2,7 +2,7 @@
 //! panic. Header problems surface on `inspect`; missing/wrong/unsupported tensors only when weights are
 //! loaded (`inspect --load-layer`), since nothing else reads tensor data.
 
-mod common;
+use crate::common;
 
 use common::{assert_clean_error, make_fixture, read_parts, rewrite, run, write_gguf, Tensor};
 use mla_diff::gguf::{Array, GgmlType, GgufFile, Value};
