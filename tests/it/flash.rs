@@ -2,6 +2,7 @@
 //! layer inputs are errors, not panics.
 
 use crate::common;
+use approx::{assert_abs_diff_eq, assert_relative_eq};
 use common::*;
 use mla_diff::backend::cpu::flash::{attend, merge, Partial, TILE};
 use mla_diff::backend::cpu::CpuMirror;
@@ -39,17 +40,17 @@ fn tiled_online_softmax_is_exact_softmax() {
     let (s, v) = keys(n);
     let p = attend(0..n, 4, Dtype::F32, |j| s[j], |j| &v[j]);
     let (out, lse) = exact(&s, &v);
-    assert!((p.lse as f64 - lse).abs() < 1e-5);
+    assert_abs_diff_eq!(p.lse as f64, lse, epsilon = 1e-5);
     for (a, b) in p.out.iter().zip(&out) {
-        assert!((*a as f64 - b).abs() < 1e-5 * b.abs().max(1.0));
+        assert_relative_eq!(*a as f64, *b, epsilon = 1e-5, max_relative = 1e-5);
     }
     // Split at an odd place and merged by lse: the same attention.
     let a = attend(0..70, 4, Dtype::F32, |j| s[j], |j| &v[j]);
     let b = attend(70..n, 4, Dtype::F32, |j| s[j], |j| &v[j]);
     let m = merge(&[a.clone(), b]);
-    assert!((m.lse - p.lse).abs() < 1e-5);
+    assert_abs_diff_eq!(m.lse, p.lse, epsilon = 1e-5);
     for (x, y) in m.out.iter().zip(&p.out) {
-        assert!((x - y).abs() < 1e-5 * y.abs().max(1.0));
+        assert_relative_eq!(x, y, epsilon = 1e-5, max_relative = 1e-5);
     }
     // An empty part (lse −inf) has weight 0: the other part comes back unchanged.
     let e = attend(5..5, 4, Dtype::F32, |j| s[j], |j| &v[j]);

@@ -14,6 +14,7 @@
 //! fails under CI (env CI set) and is skipped, loudly, elsewhere.
 
 use crate::common;
+use approx::assert_abs_diff_eq;
 
 use mla_diff::gguf::{
     dequantize_f32, dequantize_rows, Array, GgmlType, GgufFile, TensorType, Value,
@@ -187,7 +188,11 @@ fn gguf_py_agrees_bit_for_bit_both_ways() {
         y.original_context,
         c["yarn_original_context"].as_u64().unwrap()
     );
-    assert!((y.mscale_all_dim - c["mscale_all_dim"].as_f64().unwrap()).abs() < 1e-6);
+    assert_abs_diff_eq!(
+        y.mscale_all_dim,
+        c["mscale_all_dim"].as_f64().unwrap(),
+        epsilon = 1e-6
+    );
     assert_eq!((y.beta_fast, y.beta_slow), (32.0, 1.0));
     // (0.1·0.707·ln 40 + 1)² / sqrt(32 + 16)
     assert_eq!(format!("{:.6}", cfg.softmax_scale), "0.229443");
