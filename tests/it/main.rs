@@ -6,7 +6,6 @@
 
 mod bad_input;
 mod bench_smoke;
-mod candle_ops;
 mod common;
 mod cuda_env;
 mod detection;
