@@ -1,7 +1,7 @@
 //! The block types candle lacks (IQ1–IQ4, TQ1_0/TQ2_0, MXFP4, NVFP4), dequantized by fuel-quantized.
 //!
 //! fuel-quantized was checked bit-exact against gguf-py 0.19 on random blocks of every type
-//! (tests/gguf_crosscheck.rs), NaN and Inf scales included. It copies misaligned bytes itself.
+//! (tests/it/gguf_crosscheck.rs), NaN and Inf scales included. It copies misaligned bytes itself.
 
 use super::dtype::GgmlType;
 use crate::error::{Error, Result};

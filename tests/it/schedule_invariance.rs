@@ -2,7 +2,7 @@
 //! dtype: page size, block-table order and spare pages not at all (addressing only), the number of
 //! splits only the decode tokens, the chunk size only the prefill tokens.
 
-mod common;
+use crate::common;
 use common::*;
 use mla_diff::backend::Dtype;
 use mla_diff::model::synthetic::Family;

@@ -2,7 +2,7 @@
 //! splits, layer ranges, quadratic memory, Fortran-order captures, free mode with per-layer captures,
 //! and DSA models beyond the indexer's top_k.
 
-mod common;
+use crate::common;
 
 use common::{assert_clean_error, bin, fixture, run, stderr};
 use mla_diff::gguf::write::GgufWriter;

@@ -1,7 +1,7 @@
 //! The checks have teeth: the bug classes that silently corrupt MLA (rope pairing mix-ups, a softmax
 //! scale without YaRN's mscale²) push the mirror-vs-reference error far beyond the bf16 bounds.
 
-mod common;
+use crate::common;
 use common::*;
 use mla_diff::backend::Dtype;
 use mla_diff::model::synthetic::Family;

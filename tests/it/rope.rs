@@ -1,7 +1,8 @@
 //! Rope tables against hand-computed ggml values, pairings, and the relative-position property that any
 //! correct rotation has (an error in the rotation formula or a pairing mix-up inside one table breaks it).
 
-mod common;
+use crate::common;
+use approx::{abs_diff_eq, assert_abs_diff_eq, assert_relative_eq, relative_eq};
 use common::*;
 use mla_diff::model::synthetic::{self, Family};
 use mla_diff::model::RopePairing;
@@ -18,21 +19,36 @@ fn yarn_ramp_for_deepseek_v3() {
     let extrap = |i: usize| p * 10000f64.powf(-2.0 * i as f64 / 64.0);
     for i in 0..=10 {
         assert!(
-            (theta(&cfg.rope, None, p, i) - extrap(i)).abs() <= 1e-12 * extrap(i),
+            relative_eq!(
+                theta(&cfg.rope, None, p, i),
+                extrap(i),
+                epsilon = 0.0,
+                max_relative = 1e-12
+            ),
             "pair {i}"
         );
     }
     for i in 23..32 {
         let want = extrap(i) / 40.0;
         assert!(
-            (theta(&cfg.rope, None, p, i) - want).abs() <= 1e-12 * want,
+            relative_eq!(
+                theta(&cfg.rope, None, p, i),
+                want,
+                epsilon = 0.0,
+                max_relative = 1e-12
+            ),
             "pair {i}"
         );
     }
     // Pair 16: ramp 1 − (16−10)/13.
     let mix = 1.0 - 6.0 / 13.0;
     let want = extrap(16) / 40.0 * (1.0 - mix) + extrap(16) * mix;
-    assert!((theta(&cfg.rope, None, p, 16) - want).abs() <= 1e-12 * want);
+    assert_relative_eq!(
+        theta(&cfg.rope, None, p, 16),
+        want,
+        epsilon = 0.0,
+        max_relative = 1e-12
+    );
 }
 
 #[test]
@@ -40,7 +56,8 @@ fn plain_rope_and_longrope_factors() {
     let cfg = Family::Glm5.test_config();
     let t = RopeTables::new(&cfg.rope, None, 7, 3).unwrap();
     let th = 8.0 * 1e6f64.powf(-2.0 * 5.0 / 64.0);
-    assert!((t.cos[[1, 5]] - th.cos()).abs() < 1e-15 && (t.sin[[1, 5]] - th.sin()).abs() < 1e-15);
+    assert_abs_diff_eq!(t.cos[[1, 5]], th.cos(), epsilon = 1e-15);
+    assert_abs_diff_eq!(t.sin[[1, 5]], th.sin(), epsilon = 1e-15);
 
     let cfg = Family::Minicpm3.test_config();
     let f = synthetic::rope_factors(&cfg, 3).unwrap();
@@ -49,7 +66,11 @@ fn plain_rope_and_longrope_factors() {
     assert_eq!(f.choose(f.original_context + 1), Some(long.as_slice()));
     let i = 9;
     let want = 100.0 * 10000f64.powf(-2.0 * i as f64 / 32.0) / long[i] as f64;
-    assert!((theta(&cfg.rope, Some(&long), 100.0, i) - want).abs() < 1e-12);
+    assert_abs_diff_eq!(
+        theta(&cfg.rope, Some(&long), 100.0, i),
+        want,
+        epsilon = 1e-12
+    );
     assert!(RopeTables::new(&cfg.rope, Some(&long[1..]), 0, 1).is_err());
 }
 
@@ -82,15 +103,21 @@ fn rotation_is_relative() {
             let (mut a, mut b) = (q.clone(), k.clone());
             t.rotate(pq, &mut a);
             t.rotate(pk, &mut b);
-            let n: f64 =
-                a.iter().map(|v| v * v).sum::<f64>() - q.iter().map(|v| v * v).sum::<f64>();
-            assert!(n.abs() < 1e-9, "{}: rotation changed the norm", fam.name());
+            let (na, nq) = (
+                a.iter().map(|v| v * v).sum::<f64>(),
+                q.iter().map(|v| v * v).sum(),
+            );
+            assert!(
+                abs_diff_eq!(na, nq, epsilon = 1e-9),
+                "{}: rotation changed the norm",
+                fam.name()
+            );
             a.iter().zip(&b).map(|(x, y)| x * y).sum::<f64>()
         };
         for (pq, pk, d) in [(10, 3, 4000), (100, 100, 4321), (57, 0, 1234)] {
             let (s0, s1) = (score(pq, pk), score(pq + d, pk + d));
             assert!(
-                (s0 - s1).abs() < 1e-9 * s0.abs().max(1.0),
+                relative_eq!(s0, s1, epsilon = 1e-9, max_relative = 1e-9),
                 "{}: {s0} vs {s1}",
                 fam.name()
             );

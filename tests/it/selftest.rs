@@ -2,7 +2,7 @@
 //! fails when a backend does not honour the injection, faults stay in their layer, and `run --inject`
 //! validates its names and records them in the report.
 
-mod common;
+use crate::common;
 
 use mla_diff::backend::cpu::CpuMirror;
 use mla_diff::backend::{Backend, Dtype};

@@ -1,7 +1,7 @@
 //! The two fp64 references agree to f64 rounding on every synthetic family, and their split partials
 //! recombine to the full attention; a layout misread in one of them shows up.
 
-mod common;
+use crate::common;
 use common::*;
 use mla_diff::model::synthetic::Family;
 use mla_diff::reference::{absorbed, front, mha, softmax_in_place};

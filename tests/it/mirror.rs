@@ -3,7 +3,7 @@
 //! it stays within the expected rounding error (`common::tolerance`). Run with `--nocapture` for the
 //! per-stage figures recorded in docs/tolerances.md.
 
-mod common;
+use crate::common;
 use common::*;
 use mla_diff::backend::Dtype;
 use mla_diff::model::synthetic::Family;

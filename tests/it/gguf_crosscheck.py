@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Independent cross-check of mla-diff's GGUF reading and writing with gguf-py (PyPI gguf==0.19.0).
 
-Run by tests/gguf_crosscheck.rs:  gguf_crosscheck.py FIXTURES_DIR OUT_DIR
-                              or:  gguf_crosscheck.py blocks OUT_DIR
-                              or:  gguf_crosscheck.py fill OUT_JSON FILE...
+Run by tests/it/gguf_crosscheck.rs:  gguf_crosscheck.py FIXTURES_DIR OUT_DIR
+                                 or:  gguf_crosscheck.py blocks OUT_DIR
+                                 or:  gguf_crosscheck.py fill OUT_JSON FILE...
 
 1. Every FIXTURES_DIR/*.gguf is read with gguf-py's GGUFReader; each tensor is dequantized with
    gguf.quants.dequantize and saved as float32 .npy in numpy (torch) order, and every metadata value

@@ -1,7 +1,7 @@
 //! NaN-poisoned cache slots (spare pages, unwritten rows of the last page) never reach any output of
 //! the mirror; and a read of one of them would (so the finiteness check can fail).
 
-mod common;
+use crate::common;
 use common::*;
 use mla_diff::backend::cpu::cache::PagedCache;
 use mla_diff::backend::cpu::decode::split_partial;

@@ -4,6 +4,7 @@
 //! come back as `W_UK[h] = kv_b_proj[h·(P+Dv) .. +P]` and `W_UV[h] = kv_b_proj[h·(P+Dv)+P ..]`, for both
 //! the split and the legacy unsplit layouts.
 
+use approx::abs_diff_eq;
 use mla_diff::fixture::{Options, Preset, Spec};
 use mla_diff::gguf::{GgmlType, GgufFile};
 use mla_diff::model::{Arch, KvBLayout, LayerWeights, MlaConfig, QProj, RopePairing};
@@ -359,7 +360,7 @@ fn weights_have_realistic_structure() {
     let qa = s.torch_values("blk.0.attn_q_a.weight").unwrap();
     let var = qa.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() / qa.len() as f64;
     assert!(
-        (var * 256.0 - 1.0).abs() < 0.05,
+        abs_diff_eq!(var * 256.0, 1.0, epsilon = 0.05),
         "q_a variance × fan_in = {}",
         var * 256.0
     );

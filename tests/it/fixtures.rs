@@ -2,7 +2,8 @@
 //! `inspect --json` says about each of them (dims, rope, YaRN, softmax scale, every attention tensor's
 //! name, type, ne and size), plus the raw metadata keys the llama.cpp converter would write.
 
-mod common;
+use crate::common;
+use approx::{assert_abs_diff_eq, assert_relative_eq};
 
 use common::{fixture, fixtures_dir, inspect_json, run, stderr};
 use mla_diff::gguf::{GgufFile, Value};
@@ -140,17 +141,28 @@ fn check(e: &Expect) {
     assert_eq!(c["rope"]["pairing"], e.pairing);
     assert_eq!(c["rope"]["dim"], e.rope);
     assert_eq!(c["rope"]["base"], e.base);
-    assert!((c["rms_eps"].as_f64().unwrap() - e.rms_eps).abs() < e.rms_eps * 1e-6);
+    assert_relative_eq!(
+        c["rms_eps"].as_f64().unwrap(),
+        e.rms_eps,
+        epsilon = 0.0,
+        max_relative = 1e-6
+    );
     match e.yarn {
         None => assert!(c["rope"]["yarn"].is_null()),
         Some((factor, orig, mscale_all_dim, fast, slow)) => {
             let y = &c["rope"]["yarn"];
             assert_eq!(y["factor"], factor);
             assert_eq!(y["original_context"], orig);
-            assert!((y["mscale_all_dim"].as_f64().unwrap() - mscale_all_dim).abs() < 1e-6);
+            assert_abs_diff_eq!(
+                y["mscale_all_dim"].as_f64().unwrap(),
+                mscale_all_dim,
+                epsilon = 1e-6
+            );
             // The file holds the converter's 0.1·mscale_all_dim.
-            assert!(
-                (y["log_multiplier_raw"].as_f64().unwrap() - 0.1 * mscale_all_dim).abs() < 1e-7
+            assert_abs_diff_eq!(
+                y["log_multiplier_raw"].as_f64().unwrap(),
+                0.1 * mscale_all_dim,
+                epsilon = 1e-7
             );
             assert_eq!(y["beta_fast"], fast);
             assert_eq!(y["beta_slow"], slow);

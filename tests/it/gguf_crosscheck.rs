@@ -1,4 +1,4 @@
-//! Independent cross-check with gguf-py (PyPI `gguf`, run by tests/gguf_crosscheck.py):
+//! Independent cross-check with gguf-py (PyPI `gguf`, run by tests/it/gguf_crosscheck.py):
 //! 1. gguf-py reads every shipped fixture: same metadata (keys, order, types, values), same tensor
 //!    names/shapes/types, and its dequantized values equal ours bit for bit;
 //! 2. we read a deepseek2 file gguf-py wrote: the config, every tensor bit for bit, and the kv_b
@@ -13,7 +13,8 @@
 //! Needs the interpreter named by MLA_DIFF_PYTHON (with gguf==0.19.0 and numpy). Without it the test
 //! fails under CI (env CI set) and is skipped, loudly, elsewhere.
 
-mod common;
+use crate::common;
+use approx::assert_abs_diff_eq;
 
 use mla_diff::gguf::{
     dequantize_f32, dequantize_rows, Array, GgmlType, GgufFile, TensorType, Value,
@@ -82,7 +83,7 @@ fn same_bits_or_both_nan(ours: &[f32], theirs: &[f32], what: &str) {
 }
 
 fn run_script(py: &str, args: &[&std::ffi::OsStr]) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gguf_crosscheck.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it/gguf_crosscheck.py");
     let o = std::process::Command::new(py)
         .arg(&script)
         .args(args)
@@ -123,7 +124,7 @@ fn same_value(ours: &Value, ty: u64, theirs: &J, key: &str) {
 fn gguf_py_agrees_bit_for_bit_both_ways() {
     let Some(py) = python() else { return };
     let out = tempfile::tempdir().unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gguf_crosscheck.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it/gguf_crosscheck.py");
     let o = std::process::Command::new(&py)
         .arg(&script)
         .arg(common::fixtures_dir())
@@ -187,7 +188,11 @@ fn gguf_py_agrees_bit_for_bit_both_ways() {
         y.original_context,
         c["yarn_original_context"].as_u64().unwrap()
     );
-    assert!((y.mscale_all_dim - c["mscale_all_dim"].as_f64().unwrap()).abs() < 1e-6);
+    assert_abs_diff_eq!(
+        y.mscale_all_dim,
+        c["mscale_all_dim"].as_f64().unwrap(),
+        epsilon = 1e-6
+    );
     assert_eq!((y.beta_fast, y.beta_slow), (32.0, 1.0));
     // (0.1·0.707·ln 40 + 1)² / sqrt(32 + 16)
     assert_eq!(format!("{:.6}", cfg.softmax_scale), "0.229443");

@@ -1,0 +1,279 @@
+//! The converter's file against HF's weights, and `mla-diff fixture` against the converter.
+
+use super::*;
+use mla_diff::fixture::{self, Preset, Spec, YarnSpec};
+use mla_diff::gguf::{GgmlType, TensorType};
+use mla_diff::model::weights::tensor_names;
+use std::collections::BTreeSet;
+
+/// The converter's attn_k_b / attn_v_b, read by our loader, are HF's kv_b_proj split per head into
+/// [k_nope | v] (k_b transposed back), value for value: the decompression of a latent equals
+/// kv_b_proj · latent viewed per head.
+#[test]
+fn converter_kv_b_is_hf_kv_b_proj() {
+    for name in FAMILIES {
+        let g = load(name);
+        let kv_b: Array2<f32> =
+            ndarray_npy::read_npy(dir().join(format!("{name}.kv_b_proj.npy"))).unwrap();
+        let w = LayerWeights::load(&g.file, &g.cfg, 0).unwrap();
+        check_decompression(name, &g.cfg, &w, &kv_b);
+    }
+}
+
+/// `W_UK[h]`/`W_UV[h]` against the HF weight `kv_b [H·(P+Dv), Lkv]`: bit-exact rows, and the decompression
+/// of a latent computed both ways.
+fn check_decompression(what: &str, cfg: &MlaConfig, w: &LayerWeights, kv_b: &Array2<f32>) {
+    let (h, p, dv, lkv) = (cfg.n_head, cfg.qk_nope, cfg.v_head_dim, cfg.kv_lora_rank);
+    assert_eq!(kv_b.dim(), (h * (p + dv), lkv), "{what}: kv_b_proj shape");
+    for hh in 0..h {
+        let head = kv_b.slice(s![hh * (p + dv)..(hh + 1) * (p + dv), ..]);
+        assert_eq!(
+            w.w_uk.slice(s![hh, .., ..]),
+            head.slice(s![..p, ..]),
+            "{what}: head {hh} k_nope rows"
+        );
+        assert_eq!(
+            w.w_uv.slice(s![hh, .., ..]),
+            head.slice(s![p.., ..]),
+            "{what}: head {hh} v rows"
+        );
+    }
+    let latent = mla_diff::input::random_hidden(lkv, 3, 5);
+    let hf = latent.dot(&kv_b.mapv(f64::from).t()); // [3, H·(P+Dv)]
+    let (k, v) = mla_diff::reference::mha::decompress(cfg, w, latent.view());
+    for t in 0..3 {
+        for hh in 0..h {
+            let row = hf.slice(s![t, hh * (p + dv)..(hh + 1) * (p + dv)]);
+            assert_eq!(k.slice(s![t, hh, ..]), row.slice(s![..p]), "{what}: k_nope");
+            assert_eq!(v.slice(s![t, hh, ..]), row.slice(s![p..]), "{what}: v");
+        }
+    }
+}
+
+/// The fixture spec with the golden's HF config.
+fn spec_for(g: &Golden) -> Spec {
+    let c = &g.manifest["hf_config"];
+    let u = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("{}: {k}", g.name)) as usize;
+    let rp = &c["rope_parameters"];
+    let preset = match g.name {
+        "deepseek-v3" | "deepseek-v3-yarn-no-mscale" | "deepseek-v3-legacy-kv-b" => {
+            Preset::DeepseekV3
+        }
+        "kimi-k2" => Preset::KimiK2,
+        "glm-4.7-flash" => Preset::Glm47Flash,
+        "deepseek-v2-lite" => Preset::DeepseekV2Lite,
+        "glm-5" => Preset::Glm5,
+        "minicpm3" | "minicpm3-long" => Preset::Minicpm3,
+        other => panic!("no preset for {other}"),
+    };
+    let mut s = preset.spec();
+    s.layers = u("num_hidden_layers");
+    s.hidden = u("hidden_size");
+    s.n_head = u("num_attention_heads");
+    s.q_lora_rank = c["q_lora_rank"].as_u64().map(|v| v as usize);
+    s.kv_lora_rank = u("kv_lora_rank");
+    s.qk_nope = u("qk_nope_head_dim");
+    s.qk_rope = u("qk_rope_head_dim");
+    s.v_head_dim = u("v_head_dim");
+    s.rms_eps = c["rms_norm_eps"].as_f64().unwrap() as f32;
+    s.context_length = u("max_position_embeddings") as u32;
+    s.vocab = u("vocab_size");
+    // MiniCPM3's converter writes no rope.freq_base (the preset's None); the others write rope_theta.
+    if s.rope_base.is_some() {
+        s.rope_base = Some(rp["rope_theta"].as_f64().unwrap() as f32);
+    }
+    s.yarn = (rp["rope_type"] == "yarn").then(|| YarnSpec {
+        factor: rp["factor"].as_f64().unwrap() as f32,
+        original_context: rp["original_max_position_embeddings"].as_u64().unwrap() as u32,
+        mscale_all_dim: rp["mscale_all_dim"].as_f64(),
+        beta_fast: rp["beta_fast"].as_f64().map(|v| v as f32),
+        beta_slow: rp["beta_slow"].as_f64().map(|v| v as f32),
+    });
+    if s.indexer.is_some() {
+        s.indexer = Some((
+            u("index_n_heads") as u32,
+            u("index_head_dim") as u32,
+            u("index_topk") as u32,
+        ));
+    }
+    s.quant = GgmlType::from_name("F32").unwrap();
+    // The legacy golden is the converter's file rewritten into the pre-PR #12801 layout (make_goldens.py).
+    s.legacy_kv_b |= g.name == "deepseek-v3-legacy-kv-b";
+    s
+}
+
+/// Keys that decide attention: what `MlaConfig::from_gguf` and llama.cpp's attention read.
+fn attention_key(arch: &str, k: &str) -> bool {
+    k == "general.architecture"
+        || [
+            "attention.",
+            "rope.",
+            "block_count",
+            "embedding_length",
+            "context_length",
+            "vocab_size",
+        ]
+        .iter()
+        .any(|p| k.starts_with(&format!("{arch}.{p}")))
+}
+
+fn ty_name(t: &TensorType) -> String {
+    t.to_string()
+}
+
+/// Same config as the converter's file ⇒ `mla-diff fixture` writes the same attention keys (types and
+/// values), the same tensor names, types and ne shapes, and the same kv_b convention (checked by
+/// decompression against each file's own source kv_b_proj); the two files give identical `MlaConfig`s.
+#[test]
+fn fixture_writes_what_the_converter_writes() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in FAMILIES {
+        let g = load(name);
+        let spec = spec_for(&g);
+        let path = tmp.path().join(format!("{name}.gguf"));
+        fixture::write(&spec, &path).unwrap();
+        let ours = GgufFile::open(&path).unwrap();
+        let conv = &g.file;
+        let arch = conv.architecture().unwrap().to_string();
+        assert_eq!(ours.architecture(), Some(arch.as_str()), "{name}");
+
+        // Metadata. Attention keys must agree exactly (type included); the rest is listed.
+        let keys = |f: &GgufFile| -> BTreeSet<String> {
+            f.metadata.iter().map(|(k, _)| k.clone()).collect()
+        };
+        let (ko, kc) = (keys(&ours), keys(conv));
+        // The converter writes these only because transformers' config carries them; they do not change
+        // attention while the context is within index_topk (see docs/conventions.md).
+        let converter_only_ok = [format!("{arch}.attention.indexer.types")];
+        // GLM-4.7-Flash's MTP block: the fixture, like the GLM-5 preset, writes the trunk only.
+        let nextn = conv
+            .get(&format!("{arch}.nextn_predict_layers"))
+            .and_then(|v| v.as_u64())
+            .unwrap_or(0) as usize;
+        let mut mismatches = Vec::new();
+        for k in ko.union(&kc).filter(|k| attention_key(&arch, k)) {
+            match (ours.get(k), conv.get(k)) {
+                (Some(a), Some(b)) if a == b => {}
+                // block_count counts the MTP block; the trunk must agree.
+                (Some(a), Some(b))
+                    if *k == format!("{arch}.block_count")
+                        && a.as_u64().map(|v| v as usize + nextn)
+                            == b.as_u64().map(|v| v as usize) => {}
+                (None, Some(_)) if converter_only_ok.contains(k) => {}
+                (a, b) => mismatches.push(format!("{k}: ours {a:?}, converter {b:?}")),
+            }
+        }
+        let only = |a: &BTreeSet<String>, b: &BTreeSet<String>| -> Vec<String> {
+            a.difference(b)
+                .filter(|k| !attention_key(&arch, k))
+                .cloned()
+                .collect()
+        };
+        println!(
+            "{name:27} non-attention keys only in the converter's file: {:?}; only in ours: {:?}",
+            only(&kc, &ko),
+            only(&ko, &kc)
+        );
+        // Keys the vocabulary strip removed from the converter's file (tokenizer.ggml.*) are listed in the
+        // manifest; none of them is an attention key.
+        if let Some(dropped) = g.manifest["dropped_from_converter_output"]["keys"].as_object() {
+            assert!(
+                dropped.keys().all(|k| k.starts_with("tokenizer.ggml.")),
+                "{name}"
+            );
+        }
+        assert!(mismatches.is_empty(), "{name}:\n{}", mismatches.join("\n"));
+
+        // Tensors: every attention tensor (and the rope factors) with the same type and ne.
+        let mut names: Vec<String> = (0..spec.layers).flat_map(tensor_names).collect();
+        names.extend(["rope_factors_long.weight", "rope_factors_short.weight"].map(String::from));
+        for n in &names {
+            match (ours.tensor(n), conv.tensor(n)) {
+                (None, None) => {}
+                (Some(a), Some(b)) => {
+                    assert_eq!(a.ne, b.ne, "{name}: {n} ne");
+                    assert_eq!(ty_name(&a.ty), ty_name(&b.ty), "{name}: {n} type");
+                }
+                (a, b) => panic!(
+                    "{name}: {n} present in ours {}, in the converter's {}",
+                    a.is_some(),
+                    b.is_some()
+                ),
+            }
+        }
+        // token_embd: in the file, or recorded by the strip step.
+        let te = ours.tensor("token_embd.weight").unwrap();
+        match conv.tensor("token_embd.weight") {
+            Some(b) => {
+                assert_eq!(te.ne, b.ne, "{name}: token_embd ne");
+                assert_eq!(ty_name(&te.ty), ty_name(&b.ty), "{name}: token_embd type");
+            }
+            None => {
+                let d =
+                    &g.manifest["dropped_from_converter_output"]["tensors"]["token_embd.weight"];
+                let ne: Vec<u64> = d["ne"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_u64().unwrap())
+                    .collect();
+                assert_eq!(te.ne, ne, "{name}: token_embd ne (dropped)");
+                assert_eq!(
+                    ty_name(&te.ty),
+                    d["type"].as_str().unwrap(),
+                    "{name}: token_embd type (dropped)"
+                );
+            }
+        }
+        let extra: Vec<&str> = conv
+            .tensors
+            .iter()
+            .map(|t| t.name.as_str())
+            .filter(|n| !names.iter().any(|m| m == n) && ours.tensor(n).is_none())
+            .collect();
+        println!("{name:27} tensors only in the converter's file: {extra:?}");
+        // FFN and the output norm are outside attention; the DSA indexer (GLM-5) is not used by the dense
+        // MLA graph, and selects every key while the context is within index_topk.
+        let mtp_block = format!("blk.{}.", spec.layers);
+        let outside = |n: &str| {
+            (nextn > 0 && n.starts_with(&mtp_block))
+                || n == "output_norm.weight"
+                || n.contains(".ffn_")
+                || n.contains(".exp_probs_b")
+                || n.contains(".indexer.")
+        };
+        assert!(
+            extra.iter().all(|n| outside(n)),
+            "{name}: converter tensors the fixture lacks: {extra:?}"
+        );
+
+        // The same config, read back.
+        let (co, cc) = (
+            MlaConfig::from_gguf(&ours).unwrap(),
+            MlaConfig::from_gguf(conv).unwrap(),
+        );
+        let mut jo = serde_json::to_value(&co).unwrap();
+        let mut jc = serde_json::to_value(&cc).unwrap();
+        // The vocabulary strip removed the converter's token_embd.
+        jo["vocab_size"] = J::Null;
+        jc["vocab_size"] = J::Null;
+        assert_eq!(
+            jo, jc,
+            "{name}: MlaConfig from ours vs the converter's file"
+        );
+
+        // The kv_b convention, by decompression against each file's own source weight.
+        let wo = LayerWeights::load(&ours, &co, 0).unwrap();
+        let wc = LayerWeights::load(conv, &cc, 0).unwrap();
+        assert_eq!(wo.kv_b_layout, wc.kv_b_layout, "{name}: kv_b layout");
+        let kv_b_ours = Array2::from_shape_vec(
+            (co.n_head * (co.qk_nope + co.v_head_dim), co.kv_lora_rank),
+            spec.kv_b_proj(0),
+        )
+        .unwrap();
+        check_decompression(&format!("{name} (fixture)"), &co, &wo, &kv_b_ours);
+        let kv_b_hf: Array2<f32> =
+            ndarray_npy::read_npy(dir().join(format!("{name}.kv_b_proj.npy"))).unwrap();
+        check_decompression(&format!("{name} (converter)"), &cc, &wc, &kv_b_hf);
+    }
+}

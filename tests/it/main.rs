@@ -1,0 +1,26 @@
+//! The integration tests, as one binary: one link of candle, cudarc and plotters instead of one per
+//! file. Run one area with `cargo test --release --test it golden::` (module path as the filter).
+//!
+//! tests/fuzz.rs stays a binary of its own: it installs the fuzz driver's counting global allocator,
+//! which would otherwise sit under every test here.
+
+mod bad_input;
+mod bench_smoke;
+mod ci_recipe;
+mod common;
+mod cuda_env;
+mod detection;
+mod fixture_roundtrip;
+mod fixtures;
+mod flash;
+mod gguf_crosscheck;
+mod golden;
+mod input;
+mod mirror;
+mod poison;
+mod reference_ab;
+mod rope;
+mod run_options;
+mod run_report;
+mod schedule_invariance;
+mod selftest;
