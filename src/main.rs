@@ -542,57 +542,23 @@ fn run(cli: Cli) -> Result<i32, Error> {
     }
 }
 
-/// The backend, its kind for the report ("cpu" / "cuda") and the GPU's name.
-type Chosen = (Box<dyn Backend>, &'static str, Option<String>);
-
-/// The CPU mirror for a file (with its LongRoPE factors) and planted faults.
-fn cpu_mirror(
-    file: &mla_diff::gguf::GgufFile,
-    dtype: Dtype,
-    faults: FaultSet,
-) -> Result<Box<dyn Backend>, Error> {
-    let cfg = mla_diff::model::MlaConfig::from_gguf(file)?;
-    let factors = mla_diff::model::rope_factors::RopeFactors::load(file, &cfg)?;
-    Ok(Box::new(
-        mla_diff::backend::cpu::CpuMirror::new(dtype)
-            .with_rope_factors(factors)
-            .with_faults(faults),
-    ))
-}
-
-/// The optimized backend the user asked for, its kind for the report, and the GPU name if any.
+/// The optimized backend the user asked for, with its facts (kind, description, GPU).
 fn make_backend(
     choice: BackendArg,
     dtype: Dtype,
-    file: &mla_diff::gguf::GgufFile,
     kernels: Option<PathBuf>,
-    faults: FaultSet,
-) -> Result<Chosen, Error> {
-    let cpu = |file| cpu_mirror(file, dtype, faults.clone());
-    match choice {
-        BackendArg::Cpu => Ok((cpu(file)?, "cpu", None)),
-        BackendArg::Auto
-            if kernels.is_none() && !mla_diff::backend::cuda::device::gpu_present() =>
-        {
-            Ok((cpu(file)?, "cpu", None))
-        }
-        // Auto with a GPU present, or an explicit kernel directory: the GPU path (its errors are errors).
-        BackendArg::Cuda | BackendArg::Auto => {
-            let cfg = mla_diff::model::MlaConfig::from_gguf(file)?;
-            let factors = mla_diff::model::rope_factors::RopeFactors::load(file, &cfg)?;
-            let b =
-                mla_diff::backend::cuda::CudaBackend::new(mla_diff::backend::cuda::CudaOptions {
-                    dtype,
-                    kernels_dir: kernels,
-                    debug: true,
-                    force_scalar: false,
-                })?
-                .with_rope_factors(factors)
-                .with_faults(faults);
-            let name = b.gpu.info.name.clone();
-            Ok((Box::new(b), "cuda", Some(name)))
-        }
-    }
+) -> Result<(Box<dyn Backend>, mla_diff::backend::BackendInfo), Error> {
+    use mla_diff::backend::Choice;
+    let choice = match choice {
+        BackendArg::Cpu => Choice::Cpu,
+        BackendArg::Cuda => Choice::Cuda,
+        BackendArg::Auto => Choice::Auto,
+    };
+    let o = mla_diff::backend::Options {
+        dtype,
+        kernels_dir: kernels,
+    };
+    mla_diff::backend::open(choice, &o)
 }
 
 fn run_cmd(a: RunArgs) -> Result<i32, Error> {
@@ -739,12 +705,12 @@ fn run_cmd(a: RunArgs) -> Result<i32, Error> {
         tolerances,
         tolerance_source: source,
         dump,
+        faults,
         progress: !a.quiet,
     };
-    let (mut backend, kind, gpu) =
-        make_backend(a.backend, a.dtype, &file, a.kernels.clone(), faults)?;
+    let (mut backend, info) = make_backend(a.backend, a.dtype, a.kernels.clone())?;
     let started = std::time::Instant::now();
-    let mut rep = mla_diff::run::run(&file, backend.as_mut(), kind, gpu, &opts)?;
+    let mut rep = mla_diff::run::run(&file, backend.as_mut(), &info, &opts)?;
     if let (Some((b, diffs)), Some(p)) = (baseline, &a.baseline) {
         let mut g = report::baseline::gate(&rep, &b, &p.display().to_string(), a.baseline_factor);
         g.across = diffs;
@@ -855,22 +821,24 @@ fn selftest_cmd(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let kind = match backend {
-        SelftestBackend::Cpu => "cpu",
-        SelftestBackend::Cuda => "cuda",
+        SelftestBackend::Cpu => mla_diff::backend::Kind::Cpu,
+        SelftestBackend::Cuda => mla_diff::backend::Kind::Cuda,
     };
     let opts = selftest::Options {
         fixtures,
         only,
         seed,
-        kind,
     };
-    println!("mla-diff selftest: backend {kind}, every fault injected into layer {} of a {}-layer fixture, shadow mode", selftest::TARGET, selftest::LAYERS);
-    let mut cpu_factory = cpu_mirror;
+    println!("mla-diff selftest: backend {}, every fault injected into layer {} of a {}-layer fixture, shadow mode", kind.name(), selftest::TARGET, selftest::LAYERS);
     // One GPU context and kernel cache for all cases (opened by the first case).
-    let mut cuda_factory = mla_diff::backend::cuda::shared::factory(None);
-    let factory: &mut selftest::BackendFactory = match backend {
-        SelftestBackend::Cpu => &mut cpu_factory,
-        SelftestBackend::Cuda => &mut cuda_factory,
+    let mut backends = mla_diff::backend::Factory::new();
+    let choice = mla_diff::backend::Choice::from(kind);
+    let factory: &mut selftest::BackendFactory = &mut |dtype, _faults| {
+        let o = mla_diff::backend::Options {
+            dtype,
+            kernels_dir: None,
+        };
+        backends.open(choice, &o)
     };
     let summary = selftest::run(&opts, factory, &mut |o| println!("{}", o.line()))?;
     println!("\n{}", summary.matrix());

@@ -5,7 +5,7 @@
 //! then attention: prefill in the decompressed form (causal over the chunk, non-causal over the cached
 //! context, LSE merge), decode in the absorbed form with split-KV and an LSE combine; then W_UV and o_proj.
 //!
-//! Planted bugs (`crate::faults`, `CudaBackend::with_faults`) change what the CPU mirror's versions change:
+//! Planted bugs (`crate::faults`, `LayerCtx::faults`) change what the CPU mirror's versions change:
 //! the kernel faults (`kernels::KERNEL_FAULTS`) are compiled in as `-D MLA_FAULT_…=1` through `Dims`, so a
 //! layer-targeted fault gets its own lazily compiled module set next to the clean one (both cached by
 //! their defines); the host faults are switched below, each at the one launch, weight or scale it models.
@@ -18,15 +18,11 @@ pub mod nvrtc;
 pub mod shared;
 pub mod validate;
 
-use crate::backend::{Backend, Dtype};
+use crate::backend::{Backend, Dtype, LayerCtx};
 use crate::error::{Error, Result};
-use crate::faults::{Fault, FaultSet};
-use crate::model::rope_factors::RopeFactors;
+use crate::faults::Fault;
 use crate::model::weights::QProj;
-use crate::model::{LayerWeights, MlaConfig};
-use crate::rope::RopeTables;
-use crate::schedule::Schedule;
-use crate::trace::{LayerTrace, Stage, StageTensor};
+use crate::trace::{LayerTrace, Stage, StageSet, StageTensor};
 use cudarc::cublas::sys::cublasOperation_t as Op;
 use device::{arg, decode, elem_bytes, encode, DevBuf, Gpu};
 use kernels::{launch, Attn, AttnArgs, Blas, Dims, GemmPrecision, Kernels, Tile};
@@ -94,12 +90,8 @@ pub struct CudaBackend {
     pub kernels: Kernels,
     pub blas: Blas,
     pub opts: CudaOptions,
-    /// LongRoPE factors of the model, if it has them (as for the CPU mirror).
-    pub rope_factors: Option<RopeFactors>,
     /// Which attention kernels the last layer used ("mma 4x2 warps…" / "scalar").
     pub last_paths: String,
-    /// Planted bugs (`mla-diff run --inject`); empty for the real path.
-    pub faults: FaultSet,
 }
 
 impl CudaBackend {
@@ -115,18 +107,8 @@ impl CudaBackend {
             kernels,
             blas,
             opts,
-            rope_factors: None,
             last_paths: String::new(),
-            faults: FaultSet::default(),
         })
-    }
-    pub fn with_faults(mut self, faults: FaultSet) -> CudaBackend {
-        self.faults = faults;
-        self
-    }
-    pub fn with_rope_factors(mut self, f: Option<RopeFactors>) -> CudaBackend {
-        self.rope_factors = f;
-        self
     }
 }
 
@@ -173,33 +155,30 @@ impl Backend for CudaBackend {
             } else {
                 ""
             }
-        ) + &if self.faults.is_empty() {
-            String::new()
-        } else {
-            format!(" with injected faults: {}", self.faults)
+        )
+    }
+
+    fn device(&self) -> Option<String> {
+        Some(self.gpu.info.name.clone())
+    }
+
+    fn provides(&self) -> StageSet {
+        // Decode's internal stages are recorded only with MLA_DEBUG compiled in.
+        match self.opts.debug {
+            true => StageSet::ALL,
+            false => StageSet::ALL
+                .without(Stage::QAbsorbed)
+                .without(Stage::SplitOut)
+                .without(Stage::SplitLse),
         }
     }
 
-    fn injected(&self) -> Vec<crate::faults::Injection> {
-        self.faults.0.clone()
-    }
-
-    fn run_layer(
-        &mut self,
-        cfg: &MlaConfig,
-        w: &LayerWeights,
-        x: &ndarray::Array2<f64>,
-        sched: &Schedule,
-    ) -> Result<LayerTrace> {
+    fn run_layer(&mut self, ctx: &LayerCtx, x: &ndarray::Array2<f64>) -> Result<LayerTrace> {
+        let (cfg, w, sched) = (ctx.cfg, ctx.weights, ctx.sched);
         sched.validate()?;
-        // The same cos/sin tables as the CPU mirror (f64 on the host, uploaded as f32).
-        let tables = RopeTables::for_run(
-            cfg,
-            self.rope_factors.as_ref(),
-            sched.pos_offset,
-            sched.total_tokens(),
-        )?;
-        crate::reference::check_inputs(cfg, w, &tables, x, sched)?;
+        // The run's cos/sin tables (f64 on the host, uploaded as f32, as the CPU mirror rounds them).
+        let tables = ctx.rope;
+        crate::reference::check_inputs(cfg, w, tables, x, sched)?;
         self.gpu.bind()?;
         let dt = self.opts.dtype;
         let es = elem_bytes(dt);
@@ -224,7 +203,7 @@ impl Backend for CudaBackend {
         let ns = sched.num_splits;
         let page = sched.page_size;
         let eps = cfg.rms_eps as f32;
-        let fx = self.faults.active(w.layer);
+        let fx = ctx.faults;
         // The softmax scale the attention kernels are given (host faults: mscale² missing, 1/sqrt(Lkv+R)).
         let scale = crate::backend::cpu::kernel_scale(cfg, fx);
         let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
@@ -349,7 +328,7 @@ impl Backend for CudaBackend {
         let kv = DevBuf::alloc(t_all * row * es)?;
         let pool = DevBuf::alloc(sched.pool_pages() * page * row * es)?;
         pool.fill_nan(dt)?;
-        let table: Vec<i32> = sched.block_table().iter().map(|&v| v as i32).collect();
+        let table: Vec<i32> = ctx.block_table.iter().map(|&v| v as i32).collect();
         let table_b = DevBuf::upload(&table)?;
         let (cos, sin) = tables.to_f32();
         let cos_b = DevBuf::upload(&cos)?;
@@ -854,7 +833,7 @@ impl Backend for CudaBackend {
         self.gpu.sync("the layer's kernels")?;
 
         // The trace.
-        let mut tr = LayerTrace::new(w.layer);
+        let mut tr = LayerTrace::new(ctx.layer);
         tr.push(StageTensor::new(
             Stage::AttnIn,
             vec![t_all, e],
