@@ -13,6 +13,7 @@
 //! Everything else (schedule, rope, faults, comparison, reports) stays where it is: a backend owns no
 //! run state beyond its device and its storage precision.
 
+pub mod common;
 pub mod cpu;
 pub mod cuda;
 pub mod open;

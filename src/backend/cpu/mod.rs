@@ -49,10 +49,10 @@ pub mod front;
 pub mod ops;
 pub mod prefill;
 
+use super::common::kernel_scale;
 use super::{Backend, Dtype, LayerCtx};
 use crate::error::Result;
-use crate::faults::{Active, Fault};
-use crate::model::MlaConfig;
+use crate::faults::Fault;
 use crate::trace::{LayerTrace, Stage, StageSet, StageTensor};
 use ndarray::{Array, Array2, Array3, Dimension};
 
@@ -85,18 +85,6 @@ pub struct CpuMirror {
 impl CpuMirror {
     pub fn new(dtype: Dtype) -> CpuMirror {
         CpuMirror { dtype }
-    }
-}
-
-/// The softmax scale the attention kernels are given (faults: YaRN's mscale² missing, FlashMLA's
-/// 1/sqrt(Lkv+R) default).
-pub fn kernel_scale(cfg: &MlaConfig, fx: Active) -> f64 {
-    if fx.on(Fault::Scale576) {
-        1.0 / (cfg.cache_row() as f64).sqrt()
-    } else if fx.on(Fault::YarnMscaleMissing) {
-        cfg.softmax_scale / (cfg.mscale * cfg.mscale)
-    } else {
-        cfg.softmax_scale
     }
 }
 
