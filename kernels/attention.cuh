@@ -36,7 +36,7 @@
 #define ATT_DQK (ATT_DA + ATT_DB)
 #define ATT_NO_LIMIT (1 << 30)  // a non-causal row's last key (lim + 1 must not overflow)
 
-// Kernel arguments, mirrored by `AttnArgs` in src/backend/cuda/kernels.rs (same field order, repr(C)).
+// Kernel arguments, mirrored by `AttnArgs` in src/backend/cuda/attn.rs (same field order, repr(C)).
 struct AttnArgs {
     const dt* q;       // [batch][query][head][ATT_DQK]
     const dt* ka;      // key segment A (paged: the cache pool)

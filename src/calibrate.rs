@@ -6,13 +6,13 @@
 //! both by `margin`. The result is `src/compare/tolerances.json`, compiled into the binary.
 
 use crate::backend::cpu::CpuMirror;
-use crate::backend::{Backend, Dtype};
+use crate::backend::{Backend, Dtype, RunTables};
 use crate::compare::{checks_for, metrics, rows_of, Tolerance, ToleranceTable};
 use crate::error::Result;
+use crate::faults::Active;
 use crate::gguf::GgufFile;
 use crate::model::rope_factors::RopeFactors;
 use crate::model::{LayerWeights, MlaConfig};
-use crate::rope::RopeTables;
 use crate::schedule::Schedule;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -101,13 +101,13 @@ pub fn calibrate(
                 .flat_map(|s| seeds.iter().map(move |x| (s.clone(), x)))
             {
                 let t = sched.total_tokens();
-                let rope = RopeTables::for_run(&cfg, factors.as_ref(), sched.pos_offset, t)?;
+                let tables = RunTables::new(&cfg, factors.as_ref(), &sched)?;
                 let x = crate::input::random_hidden(cfg.hidden, t, seed);
-                let mut mirror = CpuMirror::new(dt).with_rope_factors(factors.clone());
+                let mut mirror = CpuMirror::new(dt);
                 for l in 0..cfg.n_layer {
                     let w = LayerWeights::load(&f, &cfg, l)?;
-                    let r = crate::reference::run_layer(&cfg, &w, &rope, &x, &sched)?;
-                    let o = mirror.run_layer(&cfg, &w, &x, &sched)?;
+                    let r = crate::reference::run_layer(&cfg, &w, &tables.rope, &x, &sched)?;
+                    let o = mirror.run_layer(&tables.ctx(&cfg, &w, &sched, Active::NONE), &x)?;
                     for check in checks_for(&sched) {
                         let (Some(rt), Some(ot)) = (r.get(check.stage), o.get(check.stage)) else {
                             continue;

@@ -5,15 +5,15 @@
 //! Only attention is modelled: the FFN/MoE blocks between layers are not, so the "residual stream" here is
 //! the attention-only one. That is enough to see whether an attention error grows or washes out.
 
-use crate::backend::{Backend, Dtype};
+use crate::backend::{Backend, BackendInfo, Dtype, RunTables};
 use crate::compare::{self, LayerResult, ToleranceTable};
 use crate::error::{Error, Result};
+use crate::faults::FaultSet;
 use crate::gguf::GgufFile;
 use crate::input::LayerInputs;
 use crate::model::rope_factors::RopeFactors;
 use crate::model::{LayerWeights, MlaConfig};
 use crate::report::{Environment, FileInfo, ModeResult, Report, RunInfo, ToolInfo, SCHEMA_VERSION};
-use crate::rope::RopeTables;
 use crate::schedule::Schedule;
 use crate::trace::{LayerTrace, Stage};
 use ndarray::Array2;
@@ -65,6 +65,8 @@ pub struct RunOptions {
     pub tolerances: ToleranceTable,
     pub tolerance_source: String,
     pub dump: Option<(PathBuf, DumpLayers)>,
+    /// Planted bugs in the optimized path (`--inject`); each layer's run gets those active in it.
+    pub faults: FaultSet,
     /// Show a progress bar on stderr (it hides itself when stderr is not a terminal).
     pub progress: bool,
 }
@@ -141,12 +143,12 @@ fn add_residual(h: &mut Array2<f64>, out: &[f64]) {
     }
 }
 
-/// Run the comparison and build the report. `backend` is the optimized path.
+/// Run the comparison and build the report. `backend` is the optimized path, `info` its facts
+/// (`backend::open`).
 pub fn run(
     file: &GgufFile,
     backend: &mut dyn Backend,
-    backend_kind: &str,
-    gpu: Option<String>,
+    info: &BackendInfo,
     opts: &RunOptions,
 ) -> Result<Report> {
     let cfg = MlaConfig::from_gguf(file)?;
@@ -195,8 +197,8 @@ pub fn run(
         }
     }
     let factors = RopeFactors::load(file, &cfg)?;
-    let rope = RopeTables::for_run(&cfg, factors.as_ref(), opts.sched.pos_offset, t)?;
-    let block_table = opts.sched.block_table();
+    let tables = RunTables::new(&cfg, factors.as_ref(), &opts.sched)?;
+    let provided = backend.provides();
 
     let bar = if opts.progress && layers.len() > 1 {
         let b = indicatif::ProgressBar::with_draw_target(
@@ -229,7 +231,8 @@ pub fn run(
             }
         }
         let w = LayerWeights::load(file, &cfg, l)?;
-        let reference = crate::reference::run_layer(&cfg, &w, &rope, &h_ref, &opts.sched)?;
+        let reference = crate::reference::run_layer(&cfg, &w, &tables.rope, &h_ref, &opts.sched)?;
+        let layer_ctx = tables.ctx(&cfg, &w, &opts.sched, opts.faults.active(l));
         // The reference residual after this layer: the next layer's shadow input and free mode's yardstick.
         let mut next_ref = h_ref.clone();
         add_residual(&mut next_ref, attn_out(&reference)?);
@@ -237,17 +240,18 @@ pub fn run(
             elementwise: true,
             layer: l,
             sched: &opts.sched,
-            block_table: &block_table,
+            block_table: &tables.block_table,
+            provided,
         };
         let mut dump_traces: Vec<(LayerTrace, bool)> = Vec::new();
         if opts.modes.shadow {
-            let opt = backend.run_layer(&cfg, &w, &h_ref, &opts.sched)?;
+            let opt = backend.run_layer(&layer_ctx, &h_ref)?;
             let r = compare::compare_layer(&ctx, &reference, &opt, opts.dtype, &opts.tolerances)?;
             dump_traces.push((opt, r.pass));
             shadow.push(r);
         }
         if opts.modes.free {
-            let opt = backend.run_layer(&cfg, &w, &h_opt, &opts.sched)?;
+            let opt = backend.run_layer(&layer_ctx, &h_opt)?;
             let free_ctx = compare::Ctx {
                 elementwise: false,
                 ..ctx
@@ -312,21 +316,24 @@ pub fn run(
         },
         config: serde_json::to_value(&cfg).expect("config serialises"),
         run: RunInfo {
-            backend: backend_kind.into(),
+            backend: info.kind.name().into(),
             dtype: opts.dtype.name().into(),
             modes: modes.iter().map(|m| m.mode.clone()).collect(),
             layers,
             schedule: opts.sched.clone(),
             input: input_json(&opts.input),
             tolerances: opts.tolerance_source.clone(),
-            injected: backend.injected(),
+            injected: opts.faults.0.clone(),
             notices: dense_beyond_top_k(file, &cfg, &opts.sched)
                 .into_iter()
                 .collect(),
         },
         environment: Environment {
-            backend: backend.describe(),
-            gpu,
+            backend: match opts.faults.is_empty() {
+                true => info.description.clone(),
+                false => format!("{} with injected faults: {}", info.description, opts.faults),
+            },
+            gpu: info.gpu.clone(),
             crate_version: env!("CARGO_PKG_VERSION").into(),
             os: std::env::consts::OS.into(),
             arch: std::env::consts::ARCH.into(),

@@ -16,7 +16,7 @@ pub use cases::{controls, schedule_for, Case, Control, CONTROLS, MINIMAL};
 pub use fixtures::{scale_tensors, Fixture, Model, FIXTURES, LARGE_QABS_LOG2};
 pub use matrix::{Outcome, Summary};
 
-use crate::backend::{Backend, Dtype};
+use crate::backend::{Backend, BackendInfo, Dtype};
 use crate::compare::ToleranceTable;
 use crate::error::{Error, Result};
 use crate::faults::{Fault, FaultSet, Injection, Need};
@@ -37,13 +37,13 @@ pub struct Options {
     pub only: Vec<Fault>,
     /// Input seed of every run.
     pub seed: u64,
-    /// The backend's kind for the reports ("cpu" / "cuda").
-    pub kind: &'static str,
 }
 
-/// Makes the optimized path for a file, dtype and set of faults.
+/// Makes the optimized path for a case's dtype (`backend::Factory::open`, which shares one GPU context
+/// across cases). The case's faults reach the backend through each layer's `LayerCtx`; they are passed
+/// here too so that a test can wrap a backend that misuses them.
 pub type BackendFactory<'a> =
-    dyn FnMut(&GgufFile, Dtype, FaultSet) -> Result<Box<dyn Backend>> + 'a;
+    dyn FnMut(Dtype, &FaultSet) -> Result<(Box<dyn Backend>, BackendInfo)> + 'a;
 
 /// Run the selftest. `on_outcome` sees each outcome as it is made (for progress lines).
 pub fn run(
@@ -149,7 +149,7 @@ fn run_case(
             })
             .unwrap_or_default(),
     );
-    let mut backend = make_backend(file, c.dtype, faults)?;
+    let (mut backend, info) = make_backend(c.dtype, &faults)?;
     let opts = RunOptions {
         layers: None,
         input: InputSpec::Random { seed: o.seed },
@@ -162,10 +162,11 @@ fn run_case(
         tolerances: ToleranceTable::defaults(),
         tolerance_source: "defaults (calibrated, src/compare/tolerances.json)".into(),
         dump: None,
+        faults,
         progress: false,
     };
-    let rep = crate::run::run(file, backend.as_mut(), o.kind, None, &opts)?;
-    Ok((rep, backend.describe()))
+    let rep = crate::run::run(file, backend.as_mut(), &info, &opts)?;
+    Ok((rep, info.description))
 }
 
 /// Judge one run. A clean run must pass. A fault must be detected in layer `TARGET` only, first at its

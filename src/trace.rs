@@ -100,6 +100,27 @@ impl std::fmt::Display for Stage {
     }
 }
 
+/// A set of stages: what a backend declares it provides (`Backend::provides`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct StageSet(u16);
+
+impl StageSet {
+    pub const NONE: StageSet = StageSet(0);
+    pub const ALL: StageSet = StageSet((1 << Stage::ALL.len()) - 1);
+    pub fn of(stages: &[Stage]) -> StageSet {
+        stages.iter().fold(StageSet::NONE, |s, &st| s.with(st))
+    }
+    pub fn with(self, s: Stage) -> StageSet {
+        StageSet(self.0 | 1 << s.order())
+    }
+    pub fn without(self, s: Stage) -> StageSet {
+        StageSet(self.0 & !(1 << s.order()))
+    }
+    pub fn contains(self, s: Stage) -> bool {
+        self.0 & (1 << s.order()) != 0
+    }
+}
+
 /// One stage tensor: row-major data with the stage's axes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StageTensor {

@@ -1,14 +1,32 @@
 //! Optimized paths: what a serving engine computes, at its precision, on its schedule.
 //! `cpu` is the CPU mirror (the executable specification of the fused path); `cuda` runs the kernels in
 //! `kernels/` through NVRTC.
+//!
+//! The contract, for whoever adds a backend (an external kernel runner, another GPU API):
+//! - implement [`Backend`] in one file: `run_layer(ctx, x)` computes one layer's attention from the
+//!   [`LayerCtx`] (config, weights, rope tables, schedule and block table, the faults active in this
+//!   layer) and returns its stage trace; `provides` names the stages that trace holds (a stage left
+//!   out is reported as "not provided", never compared silently; a stage claimed but missing is an
+//!   error); `describe` and `device` say what it is for the report;
+//! - add one [`Kind`] and one line in [`open::Factory::open`] that builds it.
+//!
+//! Everything else (schedule, rope, faults, comparison, reports) stays where it is: a backend owns no
+//! run state beyond its device and its storage precision.
 
+pub mod common;
 pub mod cpu;
 pub mod cuda;
+pub mod open;
+
+pub use open::{open, BackendInfo, Choice, Factory, Kind, Options};
 
 use crate::error::Result;
-use crate::model::{LayerWeights, MlaConfig};
+use crate::faults::Active;
+use crate::model::{LayerWeights, MlaConfig, RopeFactors};
+use crate::rope::RopeTables;
 use crate::schedule::Schedule;
-use crate::trace::LayerTrace;
+use crate::trace::{LayerTrace, StageSet};
+use ndarray::Array2;
 use serde::{Deserialize, Serialize};
 
 /// Storage precision of weights and activations on the optimized path (accumulation is always f32).
@@ -41,20 +59,72 @@ impl Dtype {
     }
 }
 
+/// Everything one layer run needs, made once per run by the driver (`crate::run`), so that every backend
+/// sees the same tables and faults.
+#[derive(Clone, Copy)]
+pub struct LayerCtx<'a> {
+    pub cfg: &'a MlaConfig,
+    pub weights: &'a LayerWeights,
+    /// The layer's index in the model (`weights.layer`).
+    pub layer: usize,
+    /// cos/sin tables (f64) of the run's positions, with the model's LongRoPE factors if it has them;
+    /// a backend rounds them to its own precision.
+    pub rope: &'a RopeTables,
+    pub sched: &'a Schedule,
+    /// `sched.block_table()`: logical page → physical page of the paged cache.
+    pub block_table: &'a [usize],
+    /// Planted bugs active in this layer (`mla-diff run --inject`); `Active::NONE` for a real run.
+    pub faults: Active,
+}
+
+/// What a run computes once for all its layers: the rope tables and the block table.
+pub struct RunTables {
+    pub rope: RopeTables,
+    pub block_table: Vec<usize>,
+}
+
+impl RunTables {
+    pub fn new(
+        cfg: &MlaConfig,
+        factors: Option<&RopeFactors>,
+        sched: &Schedule,
+    ) -> Result<RunTables> {
+        Ok(RunTables {
+            rope: RopeTables::for_run(cfg, factors, sched.pos_offset, sched.total_tokens())?,
+            block_table: sched.block_table(),
+        })
+    }
+    /// The context of one layer on this run's tables.
+    pub fn ctx<'a>(
+        &'a self,
+        cfg: &'a MlaConfig,
+        weights: &'a LayerWeights,
+        sched: &'a Schedule,
+        faults: Active,
+    ) -> LayerCtx<'a> {
+        LayerCtx {
+            cfg,
+            weights,
+            layer: weights.layer,
+            rope: &self.rope,
+            sched,
+            block_table: &self.block_table,
+            faults,
+        }
+    }
+}
+
 /// An optimized attention path that produces a stage trace for one layer.
 pub trait Backend {
-    /// A short description for reports ("cpu-mirror", "cuda: NVIDIA H200").
+    /// A short description for reports ("cpu-mirror (bf16, f32 accumulation)", "cuda: NVIDIA H200 …").
     fn describe(&self) -> String;
-    /// Planted bugs switched on in this path (`crate::faults`); recorded in the report.
-    fn injected(&self) -> Vec<crate::faults::Injection> {
-        Vec::new()
+    /// The accelerator it runs on, for the report's `environment.gpu` (`None` on the CPU).
+    fn device(&self) -> Option<String> {
+        None
     }
-    /// Run one layer's attention on the schedule. `x` is the layer input `[T, hidden]` (before attn_norm).
-    fn run_layer(
-        &mut self,
-        cfg: &MlaConfig,
-        w: &LayerWeights,
-        x: &ndarray::Array2<f64>,
-        sched: &Schedule,
-    ) -> Result<LayerTrace>;
+    /// The stages `run_layer`'s trace holds (for a schedule with decode steps; decode-only stages are
+    /// absent from every trace when there are none).
+    fn provides(&self) -> StageSet;
+    /// Run one layer's attention on `ctx.sched`. `x` is the layer input `[T, hidden]` (before attn_norm).
+    fn run_layer(&mut self, ctx: &LayerCtx, x: &Array2<f64>) -> Result<LayerTrace>;
 }

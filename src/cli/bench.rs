@@ -1,8 +1,8 @@
 //! `mla-diff bench`: timings on this machine (not tests).
 
-use super::backend::BenchBackend;
 use clap::Subcommand;
 use mla_diff::backend::cuda::bench::BenchOptions;
+use mla_diff::backend::Kind;
 use mla_diff::error::Error;
 use mla_diff::model::synthetic::{Dims, Family};
 use std::path::PathBuf;
@@ -57,7 +57,7 @@ struct ReferenceArgs {
 #[derive(clap::Args)]
 struct DecodeArgs {
     #[arg(long, value_enum, default_value = "cuda")]
-    backend: BenchBackend,
+    backend: Kind,
     #[arg(long)]
     kernels: Option<PathBuf>,
     /// Also write the results as JSON to this file.
@@ -74,7 +74,7 @@ struct DecodeArgs {
 #[derive(clap::Args)]
 struct PrefillArgs {
     #[arg(long, value_enum, default_value = "cuda")]
-    backend: BenchBackend,
+    backend: Kind,
     #[arg(long)]
     kernels: Option<PathBuf>,
     #[arg(long)]
@@ -99,30 +99,30 @@ impl ReferenceArgs {
 }
 
 impl DecodeArgs {
-    fn options(&self) -> BenchOptions {
-        let BenchBackend::Cuda = self.backend;
-        BenchOptions {
+    fn options(&self) -> Result<BenchOptions, Error> {
+        only_cuda(self.backend)?;
+        Ok(BenchOptions {
             kernels_dir: self.kernels.clone(),
             decode: true,
             prefill: false,
             iters: ITERS,
             decode_heads: self.heads.clone(),
             best_only: self.best_only,
-        }
+        })
     }
 }
 
 impl PrefillArgs {
-    fn options(&self) -> BenchOptions {
-        let BenchBackend::Cuda = self.backend;
-        BenchOptions {
+    fn options(&self) -> Result<BenchOptions, Error> {
+        only_cuda(self.backend)?;
+        Ok(BenchOptions {
             kernels_dir: self.kernels.clone(),
             decode: false,
             prefill: true,
             iters: ITERS,
             decode_heads: vec![],
             best_only: false,
-        }
+        })
     }
 }
 
@@ -141,8 +141,8 @@ pub fn exec(a: Args) -> Result<i32, Error> {
             }
             Ok(0)
         }
-        BenchCmd::Decode(a) => cuda_bench(&a.options(), a.json.as_deref()),
-        BenchCmd::Prefill(a) => cuda_bench(&a.options(), a.json.as_deref()),
+        BenchCmd::Decode(a) => cuda_bench(&a.options()?, a.json.as_deref()),
+        BenchCmd::Prefill(a) => cuda_bench(&a.options()?, a.json.as_deref()),
     }
 }
 
@@ -154,4 +154,14 @@ fn cuda_bench(opts: &BenchOptions, json: Option<&std::path::Path>) -> Result<i32
             .map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
     }
     Ok(0)
+}
+
+/// The benches time GPU kernels: the CPU mirror is an executable specification, not a contender.
+fn only_cuda(k: Kind) -> Result<(), Error> {
+    match k {
+        Kind::Cuda => Ok(()),
+        Kind::Cpu => Err(Error::Usage(
+            "bench decode/prefill time the CUDA kernels: --backend cuda (the CPU mirror is not timed)".into(),
+        )),
+    }
 }

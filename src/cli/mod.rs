@@ -4,7 +4,6 @@
 use clap::{Parser, Subcommand};
 use mla_diff::error::Error;
 
-mod backend;
 mod bench;
 mod calibrate;
 mod fixture;

@@ -1,8 +1,7 @@
 //! `mla-diff run`: the comparison itself, its reports and the baseline gate.
 
-use super::backend::{make_backend, BackendArg};
 use clap::ValueEnum;
-use mla_diff::backend::Dtype;
+use mla_diff::backend::{Choice, Dtype};
 use mla_diff::compare::ToleranceTable;
 use mla_diff::error::{Error, EXIT_DIVERGENCE, EXIT_PASS};
 use mla_diff::faults::{FaultSet, Injection};
@@ -72,8 +71,8 @@ pub struct Args {
     /// Storage precision of the optimized path (accumulation is f32).
     #[arg(long, value_enum, default_value_t = Dtype::Bf16)]
     dtype: Dtype,
-    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
-    backend: BackendArg,
+    #[arg(long, value_enum, default_value_t = Choice::Auto)]
+    backend: Choice,
     /// Default: both, or shadow when --hidden holds per-layer captures.
     #[arg(long, value_enum)]
     mode: Option<ModeArg>,
@@ -172,7 +171,7 @@ impl Args {
         &self,
         file: &GgufFile,
         cfg: &MlaConfig,
-        faults: &FaultSet,
+        faults: FaultSet,
     ) -> Result<RunOptions, Error> {
         let sched = self.schedule();
         sched.validate()?;
@@ -224,6 +223,7 @@ impl Args {
             tolerances,
             tolerance_source,
             dump,
+            faults,
             progress: !self.quiet,
         })
     }
@@ -251,19 +251,24 @@ pub fn exec(a: Args) -> Result<i32, Error> {
     let faults = a.faults()?;
     let file = GgufFile::open(&a.file)?;
     let cfg = MlaConfig::from_gguf(&file)?;
-    let opts = a.options(&file, &cfg, &faults)?;
+    let opts = a.options(&file, &cfg, faults)?;
     // Fail on unusable output paths and a mismatched baseline before the (possibly long) run.
     let outputs = Outputs::check(&a)?;
     let baseline = a.baseline(&Identity::planned(&file, &cfg, &opts)?)?;
     if !a.quiet {
-        for b in faults.blind_spots(&cfg, &opts.sched) {
+        for b in opts.faults.blind_spots(&cfg, &opts.sched) {
             eprintln!("mla-diff: note: injected fault {b} may not show on this run");
         }
     }
-    let (mut backend, kind, gpu) =
-        make_backend(a.backend, a.dtype, &file, a.kernels.clone(), faults)?;
+    let (mut backend, info) = mla_diff::backend::open(
+        a.backend,
+        &mla_diff::backend::Options {
+            dtype: a.dtype,
+            kernels_dir: a.kernels.clone(),
+        },
+    )?;
     let started = std::time::Instant::now();
-    let mut rep = mla_diff::run::run(&file, backend.as_mut(), kind, gpu, &opts)?;
+    let mut rep = mla_diff::run::run(&file, backend.as_mut(), &info, &opts)?;
     if let (Some((b, diffs)), Some(p)) = (baseline, &a.baseline) {
         let mut g = report::baseline::gate(&rep, &b, &p.display().to_string(), a.baseline_factor);
         g.across = diffs;

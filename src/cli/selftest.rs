@@ -1,6 +1,6 @@
 //! `mla-diff selftest`: every fault of the catalogue planted and looked for.
 
-use super::backend::{cpu_mirror, SelftestBackend};
+use mla_diff::backend::{Choice, Factory, Kind};
 use mla_diff::error::{Error, EXIT_DIVERGENCE, EXIT_PASS};
 use mla_diff::faults::Fault;
 use mla_diff::selftest;
@@ -8,8 +8,8 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct Args {
-    #[arg(long, value_enum, default_value_t = SelftestBackend::Cpu)]
-    backend: SelftestBackend,
+    #[arg(long, value_enum, default_value_t = Kind::Cpu)]
+    backend: Kind,
     /// Write the selftest's fixtures into this directory and keep them (default: a temporary one).
     #[arg(long)]
     fixtures: Option<PathBuf>,
@@ -42,10 +42,6 @@ impl Args {
             fixtures: self.fixtures.clone(),
             only,
             seed: self.seed,
-            kind: match self.backend {
-                SelftestBackend::Cpu => "cpu",
-                SelftestBackend::Cuda => "cuda",
-            },
         })
     }
 }
@@ -56,13 +52,15 @@ pub fn exec(a: Args) -> Result<i32, Error> {
         return Ok(EXIT_PASS);
     }
     let opts = a.options()?;
-    println!("mla-diff selftest: backend {}, every fault injected into layer {} of a {}-layer fixture, shadow mode", opts.kind, selftest::TARGET, selftest::LAYERS);
-    let mut cpu_factory = cpu_mirror;
+    println!("mla-diff selftest: backend {}, every fault injected into layer {} of a {}-layer fixture, shadow mode", a.backend.name(), selftest::TARGET, selftest::LAYERS);
     // One GPU context and kernel cache for all cases (opened by the first case).
-    let mut cuda_factory = mla_diff::backend::cuda::shared::factory(None);
-    let factory: &mut selftest::BackendFactory = match a.backend {
-        SelftestBackend::Cpu => &mut cpu_factory,
-        SelftestBackend::Cuda => &mut cuda_factory,
+    let mut backends = Factory::new();
+    let factory: &mut selftest::BackendFactory = &mut |dtype, _faults| {
+        let o = mla_diff::backend::Options {
+            dtype,
+            kernels_dir: None,
+        };
+        backends.open(Choice::from(a.backend), &o)
     };
     let summary = selftest::run(&opts, factory, &mut |o| println!("{}", o.line()))?;
     println!("\n{}", summary.matrix());

@@ -11,7 +11,7 @@ pub use tolerance::{Tolerance, ToleranceTable};
 use crate::backend::Dtype;
 use crate::error::{Error, Result};
 use crate::schedule::Schedule;
-use crate::trace::{LayerTrace, Stage, StageTensor};
+use crate::trace::{LayerTrace, Stage, StageSet, StageTensor};
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Serialize};
 
@@ -130,6 +130,10 @@ pub struct LayerResult {
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub drift: Option<f64>,
     pub checks: Vec<CheckResult>,
+    /// Checks not compared because the backend does not provide their stage (`Backend::provides`);
+    /// not a divergence, but shown in every format.
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub not_provided: Vec<String>,
 }
 
 /// Context for decoding positions.
@@ -140,6 +144,8 @@ pub struct Ctx<'a> {
     pub elementwise: bool,
     pub sched: &'a Schedule,
     pub block_table: &'a [usize],
+    /// The stages the optimized backend provides (`Backend::provides`); the others are "not provided".
+    pub provided: StageSet,
 }
 
 fn position(ctx: &Ctx, stage: Stage, t: &StageTensor, row0: usize, flat: usize) -> Position {
@@ -285,7 +291,8 @@ pub fn compare_check(
     })
 }
 
-/// Compare every check of a layer.
+/// Compare every check of a layer. A check whose stage the backend does not provide is listed as not
+/// provided; a stage it claims but left out of its trace (or one missing from the reference) is an error.
 pub fn compare_layer(
     ctx: &Ctx,
     reference: &LayerTrace,
@@ -294,10 +301,26 @@ pub fn compare_layer(
     tols: &ToleranceTable,
 ) -> Result<LayerResult> {
     let mut out = Vec::new();
+    let mut not_provided = Vec::new();
     for check in checks_for(ctx.sched) {
-        let (Some(r), Some(o)) = (reference.get(check.stage), optimized.get(check.stage)) else {
+        if !ctx.provided.contains(check.stage) {
+            not_provided.push(check.name());
             continue;
+        }
+        let missing = |side: &str| {
+            Error::Usage(format!(
+                "layer {}: the {side} trace has no stage {} (check {})",
+                ctx.layer,
+                check.stage,
+                check.name()
+            ))
         };
+        let r = reference
+            .get(check.stage)
+            .ok_or_else(|| missing("reference"))?;
+        let o = optimized
+            .get(check.stage)
+            .ok_or_else(|| missing("optimized backend, which claims to provide it,"))?;
         out.push(compare_check(ctx, check, r, o, tols.get(dtype, &check)?)?);
     }
     let first_failure = out.iter().find(|c| !c.pass).map(|c| c.check.clone());
@@ -307,6 +330,7 @@ pub fn compare_layer(
         first_failure,
         drift: None,
         checks: out,
+        not_provided,
     })
 }
 

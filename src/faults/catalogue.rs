@@ -39,7 +39,7 @@ pub const CATALOGUE: [Info; 17] = [
         ],
         expected: "lse[prefill]",
         needs: &[Need::Yarn, Need::Prefill],
-        cuda_site: "host, src/backend/cuda/mod.rs: `scale_log2` for prefill.cu and decode.cu from 1/sqrt(P+R) (attention.cuh applies it to q·k)",
+        cuda_site: "host, src/backend/common.rs `kernel_scale` (shared with the CPU mirror): `scale_log2` for prefill.cu and decode.cu from 1/sqrt(P+R) (attention.cuh applies it to q·k)",
     },
     Info {
         fault: Fault::Scale576,
@@ -50,7 +50,7 @@ pub const CATALOGUE: [Info; 17] = [
         sources: &["https://github.com/deepseek-ai/FlashMLA"],
         expected: "lse[prefill]",
         needs: &[Need::Prefill],
-        cuda_site: "host, src/backend/cuda/mod.rs: `scale_log2` from 1/sqrt(Lkv+R)",
+        cuda_site: "host, src/backend/common.rs `kernel_scale`: `scale_log2` from 1/sqrt(Lkv+R)",
     },
     Info {
         fault: Fault::KvBSwap,
@@ -61,7 +61,7 @@ pub const CATALOGUE: [Info; 17] = [
         sources: &["https://github.com/ggml-org/llama.cpp/pull/12801"],
         expected: "lse[prefill]",
         needs: &[Need::Prefill],
-        cuda_site: "host, src/backend/cuda/mod.rs weight upload: w_uk/w_uv taken from the swapped halves of each head's kv_b block",
+        cuda_site: "host, src/backend/cuda/buffers.rs weight upload: w_uk/w_uv taken from the swapped halves of each head's kv_b block",
     },
     Info {
         fault: Fault::KBUntransposed,
@@ -72,7 +72,7 @@ pub const CATALOGUE: [Info; 17] = [
         sources: &["https://github.com/ggml-org/llama.cpp/pull/12801"],
         expected: "q_absorbed",
         needs: &[Need::Decode],
-        cuda_site: "host, src/backend/cuda/mod.rs: the q_absorbed batched GEMM reads each head's W_UK buffer as [Lkv, P] row-major (no transpose)",
+        cuda_site: "host, src/backend/cuda/buffers.rs (W_UK upload) for the q_absorbed batched GEMM in decode.rs: it reads each head's W_UK buffer as [Lkv, P] row-major (no transpose)",
     },
     Info {
         fault: Fault::LatentBeforeNorm,
@@ -83,7 +83,7 @@ pub const CATALOGUE: [Info; 17] = [
         sources: &["https://github.com/ggml-org/llama.cpp/pull/12801"],
         expected: "cache_rows",
         needs: &[],
-        cuda_site: "host, src/backend/cuda/mod.rs token_local(): `cache_write` launched before the kv_a_norm `rmsnorm` (after the k_pe `rope`; kernels/cache_write.cu unchanged)",
+        cuda_site: "host, src/backend/cuda/front.rs token_local(): `cache_write` launched before the kv_a_norm `rmsnorm` (after the k_pe `rope`; kernels/cache_write.cu unchanged)",
     },
     Info {
         fault: Fault::KPeBeforeRope,
@@ -94,7 +94,7 @@ pub const CATALOGUE: [Info; 17] = [
         sources: &["https://github.com/ggml-org/llama.cpp/pull/12801"],
         expected: "cache_rows",
         needs: &[Need::Positions],
-        cuda_site: "host, src/backend/cuda/mod.rs token_local(): `cache_write` launched before the k_pe `rope`",
+        cuda_site: "host, src/backend/cuda/front.rs token_local(): `cache_write` launched before the k_pe `rope`",
     },
     Info {
         fault: Fault::CachePeFirst,
@@ -149,7 +149,7 @@ pub const CATALOGUE: [Info; 17] = [
         ],
         expected: "lse[prefill]",
         needs: &[Need::Prefill],
-        cuda_site: "host: run the context pass and `merge_states` (kernels/prefill.cu) for the first chunk too (0 keys); kernels/attention.cuh (prefill.cu): a row that sees no key writes lse = +inf; `merge_states` then merges it without its isinf guard",
+        cuda_site: "host, src/backend/cuda/prefill.rs: run the context pass and `merge_states` (kernels/prefill.cu) for the first chunk too (0 keys); kernels/attention.cuh (prefill.cu): a row that sees no key writes lse = +inf; `merge_states` then merges it without its isinf guard",
     },
     Info {
         fault: Fault::CausalOffByOne,
@@ -174,7 +174,7 @@ pub const CATALOGUE: [Info; 17] = [
         ],
         expected: "q_absorbed",
         needs: &[Need::Decode, Need::LargeQAbs],
-        cuda_site: "host, src/backend/cuda/mod.rs: the q_absorbed cuBLAS batched GEMM with fp16 operands, CUBLAS_COMPUTE_16F and an fp16 result (operands and result converted on the host)",
+        cuda_site: "host, src/backend/cuda/decode.rs (W_UK from buffers.rs): the q_absorbed cuBLAS batched GEMM with fp16 operands, CUBLAS_COMPUTE_16F and an fp16 result (operands and result converted on the host)",
     },
     Info {
         fault: Fault::ReadPastEnd,
@@ -213,6 +213,6 @@ pub const CATALOGUE: [Info; 17] = [
         ],
         expected: "attn_out[prefill]",
         needs: &[Need::QkNotV, Need::Prefill],
-        cuda_site: "host, src/backend/cuda/mod.rs: the o_proj input re-strided with `copy_heads` (kernels/cache_write.cu) using a source head stride of P+R, once over all rows after every head is computed (reads past the end hit NaN padding)",
+        cuda_site: "host, src/backend/cuda/decode.rs `finish` (buffers.rs sizes it): the o_proj input re-strided with `copy_heads` (kernels/cache_write.cu) using a source head stride of P+R, once over all rows after every head is computed (reads past the end hit NaN padding)",
     },
 ];

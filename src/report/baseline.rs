@@ -318,12 +318,14 @@ mod tests {
             tolerances,
             tolerance_source,
             dump: None,
+            faults: Default::default(),
             progress: false,
         };
         let planned = Identity::planned(&file, &cfg, &opts).unwrap();
         assert_eq!(planned.tolerances["attn_out[decode]"].rel_l2, 0.5);
         let mut mirror = CpuMirror::new(Dtype::F16);
-        let report = crate::run::run(&file, &mut mirror, "cpu", None, &opts).unwrap();
+        let info = crate::backend::BackendInfo::of(crate::backend::Kind::Cpu, &mirror);
+        let report = crate::run::run(&file, &mut mirror, &info, &opts).unwrap();
         assert_eq!(planned, Identity::of(&report));
         assert!(planned.differences(&Identity::of(&report)).is_empty());
     }

@@ -2,6 +2,7 @@
 //! the gate. Only what decides the verdict can fail: a layer of the deciding mode, or the gate. Drift in
 //! free mode alongside shadow mode is informational (it grows with depth even for a correct kernel), so
 //! its layers pass with the crossing noted in system-out: the failure count agrees with the exit code.
+//! A check whose stage the backend does not provide is one skipped case per mode, naming its layers.
 
 use super::Report;
 use quick_junit::{NonSuccessKind, Report as JReport, TestCase, TestCaseStatus, TestSuite};
@@ -42,6 +43,18 @@ pub fn render(r: &Report) -> String {
             if let Some(n) = note {
                 tc.set_system_out(n);
             }
+            suite.add_test_case(tc);
+        }
+        // A check the backend does not provide is skipped, not passed: visible in every CI view.
+        for (check, layers) in m.not_provided() {
+            let mut s = TestCaseStatus::skipped();
+            s.set_message(format!(
+                "not provided by the backend ({}): {check} not compared in layer(s) {}",
+                r.environment.backend,
+                super::layer_list(&layers)
+            ));
+            let mut tc = TestCase::new(format!("{check} (not provided)"), s);
+            tc.set_classname(format!("mla-diff.{}", m.mode));
             suite.add_test_case(tc);
         }
         report.add_test_suite(suite);

@@ -79,6 +79,16 @@ pub fn render(r: &Report) -> String {
             writeln!(s, "| {} | {} |{drift}", l.layer, cells.join(" | ")).ok();
         }
         writeln!(s).ok();
+        let missing = m.not_provided();
+        if !missing.is_empty() {
+            let names: Vec<String> = missing.iter().map(|(c, _)| format!("`{c}`")).collect();
+            writeln!(
+                s,
+                "Not provided by the backend (not compared): {}\n",
+                names.join(", ")
+            )
+            .ok();
+        }
     }
     s
 }

@@ -84,6 +84,29 @@ pub struct Report {
     pub dumps: Vec<std::path::PathBuf>,
 }
 
+impl ModeResult {
+    /// The checks the backend did not provide (`LayerResult::not_provided`), each with the layers it
+    /// was left out of, in check order.
+    pub fn not_provided(&self) -> Vec<(String, Vec<usize>)> {
+        let mut out: Vec<(String, Vec<usize>)> = Vec::new();
+        for l in &self.layers {
+            for c in &l.not_provided {
+                match out.iter_mut().find(|(n, _)| n == c) {
+                    Some((_, ls)) => ls.push(l.layer),
+                    None => out.push((c.clone(), vec![l.layer])),
+                }
+            }
+        }
+        out
+    }
+}
+
+/// `0, 1, 2` for a list of layers.
+pub fn layer_list(layers: &[usize]) -> String {
+    let v: Vec<String> = layers.iter().map(|l| l.to_string()).collect();
+    v.join(", ")
+}
+
 impl FileInfo {
     /// The file's name without its directory: what reports show, so that they do not depend on where
     /// a checkout lives.

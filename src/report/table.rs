@@ -123,6 +123,16 @@ pub fn render(r: &Report, style: &Style) -> String {
             }
             writeln!(s, "{row}").ok();
         }
+        let missing = m.not_provided();
+        if !missing.is_empty() {
+            let names: Vec<&str> = missing.iter().map(|(c, _)| c.as_str()).collect();
+            writeln!(
+                s,
+                "not provided by the backend (not compared): {}",
+                names.join(", ")
+            )
+            .ok();
+        }
     }
     writeln!(s).ok();
     s.push_str(&verdict_line(r, style));

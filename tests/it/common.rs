@@ -16,6 +16,7 @@ pub struct Case {
     pub w: LayerWeights,
     pub factors: Option<RopeFactors>,
     pub rope: RopeTables,
+    pub block_table: Vec<usize>,
     pub x: Array2<f64>,
     pub sched: Schedule,
 }
@@ -37,6 +38,7 @@ impl Case {
             w,
             factors,
             rope,
+            block_table: sched.block_table(),
             x,
             sched,
         }
@@ -47,10 +49,21 @@ impl Case {
     }
     pub fn mirror(&self, dt: mla_diff::backend::Dtype) -> LayerTrace {
         use mla_diff::backend::Backend;
-        let mut m =
-            mla_diff::backend::cpu::CpuMirror::new(dt).with_rope_factors(self.factors.clone());
-        m.run_layer(&self.cfg, &self.w, &self.x, &self.sched)
+        mla_diff::backend::cpu::CpuMirror::new(dt)
+            .run_layer(&self.ctx(), &self.x)
             .unwrap()
+    }
+    /// The layer context of a run on this case's schedule (no fault).
+    pub fn ctx(&self) -> mla_diff::backend::LayerCtx<'_> {
+        mla_diff::backend::LayerCtx {
+            cfg: &self.cfg,
+            weights: &self.w,
+            layer: self.w.layer,
+            rope: &self.rope,
+            sched: &self.sched,
+            block_table: &self.block_table,
+            faults: mla_diff::faults::Active::NONE,
+        }
     }
 }
 

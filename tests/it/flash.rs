@@ -110,20 +110,26 @@ fn bad_inputs_are_errors() {
     let c = Case::new(Family::DeepseekV2Lite, small_schedule(), 61);
     let mut m = CpuMirror::new(Dtype::Bf16);
     let short = c.x.slice(ndarray::s![1.., ..]).to_owned();
-    let e = m.run_layer(&c.cfg, &c.w, &short, &c.sched).unwrap_err();
+    let e = m.run_layer(&c.ctx(), &short).unwrap_err();
     assert!(matches!(e, Error::Usage(_)), "{e}");
     let e = mla_diff::reference::run_layer(&c.cfg, &c.w, &c.rope, &short, &c.sched).unwrap_err();
     assert!(matches!(e, Error::Usage(_)), "{e}");
     let mut x = c.x.clone();
     x[[2, 3]] = f64::NAN;
     // A NaN in the input is not rejected: it flows through, as in an engine (free-running mode relies on it).
-    let t = m.run_layer(&c.cfg, &c.w, &x, &c.sched).unwrap();
+    let t = m.run_layer(&c.ctx(), &x).unwrap();
     let out = t.get(mla_diff::trace::Stage::AttnOut).unwrap();
     assert!(out.data.iter().any(|v| v.is_nan()));
     let mut w = c.w.clone();
     w.w_uv = w.w_uv.slice(ndarray::s![.., 1.., ..]).to_owned();
     assert!(matches!(
-        m.run_layer(&c.cfg, &w, &c.x, &c.sched),
+        m.run_layer(
+            &mla_diff::backend::LayerCtx {
+                weights: &w,
+                ..c.ctx()
+            },
+            &c.x
+        ),
         Err(Error::Tensor(_))
     ));
     let other = Case::new(Family::DeepseekV2Lite, busy_schedule(), 61);
@@ -132,7 +138,13 @@ fn bad_inputs_are_errors() {
     let mut sched = c.sched.clone();
     sched.num_splits = 0;
     assert!(matches!(
-        m.run_layer(&c.cfg, &c.w, &c.x, &sched),
+        m.run_layer(
+            &mla_diff::backend::LayerCtx {
+                sched: &sched,
+                ..c.ctx()
+            },
+            &c.x
+        ),
         Err(Error::Usage(_))
     ));
 }

@@ -5,26 +5,53 @@
 use crate::common;
 
 use mla_diff::backend::cpu::CpuMirror;
-use mla_diff::backend::{Backend, Dtype};
-use mla_diff::faults::{Fault, FaultSet, Injection};
-use mla_diff::gguf::GgufFile;
+use mla_diff::backend::{Backend, BackendInfo, Dtype, Kind, LayerCtx, RunTables};
+use mla_diff::faults::{Active, Fault, FaultSet, Injection};
 use mla_diff::model::synthetic::Family;
-use mla_diff::model::{MlaConfig, RopeFactors};
 use mla_diff::schedule::Schedule;
 use mla_diff::selftest::{self, Outcome, Summary, TARGET};
+use mla_diff::trace::{LayerTrace, StageSet};
 use std::path::PathBuf;
 use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_mla-diff");
 
-fn mirror(file: &GgufFile, dtype: Dtype, faults: FaultSet) -> mla_diff::Result<Box<dyn Backend>> {
-    let cfg = MlaConfig::from_gguf(file)?;
-    let factors = RopeFactors::load(file, &cfg)?;
-    Ok(Box::new(
-        CpuMirror::new(dtype)
-            .with_rope_factors(factors)
-            .with_faults(faults),
-    ))
+/// The mirror, honouring each layer's faults (`None`) or running every layer with `Some(faults)`.
+struct Mirror {
+    inner: CpuMirror,
+    faults: Option<Active>,
+}
+
+impl Backend for Mirror {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn provides(&self) -> StageSet {
+        self.inner.provides()
+    }
+    fn run_layer(
+        &mut self,
+        ctx: &LayerCtx,
+        x: &ndarray::Array2<f64>,
+    ) -> mla_diff::Result<LayerTrace> {
+        let ctx = LayerCtx {
+            faults: self.faults.unwrap_or(ctx.faults),
+            ..*ctx
+        };
+        self.inner.run_layer(&ctx, x)
+    }
+}
+
+fn mirror(
+    dtype: Dtype,
+    faults: Option<Active>,
+) -> mla_diff::Result<(Box<dyn Backend>, BackendInfo)> {
+    let b = Mirror {
+        inner: CpuMirror::new(dtype),
+        faults,
+    };
+    let info = BackendInfo::of(Kind::Cpu, &b);
+    Ok((Box::new(b), info))
 }
 
 fn selftest_with(factory: &mut selftest::BackendFactory) -> Summary {
@@ -32,7 +59,6 @@ fn selftest_with(factory: &mut selftest::BackendFactory) -> Summary {
         fixtures: None,
         only: vec![],
         seed: 0,
-        kind: "cpu",
     };
     selftest::run(&opts, factory, &mut |_| {}).unwrap()
 }
@@ -45,7 +71,7 @@ fn fault_outcomes(s: &Summary) -> impl Iterator<Item = &Outcome> {
 
 #[test]
 fn every_fault_is_caught_in_its_layer_at_its_stage() {
-    let s = selftest_with(&mut mirror);
+    let s = selftest_with(&mut |dt, _| mirror(dt, None));
     let failing: Vec<String> = s
         .outcomes
         .iter()
@@ -77,7 +103,7 @@ fn every_fault_is_caught_in_its_layer_at_its_stage() {
 /// A backend that drops the injection: no fault is found, so the selftest fails (and says why).
 #[test]
 fn selftest_fails_when_the_backend_ignores_faults() {
-    let s = selftest_with(&mut |f, dt, _ignored| mirror(f, dt, FaultSet::default()));
+    let s = selftest_with(&mut |dt, _ignored| mirror(dt, Some(Active::NONE)));
     assert!(!s.pass());
     for o in fault_outcomes(&s) {
         assert!(!o.ok && !o.detected, "{}", o.line());
@@ -93,13 +119,13 @@ fn selftest_fails_when_the_backend_ignores_faults() {
 /// reports as a wrong attribution.
 #[test]
 fn selftest_fails_when_a_fault_leaks_into_other_layers() {
-    let s = selftest_with(&mut |f, dt, set: FaultSet| {
+    let s = selftest_with(&mut |dt, set: &FaultSet| {
         let everywhere = set
             .0
             .iter()
             .map(|i| Injection { layer: None, ..*i })
             .collect();
-        mirror(f, dt, FaultSet(everywhere))
+        mirror(dt, Some(FaultSet(everywhere).active(0)))
     });
     assert!(!s.pass());
     for o in fault_outcomes(&s) {
@@ -130,17 +156,18 @@ fn a_targeted_fault_leaves_other_layers_untouched() {
             .map(|s| s.data.iter().map(|v| v.to_bits()).collect())
             .collect()
     };
+    let tables = RunTables::new(&cfg, None, &sched).unwrap();
     let clean = CpuMirror::new(Dtype::Bf16)
-        .run_layer(&cfg, &w, &x, &sched)
+        .run_layer(&tables.ctx(&cfg, &w, &sched, Active::NONE), &x)
         .unwrap();
     for f in Fault::ALL {
         let at1 = FaultSet(vec![Injection {
             name: f,
             layer: Some(1),
         }]);
+        // The driver hands each layer the faults active in it (`FaultSet::active`).
         let t = CpuMirror::new(Dtype::Bf16)
-            .with_faults(at1)
-            .run_layer(&cfg, &w, &x, &sched)
+            .run_layer(&tables.ctx(&cfg, &w, &sched, at1.active(w.layer)), &x)
             .unwrap();
         assert_eq!(bits(&t), bits(&clean), "{f} changed layer 0");
     }

@@ -2,6 +2,7 @@
 //! o_proj. Each token's row is computed independently, so the schedule cannot change these values.
 
 use super::ops::{linear, rms_norm, rope, round_all, stored};
+use crate::backend::common::kv_b_split_swapped;
 use crate::backend::Dtype;
 use crate::faults::{Active, Fault};
 use crate::model::{LayerWeights, MlaConfig, QProj, RopePairing};
@@ -66,26 +67,6 @@ impl MirrorWeights {
         self.w_uv
             .slice(s![h * cfg.v_head_dim..(h + 1) * cfg.v_head_dim, ..])
     }
-}
-
-/// `(W_UK, W_UV)` read from each head's kv_b block `[W_UK[h]; W_UV[h]]` (P + Dv rows) with the split the
-/// wrong way round: the first Dv rows taken as W_UV, the next P rows as W_UK.
-pub fn kv_b_split_swapped(cfg: &MlaConfig, w: &LayerWeights) -> (Array3<f32>, Array3<f32>) {
-    let (p, dv) = (cfg.qk_nope, cfg.v_head_dim);
-    let mut uk = Array3::zeros(w.w_uk.raw_dim());
-    let mut uv = Array3::zeros(w.w_uv.raw_dim());
-    for h in 0..cfg.n_head {
-        let block = ndarray::concatenate(
-            Axis(0),
-            &[w.w_uk.index_axis(Axis(0), h), w.w_uv.index_axis(Axis(0), h)],
-        )
-        .expect("same Lkv");
-        uv.index_axis_mut(Axis(0), h)
-            .assign(&block.slice(s![..dv, ..]));
-        uk.index_axis_mut(Axis(0), h)
-            .assign(&block.slice(s![dv..dv + p, ..]));
-    }
-    (uk, uv)
 }
 
 /// The rope tables as a kernel receives them: f32 `[n_pos, R/2]`.

@@ -39,7 +39,7 @@
 //! Finally `attn_out = round(attn_heads·W_oᵀ)`. The trace has every stage in the reference's shapes;
 //! `cache_rows` is read back from the pool in token order after all writes.
 //!
-//! Planted bugs (`crate::faults`, `CpuMirror::with_faults`): each fault changes only the stage function it
+//! Planted bugs (`crate::faults`, `LayerCtx::faults`): each fault changes only the stage function it
 //! models, through a small match at that point; with no fault active the path above is unchanged.
 
 pub mod cache;
@@ -49,13 +49,11 @@ pub mod front;
 pub mod ops;
 pub mod prefill;
 
-use super::{Backend, Dtype};
+use super::common::kernel_scale;
+use super::{Backend, Dtype, LayerCtx};
 use crate::error::Result;
-use crate::faults::{Active, Fault, FaultSet};
-use crate::model::{LayerWeights, MlaConfig, RopeFactors};
-use crate::rope::RopeTables;
-use crate::schedule::Schedule;
-use crate::trace::{LayerTrace, Stage, StageTensor};
+use crate::faults::Fault;
+use crate::trace::{LayerTrace, Stage, StageSet, StageTensor};
 use ndarray::{Array, Array2, Array3, Dimension};
 
 /// The row-wise stages of all tokens, in the dtype.
@@ -82,39 +80,11 @@ pub fn row3(a: &Array3<f32>, i: usize, j: usize) -> &[f32] {
 #[derive(Debug, Clone)]
 pub struct CpuMirror {
     pub dtype: Dtype,
-    /// LongRoPE factors of the model, if it has them (`RopeFactors::load`).
-    pub rope_factors: Option<RopeFactors>,
-    /// Planted bugs (`mla-diff run --inject`); empty for the real mirror.
-    pub faults: FaultSet,
 }
 
 impl CpuMirror {
     pub fn new(dtype: Dtype) -> CpuMirror {
-        CpuMirror {
-            dtype,
-            rope_factors: None,
-            faults: FaultSet::default(),
-        }
-    }
-    pub fn with_rope_factors(mut self, f: Option<RopeFactors>) -> CpuMirror {
-        self.rope_factors = f;
-        self
-    }
-    pub fn with_faults(mut self, faults: FaultSet) -> CpuMirror {
-        self.faults = faults;
-        self
-    }
-}
-
-/// The softmax scale the attention kernels are given (faults: YaRN's mscale² missing, FlashMLA's
-/// 1/sqrt(Lkv+R) default).
-pub fn kernel_scale(cfg: &MlaConfig, fx: Active) -> f64 {
-    if fx.on(Fault::Scale576) {
-        1.0 / (cfg.cache_row() as f64).sqrt()
-    } else if fx.on(Fault::YarnMscaleMissing) {
-        cfg.softmax_scale / (cfg.mscale * cfg.mscale)
-    } else {
-        cfg.softmax_scale
+        CpuMirror { dtype }
     }
 }
 
@@ -124,30 +94,20 @@ fn stage<D: Dimension>(s: Stage, a: &Array<f32, D>) -> StageTensor {
 
 impl Backend for CpuMirror {
     fn describe(&self) -> String {
-        let mut d = format!("cpu-mirror ({}, f32 accumulation)", self.dtype.name());
-        if !self.faults.is_empty() {
-            d.push_str(&format!(" with injected faults: {}", self.faults));
-        }
-        d
+        format!("cpu-mirror ({}, f32 accumulation)", self.dtype.name())
     }
 
-    fn injected(&self) -> Vec<crate::faults::Injection> {
-        self.faults.0.clone()
+    fn provides(&self) -> StageSet {
+        StageSet::ALL
     }
 
-    fn run_layer(
-        &mut self,
-        cfg: &MlaConfig,
-        w: &LayerWeights,
-        x: &Array2<f64>,
-        sched: &Schedule,
-    ) -> Result<LayerTrace> {
+    fn run_layer(&mut self, ctx: &LayerCtx, x: &Array2<f64>) -> Result<LayerTrace> {
+        let (cfg, w, sched, tables) = (ctx.cfg, ctx.weights, ctx.sched, ctx.rope);
+        crate::reference::check_inputs(cfg, w, tables, x, sched)?;
         let t = sched.total_tokens();
-        let tables = RopeTables::for_run(cfg, self.rope_factors.as_ref(), sched.pos_offset, t)?;
-        crate::reference::check_inputs(cfg, w, &tables, x, sched)?;
         let dt = self.dtype;
-        let fx = self.faults.active(w.layer);
-        let rope = front::RopeF32::new(&tables, fx);
+        let fx = ctx.faults;
+        let rope = front::RopeF32::new(tables, fx);
         let mw = front::MirrorWeights::new(cfg, w, dt, fx);
 
         let x = front::input(x, dt);
@@ -203,7 +163,7 @@ impl Backend for CpuMirror {
             false => front::o_proj(&mw, &heads, dt),
         };
 
-        let mut tr = LayerTrace::new(w.layer);
+        let mut tr = LayerTrace::new(ctx.layer);
         tr.push(stage(Stage::AttnIn, &f.attn_in));
         tr.push(stage(Stage::QNope, &f.q_nope));
         tr.push(stage(Stage::QPe, &f.q_pe));

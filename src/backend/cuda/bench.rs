@@ -6,8 +6,10 @@
 //! decode bytes = B·S·(Lkv+R)·2 + B·H·(Lkv+R)·2 + B·H·Lkv·2, FLOPs = 2·B·H·S·((Lkv+R)+Lkv);
 //! causal prefill FLOPs = H·T²·(dqk+dv) (half of the full T×T score matrix).
 
+use super::attn::{Attn, AttnArgs};
+use super::blas::{Blas, GemmPrecision};
 use super::device::{arg, DevBuf, Gpu, Timer};
-use super::kernels::{launch, Attn, AttnArgs, Blas, Dims, GemmPrecision, Kernels, Tile};
+use super::kernels::{launch, Dims, Kernels, Tile};
 use super::nvrtc::Sources;
 use super::{decode_tiles, prefill_tiles};
 use crate::backend::Dtype;

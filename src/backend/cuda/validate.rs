@@ -7,9 +7,10 @@
 
 use super::{CudaBackend, CudaOptions};
 use crate::backend::cpu::CpuMirror;
-use crate::backend::{Backend, Dtype};
+use crate::backend::{Backend, Dtype, RunTables};
 use crate::compare::{self, metrics, ToleranceTable};
 use crate::error::{Error, Result};
+use crate::faults::Active;
 use crate::model::rope_factors::RopeFactors;
 use crate::model::{LayerWeights, MlaConfig};
 use crate::rope::RopeTables;
@@ -252,56 +253,58 @@ pub fn run(a: &Options) -> Result<i32> {
                     let j = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                     let Some(&job) = jobs.get(j) else { break };
                     let t = std::time::Instant::now();
-                    let out =
-                        (|| -> Result<JobOut> {
-                            match job {
-                                Job::Gpu(ci, dt) => {
-                                    if gpu.is_none() {
-                                        gpu = Some((
-                                            CudaBackend::new(opts(dt, false))?,
-                                            CudaBackend::new(opts(dt, true))?,
-                                        ));
-                                    }
-                                    let (cu, sc) = gpu.as_mut().unwrap();
-                                    let (cfg, w, x, rf) = &layers[ci];
-                                    for b in [&mut *cu, &mut *sc] {
-                                        b.opts.dtype = dt;
-                                        b.rope_factors = rf.clone();
-                                    }
-                                    let t = std::time::Instant::now();
-                                    let mma = cu.run_layer(cfg, w, x, &cases[ci].sched)?;
-                                    let ms = t.elapsed().as_secs_f64() * 1e3;
-                                    let sct = sc.run_layer(cfg, w, x, &cases[ci].sched)?;
-                                    Ok(JobOut::Gpu {
-                                        mma,
-                                        sc: sct,
-                                        ms,
-                                        paths: cu.last_paths.clone(),
-                                    })
+                    let out = (|| -> Result<JobOut> {
+                        match job {
+                            Job::Gpu(ci, dt) => {
+                                if gpu.is_none() {
+                                    gpu = Some((
+                                        CudaBackend::new(opts(dt, false))?,
+                                        CudaBackend::new(opts(dt, true))?,
+                                    ));
                                 }
-                                Job::Reference(ci) => {
-                                    let (cfg, w, x, rf) = &layers[ci];
-                                    let sched = &cases[ci].sched;
-                                    let rt = RopeTables::for_run(
-                                        cfg,
-                                        rf.as_ref(),
-                                        sched.pos_offset,
-                                        sched.total_tokens(),
-                                    )?;
-                                    Ok(JobOut::Cpu(crate::reference::run_layer(
-                                        cfg, w, &rt, x, sched,
-                                    )?))
+                                let (cu, sc) = gpu.as_mut().unwrap();
+                                let (cfg, w, x, rf) = &layers[ci];
+                                for b in [&mut *cu, &mut *sc] {
+                                    b.opts.dtype = dt;
                                 }
-                                Job::Mirror(ci, dt) => {
-                                    let (cfg, w, x, rf) = &layers[ci];
-                                    Ok(JobOut::Cpu(
-                                        CpuMirror::new(dt)
-                                            .with_rope_factors(rf.clone())
-                                            .run_layer(cfg, w, x, &cases[ci].sched)?,
-                                    ))
-                                }
+                                let sched = &cases[ci].sched;
+                                let tables = RunTables::new(cfg, rf.as_ref(), sched)?;
+                                let ctx = tables.ctx(cfg, w, sched, Active::NONE);
+                                let t = std::time::Instant::now();
+                                let mma = cu.run_layer(&ctx, x)?;
+                                let ms = t.elapsed().as_secs_f64() * 1e3;
+                                let sct = sc.run_layer(&ctx, x)?;
+                                Ok(JobOut::Gpu {
+                                    mma,
+                                    sc: sct,
+                                    ms,
+                                    paths: cu.last_paths.clone(),
+                                })
                             }
-                        })();
+                            Job::Reference(ci) => {
+                                let (cfg, w, x, rf) = &layers[ci];
+                                let sched = &cases[ci].sched;
+                                let rt = RopeTables::for_run(
+                                    cfg,
+                                    rf.as_ref(),
+                                    sched.pos_offset,
+                                    sched.total_tokens(),
+                                )?;
+                                Ok(JobOut::Cpu(crate::reference::run_layer(
+                                    cfg, w, &rt, x, sched,
+                                )?))
+                            }
+                            Job::Mirror(ci, dt) => {
+                                let (cfg, w, x, rf) = &layers[ci];
+                                let sched = &cases[ci].sched;
+                                let tables = RunTables::new(cfg, rf.as_ref(), sched)?;
+                                Ok(JobOut::Cpu(
+                                    CpuMirror::new(dt)
+                                        .run_layer(&tables.ctx(cfg, w, sched, Active::NONE), x)?,
+                                ))
+                            }
+                        }
+                    })();
                     let ci = match job {
                         Job::Gpu(c, _) | Job::Reference(c) | Job::Mirror(c, _) => c,
                     };
@@ -379,6 +382,8 @@ pub fn run(a: &Options) -> Result<i32> {
                 layer: 0,
                 sched: &c.sched,
                 block_table: &table,
+                // Both GPU backends run with `debug` on: every stage.
+                provided: crate::trace::StageSet::ALL,
             };
             let cm = figs(&g.mma, &mirror);
             let mr = figs(&mirror, reference);

@@ -6,13 +6,13 @@ mod gate;
 use crate::common;
 
 use mla_diff::backend::cpu::CpuMirror;
-use mla_diff::backend::{Backend, Dtype};
+use mla_diff::backend::{Backend, BackendInfo, Dtype, Kind, LayerCtx};
 use mla_diff::compare::ToleranceTable;
 use mla_diff::gguf::GgufFile;
-use mla_diff::model::{LayerWeights, MlaConfig};
+use mla_diff::model::MlaConfig;
 use mla_diff::run::{InputSpec, Modes, RunOptions};
 use mla_diff::schedule::Schedule;
-use mla_diff::trace::{LayerTrace, Stage};
+use mla_diff::trace::{LayerTrace, Stage, StageSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -46,6 +46,7 @@ fn opts(dtype: Dtype) -> RunOptions {
         tolerances: ToleranceTable::defaults(),
         tolerance_source: "defaults".into(),
         dump: None,
+        faults: Default::default(),
         progress: false,
     }
 }
@@ -63,15 +64,16 @@ impl Backend for Corrupt {
     fn describe(&self) -> String {
         "corrupted mirror".into()
     }
+    fn provides(&self) -> StageSet {
+        StageSet::ALL
+    }
     fn run_layer(
         &mut self,
-        cfg: &MlaConfig,
-        w: &LayerWeights,
+        ctx: &LayerCtx,
         x: &ndarray::Array2<f64>,
-        s: &Schedule,
     ) -> mla_diff::Result<LayerTrace> {
-        let mut t = self.inner.run_layer(cfg, w, x, s)?;
-        if w.layer == self.layer {
+        let mut t = self.inner.run_layer(ctx, x)?;
+        if ctx.layer == self.layer {
             let st = t.get_mut(self.stage).unwrap();
             let rms = (st.data.iter().map(|v| v * v).sum::<f64>() / st.data.len() as f64).sqrt();
             st.data[self.index] = self.value.unwrap_or(st.data[self.index] + 10.0 * rms);
@@ -80,9 +82,127 @@ impl Backend for Corrupt {
     }
 }
 
-fn run_with(backend: &mut dyn Backend, path: &Path, o: &RunOptions) -> mla_diff::report::Report {
+fn try_run(
+    backend: &mut dyn Backend,
+    path: &Path,
+    o: &RunOptions,
+) -> mla_diff::Result<mla_diff::report::Report> {
     let f = GgufFile::open(path).unwrap();
-    mla_diff::run::run(&f, backend, "cpu", None, o).unwrap()
+    let info = BackendInfo::of(Kind::Cpu, backend);
+    mla_diff::run::run(&f, backend, &info, o)
+}
+
+fn run_with(backend: &mut dyn Backend, path: &Path, o: &RunOptions) -> mla_diff::report::Report {
+    try_run(backend, path, o).unwrap()
+}
+
+/// The mirror leaving stages out of its trace, declaring `provides` as told.
+struct Omit {
+    inner: CpuMirror,
+    omit: Vec<Stage>,
+    provides: StageSet,
+}
+
+impl Backend for Omit {
+    fn describe(&self) -> String {
+        "mirror without some stages".into()
+    }
+    fn provides(&self) -> StageSet {
+        self.provides
+    }
+    fn run_layer(
+        &mut self,
+        ctx: &LayerCtx,
+        x: &ndarray::Array2<f64>,
+    ) -> mla_diff::Result<LayerTrace> {
+        let mut t = self.inner.run_layer(ctx, x)?;
+        t.stages.retain(|s| !self.omit.contains(&s.stage));
+        Ok(t)
+    }
+}
+
+#[test]
+fn a_stage_not_provided_is_shown_in_every_format() {
+    let omit = vec![Stage::QAbsorbed, Stage::SplitOut];
+    let mut b = Omit {
+        inner: CpuMirror::new(Dtype::Bf16),
+        provides: omit.iter().fold(StageSet::ALL, |s, &st| s.without(st)),
+        omit,
+    };
+    let mut o = opts(Dtype::Bf16);
+    o.layers = Some(vec![0, 1]);
+    let rep = run_with(&mut b, &tiny4(), &o);
+    // Not a divergence: the run passes (exit code 0) ...
+    assert!(rep.pass(), "{}", rep.verdict.message);
+    let want = ["q_absorbed".to_string(), "split_out".to_string()];
+    for m in &rep.modes {
+        for l in &m.layers {
+            assert_eq!(l.not_provided, want);
+            assert!(l.checks.iter().all(|c| !want.contains(&c.check)));
+            assert!(l.checks.iter().any(|c| c.check == "split_lse"));
+        }
+    }
+    // ... but every format says what was not compared.
+    let style = mla_diff::report::table::Style { color: false };
+    let table = mla_diff::report::table::render(&rep, &style);
+    assert!(
+        table.contains("not provided by the backend (not compared): q_absorbed, split_out"),
+        "{table}"
+    );
+    let md = mla_diff::report::markdown::render(&rep);
+    assert!(
+        md.contains("Not provided by the backend (not compared): `q_absorbed`, `split_out`"),
+        "{md}"
+    );
+    let junit = mla_diff::report::junit::render(&rep);
+    let doc = roxmltree::Document::parse(&junit).unwrap();
+    let skipped: Vec<(String, String)> = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("skipped"))
+        .map(|n| {
+            (
+                n.parent().unwrap().attribute("name").unwrap().to_string(),
+                n.attribute("message").unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(skipped.len(), 4, "2 checks x 2 modes: {junit}");
+    assert_eq!(skipped[0].0, "q_absorbed (not provided)");
+    assert!(
+        skipped[0].1.contains("not provided by the backend") && skipped[0].1.contains("0, 1"),
+        "{skipped:?}"
+    );
+    let json = rep.to_json();
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(
+        v["modes"][0]["layers"][1]["not_provided"],
+        serde_json::json!(want)
+    );
+    let validator = common::report_validator();
+    let errors = common::schema_errors(&validator, &v);
+    assert!(errors.is_empty(), "schema errors: {errors:#?}");
+    // The field round-trips through a baseline file, and a full backend's layers leave it out.
+    let back: mla_diff::report::Report = serde_json::from_str(&json).unwrap();
+    assert_eq!(back.modes[0].layers[0].not_provided, want);
+    let full = run_with(&mut CpuMirror::new(Dtype::Bf16), &tiny4(), &o);
+    assert!(!full.to_json().contains("not_provided"));
+}
+
+#[test]
+fn a_stage_claimed_but_missing_is_an_error() {
+    let mut b = Omit {
+        inner: CpuMirror::new(Dtype::Bf16),
+        omit: vec![Stage::SplitLse],
+        provides: StageSet::ALL,
+    };
+    let mut o = opts(Dtype::Bf16);
+    o.layers = Some(vec![0]);
+    let e = try_run(&mut b, &tiny4(), &o).unwrap_err();
+    assert!(matches!(e, mla_diff::Error::Usage(_)), "{e}");
+    assert!(
+        e.to_string().contains("split_lse") && e.to_string().contains("claims to provide"),
+        "{e}"
+    );
 }
 
 #[test]

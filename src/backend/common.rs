@@ -1,0 +1,40 @@
+//! What every optimized path derives from the model the same way, planted bugs included: the softmax
+//! scale the attention kernels are given and the kv_b split. Not in `crate::model`, which describes the
+//! model as it is: both carry faults of the serving path (`crate::faults`), and the CPU mirror and the
+//! CUDA backend must agree on them bit for bit.
+
+use crate::faults::{Active, Fault};
+use crate::model::{LayerWeights, MlaConfig};
+use ndarray::{s, Array3, Axis};
+
+/// The softmax scale the attention kernels are given (faults: YaRN's mscale² missing, FlashMLA's
+/// 1/sqrt(Lkv+R) default).
+pub fn kernel_scale(cfg: &MlaConfig, fx: Active) -> f64 {
+    if fx.on(Fault::Scale576) {
+        1.0 / (cfg.cache_row() as f64).sqrt()
+    } else if fx.on(Fault::YarnMscaleMissing) {
+        cfg.softmax_scale / (cfg.mscale * cfg.mscale)
+    } else {
+        cfg.softmax_scale
+    }
+}
+
+/// `(W_UK, W_UV)` read from each head's kv_b block `[W_UK[h]; W_UV[h]]` (P + Dv rows) with the split the
+/// wrong way round: the first Dv rows taken as W_UV, the next P rows as W_UK.
+pub fn kv_b_split_swapped(cfg: &MlaConfig, w: &LayerWeights) -> (Array3<f32>, Array3<f32>) {
+    let (p, dv) = (cfg.qk_nope, cfg.v_head_dim);
+    let mut uk = Array3::zeros(w.w_uk.raw_dim());
+    let mut uv = Array3::zeros(w.w_uv.raw_dim());
+    for h in 0..cfg.n_head {
+        let block = ndarray::concatenate(
+            Axis(0),
+            &[w.w_uk.index_axis(Axis(0), h), w.w_uv.index_axis(Axis(0), h)],
+        )
+        .expect("same Lkv");
+        uv.index_axis_mut(Axis(0), h)
+            .assign(&block.slice(s![..dv, ..]));
+        uk.index_axis_mut(Axis(0), h)
+            .assign(&block.slice(s![dv..dv + p, ..]));
+    }
+    (uk, uv)
+}

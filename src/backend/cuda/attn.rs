@@ -1,0 +1,236 @@
+//! The attention modules (prefill.cu, decode.cu): the argument struct they share with
+//! kernels/attention.cuh, tile selection, and their launches.
+
+use super::device::{arg, drv_err, Gpu};
+use super::kernels::{launch, Dims, Kernels, Module, Tile};
+use crate::error::{Error, Result};
+use cudarc::driver::{result as drv, sys};
+use std::ffi::c_void;
+use std::rc::Rc;
+
+/// Arguments of `attn_mma` / `attn_scalar` (kernels/attention.cuh `AttnArgs`, same order, repr(C)).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AttnArgs {
+    pub q: u64,
+    pub ka: u64,
+    pub kb: u64,
+    pub v: u64,
+    pub table: u64,
+    pub seq_lens: u64,
+    pub out: u64,
+    pub lse: u64,
+    pub part_out: u64,
+    pub part_lse: u64,
+    pub q_bs: i64,
+    pub q_rs: i64,
+    pub q_hs: i64,
+    pub ka_bs: i64,
+    pub ka_rs: i64,
+    pub ka_hs: i64,
+    pub kb_bs: i64,
+    pub kb_rs: i64,
+    pub v_bs: i64,
+    pub v_rs: i64,
+    pub v_hs: i64,
+    pub out_bs: i64,
+    pub out_rs: i64,
+    pub out_hs: i64,
+    pub table_bs: i64,
+    pub n_keys: i32,
+    pub n_q: i32,
+    pub n_heads: i32,
+    pub num_splits: i32,
+    pub causal: i32,
+    pub scale_log2: f32,
+}
+
+impl AttnArgs {
+    /// Strides of prefill over one request: q `[query][head][P+R]`, k_nope `[key][head][P]`, k_pe rows of
+    /// `kb_rs` elements shared by the heads, v and out `[.][head][Dv]`; one split.
+    pub fn prefill_layout(h: usize, p: usize, r: usize, dv: usize, kb_rs: usize) -> AttnArgs {
+        let dqk = p + r;
+        AttnArgs {
+            q_rs: (h * dqk) as i64,
+            q_hs: dqk as i64,
+            ka_rs: (h * p) as i64,
+            ka_hs: p as i64,
+            kb_rs: kb_rs as i64,
+            v_rs: (h * dv) as i64,
+            v_hs: dv as i64,
+            out_rs: (h * dv) as i64,
+            out_hs: dv as i64,
+            n_heads: h as i32,
+            num_splits: 1,
+            ..Default::default()
+        }
+    }
+    /// Strides of absorbed decode over one request: q `[query][head][Lkv+R]`, cache rows `[latent | k_pe]`
+    /// (the value is the latent: key and value read the same row), out `[query][head][Lkv]`.
+    pub fn decode_layout(h: usize, lkv: usize, r: usize) -> AttnArgs {
+        let row = lkv + r;
+        AttnArgs {
+            q_rs: (h * row) as i64,
+            q_hs: row as i64,
+            ka_rs: row as i64,
+            kb_rs: row as i64,
+            v_rs: row as i64,
+            out_rs: (h * lkv) as i64,
+            out_hs: lkv as i64,
+            n_heads: h as i32,
+            ..Default::default()
+        }
+    }
+}
+
+/// One attention module (prefill.cu or decode.cu) with its tensor-core and scalar kernels.
+pub struct Attn {
+    _m: Rc<Module>,
+    /// (function, dynamic smem bytes, threads, rows per CTA); None: scalar only.
+    mma: Option<(sys::CUfunction, u32, u32, u32)>,
+    /// The kernel `run` launches.
+    pub name: &'static str,
+    scalar: sys::CUfunction,
+    /// decode.cu's `combine_splits` (None for prefill).
+    combine: Option<sys::CUfunction>,
+    pub mqa: bool,
+    pub tile: Option<Tile>,
+}
+
+impl Attn {
+    /// Load `unit` with `dims`; use the first tile in `tiles` whose shared memory fits the device
+    /// (none, or `force_scalar`: the scalar kernel only).
+    pub fn load(
+        k: &mut Kernels,
+        gpu: &Gpu,
+        unit: &str,
+        dims: &Dims,
+        tiles: &[Tile],
+        force_scalar: bool,
+    ) -> Result<Attn> {
+        let mqa = unit == "decode.cu";
+        let combine = |m: &Module| -> Result<Option<sys::CUfunction>> {
+            Ok(if mqa {
+                Some(m.func("combine_splits")?)
+            } else {
+                None
+            })
+        };
+        let mut base = dims.defines();
+        let use_mma = !force_scalar && dims.mma_ok(mqa);
+        if use_mma {
+            for t in tiles {
+                let mut d = base.clone();
+                d.extend(t.defines());
+                let m = k.module(unit, d)?;
+                let (config, name) = if t.wgmma {
+                    // Present only when compiled for sm_90a with dims the kernel supports.
+                    if !m.has_global("attn_wgmma_config") {
+                        continue;
+                    }
+                    ("attn_wgmma_config", "attn_wgmma")
+                } else {
+                    ("attn_mma_config", "attn_mma")
+                };
+                let cfg = m.global_i32s(config, 4)?;
+                let smem = cfg[0] as usize;
+                if smem > gpu.info.smem_optin {
+                    continue;
+                }
+                let f = m.func(name)?;
+                unsafe {
+                    drv::function::set_function_attribute(
+                        f,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem as i32,
+                    )
+                }
+                .map_err(drv_err("raising the kernel's shared-memory limit"))?;
+                let scalar = m.func("attn_scalar")?;
+                return Ok(Attn {
+                    combine: combine(&m)?,
+                    _m: m,
+                    mma: Some((f, smem as u32, cfg[1] as u32, cfg[2] as u32)),
+                    name,
+                    scalar,
+                    mqa,
+                    tile: Some(*t),
+                });
+            }
+        }
+        // The default tile (mma disabled for f32 / odd dims) still has to compile.
+        base.extend(Tile::SCALAR_ONLY.defines());
+        let m = k.module(unit, base)?;
+        let scalar = m.func("attn_scalar")?;
+        Ok(Attn {
+            combine: combine(&m)?,
+            _m: m,
+            mma: None,
+            name: "attn_scalar",
+            scalar,
+            mqa,
+            tile: None,
+        })
+    }
+
+    pub fn uses_mma(&self) -> bool {
+        self.mma.is_some()
+    }
+
+    /// Launch over `batch` independent problems; heads `a.n_heads`, queries `a.n_q`.
+    pub fn run(&self, a: &AttnArgs, batch: u32) -> Result<()> {
+        let rows = |bm: u32| -> (u32, u32, u32) {
+            if self.mqa {
+                let r = (a.n_q * a.n_heads) as u32;
+                (a.num_splits as u32, r.div_ceil(bm), batch)
+            } else {
+                ((a.n_q as u32).div_ceil(bm), a.n_heads as u32, batch)
+            }
+        };
+        let mut p = [a as *const AttnArgs as *mut c_void];
+        match self.mma {
+            Some((f, smem, threads, bm)) => launch(f, self.name, rows(bm), threads, smem, &mut p),
+            None => launch(self.scalar, "attn_scalar", rows(4), 128, 0, &mut p),
+        }
+    }
+
+    /// Decode: merge the split partials (`a.part_out`, `a.part_lse`) of `rows` (query, head) rows into
+    /// `a.out` and `a.lse` (decode.cu `combine_splits`; a batch folds into the rows through `a.out_rs`).
+    pub fn combine(&self, a: &AttnArgs, rows: usize) -> Result<()> {
+        let f = self.combine.ok_or_else(|| {
+            Error::Environment("combine_splits belongs to the decode module".into())
+        })?;
+        let (po, pl, o, l) = (a.part_out, a.part_lse, a.out, a.lse);
+        let (ors, ohs, hh, ns) = (a.out_rs, a.out_hs, a.n_heads, a.num_splits);
+        launch(
+            f,
+            "combine_splits",
+            (rows as u32, 1, 1),
+            128,
+            0,
+            &mut [
+                arg(&po),
+                arg(&pl),
+                arg(&o),
+                arg(&ors),
+                arg(&ohs),
+                arg(&l),
+                arg(&hh),
+                arg(&ns),
+            ],
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attn_args_match_the_kernel_struct() {
+        // kernels/attention.cuh: 10 pointers, 15 long longs, 5 ints and a float (checked again at run time
+        // against the module's `attn_args_size`).
+        assert_eq!(std::mem::size_of::<AttnArgs>(), 10 * 8 + 15 * 8 + 6 * 4);
+        assert_eq!(std::mem::align_of::<AttnArgs>(), 8);
+    }
+}

@@ -1,0 +1,290 @@
+//! Typed launches of the small kernels (kernels/norm_rope.cu, kernels/cache_write.cu), and the kernel set
+//! of one layer. Each wrapper names its sizes; `launch` passes the kernel's parameters in the order the
+//! kernel declares them (row strides as `long long`, counts as `int`).
+
+use super::attn::{Attn, AttnArgs};
+use super::device::{arg, Gpu};
+use super::kernels::{launch, Dims, Kernels, Module, Tile};
+use super::{decode_tiles, prefill_tiles};
+use crate::error::{Error, Result};
+use cudarc::driver::sys::CUfunction;
+use std::rc::Rc;
+
+/// `rmsnorm`: each of `rows` rows of `cols` values, `y = x·r·w` with `r = 1/sqrt(Σx²/cols + eps)`
+/// (in place when `x == y`); one block of 256 threads per row.
+pub struct RmsNorm {
+    pub rows: usize,
+    pub cols: usize,
+    /// Row strides of `x` and `y`, in elements.
+    pub x_stride: usize,
+    pub y_stride: usize,
+    pub eps: f32,
+}
+
+impl RmsNorm {
+    pub fn launch(&self, f: CUfunction, x: u64, w: u64, y: u64) -> Result<()> {
+        let (xrs, yrs, nc) = (self.x_stride as i64, self.y_stride as i64, self.cols as i32);
+        launch(
+            f,
+            "rmsnorm",
+            (self.rows as u32, 1, 1),
+            256,
+            0,
+            &mut [
+                arg(&x),
+                arg(&xrs),
+                arg(&w),
+                arg(&y),
+                arg(&yrs),
+                arg(&nc),
+                arg(&self.eps),
+            ],
+        )
+    }
+}
+
+/// `rope`, in place: for tokens `first_token..first_token+rows`, the `R` columns from `offset` of each of
+/// `heads` heads (head stride `head_stride`, row stride `row_stride`), with the f32 tables `cos`/`sin`.
+pub struct Rope {
+    pub rows: usize,
+    pub first_token: usize,
+    pub row_stride: usize,
+    pub head_stride: usize,
+    pub heads: usize,
+    pub offset: usize,
+}
+
+impl Rope {
+    pub fn launch(&self, f: CUfunction, x: u64, cos: u64, sin: u64) -> Result<()> {
+        let (rs, hs, hn, off, t0) = (
+            self.row_stride as i64,
+            self.head_stride as i64,
+            self.heads as i32,
+            self.offset as i32,
+            self.first_token as i32,
+        );
+        launch(
+            f,
+            "rope",
+            (self.rows as u32, 1, 1),
+            128,
+            0,
+            &mut [
+                arg(&x),
+                arg(&rs),
+                arg(&hs),
+                arg(&hn),
+                arg(&off),
+                arg(&cos),
+                arg(&sin),
+                arg(&t0),
+            ],
+        )
+    }
+}
+
+/// `cache_write`: the rows `[latent | k_pe]` of tokens `first_token..first_token+rows` (from `src`,
+/// contiguous) into the paged pool through the block table.
+pub struct CacheWrite {
+    pub rows: usize,
+    pub first_token: usize,
+}
+
+impl CacheWrite {
+    pub fn launch(&self, f: CUfunction, src: u64, pool: u64, table: u64) -> Result<()> {
+        let t0 = self.first_token as i32;
+        launch(
+            f,
+            "cache_write",
+            (self.rows as u32, 1, 1),
+            128,
+            0,
+            &mut [arg(&src), arg(&pool), arg(&table), arg(&t0)],
+        )
+    }
+}
+
+/// `cache_gather`: the cache rows of tokens `first_token..first_token+rows` back into `dst`, in token order.
+pub struct CacheGather {
+    pub rows: usize,
+    pub first_token: usize,
+}
+
+impl CacheGather {
+    pub fn launch(&self, f: CUfunction, pool: u64, table: u64, dst: u64) -> Result<()> {
+        let t0 = self.first_token as i32;
+        launch(
+            f,
+            "cache_gather",
+            (self.rows as u32, 1, 1),
+            128,
+            0,
+            &mut [arg(&pool), arg(&table), arg(&dst), arg(&t0)],
+        )
+    }
+}
+
+/// `copy_heads`: `width` columns of each of `heads` heads, for `rows` rows, between strided layouts.
+pub struct CopyHeads {
+    pub rows: usize,
+    pub heads: usize,
+    pub width: usize,
+    pub src_row_stride: usize,
+    pub src_head_stride: usize,
+    pub dst_row_stride: usize,
+    pub dst_head_stride: usize,
+}
+
+impl CopyHeads {
+    pub fn launch(&self, f: CUfunction, src: u64, dst: u64) -> Result<()> {
+        let (srs, shs, drs, dhs, hh, wd) = (
+            self.src_row_stride as i64,
+            self.src_head_stride as i64,
+            self.dst_row_stride as i64,
+            self.dst_head_stride as i64,
+            self.heads as i32,
+            self.width as i32,
+        );
+        launch(
+            f,
+            "copy_heads",
+            (self.rows as u32, 1, 1),
+            128,
+            0,
+            &mut [
+                arg(&src),
+                arg(&srs),
+                arg(&shs),
+                arg(&dst),
+                arg(&drs),
+                arg(&dhs),
+                arg(&hh),
+                arg(&wd),
+            ],
+        )
+    }
+}
+
+/// `merge_states` (prefill.cu): per (query, head) row, the LSE merge of the cached-context part and the
+/// chunk's own part into `out`/`lse` (vLLM `merge_attn_states`); one block per row.
+pub struct MergeStates {
+    pub queries: usize,
+    pub heads: usize,
+}
+
+impl MergeStates {
+    /// `ctx` and `own`: (out, lse) of the two parts.
+    pub fn launch(
+        &self,
+        f: CUfunction,
+        ctx: (u64, u64),
+        own: (u64, u64),
+        out: u64,
+        lse: u64,
+    ) -> Result<()> {
+        let hh = self.heads as i32;
+        launch(
+            f,
+            "merge_states",
+            ((self.queries * self.heads) as u32, 1, 1),
+            128,
+            0,
+            &mut [
+                arg(&ctx.0),
+                arg(&ctx.1),
+                arg(&own.0),
+                arg(&own.1),
+                arg(&out),
+                arg(&lse),
+                arg(&hh),
+            ],
+        )
+    }
+}
+
+/// The kernels one layer runs, compiled for its dims (the modules are kept alive with them).
+pub struct LayerKernels {
+    _modules: Vec<Rc<Module>>,
+    pub rmsnorm: CUfunction,
+    pub rope: CUfunction,
+    pub cache_write: CUfunction,
+    pub cache_gather: CUfunction,
+    pub copy_heads: CUfunction,
+    pub merge_states: CUfunction,
+    pub prefill: Attn,
+    pub decode: Attn,
+}
+
+impl LayerKernels {
+    /// Compile (or take from the cache) the layer's modules; decode's tile is chosen for `q_rows`
+    /// query rows per request (q_len · heads).
+    pub fn load(
+        k: &mut Kernels,
+        gpu: &Gpu,
+        dims: &Dims,
+        q_rows: usize,
+        force_scalar: bool,
+    ) -> Result<LayerKernels> {
+        let m_nr = k.module("norm_rope.cu", dims.defines())?;
+        let m_cw = k.module("cache_write.cu", dims.defines())?;
+        let rmsnorm = m_nr.func("rmsnorm")?;
+        let rope = m_nr.func("rope")?;
+        let cache_write = m_cw.func("cache_write")?;
+        let cache_gather = m_cw.func("cache_gather")?;
+        let copy_heads = m_cw.func("copy_heads")?;
+        let pre = Attn::load(k, gpu, "prefill.cu", dims, &prefill_tiles(), force_scalar)?;
+        let dec = Attn::load(
+            k,
+            gpu,
+            "decode.cu",
+            dims,
+            &decode_tiles(q_rows),
+            force_scalar,
+        )?;
+        let m_pre = k.module("prefill.cu", {
+            let mut d = dims.defines();
+            d.extend(pre.tile.unwrap_or(Tile::SCALAR_ONLY).defines());
+            d
+        })?;
+        let m_dec = k.module("decode.cu", {
+            let mut d = dims.defines();
+            d.extend(dec.tile.unwrap_or(Tile::SCALAR_ONLY).defines());
+            d
+        })?;
+        for m in [&m_pre, &m_dec] {
+            let sz = m.global_i32s("attn_args_size", 1)?[0] as usize;
+            if sz != std::mem::size_of::<AttnArgs>() {
+                return Err(Error::Environment(format!(
+                    "{}: struct AttnArgs is {sz} bytes in the kernel but {} on the host (kernels/attention.cuh and src/backend/cuda/attn.rs disagree)",
+                    m.unit,
+                    std::mem::size_of::<AttnArgs>()
+                )));
+            }
+        }
+        let merge_states = m_pre.func("merge_states")?;
+        Ok(LayerKernels {
+            _modules: vec![m_nr, m_cw, m_pre, m_dec],
+            rmsnorm,
+            rope,
+            cache_write,
+            cache_gather,
+            copy_heads,
+            merge_states,
+            prefill: pre,
+            decode: dec,
+        })
+    }
+
+    /// Which attention kernels run: "prefill: mma (…); decode: scalar".
+    pub fn paths(&self) -> String {
+        let path = |a: &Attn| match a.tile {
+            Some(t) if a.uses_mma() => format!("mma ({})", t.label()),
+            _ => "scalar".to_string(),
+        };
+        format!(
+            "prefill: {}; decode: {}",
+            path(&self.prefill),
+            path(&self.decode)
+        )
+    }
+}

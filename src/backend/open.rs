@@ -1,0 +1,119 @@
+//! The one place backends are made: a kind (or `Auto`) and plain options in, the backend and its facts
+//! out. A new backend is one `Kind` and one line in `Factory::open`.
+
+use super::cpu::CpuMirror;
+use super::cuda::shared::{SharedCuda, SharedGpu};
+use super::{Backend, Dtype};
+use crate::error::Result;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// Which optimized path runs; its name is the report's `run.backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    /// The CPU mirror of the fused path.
+    Cpu,
+    /// The CUDA kernels in kernels/ (needs an NVIDIA GPU and driver).
+    Cuda,
+}
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Cpu => "cpu",
+            Kind::Cuda => "cuda",
+        }
+    }
+}
+
+/// A kind as the user picks it: one of them, or `Auto`, which the factory resolves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Choice {
+    /// The CPU mirror of the fused path.
+    Cpu,
+    /// The CUDA kernels in kernels/ (needs an NVIDIA GPU and driver).
+    Cuda,
+    /// CUDA when a GPU is present, else the CPU mirror.
+    Auto,
+}
+
+impl From<Kind> for Choice {
+    fn from(k: Kind) -> Choice {
+        match k {
+            Kind::Cpu => Choice::Cpu,
+            Kind::Cuda => Choice::Cuda,
+        }
+    }
+}
+
+impl Choice {
+    /// `Auto`: CUDA with a GPU present or an explicit kernel directory (whose errors are then errors),
+    /// else the CPU mirror.
+    pub fn resolve(self, o: &Options) -> Kind {
+        match self {
+            Choice::Cpu => Kind::Cpu,
+            Choice::Cuda => Kind::Cuda,
+            Choice::Auto if o.kernels_dir.is_none() && !super::cuda::device::gpu_present() => {
+                Kind::Cpu
+            }
+            Choice::Auto => Kind::Cuda,
+        }
+    }
+}
+
+/// Plain options every backend is made from (each takes what applies to it).
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Storage precision of weights and activations.
+    pub dtype: Dtype,
+    /// CUDA: read kernels from this directory instead of the embedded copy.
+    pub kernels_dir: Option<PathBuf>,
+}
+
+/// The facts of an opened backend, for the report.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackendInfo {
+    pub kind: Kind,
+    /// `Backend::describe` ("cpu-mirror (bf16, f32 accumulation)", "cuda: NVIDIA H200 (sm_90, …), bf16").
+    pub description: String,
+    /// The GPU's name, if it runs on one.
+    pub gpu: Option<String>,
+}
+
+impl BackendInfo {
+    pub fn of(kind: Kind, b: &dyn Backend) -> BackendInfo {
+        BackendInfo {
+            kind,
+            description: b.describe(),
+            gpu: b.device(),
+        }
+    }
+}
+
+/// Opens backends; GPU state (context, cuBLAS handle, compiled kernels) is made on first use and shared
+/// by every backend this factory opens afterwards (`mla-diff selftest` opens one per case).
+#[derive(Default)]
+pub struct Factory {
+    gpu: SharedGpu,
+}
+
+impl Factory {
+    pub fn new() -> Factory {
+        Factory::default()
+    }
+    pub fn open(&mut self, choice: Choice, o: &Options) -> Result<(Box<dyn Backend>, BackendInfo)> {
+        let kind = choice.resolve(o);
+        let b: Box<dyn Backend> = match kind {
+            Kind::Cpu => Box::new(CpuMirror::new(o.dtype)),
+            Kind::Cuda => Box::new(SharedCuda::open(&mut self.gpu, o)?),
+        };
+        let info = BackendInfo::of(kind, b.as_ref());
+        Ok((b, info))
+    }
+}
+
+/// Open one backend (with its own GPU state).
+pub fn open(choice: Choice, o: &Options) -> Result<(Box<dyn Backend>, BackendInfo)> {
+    Factory::new().open(choice, o)
+}
