@@ -39,58 +39,83 @@ pub enum Stage {
     AttnOut,
 }
 
+/// What the rest of the tool knows about a stage: one row per stage, in `Stage` order, so that a new
+/// stage is one variant and one row here (plus its place in `compare::checks_for`).
+#[derive(Debug, Clone, Copy)]
+pub struct StageInfo {
+    pub stage: Stage,
+    /// The name in traces, reports, `--tol` and `.npy` dumps.
+    pub name: &'static str,
+    /// The terminal table's column name (so that ~16 checks fit in ~120 columns); `--tol` accepts it.
+    pub short: &'static str,
+    /// Axis names, outermost first.
+    pub axes: &'static [&'static str],
+    /// Computed differently for prefill and decode tokens: compared as `[prefill]` and `[decode]` rows.
+    pub phased: bool,
+    /// Distinct storage roundings on the CPU mirror's path to this stage without q-LoRA (q-LoRA adds
+    /// `Q_LORA_ROUNDINGS` to the query side), counted from the mirror's spec: x, attn_norm weight,
+    /// attn_in (3); q adds W_q(b) and q (2), rope 1; the kv branch W_kva, kv, kv norm weight, latent, k_pe
+    /// rope (5); W_UK and q_abs / k_nope (2); P (1); the attention output stores and merge (2); W_UV and
+    /// its output (2); W_o and its output (2). The mirror tests bound its error by `sqrt(n)·u`.
+    pub mirror_roundings: usize,
+    /// Whether the count grows with q-LoRA (the stage depends on the query).
+    pub after_q: bool,
+}
+
+/// q-LoRA's extra roundings on the query side: W_qa, q_a, its norm weight and output.
+pub const Q_LORA_ROUNDINGS: usize = 4;
+
+const TOKEN_HIDDEN: &[&str] = &["token", "hidden"];
+const TOKEN_HEAD_DIM: &[&str] = &["token", "head", "dim"];
+const TOKEN_DIM: &[&str] = &["token", "dim"];
+const DECODE_HEAD_DIM: &[&str] = &["decode_token", "head", "dim"];
+
+/// The stage table, in `Stage` (dataflow) order.
+#[rustfmt::skip]
+pub const STAGES: [StageInfo; 13] = [
+    StageInfo { stage: Stage::AttnIn, name: "attn_in", short: "in", axes: TOKEN_HIDDEN, phased: false, mirror_roundings: 3, after_q: false },
+    StageInfo { stage: Stage::QNope, name: "q_nope", short: "qnope", axes: TOKEN_HEAD_DIM, phased: false, mirror_roundings: 5, after_q: true },
+    StageInfo { stage: Stage::QPe, name: "q_pe", short: "qpe", axes: TOKEN_HEAD_DIM, phased: false, mirror_roundings: 6, after_q: true },
+    StageInfo { stage: Stage::KvLatent, name: "kv_latent", short: "latnt", axes: TOKEN_DIM, phased: false, mirror_roundings: 7, after_q: false },
+    StageInfo { stage: Stage::KPe, name: "k_pe", short: "kpe", axes: TOKEN_DIM, phased: false, mirror_roundings: 6, after_q: false },
+    StageInfo { stage: Stage::CacheRows, name: "cache_rows", short: "cache", axes: TOKEN_DIM, phased: false, mirror_roundings: 7, after_q: false },
+    StageInfo { stage: Stage::QAbsorbed, name: "q_absorbed", short: "qabs", axes: DECODE_HEAD_DIM, phased: false, mirror_roundings: 7, after_q: true },
+    StageInfo { stage: Stage::SplitOut, name: "split_out", short: "splO", axes: &["decode_token", "head", "split", "dim"], phased: false, mirror_roundings: 14, after_q: true },
+    StageInfo { stage: Stage::SplitLse, name: "split_lse", short: "splL", axes: &["decode_token", "head", "split"], phased: false, mirror_roundings: 13, after_q: true },
+    StageInfo { stage: Stage::AttnLatent, name: "attn_latent", short: "attL", axes: DECODE_HEAD_DIM, phased: false, mirror_roundings: 15, after_q: true },
+    StageInfo { stage: Stage::Lse, name: "lse", short: "lse", axes: &["token", "head"], phased: true, mirror_roundings: 13, after_q: true },
+    StageInfo { stage: Stage::AttnHeads, name: "attn_heads", short: "heads", axes: TOKEN_HEAD_DIM, phased: true, mirror_roundings: 18, after_q: true },
+    StageInfo { stage: Stage::AttnOut, name: "attn_out", short: "out", axes: TOKEN_HIDDEN, phased: true, mirror_roundings: 20, after_q: true },
+];
+
 impl Stage {
     /// All stages in dataflow order.
-    pub const ALL: [Stage; 13] = [
-        Stage::AttnIn,
-        Stage::QNope,
-        Stage::QPe,
-        Stage::KvLatent,
-        Stage::KPe,
-        Stage::CacheRows,
-        Stage::QAbsorbed,
-        Stage::SplitOut,
-        Stage::SplitLse,
-        Stage::AttnLatent,
-        Stage::Lse,
-        Stage::AttnHeads,
-        Stage::AttnOut,
-    ];
-    pub fn name(self) -> &'static str {
-        match self {
-            Stage::AttnIn => "attn_in",
-            Stage::QNope => "q_nope",
-            Stage::QPe => "q_pe",
-            Stage::KvLatent => "kv_latent",
-            Stage::KPe => "k_pe",
-            Stage::CacheRows => "cache_rows",
-            Stage::QAbsorbed => "q_absorbed",
-            Stage::SplitOut => "split_out",
-            Stage::SplitLse => "split_lse",
-            Stage::AttnLatent => "attn_latent",
-            Stage::Lse => "lse",
-            Stage::AttnHeads => "attn_heads",
-            Stage::AttnOut => "attn_out",
+    pub const ALL: [Stage; 13] = {
+        let mut all = [Stage::AttnIn; 13];
+        let mut i = 0;
+        while i < STAGES.len() {
+            all[i] = STAGES[i].stage;
+            i += 1;
         }
+        all
+    };
+    /// Its row of the stage table.
+    pub fn info(self) -> &'static StageInfo {
+        &STAGES[self as usize]
+    }
+    pub fn name(self) -> &'static str {
+        self.info().name
     }
     pub fn from_name(s: &str) -> Option<Stage> {
         Stage::ALL.iter().copied().find(|st| st.name() == s)
     }
     /// Axis names, outermost first.
     pub fn axes(self) -> &'static [&'static str] {
-        match self {
-            Stage::AttnIn | Stage::AttnOut => &["token", "hidden"],
-            Stage::QNope | Stage::QPe | Stage::AttnHeads => &["token", "head", "dim"],
-            Stage::KvLatent | Stage::KPe | Stage::CacheRows => &["token", "dim"],
-            Stage::QAbsorbed | Stage::AttnLatent => &["decode_token", "head", "dim"],
-            Stage::SplitOut => &["decode_token", "head", "split", "dim"],
-            Stage::SplitLse => &["decode_token", "head", "split"],
-            Stage::Lse => &["token", "head"],
-        }
+        self.info().axes
     }
     /// Position in dataflow order.
     pub fn order(self) -> usize {
-        Stage::ALL.iter().position(|&s| s == self).unwrap()
+        self as usize
     }
 }
 
@@ -182,5 +207,28 @@ impl LayerTrace {
     }
     pub fn get_mut(&mut self, stage: Stage) -> Option<&mut StageTensor> {
         self.stages.iter_mut().find(|s| s.stage == stage)
+    }
+}
+
+#[cfg(test)]
+mod table_tests {
+    use super::*;
+
+    /// `Stage::info` indexes the table by the variant's value: each row must sit at its own index, and
+    /// names must be unique (they key traces, reports and `--tol`).
+    #[test]
+    fn rows_are_in_variant_order_with_unique_names() {
+        for (i, row) in STAGES.iter().enumerate() {
+            assert_eq!(row.stage as usize, i, "{}", row.name);
+            assert_eq!(Stage::from_name(row.name), Some(row.stage));
+        }
+        let mut names: Vec<&str> = STAGES.iter().flat_map(|r| [r.name, r.short]).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(
+            names.len() + 1,
+            2 * STAGES.len(),
+            "one shared name: lse is its own short name"
+        );
     }
 }

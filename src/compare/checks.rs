@@ -56,27 +56,10 @@ impl Check {
     }
 }
 
-/// Stages whose values are computed differently for prefill and decode tokens.
-pub const PHASED: [Stage; 3] = [Stage::Lse, Stage::AttnHeads, Stage::AttnOut];
-
-/// The terminal table's column name of a stage (so that ~16 checks fit in ~120 columns); `--tol` and
-/// `--tol-file` accept it too, with `.p` / `.d` for the phase, as the table prints it.
+/// The terminal table's column name of a stage (`StageInfo::short`); `--tol` and `--tol-file` accept
+/// it too, with `.p` / `.d` for the phase, as the table prints it.
 pub fn short_name(stage: Stage) -> &'static str {
-    match stage {
-        Stage::AttnIn => "in",
-        Stage::QNope => "qnope",
-        Stage::QPe => "qpe",
-        Stage::KvLatent => "latnt",
-        Stage::KPe => "kpe",
-        Stage::CacheRows => "cache",
-        Stage::QAbsorbed => "qabs",
-        Stage::SplitOut => "splO",
-        Stage::SplitLse => "splL",
-        Stage::AttnLatent => "attL",
-        Stage::Lse => "lse",
-        Stage::AttnHeads => "heads",
-        Stage::AttnOut => "out",
-    }
+    stage.info().short
 }
 
 /// The table's column name of a check: short stage name and `.p` / `.d` for the phase.
@@ -119,9 +102,7 @@ pub fn checks_for(sched: &Schedule) -> Vec<Check> {
         pre(Stage::AttnOut),
         dec(Stage::AttnOut),
     ];
-    debug_assert!(v
-        .iter()
-        .all(|c| c.phase.is_none() != PHASED.contains(&c.stage)));
+    debug_assert!(v.iter().all(|c| c.phase.is_none() != c.stage.info().phased));
     v.retain(|c| !c.rows(sched).is_empty());
     v
 }

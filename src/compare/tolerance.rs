@@ -9,7 +9,7 @@
 //! set of schedules, measures the worst noise per dtype and check, multiplies it by a documented margin
 //! and writes `tolerances.json`, which is compiled in.
 
-use super::checks::{short_name, Check, Phase, PHASED};
+use super::checks::{short_name, Check, Phase};
 use crate::backend::Dtype;
 use crate::error::{Error, Result};
 use crate::trace::Stage;
@@ -220,7 +220,11 @@ fn valid_keys() -> String {
         .iter()
         .map(|&s| format!("{} ({})", s.name(), short_name(s)))
         .collect();
-    let phased: Vec<&str> = PHASED.iter().map(|s| s.name()).collect();
+    let phased: Vec<&str> = Stage::ALL
+        .iter()
+        .filter(|s| s.info().phased)
+        .map(|s| s.name())
+        .collect();
     format!(
         "stages: {}; phases [prefill] / [decode] (or .p / .d) for {} only",
         stages.join(", "),
@@ -251,7 +255,7 @@ impl Override {
             .copied()
             .find(|&st| st.name() == stage || short_name(st) == stage)
             .ok_or_else(|| format!("unknown stage {stage:?}; valid: {}", valid_keys()))?;
-        let phased = PHASED.contains(&stage);
+        let phased = stage.info().phased;
         let checks = match (phased, phase) {
             (false, None) => vec![Check { stage, phase: None }],
             (false, Some(_)) => {

@@ -181,26 +181,16 @@ pub fn unit_roundoff(dt: mla_diff::backend::Dtype) -> f64 {
     }
 }
 
-/// Distinct dtype roundings on the dataflow path of a stage of the mirror (weights and activations),
-/// counted from its spec: x, attn_norm weight, attn_in (3); q-LoRA adds W_qa, q_a, its norm weight and
-/// output (4); q adds W_q(b) and q (2), rope 1; the kv branch W_kva, kv, kv norm weight, latent, k_pe
-/// rope (5); W_UK and q_abs / k_nope (2); P (1); the attention output stores and merge (2); W_UV and
-/// its output (2); W_o and its output (2).
+/// Distinct dtype roundings on the dataflow path of a stage of the mirror: the stage table's count
+/// (`StageInfo::mirror_roundings`, counted from the mirror's spec), plus q-LoRA's on the query side.
 pub fn roundings(stage: Stage, lora: bool) -> usize {
-    let lq = if lora { 4 } else { 0 };
-    match stage {
-        Stage::AttnIn => 3,
-        Stage::QNope => 5 + lq,
-        Stage::QPe => 6 + lq,
-        Stage::KvLatent | Stage::CacheRows => 7,
-        Stage::KPe => 6,
-        Stage::QAbsorbed => 7 + lq,
-        Stage::SplitLse | Stage::Lse => 13 + lq,
-        Stage::SplitOut => 14 + lq,
-        Stage::AttnLatent => 15 + lq,
-        Stage::AttnHeads => 18 + lq,
-        Stage::AttnOut => 20 + lq,
-    }
+    let i = stage.info();
+    i.mirror_roundings
+        + if lora && i.after_q {
+            mla_diff::trace::Q_LORA_ROUNDINGS
+        } else {
+            0
+        }
 }
 
 /// Expected-error bound of a mirror stage against the fp64 reference: `sqrt(n) · u` for `n` roundings.
