@@ -14,6 +14,7 @@ use super::nvrtc::Sources;
 use super::{decode_tiles, prefill_tiles};
 use crate::backend::Dtype;
 use crate::error::Result;
+use crate::model::catalogue::Preset;
 use cudarc::cublas::sys::cublasOperation_t as Op;
 use serde::Serialize;
 use std::fmt::Write;
@@ -119,13 +120,15 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
     let blas = Blas::new()?;
     let mut k = Kernels::new(Sources::load(opts.kernels_dir.as_deref())?, &gpu);
     let dt = Dtype::Bf16;
+    // Decode at DeepSeek-V3's dims; prefill at DeepSeek-V3's and GLM-5's (the model catalogue's rows).
+    let v3 = Preset::DeepseekV3.entry();
     let base = Dims {
         dtype: dt,
-        lkv: 512,
-        r: 64,
-        p: 128,
-        dv: 128,
-        h: 128,
+        lkv: v3.kv_lora,
+        r: v3.qk_rope,
+        p: v3.qk_nope,
+        dv: v3.v_head,
+        h: v3.heads,
         page: 64,
         neox: false,
         debug: false,
@@ -215,7 +218,7 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
     };
 
     if opts.decode {
-        let (bsz, s, page, lkv, r) = (64usize, 4096usize, 64usize, 512usize, 64usize);
+        let (bsz, s, page, lkv, r) = (64usize, 4096usize, 64usize, base.lkv, base.r);
         let row = lkv + r;
         let pages = bsz * s / page;
         let pool = DevBuf::alloc(pages * page * row * 2)?;
@@ -228,7 +231,9 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
             perm.shuffle(&mut rand::rngs::StdRng::seed_from_u64(5));
         }
         let table = DevBuf::upload(&perm)?;
-        let scale_log2 = (1.0 / (192f64).sqrt() * std::f64::consts::LOG2_E) as f32;
+        // The model's softmax scale 1/sqrt(P+R) (without YaRN's mscale: timing does not depend on it).
+        let scale_log2 =
+            (1.0 / ((base.p + base.r) as f64).sqrt() * std::f64::consts::LOG2_E) as f32;
         for &h in &opts.decode_heads {
             let dims = Dims { h, page, ..base };
             let q = DevBuf::alloc(bsz * h * row * 2)?;
@@ -306,7 +311,7 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
                     let t = time_us(5, 50, run)?;
                     rows.push(mk(
                         "decode",
-                        format!("B={bsz} H={h} s_k={s} page={page} d=576/512 bf16"),
+                        format!("B={bsz} H={h} s_k={s} page={page} d={row}/{lkv} bf16"),
                         format!("{}; splits {splits}", tile.label()),
                         t,
                         bytes,
@@ -320,14 +325,15 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
 
     if opts.prefill {
         let t = 4096usize;
-        for (h, p, r, dv) in [(128usize, 128usize, 64usize, 128usize), (64, 192, 64, 256)] {
+        for m in [Preset::DeepseekV3, Preset::Glm5].map(Preset::entry) {
+            let (h, p, r, dv) = (m.heads, m.qk_nope, m.qk_rope, m.v_head);
             let dqk = p + r;
             let dims = Dims {
                 h,
                 p,
                 r,
                 dv,
-                lkv: 512,
+                lkv: m.kv_lora,
                 page: 64,
                 ..base
             };
