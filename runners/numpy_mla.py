@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""numpy_mla: a plain numpy MLA runner for mla-diff (protocol 1, docs/runners.md).
+
+What it runs:
+- decode: absorbed MLA over the paged latent cache, per batch entry: gathers the entry's rows
+  through its block table, scores `[q_nope | q_pe] · [latent | k_pe]ᵀ · softmax_scale` in float32,
+  a max-subtracted softmax, and the weighted sum of the latent rows. It also returns the split-KV
+  partials with vLLM's partition (`split_out`, `split_lse`): the `num_splits` splits of an entry
+  cover keys `[k·⌈L/S⌉, (k+1)·⌈L/S⌉)` of its `L = cache_seqlens[b]` keys, each restricted to the keys
+  its query sees (query `i` of `s_q` sees `L − s_q + i + 1` keys); a split without a visible key
+  has out 0 and lse −inf (the same partition mla-diff's reference uses).
+- prefill: decompressed attention of one chunk: query `i` sees keys `0 .. context_len + i + 1`.
+
+Conventions: float32 arithmetic on the given inputs (BF16/FP16 widened exactly); `attn_latent` and
+`attn_heads` rounded to the run's dtype (meta `dtype`); `lse`, `split_out`, `split_lse` float32;
+natural-log LSE, `token_head` layout. Any dims, dtypes bf16/fp16/f32, any page size, any q_len.
+Only rows holding visible tokens are read, so the NaN-poisoned rest of the cache never matters.
+
+Hook methods (`softmax_scale`, `page_size`, `split_cache_rows`, `lse_out`, `prefill_visible`) are
+what the planted-bug copies in runners/bugs/ override.
+
+Needs: Python 3.8+, numpy (no safetensors: protocol.py reads and writes the files itself).
+"""
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import protocol  # noqa: E402
+
+
+def softmax_rows(s):
+    """Row softmax of float32 scores with -inf for masked keys. Returns (p normalised, lse); a row
+    with no finite score gets p 0 and lse -inf."""
+    m = np.max(s, axis=-1, keepdims=True)
+    empty = ~np.isfinite(m)
+    m = np.where(empty, np.float32(0), m)
+    e = np.exp(s - m)
+    z = np.sum(e, axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(z > 0, e / z, np.float32(0))
+        lse = np.where(empty, -np.inf, m + np.log(z))
+    return p.astype(np.float32), lse[..., 0].astype(np.float32)
+
+
+class NumpyMLA(protocol.NumpyRunner):
+    name = "numpy"
+
+    def describe(self):
+        return {
+            "protocol": protocol.PROTOCOL,
+            "name": self.name,
+            "version": f"numpy {np.__version__} (float32 accumulation), mla-diff runners/numpy_mla.py",
+            "ops": {
+                "decode": {"outputs": ["attn_latent", "lse", "split_out", "split_lse"]},
+                "prefill": {"outputs": ["attn_heads", "lse"]},
+            },
+            "supports": {
+                "dtypes": ["bf16", "fp16", "f32"],
+                "page_sizes": None,
+                "heads": None,
+                "kv_lora_rank": None,
+                "qk_rope": None,
+                "qk_head_dim": None,
+                "v_head_dim": None,
+                "max_q_len": None,
+            },
+            "conventions": {"lse_base": "e", "lse_layout": "token_head"},
+        }
+
+    # -- hooks -----------------------------------------------------------------------------------
+
+    def softmax_scale(self, meta):
+        return float(meta["softmax_scale"])
+
+    def page_size(self, meta, cache):
+        return int(meta.get("page_size") or cache.shape[1])
+
+    def split_cache_rows(self, rows, kv_lora_rank, qk_rope):
+        """Cache rows `[latent | k_pe]` -> (latent, k_pe)."""
+        return rows[:, :kv_lora_rank], rows[:, kv_lora_rank : kv_lora_rank + qk_rope]
+
+    def lse_out(self, lse):
+        """The LSE as returned (natural log)."""
+        return lse
+
+    def prefill_visible(self, n, s, context_len):
+        """[n, S] bool: query i sees keys 0 .. context_len + i + 1."""
+        return np.arange(s)[None, :] < (context_len + np.arange(n) + 1)[:, None]
+
+    # -- ops -------------------------------------------------------------------------------------
+
+    def gather_rows(self, cache, table_row, length, page):
+        """The first `length` token rows of one entry, through its block table."""
+        flat = cache.reshape(-1, cache.shape[-1])
+        t = np.arange(length)
+        idx = table_row[t // page].astype(np.int64) * page + t % page
+        return flat[idx % flat.shape[0]]
+
+    def decode(self, x, meta):
+        q_nope, q_pe, cache = x["q_nope"], x["q_pe"], x["kv_cache"]
+        table, seqlens = x["block_table"], x["cache_seqlens"]
+        b_n, s_q, heads, r = q_nope.shape
+        rope = q_pe.shape[-1]
+        if cache.shape[-1] != r + rope:
+            raise ValueError(f"kv_cache rows are {cache.shape[-1]} wide, expected {r} + {rope}")
+        dtype = meta["dtype"]
+        scale = np.float32(self.softmax_scale(meta))
+        page = self.page_size(meta, cache)
+        n_splits = int(meta.get("num_splits") or 1)
+
+        q = np.concatenate([q_nope, q_pe], axis=-1).astype(np.float32)  # [B, s_q, H, r+rope]
+        out = np.zeros((b_n, s_q, heads, r), np.float32)
+        lse = np.full((b_n, s_q, heads), -np.inf, np.float32)
+        split_out = np.zeros((b_n, s_q, heads, n_splits, r), np.float32)
+        split_lse = np.full((b_n, s_q, heads, n_splits), -np.inf, np.float32)
+        for b in range(b_n):
+            length = int(seqlens[b])
+            rows = self.gather_rows(cache, table[b], length, page).astype(np.float32)
+            latent, k_pe = self.split_cache_rows(rows, r, rope)
+            keys = np.concatenate([latent, k_pe], axis=-1)  # [L, r+rope]
+            # [s_q, H, L]
+            scores = np.matmul(q[b], keys.T) * scale
+            visible = np.arange(length)[None, :] < (length - s_q + np.arange(s_q) + 1)[:, None]
+            scores = np.where(visible[:, None, :], scores, np.float32(-np.inf)).astype(np.float32)
+            p, l = softmax_rows(scores)
+            out[b] = np.matmul(p, latent)
+            lse[b] = l
+            per = -(-length // n_splits) if length else 0
+            for k in range(n_splits):
+                lo, hi = min(k * per, length), min((k + 1) * per, length)
+                if hi <= lo:
+                    continue
+                ps, ls = softmax_rows(scores[:, :, lo:hi])
+                split_out[b, :, :, k] = np.matmul(ps, latent[lo:hi])
+                split_lse[b, :, :, k] = ls
+        return {
+            "attn_latent": protocol.storage(out, dtype),
+            "lse": self.lse_out(lse).astype(np.float32),
+            "split_out": split_out,
+            "split_lse": split_lse,
+        }
+
+    def prefill(self, x, meta):
+        q, k, v = x["q"], x["k"], x["v"]
+        n, heads, _ = q.shape
+        s = k.shape[0]
+        context_len = int(meta.get("context_len", s - n))
+        if context_len + n != s:
+            raise ValueError(f"k has {s} rows, expected context_len {context_len} + {n}")
+        dtype = meta["dtype"]
+        scale = np.float32(self.softmax_scale(meta))
+        qh = np.transpose(q, (1, 0, 2)).astype(np.float32)  # [H, n, D]
+        kh = np.transpose(k, (1, 2, 0)).astype(np.float32)  # [H, D, S]
+        vh = np.transpose(v, (1, 0, 2)).astype(np.float32)  # [H, S, Dv]
+        scores = np.matmul(qh, kh) * scale  # [H, n, S]
+        visible = self.prefill_visible(n, s, context_len)
+        scores = np.where(visible[None], scores, np.float32(-np.inf)).astype(np.float32)
+        p, lse = softmax_rows(scores)
+        out = np.matmul(p, vh)  # [H, n, Dv]
+        return {
+            "attn_heads": protocol.storage(np.transpose(out, (1, 0, 2)), dtype),
+            "lse": self.lse_out(np.ascontiguousarray(lse.T)).astype(np.float32),
+        }
+
+
+if __name__ == "__main__":
+    protocol.main(NumpyMLA)

@@ -1,0 +1,550 @@
+#!/usr/bin/env python3
+"""selfcheck: drives a runner through its real protocol (docs/runners.md) without mla-diff and
+compares what it returns with float64 attention computed from exactly the tensors it was given.
+
+What it runs: `RUNNER --describe`, then one `RUNNER --serve` process fed decode and prefill requests
+built here for a few model shapes:
+  deepseek  128 heads, kv_lora 512 + rope 64 (decode), qk 192 / v 128 (prefill), page 64
+  glm5       64 heads, kv_lora 512 + rope 64 (decode), qk 256 (192+64) / v 256 (prefill), page 64
+  minicpm3    4 heads, kv_lora 256 + rope 32, qk 96 / v 64, page 16
+  tiny        3 heads, kv_lora 16 + rope 8, qk 16 / v 12, page 3, 3 query tokens per decode entry
+Each decode request holds several entries of different lengths (one of length 1), every cache row
+not holding a token of its entry is NaN, pages are shuffled and unused block-table slots point at
+a NaN page; deepseek also has a 2-token (MTP) decode, and each prefill chunk has cached context
+(minicpm3 also one chunk with none). Cases a runner's describe rules out (dtype, page size, dims,
+q_len) are listed as unsupported without being sent, as mla-diff does.
+
+Comparison (the `@runner` check of docs/runners.md): each output, after converting a base-2 LSE
+(`·ln 2`) and a `head_token` layout, against the float64 result on the stored inputs:
+rel-L2 <= 4u and every |d| <= 16u·rms(ref) + 4u·|ref|, u the unit roundoff of the coarser of the
+run's dtype and the dtype returned (bf16 2^-8, fp16 2^-11, f32 2^-18 here, not the protocol's 2^-24:
+see F32_UNIT). −inf entries (empty splits) must match exactly; a NaN fails.
+
+Usage:
+  python3 runners/selfcheck.py --runner 'python3 runners/numpy_mla.py' [--dtypes bf16,fp16,f32]
+        [--cases deepseek,glm5,minicpm3,tiny] [--json FILE] [--keep DIR]
+  python3 runners/selfcheck.py --bugs     # numpy_mla must pass; every runners/bugs/*.py must be
+                                          # caught at the checks its `selfcheck-expect:` line names
+Exit 0 when every check that ran passed (--bugs: when the clean runner passed and every bug was
+caught), 1 otherwise; the last line reads 'N passed, N failed'. Unsupported cases count as neither.
+
+Needs: Python 3.8+, numpy. (The runner under test needs whatever it needs.)
+"""
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import select
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import protocol  # noqa: E402
+
+UNIT = {"bf16": 2.0**-8, "fp16": 2.0**-11, "f32": 2.0**-24}
+ST_UNIT = {"BF16": UNIT["bf16"], "F16": UNIT["fp16"], "F32": UNIT["f32"], "F64": 2.0**-53}
+# The unit used for float32 in the bounds. docs/runners.md says 2^-24, but a kernel that
+# accumulates in float32 cannot meet 4u = 2.4e-7 rel-L2: numpy's own float32 path lands at 1e-7 to
+# 7e-7 rel-L2 and up to 26x the elementwise bound on these shapes (the rounding of 512-576-term dot
+# products, exp and the key sums, none of it in the storage). 2^-18 (64 float32 ulps) leaves that
+# accumulation noise room and is still ~500x below the fp16 bound. --f32-unit sets it.
+F32_UNIT = 2.0**-18
+
+CASES = {
+    # name: dims, decode schedules (page, splits, s_q, seqlens), prefill chunks (n, context_len)
+    "deepseek": dict(
+        heads=128, kv_lora_rank=512, qk_rope=64, qk_nope=128, v_head_dim=128, scale=0.1352337788608801,
+        decode=[dict(page=64, splits=4, s_q=1, seqlens=[1, 70, 200, 129]), dict(page=64, splits=4, s_q=2, seqlens=[65, 130])],
+        prefill=[dict(n=24, context=40)],
+    ),
+    "glm5": dict(
+        heads=64, kv_lora_rank=512, qk_rope=64, qk_nope=192, v_head_dim=256, scale=0.0625,
+        decode=[dict(page=64, splits=3, s_q=1, seqlens=[1, 100, 257])],
+        prefill=[dict(n=16, context=33)],
+    ),
+    "minicpm3": dict(
+        heads=4, kv_lora_rank=256, qk_rope=32, qk_nope=64, v_head_dim=64, scale=0.10206207261596575,
+        decode=[dict(page=16, splits=4, s_q=1, seqlens=[1, 40, 77])],
+        prefill=[dict(n=9, context=0), dict(n=9, context=20)],
+    ),
+    "tiny": dict(
+        heads=3, kv_lora_rank=16, qk_rope=8, qk_nope=8, v_head_dim=12, scale=0.3,
+        decode=[dict(page=3, splits=5, s_q=3, seqlens=[3, 10, 17])],
+        prefill=[dict(n=5, context=7)],
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs
+
+
+def stored(x, dtype):
+    """Round to the storage dtype; returns (value as float64, array to write)."""
+    w = protocol.storage(x, dtype)
+    return protocol.round_to(x, dtype).astype(np.float64), w
+
+
+def make_decode(rng, c, d, dtype):
+    heads, r, rope = c["heads"], c["kv_lora_rank"], c["qk_rope"]
+    page, s_q, seqlens = d["page"], d["s_q"], d["seqlens"]
+    b_n = len(seqlens)
+    # Query spread so that scaled scores have a std of about 2 (peaked, not one-hot).
+    sigma = 2.0 / (c["scale"] * math.sqrt(r + rope))
+    q_nope = rng.standard_normal((b_n, s_q, heads, r)) * sigma
+    q_pe = rng.standard_normal((b_n, s_q, heads, rope)) * sigma
+    pages = [-(-L // page) for L in seqlens]
+    max_pages = max(pages) + 1  # one unused slot at the end of every row
+    pool = sum(pages) + 2  # two spare (NaN) pages
+    perm = rng.permutation(pool)
+    nan_page = int(perm[-1])
+    cache = np.full((pool, page, r + rope), np.nan)
+    table = np.full((b_n, max_pages), nan_page, np.int32)
+    nxt = 0
+    for b, L in enumerate(seqlens):
+        for i in range(pages[b]):
+            phys = int(perm[nxt])
+            nxt += 1
+            table[b, i] = phys
+            rows = min(page, L - i * page)
+            cache[phys, :rows, :r] = rng.standard_normal((rows, r))
+            cache[phys, :rows, r:] = rng.standard_normal((rows, rope))
+            # a few large-magnitude latent channels, as real latents have
+            cache[phys, :rows, :4] *= 8.0
+    qn, qn_w = stored(q_nope, dtype)
+    qp, qp_w = stored(q_pe, dtype)
+    kv, kv_w = stored(cache, dtype)
+    inputs = {
+        "q_nope": qn_w,
+        "q_pe": qp_w,
+        "kv_cache": kv_w,
+        "block_table": table,
+        "cache_seqlens": np.asarray(seqlens, np.int32),
+    }
+    meta = dict(common_meta(c, dtype), page_size=page, num_splits=d["splits"])
+    return inputs, meta, (qn, qp, kv, table, seqlens)
+
+
+def make_prefill(rng, c, p, dtype):
+    heads, nope, rope, dv = c["heads"], c["qk_nope"], c["qk_rope"], c["v_head_dim"]
+    n, ctx = p["n"], p["context"]
+    s = ctx + n
+    sigma = 2.0 / (c["scale"] * math.sqrt(nope + rope))
+    q = rng.standard_normal((n, heads, nope + rope)) * sigma
+    k = np.empty((s, heads, nope + rope))
+    k[:, :, :nope] = rng.standard_normal((s, heads, nope))
+    k[:, :, nope:] = rng.standard_normal((s, 1, rope))  # k_pe shared by the heads
+    v = rng.standard_normal((s, heads, dv))
+    qv, q_w = stored(q, dtype)
+    kv, k_w = stored(k, dtype)
+    vv, v_w = stored(v, dtype)
+    meta = dict(common_meta(c, dtype), context_len=ctx)
+    return {"q": q_w, "k": k_w, "v": v_w}, meta, (qv, kv, vv, ctx)
+
+
+def common_meta(c, dtype):
+    return {
+        "dtype": dtype,
+        "softmax_scale": c["scale"],
+        "heads": c["heads"],
+        "kv_lora_rank": c["kv_lora_rank"],
+        "qk_nope": c["qk_nope"],
+        "qk_rope": c["qk_rope"],
+        "v_head_dim": c["v_head_dim"],
+        "causal": True,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# float64 reference
+
+
+def softmax64(s):
+    m = np.max(s, axis=-1, keepdims=True)
+    empty = ~np.isfinite(m)
+    m = np.where(empty, 0.0, m)
+    e = np.exp(s - m)
+    z = e.sum(-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(z > 0, e / z, 0.0)
+        lse = np.where(empty, -np.inf, m + np.log(z))[..., 0]
+    return p, lse
+
+
+def ref_decode(c, d, data):
+    qn, qp, kv, table, seqlens = data
+    r = c["kv_lora_rank"]
+    page, s_q, ns = d["page"], d["s_q"], d["splits"]
+    b_n, _, heads, _ = qn.shape
+    q = np.concatenate([qn, qp], -1)
+    out = np.zeros((b_n, s_q, heads, r))
+    lse = np.zeros((b_n, s_q, heads))
+    sout = np.zeros((b_n, s_q, heads, ns, r))
+    slse = np.full((b_n, s_q, heads, ns), -np.inf)
+    for b, L in enumerate(seqlens):
+        rows = np.stack([kv[table[b, t // page], t % page] for t in range(L)])
+        assert np.isfinite(rows).all()
+        sc = np.einsum("shd,kd->shk", q[b], rows) * c["scale"]
+        vis = np.arange(L)[None, :] < (L - s_q + np.arange(s_q) + 1)[:, None]
+        sc = np.where(vis[:, None, :], sc, -np.inf)
+        p, l = softmax64(sc)
+        out[b] = p @ rows[:, :r]
+        lse[b] = l
+        per = -(-L // ns)
+        for k in range(ns):
+            lo, hi = min(k * per, L), min((k + 1) * per, L)
+            if hi > lo:
+                ps, ls = softmax64(sc[:, :, lo:hi])
+                sout[b, :, :, k] = ps @ rows[lo:hi, :r]
+                slse[b, :, :, k] = ls
+    return {"attn_latent": out, "lse": lse, "split_out": sout, "split_lse": slse}
+
+
+def ref_prefill(c, data):
+    q, k, v, ctx = data
+    n, s = q.shape[0], k.shape[0]
+    sc = np.einsum("nhd,shd->hns", q, k) * c["scale"]
+    vis = np.arange(s)[None, :] < (ctx + np.arange(n) + 1)[:, None]
+    sc = np.where(vis[None], sc, -np.inf)
+    p, lse = softmax64(sc)
+    out = np.einsum("hns,shd->nhd", p, v)
+    return {"attn_heads": out, "lse": lse.T}
+
+
+# ----------------------------------------------------------------------------------------------
+# comparison
+
+
+def normalise(name, arr, conv, op):
+    if name in ("lse", "split_lse") and conv.get("lse_base") == "2":
+        arr = arr * math.log(2.0)
+    if name == "lse" and conv.get("lse_layout") == "head_token":
+        arr = np.swapaxes(arr, -1, -2)  # decode [B,H,s_q] -> [B,s_q,H]; prefill [H,n] -> [n,H]
+    return arr
+
+
+def compare(name, got, got_dtype, ref, run_dtype):
+    """Returns (ok, text, rel_l2)."""
+    units = dict(UNIT, f32=F32_UNIT)
+    st_units = dict(ST_UNIT, F32=F32_UNIT)
+    u = max(units[run_dtype], st_units.get(got_dtype, UNIT["bf16"]))
+    if got.shape != ref.shape:
+        return False, f"shape {list(got.shape)} != expected {list(ref.shape)}", float("nan")
+    got = got.astype(np.float64)
+    if np.isnan(got).any():
+        return False, f"{int(np.isnan(got).sum())} NaN", float("nan")
+    ninf_ref, ninf_got = np.isneginf(ref), np.isneginf(got)
+    if (ninf_ref != ninf_got).any():
+        return False, f"-inf at {int((ninf_ref != ninf_got).sum())} places where the reference differs", float("nan")
+    fin = ~ninf_ref
+    if not np.isfinite(got[fin]).all():
+        return False, "inf where the reference is finite", float("nan")
+    d = got[fin] - ref[fin]
+    rf = ref[fin]
+    norm = np.linalg.norm(rf)
+    rel = float(np.linalg.norm(d) / norm) if norm > 0 else float(np.linalg.norm(d))
+    rms = float(np.sqrt(np.mean(rf**2))) if rf.size else 0.0
+    bound = 16 * u * rms + 4 * u * np.abs(rf)
+    worst = float(np.max(np.abs(d) / np.maximum(bound, 1e-300))) if d.size else 0.0
+    ok = rel <= 4 * u and worst <= 1.0
+    text = f"rel-L2 {rel:.2e} (<= {4 * u:.1e})  max|d|/bound {worst:.2f}  [{got_dtype}]"
+    return ok, text, rel
+
+
+# ----------------------------------------------------------------------------------------------
+# the runner under test
+
+
+class RunnerProcess:
+    def __init__(self, cmd, workdir, timeout):
+        self.cmd = cmd
+        self.timeout = timeout
+        self.err_path = os.path.join(workdir, "runner.stderr")
+        self.err = open(self.err_path, "w")
+        self.p = subprocess.Popen(cmd + ["--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, bufsize=1)
+        self.next_id = 0
+
+    def stderr_tail(self, n=1):
+        self.err.flush()
+        with open(self.err_path) as f:
+            lines = [x for x in f.read().splitlines() if x.strip()]
+        return "\n".join(lines[-n:])
+
+    def request(self, op, inp, out, meta):
+        self.next_id += 1
+        rid = self.next_id
+        req = {"id": rid, "op": op, "layer": 0, "input": inp, "output": out, "meta": meta}
+        try:
+            self.p.stdin.write(json.dumps(req) + "\n")
+            self.p.stdin.flush()
+        except BrokenPipeError:
+            pass
+        deadline = time.time() + self.timeout
+        while True:
+            left = deadline - time.time()
+            if left <= 0:
+                return {"status": "error", "message": f"no reply in {self.timeout} s"}
+            ready, _, _ = select.select([self.p.stdout], [], [], left)
+            if ready:
+                line = self.p.stdout.readline()
+                if not line:
+                    rc = self.p.wait()
+                    if rc == 3:
+                        return {"status": "unsupported", "reason": f"exit 3: {self.stderr_tail()}", "dead": True}
+                    return {"status": "error", "message": f"runner exited {rc}: {self.stderr_tail(5)}", "dead": True}
+                try:
+                    rep = json.loads(line)
+                except json.JSONDecodeError:
+                    return {"status": "error", "message": f"stdout line is not JSON: {line[:200]!r}"}
+                if rep.get("id") != rid:
+                    return {"status": "error", "message": f"reply id {rep.get('id')} != request id {rid}"}
+                return rep
+
+    def close(self):
+        try:
+            self.p.stdin.close()
+        except Exception:
+            pass
+        try:
+            rc = self.p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            rc = self.p.wait()
+        self.err.close()
+        return rc
+
+
+def describe(cmd, timeout):
+    p = subprocess.run(cmd + ["--describe"], capture_output=True, text=True, timeout=timeout)
+    if p.returncode == 3:
+        lines = [x for x in p.stderr.splitlines() if x.strip()]
+        return None, "unsupported: " + (lines[-1] if lines else "(no reason)")
+    if p.returncode != 0:
+        return None, f"error: --describe exited {p.returncode}: {p.stderr.strip()[-2000:]}"
+    try:
+        return json.loads(p.stdout), None
+    except json.JSONDecodeError:
+        return None, f"error: --describe printed no JSON: {p.stdout[:300]!r}"
+
+
+def describe_refuses(desc, op, c, dtype, sched):
+    """The supports key that rules this case out, as mla-diff would report it, or None."""
+    if op not in desc.get("ops", {}):
+        return f"op {op} not implemented"
+    sup = desc.get("supports", {})
+    want = {
+        "dtypes": dtype,
+        "heads": c["heads"],
+        "kv_lora_rank": c["kv_lora_rank"],
+        "qk_rope": c["qk_rope"],
+    }
+    if op == "decode":
+        want["page_sizes"] = sched["page"]
+    else:
+        want["qk_head_dim"] = c["qk_nope"] + c["qk_rope"]
+        want["v_head_dim"] = c["v_head_dim"]
+    for key, val in want.items():
+        allowed = sup.get(key)
+        if allowed is not None and val not in allowed:
+            return f"describe: {key} {val} not in {allowed}"
+    if op == "decode" and sup.get("max_q_len") is not None and sched["s_q"] > sup["max_q_len"]:
+        return f"describe: q_len {sched['s_q']} > max_q_len {sup['max_q_len']}"
+    return None
+
+
+def check_runner(cmd, cases, dtypes, workdir, timeout=600, seed=0, verbose=True, out=sys.stdout):
+    """Run every case through one runner. Returns a list of result dicts."""
+    results = []
+
+    def emit(res):
+        results.append(res)
+        if verbose:
+            head = f"{res['case']:<9} {res['dtype']:<5} {res['op']:<7} {res['sched']:<28}"
+            if res["status"] != "checked":
+                print(f"  {head} {res['status'].upper()}: {res.get('reason', '')}", file=out)
+            else:
+                for name, (ok, text, _) in res["outputs"].items():
+                    print(f"  {head} {name:<12} {'ok  ' if ok else 'FAIL'} {text}", file=out)
+            out.flush()
+
+    desc, problem = describe(cmd, timeout)
+    if desc is None:
+        print(f"  describe: {problem}", file=out)
+        status = "unsupported" if problem.startswith("unsupported") else "error"
+        results.append({"case": "*", "dtype": "*", "op": "*", "sched": "", "status": status, "reason": problem})
+        return results, None
+    conv = desc.get("conventions", {})
+    print(f"  describe: {desc.get('name')} | {desc.get('version')} | ops {sorted(desc.get('ops', {}))} | {conv}", file=out)
+    proc = RunnerProcess(cmd, workdir, timeout)
+    dead = None
+    rng = np.random.default_rng(seed)
+    n = 0
+    for cname in cases:
+        c = CASES[cname]
+        for dtype in dtypes:
+            jobs = [("decode", d) for d in c["decode"]] + [("prefill", p) for p in c["prefill"]]
+            for op, sched in jobs:
+                if op == "decode":
+                    label = f"s_q {sched['s_q']} page {sched['page']} L {sched['seqlens']}"
+                else:
+                    label = f"n {sched['n']} context {sched['context']}"
+                res = {"case": cname, "dtype": dtype, "op": op, "sched": label}
+                refusal = describe_refuses(desc, op, c, dtype, sched)
+                if refusal:
+                    emit(dict(res, status="unsupported", reason=refusal))
+                    continue
+                if dead:
+                    emit(dict(res, status=dead["status"], reason=dead.get("reason") or dead.get("message")))
+                    continue
+                if op == "decode":
+                    inputs, meta, data = make_decode(rng, c, sched, dtype)
+                    ref = ref_decode(c, sched, data)
+                else:
+                    inputs, meta, data = make_prefill(rng, c, sched, dtype)
+                    ref = ref_prefill(c, data)
+                n += 1
+                inp = os.path.join(workdir, f"{n}.in.safetensors")
+                outp = os.path.join(workdir, f"{n}.out.safetensors")
+                protocol.write_numpy(inp, inputs)
+                t0 = time.time()
+                rep = proc.request(op, inp, outp, meta)
+                dt = time.time() - t0
+                if rep.get("dead"):
+                    dead = rep
+                if rep.get("status") != "ok":
+                    emit(dict(res, status=rep.get("status", "error"), reason=rep.get("reason") or rep.get("message")))
+                    continue
+                got, got_dt, gmeta = protocol.read_numpy(outp)
+                outs = {}
+                for name in desc["ops"][op]["outputs"]:
+                    if name not in got:
+                        outs[name] = (False, "missing from the output file", float("nan"))
+                        continue
+                    arr = normalise(name, got[name], conv, op)
+                    outs[name] = compare(name, arr, got_dt[name], ref[name], dtype)
+                if gmeta.get("mla_diff_protocol") != "1":
+                    outs["__metadata__"] = (False, f"output __metadata__ {gmeta!r} lacks mla_diff_protocol 1", float("nan"))
+                emit(dict(res, status="checked", outputs=outs, seconds=round(dt, 3)))
+    rc = proc.close()
+    if rc not in (0, None) and not dead:
+        print(f"  runner exited {rc} after stdin closed: {proc.stderr_tail(3)}", file=out)
+        results.append({"case": "*", "dtype": "*", "op": "*", "sched": "", "status": "error", "reason": f"exit {rc} at close"})
+    return results, desc
+
+
+def tally(results):
+    passed = failed = unsupported = 0
+    failing = set()
+    for r in results:
+        if r["status"] == "checked":
+            for name, (ok, _, _) in r["outputs"].items():
+                if ok:
+                    passed += 1
+                else:
+                    failed += 1
+                    failing.add(f"{r['op']}.{name}")
+        elif r["status"] == "unsupported":
+            unsupported += 1
+        else:
+            failed += 1
+            failing.add(f"{r['op']}.<{r['status']}>")
+    return passed, failed, unsupported, failing
+
+
+def jsonable(results):
+    out = []
+    for r in results:
+        r = dict(r)
+        if "outputs" in r:
+            r["outputs"] = {k: {"ok": ok, "text": t, "rel_l2": (None if rel != rel else rel)} for k, (ok, t, rel) in r["outputs"].items()}
+        out.append(r)
+    return out
+
+
+def bug_expectations(path):
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"#\s*selfcheck-expect:\s*(.+)", line)
+            if m:
+                return set(m.group(1).split())
+    raise SystemExit(f"{path}: no '# selfcheck-expect:' line")
+
+
+def main():
+    global F32_UNIT
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runner", action="append", default=[], help="runner command (repeatable), e.g. 'python3 runners/numpy_mla.py'")
+    ap.add_argument("--bugs", action="store_true", help="check numpy_mla passes and every runners/bugs/*.py is caught")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma list of " + ",".join(CASES))
+    ap.add_argument("--dtypes", default="bf16,fp16,f32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per request")
+    ap.add_argument("--f32-unit", type=float, default=F32_UNIT, help="unit roundoff used for float32 in the bounds (default 2^-18; the protocol's strict value is 2^-24 = 5.96e-8)")
+    ap.add_argument("--json", help="write every result to this file")
+    ap.add_argument("--keep", help="keep the request files in this directory")
+    args = ap.parse_args()
+    F32_UNIT = args.f32_unit
+    cases = [c for c in args.cases.split(",") if c]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    for c in cases:
+        if c not in CASES:
+            ap.error(f"unknown case {c}")
+    for d in dtypes:
+        if d not in UNIT:
+            ap.error(f"unknown dtype {d}")
+    py = shlex.quote(sys.executable)
+    plan = [(r, None) for r in args.runner]
+    if args.bugs:
+        plan.append((f"{py} {shlex.quote(os.path.join(HERE, 'numpy_mla.py'))}", None))
+        for b in sorted(glob.glob(os.path.join(HERE, "bugs", "*.py"))):
+            if os.path.basename(b).startswith("_"):
+                continue
+            plan.append((f"{py} {shlex.quote(b)}", bug_expectations(b)))
+    if not plan:
+        ap.error("give --runner CMD or --bugs")
+
+    all_json = []
+    good = bad = 0
+    for cmd, expect in plan:
+        print(f"== {cmd}" + (f"   (planted bug; must be caught at {' '.join(sorted(expect))})" if expect else ""))
+        sys.stdout.flush()
+        work = args.keep or tempfile.mkdtemp(prefix="mla-diff-selfcheck-")
+        os.makedirs(work, exist_ok=True)
+        try:
+            results, desc = check_runner(shlex.split(cmd), cases, dtypes, work, timeout=args.timeout, seed=args.seed)
+        finally:
+            if not args.keep:
+                shutil.rmtree(work, ignore_errors=True)
+        passed, failed, unsupported, failing = tally(results)
+        if expect is None and passed == 0 and failed == 0:
+            ok, verdict = None, "UNSUPPORTED"
+        elif expect is None:
+            ok = failed == 0
+            verdict = "PASS" if ok else "FAIL"
+        else:
+            missed = expect - failing
+            ok = not missed and not any(f.endswith(">") for f in failing)
+            verdict = "CAUGHT" if ok else f"NOT CAUGHT at {' '.join(sorted(missed)) or '(runner errors)'}"
+        print(f"   {verdict}: {passed} checks passed, {failed} failed, {unsupported} cases unsupported" + (f"; failing: {' '.join(sorted(failing))}" if failing else ""))
+        good += ok is True
+        bad += ok is False
+        all_json.append({"runner": cmd, "describe": desc, "expect_caught": sorted(expect) if expect else None, "verdict": verdict, "ok": ok, "results": jsonable(results)})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(all_json, f, indent=1)
+    print(f"{good} passed, {bad} failed")
+    sys.exit(0 if bad == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()
