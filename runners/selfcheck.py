@@ -471,6 +471,70 @@ def jsonable(results):
     return out
 
 
+def codec_check(workdir):
+    """protocol.py's own safetensors codec against the safetensors package (numpy; torch for BF16
+    when torch is importable) and bfloat16 round-to-nearest-even on known bit patterns. Returns a
+    list of failure texts."""
+    fails = []
+    # 1, 1+2^-8 (tie -> even 0x3F80), 1+3*2^-8 (tie -> even 0x3F82), 1+2^-8+2^-20 (above the tie),
+    # -2.5, the largest float32 (rounds to inf), a NaN (stays a quiet NaN)
+    vals = np.array([1.0, 1.00390625, 1.01171875, 1.0 + 2**-8 + 2**-20, -2.5, 3.4028235e38, np.nan], np.float32)
+    want = [0x3F80, 0x3F80, 0x3F82, 0x3F81, 0xC020, 0x7F80, 0x7FC0]
+    got = [int(x) for x in protocol.to_bf16_bits(vals)]
+    if got != want:
+        fails.append(f"bf16 rounding: {[hex(g) for g in got]} != {[hex(w) for w in want]}")
+    rng = np.random.default_rng(1)
+    arrays = {
+        "f32": rng.standard_normal((3, 5)).astype(np.float32),
+        "f16": rng.standard_normal((4,)).astype(np.float16),
+        "i32": rng.integers(-9, 9, (2, 3)).astype(np.int32),
+        "f64": rng.standard_normal((2, 2)),
+    }
+    bf = rng.standard_normal((6, 7)).astype(np.float32)
+    path = os.path.join(workdir, "codec.safetensors")
+    protocol.write_numpy(path, dict(arrays, bf=protocol.BF16(bf)))
+    back, dts, meta = protocol.read_numpy(path)
+    if meta != protocol.METADATA:
+        fails.append(f"metadata read back as {meta}")
+    for k, a in arrays.items():
+        if back[k].dtype != a.dtype or not np.array_equal(back[k], a):
+            fails.append(f"own codec round trip of {k}")
+    if dts["bf"] != "BF16" or not np.array_equal(back["bf"], protocol.round_to(bf, "bf16")):
+        fails.append("own codec round trip of bf16")
+    try:
+        from safetensors.numpy import load_file, save_file
+    except ImportError:
+        fails.append("safetensors is not installed (pip install safetensors)")
+    else:
+        p2 = os.path.join(workdir, "codec-np.safetensors")
+        save_file(arrays, p2, metadata=protocol.METADATA)
+        theirs, _, meta2 = protocol.read_numpy(p2)
+        p4 = os.path.join(workdir, "codec-nobf.safetensors")  # safetensors.numpy cannot open a file with BF16
+        protocol.write_numpy(p4, arrays)
+        mine_by_them = load_file(p4)
+        for k, a in arrays.items():
+            if not np.array_equal(theirs[k], a):
+                fails.append(f"reading safetensors.numpy's {k}")
+            if not np.array_equal(mine_by_them[k], a):
+                fails.append(f"safetensors.numpy reading our {k}")
+        if meta2 != protocol.METADATA:
+            fails.append("metadata of safetensors.numpy's file")
+    try:
+        import torch
+        from safetensors.torch import load_file as tload, save_file as tsave
+    except ImportError:
+        pass  # the BF16 cross-check needs torch; CI has none
+    else:
+        t = tload(path)
+        if t["bf"].dtype != torch.bfloat16 or not np.array_equal(t["bf"].float().numpy(), protocol.round_to(bf, "bf16")):
+            fails.append("safetensors.torch reading our bf16")
+        p3 = os.path.join(workdir, "codec-t.safetensors")
+        tsave({"bf": torch.from_numpy(bf).bfloat16()}, p3, metadata=protocol.METADATA)
+        if not np.array_equal(protocol.read_numpy(p3)[0]["bf"], torch.from_numpy(bf).bfloat16().float().numpy()):
+            fails.append("reading safetensors.torch's bf16")
+    return fails
+
+
 def bug_expectations(path):
     with open(path) as f:
         for line in f:
@@ -515,6 +579,15 @@ def main():
 
     all_json = []
     good = bad = 0
+    if args.bugs:
+        work = tempfile.mkdtemp(prefix="mla-diff-codec-")
+        try:
+            fails = codec_check(work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print("== protocol.py codec (bf16 rounding, safetensors round trips): " + ("ok" if not fails else "FAIL: " + "; ".join(fails)))
+        good += not fails
+        bad += bool(fails)
     for cmd, expect in plan:
         print(f"== {cmd}" + (f"   (planted bug; must be caught at {' '.join(sorted(expect))})" if expect else ""))
         sys.stdout.flush()
