@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""flashmla: FlashMLA's dense bf16/fp16 MLA decode as a mla-diff runner (protocol 1, docs/runners.md).
+
+What it runs: `flash_mla.flash_mla_with_kvcache` on the paged latent cache, as vLLM and SGLang call
+it: q = [q_nope | q_pe] `[B, s_q, H, 576]`, the cache viewed `[pages, 64, 1, 576]`, the block table
+and cache_seqlens as given, head_dim_v 512, `softmax_scale` = meta softmax_scale (**always passed**:
+FlashMLA's default, q.shape[-1]^-0.5 = 576^-0.5, is wrong for every MLA model) and `causal=True`
+when s_q > 1 (MTP: query i sees cache_seqlens - s_q + i + 1 keys, the protocol's rule).
+
+Interfaces handled (detected with inspect.signature, not by version numbers):
+- `get_mla_metadata`: the old one, `get_mla_metadata(cache_seqlens, s_q*h_q//h_kv, h_kv)` ->
+  (tile_scheduler_metadata, num_splits), both passed on; or the new one (FlashMLA 2026-01, PR #150;
+  sgl-flash-mla 1.0.0), no arguments -> (FlashMLASchedMeta, None), num_splits must be None. A fresh
+  metadata object per request: it may only be reused while shapes and seqlens stay the same.
+- `use_legacy=True` where flash_mla_with_kvcache takes it (sgl-flash-mla 1.0.0, whose dense decode
+  lives only in the legacy SM90 extension; `flash_mla.has_legacy()` must be true).
+
+Conventions: outputs `attn_latent` [B, s_q, H, 512] in the input dtype, `lse` FlashMLA's
+[B, H, s_q] float32 natural log (`lse_layout: head_token`). No split partials (FlashMLA's split
+schedule is its own). Supports bf16/fp16, page size 64, kv_lora_rank 512 + rope 64 (the dense kernel's
+only shape), any head count, any q_len. Unsupported (exit 3 at start) without an SM90 GPU or
+without an importable flash_mla; a request with another page size, dims or dtype gets "unsupported".
+
+Needs: an SM90 GPU (H100/H200/H800), torch, safetensors, and flash_mla: `sgl-flash-mla` 1.0.0
+(runners/fetch_peers.sh packs its wheel's contents into .carry/peers/sgl_flash_mla.tar.xz; unpack
+it onto PYTHONPATH), vLLM's vendored copy, or a FlashMLA build with the dense kernel.
+"""
+
+import inspect
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import protocol  # noqa: E402
+
+PAGE = 64
+KV_LORA, ROPE = 512, 64
+
+
+class FlashMLA(protocol.TorchRunner):
+    def environment_problem(self):
+        try:
+            import torch
+            import safetensors.torch  # noqa: F401
+        except ImportError as e:
+            return f"flashmla needs torch and safetensors: {e}"
+        if not torch.cuda.is_available():
+            return "FlashMLA's dense decode needs an SM90 GPU; torch.cuda.is_available() is False"
+        self.device = torch.device("cuda")
+        cap = torch.cuda.get_device_capability(self.device)
+        if cap != (9, 0):
+            return f"FlashMLA's dense decode needs an SM90 GPU (H100/H200/H800); this one is sm_{cap[0]}{cap[1]} ({torch.cuda.get_device_name(self.device)})"
+        try:
+            import flash_mla
+        except Exception as e:  # noqa: BLE001
+            return (
+                f"cannot import flash_mla ({type(e).__name__}: {e}); pip install sgl-flash-mla, or unpack "
+                ".carry/peers/sgl_flash_mla.tar.xz (runners/fetch_peers.sh) onto PYTHONPATH"
+            )
+        self.fm = flash_mla
+        params = inspect.signature(flash_mla.get_mla_metadata).parameters.values()
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.new_metadata = not positional  # new: get_mla_metadata(*args, **kwargs) -> (meta, None)
+        self.legacy_kw = {}
+        if "use_legacy" in inspect.signature(flash_mla.flash_mla_with_kvcache).parameters:
+            self.legacy_kw["use_legacy"] = True
+            has_legacy = getattr(flash_mla, "has_legacy", None)
+            if callable(has_legacy) and not has_legacy():
+                reason = getattr(getattr(flash_mla, "_loader", None), "_LEGACY_UNAVAILABLE", None)
+                return f"this flash_mla has no legacy (SM90 dense) extension: {reason or 'has_legacy() is False'}"
+        return None
+
+    def describe(self):
+        import torch
+
+        v = getattr(self.fm, "__version__", None)
+        dist = "flash_mla"
+        try:
+            from importlib.metadata import PackageNotFoundError, version
+
+            for name in ("sgl-flash-mla", "flash-mla", "flash_mla"):
+                try:
+                    dist, v = name, version(name)
+                    break
+                except PackageNotFoundError:
+                    continue
+        except ImportError:
+            pass
+        iface = ("get_mla_metadata() -> (FlashMLASchedMeta, None)" if self.new_metadata else "get_mla_metadata(seqlens, s_q*h_q, 1) -> (meta, num_splits)")
+        legacy = ", use_legacy=True (SM90 dense)" if self.legacy_kw else ""
+        return {
+            "protocol": protocol.PROTOCOL,
+            "name": "flashmla",
+            "version": (
+                f"{dist} {v or '?'} ({os.path.dirname(self.fm.__file__)}): flash_mla_with_kvcache{legacy}, {iface}; "
+                f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(self.device)}"
+            ),
+            "ops": {"decode": {"outputs": ["attn_latent", "lse"]}},
+            "supports": {
+                "dtypes": ["bf16", "fp16"],
+                "page_sizes": [PAGE],
+                "heads": None,
+                "kv_lora_rank": [KV_LORA],
+                "qk_rope": [ROPE],
+                "qk_head_dim": None,
+                "v_head_dim": None,
+                "max_q_len": None,
+            },
+            "conventions": {"lse_base": "e", "lse_layout": "head_token"},
+        }
+
+    def decode(self, x, meta):
+        import torch
+
+        q_nope, q_pe, cache = x["q_nope"], x["q_pe"], x["kv_cache"]
+        b_n, s_q, heads, lkv = q_nope.shape
+        rope = q_pe.shape[-1]
+        page = int(meta.get("page_size") or cache.shape[1])
+        if page != PAGE or cache.shape[1] != PAGE:
+            raise protocol.Unsupported(f"page size {page}: FlashMLA's dense decode takes page 64 only")
+        if (lkv, rope) != (KV_LORA, ROPE):
+            raise protocol.Unsupported(f"latent {lkv} + rope {rope}: FlashMLA's dense decode takes 512 + 64 only")
+        if q_nope.dtype not in (torch.bfloat16, torch.float16):
+            raise protocol.Unsupported(f"dtype {q_nope.dtype}: FlashMLA's dense decode takes bf16/fp16")
+        scale = float(meta["softmax_scale"])
+        with torch.no_grad():
+            q = torch.cat([q_nope, q_pe], dim=-1).contiguous()  # [B, s_q, H, 576]
+            k_cache = cache.unsqueeze(2)  # [pages, 64, 1, 576]
+            table = x["block_table"].to(torch.int32).contiguous()
+            seqlens = x["cache_seqlens"].to(torch.int32).contiguous()
+            h_kv = 1
+            if self.new_metadata:
+                sched, splits = self.fm.get_mla_metadata()
+            else:
+                sched, splits = self.fm.get_mla_metadata(seqlens, s_q * heads // h_kv, h_kv)
+            out, lse = self.fm.flash_mla_with_kvcache(
+                q, k_cache, table, seqlens, KV_LORA, sched, splits,
+                softmax_scale=scale, causal=s_q > 1, **self.legacy_kw,
+            )
+            torch.cuda.synchronize(self.device)
+        return {"attn_latent": out.contiguous(), "lse": lse.float().contiguous()}  # lse [B, H, s_q]
+
+
+if __name__ == "__main__":
+    protocol.main(FlashMLA)
