@@ -184,11 +184,28 @@ impl StageTensor {
     }
 }
 
+/// A stage an external runner produced (`crate::backend::runner`), next to fp64 attention computed
+/// from exactly the tensors the runner was given: compared as `CHECK@runner`, it isolates the error
+/// the runner's kernel itself introduces from the rounding upstream of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AtRunner {
+    /// The end-to-end check it belongs to (`attn_latent`, `lse[decode]`, …).
+    pub check: String,
+    pub reference: StageTensor,
+    pub optimized: StageTensor,
+    /// Derived from the storage precision (`runner::local::tolerance`).
+    pub tolerance: crate::compare::Tolerance,
+    /// The dtype the runner returned this output in.
+    pub out_dtype: &'static str,
+}
+
 /// All stage tensors of one layer, in dataflow order.
 #[derive(Debug, Clone, Default)]
 pub struct LayerTrace {
     pub layer: usize,
     pub stages: Vec<StageTensor>,
+    /// The stages an external runner produced, with their yardstick; empty for other backends.
+    pub at_runner: Vec<AtRunner>,
 }
 
 impl LayerTrace {
@@ -196,6 +213,7 @@ impl LayerTrace {
         LayerTrace {
             layer,
             stages: Vec::new(),
+            at_runner: Vec::new(),
         }
     }
     pub fn push(&mut self, t: StageTensor) {

@@ -17,6 +17,7 @@ pub mod common;
 pub mod cpu;
 pub mod cuda;
 pub mod open;
+pub mod runner;
 
 pub use open::{open, BackendInfo, Choice, Factory, Kind, Options};
 

@@ -2,6 +2,7 @@
 //! out. A new backend is one `Kind` and one line in `Factory::open`.
 
 use super::cpu::CpuMirror;
+use super::runner::RunnerBackend;
 use super::cuda::shared::{SharedCuda, SharedGpu};
 use super::{Backend, Dtype};
 use crate::error::Result;
@@ -69,6 +70,9 @@ pub struct Options {
     pub dtype: Dtype,
     /// CUDA: read kernels from this directory instead of the embedded copy.
     pub kernels_dir: Option<PathBuf>,
+    /// An external runner command (docs/runners.md) over the chosen backend: its ops replace the
+    /// backend's stages.
+    pub runner: Option<String>,
 }
 
 /// The facts of an opened backend, for the report.
@@ -104,10 +108,13 @@ impl Factory {
     }
     pub fn open(&mut self, choice: Choice, o: &Options) -> Result<(Box<dyn Backend>, BackendInfo)> {
         let kind = choice.resolve(o);
-        let b: Box<dyn Backend> = match kind {
+        let mut b: Box<dyn Backend> = match kind {
             Kind::Cpu => Box::new(CpuMirror::new(o.dtype)),
             Kind::Cuda => Box::new(SharedCuda::open(&mut self.gpu, o)?),
         };
+        if let Some(cmd) = &o.runner {
+            b = Box::new(RunnerBackend::open(cmd, b, o.dtype)?);
+        }
         let info = BackendInfo::of(kind, b.as_ref());
         Ok((b, info))
     }

@@ -130,6 +130,11 @@ pub struct Args {
     /// Directory of edited kernels (.cu) to compile at run time instead of the built-in ones.
     #[arg(long)]
     kernels: Option<PathBuf>,
+    /// An external kernel to check (docs/runners.md): `CMD ARGS…` of a runner speaking mla-diff's
+    /// protocol, e.g. 'python3 runners/flashmla.py'. Its ops (decode, prefill) replace the --backend's
+    /// stages; each of its stages is also checked against fp64 from its own inputs (`STAGE@runner`).
+    #[arg(long, value_name = "CMD")]
+    runner: Option<String>,
     /// Plant a bug from the catalogue in the optimized path, repeatable: NAME (every layer) or
     /// NAME@layer=L. `mla-diff selftest --list` shows the catalogue.
     #[arg(long = "inject", value_name = "NAME[@layer=L]")]
@@ -265,6 +270,7 @@ pub fn exec(a: Args) -> Result<i32, Error> {
         &mla_diff::backend::Options {
             dtype: a.dtype,
             kernels_dir: a.kernels.clone(),
+            runner: a.runner.clone(),
         },
     )?;
     let started = std::time::Instant::now();

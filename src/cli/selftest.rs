@@ -59,6 +59,7 @@ pub fn exec(a: Args) -> Result<i32, Error> {
         let o = mla_diff::backend::Options {
             dtype,
             kernels_dir: None,
+            runner: None,
         };
         backends.open(Choice::from(a.backend), &o)
     };

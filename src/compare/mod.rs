@@ -291,6 +291,9 @@ pub fn compare_check(
     })
 }
 
+/// The suffix of a runner's own-error check (`attn_latent@runner`).
+pub const AT_RUNNER: &str = "@runner";
+
 /// Compare every check of a layer. A check whose stage the backend does not provide is listed as not
 /// provided; a stage it claims but left out of its trace (or one missing from the reference) is an error.
 pub fn compare_layer(
@@ -322,6 +325,12 @@ pub fn compare_layer(
             .get(check.stage)
             .ok_or_else(|| missing("optimized backend, which claims to provide it,"))?;
         out.push(compare_check(ctx, check, r, o, tols.get(dtype, &check)?)?);
+        // A runner's stage, against fp64 from the runner's own inputs: its kernel's error alone.
+        if let Some(a) = optimized.at_runner.iter().find(|a| a.check == check.name()) {
+            let mut c = compare_check(ctx, check, &a.reference, &a.optimized, a.tolerance)?;
+            c.check = format!("{}{AT_RUNNER}", check.name());
+            out.push(c);
+        }
     }
     let first_failure = out.iter().find(|c| !c.pass).map(|c| c.check.clone());
     Ok(LayerResult {

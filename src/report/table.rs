@@ -6,6 +6,9 @@ use std::fmt::Write;
 
 /// Short column headers, so that all checks fit in ~120 columns (`--tol` accepts them too).
 fn short(check: &str) -> String {
+    if let Some(base) = check.strip_suffix(crate::compare::AT_RUNNER) {
+        return format!("{}@r", short(base));
+    }
     crate::compare::Check::parse(check)
         .map(|c| crate::compare::checks::short_check_name(&c))
         .unwrap_or_else(|| check.to_string())

@@ -22,5 +22,6 @@ mod reference_ab;
 mod rope;
 mod run_options;
 mod run_report;
+mod runners;
 mod schedule_invariance;
 mod selftest;

@@ -1,0 +1,57 @@
+//! fp64 attention from exactly the tensors a runner was given: the yardstick of the `@runner` checks,
+//! where upstream rounding cancels and only the runner's own error is left.
+
+use crate::compare::Tolerance;
+
+/// One query's fp64 attention over `keys` (`score(j)` already scaled, `value(j)` its value row).
+/// No key: out 0, lse −inf.
+pub fn attend<'a>(
+    keys: std::ops::Range<usize>,
+    dim: usize,
+    score: impl Fn(usize) -> f64,
+    value: impl Fn(usize) -> &'a [f64],
+) -> (Vec<f64>, f64) {
+    let mut out = vec![0.0; dim];
+    if keys.is_empty() {
+        return (out, f64::NEG_INFINITY);
+    }
+    let s: Vec<f64> = keys.clone().map(&score).collect();
+    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let mut l = 0.0;
+    for (j, &sj) in keys.zip(&s) {
+        let p = (sj - m).exp();
+        l += p;
+        for (o, &v) in out.iter_mut().zip(value(j)) {
+            *o += p * v;
+        }
+    }
+    out.iter_mut().for_each(|o| *o /= l);
+    (out, m + l.ln())
+}
+
+pub fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Unit roundoff of a storage type by name.
+fn unit(dtype: &str) -> f64 {
+    match dtype {
+        "bf16" => 2f64.powi(-8),
+        "fp16" => 2f64.powi(-11),
+        "f32" => 2f64.powi(-24),
+        _ => 2f64.powi(-53),
+    }
+}
+
+/// The bound of an `@runner` check: the coarser of the run's storage type and the type the runner
+/// returned, and for f32 the accumulation over `terms` products (`√terms · 2⁻²⁴`): rel-L2 ≤ 4u,
+/// elementwise `|d| ≤ 16u·rms + 4u·|ref|`.
+pub fn tolerance(run_dtype: &str, out_dtype: &str, terms: usize) -> Tolerance {
+    let acc = (terms.max(1) as f64).sqrt() * 2f64.powi(-24);
+    let u = unit(run_dtype).max(unit(out_dtype)).max(acc);
+    Tolerance {
+        rel_l2: 4.0 * u,
+        atol_rms: 16.0 * u,
+        rtol: 4.0 * u,
+    }
+}

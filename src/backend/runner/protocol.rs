@@ -1,0 +1,385 @@
+//! The runner protocol (docs/runners.md): `CMD --describe` once, then one long-lived `CMD --serve`
+//! answering JSON-line requests whose tensors travel in safetensors files.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::{Arc, Mutex};
+
+/// The protocol version this build speaks (`describe.protocol`, the files' `__metadata__`).
+pub const PROTOCOL: u32 = 1;
+/// A runner that exits with this code cannot take the case (unsupported, not a failure).
+pub const EXIT_UNSUPPORTED: i32 = 3;
+
+/// `RUNNER --describe`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Describe {
+    pub protocol: u32,
+    pub name: String,
+    pub version: String,
+    pub ops: Ops,
+    #[serde(default)]
+    pub supports: Supports,
+    #[serde(default)]
+    pub conventions: Conventions,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Ops {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode: Option<OpSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill: Option<OpSpec>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OpSpec {
+    /// Stage names it returns.
+    pub outputs: Vec<String>,
+}
+
+impl OpSpec {
+    pub fn has(&self, name: &str) -> bool {
+        self.outputs.iter().any(|o| o == name)
+    }
+}
+
+/// What a runner accepts: each list `None` (JSON null or absent) for any value.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Supports {
+    #[serde(default)]
+    pub dtypes: Option<Vec<String>>,
+    #[serde(default)]
+    pub page_sizes: Option<Vec<usize>>,
+    #[serde(default)]
+    pub heads: Option<Vec<usize>>,
+    #[serde(default)]
+    pub kv_lora_rank: Option<Vec<usize>>,
+    #[serde(default)]
+    pub qk_rope: Option<Vec<usize>>,
+    #[serde(default)]
+    pub qk_head_dim: Option<Vec<usize>>,
+    #[serde(default)]
+    pub v_head_dim: Option<Vec<usize>>,
+    #[serde(default)]
+    pub max_q_len: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum LseBase {
+    #[default]
+    #[serde(rename = "e")]
+    E,
+    #[serde(rename = "2")]
+    Two,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LseLayout {
+    #[default]
+    TokenHead,
+    HeadToken,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Conventions {
+    #[serde(default)]
+    pub lse_base: LseBase,
+    #[serde(default)]
+    pub lse_layout: LseLayout,
+}
+
+/// One request line.
+#[derive(Debug, Serialize)]
+pub struct Request<'a> {
+    pub id: u64,
+    pub op: &'a str,
+    pub layer: usize,
+    pub input: &'a Path,
+    pub output: &'a Path,
+    pub meta: &'a serde_json::Value,
+}
+
+#[derive(Debug, Deserialize)]
+struct Reply {
+    id: u64,
+    status: String,
+    #[serde(default)]
+    reason: Option<String>,
+    #[serde(default)]
+    message: Option<String>,
+}
+
+/// The command line, split as a POSIX shell would (no shell runs it).
+pub fn split_command(cmd: &str) -> Result<Vec<String>> {
+    let words = shell_words::split(cmd)
+        .map_err(|e| Error::Usage(format!("--runner '{cmd}': cannot split the command: {e}")))?;
+    if words.is_empty() {
+        return Err(Error::Usage("--runner is empty".into()));
+    }
+    Ok(words)
+}
+
+fn spawn_error(cmd: &str, e: std::io::Error) -> Error {
+    Error::Environment(format!("--runner '{cmd}': cannot start it: {e}"))
+}
+
+/// The last non-empty lines of a runner's stderr, on one line (errors are one line).
+fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    lines[lines.len().saturating_sub(n)..].join(" | ")
+}
+
+/// Run `CMD --describe` and parse its answer.
+pub fn describe(cmd: &str) -> Result<Describe> {
+    let words = split_command(cmd)?;
+    let out = Command::new(&words[0])
+        .args(&words[1..])
+        .arg("--describe")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| spawn_error(cmd, e))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.code() == Some(EXIT_UNSUPPORTED) {
+        return Err(Error::Unsupported(format!(
+            "runner '{cmd}' is unsupported here: {}",
+            tail(&stderr, 1)
+        )));
+    }
+    if !out.status.success() {
+        return Err(Error::Environment(format!(
+            "--runner '{cmd}' --describe failed ({}): {}",
+            out.status,
+            tail(&stderr, 8)
+        )));
+    }
+    let d: Describe = serde_json::from_slice(&out.stdout).map_err(|e| {
+        Error::Usage(format!(
+            "--runner '{cmd}' --describe did not print a valid description: {e}"
+        ))
+    })?;
+    if d.protocol != PROTOCOL {
+        return Err(Error::Usage(format!(
+            "runner {} speaks protocol {}, this mla-diff speaks {PROTOCOL}",
+            d.name, d.protocol
+        )));
+    }
+    if d.ops.decode.is_none() && d.ops.prefill.is_none() {
+        return Err(Error::Usage(format!(
+            "runner {} describes no op (decode or prefill)",
+            d.name
+        )));
+    }
+    for (op, spec, allowed) in [
+        ("decode", &d.ops.decode, &["attn_latent", "lse", "split_out", "split_lse"][..]),
+        ("prefill", &d.ops.prefill, &["attn_heads", "lse"][..]),
+    ] {
+        if let Some(s) = spec {
+            if let Some(bad) = s.outputs.iter().find(|o| !allowed.contains(&o.as_str())) {
+                return Err(Error::Usage(format!(
+                    "runner {}: op {op} lists output '{bad}'; it may return {allowed:?}",
+                    d.name
+                )));
+            }
+            for need in &allowed[..2] {
+                if !s.has(need) {
+                    return Err(Error::Usage(format!(
+                        "runner {}: op {op} must return {need}",
+                        d.name
+                    )));
+                }
+            }
+            if op == "decode" && s.has("split_out") != s.has("split_lse") {
+                return Err(Error::Usage(format!(
+                    "runner {}: the decode op returns split_out and split_lse together or neither",
+                    d.name
+                )));
+            }
+        }
+    }
+    Ok(d)
+}
+
+/// The serving process and its scratch directory.
+pub struct Process {
+    cmd: String,
+    name: String,
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+    stderr: Arc<Mutex<String>>,
+    pub scratch: PathBuf,
+    keep_scratch: bool,
+    next_id: u64,
+}
+
+/// How one request ended.
+pub enum Outcome {
+    Ok,
+    Unsupported(String),
+}
+
+impl Process {
+    /// Start `CMD --serve`; tensors go through `scratch` (made here, removed on drop unless `keep`).
+    pub fn start(cmd: &str, name: &str, keep: bool) -> Result<Process> {
+        let words = split_command(cmd)?;
+        let scratch = std::env::temp_dir().join(format!(
+            "mla-diff-runner-{}-{}",
+            std::process::id(),
+            name.replace(|c: char| !c.is_ascii_alphanumeric(), "_")
+        ));
+        std::fs::create_dir_all(&scratch)
+            .map_err(|e| Error::io(format!("creating {}", scratch.display()), e))?;
+        let mut child = Command::new(&words[0])
+            .args(&words[1..])
+            .arg("--serve")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| spawn_error(cmd, e))?;
+        // Drain stderr on a thread so that a chatty runner never blocks on a full pipe.
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let mut err_pipe = child.stderr.take().expect("piped");
+        let sink = Arc::clone(&stderr);
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = err_pipe.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                if let Ok(mut s) = sink.lock() {
+                    s.push_str(&String::from_utf8_lossy(&buf[..n]));
+                }
+            }
+        });
+        Ok(Process {
+            cmd: cmd.to_string(),
+            name: name.to_string(),
+            stdin: child.stdin.take(),
+            stdout: BufReader::new(child.stdout.take().expect("piped")),
+            child,
+            stderr,
+            scratch,
+            keep_scratch: keep,
+            next_id: 0,
+        })
+    }
+
+    fn stderr_tail(&self, n: usize) -> String {
+        // Give the drain thread a moment to collect what a dying runner printed last.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        self.stderr.lock().map(|s| tail(&s, n)).unwrap_or_default()
+    }
+
+    /// The runner stopped answering: unsupported (exit 3) or an error with its stderr.
+    fn died(&mut self, what: &str) -> Error {
+        let status = self.child.wait().ok();
+        let err = self.stderr_tail(12);
+        match status.and_then(|s| s.code()) {
+            Some(EXIT_UNSUPPORTED) => Error::Unsupported(format!(
+                "runner {} cannot take this case: {}",
+                self.name,
+                tail(&err, 1)
+            )),
+            _ => Error::Environment(format!(
+                "runner {} ({}) {what} ({}): {err}",
+                self.name,
+                self.cmd,
+                status.map(|s| s.to_string()).unwrap_or("unknown status".into())
+            )),
+        }
+    }
+
+    /// Paths of the next request's input and output files.
+    pub fn next_paths(&mut self) -> (u64, PathBuf, PathBuf) {
+        self.next_id += 1;
+        let id = self.next_id;
+        (
+            id,
+            self.scratch.join(format!("{id}.in.safetensors")),
+            self.scratch.join(format!("{id}.out.safetensors")),
+        )
+    }
+
+    /// Send one request (its input file already written) and wait for the reply.
+    pub fn call(&mut self, req: &Request) -> Result<Outcome> {
+        let line = serde_json::to_string(req).expect("request serializes");
+        let sent = match self.stdin.as_mut() {
+            Some(w) => writeln!(w, "{line}").and_then(|_| w.flush()),
+            None => Err(std::io::Error::other("stdin closed")),
+        };
+        if sent.is_err() {
+            return Err(self.died("stopped before a request"));
+        }
+        let mut reply = String::new();
+        match self.stdout.read_line(&mut reply) {
+            Ok(0) | Err(_) => return Err(self.died("exited without replying")),
+            Ok(_) => {}
+        }
+        let r: Reply = serde_json::from_str(reply.trim()).map_err(|e| {
+            Error::Environment(format!(
+                "runner {} printed a line that is not a reply ({e}): {} (stdout carries only replies; print logs to stderr)",
+                self.name,
+                reply.trim()
+            ))
+        })?;
+        if r.id != req.id {
+            return Err(Error::Environment(format!(
+                "runner {} answered request {} while {} was asked",
+                self.name, r.id, req.id
+            )));
+        }
+        match r.status.as_str() {
+            "ok" => Ok(Outcome::Ok),
+            "unsupported" => Ok(Outcome::Unsupported(
+                r.reason.unwrap_or_else(|| "no reason given".into()),
+            )),
+            "error" => Err(Error::Environment(format!(
+                "runner {} failed on layer {} {}: {} | {}",
+                self.name,
+                req.layer,
+                req.op,
+                r.message.unwrap_or_default(),
+                self.stderr_tail(8)
+            ))),
+            other => Err(Error::Environment(format!(
+                "runner {} replied status '{other}' (expected ok, unsupported or error)",
+                self.name
+            ))),
+        }
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        // Closing stdin ends the serve loop; a runner that ignores it is killed.
+        drop(self.stdin.take());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(_)) => break,
+                Ok(None) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(20))
+                }
+                _ => {
+                    let _ = self.child.kill();
+                    let _ = self.child.wait();
+                    break;
+                }
+            }
+        }
+        if !self.keep_scratch {
+            let _ = std::fs::remove_dir_all(&self.scratch);
+        }
+    }
+}
+
+/// The metadata every input file carries.
+pub fn file_metadata() -> BTreeMap<String, String> {
+    BTreeMap::from([("mla_diff_protocol".to_string(), PROTOCOL.to_string())])
+}

@@ -1,0 +1,151 @@
+//! Tensors to and from a runner: safetensors files, floats in the run's storage dtype (the values the
+//! optimized path stored, exactly), integers as i32.
+
+use crate::backend::Dtype;
+use crate::error::{Error, Result};
+use safetensors::tensor::{Dtype as St, TensorView};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// One named input.
+pub struct Named {
+    pub name: &'static str,
+    pub shape: Vec<usize>,
+    pub bytes: Vec<u8>,
+    pub dtype: St,
+}
+
+/// Floats already rounded to `dt` (so the conversion is exact), stored as `dt`.
+pub fn floats(name: &'static str, shape: Vec<usize>, v: &[f32], dt: Dtype) -> Named {
+    debug_assert_eq!(shape.iter().product::<usize>(), v.len());
+    let (bytes, dtype) = match dt {
+        Dtype::Bf16 => (
+            v.iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+            St::BF16,
+        ),
+        Dtype::F16 => (
+            v.iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
+            St::F16,
+        ),
+        Dtype::F32 => (v.iter().flat_map(|x| x.to_le_bytes()).collect(), St::F32),
+    };
+    Named {
+        name,
+        shape,
+        bytes,
+        dtype,
+    }
+}
+
+pub fn ints(name: &'static str, shape: Vec<usize>, v: &[i32]) -> Named {
+    Named {
+        name,
+        shape,
+        bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        dtype: St::I32,
+    }
+}
+
+pub fn write(path: &Path, tensors: &[Named]) -> Result<()> {
+    let views = tensors
+        .iter()
+        .map(|t| {
+            TensorView::new(t.dtype, t.shape.clone(), &t.bytes)
+                .map(|v| (t.name, v))
+                .map_err(|e| Error::Usage(format!("runner input {}: {e}", t.name)))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let meta: HashMap<String, String> = super::protocol::file_metadata().into_iter().collect();
+    safetensors::tensor::serialize_to_file(views, Some(meta), path)
+        .map_err(|e| Error::Environment(format!("writing {}: {e}", path.display())))
+}
+
+/// One output as f64 values, with the dtype the runner wrote it in.
+pub struct Output {
+    pub shape: Vec<usize>,
+    pub data: Vec<f64>,
+    pub dtype: &'static str,
+}
+
+/// The runner's output file: every float tensor by name.
+pub struct Outputs {
+    pub tensors: HashMap<String, Output>,
+    runner: String,
+}
+
+impl Outputs {
+    pub fn read(path: &Path, runner: &str) -> Result<Outputs> {
+        let bad = |m: String| Error::Environment(format!("runner {runner}: {}: {m}", path.display()));
+        let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
+        let st = safetensors::SafeTensors::deserialize(&bytes)
+            .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+        let mut tensors = HashMap::new();
+        for (name, t) in st.tensors() {
+            let d = t.data();
+            let (data, dtype): (Vec<f64>, &str) = match t.dtype() {
+                St::BF16 => (
+                    d.chunks_exact(2)
+                        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f64())
+                        .collect(),
+                    "bf16",
+                ),
+                St::F16 => (
+                    d.chunks_exact(2)
+                        .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f64())
+                        .collect(),
+                    "fp16",
+                ),
+                St::F32 => (
+                    d.chunks_exact(4)
+                        .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")) as f64)
+                        .collect(),
+                    "f32",
+                ),
+                St::F64 => (
+                    d.chunks_exact(8)
+                        .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+                        .collect(),
+                    "f64",
+                ),
+                other => {
+                    return Err(bad(format!(
+                        "output {name} has dtype {other:?}; outputs are bf16, fp16, f32 or f64"
+                    )))
+                }
+            };
+            tensors.insert(
+                name,
+                Output {
+                    shape: t.shape().to_vec(),
+                    data,
+                    dtype,
+                },
+            );
+        }
+        Ok(Outputs {
+            tensors,
+            runner: runner.to_string(),
+        })
+    }
+
+    /// Output `name`, which must have `shape`.
+    pub fn take(&mut self, name: &str, shape: &[usize], op: &str) -> Result<Output> {
+        let o = self.tensors.remove(name).ok_or_else(|| {
+            Error::Environment(format!(
+                "runner {}: the {op} output has no tensor '{name}'",
+                self.runner
+            ))
+        })?;
+        if o.shape != shape {
+            return Err(Error::Environment(format!(
+                "runner {}: {op} output '{name}' has shape {:?}, expected {shape:?}",
+                self.runner, o.shape
+            )));
+        }
+        Ok(o)
+    }
+}
