@@ -152,14 +152,19 @@ class NumpyMLA(protocol.NumpyRunner):
             raise ValueError(f"k has {s} rows, expected context_len {context_len} + {n}")
         dtype = meta["dtype"]
         scale = np.float32(self.softmax_scale(meta))
-        qh = np.transpose(q, (1, 0, 2)).astype(np.float32)  # [H, n, D]
-        kh = np.transpose(k, (1, 2, 0)).astype(np.float32)  # [H, D, S]
-        vh = np.transpose(v, (1, 0, 2)).astype(np.float32)  # [H, S, Dv]
-        scores = np.matmul(qh, kh) * scale  # [H, n, S]
         visible = self.prefill_visible(n, s, context_len)
-        scores = np.where(visible[None], scores, np.float32(-np.inf)).astype(np.float32)
-        p, lse = softmax_rows(scores)
-        out = np.matmul(p, vh)  # [H, n, Dv]
+        out = np.zeros((heads, n, v.shape[-1]), np.float32)
+        lse = np.zeros((heads, n), np.float32)
+        step = max(1, (1 << 24) // max(1, n * s))  # heads per block: about 64 MB of float32 scores
+        for h0 in range(0, heads, step):
+            hs = slice(h0, min(heads, h0 + step))
+            qh = np.transpose(q[:, hs], (1, 0, 2)).astype(np.float32)  # [h, n, D]
+            kh = np.transpose(k[:, hs], (1, 2, 0)).astype(np.float32)  # [h, D, S]
+            vh = np.transpose(v[:, hs], (1, 0, 2)).astype(np.float32)  # [h, S, Dv]
+            scores = np.matmul(qh, kh) * scale  # [h, n, S]
+            scores = np.where(visible[None], scores, np.float32(-np.inf)).astype(np.float32)
+            p, lse[hs] = softmax_rows(scores)
+            out[hs] = np.matmul(p, vh)
         return {
             "attn_heads": protocol.storage(np.transpose(out, (1, 0, 2)), dtype),
             "lse": self.lse_out(np.ascontiguousarray(lse.T)).astype(np.float32),

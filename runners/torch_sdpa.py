@@ -82,6 +82,8 @@ def sdpa_part(q, k, v, scale, causal, backend="flash"):
     else:
         raise ValueError(f"unknown SDPA backend {backend!r} (one of {BACKENDS})")
     n = q.shape[-2]
+    while lse.dim() > 3:  # cuDNN's softmax stats may come as [B, H, n, 1]
+        lse = lse.squeeze(-1)
     # Some kernels pad the LSE's token axis (the efficient kernel to a multiple of 32 in older torch).
     return out, lse[..., :n].float()
 
