@@ -20,7 +20,7 @@ B=${B:-.carry/mla-diff}
 OUT=${OUT:?set OUT to the results folder}
 R="$OUT/r"
 mkdir -p "$R"
-BUDGET=${BUDGET:-480}   # seconds: mla-diff runs starting later are skipped (the device call's limit is 600)
+BUDGET=${BUDGET:-430}   # seconds: mla-diff runs starting later are skipped (the device call's limit is 600)
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S), ${SECONDS}s in)"; }
 
 main() {
@@ -46,17 +46,17 @@ head -4 "$PEERS/MANIFEST.txt"
 
 # --- 1. selfcheck: each runner alone against float64 ------------------------------------------------
 step "selfcheck --bugs (numpy runner and planted bugs; CPU, bf16)"
-timeout 120 $PY runners/selfcheck.py --bugs --dtypes bf16 --json "$R/selfcheck-bugs.json" | grep -E '^==|^   [A-Z]|passed' || fail=1
+echo "(the numpy runner and its planted bugs run in CI: tests/it/runners.rs)"
 
 step "selfcheck: FlashMLA, vLLM Triton MLA, FlashInfer (bf16, fp16)"
-timeout 420 $PY runners/selfcheck.py --dtypes bf16,fp16 --cases deepseek,glm5,minicpm3 \
+timeout 150 $PY runners/selfcheck.py --dtypes bf16,fp16 --cases deepseek,glm5,minicpm3 \
     --runner "$PY runners/flashmla.py" --runner "$PY runners/vllm_triton.py" --runner "$PY runners/flashinfer_mla.py" \
     --json "$R/selfcheck-peers.json" || fail=1
 
 step "selfcheck: torch SDPA prefill (flash; f32 goes to efficient), then cudnn"
-timeout 200 $PY runners/selfcheck.py --dtypes bf16,fp16,f32 --cases deepseek,glm5,minicpm3 \
+timeout 90 $PY runners/selfcheck.py --dtypes bf16,fp16,f32 --cases deepseek,glm5,minicpm3 \
     --runner "$PY runners/torch_sdpa.py" --json "$R/selfcheck-sdpa.json" || fail=1
-MLA_DIFF_SDPA_BACKEND=cudnn timeout 120 $PY runners/selfcheck.py --dtypes bf16 --cases deepseek,glm5 \
+MLA_DIFF_SDPA_BACKEND=cudnn timeout 60 $PY runners/selfcheck.py --dtypes bf16 --cases deepseek,glm5 \
     --runner "$PY runners/torch_sdpa.py" --json "$R/selfcheck-sdpa-cudnn.json" | grep -E 'describe|^   [A-Z]|passed' || fail=1
 
 # --- 2. mla-diff with the runners ---------------------------------------------------------------------
@@ -84,6 +84,8 @@ run minicpm3-flashmla 2 fixtures/minicpm3-f32.gguf --backend cuda --dtype bf16 -
 run v2lite-flashinfer 2 fixtures/deepseek-v2-lite-bf16.gguf --backend cuda --dtype bf16 "${SCHED[@]}" --runner "$PY runners/flashinfer_mla.py"  # no flashinfer here
 run ds3-mtp-flashmla 0 fixtures/deepseek-v3-yarn-q4_k.gguf --backend cuda --dtype bf16 "${SCHED[@]}" --q-len 2 --runner "$PY runners/flashmla.py"
 run glm5-bug-scale 1 fixtures/glm-5-q4_0.gguf --backend cuda --dtype bf16 --runner "$PY runners/bugs/scale_default.py"
+run ds3-flashmla-noscale 1 fixtures/deepseek-v3-yarn-q4_k.gguf --backend cuda --dtype bf16 "${SCHED[@]}" --runner "$PY runners/bugs/flashmla_no_scale.py"
+run glm5-flashmla-noscale 1 fixtures/glm-5-q4_0.gguf --backend cuda --dtype bf16 "${SCHED[@]}" --runner "$PY runners/bugs/flashmla_no_scale.py"
 
 step "mla-diff: full-dims layers (DeepSeek-V3 128 heads, GLM-5 64 heads; one layer each)"
 timeout 120 "$B" fixture --preset deepseek-v3 --layers 1 --quant q4_k -o /tmp/ds3-full.gguf && ls -la /tmp/ds3-full.gguf
@@ -94,6 +96,7 @@ run ds3full-vllm     0 /tmp/ds3-full.gguf --backend cuda --dtype bf16 "${LONG[@]
 run glm5full-flashmla 0 /tmp/glm5-full.gguf --backend cuda --dtype bf16 "${LONG[@]}" --runner "$PY runners/flashmla.py"
 run glm5full-vllm    0 /tmp/glm5-full.gguf --backend cuda --dtype bf16 "${LONG[@]}" --runner "$PY runners/vllm_triton.py"
 run glm5full-sdpa    0 /tmp/glm5-full.gguf --backend cuda --dtype bf16 "${LONG[@]}" --runner "$PY runners/torch_sdpa.py"
+run ds3full-flashmla-noscale 1 /tmp/ds3-full.gguf --backend cuda --dtype bf16 "${LONG[@]}" --runner "$PY runners/bugs/flashmla_no_scale.py"
 # <<< LEAD
 
 step "done: $SECONDS s; fail=$fail"
