@@ -121,9 +121,9 @@ impl BackendArgs {
 #[derive(clap::Args)]
 #[command(next_help_heading = "Tolerances")]
 pub struct TolArgs {
-    /// Tolerance override for the run's dtype, repeatable: `STAGE=FIELD:X,...` with FIELD rel_l2, atol_rms or rtol
-    /// (any subset). STAGE: a long or table name (`attn_out`, `out`), all phases, or one phase
-    /// (`attn_out[decode]`, `out.d`).
+    /// Tolerance override for the run's dtype, repeatable: `STAGE=FIELD:X,...` with FIELD rel_l2,
+    /// atol_rms or rtol (any subset). STAGE: a long or table name (`attn_out`, `out`), all phases, or
+    /// one phase (`attn_out[decode]`, `out.d`).
     #[arg(long = "tol", value_name = "STAGE=FIELD:X,...")]
     pub tol: Vec<String>,
     /// Tolerance file `{"dtypes": {DTYPE: {STAGE: {FIELD: X}}}}` (the format of `mla-diff calibrate`;
