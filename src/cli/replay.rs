@@ -1,7 +1,7 @@
 //! `mla-diff replay`: run a capsule written by `export` through the ordinary run pipeline and write the
 //! same reports as `run`.
 
-use super::run::{execute, BackendArgs, ReportArgs, TolArgs};
+use super::run::{execute, BackendArgs, Prepared, ReportArgs, TolArgs};
 use mla_diff::capsule::Capsule;
 use mla_diff::error::Error;
 use mla_diff::gguf::GgufFile;
@@ -32,6 +32,7 @@ pub fn exec(a: Args) -> Result<i32, Error> {
         a.report.dump(cfg.n_layer)?,
         !a.report.quiet,
     );
+    let ready = Prepared::check(&file, &cfg, &opts, &a.report)?;
     // Before the run: a capsule whose weights no longer give its reference would report on another
     // problem than the one it was exported for.
     cap.check_reference(&file, &cfg)?;
@@ -48,5 +49,13 @@ pub fn exec(a: Args) -> Result<i32, Error> {
             m.dtype.name()
         );
     }
-    execute(&file, &cfg, &opts, &a.backend, &a.report, &cap.notices())
+    execute(
+        &file,
+        &cfg,
+        &opts,
+        ready,
+        &a.backend,
+        &a.report,
+        &cap.notices(),
+    )
 }

@@ -6,8 +6,8 @@ use mla_diff::error::{Error, EXIT_DIVERGENCE, EXIT_PASS};
 use mla_diff::faults::{FaultSet, Injection};
 use mla_diff::gguf::GgufFile;
 use mla_diff::model::MlaConfig;
-use mla_diff::report;
 use mla_diff::report::baseline::Identity;
+use mla_diff::report::{self, Report};
 use mla_diff::run::{Modes, RunOptions};
 use outputs::Outputs;
 use std::path::PathBuf;
@@ -142,22 +142,43 @@ pub fn exec(a: Args) -> Result<i32, Error> {
     let file = GgufFile::open(&a.file)?;
     let cfg = MlaConfig::from_gguf(&file)?;
     let opts = a.options(&file, &cfg, faults)?;
-    execute(&file, &cfg, &opts, &a.backend, &a.report, &[])
+    let ready = Prepared::check(&file, &cfg, &opts, &a.report)?;
+    execute(&file, &cfg, &opts, ready, &a.backend, &a.report, &[])
 }
 
-/// The run once its options are made, shared by `run` and `replay`: check the outputs and the baseline,
-/// open the backend, run, gate, write the reports; the exit code. `notices` are added to the report's.
+/// What is checked before the (possibly long) run, so that an unusable output path or a mismatched
+/// baseline fails at once: the report targets and the --baseline report.
+pub struct Prepared {
+    outputs: Outputs,
+    baseline: Option<(Report, Vec<String>)>,
+}
+
+impl Prepared {
+    pub fn check(
+        file: &GgufFile,
+        cfg: &MlaConfig,
+        opts: &RunOptions,
+        r: &ReportArgs,
+    ) -> Result<Prepared, Error> {
+        Ok(Prepared {
+            outputs: Outputs::check(r)?,
+            baseline: r.baseline(&Identity::planned(file, cfg, opts)?)?,
+        })
+    }
+}
+
+/// The run once its options are made and its outputs checked, shared by `run` and `replay`: open the
+/// backend, run, gate, write the reports; the exit code. `notices` are added to the report's.
 pub fn execute(
     file: &GgufFile,
     cfg: &MlaConfig,
     opts: &RunOptions,
+    ready: Prepared,
     backend: &BackendArgs,
     r: &ReportArgs,
     notices: &[String],
 ) -> Result<i32, Error> {
-    // Fail on unusable output paths and a mismatched baseline before the (possibly long) run.
-    let outputs = Outputs::check(r)?;
-    let baseline = r.baseline(&Identity::planned(file, cfg, opts)?)?;
+    let Prepared { outputs, baseline } = ready;
     if !r.quiet {
         for b in opts.faults.blind_spots(cfg, &opts.sched) {
             eprintln!("mla-diff: note: injected fault {b} may not show on this run");
