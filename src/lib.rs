@@ -8,6 +8,7 @@
 pub mod backend;
 pub mod bench;
 pub mod calibrate;
+pub mod capsule;
 pub mod compare;
 pub mod error;
 pub mod faults;

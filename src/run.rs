@@ -131,6 +131,43 @@ pub fn input_json(spec: &InputSpec) -> serde_json::Value {
     }
 }
 
+/// The layer inputs a run's input spec gives, for `sched`'s tokens: one `[T, hidden]` for every layer,
+/// or one per layer (a `[layers, T, hidden]` capture).
+pub fn load_inputs(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    input: &InputSpec,
+    sched: &Schedule,
+) -> Result<LayerInputs> {
+    let t = sched.total_tokens();
+    Ok(match input {
+        InputSpec::Random { seed } => {
+            LayerInputs::Shared(crate::input::random_hidden(cfg.hidden, t, *seed))
+        }
+        InputSpec::Tokens(ids) => {
+            if ids.len() != t {
+                return Err(Error::Usage(format!(
+                    "{} token ids given but the schedule has {t} tokens (prompt {} + {} decode steps × {}); adjust --prompt-len/--decode-steps",
+                    ids.len(),
+                    sched.prompt_len,
+                    sched.decode_steps,
+                    sched.q_len
+                )));
+            }
+            LayerInputs::Shared(crate::input::from_token_ids(file, cfg, ids)?)
+        }
+        InputSpec::Npy(p) => crate::input::load_npy(p, cfg.hidden, t)?,
+    })
+}
+
+/// The reference residual after a layer: its input plus the reference's attention output, the next
+/// layer's shadow input (`h ← h + attn(h)`; FFN/MoE blocks are not modelled).
+pub fn residual_after(h: &Array2<f64>, reference: &LayerTrace) -> Result<Array2<f64>> {
+    let mut next = h.clone();
+    add_residual(&mut next, attn_out(reference)?);
+    Ok(next)
+}
+
 fn attn_out(t: &LayerTrace) -> Result<&[f64]> {
     t.get(Stage::AttnOut)
         .map(|s| s.data.as_slice())
@@ -168,25 +205,7 @@ pub fn run(
             cfg.n_layer
         )));
     }
-    let t = opts.sched.total_tokens();
-    let inputs = match &opts.input {
-        InputSpec::Random { seed } => {
-            LayerInputs::Shared(crate::input::random_hidden(cfg.hidden, t, *seed))
-        }
-        InputSpec::Tokens(ids) => {
-            if ids.len() != t {
-                return Err(Error::Usage(format!(
-                    "{} token ids given but the schedule has {t} tokens (prompt {} + {} decode steps × {}); adjust --prompt-len/--decode-steps",
-                    ids.len(),
-                    opts.sched.prompt_len,
-                    opts.sched.decode_steps,
-                    opts.sched.q_len
-                )));
-            }
-            LayerInputs::Shared(crate::input::from_token_ids(file, &cfg, ids)?)
-        }
-        InputSpec::Npy(p) => crate::input::load_npy(p, cfg.hidden, t)?,
-    };
+    let inputs = load_inputs(file, &cfg, &opts.input, &opts.sched)?;
     // Free mode needs each side to feed its own output forward, but per-layer captures restart the
     // reference at every layer: the "drift" would compare two different streams.
     if opts.modes.free {
@@ -234,8 +253,7 @@ pub fn run(
         let reference = crate::reference::run_layer(&cfg, &w, &tables.rope, &h_ref, &opts.sched)?;
         let layer_ctx = tables.ctx(&cfg, &w, &opts.sched, opts.faults.active(l));
         // The reference residual after this layer: the next layer's shadow input and free mode's yardstick.
-        let mut next_ref = h_ref.clone();
-        add_residual(&mut next_ref, attn_out(&reference)?);
+        let next_ref = residual_after(&h_ref, &reference)?;
         let ctx = compare::Ctx {
             elementwise: true,
             layer: l,

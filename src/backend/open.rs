@@ -2,8 +2,8 @@
 //! out. A new backend is one `Kind` and one line in `Factory::open`.
 
 use super::cpu::CpuMirror;
-use super::runner::RunnerBackend;
 use super::cuda::shared::{SharedCuda, SharedGpu};
+use super::runner::RunnerBackend;
 use super::{Backend, Dtype};
 use crate::error::Result;
 use serde::{Deserialize, Serialize};

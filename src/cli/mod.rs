@@ -6,10 +6,12 @@ use mla_diff::error::Error;
 
 mod bench;
 mod calibrate;
+mod export;
 mod fixture;
 mod gpu_validate;
 mod inspect;
 mod kernels;
+mod replay;
 mod run;
 mod selftest;
 
@@ -32,6 +34,12 @@ enum Cmd {
     Fixture(fixture::Args),
     /// Run every layer's attention through the fp64 reference and the optimized path and compare stage by stage.
     Run(Box<run::Args>),
+    /// Write one layer of a model as a self-contained capsule directory (its tensors' bytes as stored, the
+    /// layer input, the fp64 reference stages, a manifest): the repro to attach to a bug report.
+    Export(Box<export::Args>),
+    /// Replay a capsule written by `export`: check its weights still give its reference, run its layer
+    /// through the fp64 reference and the optimized path, and write the same reports as `run`.
+    Replay(Box<replay::Args>),
     /// Measure the CPU mirror's noise on GGUF files and write the tolerance table it implies.
     Calibrate(calibrate::Args),
     /// Plant every bug of the fault catalogue in the optimized path, one run each on small fixtures, and
@@ -53,6 +61,8 @@ pub fn exec(cli: Cli) -> Result<i32, Error> {
         Cmd::Inspect(a) => inspect::exec(a),
         Cmd::Fixture(a) => fixture::exec(a),
         Cmd::Run(a) => run::exec(*a),
+        Cmd::Export(a) => export::exec(*a),
+        Cmd::Replay(a) => replay::exec(*a),
         Cmd::Calibrate(a) => calibrate::exec(a),
         Cmd::Selftest(a) => selftest::exec(a),
         Cmd::Kernels(a) => kernels::exec(a),

@@ -6,6 +6,7 @@
 
 mod bad_input;
 mod bench_smoke;
+mod capsule;
 mod ci_recipe;
 mod common;
 mod cuda_env;

@@ -28,7 +28,9 @@ fn python() -> Option<String> {
 }
 
 fn runner(py: &str, rel: &str) -> String {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("runners").join(rel);
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("runners")
+        .join(rel);
     format!("{py} {}", p.display())
 }
 
@@ -129,7 +131,8 @@ fn planted_runner_bugs_are_caught_at_the_runners_stage() {
         "prefill_noncausal.py",
     ] {
         for file in ["deepseek-v3-yarn-q4_k.gguf", "glm-5-q4_0.gguf"] {
-            let (code, rep, err) = run_json(&fixture(file), &runner(&py, &format!("bugs/{bug}")), &[]);
+            let (code, rep, err) =
+                run_json(&fixture(file), &runner(&py, &format!("bugs/{bug}")), &[]);
             assert_eq!(code, Some(1), "{bug} on {file} was not caught: {err}");
             let layer = &rep["modes"][0]["layers"][0];
             let first = layer["first_failure"].as_str().unwrap();
@@ -146,13 +149,17 @@ fn planted_runner_bugs_are_caught_at_the_runners_stage() {
                     || name.starts_with("attn_heads")
                     || name.starts_with("attn_out");
                 if !runner_side {
-                    assert!(c["pass"].as_bool().unwrap(), "{bug}: {name} failed upstream");
+                    assert!(
+                        c["pass"].as_bool().unwrap(),
+                        "{bug}: {name} failed upstream"
+                    );
                 }
             }
             // And the runner's own error shows against fp64 from its inputs.
             assert!(
-                all.iter().any(|c| c["check"].as_str().unwrap().ends_with("@runner")
-                    && !c["pass"].as_bool().unwrap()),
+                all.iter()
+                    .any(|c| c["check"].as_str().unwrap().ends_with("@runner")
+                        && !c["pass"].as_bool().unwrap()),
                 "{bug} on {file}: no @runner check failed"
             );
         }
@@ -203,8 +210,15 @@ fn a_case_the_runner_cannot_take_is_unsupported_not_a_verdict() {
         run(&a)
     };
     // Its description says page 64 only; the run's page is 16.
-    let s = script(dir.path(), "page64.py", &format!("{DESCRIBE}\nsys.exit(1)\n"));
-    assert_clean_error(&go(&s, &[]), "does not support page_size 16 (it takes [64])");
+    let s = script(
+        dir.path(),
+        "page64.py",
+        &format!("{DESCRIBE}\nsys.exit(1)\n"),
+    );
+    assert_clean_error(
+        &go(&s, &[]),
+        "does not support page_size 16 (it takes [64])",
+    );
     // It says so itself when asked: exit code 3 from --describe, or an unsupported reply.
     let s = script(
         dir.path(),
@@ -230,7 +244,19 @@ fn a_broken_runner_is_a_clean_error() {
     let dir = tempfile::tempdir().unwrap();
     let f = fixture("deepseek-v3-yarn-q4_k.gguf");
     let f = f.to_str().unwrap();
-    let go = |cmd: &str| run(&["run", f, "--backend", "cpu", "--runner", cmd, "--page-size", "64", "-q"]);
+    let go = |cmd: &str| {
+        run(&[
+            "run",
+            f,
+            "--backend",
+            "cpu",
+            "--runner",
+            cmd,
+            "--page-size",
+            "64",
+            "-q",
+        ])
+    };
     assert_clean_error(&go("/nonexistent/runner --x"), "cannot start it");
     assert_clean_error(&go(""), "--runner is empty");
     let s = script(dir.path(), "junk.py", "print('hello')\n");

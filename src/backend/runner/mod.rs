@@ -139,7 +139,6 @@ impl RunnerBackend {
         Ok(out)
     }
 
-
     /// A runner's LSE as natural log in `[rows, H]` order (from `[rows, H]` or `[H, rows]`; per entry
     /// `b` of `entries` when the rows are `entries × s_q`).
     fn lse_rows(&self, o: &Output, entries: usize, s_q: usize, h: usize) -> Vec<f64> {
@@ -186,7 +185,11 @@ impl RunnerBackend {
         let (h, lkv, r, page) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_rope, sched.page_size);
         let (b_n, s_q, prompt) = (sched.decode_steps, sched.q_len, sched.prompt_len);
         let row = lkv + r;
-        let get = |st: Stage| tr.get(st).map(|t| t.data.clone()).ok_or_else(|| missing(st));
+        let get = |st: Stage| {
+            tr.get(st)
+                .map(|t| t.data.clone())
+                .ok_or_else(|| missing(st))
+        };
         let q_abs = get(Stage::QAbsorbed)?;
         let q_pe_all = get(Stage::QPe)?;
         let rows = get(Stage::CacheRows)?;
@@ -214,7 +217,10 @@ impl RunnerBackend {
                 table[b * max_pages + p] = ph as i32;
                 for j in p * page..((p + 1) * page).min(seqlens[b]) {
                     let dst = (ph * page + j % page) * row;
-                    for (d, &v) in pool[dst..dst + row].iter_mut().zip(&rows[j * row..(j + 1) * row]) {
+                    for (d, &v) in pool[dst..dst + row]
+                        .iter_mut()
+                        .zip(&rows[j * row..(j + 1) * row])
+                    {
                         *d = v as f32;
                     }
                 }
@@ -250,7 +256,10 @@ impl RunnerBackend {
         let d_n = b_n * s_q;
         let scale = cfg.softmax_scale;
         let (mut l_out, mut l_lse) = (vec![0.0; d_n * h * lkv], vec![0.0; d_n * h]);
-        let (mut l_sout, mut l_slse) = (vec![0.0; d_n * h * splits * lkv], vec![0.0; d_n * h * splits]);
+        let (mut l_sout, mut l_slse) = (
+            vec![0.0; d_n * h * splits * lkv],
+            vec![0.0; d_n * h * splits],
+        );
         for b in 0..b_n {
             for i in 0..s_q {
                 let d = b * s_q + i;
@@ -310,7 +319,11 @@ impl RunnerBackend {
             at.push(AtRunner {
                 check: "split_out".into(),
                 reference: StageTensor::new(Stage::SplitOut, vec![d_n, h, splits, lkv], l_sout),
-                optimized: StageTensor::new(Stage::SplitOut, vec![d_n, h, splits, lkv], so.data.clone()),
+                optimized: StageTensor::new(
+                    Stage::SplitOut,
+                    vec![d_n, h, splits, lkv],
+                    so.data.clone(),
+                ),
                 tolerance: tol(so),
                 out_dtype: so.dtype,
             });
@@ -324,7 +337,8 @@ impl RunnerBackend {
             set(tr, Stage::SplitOut, so.data.clone())?;
             set(tr, Stage::SplitLse, sl_nat)?;
         } else {
-            tr.stages.retain(|t| !matches!(t.stage, Stage::SplitOut | Stage::SplitLse));
+            tr.stages
+                .retain(|t| !matches!(t.stage, Stage::SplitOut | Stage::SplitLse));
         }
 
         // The runner's outputs replace the inner path's; W_UV turns them into the decode heads as the
@@ -338,14 +352,15 @@ impl RunnerBackend {
         )
         .expect("shape checked");
         let dv = cfg.v_head_dim;
-        let heads = tr.get_mut(Stage::AttnHeads).ok_or_else(|| missing(Stage::AttnHeads))?;
+        let heads = tr
+            .get_mut(Stage::AttnHeads)
+            .ok_or_else(|| missing(Stage::AttnHeads))?;
         for hh in 0..h {
             let o = round_all(lat32.slice(s![.., hh, ..]).dot(&mw.uv(cfg, hh).t()), dt);
             for d in 0..d_n {
                 let at = ((prompt + d) * h + hh) * dv;
-                heads.data[at..at + dv].copy_from_slice(
-                    &o.row(d).iter().map(|&v| v as f64).collect::<Vec<_>>(),
-                );
+                heads.data[at..at + dv]
+                    .copy_from_slice(&o.row(d).iter().map(|&v| v as f64).collect::<Vec<_>>());
             }
         }
         Ok(())
@@ -360,16 +375,41 @@ impl RunnerBackend {
         at: &mut Vec<AtRunner>,
     ) -> Result<()> {
         let (cfg, sched, dt) = (ctx.cfg, ctx.sched, self.dtype);
-        let (h, lkv, p, r, dv) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope, cfg.qk_rope, cfg.v_head_dim);
+        let (h, lkv, p, r, dv) = (
+            cfg.n_head,
+            cfg.kv_lora_rank,
+            cfg.qk_nope,
+            cfg.qk_rope,
+            cfg.v_head_dim,
+        );
         let (dqk, prompt, t_all) = (p + r, sched.prompt_len, sched.total_tokens());
-        let get = |st: Stage| tr.get(st).map(|t| t.data.clone()).ok_or_else(|| missing(st));
+        let get = |st: Stage| {
+            tr.get(st)
+                .map(|t| t.data.clone())
+                .ok_or_else(|| missing(st))
+        };
         let (q_nope, q_pe) = (get(Stage::QNope)?, get(Stage::QPe)?);
-        let (latent, k_pe, rows) = (get(Stage::KvLatent)?, get(Stage::KPe)?, get(Stage::CacheRows)?);
+        let (latent, k_pe, rows) = (
+            get(Stage::KvLatent)?,
+            get(Stage::KPe)?,
+            get(Stage::CacheRows)?,
+        );
         // New tokens' keys from their fresh latent, context from the cache (vLLM's forward_mha).
-        let arr = |v: Vec<f32>, n: usize, w: usize| Array2::from_shape_vec((n, w), v).expect("rows");
-        let fresh = arr(latent[..prompt * lkv].iter().map(|&v| v as f32).collect(), prompt, lkv);
+        let arr =
+            |v: Vec<f32>, n: usize, w: usize| Array2::from_shape_vec((n, w), v).expect("rows");
+        let fresh = arr(
+            latent[..prompt * lkv].iter().map(|&v| v as f32).collect(),
+            prompt,
+            lkv,
+        );
         let cached = arr(
-            (0..prompt).flat_map(|j| rows[j * (lkv + r)..j * (lkv + r) + lkv].iter().map(|&v| v as f32)).collect(),
+            (0..prompt)
+                .flat_map(|j| {
+                    rows[j * (lkv + r)..j * (lkv + r) + lkv]
+                        .iter()
+                        .map(|&v| v as f32)
+                })
+                .collect(),
             prompt,
             lkv,
         );
@@ -392,8 +432,10 @@ impl RunnerBackend {
             for (i, t) in c.clone().enumerate() {
                 for hh in 0..h {
                     let dst = (i * h + hh) * dqk;
-                    q[dst..dst + p].copy_from_slice(&q_nope[(t * h + hh) * p..(t * h + hh + 1) * p]);
-                    q[dst + p..dst + dqk].copy_from_slice(&q_pe[(t * h + hh) * r..(t * h + hh + 1) * r]);
+                    q[dst..dst + p]
+                        .copy_from_slice(&q_nope[(t * h + hh) * p..(t * h + hh + 1) * p]);
+                    q[dst + p..dst + dqk]
+                        .copy_from_slice(&q_pe[(t * h + hh) * r..(t * h + hh + 1) * r]);
                 }
             }
             for j in 0..s_n {
@@ -409,7 +451,10 @@ impl RunnerBackend {
                         *d = *x as f64;
                     }
                     k[dst + p..dst + dqk].copy_from_slice(&kpe);
-                    for (d, x) in v[(j * h + hh) * dv..(j * h + hh + 1) * dv].iter_mut().zip(vv.slice(s![j, hh, ..])) {
+                    for (d, x) in v[(j * h + hh) * dv..(j * h + hh + 1) * dv]
+                        .iter_mut()
+                        .zip(vv.slice(s![j, hh, ..]))
+                    {
                         *d = *x as f64;
                     }
                 }
@@ -432,7 +477,10 @@ impl RunnerBackend {
                 let t = c.start + i;
                 for hh in 0..h {
                     let qi = &q[(i * h + hh) * dqk..(i * h + hh + 1) * dqk];
-                    let score = |j: usize| local::dot(qi, &k[(j * h + hh) * dqk..(j * h + hh + 1) * dqk]) * cfg.softmax_scale;
+                    let score = |j: usize| {
+                        local::dot(qi, &k[(j * h + hh) * dqk..(j * h + hh + 1) * dqk])
+                            * cfg.softmax_scale
+                    };
                     let value = |j: usize| &v[(j * h + hh) * dv..(j * h + hh + 1) * dv];
                     let (o, l) = local::attend(0..ctx_len + i + 1, dv, score, value);
                     l_heads[(t * h + hh) * dv..(t * h + hh + 1) * dv].copy_from_slice(&o);
@@ -459,8 +507,13 @@ impl RunnerBackend {
             out_dtype: heads_dtype,
         });
         // The engine stores the chunk output in the dtype before o_proj.
-        let heads = tr.get_mut(Stage::AttnHeads).ok_or_else(|| missing(Stage::AttnHeads))?;
-        for (d, &v) in heads.data[..prompt * h * dv].iter_mut().zip(&o_heads[..prompt * h * dv]) {
+        let heads = tr
+            .get_mut(Stage::AttnHeads)
+            .ok_or_else(|| missing(Stage::AttnHeads))?;
+        for (d, &v) in heads.data[..prompt * h * dv]
+            .iter_mut()
+            .zip(&o_heads[..prompt * h * dv])
+        {
             *d = dt.round(v as f32) as f64;
         }
         let lse_stage = tr.get_mut(Stage::Lse).ok_or_else(|| missing(Stage::Lse))?;
@@ -525,7 +578,12 @@ impl Backend for RunnerBackend {
         let mut at = Vec::new();
         // The weights as the inner path stores them, for the decompression and projections around the
         // runner's ops (no planted bug: faults live in the inner path).
-        let mw = MirrorWeights::new(ctx.cfg, ctx.weights, self.dtype, crate::faults::Active::NONE);
+        let mw = MirrorWeights::new(
+            ctx.cfg,
+            ctx.weights,
+            self.dtype,
+            crate::faults::Active::NONE,
+        );
         if self.desc.ops.prefill.is_some() && ctx.sched.prompt_len > 0 {
             self.prefill(ctx, &mw, &mut tr, &mut at)?;
         }
@@ -534,11 +592,18 @@ impl Backend for RunnerBackend {
         }
         // attn_out from the heads as they now stand (the runner's rows included).
         let (t, h, dv) = (ctx.sched.total_tokens(), ctx.cfg.n_head, ctx.cfg.v_head_dim);
-        let heads = tr.get(Stage::AttnHeads).ok_or_else(|| missing(Stage::AttnHeads))?;
-        let heads = Array3::from_shape_vec((t, h, dv), heads.data.iter().map(|&v| v as f32).collect())
-            .map_err(|e| Error::Usage(format!("attn_heads: {e}")))?;
+        let heads = tr
+            .get(Stage::AttnHeads)
+            .ok_or_else(|| missing(Stage::AttnHeads))?;
+        let heads =
+            Array3::from_shape_vec((t, h, dv), heads.data.iter().map(|&v| v as f32).collect())
+                .map_err(|e| Error::Usage(format!("attn_heads: {e}")))?;
         let out = o_proj(&mw, &heads, self.dtype);
-        set(&mut tr, Stage::AttnOut, out.iter().map(|&v| v as f64).collect())?;
+        set(
+            &mut tr,
+            Stage::AttnOut,
+            out.iter().map(|&v| v as f64).collect(),
+        )?;
         tr.at_runner = at;
         Ok(tr)
     }

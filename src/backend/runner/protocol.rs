@@ -175,7 +175,11 @@ pub fn describe(cmd: &str) -> Result<Describe> {
         )));
     }
     for (op, spec, allowed) in [
-        ("decode", &d.ops.decode, &["attn_latent", "lse", "split_out", "split_lse"][..]),
+        (
+            "decode",
+            &d.ops.decode,
+            &["attn_latent", "lse", "split_out", "split_lse"][..],
+        ),
         ("prefill", &d.ops.prefill, &["attn_heads", "lse"][..]),
     ] {
         if let Some(s) = spec {
@@ -290,7 +294,9 @@ impl Process {
                 "runner {} ({}) {what} ({}): {err}",
                 self.name,
                 self.cmd,
-                status.map(|s| s.to_string()).unwrap_or("unknown status".into())
+                status
+                    .map(|s| s.to_string())
+                    .unwrap_or("unknown status".into())
             )),
         }
     }

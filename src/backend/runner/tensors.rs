@@ -79,7 +79,8 @@ pub struct Outputs {
 
 impl Outputs {
     pub fn read(path: &Path, runner: &str) -> Result<Outputs> {
-        let bad = |m: String| Error::Environment(format!("runner {runner}: {}: {m}", path.display()));
+        let bad =
+            |m: String| Error::Environment(format!("runner {runner}: {}: {m}", path.display()));
         let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
         let st = safetensors::SafeTensors::deserialize(&bytes)
             .map_err(|e| bad(format!("not a safetensors file: {e}")))?;

@@ -1,6 +1,6 @@
 //! The run's outputs: the table on the terminal and the report files.
 
-use super::Args;
+use super::ReportArgs;
 use mla_diff::error::Error;
 use mla_diff::report::output::Target;
 use mla_diff::report::{self, Report};
@@ -15,7 +15,7 @@ pub struct Outputs {
 }
 
 impl Outputs {
-    pub fn check(a: &Args) -> Result<Outputs, Error> {
+    pub fn check(a: &ReportArgs) -> Result<Outputs, Error> {
         let targets = report::output::file_targets(&[
             ("--json", a.json.as_deref()),
             ("--junit", a.junit.as_deref()),
@@ -50,7 +50,7 @@ impl Outputs {
     }
 
     /// The table (or, with -q, the verdict line) on stdout unless a report took it, then the reports.
-    pub fn write(&self, rep: &Report, a: &Args) -> Result<(), Error> {
+    pub fn write(&self, rep: &Report, a: &ReportArgs) -> Result<(), Error> {
         let stdout_taken = self.stdout_taken();
         let to_terminal = {
             use std::io::IsTerminal;

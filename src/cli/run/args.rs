@@ -1,0 +1,217 @@
+//! The groups of `run`'s options that other commands take too, each a struct flattened into the
+//! commands' `Args` (cargo's style): `export` takes the input and schedule options, `replay` the backend,
+//! tolerance and report options. A new backend option (an external runner, say) is one field of
+//! `BackendArgs`, and then every command that runs a backend has it.
+
+use mla_diff::backend::{Backend, BackendInfo, Choice, Dtype};
+use mla_diff::compare::ToleranceTable;
+use mla_diff::error::Error;
+use mla_diff::report::baseline::Identity;
+use mla_diff::report::{self, Report};
+use mla_diff::run::{DumpLayers, InputSpec};
+use mla_diff::schedule::Schedule;
+use std::path::PathBuf;
+
+/// Where the layer inputs come from.
+#[derive(clap::Args)]
+#[command(next_help_heading = "Input")]
+pub struct InputArgs {
+    /// Token ids (comma-separated) fed through token_embd; their count must equal the schedule's tokens.
+    #[arg(long, value_delimiter = ',', conflicts_with = "hidden")]
+    pub tokens: Option<Vec<u32>>,
+    /// Seed of the random hidden states (used when neither --tokens nor --hidden is given).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Captured activations (.npy as numpy writes it: float16/32/64, C or Fortran order): [T, hidden] or
+    /// [layers, T, hidden] (per-layer captures: shadow mode only).
+    #[arg(long)]
+    pub hidden: Option<PathBuf>,
+}
+
+impl InputArgs {
+    pub fn spec(&self) -> InputSpec {
+        match (&self.tokens, &self.hidden) {
+            (Some(t), _) => InputSpec::Tokens(t.clone()),
+            (None, Some(p)) => InputSpec::Npy(p.clone()),
+            (None, None) => InputSpec::Random { seed: self.seed },
+        }
+    }
+}
+
+/// The serving schedule.
+#[derive(clap::Args)]
+#[command(next_help_heading = "Schedule")]
+pub struct ScheduleArgs {
+    /// Tokens processed by prefill. All tokens (prompt + decode steps × q-len) at most 2^20, and at most
+    /// what memory allows: the fp64 reference keeps T×T scores per head, so a layer needs O(T²) bytes;
+    /// the run stops with the estimate when it exceeds MemAvailable (or MLA_DIFF_MAX_MEMORY, bytes).
+    #[arg(long, default_value_t = Schedule::default().prompt_len)]
+    pub prompt_len: usize,
+    /// Decode steps after the prompt.
+    #[arg(long, default_value_t = Schedule::default().decode_steps)]
+    pub decode_steps: usize,
+    /// Query tokens per decode step (> 1: speculative / MTP decode).
+    #[arg(long, default_value_t = 1)]
+    pub q_len: usize,
+    /// Prefill chunk size.
+    #[arg(long, default_value_t = Schedule::default().chunk)]
+    pub chunk: usize,
+    /// Rows per cache page (at most 2^20).
+    #[arg(long, default_value_t = Schedule::default().page_size)]
+    pub page_size: usize,
+    /// Split-KV ways for decode (at most 2^20).
+    #[arg(long, default_value_t = Schedule::default().num_splits)]
+    pub num_splits: usize,
+    /// Keep the block table in order instead of shuffling it.
+    #[arg(long)]
+    pub no_shuffle: bool,
+    /// Position of the first token (rope offset; the last position must stay below 2^31).
+    #[arg(long, default_value_t = 0)]
+    pub pos_offset: usize,
+}
+
+impl ScheduleArgs {
+    /// The schedule, checked.
+    pub fn schedule(&self) -> Result<Schedule, Error> {
+        let s = Schedule {
+            prompt_len: self.prompt_len,
+            chunk: self.chunk,
+            decode_steps: self.decode_steps,
+            q_len: self.q_len,
+            page_size: self.page_size,
+            num_splits: self.num_splits,
+            shuffle_seed: if self.no_shuffle {
+                None
+            } else {
+                Schedule::default().shuffle_seed
+            },
+            pos_offset: self.pos_offset,
+            ..Schedule::default()
+        };
+        s.validate()?;
+        Ok(s)
+    }
+}
+
+/// Which optimized path runs, and how it is made.
+#[derive(clap::Args)]
+#[command(next_help_heading = "Backend")]
+pub struct BackendArgs {
+    #[arg(long, value_enum, default_value_t = Choice::Auto)]
+    pub backend: Choice,
+    /// Directory of edited kernels (.cu) to compile at run time instead of the built-in ones.
+    #[arg(long)]
+    pub kernels: Option<PathBuf>,
+    /// An external kernel to check (docs/runners.md): `CMD ARGS…` of a runner speaking mla-diff's
+    /// protocol, e.g. 'python3 runners/flashmla.py'. Its ops (decode, prefill) replace the --backend's
+    /// stages; each of its stages is also checked against fp64 from its own inputs (`STAGE@runner`).
+    #[arg(long, value_name = "CMD")]
+    pub runner: Option<String>,
+}
+
+impl BackendArgs {
+    /// The backend for a run in `dtype`, with its facts for the report.
+    pub fn open(&self, dtype: Dtype) -> Result<(Box<dyn Backend>, BackendInfo), Error> {
+        mla_diff::backend::open(
+            self.backend,
+            &mla_diff::backend::Options {
+                dtype,
+                kernels_dir: self.kernels.clone(),
+                runner: self.runner.clone(),
+            },
+        )
+    }
+}
+
+/// Tolerance overrides laid over the calibrated defaults.
+#[derive(clap::Args)]
+#[command(next_help_heading = "Tolerances")]
+pub struct TolArgs {
+    /// Tolerance override for the run's dtype, repeatable: `STAGE=FIELD:X,...` with FIELD rel_l2,
+    /// atol_rms or rtol (any subset). STAGE: a long or table name (`attn_out`, `out`), all phases, or
+    /// one phase (`attn_out[decode]`, `out.d`).
+    #[arg(long = "tol", value_name = "STAGE=FIELD:X,...")]
+    pub tol: Vec<String>,
+    /// Tolerance file `{"dtypes": {DTYPE: {STAGE: {FIELD: X}}}}` (the format of `mla-diff calibrate`;
+    /// keys and partial entries as for --tol), laid over the defaults.
+    #[arg(long)]
+    pub tol_file: Option<PathBuf>,
+}
+
+impl TolArgs {
+    /// The tolerance table for `dtype` and where it came from (for the report).
+    pub fn table(&self, dtype: Dtype) -> Result<(ToleranceTable, String), Error> {
+        ToleranceTable::with_overrides(dtype, self.tol_file.as_deref(), &self.tol)
+    }
+}
+
+/// The reports, the `.npy` dumps and the baseline gate.
+#[derive(clap::Args)]
+#[command(next_help_heading = "Reports")]
+pub struct ReportArgs {
+    /// Write the JSON report here. `-` is stdout for every format (one of them at most; the table then
+    /// goes to stderr).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write JUnit XML here (`-` for stdout).
+    #[arg(long)]
+    pub junit: Option<PathBuf>,
+    /// Write a Markdown summary here (`-` for stdout).
+    #[arg(long)]
+    pub markdown: Option<PathBuf>,
+    /// Write an SVG heat map of error over layer × stage here (`-` for stdout).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Colour the table: `auto` on a terminal unless NO_COLOR is set. Failing cells carry `!` either way.
+    #[arg(long, value_enum, default_value_t = report::table::ColorChoice::Auto)]
+    pub color: report::table::ColorChoice,
+    /// Print only the verdict line (and errors): no table, progress or notes.
+    #[arg(short, long)]
+    pub quiet: bool,
+    /// Dump reference and optimized stage tensors as .npy into this directory.
+    #[arg(long)]
+    pub dump_dir: Option<PathBuf>,
+    /// Which layers to dump: `first` (first diverging), `all`, or a comma list.
+    #[arg(long, default_value = "first")]
+    pub dump_layers: String,
+    /// Fail when any metric is worse than this earlier report by more than --baseline-factor.
+    #[arg(long)]
+    pub baseline: Option<PathBuf>,
+    #[arg(long, default_value_t = report::baseline::DEFAULT_FACTOR)]
+    pub baseline_factor: f64,
+    /// Compare against a --baseline of another file, architecture, dtype, schedule, input or tolerance
+    /// set (refused by default, exit 2); the report records each difference.
+    #[arg(long)]
+    pub allow_baseline_mismatch: bool,
+    /// Write this run's report as the new baseline (`-` for stdout).
+    #[arg(long)]
+    pub write_baseline: Option<PathBuf>,
+}
+
+impl ReportArgs {
+    /// The dump directory and the layers to dump, for a model of `n_layer` layers.
+    pub fn dump(&self, n_layer: usize) -> Result<Option<(PathBuf, DumpLayers)>, Error> {
+        Ok(match &self.dump_dir {
+            None => None,
+            Some(d) => Some((d.clone(), DumpLayers::parse(&self.dump_layers, n_layer)?)),
+        })
+    }
+
+    /// The --baseline report and how it differs from this run; a report of another run is refused
+    /// unless --allow-baseline-mismatch.
+    pub fn baseline(&self, planned: &Identity) -> Result<Option<(Report, Vec<String>)>, Error> {
+        let Some(p) = &self.baseline else {
+            return Ok(None);
+        };
+        let b = Report::from_json_file(p)?;
+        let diffs = planned.differences(&Identity::of(&b));
+        if !diffs.is_empty() && !self.allow_baseline_mismatch {
+            return Err(Error::Usage(format!(
+                "--baseline {} is a report of another run: {} (--allow-baseline-mismatch compares anyway)",
+                p.display(),
+                diffs.join("; ")
+            )));
+        }
+        Ok(Some((b, diffs)))
+    }
+}
