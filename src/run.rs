@@ -344,6 +344,7 @@ pub fn run(
             injected: opts.faults.0.clone(),
             notices: dense_beyond_top_k(file, &cfg, &opts.sched)
                 .into_iter()
+                .chain(backend.notices())
                 .collect(),
         },
         environment: Environment {

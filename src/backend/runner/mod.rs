@@ -27,6 +27,8 @@ pub struct RunnerBackend {
     pub desc: Describe,
     proc: Process,
     dtype: Dtype,
+    /// Output dtypes seen, per output: `lse[decode] -> bf16`.
+    out_dtypes: std::collections::BTreeMap<String, &'static str>,
 }
 
 impl RunnerBackend {
@@ -39,6 +41,7 @@ impl RunnerBackend {
             desc,
             proc,
             dtype,
+            out_dtypes: Default::default(),
         })
     }
 
@@ -260,10 +263,10 @@ impl RunnerBackend {
             vec![0.0; d_n * h * splits * lkv],
             vec![0.0; d_n * h * splits],
         );
-        for b in 0..b_n {
+        for (b, &seq_len) in seqlens.iter().enumerate() {
             for i in 0..s_q {
                 let d = b * s_q + i;
-                let visible = seqlens[b] - s_q + i + 1;
+                let visible = seq_len - s_q + i + 1;
                 for hh in 0..h {
                     let qa = &q_abs[(d * h + hh) * lkv..(d * h + hh + 1) * lkv];
                     let qp = &q_pe[(d * h + hh) * r..(d * h + hh + 1) * r];
@@ -275,7 +278,7 @@ impl RunnerBackend {
                     let (o, l) = local::attend(0..visible, lkv, score, value);
                     l_out[(d * h + hh) * lkv..(d * h + hh + 1) * lkv].copy_from_slice(&o);
                     l_lse[d * h + hh] = l;
-                    for (k, kr) in sched.split_ranges(seqlens[b]).into_iter().enumerate() {
+                    for (k, kr) in sched.split_ranges(seq_len).into_iter().enumerate() {
                         let keys = kr.start..kr.end.min(visible);
                         let keys = keys.start..keys.end.max(keys.start);
                         let (o, l) = local::attend(keys, lkv, score, value);
@@ -562,6 +565,35 @@ impl Backend for RunnerBackend {
         self.inner.device()
     }
 
+    fn notices(&self) -> Vec<String> {
+        let outs: Vec<String> = self
+            .out_dtypes
+            .iter()
+            .map(|(c, d)| format!("{c} {d}"))
+            .collect();
+        let mut v = vec![format!(
+            "runner {} produced {} (dtypes as returned: {}); upstream stages from {}; attn_heads of decode tokens and attn_out recomputed from its outputs by the CPU mirror's code",
+            self.desc.name,
+            self.out_dtypes.keys().cloned().collect::<Vec<_>>().join(", "),
+            outs.join(", "),
+            self.inner.describe()
+        )];
+        // An LSE stored in a 16-bit type loses ~3 decimal digits: fine for a single pass, not for
+        // merging partial states (DCP, chunked context) downstream.
+        for (c, d) in &self.out_dtypes {
+            if c.starts_with("lse") && matches!(*d, "bf16" | "fp16") {
+                v.push(format!(
+                    "runner {} returns {c} in {d}, not f32: its @runner bound is {d}'s",
+                    self.desc.name
+                ));
+            }
+        }
+        if self.out_dtypes.is_empty() {
+            v.clear();
+        }
+        v
+    }
+
     fn provides(&self) -> StageSet {
         let mut s = self.inner.provides();
         if let Some(dec) = &self.desc.ops.decode {
@@ -604,6 +636,9 @@ impl Backend for RunnerBackend {
             Stage::AttnOut,
             out.iter().map(|&v| v as f64).collect(),
         )?;
+        for a in &at {
+            self.out_dtypes.insert(a.check.clone(), a.out_dtype);
+        }
         tr.at_runner = at;
         Ok(tr)
     }
