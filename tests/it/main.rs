@@ -18,6 +18,7 @@ mod gguf_crosscheck;
 mod golden;
 mod input;
 mod mirror;
+mod no_false_alarms;
 mod poison;
 mod reference_ab;
 mod rope;
