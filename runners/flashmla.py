@@ -109,7 +109,10 @@ class FlashMLA(protocol.TorchRunner):
             "conventions": {"lse_base": "e", "lse_layout": "head_token"},
         }
 
-    def decode(self, x, meta):
+    def decode_kernel(self, x, meta):
+        """The decode as a launch on prepared buffers (`run`) and the outputs it leaves (`collect`):
+        what `mla-diff bench --peers` times (the scheduling metadata is made once, as an engine does per
+        step for all layers)."""
         import torch
 
         q_nope, q_pe, cache = x["q_nope"], x["q_pe"], x["kv_cache"]
@@ -123,23 +126,37 @@ class FlashMLA(protocol.TorchRunner):
         if q_nope.dtype not in (torch.bfloat16, torch.float16):
             raise protocol.Unsupported(f"dtype {q_nope.dtype}: FlashMLA's dense decode takes bf16/fp16")
         scale = float(meta["softmax_scale"])
-        with torch.no_grad():
-            q = torch.cat([q_nope, q_pe], dim=-1).contiguous()  # [B, s_q, H, 576]
-            k_cache = cache.unsqueeze(2)  # [pages, 64, 1, 576]
-            table = x["block_table"].to(torch.int32).contiguous()
-            seqlens = x["cache_seqlens"].to(torch.int32).contiguous()
-            h_kv = 1
-            if self.new_metadata:
-                sched, splits = self.fm.get_mla_metadata()
-            else:
-                sched, splits = self.fm.get_mla_metadata(seqlens, s_q * heads // h_kv, h_kv)
-            out, lse = self.fm.flash_mla_with_kvcache(
+        q = torch.cat([q_nope, q_pe], dim=-1).contiguous()  # [B, s_q, H, 576]
+        k_cache = cache.unsqueeze(2)  # [pages, 64, 1, 576]
+        table = x["block_table"].to(torch.int32).contiguous()
+        seqlens = x["cache_seqlens"].to(torch.int32).contiguous()
+        h_kv = 1
+        if self.new_metadata:
+            sched, splits = self.fm.get_mla_metadata()
+        else:
+            sched, splits = self.fm.get_mla_metadata(seqlens, s_q * heads // h_kv, h_kv)
+        res = {}
+
+        def run():
+            res["out"], res["lse"] = self.fm.flash_mla_with_kvcache(
                 q, k_cache, table, seqlens, KV_LORA, sched, splits,
                 softmax_scale=scale, causal=s_q > 1, **self.legacy_kw,
             )
-            torch.cuda.synchronize(self.device)
-        return {"attn_latent": out.contiguous(), "lse": lse.float().contiguous()}  # lse [B, H, s_q]
 
+        def collect():
+            # lse [B, H, s_q] (head_token)
+            return {"attn_latent": res["out"].contiguous(), "lse": res["lse"].float().contiguous()}
+
+        return run, collect
+
+    def decode(self, x, meta):
+        import torch
+
+        with torch.no_grad():
+            run, collect = self.decode_kernel(x, meta)
+            run()
+            torch.cuda.synchronize(self.device)
+            return collect()
 
 if __name__ == "__main__":
     protocol.main(FlashMLA)

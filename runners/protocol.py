@@ -283,6 +283,11 @@ def serve(runner, stdin=None):
                 continue
             meta = req.get("meta") or {}
             tensors = runner.read(req["input"])
+            if meta.get("bench"):
+                outputs, timing = bench(runner, op, tensors, meta)
+                runner.write(req["output"], outputs)
+                reply({"id": rid, "status": "ok", "time_us": timing})
+                continue
             outputs = getattr(runner, op)(tensors, meta)
             runner.write(req["output"], outputs)
             reply({"id": rid, "status": "ok"})
@@ -294,6 +299,32 @@ def serve(runner, stdin=None):
             msg = f"{type(e).__name__}: {e}".strip()
             reply({"id": rid, "status": "error", "message": msg.splitlines()[0][:2000] if msg else type(e).__name__})
     return 0
+
+
+def bench(runner, op, tensors, meta):
+    """`meta.bench = {warmup, iters}` (mla-diff bench --peers): time the op's kernel launch alone
+    (`<op>_kernel` gives it on prepared buffers) with CUDA events, like mla-diff's own bench: warm-up
+    runs, then each run between two events; returns the outputs of the last run and {median, min} in µs."""
+    make = getattr(runner, op + "_kernel", None)
+    if make is None:
+        raise Unsupported(f"this runner cannot time its {op} op (no {op}_kernel)")
+    import torch
+
+    b = meta["bench"]
+    with torch.no_grad():
+        run, collect = make(tensors, meta)
+        for _ in range(int(b.get("warmup", 5))):
+            run()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(int(b.get("iters", 50))):
+            start.record()
+            run()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) * 1e3)
+        times.sort()
+        return collect(), {"median": times[len(times) // 2], "min": times[0], "iters": len(times)}
 
 
 def unsupported_exit(reason):

@@ -139,7 +139,9 @@ class VllmTriton(protocol.TorchRunner):
             "conventions": {"lse_base": "e", "lse_layout": "head_token"},
         }
 
-    def decode(self, x, meta):
+    def decode_kernel(self, x, meta):
+        """`decode_attention_fwd` as a launch on prepared buffers (`run`) and its outputs (`collect`):
+        what `mla-diff bench --peers` times."""
         import torch
 
         q_nope, q_pe, cache = x["q_nope"], x["q_pe"], x["kv_cache"]
@@ -153,24 +155,37 @@ class VllmTriton(protocol.TorchRunner):
             raise ValueError(f"kv_cache page axis is {cache.shape[1]}, meta page_size {page}")
         n_splits = int(meta.get("num_splits") or 1)
         scale = float(meta["softmax_scale"])
-        with torch.no_grad():
-            q = torch.cat([q_nope, q_pe], dim=-1)[:, 0].contiguous()  # [B, H, Lkv+rope]
-            kv = cache.unsqueeze(2)  # [pages, page, 1, Lkv+rope]
-            v = kv[..., :lkv]
-            o = torch.zeros(b_n, heads, lkv, dtype=q.dtype, device=q.device)
-            lse = torch.zeros(b_n, heads, dtype=q.dtype, device=q.device)
-            logits = torch.zeros(b_n, heads, n_splits, lkv + 1, dtype=torch.float32, device=q.device)
-            logits[..., lkv] = float("-inf")
-            table = x["block_table"].to(torch.int32).contiguous()
-            seqlens = x["cache_seqlens"].to(torch.int32).contiguous()
+        q = torch.cat([q_nope, q_pe], dim=-1)[:, 0].contiguous()  # [B, H, Lkv+rope]
+        kv = cache.unsqueeze(2)  # [pages, page, 1, Lkv+rope]
+        v = kv[..., :lkv]
+        o = torch.zeros(b_n, heads, lkv, dtype=q.dtype, device=q.device)
+        lse = torch.zeros(b_n, heads, dtype=q.dtype, device=q.device)
+        logits = torch.zeros(b_n, heads, n_splits, lkv + 1, dtype=torch.float32, device=q.device)
+        logits[..., lkv] = float("-inf")
+        table = x["block_table"].to(torch.int32).contiguous()
+        seqlens = x["cache_seqlens"].to(torch.int32).contiguous()
+
+        def run():
             self.decode_fwd(q, kv, v, o, lse, table, seqlens, logits, n_splits, scale, page, **self.decode_kwargs)
-            _sync(q.device)
-        return {
-            "attn_latent": o.unsqueeze(1),  # [B, 1, H, Lkv]
-            "lse": lse.unsqueeze(-1),  # [B, H, 1] (head_token), q's dtype as vLLM stores it
-            "split_out": logits[..., :lkv].unsqueeze(1).contiguous(),  # [B, 1, H, S, Lkv]
-            "split_lse": logits[..., lkv].unsqueeze(1).contiguous(),  # [B, 1, H, S]
-        }
+
+        def collect():
+            return {
+                "attn_latent": o.unsqueeze(1),  # [B, 1, H, Lkv]
+                "lse": lse.unsqueeze(-1),  # [B, H, 1] (head_token), q's dtype as vLLM stores it
+                "split_out": logits[..., :lkv].unsqueeze(1).contiguous(),  # [B, 1, H, S, Lkv]
+                "split_lse": logits[..., lkv].unsqueeze(1).contiguous(),  # [B, 1, H, S]
+            }
+
+        return run, collect
+
+    def decode(self, x, meta):
+        import torch
+
+        with torch.no_grad():
+            run, collect = self.decode_kernel(x, meta)
+            run()
+            _sync(x["q_nope"].device)
+            return collect()
 
     def prefill(self, x, meta):
         import torch

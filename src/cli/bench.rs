@@ -69,6 +69,10 @@ struct DecodeArgs {
     /// Time only the first (preferred) tile of each head count, not the alternatives.
     #[arg(long)]
     best_only: bool,
+    /// Other projects' decode kernels to time on the same inputs, through their runners: `flashmla`,
+    /// `vllm-triton` (runners/, under MLA_DIFF_PYTHON or python3), or a runner command line.
+    #[arg(long, value_delimiter = ',')]
+    peers: Vec<String>,
 }
 
 #[derive(clap::Args)]
@@ -108,6 +112,7 @@ impl DecodeArgs {
             iters: ITERS,
             decode_heads: self.heads.clone(),
             best_only: self.best_only,
+            peers: self.peers.clone(),
         })
     }
 }
@@ -122,6 +127,7 @@ impl PrefillArgs {
             iters: ITERS,
             decode_heads: vec![],
             best_only: false,
+            peers: vec![],
         })
     }
 }

@@ -11,7 +11,9 @@ use super::blas::{Blas, GemmPrecision};
 use super::device::{arg, DevBuf, Gpu, Timer};
 use super::kernels::{launch, Dims, Kernels, Tile};
 use super::nvrtc::Sources;
+use super::peers::{rel_l2_vs_bf16, Peer};
 use super::{decode_tiles, prefill_tiles};
+use crate::backend::runner::tensors::{bf16_bits, ints};
 use crate::backend::Dtype;
 use crate::error::Result;
 use crate::model::catalogue::Preset;
@@ -51,6 +53,8 @@ pub struct BenchOptions {
     pub decode_heads: Vec<usize>,
     /// Only the first tile of each shape (the one `run` uses).
     pub best_only: bool,
+    /// Other projects' decode kernels to time on the same inputs (`peers::command`).
+    pub peers: Vec<String>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -234,8 +238,25 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
         // The model's softmax scale 1/sqrt(P+R) (without YaRN's mscale: timing does not depend on it).
         let scale_log2 =
             (1.0 / ((base.p + base.r) as f64).sqrt() * std::f64::consts::LOG2_E) as f32;
+        // Peers start once (importing torch and initialising CUDA once); one that cannot is reported.
+        let mut peers: Vec<Peer> = Vec::new();
+        for p in &opts.peers {
+            match Peer::start(p) {
+                Ok(peer) => {
+                    writeln!(out, "peer {}: {}", peer.desc.name, peer.desc.version).unwrap();
+                    peers.push(peer);
+                }
+                Err(e) => writeln!(out, "peer {p}: not timed: {e}").unwrap(),
+            }
+        }
+        let host_pool: Vec<u16> = match peers.is_empty() {
+            true => Vec::new(),
+            false => pool.read(0, pages * page * row)?,
+        };
         for &h in &opts.decode_heads {
             let dims = Dims { h, page, ..base };
+            // Our fastest configuration of this head count: (label, median µs, output).
+            let mut best: Option<(String, f64, Vec<u16>)> = None;
             let q = DevBuf::alloc(bsz * h * row * 2)?;
             filler.fill(&q, bsz * h * row, 12 + h as u32, 1.0)?;
             let o = DevBuf::alloc(bsz * h * lkv * 2)?;
@@ -309,6 +330,13 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
                     let got: Vec<u16> = o.read(0, bsz * h * lkv)?;
                     let (err, bad) = rel_l2(&got, &want);
                     let t = time_us(5, 50, run)?;
+                    if best.as_ref().is_none_or(|b| t.0 < b.1) {
+                        best = Some((
+                            format!("{}; splits {splits}", tile.label()),
+                            t.0,
+                            got.clone(),
+                        ));
+                    }
                     rows.push(mk(
                         "decode",
                         format!("B={bsz} H={h} s_k={s} page={page} d={row}/{lkv} bf16"),
@@ -318,6 +346,64 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
                         flops,
                         format!("vs scalar kernel: rel-L2 {err:.2e}, non-finite {bad}"),
                     ));
+                }
+            }
+            if peers.is_empty() {
+                continue;
+            }
+            // The peers' inputs: our q split as [q_nope | q_pe], the pool, each request's pages.
+            let host_q: Vec<u16> = q.read(0, bsz * h * row)?;
+            let (mut qn, mut qp) = (Vec::new(), Vec::new());
+            for r in host_q.chunks_exact(row) {
+                qn.extend_from_slice(&r[..lkv]);
+                qp.extend_from_slice(&r[lkv..]);
+            }
+            let inputs = [
+                bf16_bits("q_nope", vec![bsz, 1, h, lkv], &qn),
+                bf16_bits("q_pe", vec![bsz, 1, h, r], &qp),
+                bf16_bits("kv_cache", vec![pages, page, row], &host_pool),
+                ints("block_table", vec![bsz, s / page], &perm),
+                ints("cache_seqlens", vec![bsz], &vec![s as i32; bsz]),
+            ];
+            let scale = 1.0 / ((base.p + base.r) as f64).sqrt();
+            for peer in peers.iter_mut() {
+                // vLLM's TRITON_MLA uses 4 splits (TritonMLAImpl); FlashMLA plans its own.
+                let meta = serde_json::json!({
+                    "dtype": "bf16", "softmax_scale": scale, "heads": h, "kv_lora_rank": lkv,
+                    "qk_nope": base.p, "qk_rope": r, "v_head_dim": base.dv, "page_size": page,
+                    "num_splits": 4, "q_len": 1, "causal": true,
+                    "bench": {"warmup": 5, "iters": 50},
+                });
+                let name = peer.desc.name.clone();
+                match peer.decode(&inputs, &meta, &[bsz, 1, h, lkv]) {
+                    Ok((tm, lat)) => {
+                        let (vs_scalar, bad) = rel_l2_vs_bf16(&lat, &want);
+                        let vs_ours = best
+                            .as_ref()
+                            .map(|b| {
+                                format!("; vs ours: rel-L2 {:.2e}", rel_l2_vs_bf16(&lat, &b.2).0)
+                            })
+                            .unwrap_or_default();
+                        rows.push(mk(
+                            "decode",
+                            format!("B={bsz} H={h} s_k={s} page={page} d={row}/{lkv} bf16"),
+                            format!("peer {name}"),
+                            (tm.median, tm.min),
+                            bytes,
+                            flops,
+                            format!("vs scalar kernel: rel-L2 {vs_scalar:.2e}, non-finite {bad}{vs_ours}"),
+                        ));
+                        if let Some((label, med, _)) = &best {
+                            writeln!(
+                                out,
+                                "decode H={h}: ours ({label}) {med:.1} us vs {name} {:.1} us: ours takes {:.2}x the peer's time",
+                                tm.median,
+                                med / tm.median
+                            )
+                            .unwrap();
+                        }
+                    }
+                    Err(e) => writeln!(out, "decode H={h}: peer {name}: {e}").unwrap(),
                 }
             }
         }

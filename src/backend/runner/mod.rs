@@ -125,7 +125,7 @@ impl RunnerBackend {
             meta,
         };
         match self.proc.call(&req)? {
-            Outcome::Ok => {}
+            Outcome::Ok(_) => {}
             Outcome::Unsupported(reason) => {
                 return Err(Error::Unsupported(format!(
                     "runner {} cannot take layer {layer} {op}: {reason}",

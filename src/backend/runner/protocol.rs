@@ -112,6 +112,16 @@ struct Reply {
     reason: Option<String>,
     #[serde(default)]
     message: Option<String>,
+    /// Kernel time when the request asked for it (`meta.bench`, `mla-diff bench --peers`).
+    #[serde(default)]
+    time_us: Option<Timing>,
+}
+
+/// A runner's own timing of its kernel (CUDA events), µs.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+pub struct Timing {
+    pub median: f64,
+    pub min: f64,
 }
 
 /// The command line, split as a POSIX shell would (no shell runs it).
@@ -223,7 +233,8 @@ pub struct Process {
 
 /// How one request ended.
 pub enum Outcome {
-    Ok,
+    /// Done, with the kernel's time when it was asked for.
+    Ok(Option<Timing>),
     Unsupported(String),
 }
 
@@ -341,7 +352,7 @@ impl Process {
             )));
         }
         match r.status.as_str() {
-            "ok" => Ok(Outcome::Ok),
+            "ok" => Ok(Outcome::Ok(r.time_us)),
             "unsupported" => Ok(Outcome::Unsupported(
                 r.reason.unwrap_or_else(|| "no reason given".into()),
             )),

@@ -41,6 +41,16 @@ pub fn floats(name: &'static str, shape: Vec<usize>, v: &[f32], dt: Dtype) -> Na
     }
 }
 
+/// bf16 values as their bit patterns (a device buffer read back as is).
+pub fn bf16_bits(name: &'static str, shape: Vec<usize>, v: &[u16]) -> Named {
+    Named {
+        name,
+        shape,
+        bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        dtype: St::BF16,
+    }
+}
+
 pub fn ints(name: &'static str, shape: Vec<usize>, v: &[i32]) -> Named {
     Named {
         name,

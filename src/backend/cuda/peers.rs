@@ -1,0 +1,107 @@
+//! `mla-diff bench decode --peers …`: other projects' decode kernels, run through their runners
+//! (docs/runners.md) on the very inputs our kernels were timed on — the same queries, the same paged
+//! cache and block table, read back from the device — timed by the runner with CUDA events (`meta.bench`),
+//! their outputs checked against our scalar kernel and our fastest tile.
+
+use crate::backend::runner::protocol::{self, Describe, Outcome, Process, Request, Timing};
+use crate::backend::runner::tensors::{self, Named, Outputs};
+use crate::error::{Error, Result};
+
+/// The shipped runners by the names `--peers` takes.
+pub const KNOWN: [(&str, &str); 2] = [
+    ("flashmla", "runners/flashmla.py"),
+    ("vllm-triton", "runners/vllm_triton.py"),
+];
+
+/// A peer name (`flashmla`, `vllm-triton`) or a runner command line, as a command line. The shipped
+/// runners run under `MLA_DIFF_PYTHON` (or `python3`), from the current directory's `runners/`.
+pub fn command(peer: &str) -> Result<String> {
+    if peer.contains(' ') {
+        return Ok(peer.to_string());
+    }
+    let Some((_, file)) = KNOWN.iter().find(|(n, _)| *n == peer) else {
+        return Err(Error::Usage(format!(
+            "--peers: unknown peer '{peer}' (known: {}; or give a runner command line with its arguments)",
+            KNOWN.map(|(n, _)| n).join(", ")
+        )));
+    };
+    if !std::path::Path::new(file).is_file() {
+        return Err(Error::Usage(format!(
+            "--peers {peer}: {file} not found (run from the repository root, or give the runner's command line)"
+        )));
+    }
+    let py = std::env::var("MLA_DIFF_PYTHON").unwrap_or_else(|_| "python3".into());
+    Ok(format!("{py} {file}"))
+}
+
+/// One peer's serving process.
+pub struct Peer {
+    pub desc: Describe,
+    proc: Process,
+}
+
+impl Peer {
+    pub fn start(peer: &str) -> Result<Peer> {
+        let cmd = command(peer)?;
+        let desc = protocol::describe(&cmd)?;
+        if desc.ops.decode.is_none() {
+            return Err(Error::Unsupported(format!(
+                "peer {} has no decode op",
+                desc.name
+            )));
+        }
+        let proc = Process::start(&cmd, &desc.name, false)?;
+        Ok(Peer { desc, proc })
+    }
+
+    /// Time the peer's decode on `inputs` (the runner protocol's decode tensors); returns its timing
+    /// and its `attn_latent` (`[B, 1, H, Lkv]` as f64).
+    pub fn decode(
+        &mut self,
+        inputs: &[Named],
+        meta: &serde_json::Value,
+        latent_shape: &[usize],
+    ) -> Result<(Timing, Vec<f64>)> {
+        let (id, input, output) = self.proc.next_paths();
+        tensors::write(&input, inputs)?;
+        let req = Request {
+            id,
+            op: "decode",
+            layer: 0,
+            input: &input,
+            output: &output,
+            meta,
+        };
+        let outcome = self.proc.call(&req);
+        let _ = std::fs::remove_file(&input);
+        let timing = match outcome? {
+            Outcome::Ok(Some(t)) => t,
+            Outcome::Ok(None) => {
+                return Err(Error::Environment(format!(
+                    "peer {} did not report a time (meta.bench)",
+                    self.desc.name
+                )))
+            }
+            Outcome::Unsupported(why) => return Err(Error::Unsupported(why)),
+        };
+        let mut out = Outputs::read(&output, &self.desc.name)?;
+        let _ = std::fs::remove_file(&output);
+        let lat = out.take("attn_latent", latent_shape, "decode")?;
+        Ok((timing, lat.data))
+    }
+}
+
+/// rel-L2 of `a` against `b` (bf16 bit patterns) and the count of non-finite values in `a`.
+pub fn rel_l2_vs_bf16(a: &[f64], b: &[u16]) -> (f64, usize) {
+    let (mut num, mut den, mut bad) = (0.0, 0.0, 0);
+    for (&x, &y) in a.iter().zip(b) {
+        let y = half::bf16::from_bits(y).to_f64();
+        if !x.is_finite() {
+            bad += 1;
+            continue;
+        }
+        num += (x - y) * (x - y);
+        den += y * y;
+    }
+    ((num / den.max(1e-300)).sqrt(), bad)
+}
