@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# #16: our decode kernels and the peers' (FlashMLA, vLLM TRITON_MLA) timed in one run on the same inputs
+# (bench decode --peers). Carry .carry/peers (runners/fetch_peers.sh) and the binary; B=path OUT=dir.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+B=${B:-.carry/mla-diff}
+OUT=${OUT:?set OUT}
+mkdir -p /tmp/peers-site && tar xJf .carry/peers/sgl_flash_mla.tar.xz -C /tmp/peers-site
+export PYTHONPATH="$PWD/.carry/peers:/tmp/peers-site${PYTHONPATH:+:$PYTHONPATH}" MLA_DIFF_PYTHON=python3 NO_COLOR=1
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+git log -1 --format='commit %h %s' 2>/dev/null || true
+timeout 400 "$B" bench decode --peers flashmla,vllm-triton --json "$OUT/bench-decode-peers.json" 2>&1 | tee "$OUT/bench-decode-peers.txt"
