@@ -8,5 +8,4 @@ OUT=${OUT:?set OUT}
 mkdir -p /tmp/peers-site && tar xJf .carry/peers/sgl_flash_mla.tar.xz -C /tmp/peers-site
 export PYTHONPATH="$PWD/.carry/peers:/tmp/peers-site${PYTHONPATH:+:$PYTHONPATH}" MLA_DIFF_PYTHON=python3 NO_COLOR=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-git log -1 --format='commit %h %s' 2>/dev/null || true
 timeout 400 "$B" bench decode --peers flashmla,vllm-triton --json "$OUT/bench-decode-peers.json" 2>&1 | tee "$OUT/bench-decode-peers.txt"
