@@ -174,6 +174,27 @@ class TorchSdpa(protocol.TorchRunner):
             "conventions": {"lse_base": "e", "lse_layout": "token_head"},
         }
 
+    def prefill_kernel(self, x, meta):
+        """A whole causal prompt (no context) as one SDPA launch on prepared heads-first buffers (`run`)
+        and its outputs (`collect`): what `mla-diff bench prefill --peers torch` times."""
+        if int(meta.get("context_len", 0)) != 0:
+            raise protocol.Unsupported("bench: prefill_kernel times a chunk without context only")
+        scale = float(meta["softmax_scale"])
+
+        def heads_first(t):
+            return t.permute(1, 0, 2).unsqueeze(0).contiguous()
+
+        q, k, v = heads_first(x["q"]), heads_first(x["k"]), heads_first(x["v"])
+        res = {}
+
+        def run():
+            res["o"], res["l"] = sdpa_part(q, k, v, scale, True, self.backend)
+
+        def collect():
+            return {"attn_heads": res["o"][0].permute(1, 0, 2).contiguous(), "lse": res["l"][0].transpose(0, 1).contiguous()}
+
+        return run, collect
+
     def prefill(self, x, meta):
         import torch
 

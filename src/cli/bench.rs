@@ -83,6 +83,11 @@ struct PrefillArgs {
     kernels: Option<PathBuf>,
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Other projects' prefill kernels to time on the same inputs, through their runners: `torch`
+    /// (runners/torch_sdpa.py; its SDPA kernel from MLA_DIFF_SDPA_BACKEND, e.g. cudnn), or a runner
+    /// command line.
+    #[arg(long, value_delimiter = ',')]
+    peers: Vec<String>,
 }
 
 impl ReferenceArgs {
@@ -127,7 +132,7 @@ impl PrefillArgs {
             iters: ITERS,
             decode_heads: vec![],
             best_only: false,
-            peers: vec![],
+            peers: self.peers.clone(),
         })
     }
 }

@@ -8,9 +8,11 @@ use crate::backend::runner::tensors::{self, Named, Outputs};
 use crate::error::{Error, Result};
 
 /// The shipped runners by the names `--peers` takes.
-pub const KNOWN: [(&str, &str); 2] = [
+pub const KNOWN: [(&str, &str); 3] = [
     ("flashmla", "runners/flashmla.py"),
     ("vllm-triton", "runners/vllm_triton.py"),
+    // Its SDPA kernel: MLA_DIFF_SDPA_BACKEND (flash, efficient, cudnn; default flash).
+    ("torch", "runners/torch_sdpa.py"),
 ];
 
 /// A peer name (`flashmla`, `vllm-triton`) or a runner command line, as a command line. The shipped
@@ -44,29 +46,34 @@ impl Peer {
     pub fn start(peer: &str) -> Result<Peer> {
         let cmd = command(peer)?;
         let desc = protocol::describe(&cmd)?;
-        if desc.ops.decode.is_none() {
-            return Err(Error::Unsupported(format!(
-                "peer {} has no decode op",
-                desc.name
-            )));
-        }
         let proc = Process::start(&cmd, &desc.name, false)?;
         Ok(Peer { desc, proc })
     }
 
-    /// Time the peer's decode on `inputs` (the runner protocol's decode tensors); returns its timing
-    /// and its `attn_latent` (`[B, 1, H, Lkv]` as f64).
-    pub fn decode(
+    /// Whether it implements `op` (`decode`, `prefill`).
+    pub fn has(&self, op: &str) -> bool {
+        match op {
+            "decode" => self.desc.ops.decode.is_some(),
+            "prefill" => self.desc.ops.prefill.is_some(),
+            _ => false,
+        }
+    }
+
+    /// Time the peer's `op` on `inputs` (the runner protocol's tensors of that op); returns its timing
+    /// and its output `name` (of `shape`, as f64).
+    pub fn time_op(
         &mut self,
+        op: &'static str,
         inputs: &[Named],
         meta: &serde_json::Value,
-        latent_shape: &[usize],
+        name: &str,
+        shape: &[usize],
     ) -> Result<(Timing, Vec<f64>)> {
         let (id, input, output) = self.proc.next_paths();
         tensors::write(&input, inputs)?;
         let req = Request {
             id,
-            op: "decode",
+            op,
             layer: 0,
             input: &input,
             output: &output,
@@ -86,8 +93,7 @@ impl Peer {
         };
         let mut out = Outputs::read(&output, &self.desc.name)?;
         let _ = std::fs::remove_file(&output);
-        let lat = out.take("attn_latent", latent_shape, "decode")?;
-        Ok((timing, lat.data))
+        Ok((timing, out.take(name, shape, op)?.data))
     }
 }
 
