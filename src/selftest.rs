@@ -11,6 +11,7 @@
 mod cases;
 mod fixtures;
 mod matrix;
+pub mod sensitivity;
 
 pub use cases::{controls, schedule_for, Case, Control, CONTROLS, MINIMAL};
 pub use fixtures::{scale_tensors, Fixture, Model, FIXTURES, LARGE_QABS_LOG2};

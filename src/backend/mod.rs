@@ -51,6 +51,15 @@ impl Dtype {
             Dtype::F32 => x,
         }
     }
+    /// The spacing of the storage type's numbers just above 1 (2⁻⁸ bf16, 2⁻¹¹ fp16, 2⁻²⁴ f32 here:
+    /// twice the unit roundoff).
+    pub fn round_unit(self) -> f64 {
+        match self {
+            Dtype::Bf16 => 2f64.powi(-8),
+            Dtype::F16 => 2f64.powi(-11),
+            Dtype::F32 => 2f64.powi(-24),
+        }
+    }
     pub fn name(self) -> &'static str {
         match self {
             Dtype::Bf16 => "bf16",

@@ -22,6 +22,11 @@ pub struct Args {
     /// Print the catalogue (name, define, expected stage, needs, the bug it models, CUDA site) and exit.
     #[arg(long)]
     list: bool,
+    /// Measure instead: the smallest error each check catches (Gaussian noise, a constant bias, one
+    /// row), in units of that check's clean error, on layer 1 of every selftest fixture (bf16, the
+    /// default schedule). A measurement: exits 0.
+    #[arg(long)]
+    sensitivity: bool,
 }
 
 impl Args {
@@ -50,6 +55,9 @@ pub fn exec(a: Args) -> Result<i32, Error> {
     if a.list {
         print!("{}", mla_diff::faults::list_text());
         return Ok(EXIT_PASS);
+    }
+    if a.sensitivity {
+        return sensitivity(&a);
     }
     let opts = a.options()?;
     println!("mla-diff selftest: backend {}, every fault injected into layer {} of a {}-layer fixture, shadow mode", a.backend.name(), selftest::TARGET, selftest::LAYERS);
@@ -84,4 +92,62 @@ pub fn exec(a: Args) -> Result<i32, Error> {
     } else {
         EXIT_DIVERGENCE
     })
+}
+
+fn sensitivity(a: &Args) -> Result<i32, Error> {
+    use mla_diff::selftest::sensitivity;
+    let dir = match &a.fixtures {
+        Some(d) => d.clone(),
+        None => std::env::temp_dir().join(format!("mla-diff-sensitivity-{}", std::process::id())),
+    };
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
+    let dtype = mla_diff::backend::Dtype::Bf16;
+    let (mut backend, info) = Factory::new().open(
+        Choice::from(a.backend),
+        &mla_diff::backend::Options {
+            dtype,
+            kernels_dir: None,
+            runner: None,
+        },
+    )?;
+    let sched = mla_diff::schedule::Schedule::default();
+    let tols = mla_diff::compare::ToleranceTable::defaults();
+    println!(
+        "mla-diff selftest --sensitivity: {}, layer {} of each selftest fixture, prompt {} in chunks of {}, {} decode steps, page {}, {} splits; smallest error caught, in units of the check's clean rms error (goal: <= 2)",
+        info.description,
+        selftest::TARGET,
+        sched.prompt_len,
+        sched.chunk,
+        sched.decode_steps,
+        sched.page_size,
+        sched.num_splits
+    );
+    let (mut all, mut within) = (0, 0);
+    for f in selftest::FIXTURES {
+        let p = dir.join(f.model.file_name());
+        f.model.write(&p)?;
+        let file = mla_diff::gguf::GgufFile::open(&p)?;
+        let rows = sensitivity::measure(
+            &file,
+            selftest::TARGET,
+            backend.as_mut(),
+            dtype,
+            &sched,
+            &tols,
+            a.seed,
+        )?;
+        for r in &rows {
+            for t in r.thresholds {
+                all += 1;
+                within += t.is_some_and(|k| k > 0.0 && k <= 2.0) as usize;
+            }
+        }
+        print!("{}", sensitivity::table(f.name, &rows));
+    }
+    if a.fixtures.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    println!("{within} of {all} thresholds within 2x the noise");
+    Ok(EXIT_PASS)
 }

@@ -1,0 +1,203 @@
+//! `mla-diff selftest --sensitivity`: the smallest planted error each check catches, in units of that
+//! check's own noise — the clean optimized path's rms error against the reference at that stage.
+//!
+//! Each perturbation is added to one stage of a clean trace and only that check is re-run, so the figure
+//! is the check's detection threshold, not how far an error travels:
+//! - `noise`: independent Gaussian error of k × the clean rms error on every element of the check;
+//! - `bias`: a constant k × the clean rms error (an LSE offset, a mis-scaled mean);
+//! - `one row`: Gaussian error of k × the clean rms error on the last token row only (one query's
+//!   output, one decode step), which the elementwise criterion must catch.
+//!
+//! A check whose threshold is k catches an error k times its noise; the goal of #14 is k ≤ 2 everywhere.
+
+use crate::backend::{Backend, Dtype, RunTables};
+use crate::compare::{self, checks_for, ToleranceTable};
+use crate::error::Result;
+use crate::faults::Active;
+use crate::gguf::GgufFile;
+use crate::model::{LayerWeights, MlaConfig, RopeFactors};
+use crate::schedule::Schedule;
+use crate::trace::StageTensor;
+use rand::SeedableRng;
+use rand_distr::{Distribution, StandardNormal};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Noise,
+    Bias,
+    OneRow,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 3] = [Kind::Noise, Kind::Bias, Kind::OneRow];
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Noise => "noise",
+            Kind::Bias => "bias",
+            Kind::OneRow => "one row",
+        }
+    }
+}
+
+/// One check's thresholds.
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub check: String,
+    /// The clean run's rel-L2 at this check (the noise), and its tolerance.
+    pub clean_rel_l2: f64,
+    pub tol_rel_l2: f64,
+    /// Per `Kind::ALL`: the smallest k caught (`None`: not caught at 10⁶; `Some(0)`: the clean run
+    /// already fails).
+    pub thresholds: [Option<f64>; 3],
+}
+
+/// Measure every check of layer `layer` of `file` on `sched`.
+pub fn measure(
+    file: &GgufFile,
+    layer: usize,
+    backend: &mut dyn Backend,
+    dtype: Dtype,
+    sched: &Schedule,
+    tols: &ToleranceTable,
+    seed: u64,
+) -> Result<Vec<Row>> {
+    let cfg = MlaConfig::from_gguf(file)?;
+    let w = LayerWeights::load(file, &cfg, layer)?;
+    let factors = RopeFactors::load(file, &cfg)?;
+    let tables = RunTables::new(&cfg, factors.as_ref(), sched)?;
+    let x = crate::input::random_hidden(cfg.hidden, sched.total_tokens(), seed);
+    let reference = crate::reference::run_layer(&cfg, &w, &tables.rope, &x, sched)?;
+    let opt = backend.run_layer(&tables.ctx(&cfg, &w, sched, Active::NONE), &x)?;
+    let ctx = compare::Ctx {
+        layer,
+        elementwise: true,
+        sched,
+        block_table: &tables.block_table,
+        provided: backend.provides(),
+    };
+    let mut rows = Vec::new();
+    for check in checks_for(sched) {
+        if !ctx.provided.contains(check.stage) {
+            continue;
+        }
+        let (Some(r), Some(o)) = (reference.get(check.stage), opt.get(check.stage)) else {
+            continue;
+        };
+        let tol = tols.get(dtype, &check)?;
+        let span = check.rows(sched);
+        let per: usize = o.shape[1..].iter().product();
+        let (a, b) = (span.start * per, span.end * per);
+        // The noise unit: the clean error's rms over the check's elements (finite ones); a stage the
+        // optimized path computes exactly gets one unit roundoff of the reference's rms instead.
+        let diffs: Vec<f64> = (a..b)
+            .map(|i| o.data[i] - r.data[i])
+            .filter(|d| d.is_finite())
+            .collect();
+        let rms = |v: &[f64]| (v.iter().map(|d| d * d).sum::<f64>() / v.len().max(1) as f64).sqrt();
+        let ref_rms = rms(&r.data[a..b]);
+        let mut sigma = rms(&diffs);
+        if sigma == 0.0 {
+            sigma = ref_rms * dtype.round_unit();
+        }
+        let clean = compare::compare_check(&ctx, check, r, o, tol)?;
+        let mut g = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5e5);
+        let gauss: Vec<f64> = (a..b).map(|_| StandardNormal.sample(&mut g)).collect();
+        let last_row = (b - per)..b;
+        let caught = |kind: Kind, k: f64| -> Result<bool> {
+            let mut p: StageTensor = o.clone();
+            for (n, i) in (a..b).enumerate() {
+                p.data[i] += match kind {
+                    Kind::Noise => k * sigma * gauss[n],
+                    Kind::Bias => k * sigma,
+                    Kind::OneRow if last_row.contains(&i) => k * sigma * gauss[n],
+                    Kind::OneRow => 0.0,
+                };
+            }
+            Ok(!compare::compare_check(&ctx, check, r, &p, tol)?.pass)
+        };
+        let mut thresholds = [None; 3];
+        for (t, kind) in thresholds.iter_mut().zip(Kind::ALL) {
+            *t = match clean.pass {
+                false => Some(0.0),
+                true => threshold(|k| caught(kind, k))?,
+            };
+        }
+        rows.push(Row {
+            check: check.name(),
+            clean_rel_l2: clean.metrics.rel_l2,
+            tol_rel_l2: tol.rel_l2,
+            thresholds,
+        });
+    }
+    Ok(rows)
+}
+
+/// The smallest k ≥ 0 with `caught(k)`, to 2 %, for a `caught` monotone in k; `None` past 10⁶.
+fn threshold(mut caught: impl FnMut(f64) -> Result<bool>) -> Result<Option<f64>> {
+    let mut hi = 0.25;
+    while !caught(hi)? {
+        hi *= 2.0;
+        if hi > 1e6 {
+            return Ok(None);
+        }
+    }
+    let mut lo = hi / 2.0;
+    if hi == 0.25 {
+        lo = 0.0;
+    }
+    while hi - lo > 0.02 * hi {
+        let mid = (lo + hi) / 2.0;
+        match caught(mid)? {
+            true => hi = mid,
+            false => lo = mid,
+        }
+    }
+    Ok(Some(hi))
+}
+
+/// The table of one fixture: check, clean rel-L2, tolerance, thresholds.
+pub fn table(name: &str, rows: &[Row]) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    writeln!(
+        s,
+        "{name}\n  {:<22} {:>10} {:>10} {:>8} {:>8} {:>8}",
+        "check", "clean", "tolerance", "noise", "bias", "one row"
+    )
+    .unwrap();
+    let cell = |t: Option<f64>| match t {
+        None => "never".to_string(),
+        Some(0.0) => "FAILS".to_string(),
+        // Caught at any size: e.g. a purely relative elementwise bound on elements near zero.
+        Some(v) if v < 0.01 => "<0.01".to_string(),
+        Some(v) => format!("{v:.2}"),
+    };
+    for r in rows {
+        writeln!(
+            s,
+            "  {:<22} {:>10.2e} {:>10.2e} {:>8} {:>8} {:>8}",
+            r.check,
+            r.clean_rel_l2,
+            r.tol_rel_l2,
+            cell(r.thresholds[0]),
+            cell(r.thresholds[1]),
+            cell(r.thresholds[2])
+        )
+        .unwrap();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn threshold_finds_the_step_of_a_monotone_predicate() {
+        for step in [0.003, 0.3, 1.7, 7.0, 123.0] {
+            let t = threshold(|k| Ok(k >= step)).unwrap().unwrap();
+            assert!(t >= step && t <= step * 1.03 + 1e-3, "{step}: {t}");
+        }
+        assert_eq!(threshold(|_| Ok(false)).unwrap(), None);
+    }
+}
