@@ -292,3 +292,43 @@ fn a_broken_runner_is_a_clean_error() {
     );
     assert_clean_error(&go(&format!("{py} {}", s.display())), "has shape [1, 2]");
 }
+
+/// A capsule replays through a runner: the repro a user attaches, rerun on someone else's kernel.
+#[test]
+fn a_capsule_replays_through_a_runner() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let cap = dir.path().join("cap");
+    let f = fixture("glm-5-q4_0.gguf");
+    let o = run(&[
+        "export",
+        f.to_str().unwrap(),
+        "--layers",
+        "0",
+        "-o",
+        cap.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let replay = |cmd: &str| {
+        run(&[
+            "replay",
+            cap.to_str().unwrap(),
+            "--backend",
+            "cpu",
+            "--runner",
+            cmd,
+            "--json",
+            "-",
+            "-q",
+        ])
+    };
+    let o = replay(&runner(&py, "numpy_mla.py"));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = replay(&runner(&py, "bugs/kpe_latent_swapped.py"));
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let rep: J = serde_json::from_slice(&o.stdout).unwrap();
+    let first = rep["modes"][0]["layers"][0]["first_failure"]
+        .as_str()
+        .unwrap();
+    assert!(RUNNER_CHECKS.contains(&first), "{first}");
+}
