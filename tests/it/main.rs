@@ -26,3 +26,4 @@ mod run_report;
 mod runners;
 mod schedule_invariance;
 mod selftest;
+mod sweep;
