@@ -24,6 +24,7 @@ pub mod rope;
 pub mod run;
 pub mod schedule;
 pub mod selftest;
+pub mod sweep;
 pub mod trace;
 
 pub use error::{Error, Result};

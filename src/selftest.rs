@@ -165,6 +165,7 @@ fn run_case(
         dump: None,
         faults,
         progress: false,
+        repeat: 1,
     };
     let rep = crate::run::run(file, backend.as_mut(), &info, &opts)?;
     Ok((rep, info.description))

@@ -142,4 +142,35 @@ pub trait Backend {
     fn notices(&self) -> Vec<String> {
         Vec::new()
     }
+    /// The key counts at which its attention kernels' loop structure changes (tiles, per-warp key
+    /// slices), per phase: what `mla-diff sweep` puts boundary lengths around. A GPU backend knows its
+    /// tiles once a layer has chosen them, so this is asked after a run; empty when unknown.
+    fn key_tiles(&self) -> KeyTiles {
+        KeyTiles::default()
+    }
+}
+
+/// The key-count periods of a backend's attention kernels (`Backend::key_tiles`): each a name and a
+/// number of keys counted from the start of a key range (a prefill chunk's context or own keys, a decode
+/// split's keys).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyTiles {
+    pub prefill: Vec<KeyTile>,
+    pub decode: Vec<KeyTile>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyTile {
+    /// What it is: "flash tile", "mma tile 4x2w bn64 …", "warp key slice", …
+    pub name: String,
+    pub keys: usize,
+}
+
+impl KeyTile {
+    pub fn new(name: impl Into<String>, keys: usize) -> KeyTile {
+        KeyTile {
+            name: name.into(),
+            keys,
+        }
+    }
 }

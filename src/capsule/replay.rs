@@ -66,6 +66,7 @@ impl Capsule {
             dump,
             faults: FaultSet::default(),
             progress,
+            repeat: 1,
         }
     }
 

@@ -14,6 +14,7 @@ mod kernels;
 mod replay;
 mod run;
 mod selftest;
+mod sweep;
 
 #[derive(Parser)]
 #[command(name = "mla-diff", version, about = "Where does the fast MLA path stop computing the model?", after_help = EXIT_CODES)]
@@ -34,6 +35,10 @@ enum Cmd {
     Fixture(fixture::Args),
     /// Run every layer's attention through the fp64 reference and the optimized path and compare stage by stage.
     Run(Box<run::Args>),
+    /// Run many sequence lengths around the kernel's boundaries (pages, chunks, key tiles, the split
+    /// partition) and report the smallest failing length, bisecting the gap below it; or, with --splits,
+    /// check that split-KV counts agree within tolerance. Same report formats as `run`.
+    Sweep(Box<sweep::Args>),
     /// Write one layer of a model as a self-contained capsule directory (its tensors' bytes as stored, the
     /// layer input, the fp64 reference stages, a manifest): the repro to attach to a bug report.
     Export(Box<export::Args>),
@@ -61,6 +66,7 @@ pub fn exec(cli: Cli) -> Result<i32, Error> {
         Cmd::Inspect(a) => inspect::exec(a),
         Cmd::Fixture(a) => fixture::exec(a),
         Cmd::Run(a) => run::exec(*a),
+        Cmd::Sweep(a) => sweep::exec(*a),
         Cmd::Export(a) => export::exec(*a),
         Cmd::Replay(a) => replay::exec(*a),
         Cmd::Calibrate(a) => calibrate::exec(a),

@@ -30,13 +30,13 @@ pub fn exec(a: Args) -> Result<i32, Error> {
         tolerances,
         source,
         a.report.dump(cfg.n_layer)?,
-        !a.report.quiet,
+        !a.report.formats.quiet,
     );
     let ready = Prepared::check(&file, &cfg, &opts, &a.report)?;
     // Before the run: a capsule whose weights no longer give its reference would report on another
     // problem than the one it was exported for.
     cap.check_reference(&file, &cfg)?;
-    if !a.report.quiet {
+    if !a.report.formats.quiet {
         eprintln!(
             "mla-diff: capsule {}: layer {} of {}{}, {} tokens, {}; its reference matches its weights",
             a.dir.display(),

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 pub mod args;
 mod outputs;
 
-pub use args::{BackendArgs, InputArgs, ReportArgs, ScheduleArgs, TolArgs};
+pub use args::{BackendArgs, FormatArgs, InputArgs, ReportArgs, ScheduleArgs, TolArgs};
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum ModeArg {
@@ -48,6 +48,10 @@ pub struct Args {
     /// NAME@layer=L. `mla-diff selftest --list` shows the catalogue.
     #[arg(long = "inject", value_name = "NAME[@layer=L]")]
     inject: Vec<String>,
+    /// Run the optimized path N times per layer on the same input and compare every stage bit for bit
+    /// (NaNs equal to NaNs); any difference is nondeterminism and fails the run. 1: no repeat.
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    repeat: u32,
     // The groups last: clap keeps a group's help heading for the arguments after it.
     #[command(flatten)]
     input: InputArgs,
@@ -114,7 +118,8 @@ impl Args {
             tolerance_source,
             dump,
             faults,
-            progress: !self.report.quiet,
+            progress: !self.report.formats.quiet,
+            repeat: self.repeat as usize,
         })
     }
 }
@@ -179,7 +184,7 @@ pub fn execute(
     notices: &[String],
 ) -> Result<i32, Error> {
     let Prepared { outputs, baseline } = ready;
-    if !r.quiet {
+    if !r.formats.quiet {
         for b in opts.faults.blind_spots(cfg, &opts.sched) {
             eprintln!("mla-diff: note: injected fault {b} may not show on this run");
         }
@@ -194,7 +199,7 @@ pub fn execute(
         rep.set_baseline(g);
     }
     outputs.write(&rep, r)?;
-    if !r.quiet {
+    if !r.formats.quiet {
         if let Some(d) = &r.dump_dir {
             if rep.dumps.is_empty() {
                 eprintln!(

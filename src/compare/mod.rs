@@ -188,6 +188,19 @@ fn position(ctx: &Ctx, stage: Stage, t: &StageTensor, row0: usize, flat: usize) 
     Position { coords }
 }
 
+/// Where a flat index of a whole stage tensor lies: the check whose rows hold it (a phased stage's
+/// `[prefill]` or `[decode]` check) and its position decoded into named axes.
+pub fn locate(ctx: &Ctx, t: &StageTensor, flat: usize) -> (String, Position) {
+    let per: usize = t.shape[1..].iter().product();
+    let row = flat / per.max(1);
+    let check = checks_for(ctx.sched)
+        .into_iter()
+        .find(|c| c.stage == t.stage && c.rows(ctx.sched).contains(&row))
+        .map(|c| c.name())
+        .unwrap_or_else(|| t.stage.name().to_string());
+    (check, position(ctx, t.stage, t, 0, flat))
+}
+
 /// Rows `rows` of a stage tensor (first axis), as a view.
 pub fn rows_of<'a>(t: &'a StageTensor, rows: &std::ops::Range<usize>) -> (&'a [f64], Vec<usize>) {
     let per: usize = t.shape[1..].iter().product();

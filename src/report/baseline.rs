@@ -320,6 +320,7 @@ mod tests {
             dump: None,
             faults: Default::default(),
             progress: false,
+            repeat: 1,
         };
         let planned = Identity::planned(&file, &cfg, &opts).unwrap();
         assert_eq!(planned.tolerances["attn_out[decode]"].rel_l2, 0.5);

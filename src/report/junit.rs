@@ -3,6 +3,7 @@
 //! free mode alongside shadow mode is informational (it grows with depth even for a correct kernel), so
 //! its layers pass with the crossing noted in system-out: the failure count agrees with the exit code.
 //! A check whose stage the backend does not provide is one skipped case per mode, naming its layers.
+//! `--repeat` adds a `repeat` suite, one case per layer, failing where the runs differ.
 
 use super::Report;
 use quick_junit::{NonSuccessKind, Report as JReport, TestCase, TestCaseStatus, TestSuite};
@@ -78,6 +79,40 @@ pub fn render(r: &Report) -> String {
         }
         let mut suite = TestSuite::new(format!("{file} baseline"));
         suite.add_test_case(tc);
+        report.add_test_suite(suite);
+    }
+    // --repeat: one case per layer, failing where the optimized path's runs differ.
+    if let Some(rep) = &r.repeat {
+        let mut suite = TestSuite::new(format!("{file} repeat {}", rep.runs));
+        for l in &rep.layers {
+            let status = if l.identical {
+                TestCaseStatus::success()
+            } else {
+                let mut s = TestCaseStatus::non_success(NonSuccessKind::Failure);
+                s.set_message(format!(
+                    "layer {} nondeterministic over {} runs: {}",
+                    l.layer,
+                    rep.runs,
+                    l.differing
+                        .iter()
+                        .map(|d| d.stage.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
+                s
+            };
+            let mut tc = TestCase::new(format!("layer {} repeat", l.layer), status);
+            tc.set_classname("mla-diff.repeat");
+            if !l.identical {
+                let lines: Vec<String> = l
+                    .differing
+                    .iter()
+                    .map(|d| super::table::repeat_line(l.layer, d))
+                    .collect();
+                tc.set_system_out(lines.join("\n"));
+            }
+            suite.add_test_case(tc);
+        }
         report.add_test_suite(suite);
     }
     report.to_string().expect("junit serialises")

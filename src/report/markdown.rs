@@ -38,6 +38,16 @@ pub fn render(r: &Report) -> String {
             writeln!(s, "Compared across differences: {}\n", b.across.join("; ")).ok();
         }
     }
+    if let Some(rep) = &r.repeat {
+        writeln!(s, "Repeat ({} runs): {}\n", rep.runs, rep.message).ok();
+        let lines = super::table::repeat_lines(rep);
+        for l in lines.iter().take(10) {
+            writeln!(s, "- {l}").ok();
+        }
+        if !lines.is_empty() {
+            writeln!(s).ok();
+        }
+    }
     for n in &r.run.notices {
         writeln!(s, "> ⚠️ **Notice:** {n}\n").ok();
     }

@@ -79,6 +79,9 @@ pub struct Report {
     pub verdict: Verdict,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub baseline: Option<baseline::BaselineResult>,
+    /// `run --repeat N`: the optimized path's runs compared bit for bit; absent without --repeat.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub repeat: Option<crate::run::repeat::RepeatResult>,
     /// Directories the run wrote `.npy` dumps into (printed, not part of the JSON: paths are local).
     #[serde(skip)]
     pub dumps: Vec<std::path::PathBuf>,
@@ -119,25 +122,39 @@ impl FileInfo {
 }
 
 impl Report {
-    /// Overall pass: every mode passed and no baseline regression (the same as `verdict.pass` once the
-    /// gate's result is set with [`Report::set_baseline`]).
+    /// Overall pass: every mode passed, no baseline regression and no nondeterminism (the same as
+    /// `verdict.pass` once set with [`Report::set_baseline`] and [`Report::set_repeat`]).
     pub fn pass(&self) -> bool {
-        self.verdict.pass && self.baseline.as_ref().is_none_or(|b| b.pass)
+        self.verdict.pass
+            && self.baseline.as_ref().is_none_or(|b| b.pass)
+            && self.repeat.as_ref().is_none_or(|r| r.pass)
     }
     /// Record the baseline gate's result and fold it into the top-level verdict, so that the exit
     /// code, `verdict.pass`, JUnit and Markdown all say the same.
     pub fn set_baseline(&mut self, b: baseline::BaselineResult) {
         if !b.pass {
-            let v = &mut self.verdict;
-            v.message = if v.pass {
-                format!("{}; {}", b.message, v.message)
-            } else {
-                format!("{}; {}", v.message, b.message)
-            };
-            v.reasons.push(b.message.clone());
-            v.pass = false;
+            self.fail_with(&b.message);
         }
         self.baseline = Some(b);
+    }
+    /// Record the repeat check (`--repeat`) and fold nondeterminism into the top-level verdict, as
+    /// the baseline gate is.
+    pub fn set_repeat(&mut self, r: crate::run::repeat::RepeatResult) {
+        if !r.pass {
+            self.fail_with(&r.message);
+        }
+        self.repeat = Some(r);
+    }
+    /// A failure beside the modes' verdict: first in the message when the modes passed, else after.
+    fn fail_with(&mut self, message: &str) {
+        let v = &mut self.verdict;
+        v.message = if v.pass {
+            format!("{message}; {}", v.message)
+        } else {
+            format!("{}; {message}", v.message)
+        };
+        v.reasons.push(message.to_string());
+        v.pass = false;
     }
     /// The mode whose verdict decides the run (see [`Report::overall_verdict`]).
     pub fn decisive_mode(&self) -> Option<&str> {

@@ -52,10 +52,10 @@ impl Style {
             s.to_string()
         }
     }
-    fn red(&self, s: &str) -> String {
+    pub fn red(&self, s: &str) -> String {
         self.paint(s, "31;1")
     }
-    fn green(&self, s: &str) -> String {
+    pub fn green(&self, s: &str) -> String {
         self.paint(s, "32")
     }
 }
@@ -151,7 +151,41 @@ pub fn render(r: &Report, style: &Style) -> String {
             writeln!(s, "  compared across: {}", b.across.join("; ")).ok();
         }
     }
+    if let Some(r) = &r.repeat {
+        // A nondeterministic run's message is already part of the verdict line; list where.
+        if r.pass {
+            writeln!(s, "{}", style.green(&format!("repeat: {}", r.message))).ok();
+        }
+        for line in repeat_lines(r).iter().take(10) {
+            writeln!(s, "  {line}").ok();
+        }
+    }
     s
+}
+
+/// One line per stage that changed between identical runs (`--repeat`).
+pub fn repeat_lines(r: &crate::run::repeat::RepeatResult) -> Vec<String> {
+    r.layers
+        .iter()
+        .flat_map(|l| l.differing.iter().map(move |d| repeat_line(l.layer, d)))
+        .collect()
+}
+
+/// A stage that changed between identical runs: where first, and by how much.
+pub fn repeat_line(layer: usize, d: &crate::run::repeat::RepeatDiff) -> String {
+    format!(
+        "layer {layer} {}: run {} differs from run 1 in {} element(s), first at {} ({}: {} vs {})",
+        d.stage,
+        d.run,
+        d.elements,
+        d.first_at
+            .as_ref()
+            .map(|p| p.to_string())
+            .unwrap_or_else(|| format!("index {}", d.first_index)),
+        d.first_check,
+        d.values[0],
+        d.values[1]
+    )
 }
 
 /// The overall verdict, one line (all that `-q` prints).

@@ -27,3 +27,4 @@ mod run_report;
 mod runners;
 mod schedule_invariance;
 mod selftest;
+mod sweep;

@@ -164,6 +164,9 @@ pub fn step(
                 false => &parts[..],
             };
             let m = match fx.on(Fault::LseLog2Merge) {
+                // With one split the fault drops it: nothing merged is out 0, lse −inf, at the
+                // partials' width (as decode.cu's combine writes it).
+                _ if used.is_empty() => Partial::empty(parts[0].out.len()),
                 true => merge_log2(used),
                 false => merge(used),
             }

@@ -101,6 +101,15 @@ impl Backend for CpuMirror {
         StageSet::ALL
     }
 
+    fn key_tiles(&self) -> super::KeyTiles {
+        // One online-softmax loop for both phases: tiles of `flash::TILE` keys from each range's start.
+        let t = || vec![super::KeyTile::new("flash tile", flash::TILE)];
+        super::KeyTiles {
+            prefill: t(),
+            decode: t(),
+        }
+    }
+
     fn run_layer(&mut self, ctx: &LayerCtx, x: &Array2<f64>) -> Result<LayerTrace> {
         let (cfg, w, sched, tables) = (ctx.cfg, ctx.weights, ctx.sched, ctx.rope);
         crate::reference::check_inputs(cfg, w, tables, x, sched)?;

@@ -177,6 +177,26 @@ impl Attn {
         self.mma.is_some()
     }
 
+    /// The key-count periods of the kernel `run` launches (`Backend::key_tiles`): its tile and the keys
+    /// one warp (or warpgroup) takes of it, both counted from the start of the key range.
+    pub fn key_tiles(&self) -> Vec<crate::backend::KeyTile> {
+        use crate::backend::KeyTile;
+        match (self.mma, self.tile) {
+            // kernels/attention_sm90.cuh: 64-key tiles, warpgroup g takes keys [32g, 32g + 32).
+            (Some(_), Some(t)) if t.wgmma => vec![
+                KeyTile::new("wgmma tile", 64),
+                KeyTile::new("warpgroup key slice", 32),
+            ],
+            // kernels/attention.cuh: ATT_BN keys per tile, ATT_BNW = ATT_BN / ATT_SWN per warp in the S phase.
+            (Some(_), Some(t)) => vec![
+                KeyTile::new(format!("mma tile ({})", t.label()), t.bn as usize),
+                KeyTile::new("warp key slice", (t.bn / t.swn) as usize),
+            ],
+            // attn_scalar: one warp per row, keys in tiles of 32.
+            _ => vec![KeyTile::new("scalar tile", 32)],
+        }
+    }
+
     /// Launch over `batch` independent problems; heads `a.n_heads`, queries `a.n_q`.
     pub fn run(&self, a: &AttnArgs, batch: u32) -> Result<()> {
         let rows = |bm: u32| -> (u32, u32, u32) {

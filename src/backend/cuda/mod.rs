@@ -110,6 +110,8 @@ pub struct CudaBackend {
     pub opts: CudaOptions,
     /// Which attention kernels the last layer used ("mma 4x2 warps…" / "scalar").
     pub last_paths: String,
+    /// The key tiles of the attention kernels the last layer used (`Backend::key_tiles`).
+    pub last_tiles: crate::backend::KeyTiles,
 }
 
 impl CudaBackend {
@@ -126,6 +128,7 @@ impl CudaBackend {
             blas,
             opts,
             last_paths: String::new(),
+            last_tiles: Default::default(),
         })
     }
 }
@@ -161,6 +164,10 @@ impl Backend for CudaBackend {
                 .without(Stage::SplitOut)
                 .without(Stage::SplitLse),
         }
+    }
+
+    fn key_tiles(&self) -> crate::backend::KeyTiles {
+        self.last_tiles.clone()
     }
 
     fn run_layer(&mut self, ctx: &LayerCtx, x: &ndarray::Array2<f64>) -> Result<LayerTrace> {
@@ -202,6 +209,10 @@ impl Backend for CudaBackend {
             self.opts.force_scalar,
         )?;
         self.last_paths = k.paths();
+        self.last_tiles = crate::backend::KeyTiles {
+            prefill: k.prefill.key_tiles(),
+            decode: k.decode.key_tiles(),
+        };
         let w = Weights::upload(ctx, dt)?;
         let a = Acts::alloc(ctx, &z, x, w.lq)?;
         let layer = Layer {

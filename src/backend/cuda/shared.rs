@@ -61,4 +61,7 @@ impl Backend for SharedCuda {
     fn run_layer(&mut self, ctx: &LayerCtx, x: &ndarray::Array2<f64>) -> Result<LayerTrace> {
         self.bind().run_layer(ctx, x)
     }
+    fn key_tiles(&self) -> crate::backend::KeyTiles {
+        self.inner.borrow().key_tiles()
+    }
 }

@@ -216,6 +216,19 @@ impl Backend for RunnerBackend {
         self.inner.device()
     }
 
+    fn key_tiles(&self) -> crate::backend::KeyTiles {
+        // The runner's kernel tiles are its own (unknown here): only the phases it leaves to the inner
+        // backend keep that backend's tiles.
+        let mut t = self.inner.key_tiles();
+        if self.desc.ops.decode.is_some() {
+            t.decode.clear();
+        }
+        if self.desc.ops.prefill.is_some() {
+            t.prefill.clear();
+        }
+        t
+    }
+
     fn notices(&self) -> Vec<String> {
         let outs: Vec<String> = self
             .out_dtypes

@@ -145,10 +145,11 @@ impl TolArgs {
     }
 }
 
-/// The reports, the `.npy` dumps and the baseline gate.
+/// The report formats and the terminal output: what every command that writes a verdict report takes
+/// (`run`, `replay`, `sweep`).
 #[derive(clap::Args)]
 #[command(next_help_heading = "Reports")]
-pub struct ReportArgs {
+pub struct FormatArgs {
     /// Write the JSON report here. `-` is stdout for every format (one of them at most; the table then
     /// goes to stderr).
     #[arg(long)]
@@ -159,15 +160,23 @@ pub struct ReportArgs {
     /// Write a Markdown summary here (`-` for stdout).
     #[arg(long)]
     pub markdown: Option<PathBuf>,
-    /// Write an SVG heat map of error over layer × stage here (`-` for stdout).
-    #[arg(long)]
-    pub plot: Option<PathBuf>,
     /// Colour the table: `auto` on a terminal unless NO_COLOR is set. Failing cells carry `!` either way.
     #[arg(long, value_enum, default_value_t = report::table::ColorChoice::Auto)]
     pub color: report::table::ColorChoice,
     /// Print only the verdict line (and errors): no table, progress or notes.
     #[arg(short, long)]
     pub quiet: bool,
+}
+
+/// The reports, the `.npy` dumps and the baseline gate.
+#[derive(clap::Args)]
+#[command(next_help_heading = "Reports")]
+pub struct ReportArgs {
+    #[command(flatten)]
+    pub formats: FormatArgs,
+    /// Write an SVG heat map of error over layer × stage here (`-` for stdout).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     /// Dump reference and optimized stage tensors as .npy into this directory.
     #[arg(long)]
     pub dump_dir: Option<PathBuf>,

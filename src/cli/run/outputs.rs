@@ -17,9 +17,9 @@ pub struct Outputs {
 impl Outputs {
     pub fn check(a: &ReportArgs) -> Result<Outputs, Error> {
         let targets = report::output::file_targets(&[
-            ("--json", a.json.as_deref()),
-            ("--junit", a.junit.as_deref()),
-            ("--markdown", a.markdown.as_deref()),
+            ("--json", a.formats.json.as_deref()),
+            ("--junit", a.formats.junit.as_deref()),
+            ("--markdown", a.formats.markdown.as_deref()),
             ("--plot", a.plot.as_deref()),
             ("--write-baseline", a.write_baseline.as_deref()),
         ])?;
@@ -60,8 +60,8 @@ impl Outputs {
                 std::io::stdout().is_terminal()
             }
         };
-        let style = report::table::Style::new(a.color, to_terminal);
-        let text = if a.quiet {
+        let style = report::table::Style::new(a.formats.color, to_terminal);
+        let text = if a.formats.quiet {
             report::table::verdict_line(rep, &style)
         } else {
             report::table::render(rep, &style)
@@ -76,8 +76,10 @@ impl Outputs {
         }
         if let Some(t) = &self.write_baseline {
             let mut b = rep.clone();
-            // A baseline is this run's measurements, not its comparison with an older one.
+            // A baseline is this run's measurements, not its comparison with an older one (nor its
+            // determinism check).
             b.baseline = None;
+            b.repeat = None;
             b.verdict = Report::overall_verdict(&b.modes);
             t.write(&b.to_json())?;
         }

@@ -341,3 +341,36 @@ fn names_in_errors_are_escaped_and_cut() {
     );
     check(inspect(&p), "does not use Multi-head Latent Attention");
 }
+
+/// `sweep`: lengths below the decode tokens, empty ranges, bad split counts, a layer out of range.
+#[test]
+fn bad_sweep_input_is_one_line_and_exit_2() {
+    let fx = common::fixture("deepseek-v3-yarn-q4_k.gguf")
+        .display()
+        .to_string();
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &["--lengths", "1..=5", "--decode-steps", "16"],
+            "lengths start at 16",
+        ),
+        (&["--lengths", "9..3"], "is empty"),
+        (&["--splits", "0"], "not a split count"),
+        (&["--splits", "2,2"], "distinct"),
+        (
+            &["--splits", "1,2", "--decode-steps", "0"],
+            "no decode steps",
+        ),
+        (&["--layers", "7"], "does not exist"),
+    ];
+    for (args, needle) in cases {
+        let mut all = vec!["sweep", fx.as_str(), "--backend", "cpu"];
+        all.extend_from_slice(args);
+        let o = run(&all);
+        assert_clean_error(&o, needle);
+        assert!(
+            common::stderr(&o).contains(needle),
+            "{args:?}: {}",
+            common::stderr(&o)
+        );
+    }
+}

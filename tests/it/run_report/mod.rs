@@ -48,6 +48,7 @@ fn opts(dtype: Dtype) -> RunOptions {
         dump: None,
         faults: Default::default(),
         progress: false,
+        repeat: 1,
     }
 }
 

@@ -2,6 +2,9 @@
 //! mode (each layer gets the reference's input: the layer's local error) and/or free-running mode (each
 //! side feeds its own output forward through the residual `h ← h + attn(h)`: the accumulated drift).
 //!
+//! With `repeat` > 1 the deciding mode's optimized path runs that many times per layer and every stage is
+//! compared bit for bit between the runs (`repeat.rs`).
+//!
 //! Only attention is modelled: the FFN/MoE blocks between layers are not, so the "residual stream" here is
 //! the attention-only one. That is enough to see whether an attention error grows or washes out.
 
@@ -18,6 +21,8 @@ use crate::schedule::Schedule;
 use crate::trace::{LayerTrace, Stage};
 use ndarray::Array2;
 use std::path::PathBuf;
+
+pub mod repeat;
 
 /// Where layer inputs come from.
 #[derive(Debug, Clone)]
@@ -69,6 +74,9 @@ pub struct RunOptions {
     pub faults: FaultSet,
     /// Show a progress bar on stderr (it hides itself when stderr is not a terminal).
     pub progress: bool,
+    /// Runs of the optimized path per layer (`--repeat`): above 1, runs 2..N are compared with run 1
+    /// bit for bit and any difference fails the run.
+    pub repeat: usize,
 }
 
 /// Parse `--layers`: `all`, `N`, `A..B` (half-open), `A..=B`, or a comma list of those.
@@ -195,6 +203,9 @@ pub fn run(
     if !opts.modes.shadow && !opts.modes.free {
         return Err(Error::Usage("--mode selects no mode".into()));
     }
+    if opts.repeat == 0 {
+        return Err(Error::Usage("--repeat must be at least 1".into()));
+    }
     let layers = match &opts.layers {
         Some(l) => l.clone(),
         None => (0..cfg.n_layer).collect(),
@@ -241,6 +252,7 @@ pub fn run(
     let mut h_opt = h_ref.clone();
     let (mut shadow, mut free) = (Vec::<LayerResult>::new(), Vec::<LayerResult>::new());
     let mut dumped = Vec::new();
+    let mut repeats = Vec::new();
     for (i, &l) in layers.iter().enumerate() {
         bar.set_message(format!("layer {l}"));
         // Captured per-layer inputs replace the attention-only residual stream in shadow mode.
@@ -264,6 +276,16 @@ pub fn run(
         let mut dump_traces: Vec<(LayerTrace, bool)> = Vec::new();
         if opts.modes.shadow {
             let opt = backend.run_layer(&layer_ctx, &h_ref)?;
+            if opts.repeat > 1 {
+                repeats.push(repeat::repeat_layer(
+                    backend,
+                    &layer_ctx,
+                    &h_ref,
+                    &opt,
+                    opts.repeat,
+                    &ctx,
+                )?);
+            }
             let r = compare::compare_layer(&ctx, &reference, &opt, opts.dtype, &opts.tolerances)?;
             dump_traces.push((opt, r.pass));
             shadow.push(r);
@@ -274,6 +296,17 @@ pub fn run(
                 elementwise: false,
                 ..ctx
             };
+            // Without shadow mode the repeats take free mode's input (the optimized stream).
+            if opts.repeat > 1 && !opts.modes.shadow {
+                repeats.push(repeat::repeat_layer(
+                    backend,
+                    &layer_ctx,
+                    &h_opt,
+                    &opt,
+                    opts.repeat,
+                    &free_ctx,
+                )?);
+            }
             let mut r =
                 compare::compare_layer(&free_ctx, &reference, &opt, opts.dtype, &opts.tolerances)?;
             add_residual(&mut h_opt, attn_out(&opt)?);
@@ -317,7 +350,7 @@ pub fn run(
         });
     }
     let verdict = Report::overall_verdict(&modes);
-    Ok(Report {
+    let mut report = Report {
         schema_version: SCHEMA_VERSION,
         tool: ToolInfo {
             name: "mla-diff".into(),
@@ -360,8 +393,14 @@ pub fn run(
         modes,
         verdict,
         baseline: None,
+        repeat: None,
         dumps: dumped,
-    })
+    };
+    if opts.repeat > 1 {
+        let mode = if opts.modes.shadow { "shadow" } else { "free" };
+        report.set_repeat(repeat::RepeatResult::new(opts.repeat, mode, repeats));
+    }
+    Ok(report)
 }
 
 /// The lightning indexer's `top_k` of a DSA model (GLM-5 `glm-dsa`, DeepSeek-V3.2 `deepseek32`), `None`
