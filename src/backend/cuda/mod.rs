@@ -29,6 +29,7 @@ pub mod kernels;
 pub mod launch;
 pub mod layer;
 pub mod nvrtc;
+pub mod plan;
 pub mod prefill;
 pub mod shared;
 pub mod trace;
