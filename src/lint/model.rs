@@ -305,15 +305,20 @@ fn dims(m: &Meta, arch: Arch, out: &mut Findings) {
     };
 
     // Zero and implausible dims, as the loader refuses them.
-    for (k, v) in [
-        ("embedding_length", e_meta),
-        ("attention.head_count", h_meta),
-        ("attention.kv_lora_rank", lkv_meta),
+    for (k, v, zero_ok) in [
+        (m.key("embedding_length"), e_meta, false),
+        (m.key("attention.head_count"), h_meta, false),
+        (m.key("attention.kv_lora_rank"), lkv_meta, false),
+        (m.key("attention.q_lora_rank"), lq_meta, true),
+        (m.key("attention.head_count_kv"), h_kv, true),
+        (m.key("rope.dimension_count"), r_meta, true),
+        (qk_key.clone(), qk_meta, true),
+        (v_key.clone(), v_meta, true),
     ] {
         match v {
-            Some(0) => out.error(&m.key(k), "0", "at least 1", "zero-sized attention"),
+            Some(0) if !zero_ok => out.error(&k, "0", "at least 1", "zero-sized attention"),
             Some(x) if x > DIM_LIMIT => out.error(
-                &m.key(k),
+                &k,
                 x.to_string(),
                 format!("at most {DIM_LIMIT}"),
                 "implausible: the loader refuses it before allocating",
@@ -438,7 +443,7 @@ fn dims(m: &Meta, arch: Arch, out: &mut Findings) {
             }
         }
     }
-    let p_meta = match (qk_meta, r_meta) {
+    let p_meta = match (qk_meta, r.or(r_meta)) {
         (Some(qk), Some(r)) => qk.checked_sub(r),
         _ => None,
     };
@@ -455,12 +460,14 @@ fn dims(m: &Meta, arch: Arch, out: &mut Findings) {
         (Some(v), false) => format!("absent (hidden/heads = {v})"),
         _ => "absent".to_string(),
     };
-    let p = match (p_v.unanimous(), p_meta, r) {
-        (Some(pt), Some(pm), Some(rr)) if pt != pm => {
+    // The key holds qk_nope + rope: compare it with the tensors' qk_nope plus the resolved rope (a wrong
+    // rope key was reported on its own; it does not make a right key_length_mla look wrong).
+    let p = match (p_v.unanimous(), qk_meta, r) {
+        (Some(pt), Some(qk), Some(rr)) if pt.saturating_add(rr) != qk => {
             out.error(
                 &qk_key,
                 qk_found(qk_meta),
-                (pt + rr).to_string(),
+                pt.saturating_add(rr).to_string(),
                 format!(
                     "the per-head qk dim is qk_nope + rope: the tensors ({}) hold qk_nope {pt} and rope {rr}; the softmax scale 1/sqrt(qk) and every per-head stride follow from this key",
                     p_v.roles()
@@ -469,7 +476,7 @@ fn dims(m: &Meta, arch: Arch, out: &mut Findings) {
             Some(pt)
         }
         (Some(pt), _, _) => Some(pt),
-        (None, pm, _) => pm,
+        (None, _, _) => p_meta,
     };
     let dv = match (dv_v.unanimous(), v_meta) {
         (Some(vt), Some(vm)) if vt != vm => {
@@ -515,8 +522,10 @@ fn dims(m: &Meta, arch: Arch, out: &mut Findings) {
             out.error(&v_key, "0", "at least 1", "zero-sized value heads");
         }
     }
-    if let (Some(lkv), Some(r), Some(qk)) = (lkv_meta, r_meta, qk_meta) {
-        let row = lkv + r;
+    // The cache row by the resolved dims: a wrong kv_lora_rank key is reported once, above, and does
+    // not make a right key_length look wrong.
+    if let (Some(lkv), Some(r), Some(qk)) = (lkv.or(lkv_meta), r.or(r_meta), qk_meta) {
+        let row = lkv.saturating_add(r);
         if mla {
             // New-style files expose MLA as MQA: one KV head whose key is the cache row.
             for (k, found, want, why) in [
@@ -565,9 +574,15 @@ fn dims(m: &Meta, arch: Arch, out: &mut Findings) {
         }
     }
 
-    // Each layer's tensors against the resolved dims.
+    // Each layer's tensors against the resolved dims (implausible dims were reported above, and would
+    // overflow the products).
     if let (Some(e), Some(h), Some(lkv), Some(p), Some(r), Some(dv)) = (e, h, lkv, p, r, dv) {
-        tensors(f, n_layer, [e, h, lkv, p, r, dv], lq, out);
+        if [e, h, lkv, p, r, dv, lq.unwrap_or(0)]
+            .iter()
+            .all(|&d| d <= DIM_LIMIT)
+        {
+            tensors(f, n_layer, [e, h, lkv, p, r, dv], lq, out);
+        }
     }
     rope_factor_tensors(m, r, out);
 }
@@ -644,14 +659,12 @@ fn tensors(f: &GgufFile, n_layer: usize, d: [u64; 6], lq: Option<u64>, out: &mut
         let which = if layers.len() == n_layer && n_layer > 1 {
             " (every layer)".to_string()
         } else if layers.len() > 1 {
-            format!(
-                " (layers {})",
-                layers
-                    .iter()
-                    .map(|l| l.to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
+            let shown: Vec<String> = layers.iter().take(8).map(|l| l.to_string()).collect();
+            let more = match layers.len() - shown.len() {
+                0 => String::new(),
+                n => format!(" and {n} more"),
+            };
+            format!(" (layers {}{more})", shown.join(", "))
         } else {
             String::new()
         };
@@ -669,7 +682,7 @@ fn tensors(f: &GgufFile, n_layer: usize, d: [u64; 6], lq: Option<u64>, out: &mut
                     fmt_ne(want)
                 );
                 if role == "attn_k_b" && ne == [lkv, p, h] && p != lkv {
-                    why = format!("it looks untransposed: the converter stores W_UK as ne {{qk_nope, kv_lora_rank, heads}} (PR #12801), and a reader that skips the transpose mixes the k_nope dims (fault k_b_untransposed). {why}");
+                    why = format!("it looks untransposed: a writer or reader that skips the converter's transpose mixes the k_nope dims (fault k_b_untransposed); {why}");
                 }
                 if role == "attn_v_b" && ne == [p, lkv, h] {
                     why = format!("it has attn_k_b's shape: are attn_k_b and attn_v_b swapped (fault kv_b_swap)? {why}");
@@ -1172,13 +1185,18 @@ fn catalogue(m: &Meta, c: &MlaConfig, out: &mut Findings) {
                 "its rope base, YaRN and eps agree with the catalogue entry too",
             );
         } else if diffs.len() <= 2 && e.preset != Preset::Tiny {
+            // A key already in error is not repeated as a catalogue difference.
+            let diffs: Vec<_> = diffs
+                .into_iter()
+                .filter(|d| !out.has(Severity::Error, &d.0))
+                .collect();
             for (k, found, want) in diffs {
                 out.warning(
                     &k,
                     found,
                     format!("{want}, as {}", e.model_name),
                     format!(
-                        "the file has {}'s attention dims ({dims}) and agrees with it on every other key checked (rope base, YaRN, eps); intended, or a conversion slip?",
+                        "the file has {}'s attention dims ({dims}) and agrees with it on the other rope, YaRN and eps keys; intended, or a conversion slip?",
                         e.model_name
                     ),
                 );
@@ -1211,6 +1229,9 @@ fn catalogue(m: &Meta, c: &MlaConfig, out: &mut Findings) {
         let g = geo(e);
         if g.len() == 1 && conv_diffs(m, &fc, &entry_conv(e)).is_empty() {
             let (k, found, want) = g[0];
+            if out.has(Severity::Error, &m.key(k)) {
+                return;
+            }
             out.warning(
                 &m.key(k),
                 found.to_string(),

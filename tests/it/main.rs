@@ -17,6 +17,7 @@ mod flash;
 mod gguf_crosscheck;
 mod golden;
 mod input;
+mod lint;
 mod mirror;
 mod poison;
 mod reference_ab;
