@@ -19,6 +19,7 @@ enum LintBackend {
 
 #[derive(clap::Args)]
 pub struct Args {
+    /// The GGUF file (any shard of a split model).
     file: PathBuf,
     /// Also check an external kernel (docs/runners.md): its `supports` against the model, and its
     /// softmax scale, LSE base, cache row order and page addressing, probed with tiny requests.

@@ -211,6 +211,26 @@ pub fn plan(dims: &Dims, decode: bool, q_rows: usize, arch: &str, smem_limit: us
     }
 }
 
+/// The label `LayerKernels::paths` gives one attention unit: `mma (TILE)` for either tensor-core kernel,
+/// `scalar` otherwise.
+pub fn path_label(tile: Option<Tile>, mma: bool) -> String {
+    match tile {
+        Some(t) if mma => format!("mma ({})", t.label()),
+        _ => "scalar".to_string(),
+    }
+}
+
+/// What `LayerKernels::paths` will say after a layer with these dims runs on a device compiled for
+/// `arch` with `smem_limit` bytes (gpu-validate compares the two on the GPU).
+pub fn paths(dims: &Dims, q_rows: usize, arch: &str, smem_limit: usize) -> String {
+    let label = |p: Plan| path_label(p.tile, p.kernel != "attn_scalar");
+    format!(
+        "prefill: {}; decode: {}",
+        label(plan(dims, false, 0, arch, smem_limit)),
+        label(plan(dims, true, q_rows, arch, smem_limit))
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -252,6 +272,58 @@ mod tests {
             p.passed_over[0].contains("sm_90a only"),
             "{:?}",
             p.passed_over
+        );
+    }
+
+    /// What the H200 launched in the last recorded gpu-validate (18 case runs: DeepSeek-V3, GLM-5 and
+    /// MiniCPM3 dims, 8 to 128 heads, q_len 1 and 2, bf16 and fp16) is what the plan says.
+    #[test]
+    fn the_plan_is_what_the_h200_launched() {
+        let runs: serde_json::Value = serde_json::from_str(include_str!(
+            "../../../bench/results/2026-11-30-h200-host-split-recheck/after/gpu-validate.json"
+        ))
+        .unwrap();
+        let runs = runs.as_array().unwrap();
+        assert_eq!(runs.len(), 18);
+        let field = |s: &str, k: &str| -> usize {
+            let v = s
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix(k))
+                .unwrap_or_else(|| panic!("{k} in {s}"));
+            v.parse().unwrap()
+        };
+        let mut wgmma = 0;
+        for r in runs {
+            let (d, sched) = (r["dims"].as_str().unwrap(), r["schedule"].as_str().unwrap());
+            let dtype = match r["dtype"].as_str().unwrap() {
+                "bf16" => Dtype::Bf16,
+                "fp16" => Dtype::F16,
+                other => panic!("{other}"),
+            };
+            let mut x = dims(
+                dtype,
+                field(d, "Lkv="),
+                field(d, "R="),
+                field(d, "P="),
+                field(d, "Dv="),
+                field(d, "H="),
+            );
+            x.page = field(sched, "page=");
+            let rows = field(sched, "q_len=") * x.h;
+            let launched = r["kernels"].as_str().unwrap();
+            // The H200: sm_90a, 227 KB of opt-in shared memory per block.
+            assert_eq!(
+                paths(&x, rows, "sm_90a", 232_448),
+                launched,
+                "{} {}",
+                r["case"],
+                r["dtype"]
+            );
+            wgmma += launched.contains("wgmma") as usize;
+        }
+        assert!(
+            wgmma > 0 && wgmma < runs.len(),
+            "both decode kernels are covered"
         );
     }
 
