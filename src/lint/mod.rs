@@ -190,6 +190,8 @@ impl LintReport {
             plural(self.warnings, "warning"),
             if self.errors > 0 {
                 "diverges: see the errors"
+            } else if self.warnings > 0 {
+                "no errors"
             } else {
                 "clean"
             }

@@ -801,14 +801,18 @@ fn rope_and_scaling(m: &Meta, arch: Arch, out: &mut Findings) {
     }
 
     let ty = m.string("rope.scaling.type", out);
-    let factor = m.float("rope.scaling.factor", out);
+    // llama.cpp reads the old `rope.scale_linear` key where `rope.scaling.factor` is absent.
+    let (factor, factor_name) = match m.float("rope.scaling.factor", out) {
+        Some(f) => (Some(f), "rope.scaling.factor"),
+        None => (m.float("rope.scale_linear", out), "rope.scale_linear"),
+    };
     let orig = m.uint("rope.scaling.original_context_length", out);
     let ctx = m.uint("context_length", out);
     let raw_mul = m.float("rope.scaling.yarn_log_multiplier", out);
     let beta_fast = m.float("rope.scaling.yarn_beta_fast", out);
     let beta_slow = m.float("rope.scaling.yarn_beta_slow", out);
     let scaling_key = m.key("rope.scaling.type");
-    let factor_key = m.key("rope.scaling.factor");
+    let factor_key = m.key(factor_name);
     match ty.as_deref() {
         Some("yarn") => {}
         Some("none") | None => {

@@ -232,6 +232,13 @@ fn corrupted_keys_are_errors_naming_the_value_expected() {
         remove(m, &k("rope.scaling.type"))
     });
     expect_error(&p, &k("rope.scaling.factor"), "yarn", "linear");
+    // The same through the old key llama.cpp still reads.
+    let p = edited(d.path(), "linear.gguf", |m| {
+        remove(m, &k("rope.scaling.type"));
+        remove(m, &k("rope.scaling.factor"));
+        set(m, &k("rope.scale_linear"), Value::F32(4.0));
+    });
+    expect_error(&p, &k("rope.scale_linear"), "yarn", "linear");
     // One of the *_mla pair.
     let p = edited(d.path(), "mla1.gguf", |m| {
         remove(m, &k("attention.value_length_mla"))
