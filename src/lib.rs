@@ -17,6 +17,7 @@ pub mod fuzz;
 pub mod gguf;
 pub mod input;
 pub mod inspect;
+pub mod lint;
 pub mod model;
 pub mod reference;
 pub mod report;

@@ -13,7 +13,8 @@ pub struct Args {
 #[derive(Subcommand)]
 enum KernelsCmd {
     /// Compile every kernel with NVRTC to PTX and CUBIN for several architectures, dims and dtypes;
-    /// print ptxas registers and spills per kernel. Exit 2 on a compile error.
+    /// print ptxas registers and spills per kernel. Exit 2 on a compile error, or when the attention
+    /// kernels' shared memory differs from src/backend/cuda/plan.rs's (what `lint --backend cuda` reports).
     Check(CheckArgs),
 }
 

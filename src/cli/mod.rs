@@ -11,6 +11,7 @@ mod fixture;
 mod gpu_validate;
 mod inspect;
 mod kernels;
+mod lint;
 mod replay;
 mod run;
 mod selftest;
@@ -30,6 +31,10 @@ const EXIT_CODES: &str = "Exit codes: 0 pass, 1 divergence found (or baseline re
 enum Cmd {
     /// Describe an MLA GGUF file: dims, rope/YaRN, softmax scale, attention tensors (reads the header only).
     Inspect(inspect::Args),
+    /// Check an MLA GGUF's metadata against its own tensors, the conventions (softmax scale with YaRN
+    /// mscale², rope, head dims, eps) and the known models; with --backend cuda, which kernels take its
+    /// dims; with --runner, an external kernel's supports and conventions, probed. Exit 1 on an error.
+    Lint(lint::Args),
     /// Write a synthetic MLA GGUF in llama.cpp's conventions (real models' attention dims, seeded random
     /// weights; attention tensors and token_embd only).
     Fixture(fixture::Args),
@@ -64,6 +69,7 @@ enum Cmd {
 pub fn exec(cli: Cli) -> Result<i32, Error> {
     match cli.cmd {
         Cmd::Inspect(a) => inspect::exec(a),
+        Cmd::Lint(a) => lint::exec(a),
         Cmd::Fixture(a) => fixture::exec(a),
         Cmd::Run(a) => run::exec(*a),
         Cmd::Sweep(a) => sweep::exec(*a),

@@ -1,6 +1,7 @@
 //! What one fuzz execution runs: the library path a file takes through `inspect`, `inspect --json`,
-//! `inspect --load-layer 0` and the front of `run` (header → config → rope factors → token rows →
-//! layer-0 weights → dequantization of each attention tensor), plus the memory bound it must keep.
+//! `lint` (its file side), `inspect --load-layer 0` and the front of `run` (header → config → rope
+//! factors → token rows → layer-0 weights → dequantization of each attention tensor), plus the memory
+//! bound it must keep.
 
 use super::alloc;
 use crate::gguf::{dequantize_f32, GgmlType, GgufFile};
@@ -116,6 +117,12 @@ pub fn exec(path: &Path, base: usize, file_size: u64) -> Outcome {
     }
     match crate::inspect::inspect_json(&f) {
         Ok(j) => drop(std::hint::black_box(serde_json::to_string(&j))),
+        Err(e) => note(&e),
+    }
+    // `lint` reads the metadata without the loader's guards: every file must lint without a panic.
+    let mut findings = crate::lint::Findings::default();
+    match crate::lint::model::lint(&f, &mut findings) {
+        Ok(_) => drop(std::hint::black_box(findings)),
         Err(e) => note(&e),
     }
     let cfg = match MlaConfig::from_gguf(&f) {

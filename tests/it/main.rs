@@ -17,6 +17,7 @@ mod flash;
 mod gguf_crosscheck;
 mod golden;
 mod input;
+mod lint;
 mod mirror;
 mod no_false_alarms;
 mod poison;

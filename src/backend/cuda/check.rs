@@ -3,6 +3,7 @@
 
 use super::kernels::{Dims, Tile, KERNEL_FAULTS};
 use super::nvrtc::{self, parse_ptxas, Sources};
+use super::plan::{self, smem_limit, Widths};
 use super::{decode_tiles, prefill_tiles};
 use crate::backend::Dtype;
 use crate::error::{Error, Result};
@@ -18,16 +19,6 @@ pub const DIM_SETS: [(&str, usize, usize, usize, usize, usize, bool); 4] = [
     // dims that are not multiples of 8: only the scalar attention applies
     ("odd", 20, 6, 10, 12, 3, false),
 ];
-
-/// Largest dynamic shared memory per block (opt-in) by architecture, for the fit column.
-fn smem_limit(arch: &str) -> Option<usize> {
-    match arch {
-        "sm_90" | "sm_90a" | "sm_100" | "sm_100a" => Some(232_448),
-        "sm_80" | "sm_87" => Some(166_912),
-        "sm_86" | "sm_89" | "sm_120" | "sm_120a" => Some(101_376),
-        _ => None,
-    }
-}
 
 /// Parse a kernel's `{name}_config` (dynamic smem bytes, threads, rows, keys) from PTX.
 pub fn ptx_attn_config(ptx: &str, kernel: &str) -> Option<[i32; 4]> {
@@ -244,6 +235,7 @@ pub fn kernels_check(
     let mut compiles = 0;
     let mut spilling = Vec::new();
     let mut warnings = Vec::new();
+    let mut smem_model = Vec::new();
     let fault_arch = fault_arch(archs);
     let mut clean_ptx = HashMap::new();
     for arch in archs {
@@ -305,6 +297,35 @@ pub fn kernels_check(
                     // On sm_90a a decode module carries both tensor-core kernels: show the one its tile runs.
                     let runs_wgmma = tile.is_some_and(|t| t.wgmma)
                         && kernels.iter().any(|k| k.name == "attn_wgmma");
+                    // The host's model of the attention kernels' shared memory (plan.rs, which `lint`
+                    // reports from) must say what the compiled kernel says, for every kernel built.
+                    for k in kernels
+                        .iter()
+                        .filter(|k| k.name == "attn_mma" || k.name == "attn_wgmma")
+                    {
+                        let (Some(t), Some(cfg)) = (tile, ptx_attn_config(&ptx, &k.name)) else {
+                            continue;
+                        };
+                        let w = if unit == "decode.cu" {
+                            Widths::decode(&dims)
+                        } else {
+                            Widths::prefill(&dims)
+                        };
+                        let host = if k.name == "attn_wgmma" {
+                            plan::wgmma_smem(&w)
+                        } else {
+                            plan::mma_smem(&w, &t)
+                        };
+                        if host != cfg[0] as usize {
+                            smem_model.push(format!(
+                                "{arch} {name} {} {unit} {} {}: kernel {} bytes, plan.rs {host}",
+                                dt.name(),
+                                t.label(),
+                                k.name,
+                                cfg[0]
+                            ));
+                        }
+                    }
                     for k in kernels {
                         if (k.name == "attn_wgmma" && !runs_wgmma)
                             || (k.name == "attn_mma" && runs_wgmma)
@@ -351,6 +372,12 @@ pub fn kernels_check(
                 }
             }
         }
+    }
+    if !smem_model.is_empty() {
+        return Err(Error::Environment(format!(
+            "the host's shared-memory model of the attention kernels (src/backend/cuda/plan.rs, used by `lint`) disagrees with the compiled kernels: {}",
+            smem_model.join("; ")
+        )));
     }
     if let Some(arch) = fault_arch {
         compiles += check_faults(&src, arch, &clean_ptx, &mut rep)?;

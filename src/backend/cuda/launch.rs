@@ -277,10 +277,7 @@ impl LayerKernels {
 
     /// Which attention kernels run: "prefill: mma (…); decode: scalar".
     pub fn paths(&self) -> String {
-        let path = |a: &Attn| match a.tile {
-            Some(t) if a.uses_mma() => format!("mma ({})", t.label()),
-            _ => "scalar".to_string(),
-        };
+        let path = |a: &Attn| super::plan::path_label(a.tile, a.uses_mma());
         format!(
             "prefill: {}; decode: {}",
             path(&self.prefill),

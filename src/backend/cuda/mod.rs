@@ -30,6 +30,7 @@ pub mod launch;
 pub mod layer;
 pub mod nvrtc;
 pub mod peers;
+pub mod plan;
 pub mod prefill;
 pub mod shared;
 pub mod trace;

@@ -137,6 +137,8 @@ enum JobOut {
         sc: LayerTrace,
         ms: f64,
         paths: String,
+        /// What plan.rs (and so `lint --backend cuda`) says the layer launches.
+        planned: String,
     },
     Cpu(LayerTrace),
 }
@@ -146,6 +148,7 @@ struct GpuRes {
     sc: LayerTrace,
     ms: f64,
     paths: String,
+    planned: String,
     dt: Dtype,
 }
 
@@ -274,11 +277,30 @@ pub fn run(a: &Options) -> Result<i32> {
                                 let mma = cu.run_layer(&ctx, x)?;
                                 let ms = t.elapsed().as_secs_f64() * 1e3;
                                 let sct = sc.run_layer(&ctx, x)?;
+                                let dims = super::kernels::Dims {
+                                    dtype: dt,
+                                    lkv: cfg.kv_lora_rank,
+                                    r: cfg.qk_rope,
+                                    p: cfg.qk_nope,
+                                    dv: cfg.v_head_dim,
+                                    h: cfg.n_head,
+                                    page: sched.page_size,
+                                    neox: false,
+                                    debug: false,
+                                    faults: Active::NONE,
+                                };
+                                let info = &cu.gpu.info;
                                 Ok(JobOut::Gpu {
                                     mma,
                                     sc: sct,
                                     ms,
                                     paths: cu.last_paths.clone(),
+                                    planned: super::plan::paths(
+                                        &dims,
+                                        sched.q_len * cfg.n_head,
+                                        &info.arch(),
+                                        info.smem_optin,
+                                    ),
                                 })
                             }
                             Job::Reference(ci) => {
@@ -351,8 +373,14 @@ pub fn run(a: &Options) -> Result<i32> {
             }
         };
         for &dt in &a.dtype {
-            let (g_mma, g_sc, g_ms, g_paths) = match take(Job::Gpu(ci, dt)) {
-                Ok(JobOut::Gpu { mma, sc, ms, paths }) => (mma, sc, ms, paths),
+            let (g_mma, g_sc, g_ms, g_paths, g_planned) = match take(Job::Gpu(ci, dt)) {
+                Ok(JobOut::Gpu {
+                    mma,
+                    sc,
+                    ms,
+                    paths,
+                    planned,
+                }) => (mma, sc, ms, paths, planned),
                 Ok(JobOut::Cpu(_)) => unreachable!("GPU job"),
                 Err(e) => {
                     errors.push(format!("{} [{}]: CUDA: {e}", cases[ci].name, dt.name()));
@@ -374,6 +402,7 @@ pub fn run(a: &Options) -> Result<i32> {
                 sc: g_sc,
                 ms: g_ms,
                 paths: g_paths,
+                planned: g_planned,
                 dt,
             };
             let table = c.sched.block_table();
@@ -390,6 +419,13 @@ pub fn run(a: &Options) -> Result<i32> {
             let cr = figs(&g.mma, reference);
             let sr = figs(&g.sc, reference);
             let mut failures = rounding_level(g.dt, &cm, &mr);
+            // `lint --backend cuda` reports plan.rs's choice without a GPU: it must be what ran.
+            if g.planned != g.paths {
+                failures.push(format!(
+                    "kernel plan (src/backend/cuda/plan.rs, what lint reports) says \"{}\", the backend launched \"{}\"",
+                    g.planned, g.paths
+                ));
+            }
             // Against the reference: the calibrated tolerance table when it covers this dtype; otherwise
             // (an uncalibrated table) each stage may be at most twice as far from the reference as the
             // mirror is: the same algorithm, so the same rounding error up to summation order.

@@ -178,7 +178,7 @@ impl RunnerBackend {
 
 /// With `MLA_DIFF_KEEP_RUNNER_IO` set, the request files stay in the scratch directory (printed on
 /// stderr): the exact tensors a runner was given, for its author.
-fn keep_io() -> bool {
+pub fn keep_io() -> bool {
     std::env::var_os(KEEP_IO_ENV).is_some()
 }
 pub const KEEP_IO_ENV: &str = "MLA_DIFF_KEEP_RUNNER_IO";
