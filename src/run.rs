@@ -317,6 +317,8 @@ pub fn run(
         });
     }
     let verdict = Report::overall_verdict(&modes);
+    // After the run: a backend may choose its kernels per layer (CUDA compiles them for the layer's dims).
+    let coverage = crate::coverage::compute(&backend.kernels(&cfg, &opts.sched), &cfg, &opts.sched);
     Ok(Report {
         schema_version: SCHEMA_VERSION,
         tool: ToolInfo {
@@ -360,6 +362,7 @@ pub fn run(
         modes,
         verdict,
         baseline: None,
+        coverage: Some(coverage),
         dumps: dumped,
     })
 }

@@ -133,4 +133,21 @@ pub trait Backend {
     fn notices(&self) -> Vec<String> {
         Vec::new()
     }
+    /// The attention kernels it ran for `sched`, one per phase, with their tile geometry where it is
+    /// known: the report's coverage section is computed from them (`crate::coverage`). Asked after the
+    /// run. The default is an optimized path of unknown inside, whose tile classes are then reported
+    /// unknown.
+    fn kernels(&self, _cfg: &MlaConfig, _sched: &Schedule) -> Vec<crate::coverage::KernelUse> {
+        use crate::coverage::{Family, KernelUse, Phase};
+        [Phase::Prefill, Phase::Decode]
+            .into_iter()
+            .map(|phase| KernelUse {
+                phase,
+                family: Family::External,
+                label: self.describe(),
+                geometry: None,
+                production: None,
+            })
+            .collect()
+    }
 }

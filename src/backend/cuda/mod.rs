@@ -29,6 +29,7 @@ pub mod kernels;
 pub mod launch;
 pub mod layer;
 pub mod nvrtc;
+pub mod plan;
 pub mod prefill;
 pub mod shared;
 pub mod trace;
@@ -109,6 +110,10 @@ pub struct CudaBackend {
     pub opts: CudaOptions,
     /// Which attention kernels the last layer used ("mma 4x2 warps…" / "scalar").
     pub last_paths: String,
+    /// The same, for the coverage section: per phase the kernel, its geometry and the production kernel.
+    pub last_kernels: Vec<crate::coverage::KernelUse>,
+    /// Notices for the report (a kernel choice the host did not predict), without repeats.
+    pub notices: Vec<String>,
 }
 
 impl CudaBackend {
@@ -125,7 +130,57 @@ impl CudaBackend {
             blas,
             opts,
             last_paths: String::new(),
+            last_kernels: Vec::new(),
+            notices: Vec::new(),
         })
+    }
+}
+
+impl CudaBackend {
+    /// Record the layer's kernels for coverage, and check them against the host's prediction
+    /// (`plan`: what the coverage tests and the default schedule assume without a GPU).
+    fn record_kernels(&mut self, k: &LayerKernels, dims: &Dims, q_rows: usize) {
+        use crate::coverage::Phase;
+        let i = &self.gpu.info;
+        let caps = plan::Caps {
+            cc: i.cc,
+            smem_optin: i.smem_optin,
+        };
+        let force = self.opts.force_scalar;
+        let predicted = plan::layer_tiles(dims, q_rows, &caps, force);
+        let mut uses = Vec::new();
+        for (phase, attn, pred) in [
+            (Phase::Prefill, &k.prefill, predicted.0),
+            (Phase::Decode, &k.decode, predicted.1),
+        ] {
+            let ran = attn.tile.filter(|_| attn.uses_mma());
+            let mut note = |m: String| {
+                if !self.notices.contains(&m) {
+                    self.notices.push(m);
+                }
+            };
+            if ran != pred {
+                note(format!(
+                    "coverage: the host predicted the {} kernel {} for these dims on this device, but {} loaded (src/backend/cuda/plan.rs disagrees with the device)",
+                    phase.name(),
+                    plan::label(pred),
+                    plan::label(ran)
+                ));
+            }
+            let g = plan::geometry(ran);
+            if let Some((rows, keys)) = attn.rows_keys() {
+                if (rows, keys) != (g.rows_per_cta, g.keys_per_tile) {
+                    note(format!(
+                        "coverage: the {} kernel's module states {rows} rows x {keys} keys per tile, its tile {} (coverage's geometry)",
+                        phase.name(),
+                        plan::label(ran)
+                    ));
+                }
+            }
+            let prod = plan::production(dims, phase, ran, q_rows, &caps, force);
+            uses.push(plan::kernel_use(phase, ran, prod));
+        }
+        self.last_kernels = uses;
     }
 }
 
@@ -160,6 +215,18 @@ impl Backend for CudaBackend {
                 .without(Stage::SplitOut)
                 .without(Stage::SplitLse),
         }
+    }
+
+    fn notices(&self) -> Vec<String> {
+        self.notices.clone()
+    }
+
+    fn kernels(
+        &self,
+        _cfg: &crate::model::MlaConfig,
+        _sched: &crate::schedule::Schedule,
+    ) -> Vec<crate::coverage::KernelUse> {
+        self.last_kernels.clone()
     }
 
     fn run_layer(&mut self, ctx: &LayerCtx, x: &ndarray::Array2<f64>) -> Result<LayerTrace> {
@@ -201,6 +268,7 @@ impl Backend for CudaBackend {
             self.opts.force_scalar,
         )?;
         self.last_paths = k.paths();
+        self.record_kernels(&k, &dims, sched.q_len * z.h);
         let w = Weights::upload(ctx, dt)?;
         let a = Acts::alloc(ctx, &z, x, w.lq)?;
         let layer = Layer {

@@ -61,4 +61,14 @@ impl Backend for SharedCuda {
     fn run_layer(&mut self, ctx: &LayerCtx, x: &ndarray::Array2<f64>) -> Result<LayerTrace> {
         self.bind().run_layer(ctx, x)
     }
+    fn notices(&self) -> Vec<String> {
+        self.inner.borrow().notices()
+    }
+    fn kernels(
+        &self,
+        cfg: &crate::model::MlaConfig,
+        sched: &crate::schedule::Schedule,
+    ) -> Vec<crate::coverage::KernelUse> {
+        self.inner.borrow().kernels(cfg, sched)
+    }
 }
