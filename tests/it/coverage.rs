@@ -23,7 +23,7 @@ const FIXTURES: [&str; 5] = [
 ];
 
 fn config(name: &str) -> MlaConfig {
-    MlaConfig::from_gguf(&GgufFile::open(&fixture(name)).unwrap()).unwrap()
+    MlaConfig::from_gguf(&GgufFile::open(fixture(name)).unwrap()).unwrap()
 }
 
 /// The pre-#14 default `run` schedule (48 prompt tokens in chunks of 32, 16 decode steps, 4 splits).
@@ -251,10 +251,7 @@ fn a_schedule_that_misses_a_class_warns_in_every_format() {
     assert!(warnings.iter().any(|w| w.contains(missed)), "{warnings:?}");
     assert_eq!(cov["kernels"][1]["family"], "mirror");
     assert!(table.contains("coverage: prefill mirror"), "{table}");
-    assert!(
-        table.contains(&format!("WARNING: coverage: decode")),
-        "{table}"
-    );
+    assert!(table.contains("WARNING: coverage: decode"), "{table}");
     assert!(table.contains(missed), "{table}");
     assert!(junit.contains("mla-diff.coverage.warning"), "{junit}");
     assert!(junit.contains("name=\"mla-diff.coverage.decode.two_full_tiles\" value=\"0\""));

@@ -104,7 +104,7 @@ pub fn wgmma_compiles(d: &Dims, t: &Tile, caps: &Caps) -> bool {
     caps.cc == (9, 0)
         && d.dtype != Dtype::F32
         && (d.lkv == 512 || d.lkv == 256)
-        && (d.lkv + d.r) % 8 == 0
+        && (d.lkv + d.r).is_multiple_of(8)
         && t.wm == 4
 }
 
@@ -276,9 +276,11 @@ mod tests {
         assert_eq!(p.family, Family::Wgmma);
         assert!(p.why.contains("64 or more decode rows"), "{}", p.why);
         assert_eq!(production(&d, Phase::Decode, dec, 64, &HOPPER, false), None);
-        // Off Hopper: the 4x2-warp mma tile.
+        // An A100's 163 KB hold none of the 64-row tiles at 576-wide key rows (about 226 KB): the
+        // 32-row tile, the last of the list.
         let (_, a100) = layer_tiles(&d, 64, &AMPERE, false);
-        assert_eq!(a100, Some(decode_tiles(64)[1]));
+        assert_eq!(a100, decode_tiles(64).last().copied());
+        assert!(mma_smem(&d, &decode_tiles(64)[1], true) > AMPERE.smem_optin);
         // f32 storage: scalar everywhere, and that is the production kernel too.
         let f = dims(Dtype::F32, 512, 64, 128, 128, 8);
         assert_eq!(layer_tiles(&f, 64, &HOPPER, false), (None, None));
