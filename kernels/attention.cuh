@@ -79,7 +79,10 @@ __device__ __forceinline__ int att_split() {
 //   CAUSAL_OFF_BY_ONE  every causal row sees one key past its limit (prefill's own chunk, decode steps);
 //   READ_PAST_END      decode's last split runs one key further: its end and each row's limit move by one
 //                      (past the sequence end that is an unwritten, NaN-poisoned cache row);
-//   EMPTY_CTX_LSE_INF  prefill: a row that sees no key reports lse = +inf (FA2) instead of -inf.
+//   EMPTY_CTX_LSE_INF  prefill: a row that sees no key reports lse = +inf (FA2) instead of -inf;
+//   SPLIT_TAIL_DROPPED decode: a split's partial last tile is dropped when the split spans more than one tile
+//                      (att_fault_tail);
+//   WG2_KEYS_DROPPED   decode: the upper half of each tile's keys masked (ATT_FAULT_DROP; attention_sm90.cuh).
 __device__ __forceinline__ int att_last_split_extra(const AttnArgs& a) {
 #if defined(MLA_FAULT_READ_PAST_END) && ATT_PAGED
     return att_split() == a.num_splits - 1;
@@ -156,6 +159,14 @@ __device__ __forceinline__ void att_key_range(const AttnArgs& a, int n_keys, int
     *hi = k1;
 }
 
+// Planted bug SPLIT_TAIL_DROPPED (decode only): a key range of more than one `bn`-key tile is cut to whole
+// tiles, so the partial last tile of a split is never loaded or scored; a range within one tile stays whole.
+__device__ __forceinline__ void att_fault_tail(int lo, int* hi, int bn) {
+#if defined(MLA_FAULT_SPLIT_TAIL_DROPPED) && ATT_MQA
+    if (*hi - lo > bn) *hi = lo + (*hi - lo) / bn * bn;
+#endif
+}
+
 __device__ __forceinline__ void att_store(const AttnArgs& a, int b, const RowInfo& ri, int col, float v0,
                                           float v1, int two) {
     if (ATT_PARTIALS(a)) {
@@ -208,7 +219,8 @@ extern "C" __global__ void __launch_bounds__(32 * SC_ROWS) attn_scalar(const Att
     const int per = (n_keys + a.num_splits - 1) / a.num_splits;
     const int s = att_split();
     const int k0 = min(s * per, n_keys);
-    const int k1 = min(min(k0 + per, n_keys) + att_last_split_extra(a), max(k0, ri.lim + 1));
+    int k1 = min(min(k0 + per, n_keys) + att_last_split_extra(a), max(k0, ri.lim + 1));
+    att_fault_tail(k0, &k1, 32);
     const int* table = a.table ? a.table + b * a.table_bs : nullptr;
 
     const dt* qr = a.q + b * a.q_bs + (long long)ri.i * a.q_rs + (long long)ri.h * a.q_hs;
@@ -322,6 +334,14 @@ extern "C" __global__ void __launch_bounds__(32 * SC_ROWS) attn_scalar(const Att
 #endif
 #define ATT_PS (ATT_BN + 8)                             // padded row of the P tile (elements)
 #define ATT_TPR 8                                       // threads per row in tile loads (8 x 16 B = 128 B)
+
+// Planted bug WG2_KEYS_DROPPED (decode): the upper half of the key groups of a tile (its keys BN/2..BN-1)
+// masked, as Hopper's attn_wgmma masks its second warpgroup's 32 keys of 64.
+#if defined(MLA_FAULT_WG2_KEYS_DROPPED) && ATT_MQA && ATT_SWN >= 2
+#define ATT_FAULT_DROP(wn) ((wn) >= ATT_SWN / 2)
+#else
+#define ATT_FAULT_DROP(wn) 0
+#endif
 
 static_assert(ATT_BNW % 8 == 0 && ATT_BN % 16 == 0, "ATT_BN must be a multiple of 16 and of 8*ATT_WN");
 static_assert(!ATT_V_IN_K || ATT_DVP <= ATT_DQKP, "value columns must lie inside the key row");
@@ -444,6 +464,7 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
 
     int lo, hi;
     att_key_range(a, n_keys, tile, &lo, &hi);
+    att_fault_tail(lo, &hi, ATT_BN);
     const int n_tiles = hi > lo ? (hi - lo + ATT_BN - 1) / ATT_BN : 0;
 
     // Q tile (rows past the end are zero).
@@ -547,7 +568,7 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
                 for (int e = 0; e < 4; ++e) {
                     const int key = j0 + wn * ATT_BNW + n * 8 + 2 * t + (e & 1);
                     float v = s[mt][n][e] * a.scale_log2;
-                    if (key >= hi || key > lim[mt][e >> 1]) v = MLA_NEG_INF;
+                    if (key >= hi || key > lim[mt][e >> 1] || ATT_FAULT_DROP(wn)) v = MLA_NEG_INF;
                     s[mt][n][e] = v;
                     tm[mt][e >> 1] = fmaxf(tm[mt][e >> 1], v);
                 }

@@ -37,6 +37,13 @@
 // the row max / row sum exchange ([2][64] floats each).
 #define WG_SMEM (1024 + 3 * WG_TILE + WG_BLK + 4 * WG_BM * 4)
 
+// Planted bug WG2_KEYS_DROPPED (src/faults.rs): the second warpgroup's 32 keys of every tile are masked.
+#ifdef MLA_FAULT_WG2_KEYS_DROPPED
+#define WG_FAULT_DROP(wg) ((wg) == 1)
+#else
+#define WG_FAULT_DROP(wg) 0
+#endif
+
 // {dynamic shared bytes, threads per CTA, rows per CTA, keys per tile}
 extern "C" __device__ const int attn_wgmma_config[4] = {WG_SMEM, WG_NT, WG_BM, WG_BN};
 
@@ -177,6 +184,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs
     const int* table = a.table ? a.table + b * a.table_bs : nullptr;
     int lo, hi;
     att_key_range(a, n_keys, tile, &lo, &hi);
+    att_fault_tail(lo, &hi, WG_BN);
     const int n_tiles = hi > lo ? (hi - lo + WG_BN - 1) / WG_BN : 0;
 
     // Q (rows past the end are zero) and the first key tile: one cp.async group.
@@ -229,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs
             for (int e = 0; e < 4; ++e) {
                 const int key = j0 + wg * 32 + n * 8 + 2 * t + (e & 1);
                 float v = s[4 * n + e] * a.scale_log2;
-                if (key >= hi || key > lim[e >> 1]) v = MLA_NEG_INF;
+                if (key >= hi || key > lim[e >> 1] || WG_FAULT_DROP(wg)) v = MLA_NEG_INF;
                 s[4 * n + e] = v;
                 tm[e >> 1] = fmaxf(tm[e >> 1], v);
             }

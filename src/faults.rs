@@ -40,6 +40,8 @@ pub enum Fault {
     ReadPastEnd,
     SplitDropLast,
     HeadStrideQk,
+    Wg2KeysDropped,
+    SplitTailDropped,
 }
 
 /// What a run needs for a fault to be visible at all. Model needs are properties of the file; run
@@ -72,6 +74,15 @@ pub enum Need {
     /// Decode, with the row after the sequence end inside an owned page (unwritten, so NaN-poisoned,
     /// rather than memory the sequence does not own).
     EndInsidePage,
+    /// Decode with a split of more than 32 keys: keys in the second half of a 64-key tile (the second
+    /// warpgroup's in the Hopper kernel).
+    SplitOverHalfTile,
+    /// Decode with a split longer than one 64-key tile whose length is not a multiple of 32: a partial
+    /// last tile after a full one, for 64- and 32-key tiles alike.
+    SplitTail,
+    /// q_len × heads ≥ 64 decode rows: what the CUDA backend runs Hopper's warpgroup kernel for (the
+    /// CPU mirror and the CUDA kernels of fewer rows show a fault that needs it without it).
+    DecodeRows64,
 }
 
 impl Need {
@@ -89,6 +100,9 @@ impl Need {
             Need::MultiSplit => "≥2 splits",
             Need::PageCrossing => "page boundaries",
             Need::EndInsidePage => "end inside a page",
+            Need::SplitOverHalfTile => "a split > 32 keys",
+            Need::SplitTail => "a split tail after a full tile",
+            Need::DecodeRows64 => "q_len×heads ≥ 64",
         }
     }
     /// Whether the model and schedule provide this; `None` when it depends on values or the dtype.
@@ -112,8 +126,23 @@ impl Need {
             }
             Need::PageCrossing => s.total_tokens() > s.page_size,
             Need::EndInsidePage => decode && !s.total_tokens().is_multiple_of(s.page_size),
+            // The last query of each step sees its splits whole: their lengths are the longest ranges.
+            Need::SplitOverHalfTile => decode_split_lens(s).any(|n| n > 32),
+            Need::SplitTail => decode_split_lens(s).any(|n| n > 64 && n % 32 != 0),
+            Need::DecodeRows64 => decode && s.q_len.saturating_mul(cfg.n_head) >= 64,
         })
     }
+}
+
+/// The key counts of every decode step's non-empty splits, as the step's last query sees them (uncut):
+/// vLLM's partition gives `ceil(seq/S)` keys to every full split and the rest to the last non-empty one,
+/// so these two per step are all there are (O(steps), whatever the number of splits).
+pub fn decode_split_lens(s: &Schedule) -> impl Iterator<Item = usize> + '_ {
+    s.decode_ranges().into_iter().flat_map(move |r| {
+        let seq = r.end;
+        let per = seq.div_ceil(s.num_splits.max(1)).max(1);
+        [per.min(seq), seq - (seq - 1) / per * per]
+    })
 }
 
 /// A fault's row of the catalogue.
@@ -139,7 +168,7 @@ pub struct Info {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 17] = [
+    pub const ALL: [Fault; 19] = [
         Fault::RopeNeox,
         Fault::RopeNorm,
         Fault::YarnMscaleMissing,
@@ -157,6 +186,8 @@ impl Fault {
         Fault::ReadPastEnd,
         Fault::SplitDropLast,
         Fault::HeadStrideQk,
+        Fault::Wg2KeysDropped,
+        Fault::SplitTailDropped,
     ];
 
     /// The fault's row of the catalogue.

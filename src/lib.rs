@@ -10,6 +10,7 @@ pub mod bench;
 pub mod calibrate;
 pub mod capsule;
 pub mod compare;
+pub mod coverage;
 pub mod error;
 pub mod faults;
 pub mod fixture;

@@ -148,6 +148,24 @@ pub trait Backend {
     fn key_tiles(&self) -> KeyTiles {
         KeyTiles::default()
     }
+
+    /// The attention kernels it ran for `sched`, one per phase, with their tile geometry where it is
+    /// known: the report's coverage section is computed from them (`crate::coverage`). Asked after the
+    /// run. The default is an optimized path of unknown inside, whose tile classes are then reported
+    /// unknown.
+    fn kernels(&self, _cfg: &MlaConfig, _sched: &Schedule) -> Vec<crate::coverage::KernelUse> {
+        use crate::coverage::{Family, KernelUse, Phase};
+        [Phase::Prefill, Phase::Decode]
+            .into_iter()
+            .map(|phase| KernelUse {
+                phase,
+                family: Family::External,
+                label: self.describe(),
+                geometry: None,
+                production: None,
+            })
+            .collect()
+    }
 }
 
 /// The key-count periods of a backend's attention kernels (`Backend::key_tiles`): each a name and a

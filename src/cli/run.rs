@@ -66,6 +66,22 @@ pub struct Args {
 }
 
 impl Args {
+    /// The run's schedule: the options given over the classic default, or, given none (and inputs and a
+    /// kernel the schedule is free to fit: random inputs, no runner), the kernel-aware schedule that
+    /// crosses every coverage class of the kernels this model's dims may run on (docs/coverage.md).
+    fn default_schedule(&self, cfg: &MlaConfig) -> Result<mla_diff::schedule::Schedule, Error> {
+        let fixed = self.schedule.given()
+            || self.input.tokens.is_some()
+            || self.input.hidden.is_some()
+            || self.backend.runner.is_some();
+        if fixed {
+            return self.schedule.schedule();
+        }
+        let s = mla_diff::coverage::covering::covering(cfg);
+        s.validate()?;
+        Ok(s)
+    }
+
     /// The planted faults; unknown names are usage errors before anything is read.
     fn faults(&self) -> Result<FaultSet, Error> {
         Ok(FaultSet(
@@ -84,7 +100,7 @@ impl Args {
         cfg: &MlaConfig,
         faults: FaultSet,
     ) -> Result<RunOptions, Error> {
-        let sched = self.schedule.schedule()?;
+        let sched = self.default_schedule(cfg)?;
         let (tolerances, tolerance_source) = self.tol.table(self.dtype)?;
         let dump = self.report.dump(cfg.n_layer)?;
         let layers = mla_diff::run::parse_layers(&self.layers, cfg.n_layer)?;

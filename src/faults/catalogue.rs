@@ -4,7 +4,7 @@
 use super::{Fault, Info, Need};
 
 /// The catalogue, one row per fault in `Fault` order (docs/faults.md is generated from it).
-pub const CATALOGUE: [Info; 17] = [
+pub const CATALOGUE: [Info; 19] = [
     Info {
         fault: Fault::RopeNeox,
         name: "rope_neox",
@@ -214,5 +214,27 @@ pub const CATALOGUE: [Info; 17] = [
         expected: "attn_out[prefill]",
         needs: &[Need::QkNotV, Need::Prefill],
         cuda_site: "host, src/backend/cuda/decode.rs `finish` (buffers.rs sizes it): the o_proj input re-strided with `copy_heads` (kernels/cache_write.cu) using a source head stride of P+R, once over all rows after every head is computed (reads past the end hit NaN padding)",
+    },
+    Info {
+        fault: Fault::Wg2KeysDropped,
+        name: "wg2_keys_dropped",
+        define: "MLA_FAULT_WG2_KEYS_DROPPED",
+        summary: "decode drops the upper half of every key tile of a split: keys 32..63 of a 64-key tile, the half the Hopper kernel's second warpgroup scores",
+        models: "a coverage probe, not a bug report: a fault confined to the keys one warpgroup (or key-group warp) owns in a tile. It shows only when a split holds more than half a tile, which the pre-#14 default run (at most 16 keys per split) never did; nor did that run reach the Hopper kernel (8 heads x 1 query = 8 rows)",
+        sources: &[],
+        expected: "split_out",
+        needs: &[Need::Decode, Need::SplitOverHalfTile, Need::DecodeRows64],
+        cuda_site: "kernels/attention_sm90.cuh `attn_wgmma` (sm_90a, 64 rows): warpgroup 1's 32 scores of each 64-key tile masked to −inf; kernels/attention.cuh `attn_mma` (the tiles of other devices and of fewer rows): the scores of the upper half of its key-group warps (keys ATT_BN/2..ATT_BN−1) masked. The scalar kernel (f32) has no key groups and no such fault",
+    },
+    Info {
+        fault: Fault::SplitTailDropped,
+        name: "split_tail_dropped",
+        define: "MLA_FAULT_SPLIT_TAIL_DROPPED",
+        summary: "decode's tile loop stops at the last full tile of a split longer than one tile: the keys of its partial last tile are dropped",
+        models: "a coverage probe of the tile-count boundary class: a split-KV tile loop whose count and the split's key range disagree (aiter's mla_decode_gluon was wrong when NUM_KV_SPLITS exceeded its tiles); a split shorter than one tile is handled whole, so the pre-#14 default run (≤ 16 keys per split) never showed it",
+        sources: &["https://github.com/ROCm/aiter/pull/3641"],
+        expected: "split_out",
+        needs: &[Need::Decode, Need::SplitTail],
+        cuda_site: "kernels/attention.cuh (decode.cu, ATT_MQA): `att_fault_tail` cuts the key range of `attn_mma` and `attn_wgmma` (per CTA) and of `attn_scalar` (per row) to whole tiles of that kernel (ATT_BN keys for attn_mma, 64 for attn_wgmma, 32 for attn_scalar) when it holds more than one tile",
     },
 ];

@@ -17,6 +17,9 @@ pub fn render(r: &Report) -> String {
         for n in &r.run.notices {
             suite.add_property(quick_junit::Property::new("mla-diff.notice", n.as_str()));
         }
+        if let Some(c) = &r.coverage {
+            add_coverage(&mut suite, c);
+        }
         let decides = decisive == Some(m.mode.as_str());
         for l in &m.layers {
             let failing = l.checks.iter().find(|c| !c.pass);
@@ -116,4 +119,25 @@ pub fn render(r: &Report) -> String {
         report.add_test_suite(suite);
     }
     report.to_string().expect("junit serialises")
+}
+
+/// The coverage section as suite properties: `mla-diff.coverage.kernel.PHASE` (the kernel),
+/// `mla-diff.coverage.PHASE.CLASS` (its count, `unknown` without a geometry), `mla-diff.coverage.warning`.
+fn add_coverage(suite: &mut TestSuite, c: &crate::coverage::Coverage) {
+    use quick_junit::Property;
+    for k in &c.kernels {
+        suite.add_property(Property::new(
+            format!("mla-diff.coverage.kernel.{}", k.phase.name()),
+            k.describe(),
+        ));
+    }
+    for cl in &c.classes {
+        suite.add_property(Property::new(
+            format!("mla-diff.coverage.{}.{}", cl.phase.name(), cl.class),
+            cl.count.map_or("unknown".to_string(), |n| n.to_string()),
+        ));
+    }
+    for w in &c.warnings {
+        suite.add_property(Property::new("mla-diff.coverage.warning", w.as_str()));
+    }
 }

@@ -51,6 +51,14 @@ pub fn render(r: &Report) -> String {
     for n in &r.run.notices {
         writeln!(s, "> ⚠️ **Notice:** {n}\n").ok();
     }
+    for w in r.coverage.iter().flat_map(|c| &c.warnings) {
+        writeln!(
+            s,
+            "> ⚠️ **Coverage:** {}\n",
+            w.trim_start_matches("coverage: ")
+        )
+        .ok();
+    }
     let sc = &r.run.schedule;
     writeln!(
         s,
@@ -100,5 +108,27 @@ pub fn render(r: &Report) -> String {
             .ok();
         }
     }
+    if let Some(c) = &r.coverage {
+        s.push_str(&coverage(c));
+    }
+    s
+}
+
+/// The coverage section: the kernel of each phase, then every class with its count.
+fn coverage(c: &crate::coverage::Coverage) -> String {
+    let mut s = String::from("#### Coverage\n\n");
+    for k in &c.kernels {
+        writeln!(s, "- {}: `{}`", k.phase.name(), k.describe()).ok();
+    }
+    writeln!(s, "\n| phase | class | count |\n|---|---|---|").ok();
+    for cl in &c.classes {
+        let n = match cl.count {
+            Some(0) => "❌ 0".to_string(),
+            Some(n) => n.to_string(),
+            None => "❔ unknown".to_string(),
+        };
+        writeln!(s, "| {} | {} | {n} |", cl.phase.name(), cl.what).ok();
+    }
+    writeln!(s).ok();
     s
 }

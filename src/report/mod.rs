@@ -82,6 +82,10 @@ pub struct Report {
     /// `run --repeat N`: the optimized path's runs compared bit for bit; absent without --repeat.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub repeat: Option<crate::run::repeat::RepeatResult>,
+    /// Which kernels ran and which of their boundary classes the schedule crossed (`crate::coverage`);
+    /// absent in reports of mla-diff before #14.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub coverage: Option<crate::coverage::Coverage>,
     /// Directories the run wrote `.npy` dumps into (printed, not part of the JSON: paths are local).
     #[serde(skip)]
     pub dumps: Vec<std::path::PathBuf>,

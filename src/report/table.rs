@@ -137,6 +137,10 @@ pub fn render(r: &Report, style: &Style) -> String {
             .ok();
         }
     }
+    if let Some(c) = &r.coverage {
+        writeln!(s).ok();
+        s.push_str(&coverage_lines(c, style));
+    }
     writeln!(s).ok();
     s.push_str(&verdict_line(r, style));
     if let Some(b) = &r.baseline {
@@ -186,6 +190,26 @@ pub fn repeat_line(layer: usize, d: &crate::run::repeat::RepeatDiff) -> String {
         d.values[0],
         d.values[1]
     )
+}
+
+/// The coverage section: per phase the kernel and its class counts, then the warnings.
+fn coverage_lines(c: &crate::coverage::Coverage, style: &Style) -> String {
+    let mut s = String::new();
+    for (i, k) in c.kernels.iter().enumerate() {
+        writeln!(
+            s,
+            "{:<10}{} {}: {}",
+            if i == 0 { "coverage:" } else { "" },
+            k.phase.name(),
+            k.describe(),
+            c.summary(k.phase)
+        )
+        .ok();
+    }
+    for w in &c.warnings {
+        writeln!(s, "{}", style.red(&format!("WARNING: {w}"))).ok();
+    }
+    s
 }
 
 /// The overall verdict, one line (all that `-q` prints).

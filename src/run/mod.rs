@@ -350,6 +350,8 @@ pub fn run(
         });
     }
     let verdict = Report::overall_verdict(&modes);
+    // After the run: a backend may choose its kernels per layer (CUDA compiles them for the layer's dims).
+    let coverage = crate::coverage::compute(&backend.kernels(&cfg, &opts.sched), &cfg, &opts.sched);
     let mut report = Report {
         schema_version: SCHEMA_VERSION,
         tool: ToolInfo {
@@ -394,6 +396,7 @@ pub fn run(
         verdict,
         baseline: None,
         repeat: None,
+        coverage: Some(coverage),
         dumps: dumped,
     };
     if opts.repeat > 1 {

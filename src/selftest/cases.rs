@@ -1,7 +1,7 @@
 //! The selftest's runs: for each fault, the run its needs call for, and the controls (the fault on a run
 //! that lacks one need), as a table.
 
-use super::fixtures::Model;
+use super::fixtures::{Model, HEADS};
 use crate::backend::Dtype;
 use crate::faults::{Fault, Need};
 use crate::schedule::Schedule;
@@ -31,6 +31,21 @@ pub fn schedule_for(needs: &[Need]) -> Schedule {
                 s.num_splits = 3;
             }
             Need::PageCrossing => (s.page_size, s.spare_pages) = (4, 2),
+            // The fixtures' rows per query are their heads: 16 queries of 4 heads fill one 64-row tile.
+            Need::DecodeRows64 => {
+                s.decode_steps = s.decode_steps.max(3);
+                s.q_len = 64usize.div_ceil(HEADS);
+            }
+            // Prompts that put a good share of the keys where the fault is (a margin, not a bare pass):
+            // 16+ keys in the second half of a tile; a 25+-key tail after the first full tile.
+            Need::SplitOverHalfTile => {
+                s.decode_steps = s.decode_steps.max(3);
+                s.prompt_len = s.prompt_len.max(48);
+            }
+            Need::SplitTail => {
+                s.decode_steps = s.decode_steps.max(3);
+                s.prompt_len = s.prompt_len.max(88);
+            }
             Need::NormRope
             | Need::NeoxRope
             | Need::Yarn
@@ -38,6 +53,20 @@ pub fn schedule_for(needs: &[Need]) -> Schedule {
             | Need::LargeQAbs
             | Need::F32
             | Need::Prefill => {}
+        }
+    }
+    // Split lengths follow from the whole schedule (3 splits of `MultiSplit` share the keys): grow the
+    // prompt until one split is long enough.
+    let long_enough = |n: Need, s: &Schedule| {
+        let mut lens = crate::faults::decode_split_lens(s);
+        match n {
+            Need::SplitOverHalfTile => lens.any(|n| n > 32),
+            _ => lens.any(|n| n > 64 && n % 32 != 0),
+        }
+    };
+    for n in [Need::SplitOverHalfTile, Need::SplitTail] {
+        while needs.contains(&n) && !long_enough(n, &s) {
+            s.prompt_len += 1;
         }
     }
     if needs.contains(&Need::EndInsidePage) && s.total_tokens().is_multiple_of(s.page_size) {
@@ -69,7 +98,7 @@ pub struct Control {
     pub sched: Option<Schedule>,
 }
 
-pub const CONTROLS: [Control; 11] = [
+pub const CONTROLS: [Control; 13] = [
     Control {
         fault: Fault::RopeNeox,
         lacking: Need::NormRope,
@@ -150,6 +179,35 @@ pub const CONTROLS: [Control; 11] = [
         sched: Some(Schedule {
             decode_steps: 3,
             ..MINIMAL
+        }),
+    },
+    // The Hopper kernel's 64 rows (16 queries of 4 heads) but one step: its splits hold at most 22 keys,
+    // all in the first half of a tile.
+    Control {
+        fault: Fault::Wg2KeysDropped,
+        lacking: Need::SplitOverHalfTile,
+        model: None,
+        sched: Some(Schedule {
+            decode_steps: 1,
+            q_len: 16,
+            ..MINIMAL
+        }),
+    },
+    // The pre-#14 default `run` schedule (48 + 16 tokens, 4 splits): no split spans more than one tile.
+    Control {
+        fault: Fault::SplitTailDropped,
+        lacking: Need::SplitTail,
+        model: None,
+        sched: Some(Schedule {
+            prompt_len: 48,
+            chunk: 32,
+            decode_steps: 16,
+            q_len: 1,
+            page_size: 16,
+            num_splits: 4,
+            shuffle_seed: Some(7),
+            spare_pages: 3,
+            pos_offset: 0,
         }),
     },
 ];
@@ -242,7 +300,8 @@ mod tests {
             c.sched.validate().unwrap();
             // Model needs are checked against the fixture in `judge`; here the schedule needs.
             for n in f.info().needs {
-                let cfg = crate::model::catalogue::Preset::DeepseekV3.test_config();
+                let mut cfg = crate::model::catalogue::Preset::DeepseekV3.test_config();
+                cfg.n_head = HEADS;
                 if matches!(
                     n,
                     Need::Positions
@@ -251,6 +310,9 @@ mod tests {
                         | Need::MultiSplit
                         | Need::PageCrossing
                         | Need::EndInsidePage
+                        | Need::SplitOverHalfTile
+                        | Need::SplitTail
+                        | Need::DecodeRows64
                 ) {
                     assert_eq!(n.met(&cfg, &c.sched), Some(true), "{f}: {}", n.name());
                 }
@@ -262,7 +324,8 @@ mod tests {
     /// model and value needs in `judge`).
     #[test]
     fn controls_lack_their_need() {
-        let cfg = crate::model::catalogue::Preset::DeepseekV3.test_config();
+        let mut cfg = crate::model::catalogue::Preset::DeepseekV3.test_config();
+        cfg.n_head = HEADS;
         for c in controls() {
             let (f, n) = (c.fault.unwrap(), c.lacking.unwrap());
             assert!(f.info().needs.contains(&n), "{f}: {}", n.name());

@@ -18,7 +18,10 @@ pub enum Model {
     Glm5,
 }
 
-/// One selftest fixture: a catalogue model at hidden 256, 4 heads, 3 layers, vocab 64, BF16.
+/// Query heads of every selftest fixture.
+pub const HEADS: usize = 4;
+
+/// One selftest fixture: a catalogue model at hidden 256, `HEADS` heads, 3 layers, vocab 64, BF16.
 #[derive(Debug, Clone, Copy)]
 pub struct Fixture {
     pub model: Model,
@@ -98,7 +101,7 @@ impl Model {
             seed: 0,
             legacy_kv_b: false,
             hidden: Some(256),
-            heads: Some(4),
+            heads: Some(HEADS),
             // 0: no q-LoRA.
             q_lora_rank: Some(f.q_lora.unwrap_or(0)),
             vocab: Some(64),

@@ -9,6 +9,7 @@ mod bench_smoke;
 mod capsule;
 mod ci_recipe;
 mod common;
+mod coverage;
 mod cuda_env;
 mod detection;
 mod fixture_roundtrip;

@@ -3,7 +3,7 @@
 //! keeps its partial in f32, and the splits are combined by lse; then `W_UV` per head.
 
 use super::cache::PagedCache;
-use super::flash::{attend, merge, merge_log2, Partial};
+use super::flash::{attend, merge, merge_log2, Partial, TILE};
 use super::front::MirrorWeights;
 use super::ops::{dot, round_all};
 use super::prefill::causal_end;
@@ -102,13 +102,36 @@ pub fn split_partial(
     keys: Range<usize>,
     dt: Dtype,
 ) -> Partial {
+    split_partial_fx(cfg, cache, qa, qp, keys, dt, Active::NONE)
+}
+
+/// `split_partial` with the faults of the split's tile loop (`keys` are the split's keys this query sees).
+pub fn split_partial_fx(
+    cfg: &MlaConfig,
+    cache: &PagedCache,
+    qa: &[f32],
+    qp: &[f32],
+    mut keys: Range<usize>,
+    dt: Dtype,
+    fx: Active,
+) -> Partial {
     let lkv = cfg.kv_lora_rank;
     let scale = cfg.softmax_scale as f32;
+    // Fault: the tile loop stops at the last full tile when the split holds more than one tile.
+    if fx.on(Fault::SplitTailDropped) && keys.len() > TILE {
+        keys.end = keys.start + keys.len() / TILE * TILE;
+    }
+    // Fault: keys 32..63 of each tile (the Hopper kernel's second warpgroup) scored −inf, i.e. dropped:
+    // exp(−inf) = 0 exactly, and a tile with any key seen always has one in its first half.
+    let (start, drop_upper) = (keys.start, fx.on(Fault::Wg2KeysDropped));
     attend(
         keys,
         lkv,
         dt,
         |j| {
+            if drop_upper && (j - start) % TILE >= TILE / 2 {
+                return f32::NEG_INFINITY;
+            }
             let row = cache.row(j);
             (dot(qa, &row[..lkv]) + dot(qp, &row[lkv..])) * scale
         },
@@ -149,7 +172,7 @@ pub fn step(
                     if k == last && fx.on(Fault::ReadPastEnd) {
                         keys.end += 1;
                     }
-                    split_partial(cfg, cache, qa, qp, keys, dt)
+                    split_partial_fx(cfg, cache, qa, qp, keys, dt, fx)
                 })
                 .collect();
             for (k, p) in parts.iter().enumerate() {

@@ -110,6 +110,14 @@ impl Backend for CpuMirror {
         }
     }
 
+    fn kernels(
+        &self,
+        _cfg: &crate::model::MlaConfig,
+        _sched: &crate::schedule::Schedule,
+    ) -> Vec<crate::coverage::KernelUse> {
+        crate::coverage::mirror_kernels()
+    }
+
     fn run_layer(&mut self, ctx: &LayerCtx, x: &Array2<f64>) -> Result<LayerTrace> {
         let (cfg, w, sched, tables) = (ctx.cfg, ctx.weights, ctx.sched, ctx.rope);
         crate::reference::check_inputs(cfg, w, tables, x, sched)?;

@@ -86,8 +86,9 @@ impl AttnArgs {
 /// One attention module (prefill.cu or decode.cu) with its tensor-core and scalar kernels.
 pub struct Attn {
     _m: Rc<Module>,
-    /// (function, dynamic smem bytes, threads, rows per CTA); None: scalar only.
-    mma: Option<(sys::CUfunction, u32, u32, u32)>,
+    /// (function, dynamic smem bytes, threads, rows per CTA, keys per tile): the module's own
+    /// `attn_*_config`; None: scalar only.
+    mma: Option<(sys::CUfunction, u32, u32, u32, u32)>,
     /// The kernel `run` launches.
     pub name: &'static str,
     scalar: sys::CUfunction,
@@ -150,7 +151,7 @@ impl Attn {
                 return Ok(Attn {
                     combine: combine(&m)?,
                     _m: m,
-                    mma: Some((f, smem as u32, cfg[1] as u32, cfg[2] as u32)),
+                    mma: Some((f, smem as u32, cfg[1] as u32, cfg[2] as u32, cfg[3] as u32)),
                     name,
                     scalar,
                     mqa,
@@ -197,6 +198,11 @@ impl Attn {
         }
     }
 
+    /// The tensor-core kernel's rows per CTA and keys per tile, as its module states them.
+    pub fn rows_keys(&self) -> Option<(usize, usize)> {
+        self.mma.map(|m| (m.3 as usize, m.4 as usize))
+    }
+
     /// Launch over `batch` independent problems; heads `a.n_heads`, queries `a.n_q`.
     pub fn run(&self, a: &AttnArgs, batch: u32) -> Result<()> {
         let rows = |bm: u32| -> (u32, u32, u32) {
@@ -209,7 +215,9 @@ impl Attn {
         };
         let mut p = [a as *const AttnArgs as *mut c_void];
         match self.mma {
-            Some((f, smem, threads, bm)) => launch(f, self.name, rows(bm), threads, smem, &mut p),
+            Some((f, smem, threads, bm, _)) => {
+                launch(f, self.name, rows(bm), threads, smem, &mut p)
+            }
             None => launch(self.scalar, "attn_scalar", rows(4), 128, 0, &mut p),
         }
     }

@@ -172,6 +172,91 @@ fn check_faults(
     Ok(compiles)
 }
 
+/// The host's model of a tensor-core kernel (`plan`: shared memory, threads, rows per CTA, keys per tile;
+/// what the tile choice is predicted from and coverage's geometry) against the kernel's own
+/// `attn_*_config`, so that a kernel edit that changes its layout cannot leave the two apart.
+fn check_plan(dims: &Dims, unit: &str, t: Tile, kernel: &str, c: [i32; 4]) -> Result<()> {
+    let decode = unit == "decode.cu";
+    let g = super::tile_model::geometry(Some(Tile {
+        wgmma: kernel == "attn_wgmma",
+        ..t
+    }));
+    let want = match kernel {
+        "attn_wgmma" => [super::tile_model::wgmma_smem(dims), 256],
+        "attn_mma" => [
+            super::tile_model::mma_smem(dims, &t, decode),
+            32 * (t.wm * t.wn) as usize,
+        ],
+        _ => return Ok(()),
+    };
+    let want = [want[0], want[1], g.rows_per_cta, g.keys_per_tile];
+    let got = c.map(|x| x as usize);
+    if got != want {
+        return Err(Error::Environment(format!(
+            "{} {unit} ({}) {kernel}: the kernel states {{smem, threads, rows, keys}} = {got:?}, src/backend/cuda/plan.rs predicts {want:?}",
+            dims.dtype.name(),
+            t.label()
+        )));
+    }
+    Ok(())
+}
+
+/// Every tile a device may choose (not only the first ones the table shows), at DeepSeek dims in bf16:
+/// each module's own config against the host's model (`check_plan`), so that the tile the host predicts
+/// for a device with less shared memory is the one that loads there.
+fn check_all_tiles(src: &Sources, arch: &str, rep: &mut String) -> Result<usize> {
+    let &(_, lkv, r, p, dv, h, neox) = &DIM_SETS[0];
+    let dims = Dims {
+        dtype: Dtype::Bf16,
+        lkv,
+        r,
+        p,
+        dv,
+        h,
+        page: 64,
+        neox,
+        debug: true,
+        faults: Active::NONE,
+    };
+    let mut jobs: Vec<Job> = Vec::new();
+    for t in prefill_tiles() {
+        jobs.push(("prefill.cu", Some(t)));
+    }
+    for t in decode_tiles(64).into_iter().chain(decode_tiles(1)) {
+        if !jobs.contains(&("decode.cu", Some(t))) {
+            jobs.push(("decode.cu", Some(t)));
+        }
+    }
+    let mut checked = 0;
+    for &(unit, tile) in &jobs {
+        let c = nvrtc::compile(src, unit, &job_defines(&dims, tile), arch, false)?;
+        let ptx = String::from_utf8_lossy(&c.ptx);
+        let t = tile.expect("attention jobs have a tile");
+        let mut found = 0;
+        for k in ["attn_mma", "attn_wgmma"] {
+            if let Some(cfg) = ptx_attn_config(&ptx, k) {
+                check_plan(&dims, unit, t, k, cfg)
+                    .map_err(|e| Error::Environment(format!("{arch} deepseek-v3 {e}")))?;
+                found += 1;
+                checked += 1;
+            }
+        }
+        if found == 0 {
+            return Err(Error::Environment(format!(
+                "{arch} deepseek-v3 bf16 {unit} ({}): no attn_*_config in the PTX to check the tile model against",
+                t.label()
+            )));
+        }
+    }
+    writeln!(
+        rep,
+        "\ntile model (src/backend/cuda/plan.rs), {arch}, deepseek-v3 bf16: {} tiles, {checked} kernel configs match",
+        jobs.len()
+    )
+    .unwrap();
+    Ok(jobs.len())
+}
+
 /// The `.entry` functions of a PTX file with their text (up to the next entry).
 fn ptx_entries(ptx: &str) -> Vec<(&str, &str)> {
     let starts: Vec<usize> = ptx.match_indices(".entry ").map(|(i, _)| i).collect();
@@ -332,6 +417,10 @@ pub fn kernels_check(
                         {
                             continue;
                         }
+                        if let (Some(t), Some(c)) = (tile, ptx_attn_config(&ptx, &k.name)) {
+                            check_plan(&dims, unit, t, &k.name, c)
+                                .map_err(|e| Error::Environment(format!("{arch} {name} {e}")))?;
+                        }
                         let smem = if k.name == "attn_mma" || k.name == "attn_wgmma" {
                             ptx_attn_config(&ptx, &k.name)
                                 .map(|c| {
@@ -381,6 +470,7 @@ pub fn kernels_check(
     }
     if let Some(arch) = fault_arch {
         compiles += check_faults(&src, arch, &clean_ptx, &mut rep)?;
+        compiles += check_all_tiles(&src, arch, &mut rep)?;
     }
     Ok(CheckSummary {
         report: rep,

@@ -29,7 +29,7 @@ pub struct Dims {
 
 /// The faults switched inside the kernels (kernels/*.cu); every other fault is a host switch in the
 /// layer's host code (mod.rs, buffers.rs, front.rs, decode.rs; `faults::Info::cuda_site` says which).
-pub const KERNEL_FAULTS: [Fault; 9] = [
+pub const KERNEL_FAULTS: [Fault; 11] = [
     Fault::RopeNeox,
     Fault::RopeNorm,
     Fault::CachePeFirst,
@@ -39,6 +39,8 @@ pub const KERNEL_FAULTS: [Fault; 9] = [
     Fault::CausalOffByOne,
     Fault::ReadPastEnd,
     Fault::SplitDropLast,
+    Fault::Wg2KeysDropped,
+    Fault::SplitTailDropped,
 ];
 
 impl Dims {

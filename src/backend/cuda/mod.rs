@@ -31,8 +31,11 @@ pub mod layer;
 pub mod nvrtc;
 pub mod peers;
 pub mod plan;
+// The tile choice as coverage models it (kinds, geometry, production kernel); `plan` is lint's model of
+// the same choice (shared memory per arch). Two host models of one choice: to be unified.
 pub mod prefill;
 pub mod shared;
+pub mod tile_model;
 pub mod trace;
 pub mod validate;
 
@@ -113,6 +116,10 @@ pub struct CudaBackend {
     pub last_paths: String,
     /// The key tiles of the attention kernels the last layer used (`Backend::key_tiles`).
     pub last_tiles: crate::backend::KeyTiles,
+    /// The same, for the coverage section: per phase the kernel, its geometry and the production kernel.
+    pub last_kernels: Vec<crate::coverage::KernelUse>,
+    /// Notices for the report (a kernel choice the host did not predict), without repeats.
+    pub notices: Vec<String>,
 }
 
 impl CudaBackend {
@@ -130,7 +137,57 @@ impl CudaBackend {
             opts,
             last_paths: String::new(),
             last_tiles: Default::default(),
+            last_kernels: Vec::new(),
+            notices: Vec::new(),
         })
+    }
+}
+
+impl CudaBackend {
+    /// Record the layer's kernels for coverage, and check them against the host's prediction
+    /// (`plan`: what the coverage tests and the default schedule assume without a GPU).
+    fn record_kernels(&mut self, k: &LayerKernels, dims: &Dims, q_rows: usize) {
+        use crate::coverage::Phase;
+        let i = &self.gpu.info;
+        let caps = tile_model::Caps {
+            cc: i.cc,
+            smem_optin: i.smem_optin,
+        };
+        let force = self.opts.force_scalar;
+        let predicted = tile_model::layer_tiles(dims, q_rows, &caps, force);
+        let mut uses = Vec::new();
+        for (phase, attn, pred) in [
+            (Phase::Prefill, &k.prefill, predicted.0),
+            (Phase::Decode, &k.decode, predicted.1),
+        ] {
+            let ran = attn.tile.filter(|_| attn.uses_mma());
+            let mut note = |m: String| {
+                if !self.notices.contains(&m) {
+                    self.notices.push(m);
+                }
+            };
+            if ran != pred {
+                note(format!(
+                    "coverage: the host predicted the {} kernel {} for these dims on this device, but {} loaded (src/backend/cuda/plan.rs disagrees with the device)",
+                    phase.name(),
+                    tile_model::label(pred),
+                    tile_model::label(ran)
+                ));
+            }
+            let g = tile_model::geometry(ran);
+            if let Some((rows, keys)) = attn.rows_keys() {
+                if (rows, keys) != (g.rows_per_cta, g.keys_per_tile) {
+                    note(format!(
+                        "coverage: the {} kernel's module states {rows} rows x {keys} keys per tile, its tile {} (coverage's geometry)",
+                        phase.name(),
+                        tile_model::label(ran)
+                    ));
+                }
+            }
+            let prod = tile_model::production(dims, phase, ran, q_rows, &caps, force);
+            uses.push(tile_model::kernel_use(phase, ran, prod));
+        }
+        self.last_kernels = uses;
     }
 }
 
@@ -169,6 +226,18 @@ impl Backend for CudaBackend {
 
     fn key_tiles(&self) -> crate::backend::KeyTiles {
         self.last_tiles.clone()
+    }
+
+    fn notices(&self) -> Vec<String> {
+        self.notices.clone()
+    }
+
+    fn kernels(
+        &self,
+        _cfg: &crate::model::MlaConfig,
+        _sched: &crate::schedule::Schedule,
+    ) -> Vec<crate::coverage::KernelUse> {
+        self.last_kernels.clone()
     }
 
     fn run_layer(&mut self, ctx: &LayerCtx, x: &ndarray::Array2<f64>) -> Result<LayerTrace> {
@@ -214,6 +283,7 @@ impl Backend for CudaBackend {
             prefill: k.prefill.key_tiles(),
             decode: k.decode.key_tiles(),
         };
+        self.record_kernels(&k, &dims, sched.q_len * z.h);
         let w = Weights::upload(ctx, dt)?;
         let a = Acts::alloc(ctx, &z, x, w.lq)?;
         let layer = Layer {

@@ -64,4 +64,14 @@ impl Backend for SharedCuda {
     fn key_tiles(&self) -> crate::backend::KeyTiles {
         self.inner.borrow().key_tiles()
     }
+    fn notices(&self) -> Vec<String> {
+        self.inner.borrow().notices()
+    }
+    fn kernels(
+        &self,
+        cfg: &crate::model::MlaConfig,
+        sched: &crate::schedule::Schedule,
+    ) -> Vec<crate::coverage::KernelUse> {
+        self.inner.borrow().kernels(cfg, sched)
+    }
 }

@@ -258,6 +258,29 @@ impl Backend for RunnerBackend {
         v
     }
 
+    fn kernels(
+        &self,
+        cfg: &crate::model::MlaConfig,
+        sched: &crate::schedule::Schedule,
+    ) -> Vec<crate::coverage::KernelUse> {
+        use crate::coverage::{Family, Phase};
+        // The phases the runner computes are its kernels, whose tiles mla-diff cannot see.
+        let mut k = self.inner.kernels(cfg, sched);
+        for u in k.iter_mut() {
+            let runs = match u.phase {
+                Phase::Decode => self.desc.ops.decode.is_some(),
+                Phase::Prefill => self.desc.ops.prefill.is_some(),
+            };
+            if runs {
+                u.family = Family::External;
+                u.label = format!("runner {} {}", self.desc.name, self.desc.version);
+                u.geometry = None;
+                u.production = None;
+            }
+        }
+        k
+    }
+
     fn provides(&self) -> StageSet {
         let mut s = self.inner.provides();
         if let Some(dec) = &self.desc.ops.decode {

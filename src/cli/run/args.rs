@@ -38,58 +38,80 @@ impl InputArgs {
     }
 }
 
-/// The serving schedule.
+/// The serving schedule. Each option not given takes the classic default (`Schedule::default()`: 48
+/// prompt tokens in chunks of 32, 16 decode steps of 1 token, page 16, 4 splits); `run` given none of them
+/// (and no --tokens, --hidden or --runner) uses the kernel-aware schedule instead (docs/coverage.md).
 #[derive(clap::Args)]
 #[command(next_help_heading = "Schedule")]
 pub struct ScheduleArgs {
-    /// Tokens processed by prefill. All tokens (prompt + decode steps × q-len) at most 2^20, and at most
-    /// what memory allows: the fp64 reference keeps T×T scores per head, so a layer needs O(T²) bytes;
-    /// the run stops with the estimate when it exceeds MemAvailable (or MLA_DIFF_MAX_MEMORY, bytes).
-    #[arg(long, default_value_t = Schedule::default().prompt_len)]
-    pub prompt_len: usize,
-    /// Decode steps after the prompt.
-    #[arg(long, default_value_t = Schedule::default().decode_steps)]
-    pub decode_steps: usize,
-    /// Query tokens per decode step (> 1: speculative / MTP decode).
-    #[arg(long, default_value_t = 1)]
-    pub q_len: usize,
-    /// Prefill chunk size.
-    #[arg(long, default_value_t = Schedule::default().chunk)]
-    pub chunk: usize,
-    /// Rows per cache page (at most 2^20).
-    #[arg(long, default_value_t = Schedule::default().page_size)]
-    pub page_size: usize,
-    /// Split-KV ways for decode (at most 2^20).
-    #[arg(long, default_value_t = Schedule::default().num_splits)]
-    pub num_splits: usize,
+    /// Tokens processed by prefill [classic default: 48]. All tokens (prompt + decode steps × q-len) at
+    /// most 2^20, and at most what memory allows: the fp64 reference keeps T×T scores per head, so a layer
+    /// needs O(T²) bytes; the run stops with the estimate when it exceeds MemAvailable (or
+    /// MLA_DIFF_MAX_MEMORY, bytes).
+    #[arg(long, value_name = "N")]
+    pub prompt_len: Option<usize>,
+    /// Decode steps after the prompt [classic default: 16].
+    #[arg(long, value_name = "N")]
+    pub decode_steps: Option<usize>,
+    /// Query tokens per decode step (> 1: speculative / MTP decode) [classic default: 1].
+    #[arg(long, value_name = "N")]
+    pub q_len: Option<usize>,
+    /// Prefill chunk size [classic default: 32].
+    #[arg(long, value_name = "N")]
+    pub chunk: Option<usize>,
+    /// Rows per cache page (at most 2^20) [classic default: 16].
+    #[arg(long, value_name = "N")]
+    pub page_size: Option<usize>,
+    /// Split-KV ways for decode (at most 2^20) [classic default: 4].
+    #[arg(long, value_name = "N")]
+    pub num_splits: Option<usize>,
     /// Keep the block table in order instead of shuffling it.
     #[arg(long)]
     pub no_shuffle: bool,
-    /// Position of the first token (rope offset; the last position must stay below 2^31).
-    #[arg(long, default_value_t = 0)]
-    pub pos_offset: usize,
+    /// Position of the first token (rope offset; the last position must stay below 2^31) [default: 0].
+    #[arg(long, value_name = "N")]
+    pub pos_offset: Option<usize>,
 }
 
 impl ScheduleArgs {
-    /// The schedule, checked.
-    pub fn schedule(&self) -> Result<Schedule, Error> {
+    /// Whether any schedule option was given.
+    pub fn given(&self) -> bool {
+        let n = [
+            self.prompt_len,
+            self.decode_steps,
+            self.q_len,
+            self.chunk,
+            self.page_size,
+            self.num_splits,
+            self.pos_offset,
+        ];
+        self.no_shuffle || n.iter().any(Option::is_some)
+    }
+
+    /// `base` with the given options laid over it, checked.
+    pub fn over(&self, base: Schedule) -> Result<Schedule, Error> {
         let s = Schedule {
-            prompt_len: self.prompt_len,
-            chunk: self.chunk,
-            decode_steps: self.decode_steps,
-            q_len: self.q_len,
-            page_size: self.page_size,
-            num_splits: self.num_splits,
+            prompt_len: self.prompt_len.unwrap_or(base.prompt_len),
+            chunk: self.chunk.unwrap_or(base.chunk),
+            decode_steps: self.decode_steps.unwrap_or(base.decode_steps),
+            q_len: self.q_len.unwrap_or(base.q_len),
+            page_size: self.page_size.unwrap_or(base.page_size),
+            num_splits: self.num_splits.unwrap_or(base.num_splits),
             shuffle_seed: if self.no_shuffle {
                 None
             } else {
-                Schedule::default().shuffle_seed
+                base.shuffle_seed
             },
-            pos_offset: self.pos_offset,
-            ..Schedule::default()
+            pos_offset: self.pos_offset.unwrap_or(base.pos_offset),
+            ..base
         };
         s.validate()?;
         Ok(s)
+    }
+
+    /// The classic default with the given options, checked.
+    pub fn schedule(&self) -> Result<Schedule, Error> {
+        self.over(Schedule::default())
     }
 }
 

@@ -1,0 +1,128 @@
+//! The kernel-aware default schedule of `mla-diff run`: the cheapest schedule of a simple shape that
+//! exercises every coverage class of every kernel a model's dims may run on, computed from those kernels'
+//! tile geometries.
+//!
+//! The kernels it is made for (`targets`): the CPU mirror's, and the CUDA kernels the host predicts for the
+//! model's dims (`backend::cuda::plan`) on Hopper and on Ampere, in bf16, at 64 or more decode rows (the
+//! rows the production decode kernels are made for), plus the scalar kernel of f32 runs.
+//!
+//! The shape, and why each part (with the DeepSeek-sized tiles: 64 keys, 64 decode rows, 128 prefill rows):
+//! - a prompt of two chunks, the first one a chunk of `max(2·keys, rows) + 1` prefill tokens: its causal
+//!   pass spans two full tiles and a tail and two row tiles; the second chunk (2 tokens) crosses the
+//!   chunk boundary and merges a context of that many keys;
+//! - pages of half the smallest decode tile, so that every decode tile crosses a page boundary;
+//! - two splits, and one decode step of `q_len` queries: the step's last query sees both splits whole
+//!   (the first split holds two full tiles and a tail), and its first query stops before the second
+//!   split, which is then empty for it. That is the one way to have both an empty split and a split of
+//!   two tiles in one step: with `S` splits a split holds about `seq/S` keys, and a split is empty for a
+//!   query only when the step has more queries than the last split has keys. The search finds the
+//!   smallest such `q_len` (also covering q_len × heads > the decode row tile).
+//!
+//! Tested for every shipped fixture (`tests/it/coverage.rs`): every class of every target is exercised.
+
+use super::{count, mirror_kernels, Geometry, KernelUse, Phase};
+use crate::backend::cuda::kernels::Dims;
+use crate::backend::cuda::tile_model::{self as plan, Caps};
+use crate::backend::Dtype;
+use crate::faults::Active;
+use crate::model::config::RopePairing;
+use crate::model::MlaConfig;
+use crate::schedule::Schedule;
+
+/// The CUDA dims of a model (page size and faults do not change the tile choice).
+pub fn cuda_dims(cfg: &MlaConfig, dtype: Dtype) -> Dims {
+    Dims {
+        dtype,
+        lkv: cfg.kv_lora_rank,
+        r: cfg.qk_rope,
+        p: cfg.qk_nope,
+        dv: cfg.v_head_dim,
+        h: cfg.n_head,
+        page: 16,
+        neox: cfg.rope.pairing == RopePairing::Neox,
+        debug: true,
+        faults: Active::NONE,
+    }
+}
+
+/// The CUDA kernels the host predicts for `cfg` on `caps` in `dtype`, at `q_rows` decode rows.
+pub fn cuda_kernels(cfg: &MlaConfig, dtype: Dtype, caps: &Caps, q_rows: usize) -> Vec<KernelUse> {
+    let d = cuda_dims(cfg, dtype);
+    let (pre, dec) = plan::layer_tiles(&d, q_rows, caps, false);
+    vec![
+        plan::kernel_use(Phase::Prefill, pre, None),
+        plan::kernel_use(Phase::Decode, dec, None),
+    ]
+}
+
+/// The kernels the default schedule must cover for `cfg`: the mirror's and the predicted CUDA ones.
+pub fn targets(cfg: &MlaConfig) -> Vec<KernelUse> {
+    let mut t = mirror_kernels();
+    for caps in [plan::HOPPER, plan::AMPERE] {
+        t.extend(cuda_kernels(cfg, Dtype::Bf16, &caps, 64));
+    }
+    t.extend(cuda_kernels(cfg, Dtype::F32, &plan::HOPPER, 64));
+    t
+}
+
+/// Whether `s` exercises every class of every target.
+pub fn covers(targets: &[KernelUse], heads: usize, s: &Schedule) -> bool {
+    targets.iter().all(|k| {
+        count(k.phase, k.geometry.as_ref(), heads, s)
+            .iter()
+            .all(|(_, n)| n.is_some_and(|n| n > 0))
+    })
+}
+
+/// Largest geometry field over the targets of a phase.
+fn largest(targets: &[KernelUse], phase: Phase, f: impl Fn(&Geometry) -> usize) -> usize {
+    targets
+        .iter()
+        .filter(|k| k.phase == phase)
+        .filter_map(|k| k.geometry.as_ref())
+        .map(f)
+        .max()
+        .unwrap_or(1)
+}
+
+/// The default schedule for `cfg` (see the module doc). Deterministic: a function of the model's dims.
+pub fn covering(cfg: &MlaConfig) -> Schedule {
+    covering_for(&targets(cfg), cfg.n_head)
+}
+
+/// The covering schedule of the shape above for these targets; if none of its `q_len`s covers them all
+/// (tiles far larger than today's), the search's last candidate, which the coverage section then
+/// reports as incomplete.
+pub fn covering_for(targets: &[KernelUse], heads: usize) -> Schedule {
+    let keys_p = largest(targets, Phase::Prefill, |g| g.keys_per_tile);
+    let rows_p = largest(targets, Phase::Prefill, |g| g.rows_per_cta);
+    let keys_d = largest(targets, Phase::Decode, |g| g.keys_per_tile);
+    let smallest_tile = targets
+        .iter()
+        .filter(|k| k.phase == Phase::Decode)
+        .filter_map(|k| k.geometry.as_ref())
+        .map(|g| g.keys_per_tile)
+        .min()
+        .unwrap_or(keys_d);
+    let chunk = (2 * keys_p).max(rows_p) + 1;
+    let mut s = Schedule {
+        prompt_len: chunk + 2,
+        chunk,
+        decode_steps: 1,
+        q_len: 1,
+        page_size: (smallest_tile / 2).max(1),
+        num_splits: 2,
+        shuffle_seed: Schedule::default().shuffle_seed,
+        spare_pages: Schedule::default().spare_pages,
+        pos_offset: 0,
+    };
+    // q_len rises by one each time; the bound is far past what the shape needs (about the prompt).
+    for q in 1..=4 * (s.prompt_len + 2 * keys_d) {
+        s.q_len = q;
+        // The row after the sequence end inside an owned page: what a stray read must hit (NaN poison).
+        if covers(targets, heads, &s) && !s.total_tokens().is_multiple_of(s.page_size) {
+            break;
+        }
+    }
+    s
+}
