@@ -11,7 +11,8 @@
 //!   pass spans two full tiles and a tail and two row tiles; the second chunk (2 tokens) crosses the
 //!   chunk boundary and merges a context of that many keys;
 //! - pages of half the smallest decode tile, so that every decode tile crosses a page boundary;
-//! - two splits, and one decode step of `q_len` queries: the step's last query sees both splits whole
+//! - two splits, and decode steps of `q_len` queries (two steps, so that the second runs on a cache that
+//!   already holds decode rows): a step's last query sees both splits whole
 //!   (the first split holds two full tiles and a tail), and its first query stops before the second
 //!   split, which is then empty for it. That is the one way to have both an empty split and a split of
 //!   two tiles in one step: with `S` splits a split holds about `seq/S` keys, and a split is empty for a
@@ -108,7 +109,9 @@ pub fn covering_for(targets: &[KernelUse], heads: usize) -> Schedule {
     let mut s = Schedule {
         prompt_len: chunk + 2,
         chunk,
-        decode_steps: 1,
+        // Two steps, not one: the cache grows between them, so a step's slots, positions and split
+        // ranges are computed from a cache that already holds decode rows (per-step bugs show).
+        decode_steps: 2,
         q_len: 1,
         page_size: (smallest_tile / 2).max(1),
         num_splits: 2,
