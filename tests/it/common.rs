@@ -357,3 +357,31 @@ pub fn schema_errors(v: &jsonschema::Validator, report: &serde_json::Value) -> V
         .map(|e| format!("{e} at {}", e.instance_path))
         .collect()
 }
+
+/// The interpreter named by MLA_DIFF_PYTHON (with what `needs` says); without it the caller skips
+/// (`SKIPPED what` on stderr), except under CI, where a test that cannot run must fail (see .ci/run).
+pub fn python(what: &str, needs: &str) -> Option<String> {
+    match std::env::var("MLA_DIFF_PYTHON") {
+        Ok(p) if !p.is_empty() => Some(p),
+        _ if std::env::var_os("CI").is_some() => {
+            panic!("MLA_DIFF_PYTHON is not set, but CI is: {what} must run in CI (see .ci/run)")
+        }
+        _ => {
+            // Straight to the process's stderr: the harness captures eprintln! of passing tests.
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED {what}: set MLA_DIFF_PYTHON to a python with {needs}"
+            );
+            None
+        }
+    }
+}
+
+/// A shipped runner (`runners/REL`) as a command line under `py`.
+pub fn runner(py: &str, rel: &str) -> String {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("runners")
+        .join(rel);
+    format!("{py} {}", p.display())
+}

@@ -6,7 +6,9 @@
 //! The runner tests need the interpreter named by MLA_DIFF_PYTHON with numpy (.ci/run installs it);
 //! without it they skip, except under CI where they fail.
 
-use crate::common::{assert_clean_error, fixture, fixtures_dir, rewrite, run, stderr, Tensor};
+use crate::common::{
+    assert_clean_error, fixture, fixtures_dir, python, rewrite, run, runner, stderr, Tensor,
+};
 use mla_diff::gguf::Value;
 use serde_json::Value as J;
 use std::path::{Path, PathBuf};
@@ -452,30 +454,6 @@ fn output_modes_and_bad_input() {
 
 // ---- runners ----
 
-fn python() -> Option<String> {
-    match std::env::var("MLA_DIFF_PYTHON") {
-        Ok(p) if !p.is_empty() => Some(p),
-        _ if std::env::var_os("CI").is_some() => {
-            panic!("MLA_DIFF_PYTHON is not set, but CI is: the runner probes must run in CI (see .ci/run)")
-        }
-        _ => {
-            use std::io::Write;
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED lint runner probes: set MLA_DIFF_PYTHON to a python with numpy"
-            );
-            None
-        }
-    }
-}
-
-fn runner(py: &str, rel: &str) -> String {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("runners")
-        .join(rel);
-    format!("{py} {}", p.display())
-}
-
 /// What every probe of a clean runner notes.
 const PROBES: [&str; 7] = [
     "runner.decode.softmax_scale",
@@ -489,7 +467,9 @@ const PROBES: [&str; 7] = [
 
 #[test]
 fn the_numpy_runner_probes_clean_on_every_shipped_fixture() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("lint runner probes", "numpy and safetensors") else {
+        return;
+    };
     let cmd = runner(&py, "numpy_mla.py");
     for f in gguf_files(&fixtures_dir()) {
         for extra in [
@@ -516,7 +496,9 @@ fn the_numpy_runner_probes_clean_on_every_shipped_fixture() {
 
 #[test]
 fn each_planted_runner_bug_gives_its_own_error() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("lint runner probes", "numpy and safetensors") else {
+        return;
+    };
     for (bug, errors, needle) in [
         (
             "scale_default.py",
@@ -568,7 +550,9 @@ fn each_planted_runner_bug_gives_its_own_error() {
 /// A runner whose `supports` leave the model out: an error per key, probes at what it takes or none.
 #[test]
 fn a_runners_supports_are_checked_against_the_model() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("lint runner probes", "numpy and safetensors") else {
+        return;
+    };
     let d = tempfile::tempdir().unwrap();
     let s = d.path().join("flashmla_like.py");
     std::fs::write(

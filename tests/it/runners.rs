@@ -6,33 +6,9 @@
 //! Needs the interpreter named by MLA_DIFF_PYTHON with numpy and safetensors (.ci/run installs them);
 //! without it the tests skip, except under CI where they fail.
 
-use crate::common::{assert_clean_error, fixture, fixtures_dir, run, stderr};
+use crate::common::{assert_clean_error, fixture, fixtures_dir, python, run, runner, stderr};
 use serde_json::Value as J;
 use std::path::{Path, PathBuf};
-
-fn python() -> Option<String> {
-    match std::env::var("MLA_DIFF_PYTHON") {
-        Ok(p) if !p.is_empty() => Some(p),
-        _ if std::env::var_os("CI").is_some() => {
-            panic!("MLA_DIFF_PYTHON is not set, but CI is: the runner tests must run in CI (see .ci/run)")
-        }
-        _ => {
-            use std::io::Write;
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED runners: set MLA_DIFF_PYTHON to a python with numpy and safetensors"
-            );
-            None
-        }
-    }
-}
-
-fn runner(py: &str, rel: &str) -> String {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("runners")
-        .join(rel);
-    format!("{py} {}", p.display())
-}
 
 /// `run FILE --backend cpu --runner CMD --mode shadow --json -` plus `extra`; exit code and report.
 fn run_json(file: &Path, cmd: &str, extra: &[&str]) -> (Option<i32>, J, String) {
@@ -86,7 +62,9 @@ const RUNNER_CHECKS: [&str; 6] = [
 
 #[test]
 fn numpy_runner_passes_on_every_shipped_fixture() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
     let cmd = runner(&py, "numpy_mla.py");
     let files = shipped_fixtures();
     assert!(files.len() >= 5, "{files:?}");
@@ -122,7 +100,9 @@ fn numpy_runner_passes_on_every_shipped_fixture() {
 
 #[test]
 fn planted_runner_bugs_are_caught_at_the_runners_stage() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
     for bug in [
         "scale_default.py",
         "lse_base2.py",
@@ -169,7 +149,9 @@ fn planted_runner_bugs_are_caught_at_the_runners_stage() {
 /// A bug upstream of a clean runner fails end to end but not at the runner: the attribution.
 #[test]
 fn an_upstream_error_passes_at_the_runner() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
     let f = fixture("deepseek-v3-yarn-q4_k.gguf");
     let (code, rep, err) = run_json(&f, &runner(&py, "numpy_mla.py"), &["--inject", "rope_neox"]);
     assert_eq!(code, Some(1), "{err}");
@@ -199,7 +181,9 @@ if sys.argv[1] == "--describe":
 
 #[test]
 fn a_case_the_runner_cannot_take_is_unsupported_not_a_verdict() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let f = fixture("deepseek-v3-yarn-q4_k.gguf");
     let f = f.to_str().unwrap();
@@ -240,7 +224,9 @@ fn a_case_the_runner_cannot_take_is_unsupported_not_a_verdict() {
 
 #[test]
 fn a_broken_runner_is_a_clean_error() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let f = fixture("deepseek-v3-yarn-q4_k.gguf");
     let f = f.to_str().unwrap();
@@ -296,7 +282,9 @@ fn a_broken_runner_is_a_clean_error() {
 /// A capsule replays through a runner: the repro a user attaches, rerun on someone else's kernel.
 #[test]
 fn a_capsule_replays_through_a_runner() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let cap = dir.path().join("cap");
     let f = fixture("glm-5-q4_0.gguf");
