@@ -346,4 +346,3 @@ fn coverage_probe_faults_are_caught_by_the_default_run_only() {
         }
     }
 }
-
