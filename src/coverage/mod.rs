@@ -515,10 +515,6 @@ pub fn compute(kernels: &[KernelUse], cfg: &MlaConfig, s: &Schedule) -> Coverage
 }
 
 impl Coverage {
-    /// Whether every class of every phase that ran was exercised and no warning was raised.
-    pub fn complete(&self) -> bool {
-        self.warnings.is_empty()
-    }
     /// `class ×N` for the classes of `phase`, in order; `?` for unknown counts.
     pub fn summary(&self, phase: Phase) -> String {
         self.classes

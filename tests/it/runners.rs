@@ -85,6 +85,23 @@ fn numpy_runner_passes_on_every_shipped_fixture() {
         }
         let env = rep["environment"]["backend"].as_str().unwrap();
         assert!(env.starts_with("runner numpy"), "{env}");
+        // Coverage: the runner's kernels are external, their tile classes unknown and said to be;
+        // a runner keeps the classic default schedule (its kernel's tiles are not known to fit one).
+        let cov = &rep["coverage"];
+        assert!(cov["kernels"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|k| k["family"] == "external" && k.get("geometry").is_none()));
+        assert!(cov["classes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["class"] == "two_full_tiles" && c["count"].is_null()));
+        assert!(cov["warnings"]
+            .to_string()
+            .contains("unknown tile geometry"));
+        assert_eq!(rep["run"]["schedule"]["prompt_len"], 48);
     }
     // Other dtypes and MTP queries (q_len 2: causal within the step) on one file.
     let f = fixture("deepseek-v3-yarn-q4_k.gguf");
