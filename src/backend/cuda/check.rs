@@ -250,7 +250,7 @@ fn check_all_tiles(src: &Sources, arch: &str, rep: &mut String) -> Result<usize>
     }
     writeln!(
         rep,
-        "\ntile model (src/backend/cuda/plan.rs), {arch}, deepseek-v3 bf16: {} tiles, {checked} kernel configs match",
+        "\ntile model (src/backend/cuda/tile_model.rs), {arch}, deepseek-v3 bf16: {} tiles, {checked} kernel configs match",
         jobs.len()
     )
     .unwrap();
