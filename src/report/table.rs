@@ -178,17 +178,10 @@ pub fn repeat_lines(r: &crate::run::repeat::RepeatResult) -> Vec<String> {
 /// A stage that changed between identical runs: where first, and by how much.
 pub fn repeat_line(layer: usize, d: &crate::run::repeat::RepeatDiff) -> String {
     format!(
-        "layer {layer} {}: run {} differs from run 1 in {} element(s), first at {} ({}: {} vs {})",
+        "layer {layer} {}: run {} differs from run 1 in {}",
         d.stage,
         d.run,
-        d.elements,
-        d.first_at
-            .as_ref()
-            .map(|p| p.to_string())
-            .unwrap_or_else(|| format!("index {}", d.first_index)),
-        d.first_check,
-        d.values[0],
-        d.values[1]
+        d.where_first()
     )
 }
 

@@ -57,6 +57,23 @@ pub struct RepeatDiff {
     pub values: [String; 2],
 }
 
+impl RepeatDiff {
+    /// "E element(s), first at POSITION (CHECK: a vs b)": how much changed and where first.
+    pub fn where_first(&self) -> String {
+        format!(
+            "{} element(s), first at {} ({}: {} vs {})",
+            self.elements,
+            self.first_at
+                .as_ref()
+                .map(|p| p.to_string())
+                .unwrap_or_else(|| format!("index {}", self.first_index)),
+            self.first_check,
+            self.values[0],
+            self.values[1]
+        )
+    }
+}
+
 /// Equal as bit patterns, or both NaN.
 fn same(a: f64, b: f64) -> bool {
     a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
@@ -157,20 +174,13 @@ impl RepeatResult {
                 layers.len()
             ),
             Some((l, d)) => format!(
-                "NONDETERMINISTIC: {} of {} layer(s) differ between {runs} identical runs; first at layer {}, {} (run {} vs run 1): {} element(s), first at {} ({}: {} vs {})",
+                "NONDETERMINISTIC: {} of {} layer(s) differ between {runs} identical runs; first at layer {}, {} (run {} vs run 1): {}",
                 bad.len(),
                 layers.len(),
                 l.layer,
                 d.stage,
                 d.run,
-                d.elements,
-                d.first_at
-                    .as_ref()
-                    .map(|p| p.to_string())
-                    .unwrap_or_else(|| format!("index {}", d.first_index)),
-                d.first_check,
-                d.values[0],
-                d.values[1]
+                d.where_first()
             ),
         };
         RepeatResult {
