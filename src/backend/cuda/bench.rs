@@ -119,6 +119,15 @@ fn rel_l2(a: &[u16], b: &[u16]) -> (f64, usize) {
     ((num / den.max(1e-300)).sqrt(), bad)
 }
 
+/// A peer's output against our scalar kernel's and our fastest tile's (bf16 bit patterns).
+fn peer_check(out: &[f64], scalar: &[u16], ours: Option<&[u16]>) -> String {
+    let (vs_scalar, bad) = rel_l2_vs_bf16(out, scalar);
+    let vs_ours = ours
+        .map(|o| format!("; vs ours: rel-L2 {:.2e}", rel_l2_vs_bf16(out, o).0))
+        .unwrap_or_default();
+    format!("vs scalar kernel: rel-L2 {vs_scalar:.2e}, non-finite {bad}{vs_ours}")
+}
+
 pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
     let gpu = Gpu::open()?;
     let blas = Blas::new()?;
@@ -381,13 +390,7 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
                 }
                 match peer.time_op("decode", &inputs, &meta, "attn_latent", &[bsz, 1, h, lkv]) {
                     Ok((tm, lat)) => {
-                        let (vs_scalar, bad) = rel_l2_vs_bf16(&lat, &want);
-                        let vs_ours = best
-                            .as_ref()
-                            .map(|b| {
-                                format!("; vs ours: rel-L2 {:.2e}", rel_l2_vs_bf16(&lat, &b.2).0)
-                            })
-                            .unwrap_or_default();
+                        let check = peer_check(&lat, &want, best.as_ref().map(|b| &b.2[..]));
                         rows.push(mk(
                             "decode",
                             format!("B={bsz} H={h} s_k={s} page={page} d={row}/{lkv} bf16"),
@@ -395,7 +398,7 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
                             (tm.median, tm.min),
                             bytes,
                             flops,
-                            format!("vs scalar kernel: rel-L2 {vs_scalar:.2e}, non-finite {bad}{vs_ours}"),
+                            check,
                         ));
                         if let Some((label, med, _)) = &best {
                             writeln!(
@@ -521,13 +524,7 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
                 let name = peer.desc.name.clone();
                 match peer.time_op("prefill", &inputs, &meta, "attn_heads", &[t, h, dv]) {
                     Ok((tm, o)) => {
-                        let (vs_scalar, bad) = rel_l2_vs_bf16(&o, &want);
-                        let vs_ours = best
-                            .as_ref()
-                            .map(|b| {
-                                format!("; vs ours: rel-L2 {:.2e}", rel_l2_vs_bf16(&o, &b.2).0)
-                            })
-                            .unwrap_or_default();
+                        let check = peer_check(&o, &want, best.as_ref().map(|b| &b.2[..]));
                         rows.push(mk(
                             "prefill",
                             format!("T={t} H={h} qk {dqk} / v {dv} causal bf16"),
@@ -535,7 +532,7 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
                             (tm.median, tm.min),
                             bytes,
                             flops,
-                            format!("vs scalar kernel: rel-L2 {vs_scalar:.2e}, non-finite {bad}{vs_ours}"),
+                            check,
                         ));
                         if let Some((label, med, _)) = &best {
                             writeln!(
