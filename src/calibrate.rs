@@ -87,6 +87,7 @@ pub fn calibrate(
         derived_from: String::new(),
         margin,
         dtypes: BTreeMap::new(),
+        overridden: Default::default(),
     };
     let mut summary = String::new();
     for &dt in dtypes {

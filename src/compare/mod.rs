@@ -2,7 +2,9 @@
 //! axes, and the verdict (first diverging layer, and inside it the first diverging check in dataflow order).
 
 pub mod checks;
+pub mod local;
 pub mod metrics;
+pub mod noise;
 pub mod tolerance;
 
 pub use checks::{checks_for, Check, Phase};
@@ -92,6 +94,21 @@ pub struct CheckResult {
     pub reasons: Vec<String>,
     pub tolerance: Tolerance,
     pub metrics: Metrics,
+    /// The stage-local view (fp64 from the optimized path's own inputs to this stage, judged against
+    /// the noise model); where present it decides `pass`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local: Option<noise::LocalResult>,
+    /// With a local view: what the end-to-end criteria above found (reported, not deciding unless
+    /// `end_to_end_decides`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub end_to_end_reasons: Vec<String>,
+    /// The end-to-end tolerance was given by the user (`--tol`, `--tol-file`): it decides too.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub end_to_end_decides: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 fn yes() -> bool {
@@ -101,6 +118,15 @@ fn yes() -> bool {
 impl CheckResult {
     /// How close to failing: the largest of metric/tolerance over the criteria (≥ 1 fails; ∞ for non-finite).
     pub fn ratio(&self) -> f64 {
+        match &self.local {
+            Some(l) if self.end_to_end_decides => l.ratio.max(self.end_to_end_ratio()),
+            Some(l) => l.ratio,
+            None => self.end_to_end_ratio(),
+        }
+    }
+
+    /// `ratio` of the end-to-end criteria alone.
+    pub fn end_to_end_ratio(&self) -> f64 {
         if self.metrics.nonfinite.mismatches > 0 {
             return f64::INFINITY;
         }
@@ -301,7 +327,53 @@ pub fn compare_check(
         reasons,
         tolerance: tol,
         metrics: m,
+        local: None,
+        end_to_end_reasons: Vec::new(),
+        end_to_end_decides: false,
     })
+}
+
+/// Judge a check on the local view: its verdict replaces the end-to-end one, whose reasons move to
+/// `end_to_end_reasons` (unless `e2e_decides`: a user-given end-to-end tolerance stays binding).
+pub fn apply_local(
+    ctx: &Ctx,
+    check: Check,
+    c: &mut CheckResult,
+    opt: &StageTensor,
+    loc: &local::LocalStage,
+    e2e_decides: bool,
+) {
+    let rows = check.rows(ctx.sched);
+    let per: usize = opt.shape[1..].iter().product();
+    let span = rows.start * per..rows.end * per;
+    let view = StageTensor {
+        stage: check.stage,
+        shape: c.shape.clone(),
+        data: Vec::new(),
+    };
+    let pos = |flat: usize| position(ctx, check.stage, &view, rows.start, flat);
+    let row = *opt.shape.last().unwrap_or(&1).max(&1);
+    let coherent = loc
+        .coherent
+        .as_ref()
+        .map(|c| &c[span.start / row..span.end / row]);
+    let l = noise::judge(
+        &opt.data[span.clone()],
+        &loc.values[span.clone()],
+        &loc.hidden_var[span],
+        row,
+        coherent,
+        &pos,
+    );
+    let e2e = std::mem::take(&mut c.reasons);
+    c.reasons = l.reasons.iter().map(|r| format!("local: {r}")).collect();
+    if e2e_decides {
+        c.reasons.extend(e2e.iter().cloned());
+    }
+    c.pass = c.reasons.is_empty();
+    c.end_to_end_reasons = e2e;
+    c.end_to_end_decides = e2e_decides;
+    c.local = Some(l);
 }
 
 /// The suffix of a runner's own-error check (`attn_latent@runner`).
@@ -315,6 +387,7 @@ pub fn compare_layer(
     optimized: &LayerTrace,
     dtype: Dtype,
     tols: &ToleranceTable,
+    local: Option<&local::Local>,
 ) -> Result<LayerResult> {
     let mut out = Vec::new();
     let mut not_provided = Vec::new();
@@ -337,7 +410,13 @@ pub fn compare_layer(
         let o = optimized
             .get(check.stage)
             .ok_or_else(|| missing("optimized backend, which claims to provide it,"))?;
-        out.push(compare_check(ctx, check, r, o, tols.get(dtype, &check)?)?);
+        let mut c = compare_check(ctx, check, r, o, tols.get(dtype, &check)?)?;
+        if let Some(l) = local.and_then(|l| l.get(check.stage)) {
+            if l.values.len() == o.data.len() {
+                apply_local(ctx, check, &mut c, o, l, tols.is_overridden(dtype, &check));
+            }
+        }
+        out.push(c);
         // A runner's stage, against fp64 from the runner's own inputs: its kernel's error alone.
         if let Some(a) = optimized.at_runner.iter().find(|a| a.check == check.name()) {
             let mut c = compare_check(ctx, check, &a.reference, &a.optimized, a.tolerance)?;

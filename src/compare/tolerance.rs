@@ -32,6 +32,10 @@ pub struct ToleranceTable {
     #[serde(default)]
     pub margin: f64,
     pub dtypes: BTreeMap<String, BTreeMap<String, Tolerance>>,
+    /// `dtype/check` keys the user set (`--tol`, `--tol-file`): their end-to-end criteria stay binding
+    /// next to the stage-local view.
+    #[serde(skip)]
+    pub overridden: std::collections::BTreeSet<String>,
 }
 
 const DEFAULTS_JSON: &str = include_str!("tolerances.json");
@@ -152,6 +156,7 @@ impl ToleranceTable {
         let table = self.dtypes.entry(dtype.name().to_string()).or_default();
         for c in &o.checks {
             let name = c.name();
+            self.overridden.insert(format!("{}/{name}", dtype.name()));
             let t = match table.get(&name) {
                 Some(t) => *t,
                 None if o.rel_l2.is_some() && o.atol_rms.is_some() && o.rtol.is_some() => {
@@ -179,6 +184,12 @@ impl ToleranceTable {
             );
         }
         Ok(())
+    }
+
+    /// Whether the user set this check's tolerance (`--tol`, `--tol-file`).
+    pub fn is_overridden(&self, dtype: Dtype, check: &Check) -> bool {
+        self.overridden
+            .contains(&format!("{}/{}", dtype.name(), check.name()))
     }
 
     pub fn get(&self, dtype: Dtype, check: &Check) -> Result<Tolerance> {

@@ -286,7 +286,26 @@ pub fn run(
                     &ctx,
                 )?);
             }
-            let r = compare::compare_layer(&ctx, &reference, &opt, opts.dtype, &opts.tolerances)?;
+            let local = compare::local::compute(
+                &compare::local::Inputs {
+                    cfg: &cfg,
+                    weights: &w,
+                    rope: &tables.rope,
+                    sched: &opts.sched,
+                    x: &h_ref,
+                    dtype: opts.dtype,
+                    provided,
+                },
+                &opt,
+            );
+            let r = compare::compare_layer(
+                &ctx,
+                &reference,
+                &opt,
+                opts.dtype,
+                &opts.tolerances,
+                Some(&local),
+            )?;
             dump_traces.push((opt, r.pass));
             shadow.push(r);
         }
@@ -308,7 +327,7 @@ pub fn run(
                 )?);
             }
             let mut r =
-                compare::compare_layer(&free_ctx, &reference, &opt, opts.dtype, &opts.tolerances)?;
+                compare::compare_layer(&free_ctx, &reference, &opt, opts.dtype, &opts.tolerances, None)?;
             add_residual(&mut h_opt, attn_out(&opt)?);
             r.drift = Some(compare::metrics::rel_l2(
                 next_ref.as_slice().expect("standard layout"),

@@ -429,7 +429,7 @@ pub fn run(a: &Options) -> Result<i32> {
             // Against the reference: the calibrated tolerance table when it covers this dtype; otherwise
             // (an uncalibrated table) each stage may be at most twice as far from the reference as the
             // mirror is: the same algorithm, so the same rounding error up to summation order.
-            let verdict = match compare::compare_layer(&ctx, reference, &g.mma, g.dt, &tols) {
+            let verdict = match compare::compare_layer(&ctx, reference, &g.mma, g.dt, &tols, None) {
                 Ok(lr) => {
                     for ch in lr.checks.iter().filter(|c| !c.pass) {
                         failures.push(format!(
@@ -439,7 +439,7 @@ pub fn run(a: &Options) -> Result<i32> {
                         ));
                     }
                     // The scalar kernels compute the same function: they must pass too.
-                    let lr_s = compare::compare_layer(&ctx, reference, &g.sc, g.dt, &tols)?;
+                    let lr_s = compare::compare_layer(&ctx, reference, &g.sc, g.dt, &tols, None)?;
                     for ch in lr_s.checks.iter().filter(|c| !c.pass) {
                         failures.push(format!(
                             "scalar kernels vs reference {}: {}",

@@ -1,0 +1,621 @@
+//! The stage-local view: every stage recomputed in fp64 from the optimized path's *own stored inputs*
+//! to that stage (weights rounded to the run's dtype, as the path stores them), with the noise the
+//! path's own roundings predict (`noise.rs`). A stage's allowance is then its own rounding only, not
+//! everything upstream, so an error a couple of times the noise at one stage is caught there.
+//!
+//! Inputs of each stage, as the serving path has them:
+//! - `attn_in` ← the layer input in the dtype; `q_nope`, `q_pe`, `kv_latent`, `k_pe` ← `attn_in`;
+//! - `cache_rows` ← `kv_latent`, `k_pe` (an exact copy);
+//! - `q_absorbed` ← `q_nope`; `split_out`/`split_lse` ← `q_absorbed`, `q_pe`, `cache_rows`;
+//!   `attn_latent`, `lse[decode]` ← the splits (or, when the backend does not expose them, the whole
+//!   decode attention from `q_nope`, `q_pe`, `cache_rows`); `attn_heads[decode]` ← `attn_latent`;
+//! - `lse[prefill]`, `attn_heads[prefill]` ← `q_nope`, `q_pe`, the chunk's own `kv_latent`/`k_pe` and
+//!   the context's `cache_rows` (decompressed with W_UK/W_UV, as prefill does);
+//! - `attn_out` ← `attn_heads`.
+
+use super::noise::{acc_var, Store, EXP_REL_VAR, F32_OP, U32};
+use crate::backend::cpu::front::{MirrorWeights, RopeF32};
+use crate::backend::Dtype;
+use crate::faults::Active;
+use crate::model::{LayerWeights, MlaConfig, QProj};
+use crate::rope::{pair, RopeTables};
+use crate::schedule::Schedule;
+use crate::trace::{LayerTrace, Stage, StageSet};
+use ndarray::{s, Array1, Array2, ArrayView2, Zip};
+
+/// fp64 of each stage from the optimized path's inputs, and the variance its hidden roundings and f32
+/// arithmetic predict (the output's own rounding is added by the judge, from the stored values).
+#[derive(Debug, Clone, Default)]
+pub struct Local {
+    pub stages: Vec<LocalStage>,
+}
+
+#[derive(Debug, Clone)]
+pub struct LocalStage {
+    pub stage: Stage,
+    pub values: Vec<f64>,
+    pub hidden_var: Vec<f64>,
+    /// Per row of the last axis, where its errors share sources (an attention row: each key's P
+    /// rounding moves the whole row): the part of the row's hidden variance that does, and how many
+    /// independent sources it has. The judge's degrees of freedom come from it.
+    pub coherent: Option<Vec<(f64, f64)>>,
+}
+
+impl Local {
+    pub fn get(&self, s: Stage) -> Option<&LocalStage> {
+        self.stages.iter().find(|l| l.stage == s)
+    }
+    fn push(&mut self, stage: Stage, values: Vec<f64>, hidden_var: Vec<f64>) {
+        debug_assert_eq!(values.len(), hidden_var.len());
+        self.stages.push(LocalStage {
+            stage,
+            values,
+            hidden_var,
+            coherent: None,
+        });
+    }
+    fn push_rows(&mut self, stage: Stage, values: Vec<f64>, hidden_var: Vec<f64>, rows: Vec<(f64, f64)>) {
+        self.push(stage, values, hidden_var);
+        self.stages.last_mut().expect("pushed").coherent = Some(rows);
+    }
+}
+
+/// What the local view needs besides the optimized trace.
+pub struct Inputs<'a> {
+    pub cfg: &'a MlaConfig,
+    pub weights: &'a LayerWeights,
+    pub rope: &'a RopeTables,
+    pub sched: &'a Schedule,
+    /// The layer input `[T, hidden]` before attn_norm (the path rounds it to `dtype`).
+    pub x: &'a Array2<f64>,
+    pub dtype: Dtype,
+    /// The stages the backend provides: a decode attention without exposed splits is recomputed whole.
+    pub provided: StageSet,
+}
+
+fn f64s<D: ndarray::Dimension>(a: &ndarray::Array<f32, D>) -> ndarray::Array<f64, D> {
+    a.mapv(|v| v as f64)
+}
+
+/// Variance of storing `y` in the path's dtype (a rounding the trace does not show).
+fn hidden_round(dt: Dtype, y: f64) -> f64 {
+    Store::from(dt).round_var(y)
+}
+
+/// `y = a·wᵀ` in fp64 and the variance of computing it with f32 accumulation.
+fn linear(a: ArrayView2<f64>, w: &Array2<f64>) -> (Array2<f64>, Array2<f64>) {
+    let y = a.dot(&w.t());
+    let sq = a.mapv(|v| v * v).dot(&w.mapv(|v| v * v).t());
+    let n = a.ncols();
+    let var = Zip::from(&sq).and(&y).map_collect(|&s, &t| acc_var(n, s, t));
+    (y, var)
+}
+
+/// Input variances through `y = a·wᵀ`.
+fn propagate(var_a: &Array2<f64>, w: &Array2<f64>) -> Array2<f64> {
+    var_a.dot(&w.mapv(|v| v * v).t())
+}
+
+/// RMSNorm per row with f32 statistics: values, and variance from the input's (`vx`) and the
+/// arithmetic's, including the norm factor's error, common to the row.
+fn rms_norm(
+    x: ArrayView2<f64>,
+    vx: ArrayView2<f64>,
+    w: &Array1<f64>,
+    eps: f64,
+) -> (Array2<f64>, Array2<f64>) {
+    let mut y = x.to_owned();
+    let mut v = vx.to_owned();
+    let n = x.ncols();
+    for ((mut yr, mut vr), xr) in y.rows_mut().into_iter().zip(v.rows_mut()).zip(x.rows()) {
+        let s2: f64 = xr.iter().map(|a| a * a).sum();
+        let s4: f64 = xr.iter().map(|a| a.powi(4)).sum();
+        let r = 1.0 / (s2 / n as f64 + eps).sqrt();
+        let den = s2 + n as f64 * eps;
+        let prop: f64 = xr.iter().zip(vr.iter()).map(|(a, va)| 4.0 * a * a * va).sum();
+        let rel_r = (prop + acc_var(n, s4, s2)) / (4.0 * den * den) + F32_OP;
+        for ((yv, vv), &g) in yr.iter_mut().zip(vr.iter_mut()).zip(w) {
+            let out = *yv * r * g;
+            *vv = (r * g).powi(2) * *vv + out * out * (rel_r + 2.0 * F32_OP);
+            *yv = out;
+        }
+    }
+    (y, v)
+}
+
+/// Rotate the rope part of each row (columns `cols` of `x`) with the f32 tables a kernel gets.
+fn rope_rows(
+    x: &mut Array2<f64>,
+    v: &mut Array2<f64>,
+    rope: &RopeF32,
+    cols: std::ops::Range<usize>,
+    // The row index → token index (for per-head rows, `row / heads`).
+    token_of: impl Fn(usize) -> usize,
+) {
+    let dim = cols.len();
+    for (row, (mut xr, mut vr)) in x.rows_mut().into_iter().zip(v.rows_mut()).enumerate() {
+        let t = token_of(row);
+        let mut xs = xr.slice_mut(s![cols.clone()]);
+        let mut vs = vr.slice_mut(s![cols.clone()]);
+        for i in 0..dim / 2 {
+            let (a, b) = pair(rope.pairing, dim, i);
+            let c = rope.cos[t * rope.half + i] as f64;
+            let sn = rope.sin[t * rope.half + i] as f64;
+            let (x0, x1, v0, v1) = (xs[a], xs[b], vs[a], vs[b]);
+            let ya = x0 * c - x1 * sn;
+            let yb = x0 * sn + x1 * c;
+            let arith = |y: f64| ((x0 * c).powi(2) + (x1 * sn).powi(2) + y * y) * F32_OP;
+            vs[a] = c * c * v0 + sn * sn * v1 + arith(ya);
+            vs[b] = sn * sn * v0 + c * c * v1 + arith(yb);
+            xs[a] = ya;
+            xs[b] = yb;
+        }
+    }
+}
+
+/// One attention over `keys`: output, its variance, lse and its variance.
+struct Attn {
+    out: Vec<f64>,
+    var: Vec<f64>,
+    lse: f64,
+    var_lse: f64,
+    /// Σ over the row of the variance shared through the keys' P, and the keys' effective number.
+    coh: f64,
+    n_eff: f64,
+}
+
+impl Attn {
+    fn empty(dim: usize) -> Attn {
+        Attn {
+            out: vec![0.0; dim],
+            var: vec![0.0; dim],
+            lse: f64::NEG_INFINITY,
+            var_lse: 0.0,
+            coh: 0.0,
+            n_eff: 1.0,
+        }
+    }
+    fn nan(dim: usize) -> Attn {
+        Attn {
+            out: vec![f64::NAN; dim],
+            var: vec![0.0; dim],
+            lse: f64::NAN,
+            var_lse: 0.0,
+            coh: 0.0,
+            n_eff: 1.0,
+        }
+    }
+}
+
+/// Softmax attention in fp64 of pre-computed scores `(s, var_s)` over values `v` (with their hidden
+/// variances `vv`, if any): P is rounded to `dt` before P·V (the kernels' MMA input), the rest is f32.
+fn attend(scores: &[(f64, f64)], v: &[&[f64]], vv: Option<&[&[f64]]>, dim: usize, dt: Dtype) -> Attn {
+    if scores.is_empty() {
+        return Attn::empty(dim);
+    }
+    let m = scores.iter().map(|s| s.0).fold(f64::NEG_INFINITY, f64::max);
+    if m.is_nan() || scores.iter().any(|s| s.0.is_nan()) {
+        return Attn::nan(dim);
+    }
+    let p: Vec<f64> = scores.iter().map(|s| (s.0 - m).exp()).collect();
+    let arg_max = scores.iter().position(|s| s.0 == m).unwrap_or(0);
+    // Relative error variance of each p: its score's, the exp's, the subtraction's.
+    let pv: Vec<f64> = scores
+        .iter()
+        .map(|&(s, vs)| vs + EXP_REL_VAR + ((s - m) * U32).powi(2))
+        .collect();
+    let l: f64 = p.iter().sum();
+    let mut out = vec![0.0; dim];
+    for (pj, vj) in p.iter().zip(v) {
+        for (o, &x) in out.iter_mut().zip(*vj) {
+            *o += pj * x;
+        }
+    }
+    out.iter_mut().for_each(|o| *o /= l);
+    let n = p.len();
+    let tiles = n.div_ceil(64) as f64;
+    let mut var = vec![0.0; dim];
+    let mut per_key = vec![0.0; n];
+    for (d, vd) in var.iter_mut().enumerate() {
+        let (mut a, mut sq, mut tot) = (0.0, 0.0, 0.0);
+        for j in 0..n {
+            let x = v[j][d];
+            let dev = (x - out[d]).powi(2);
+            // P's rounding moves the numerator only, or numerator and sum (kernels differ): the larger.
+            // The key holding the maximum has p = exp(0) = 1 exactly in every online softmax.
+            let round = if j == arg_max { 0.0 } else { hidden_round(dt, p[j]) };
+            let c = round * (x * x).max(dev) + p[j] * p[j] * pv[j] * dev;
+            per_key[j] += c / (l * l);
+            a += c;
+            if let Some(vv) = vv {
+                a += p[j] * p[j] * vv[j][d];
+            }
+            sq += (p[j] * x).powi(2);
+            tot += p[j] * x;
+        }
+        *vd = (a + acc_var(n, sq, tot)) / (l * l) + out[d] * out[d] * (tiles + 2.0) * F32_OP;
+    }
+    let sp: f64 = p.iter().zip(&pv).map(|(a, b)| a * a * b).sum();
+    let sq: f64 = p.iter().map(|a| a * a).sum();
+    let coh: f64 = per_key.iter().sum();
+    let coh2: f64 = per_key.iter().map(|c| c * c).sum();
+    Attn {
+        out,
+        var,
+        lse: m + l.ln(),
+        var_lse: (sp + acc_var(n, sq, l)) / (l * l) + tiles * F32_OP,
+        coh,
+        n_eff: if coh2 > 0.0 { coh * coh / coh2 } else { 1.0 },
+    }
+}
+
+/// Merge parts by their lse (vLLM's `merge_attn_states`), propagating the parts' variances.
+fn merge(parts: &[Attn]) -> Attn {
+    let dim = parts.first().map_or(0, |p| p.out.len());
+    if parts.iter().any(|p| p.lse.is_nan()) {
+        return Attn::nan(dim);
+    }
+    let m = parts.iter().map(|p| p.lse).fold(f64::NEG_INFINITY, f64::max);
+    if m == f64::NEG_INFINITY {
+        return Attn::empty(dim);
+    }
+    let w: Vec<f64> = parts.iter().map(|p| (p.lse - m).exp()).collect();
+    let total: f64 = w.iter().sum();
+    let mut out = vec![0.0; dim];
+    for (p, &wk) in parts.iter().zip(&w) {
+        for (o, &x) in out.iter_mut().zip(&p.out) {
+            *o += wk / total * x;
+        }
+    }
+    let mut var = vec![0.0; dim];
+    let mut var_lse = F32_OP;
+    let (mut coh, mut n_eff) = (0.0, 0.0);
+    for (p, &wk) in parts.iter().zip(&w) {
+        if wk == 0.0 {
+            continue;
+        }
+        let a = wk / total;
+        let lv = p.var_lse + EXP_REL_VAR + ((p.lse - m) * U32).powi(2);
+        var_lse += a * a * lv;
+        let mut shift = 0.0;
+        for d in 0..dim {
+            let dev = lv * (p.out[d] - out[d]).powi(2);
+            shift += dev;
+            var[d] += a * a * (p.var[d] + dev + 2.0 * F32_OP * p.out[d].powi(2));
+        }
+        // A part's lse error moves the whole row: one more shared source.
+        coh += a * a * (p.coh + shift);
+        n_eff += p.n_eff + 1.0;
+    }
+    Attn {
+        out,
+        var,
+        lse: m + total.ln(),
+        var_lse,
+        coh,
+        n_eff: n_eff.max(1.0),
+    }
+}
+
+/// The optimized trace's stage as a 2-D `[rows, last axes…]` f64 array.
+fn opt2(tr: &LayerTrace, s: Stage) -> Option<Array2<f64>> {
+    let t = tr.get(s)?;
+    let rows = *t.shape.first()?;
+    let cols = t.data.len().checked_div(rows).unwrap_or(0);
+    Array2::from_shape_vec((rows, cols), t.data.clone()).ok()
+}
+
+/// Compute the local view of every stage whose inputs the optimized trace holds.
+pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
+    let (cfg, dt, sched) = (inp.cfg, inp.dtype, inp.sched);
+    let mw = MirrorWeights::new(cfg, inp.weights, dt, Active::NONE);
+    let rope = RopeF32::new(inp.rope, Active::NONE);
+    let (h, p, r, dv, lkv) = (
+        cfg.n_head,
+        cfg.qk_nope,
+        cfg.qk_rope,
+        cfg.v_head_dim,
+        cfg.kv_lora_rank,
+    );
+    let t_all = sched.total_tokens();
+    let mut out = Local::default();
+
+    // attn_in ← the layer input, as the path stores it.
+    let x = inp.x.mapv(|v| dt.round(v as f32) as f64);
+    let zero = Array2::<f64>::zeros(x.dim());
+    let (ai, vai) = rms_norm(x.view(), zero.view(), &f64s(&mw.attn_norm), cfg.rms_eps);
+    out.push(Stage::AttnIn, ai.into_raw_vec_and_offset().0, vai.into_raw_vec_and_offset().0);
+
+    let Some(attn_in) = opt2(opt, Stage::AttnIn) else {
+        return out;
+    };
+    // q ← attn_in (q-LoRA's latent stored and normed on the way).
+    let (q, vq) = match &mw.q {
+        QProj::Lora { a, a_norm, b } => {
+            let (qa, mut vqa) = linear(attn_in.view(), &f64s(a));
+            Zip::from(&mut vqa).and(&qa).for_each(|v, &y| *v += hidden_round(dt, y));
+            let (qn, mut vqn) = rms_norm(qa.view(), vqa.view(), &f64s(a_norm), cfg.lora_norm_eps);
+            Zip::from(&mut vqn).and(&qn).for_each(|v, &y| *v += hidden_round(dt, y));
+            let b = f64s(b);
+            let (q, acc) = linear(qn.view(), &b);
+            (q, acc + propagate(&vqn, &b))
+        }
+        QProj::Plain { q } => linear(attn_in.view(), &f64s(q)),
+    };
+    // Per head rows `[T·H, P+R]`.
+    let dk = p + r;
+    let mut q = q.into_shape_with_order((t_all * h, dk)).expect("[T, H·Dk]");
+    let mut vq = vq.into_shape_with_order((t_all * h, dk)).expect("[T, H·Dk]");
+    let q_nope = q.slice(s![.., ..p]).to_owned();
+    out.push(
+        Stage::QNope,
+        q_nope.iter().copied().collect(),
+        vq.slice(s![.., ..p]).iter().copied().collect(),
+    );
+    // q is stored before rope.
+    Zip::from(vq.slice_mut(s![.., p..]))
+        .and(q.slice(s![.., p..]))
+        .for_each(|v, &y| *v += hidden_round(dt, y));
+    rope_rows(&mut q, &mut vq, &rope, p..dk, |row| row / h);
+    out.push(
+        Stage::QPe,
+        q.slice(s![.., p..]).iter().copied().collect(),
+        vq.slice(s![.., p..]).iter().copied().collect(),
+    );
+
+    // kv ← attn_in: stored, then the latent normed and k_pe roped.
+    let (mut kv, mut vkv) = linear(attn_in.view(), &f64s(&mw.kv_a));
+    Zip::from(&mut vkv).and(&kv).for_each(|v, &y| *v += hidden_round(dt, y));
+    let (lat, vlat) = rms_norm(
+        kv.slice(s![.., ..lkv]),
+        vkv.slice(s![.., ..lkv]),
+        &f64s(&mw.kv_a_norm),
+        cfg.lora_norm_eps,
+    );
+    out.push(Stage::KvLatent, lat.iter().copied().collect(), vlat.iter().copied().collect());
+    rope_rows(&mut kv, &mut vkv, &rope, lkv..lkv + r, |row| row);
+    out.push(
+        Stage::KPe,
+        kv.slice(s![.., lkv..]).iter().copied().collect(),
+        vkv.slice(s![.., lkv..]).iter().copied().collect(),
+    );
+
+    let (Some(o_lat), Some(o_kpe)) = (opt2(opt, Stage::KvLatent), opt2(opt, Stage::KPe)) else {
+        return out;
+    };
+    // cache_rows ← the stored latent and k_pe: a copy.
+    let mut rows = Vec::with_capacity(t_all * (lkv + r));
+    for t in 0..t_all {
+        rows.extend(o_lat.row(t).iter().chain(o_kpe.row(t).iter()));
+    }
+    let n_rows = rows.len();
+    out.push(Stage::CacheRows, rows, vec![0.0; n_rows]);
+
+    let (Some(o_qn), Some(o_qpe), Some(cache)) = (
+        opt2(opt, Stage::QNope),
+        opt2(opt, Stage::QPe),
+        opt2(opt, Stage::CacheRows),
+    ) else {
+        return out;
+    };
+    // `[T·H, ·]` views of the per-head query parts.
+    let o_qn = o_qn.into_shape_with_order((t_all * h, p)).expect("[T, H, P]");
+    let o_qpe = o_qpe.into_shape_with_order((t_all * h, r)).expect("[T, H, R]");
+    let scale = cfg.softmax_scale;
+    let w_uk = f64s(&mw.w_uk); // [H·P, Lkv]
+    let w_uv = f64s(&mw.w_uv); // [H·Dv, Lkv]
+    let mut heads = vec![0.0; t_all * h * dv];
+    let mut heads_coh = vec![(0.0, 1.0); t_all * h];
+    let mut vheads = vec![0.0; t_all * h * dv];
+    let mut lse = vec![0.0; t_all * h];
+    let mut vlse = vec![0.0; t_all * h];
+    // attn_heads[decode] needs the stored attn_latent.
+    let mut heads_ok = true;
+
+    // Prefill, chunk by chunk: own keys from the chunk's fresh latent, context keys from the cache.
+    let pl = sched.prompt_len;
+    if pl > 0 {
+        for hh in 0..h {
+            let uk = w_uk.slice(s![hh * p..(hh + 1) * p, ..]).to_owned();
+            let uv = w_uv.slice(s![hh * dv..(hh + 1) * dv, ..]).to_owned();
+            let decompress = |lat: ArrayView2<f64>| {
+                let (k, mut vk) = linear(lat, &uk);
+                Zip::from(&mut vk).and(&k).for_each(|v, &y| *v += hidden_round(dt, y));
+                let (v, mut vv) = linear(lat, &uv);
+                Zip::from(&mut vv).and(&v).for_each(|x, &y| *x += hidden_round(dt, y));
+                (k, vk, v, vv)
+            };
+            let own = decompress(o_lat.slice(s![..pl, ..]));
+            let ctx = decompress(cache.slice(s![..pl, ..lkv]));
+            let kpe_own = o_kpe.slice(s![..pl, ..]);
+            let kpe_ctx = cache.slice(s![..pl, lkv..]);
+            for c in sched.prefill_chunks() {
+                for t in c.clone() {
+                    let qi = t * h + hh;
+                    let (qn, qp) = (o_qn.row(qi), o_qpe.row(qi));
+                    let part = |keys: std::ops::Range<usize>,
+                                (k, vk, v, vv): &(Array2<f64>, Array2<f64>, Array2<f64>, Array2<f64>),
+                                kpe: &ArrayView2<f64>| {
+                        let sc: Vec<(f64, f64)> = keys
+                            .clone()
+                            .map(|j| {
+                                let (kr, vkr, pr) = (k.row(j), vk.row(j), kpe.row(j));
+                                let a: f64 = qn.dot(&kr) + qp.dot(&pr);
+                                let sq: f64 = qn.iter().zip(kr).map(|(x, y)| (x * y).powi(2)).sum::<f64>()
+                                    + qp.iter().zip(pr).map(|(x, y)| (x * y).powi(2)).sum::<f64>();
+                                let prop: f64 = qn.iter().zip(vkr).map(|(x, y)| x * x * y).sum();
+                                let s = a * scale;
+                                (s, scale * scale * (prop + acc_var(p + r, sq, a)) + s * s * 2.0 * F32_OP)
+                            })
+                            .collect();
+                        let vals: Vec<&[f64]> =
+                            keys.clone().map(|j| v.row(j).to_slice().expect("row")).collect();
+                        let vvs: Vec<&[f64]> =
+                            keys.map(|j| vv.row(j).to_slice().expect("row")).collect();
+                        attend(&sc, &vals, Some(&vvs), dv, dt)
+                    };
+                    let mine = part(c.start..t + 1, &own, &kpe_own);
+                    let res = if c.start > 0 {
+                        // Each part's output is stored before the merge.
+                        let mut parts = [part(0..c.start, &ctx, &kpe_ctx), mine];
+                        for pa in parts.iter_mut() {
+                            for (v, &o) in pa.var.iter_mut().zip(&pa.out) {
+                                *v += hidden_round(dt, o);
+                            }
+                        }
+                        merge(&parts)
+                    } else {
+                        mine
+                    };
+                    let at = (t * h + hh) * dv;
+                    heads[at..at + dv].copy_from_slice(&res.out);
+                    heads_coh[t * h + hh] = (res.coh, res.n_eff);
+                    vheads[at..at + dv].copy_from_slice(&res.var);
+                    lse[t * h + hh] = res.lse;
+                    vlse[t * h + hh] = res.var_lse;
+                }
+            }
+        }
+    }
+
+    // Decode: q_absorbed, the splits, their merge and the up-projection.
+    let nd = sched.decode_tokens();
+    if nd > 0 {
+        let o_qabs = opt2(opt, Stage::QAbsorbed)
+            .filter(|_| inp.provided.contains(Stage::QAbsorbed))
+            .map(|a| a.into_shape_with_order((nd * h, lkv)).expect("[D, H, Lkv]"));
+        let mut qabs = Array2::<f64>::zeros((nd * h, lkv));
+        let mut vqabs = Array2::<f64>::zeros((nd * h, lkv));
+        for hh in 0..h {
+            let uk = w_uk.slice(s![hh * p..(hh + 1) * p, ..]).to_owned();
+            let rows: Vec<usize> = (0..nd).map(|d| (pl + d) * h + hh).collect();
+            let qn = o_qn.select(ndarray::Axis(0), &rows);
+            let (a, va) = linear(qn.view(), &uk.t().to_owned());
+            for d in 0..nd {
+                qabs.row_mut(d * h + hh).assign(&a.row(d));
+                vqabs.row_mut(d * h + hh).assign(&va.row(d));
+            }
+        }
+        out.push(
+            Stage::QAbsorbed,
+            qabs.iter().copied().collect(),
+            vqabs.iter().copied().collect(),
+        );
+        // The query the splits see: the stored q_absorbed when exposed, else ours with its rounding.
+        let (qa_used, vqa_used) = match &o_qabs {
+            Some(o) => (o.clone(), Array2::zeros(o.dim())),
+            None => {
+                let mut v = vqabs.clone();
+                Zip::from(&mut v).and(&qabs).for_each(|x, &y| *x += hidden_round(dt, y));
+                (qabs.clone(), v)
+            }
+        };
+        let ns = sched.num_splits;
+        let mut split_out = vec![0.0; nd * h * ns * lkv];
+        let mut split_coh = vec![(0.0, 1.0); nd * h * ns];
+        let mut latent_coh = vec![(0.0, 1.0); nd * h];
+        let mut vsplit_out = vec![0.0; nd * h * ns * lkv];
+        let mut split_lse = vec![0.0; nd * h * ns];
+        let mut vsplit_lse = vec![0.0; nd * h * ns];
+        let mut latent = vec![0.0; nd * h * lkv];
+        let mut vlatent = vec![0.0; nd * h * lkv];
+        let o_split = match (opt.get(Stage::SplitOut), opt.get(Stage::SplitLse)) {
+            (Some(o), Some(l))
+                if inp.provided.contains(Stage::SplitOut) && inp.provided.contains(Stage::SplitLse) =>
+            {
+                Some((o, l))
+            }
+            _ => None,
+        };
+        for d in 0..nd {
+            let t = pl + d;
+            let seq_len = pl + (d / sched.q_len + 1) * sched.q_len;
+            let splits = sched.split_ranges(seq_len);
+            for hh in 0..h {
+                let qi = d * h + hh;
+                let (qa, vqa, qp) = (qa_used.row(qi), vqa_used.row(qi), o_qpe.row(t * h + hh));
+                let score = |j: usize| {
+                    let row = cache.row(j);
+                    let (lt, kp) = (row.slice(s![..lkv]), row.slice(s![lkv..]));
+                    let a = qa.dot(&lt) + qp.dot(&kp);
+                    let sq: f64 = qa.iter().zip(lt).map(|(x, y)| (x * y).powi(2)).sum::<f64>()
+                        + qp.iter().zip(kp).map(|(x, y)| (x * y).powi(2)).sum::<f64>();
+                    let prop: f64 = lt.iter().zip(vqa).map(|(x, v)| x * x * v).sum();
+                    let s = a * scale;
+                    (s, scale * scale * (prop + acc_var(lkv + r, sq, a)) + s * s * 2.0 * F32_OP)
+                };
+                let parts: Vec<Attn> = splits
+                    .iter()
+                    .map(|sr| {
+                        let keys = sr.start..sr.end.min(t + 1);
+                        let sc: Vec<(f64, f64)> = keys.clone().map(score).collect();
+                        let vals: Vec<&[f64]> = keys
+                            .map(|j| &cache.row(j).to_slice().expect("row")[..lkv])
+                            .collect();
+                        attend(&sc, &vals, None, lkv, dt)
+                    })
+                    .collect();
+                for (k, pa) in parts.iter().enumerate() {
+                    let at = (qi * ns + k) * lkv;
+                    split_out[at..at + lkv].copy_from_slice(&pa.out);
+                    split_coh[qi * ns + k] = (pa.coh, pa.n_eff);
+                    vsplit_out[at..at + lkv].copy_from_slice(&pa.var);
+                    split_lse[qi * ns + k] = pa.lse;
+                    vsplit_lse[qi * ns + k] = pa.var_lse;
+                }
+                // The combine, from the stored partials when the backend exposes them.
+                let merged = match o_split {
+                    Some((o, l)) => {
+                        let stored: Vec<Attn> = (0..ns)
+                            .map(|k| Attn {
+                                out: o.data[(qi * ns + k) * lkv..(qi * ns + k + 1) * lkv].to_vec(),
+                                var: vec![0.0; lkv],
+                                lse: l.data[qi * ns + k],
+                                var_lse: 0.0,
+                                coh: 0.0,
+                                n_eff: 0.0,
+                            })
+                            .collect();
+                        merge(&stored)
+                    }
+                    None => merge(&parts),
+                };
+                latent[qi * lkv..(qi + 1) * lkv].copy_from_slice(&merged.out);
+                latent_coh[qi] = (merged.coh, merged.n_eff);
+                vlatent[qi * lkv..(qi + 1) * lkv].copy_from_slice(&merged.var);
+                lse[t * h + hh] = merged.lse;
+                vlse[t * h + hh] = merged.var_lse;
+            }
+        }
+        out.push_rows(Stage::SplitOut, split_out, vsplit_out, split_coh);
+        out.push(Stage::SplitLse, split_lse, vsplit_lse);
+        out.push_rows(Stage::AttnLatent, latent, vlatent, latent_coh);
+        // attn_heads[decode] ← the stored attn_latent.
+        if let Some(o_att) = opt2(opt, Stage::AttnLatent) {
+            let o_att = o_att.into_shape_with_order((nd * h, lkv)).expect("[D, H, Lkv]");
+            for hh in 0..h {
+                let uv = w_uv.slice(s![hh * dv..(hh + 1) * dv, ..]).to_owned();
+                let rows: Vec<usize> = (0..nd).map(|d| d * h + hh).collect();
+                let (y, v) = linear(o_att.select(ndarray::Axis(0), &rows).view(), &uv);
+                for d in 0..nd {
+                    let at = ((pl + d) * h + hh) * dv;
+                    heads[at..at + dv].copy_from_slice(y.row(d).as_slice().expect("row"));
+                    vheads[at..at + dv].copy_from_slice(v.row(d).as_slice().expect("row"));
+                }
+            }
+        } else {
+            heads_ok = false;
+        }
+    }
+    out.push(Stage::Lse, lse, vlse);
+    if heads_ok {
+        out.push_rows(Stage::AttnHeads, heads, vheads, heads_coh);
+    }
+
+    // attn_out ← the stored heads.
+    if let Some(o_heads) = opt2(opt, Stage::AttnHeads) {
+        let (y, v) = linear(o_heads.view(), &f64s(&mw.o));
+        out.push(Stage::AttnOut, y.into_raw_vec_and_offset().0, v.into_raw_vec_and_offset().0);
+    }
+    out
+}

@@ -1,0 +1,389 @@
+//! The noise model of the stage-local view (`local.rs`): how far an optimized stage may honestly sit
+//! from fp64 recomputed from its own stored inputs, per element, and the judge that turns that into a
+//! pass or a failure.
+//!
+//! Each element's predicted error variance σ² is the sum of
+//! - the rounding of the stored output to its storage type (inferred from the values: a bf16 tensor
+//!   is all bf16 numbers), `ulp²/12`;
+//! - roundings the path makes on the way but does not store in the trace (q-LoRA's latent, kv before its
+//!   norm, q/k before rope, P before P·V, prefill's decompressed k/v, a prefill part before its merge),
+//!   propagated to the output by `local.rs`;
+//! - f32 arithmetic: sums (their random part and the part common to all partial sums), products, exp.
+//!
+//! The judge bounds three statistics by `K` × the model's prediction, each with a chi-square or
+//! Gaussian tail for the number of degrees of freedom and of rows or elements looked at, so that a clean
+//! run fails with probability ≲ `ALPHA` per check while an error a few times the noise is caught.
+
+use serde::{Deserialize, Serialize};
+
+/// f32 unit roundoff.
+pub const U32: f64 = 1.0 / 16_777_216.0;
+
+/// Variance of one f32 operation's relative rounding (uniform in ±u): u²/3.
+pub const F32_OP: f64 = U32 * U32 / 3.0;
+
+/// Relative error variance of an f32 `exp` (a correctly rounded one is ~1 ulp; GPU fast-math
+/// `ex2.approx` a few ulp): taken as 4 ulp for every backend.
+pub const EXP_REL_VAR: f64 = 16.0 * U32 * U32;
+
+/// How much the measured error energy may exceed the prediction: the model's own inaccuracy (measured:
+/// prediction within 1–6 % on the CPU mirror, up to 5× conservative for f32 LSEs) and the backends'
+/// differences in summation order and exp.
+pub const K: f64 = 2.0;
+
+/// The false-alarm probability each statistic is bounded at (per check).
+pub const ALPHA: f64 = 1e-6;
+
+/// Storage type of a stage's values, inferred from the values themselves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Store {
+    Bf16,
+    Fp16,
+    F32,
+    /// Values no f32 holds exactly: the path stored f64.
+    F64,
+}
+
+impl Store {
+    /// The narrowest type that holds every finite value exactly (bf16 before fp16: a tensor of small
+    /// integers is both, and then its rounding is immaterial).
+    pub fn infer(values: &[f64]) -> Store {
+        let fin = || values.iter().copied().filter(|v| v.is_finite());
+        if fin().all(|v| half::bf16::from_f64(v).to_f64() == v) {
+            Store::Bf16
+        } else if fin().all(|v| half::f16::from_f64(v).to_f64() == v) {
+            Store::Fp16
+        } else if fin().all(|v| (v as f32) as f64 == v) {
+            Store::F32
+        } else {
+            Store::F64
+        }
+    }
+    /// (mantissa bits after the point, smallest normal exponent)
+    fn format(self) -> (i32, i32) {
+        match self {
+            Store::Bf16 => (7, -126),
+            Store::Fp16 => (10, -14),
+            Store::F32 => (23, -126),
+            Store::F64 => (52, -1022),
+        }
+    }
+    /// The spacing of this type's numbers at |y|.
+    pub fn ulp(self, y: f64) -> f64 {
+        let (m, emin) = self.format();
+        let e = if y == 0.0 || !y.is_finite() {
+            emin
+        } else {
+            (y.abs().log2().floor() as i32).max(emin)
+        };
+        2f64.powi(e - m)
+    }
+    /// Variance of rounding a value near `y` to this type (round to nearest: uniform in ±ulp/2).
+    pub fn round_var(self, y: f64) -> f64 {
+        let u = self.ulp(y);
+        u * u / 12.0
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Store::Bf16 => "bf16",
+            Store::Fp16 => "fp16",
+            Store::F32 => "f32",
+            Store::F64 => "f64",
+        }
+    }
+}
+
+impl From<crate::backend::Dtype> for Store {
+    fn from(d: crate::backend::Dtype) -> Store {
+        match d {
+            crate::backend::Dtype::Bf16 => Store::Bf16,
+            crate::backend::Dtype::F16 => Store::Fp16,
+            crate::backend::Dtype::F32 => Store::F32,
+        }
+    }
+}
+
+/// Variance of an f32 sum of `n` terms with `sum_sq` = Σ tᵢ² and result `total`, accumulated in a few
+/// lanes: the random part of the partial sums (~n·Σt²/16 for 8 lanes) and their common part
+/// (~n·total²/192), each partial sum rounded once per addition, plus each product's rounding. Doubled
+/// for tensor-core accumulation, whose order and internal precision we do not model.
+pub fn acc_var(n: usize, sum_sq: f64, total: f64) -> f64 {
+    let n = n as f64;
+    2.0 * F32_OP * (sum_sq * (1.0 + n / 16.0) + n * total * total / 192.0)
+}
+
+/// Laurent–Massart: with probability ≥ 1 − e^{−x}, χ²_d / d ≤ 1 + 2√(x/d) + 2x/d.
+pub fn chi2_bound(dof: f64, x: f64) -> f64 {
+    let d = dof.max(1.0);
+    1.0 + 2.0 * (x / d).sqrt() + 2.0 * x / d
+}
+
+/// Effective degrees of freedom of a sum of independent terms with variances σᵢ²: (Σσ²)²/Σσ⁴.
+fn dof(vars: impl Iterator<Item = f64>) -> f64 {
+    let (s, s2) = vars.fold((0.0, 0.0), |(a, b), v| (a + v, b + v * v));
+    if s2 > 0.0 {
+        s * s / s2
+    } else {
+        1.0
+    }
+}
+
+/// The stage-local verdict of one check, as reported (`CheckResult::local`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LocalResult {
+    pub pass: bool,
+    /// The storage type inferred from the optimized values.
+    pub store: Store,
+    /// rel-L2 of the optimized stage against fp64 from its own inputs.
+    pub rel_l2: f64,
+    /// The rel-L2 the noise model predicts for it.
+    pub predicted_rel_l2: f64,
+    /// Error energy ÷ predicted, over the whole check; and its bound.
+    pub energy: f64,
+    pub energy_bound: f64,
+    /// The worst row's (last axis) energy ÷ its prediction; its bound; where.
+    pub row_energy: f64,
+    pub row_bound: f64,
+    pub row_at: Option<super::Position>,
+    /// The worst element's |error| in predicted σ; its bound; where.
+    pub max_sigmas: f64,
+    pub sigma_bound: f64,
+    pub max_sigmas_at: Option<super::Position>,
+    /// How close to failing: the largest statistic ÷ its bound (≥ 1 fails; ∞ for non-finite).
+    pub ratio: f64,
+    pub reasons: Vec<String>,
+}
+
+/// Judge one check: `opt` the optimized values, `local` fp64 from the optimized inputs, `hidden` the
+/// variance predicted before the output's own rounding (same length), `row` the last axis' length,
+/// `coherent` per row the hidden variance its elements share and its number of sources
+/// (`LocalStage::coherent`). `pos` decodes a flat index for messages.
+pub fn judge(
+    opt: &[f64],
+    local: &[f64],
+    hidden: &[f64],
+    row: usize,
+    coherent: Option<&[(f64, f64)]>,
+    pos: &dyn Fn(usize) -> super::Position,
+) -> LocalResult {
+    let store = Store::infer(opt);
+    let nf = super::metrics::nonfinite(local, opt);
+    let var: Vec<f64> = opt
+        .iter()
+        .zip(hidden)
+        .map(|(&y, &h)| h + store.round_var(y))
+        .collect();
+    let fin = |i: usize| local[i].is_finite() && opt[i].is_finite();
+    let n = opt.len();
+    let (mut e_all, mut p_all, mut n_fin) = (0.0, 0.0, 0usize);
+    for i in (0..n).filter(|&i| fin(i)) {
+        let e = opt[i] - local[i];
+        e_all += e * e;
+        p_all += var[i];
+        n_fin += 1;
+    }
+    // A floor for elements whose own σ is tiny (a value near 0): 5 % of the check's RMS σ.
+    let floor = 0.0025 * p_all / n_fin.max(1) as f64;
+    let x = (1.0 / ALPHA).ln();
+    let mut reasons = Vec::new();
+    if nf.mismatches > 0 {
+        let at = nf.first_mismatches.first().map(|&i| pos(i));
+        reasons.push(format!(
+            "{} non-finite mismatches against fp64 from the stage's own inputs{}",
+            nf.mismatches,
+            at.map(|p| format!(", first at {p}")).unwrap_or_default()
+        ));
+    }
+    let ratio_of = |e: f64, p: f64, bound: f64| -> f64 {
+        if p > 0.0 {
+            e / p / bound
+        } else if e > 0.0 {
+            f64::INFINITY
+        } else {
+            0.0
+        }
+    };
+    // Degrees of freedom per row (last axis): its elements', or fewer where they share sources
+    // (Satterthwaite: a shared part C with n sources, the rest with the elements' dof).
+    let row = row.max(1);
+    let rows = n / row;
+    let row_dof: Vec<(f64, f64)> = (0..rows)
+        .map(|r| {
+            let idx = (r * row..(r + 1) * row).filter(|&i| fin(i));
+            let p: f64 = idx.clone().map(|i| var[i]).sum();
+            let d_el = dof(idx.map(|i| var[i]));
+            let d = match coherent.and_then(|c| c.get(r)) {
+                Some(&(c, n_src)) if c > 0.0 && p > 0.0 => {
+                    let c = c.min(p);
+                    p * p / (c * c / n_src.max(1.0) + (p - c).powi(2) / d_el)
+                }
+                _ => d_el,
+            };
+            (p, d)
+        })
+        .collect();
+    // Whole check.
+    let d_all = {
+        let (sp, sd) = row_dof
+            .iter()
+            .fold((0.0, 0.0), |(a, b), &(p, d)| (a + p, b + p * p / d.max(1e-300)));
+        if sd > 0.0 {
+            sp * sp / sd
+        } else {
+            1.0
+        }
+    };
+    let energy_bound = K * chi2_bound(d_all, x);
+    let energy = if p_all > 0.0 {
+        e_all / p_all
+    } else if e_all > 0.0 {
+        f64::INFINITY
+    } else {
+        0.0
+    };
+    let r_all = ratio_of(e_all, p_all, energy_bound);
+    if r_all > 1.0 {
+        reasons.push(match p_all > 0.0 {
+            true => format!(
+                "error energy {energy:.2}× the predicted noise (bound {energy_bound:.2}×)"
+            ),
+            false => "differs from an exact copy of its input".to_string(),
+        });
+    }
+    // Rows of the last axis.
+    let row_x = x + (rows.max(1) as f64).ln();
+    let (mut row_ratio, mut row_energy, mut row_bound, mut row_i) = (0.0, 0.0, 0.0, None);
+    for r in 0..rows {
+        let idx = (r * row..(r + 1) * row).filter(|&i| fin(i));
+        let (e, p) = idx.fold((0.0, 0.0), |(e, p), i| {
+            let d = opt[i] - local[i];
+            (e + d * d, p + var[i])
+        });
+        let b = K * chi2_bound(row_dof[r].1, row_x);
+        let q = ratio_of(e, p, b);
+        if q > row_ratio {
+            row_ratio = q;
+            row_energy = if p > 0.0 { e / p } else { f64::INFINITY };
+            row_bound = b;
+            row_i = Some(r * row);
+        }
+    }
+    if row_ratio > 1.0 && r_all <= 1.0 && p_all > 0.0 {
+        reasons.push(format!(
+            "one row's error energy {row_energy:.2}× its predicted noise (bound {row_bound:.2}×) at {}",
+            row_i.map(pos).map(|p| p.to_string()).unwrap_or_default()
+        ));
+    }
+    // Elements.
+    let sigma_bound = (K * 2.0 * (x + (n_fin.max(1) as f64).ln())).sqrt();
+    let (mut max_sig, mut max_i) = (0.0, None);
+    for i in (0..n).filter(|&i| fin(i)) {
+        let s = (var[i] + floor).sqrt();
+        let z = if s > 0.0 {
+            (opt[i] - local[i]).abs() / s
+        } else if opt[i] != local[i] {
+            f64::INFINITY
+        } else {
+            0.0
+        };
+        if z > max_sig {
+            max_sig = z;
+            max_i = Some(i);
+        }
+    }
+    let r_elem = max_sig / sigma_bound;
+    if r_elem > 1.0 && r_all <= 1.0 && row_ratio <= 1.0 && p_all > 0.0 {
+        let i = max_i.expect("an element");
+        reasons.push(format!(
+            "an element {max_sig:.1}σ from fp64 of its own inputs (bound {sigma_bound:.1}σ) at {} (local {:.6e}, opt {:.6e})",
+            pos(i),
+            local[i],
+            opt[i]
+        ));
+    }
+    let ratio = if nf.mismatches > 0 {
+        f64::INFINITY
+    } else {
+        r_all.max(row_ratio).max(r_elem)
+    };
+    let l2 = |f: &dyn Fn(usize) -> f64| (0..n).filter(|&i| fin(i)).map(f).sum::<f64>();
+    let ref_sq = l2(&|i| local[i] * local[i]);
+    let rel = |x: f64| {
+        if ref_sq > 0.0 {
+            (x / ref_sq).sqrt()
+        } else {
+            x.sqrt()
+        }
+    };
+    let json_num = |v: f64| v.min(f64::MAX); // JSON has no infinity
+    LocalResult {
+        pass: reasons.is_empty(),
+        store,
+        rel_l2: rel(e_all),
+        predicted_rel_l2: rel(p_all),
+        energy: json_num(energy),
+        energy_bound,
+        row_energy: json_num(row_energy),
+        row_bound,
+        row_at: row_i.map(pos),
+        max_sigmas: json_num(max_sig),
+        sigma_bound,
+        max_sigmas_at: max_i.map(pos),
+        ratio: json_num(ratio),
+        reasons,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_is_inferred_from_values() {
+        assert_eq!(Store::infer(&[1.0, 0.5, -3.0]), Store::Bf16);
+        assert_eq!(Store::infer(&[1.0 + 2f64.powi(-10)]), Store::Fp16);
+        assert_eq!(Store::infer(&[0.1f32 as f64, f64::NEG_INFINITY]), Store::F32);
+        assert_eq!(Store::infer(&[0.1]), Store::F64);
+        assert_eq!(Store::Bf16.ulp(1.5), 2f64.powi(-7));
+        assert_eq!(Store::Fp16.ulp(1e-9), 2f64.powi(-24));
+    }
+
+    fn pos(i: usize) -> super::super::Position {
+        super::super::Position {
+            coords: vec![("i".into(), i)],
+        }
+    }
+
+    /// Rounding noise as predicted passes; the same values with a 3× larger error fail; an exact copy
+    /// with one changed value fails; NaN fails.
+    #[test]
+    fn judge_separates_noise_from_errors() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let local: Vec<f64> = (0..4096).map(|_| rng.random_range(-2.0..2.0)).collect();
+        let opt: Vec<f64> = local
+            .iter()
+            .map(|&v| half::bf16::from_f64(v).to_f64())
+            .collect();
+        let zero = vec![0.0; local.len()];
+        let clean = judge(&opt, &local, &zero, 64, None, &pos);
+        assert!(clean.pass, "{:?}", clean.reasons);
+        assert!((clean.energy - 1.0).abs() < 0.1, "{}", clean.energy);
+        let worse: Vec<f64> = opt
+            .iter()
+            .zip(&local)
+            .map(|(&o, &l)| l + 3.0 * (o - l))
+            .map(|v| half::bf16::from_f64(v).to_f64())
+            .collect();
+        assert!(!judge(&worse, &local, &zero, 64, None, &pos).pass);
+        let mut copy = opt.clone();
+        copy[5] += 2f64.powi(-6);
+        assert!(!judge(&copy, &opt, &zero, 64, None, &pos).pass);
+        assert!(judge(&opt, &opt, &zero, 64, None, &pos).pass);
+        let mut nan = opt.clone();
+        nan[9] = f64::NAN;
+        let r = judge(&nan, &local, &zero, 64, None, &pos);
+        assert!(!r.pass && r.ratio.is_infinite() || r.ratio == f64::MAX);
+    }
+}
