@@ -104,13 +104,15 @@ impl From<crate::backend::Dtype> for Store {
     }
 }
 
-/// Variance of an f32 sum of `n` terms with `sum_sq` = Σ tᵢ² and result `total`, accumulated in a few
-/// lanes: the random part of the partial sums (~n·Σt²/16 for 8 lanes) and their common part
-/// (~n·total²/192), each partial sum rounded once per addition, plus each product's rounding. Doubled
-/// for tensor-core accumulation, whose order and internal precision we do not model.
+/// Variance of an f32 sum of `n` terms with `sum_sq` = Σ tᵢ² and result `total`, accumulated in one
+/// running sum (a GEMM microkernel's or an MMA's accumulator walks the k dimension in order): the
+/// random part of the partial sums (~n·Σt²/2) and their common part (~n·total²/3), each partial sum
+/// rounded once per addition, plus each product's rounding. Doubled for tensor-core accumulation,
+/// whose internal order and precision we do not model. (Lane-parallel sums, as the mirror's `dot`,
+/// have less: this bound is conservative for them.)
 pub fn acc_var(n: usize, sum_sq: f64, total: f64) -> f64 {
     let n = n as f64;
-    2.0 * F32_OP * (sum_sq * (1.0 + n / 16.0) + n * total * total / 192.0)
+    2.0 * F32_OP * (sum_sq * (1.0 + n / 2.0) + n * total * total / 3.0)
 }
 
 /// Laurent–Massart: with probability ≥ 1 − e^{−x}, χ²_d / d ≤ 1 + 2√(x/d) + 2x/d.
