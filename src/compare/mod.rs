@@ -361,6 +361,7 @@ pub fn apply_local(
         &opt.data[span.clone()],
         &loc.values[span.clone()],
         &loc.hidden_var[span],
+        loc.exact,
         row,
         coherent,
         &pos,

@@ -84,6 +84,15 @@ impl Store {
         let u = self.ulp(y);
         u * u / 12.0
     }
+    /// Round to this type (to nearest even).
+    pub fn round(self, y: f64) -> f64 {
+        match self {
+            Store::Bf16 => half::bf16::from_f64(y).to_f64(),
+            Store::Fp16 => half::f16::from_f64(y).to_f64(),
+            Store::F32 => y as f32 as f64,
+            Store::F64 => y,
+        }
+    }
     pub fn name(self) -> &'static str {
         match self {
             Store::Bf16 => "bf16",
@@ -158,13 +167,15 @@ pub struct LocalResult {
 }
 
 /// Judge one check: `opt` the optimized values, `local` fp64 from the optimized inputs, `hidden` the
-/// variance predicted before the output's own rounding (same length), `row` the last axis' length,
+/// variance predicted before the output's own rounding (same length; with `exact`, a copy of values
+/// already in its type, nothing is added for the output's rounding), `row` the last axis' length,
 /// `coherent` per row the hidden variance its elements share and its number of sources
 /// (`LocalStage::coherent`). `pos` decodes a flat index for messages.
 pub fn judge(
     opt: &[f64],
     local: &[f64],
     hidden: &[f64],
+    exact: bool,
     row: usize,
     coherent: Option<&[(f64, f64)]>,
     pos: &dyn Fn(usize) -> super::Position,
@@ -174,7 +185,7 @@ pub fn judge(
     let var: Vec<f64> = opt
         .iter()
         .zip(hidden)
-        .map(|(&y, &h)| h + store.round_var(y))
+        .map(|(&y, &h)| if exact { h } else { h + store.round_var(y) })
         .collect();
     let fin = |i: usize| local[i].is_finite() && opt[i].is_finite();
     let n = opt.len();
@@ -227,9 +238,9 @@ pub fn judge(
         .collect();
     // Whole check.
     let d_all = {
-        let (sp, sd) = row_dof
-            .iter()
-            .fold((0.0, 0.0), |(a, b), &(p, d)| (a + p, b + p * p / d.max(1e-300)));
+        let (sp, sd) = row_dof.iter().fold((0.0, 0.0), |(a, b), &(p, d)| {
+            (a + p, b + p * p / d.max(1e-300))
+        });
         if sd > 0.0 {
             sp * sp / sd
         } else {
@@ -247,9 +258,9 @@ pub fn judge(
     let r_all = ratio_of(e_all, p_all, energy_bound);
     if r_all > 1.0 {
         reasons.push(match p_all > 0.0 {
-            true => format!(
-                "error energy {energy:.2}× the predicted noise (bound {energy_bound:.2}×)"
-            ),
+            true => {
+                format!("error energy {energy:.2}× the predicted noise (bound {energy_bound:.2}×)")
+            }
             false => "differs from an exact copy of its input".to_string(),
         });
     }
@@ -345,7 +356,10 @@ mod tests {
     fn store_is_inferred_from_values() {
         assert_eq!(Store::infer(&[1.0, 0.5, -3.0]), Store::Bf16);
         assert_eq!(Store::infer(&[1.0 + 2f64.powi(-10)]), Store::Fp16);
-        assert_eq!(Store::infer(&[0.1f32 as f64, f64::NEG_INFINITY]), Store::F32);
+        assert_eq!(
+            Store::infer(&[0.1f32 as f64, f64::NEG_INFINITY]),
+            Store::F32
+        );
         assert_eq!(Store::infer(&[0.1]), Store::F64);
         assert_eq!(Store::Bf16.ulp(1.5), 2f64.powi(-7));
         assert_eq!(Store::Fp16.ulp(1e-9), 2f64.powi(-24));
@@ -369,7 +383,7 @@ mod tests {
             .map(|&v| half::bf16::from_f64(v).to_f64())
             .collect();
         let zero = vec![0.0; local.len()];
-        let clean = judge(&opt, &local, &zero, 64, None, &pos);
+        let clean = judge(&opt, &local, &zero, false, 64, None, &pos);
         assert!(clean.pass, "{:?}", clean.reasons);
         assert!((clean.energy - 1.0).abs() < 0.1, "{}", clean.energy);
         let worse: Vec<f64> = opt
@@ -378,14 +392,14 @@ mod tests {
             .map(|(&o, &l)| l + 3.0 * (o - l))
             .map(|v| half::bf16::from_f64(v).to_f64())
             .collect();
-        assert!(!judge(&worse, &local, &zero, 64, None, &pos).pass);
+        assert!(!judge(&worse, &local, &zero, false, 64, None, &pos).pass);
         let mut copy = opt.clone();
         copy[5] += 2f64.powi(-6);
-        assert!(!judge(&copy, &opt, &zero, 64, None, &pos).pass);
-        assert!(judge(&opt, &opt, &zero, 64, None, &pos).pass);
+        assert!(!judge(&copy, &opt, &zero, true, 64, None, &pos).pass);
+        assert!(judge(&opt, &opt, &zero, true, 64, None, &pos).pass);
         let mut nan = opt.clone();
         nan[9] = f64::NAN;
-        let r = judge(&nan, &local, &zero, 64, None, &pos);
+        let r = judge(&nan, &local, &zero, false, 64, None, &pos);
         assert!(!r.pass && r.ratio.is_infinite() || r.ratio == f64::MAX);
     }
 }

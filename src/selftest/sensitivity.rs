@@ -1,12 +1,14 @@
 //! `mla-diff selftest --sensitivity`: the smallest planted error each check catches, in units of that
-//! check's own noise — the clean optimized path's rms error against the reference at that stage.
+//! check's own noise — the clean optimized path's rms error against fp64 from its own inputs (the
+//! stage-local view, which decides the verdict), each element's share shaped by the noise model.
 //!
-//! Each perturbation is added to one stage of a clean trace and only that check is re-run, so the figure
-//! is the check's detection threshold, not how far an error travels:
-//! - `noise`: independent Gaussian error of k × the clean rms error on every element of the check;
-//! - `bias`: a constant k × the clean rms error (an LSE offset, a mis-scaled mean);
-//! - `one row`: Gaussian error of k × the clean rms error on the last token row only (one query's
-//!   output, one decode step), which the elementwise criterion must catch.
+//! Each perturbation is added to one stage of a clean trace, stored in that stage's type as a kernel
+//! would store it, and only that check is re-run, so the figure is the check's detection threshold,
+//! not how far an error travels:
+//! - `noise`: independent Gaussian error of k × each element's noise on every element of the check;
+//! - `bias`: a constant k × the rms noise (an LSE offset, a mis-scaled mean);
+//! - `one row`: Gaussian error of k × the noise on the last row (last axis) only: one query's and
+//!   head's output, one token's projection.
 //!
 //! A check whose threshold is k catches an error k times its noise; the goal of #14 is k ≤ 2 everywhere.
 
@@ -43,9 +45,9 @@ impl Kind {
 #[derive(Debug, Clone)]
 pub struct Row {
     pub check: String,
-    /// The clean run's rel-L2 at this check (the noise), and its tolerance.
+    /// The clean run's local rel-L2 at this check (the noise) and the noise model's prediction of it.
     pub clean_rel_l2: f64,
-    pub tol_rel_l2: f64,
+    pub predicted_rel_l2: f64,
     /// Per `Kind::ALL`: the smallest k caught (`None`: not caught at 10⁶; `Some(0)`: the clean run
     /// already fails).
     pub thresholds: [Option<f64>; 3],
@@ -75,45 +77,77 @@ pub fn measure(
         block_table: &tables.block_table,
         provided: backend.provides(),
     };
+    let local = compare::local::compute(
+        &compare::local::Inputs {
+            cfg: &cfg,
+            weights: &w,
+            rope: &tables.rope,
+            sched,
+            x: &x,
+            dtype,
+            provided: ctx.provided,
+        },
+        &opt,
+    );
     let mut rows = Vec::new();
     for check in checks_for(sched) {
         if !ctx.provided.contains(check.stage) {
             continue;
         }
-        let (Some(r), Some(o)) = (reference.get(check.stage), opt.get(check.stage)) else {
+        let (Some(r), Some(o), Some(l)) = (
+            reference.get(check.stage),
+            opt.get(check.stage),
+            local.get(check.stage),
+        ) else {
             continue;
         };
         let tol = tols.get(dtype, &check)?;
+        let judged = |t: &StageTensor| -> Result<compare::CheckResult> {
+            let mut c = compare::compare_check(&ctx, check, r, t, tol)?;
+            compare::apply_local(&ctx, check, &mut c, t, l, false);
+            Ok(c)
+        };
         let span = check.rows(sched);
         let per: usize = o.shape[1..].iter().product();
         let (a, b) = (span.start * per, span.end * per);
-        // The noise unit: the clean error's rms over the check's elements (finite ones); a stage the
-        // optimized path computes exactly gets one unit roundoff of the reference's rms instead.
-        let diffs: Vec<f64> = (a..b)
-            .map(|i| o.data[i] - r.data[i])
-            .filter(|d| d.is_finite())
+        let clean = judged(o)?;
+        let lr = clean.local.clone().expect("a local view");
+        let store = lr.store;
+        // Each element's noise: the model's σ, scaled to the measured clean error (a stage computed
+        // exactly, the cache, gets one unit of its type's rounding instead).
+        let sig: Vec<f64> = (a..b)
+            .map(|i| (l.hidden_var[i] + store.round_var(o.data[i])).sqrt())
             .collect();
-        let rms = |v: &[f64]| (v.iter().map(|d| d * d).sum::<f64>() / v.len().max(1) as f64).sqrt();
-        let ref_rms = rms(&r.data[a..b]);
-        let mut sigma = rms(&diffs);
-        if sigma == 0.0 {
-            sigma = ref_rms * dtype.round_unit();
-        }
-        let clean = compare::compare_check(&ctx, check, r, o, tol)?;
+        let fit = if lr.predicted_rel_l2 > 0.0 && lr.rel_l2 > 0.0 {
+            lr.rel_l2 / lr.predicted_rel_l2
+        } else {
+            1.0
+        };
+        let unit: Vec<f64> = sig
+            .iter()
+            .zip(&o.data[a..b])
+            .map(|(&s, &y)| match s > 0.0 {
+                true => s * fit,
+                false => store.ulp(y) / 12f64.sqrt(),
+            })
+            .collect();
+        let rms_unit = (unit.iter().map(|u| u * u).sum::<f64>() / unit.len().max(1) as f64).sqrt();
         let mut g = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5e5);
         let gauss: Vec<f64> = (a..b).map(|_| StandardNormal.sample(&mut g)).collect();
-        let last_row = (b - per)..b;
+        let row = *o.shape.last().unwrap_or(&1);
+        let last_row = (b - row.min(b - a))..b;
         let caught = |kind: Kind, k: f64| -> Result<bool> {
             let mut p: StageTensor = o.clone();
             for (n, i) in (a..b).enumerate() {
-                p.data[i] += match kind {
-                    Kind::Noise => k * sigma * gauss[n],
-                    Kind::Bias => k * sigma,
-                    Kind::OneRow if last_row.contains(&i) => k * sigma * gauss[n],
+                let d = match kind {
+                    Kind::Noise => k * unit[n] * gauss[n],
+                    Kind::Bias => k * rms_unit,
+                    Kind::OneRow if last_row.contains(&i) => k * unit[n] * gauss[n],
                     Kind::OneRow => 0.0,
                 };
+                p.data[i] = store.round(p.data[i] + d);
             }
-            Ok(!compare::compare_check(&ctx, check, r, &p, tol)?.pass)
+            Ok(!judged(&p)?.pass)
         };
         let mut thresholds = [None; 3];
         for (t, kind) in thresholds.iter_mut().zip(Kind::ALL) {
@@ -124,8 +158,8 @@ pub fn measure(
         }
         rows.push(Row {
             check: check.name(),
-            clean_rel_l2: clean.metrics.rel_l2,
-            tol_rel_l2: tol.rel_l2,
+            clean_rel_l2: lr.rel_l2,
+            predicted_rel_l2: lr.predicted_rel_l2,
             thresholds,
         });
     }
@@ -162,7 +196,7 @@ pub fn table(name: &str, rows: &[Row]) -> String {
     writeln!(
         s,
         "{name}\n  {:<22} {:>10} {:>10} {:>8} {:>8} {:>8}",
-        "check", "clean", "tolerance", "noise", "bias", "one row"
+        "check", "local", "predicted", "noise", "bias", "one row"
     )
     .unwrap();
     let cell = |t: Option<f64>| match t {
@@ -178,7 +212,7 @@ pub fn table(name: &str, rows: &[Row]) -> String {
             "  {:<22} {:>10.2e} {:>10.2e} {:>8} {:>8} {:>8}",
             r.check,
             r.clean_rel_l2,
-            r.tol_rel_l2,
+            r.predicted_rel_l2,
             cell(r.thresholds[0]),
             cell(r.thresholds[1]),
             cell(r.thresholds[2])
