@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# #16 in one device call: `bench table` (the issue's six shapes, bf16 and fp16, our fastest correct
+# configuration, FlashMLA, vLLM TRITON_MLA and torch's cuDNN SDPA on the same inputs, the ceilings, ratios,
+# correctness and floor verdicts), then the kernel checks every kernel change keeps: `selftest --backend
+# cuda`, `gpu-validate`, compute-sanitizer memcheck / racecheck / synccheck on a run that uses attn_wgmma.
+# Carry the binary and the peers (runners/fetch_peers.sh) in .carry; .carry/COMMIT names the commit.
+# Usage on the GPU host:  B=.carry/mla-diff OUT=dir bash bench/h200-kern.sh
+# Env: SKIP_TABLE=1, SKIP_CHECKS=1; PROBE=dir: also time `bench decode --heads 128 --best-only` with the
+# kernels of dir (a variant under test), in alternation with the shipped ones.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+B=${B:-.carry/mla-diff}
+OUT=${OUT:?set OUT}
+D="$OUT/kern"
+mkdir -p "$D" /tmp/peers-site
+tar xJf .carry/peers/sgl_flash_mla.tar.xz -C /tmp/peers-site
+export PYTHONPATH="$PWD/.carry/peers:/tmp/peers-site${PYTHONPATH:+:$PYTHONPATH}" MLA_DIFF_PYTHON=python3 NO_COLOR=1
+# The prefill floor is against cuDNN's SDPA.
+export MLA_DIFF_SDPA_BACKEND=cudnn
+fail=0
+step() { # step NAME RC
+  echo "$1: exit $2"; [ "$2" -eq 0 ] || fail=1
+}
+{
+  date -u
+  echo "commit $(cat .carry/COMMIT 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1
+} | tee "$D/env.txt"
+if [ -n "${PROBE:-}" ]; then
+  for i in 1 2; do
+    for k in kernels "$PROBE"; do
+      timeout 90 "$B" bench decode --heads 128 --best-only --kernels "$k" > "$D/probe-$i-$(basename "$k").txt" 2>&1
+      echo "probe $i $k: exit $? $(grep -E '^decode .*wgmma' "$D/probe-$i-$(basename "$k").txt" | head -2 | cut -c1-140)"
+    done
+  done
+fi
+if [ "${SKIP_TABLE:-0}" != 1 ]; then
+  t0=$SECONDS
+  timeout 420 "$B" bench table --json "$D/table.json" --markdown "$D/table.md" > "$D/table.txt" 2>&1
+  step "bench table ($((SECONDS - t0)) s)" $?
+  grep -E "^(GPU|ceilings|peer|decode|prefill) " "$D/table.txt" | grep -vE "^(decode|prefill) +(B=|T=)" | head -40
+  cat "$D/table.md"
+fi
+if [ "${SKIP_CHECKS:-0}" != 1 ]; then
+  t0=$SECONDS
+  timeout 150 "$B" selftest --backend cuda > "$D/selftest-cuda.txt" 2>&1
+  step "selftest --backend cuda ($((SECONDS - t0)) s): $(tail -1 "$D/selftest-cuda.txt")" $?
+  t0=$SECONDS
+  timeout 240 "$B" gpu-validate --json "$D/gpu-validate.json" > "$D/gpu-validate.txt" 2>&1
+  step "gpu-validate ($((SECONDS - t0)) s): $(tail -1 "$D/gpu-validate.txt")" $?
+  # Our kernels only: racecheck reports hazards inside cuBLAS's own split-K GEMMs (nvjet_*, RESULTS.md).
+  for tool in memcheck racecheck synccheck; do
+    timeout 150 /usr/local/cuda/bin/compute-sanitizer --tool $tool --kernel-name-exclude kns=nvjet --error-exitcode 9 "$B" run fixtures/glm-5-q4_0.gguf --backend cuda > "$D/$tool.txt" 2>&1
+    step "$tool (glm-5 fixture: attn_wgmma)" $?
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard" "$D/$tool.txt" | tail -3
+  done
+fi
+tar czf "$OUT/kern-h200.tar.gz" -C "$OUT" kern
+cp "$D/table.md" "$D/table.json" "$OUT/" 2>/dev/null
+rm -rf "$D"
+echo "$([ $fail -eq 0 ] && echo PASS || echo FAIL): bench/h200-kern.sh"
+exit $fail
