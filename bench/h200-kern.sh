@@ -6,8 +6,7 @@
 # Carry the binary and the peers (runners/fetch_peers.sh) in .carry; .carry/COMMIT names the commit.
 # Usage on the GPU host:  B=.carry/mla-diff OUT=dir bash bench/h200-kern.sh
 # Outputs land in $OUT/kern/ as they are written (a call cut short still returns what ran).
-# Env: SKIP_CHECKS=1 (selftest, gpu-validate), SKIP_TABLE=1, SKIP_SANITIZERS=1; PROBE=dir: first time
-# `bench decode --heads 128 --best-only` with the kernels of dir (e.g. the previous version), after ./kernels.
+# Env: SKIP_CHECKS=1 (selftest, gpu-validate), SKIP_TABLE=1, SKIP_SANITIZERS=1, PROBES (below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -29,12 +28,13 @@ step() { # step NAME RC
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1
 } | tee "$D/env.txt"
-if [ -n "${PROBE:-}" ]; then
-  for k in kernels "$PROBE"; do
-    timeout 60 "$B" bench decode --heads 128 --best-only --kernels "$k" > "$D/probe-$(basename "$k").txt" 2>&1
-    echo "probe $k: exit $? $(grep -E '^decode .*wgmma' "$D/probe-$(basename "$k").txt" | head -2 | cut -c1-150)"
-  done
-fi
+# Probes: `bench decode --heads H --best-only --kernels DIR` for each DIR:H in $PROBES (kernel variants with
+# parts removed read only for their time, as in RESULTS.md), ./kernels first as the reference.
+for p in ${PROBES:-}; do
+  k=${p%:*} h=${p##*:}
+  timeout 60 "$B" bench decode --heads "$h" --best-only --kernels "$k" > "$D/probe-$(basename "$k")-h$h.txt" 2>&1
+  echo "probe $k H=$h: exit $? $(grep -E '^decode  ' "$D/probe-$(basename "$k")-h$h.txt" | sed -E 's/.*(splits [0-9]+) +([0-9.]+) .*/\1: \2 us/' | tr '\n' ' ')"
+done
 if [ "${SKIP_CHECKS:-0}" != 1 ]; then
   t0=$SECONDS
   timeout 100 "$B" selftest --backend cuda > "$D/selftest-cuda.txt" 2>&1
@@ -61,5 +61,8 @@ if [ "${SKIP_SANITIZERS:-0}" != 1 ]; then
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$D/$tool.txt" | tail -2
   done
 fi
+# The device hands back a few files: the whole folder as one archive, the table as Markdown and JSON.
+tar czf "$OUT/kern-h200.tar.gz" -C "$OUT" kern && cp "$D/table.md" "$D/table.json" "$OUT/" 2>/dev/null
+rm -rf "$D"
 echo "$([ $fail -eq 0 ] && echo PASS || echo FAIL): bench/h200-kern.sh"
 exit $fail
