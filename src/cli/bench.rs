@@ -111,7 +111,11 @@ struct TableArgs {
     dtypes: Vec<Dtype>,
     /// Peers (as for `bench decode --peers`); the prefill floor is against torch on cuDNN
     /// (MLA_DIFF_SDPA_BACKEND=cudnn). Empty (`--peers ''`): ours and the ceilings only.
-    #[arg(long, value_delimiter = ',', default_value = "flashmla,vllm-triton,torch")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "flashmla,vllm-triton,torch"
+    )]
     peers: Vec<String>,
     /// Only these rows of the table (1-6, in the order: decode H=128, H=16, B=128 H=64,
     /// B=16 s_k=32k, prefill 192/128, prefill 256/256).

@@ -380,7 +380,13 @@ impl Session {
         v
     }
 
-    fn timed(config: String, (med, min): (f64, f64), got: &[u16], want: &[u16], dt: Dtype) -> Timed {
+    fn timed(
+        config: String,
+        (med, min): (f64, f64),
+        got: &[u16],
+        want: &[u16],
+        dt: Dtype,
+    ) -> Timed {
         let (err, bad) = rel_l2(got, want, dt);
         Timed {
             config,
@@ -449,8 +455,19 @@ impl Session {
     /// Absorbed MQA decode over a paged latent cache (block table: a random permutation of the pool):
     /// each tile × split count, checked against the scalar kernel (one split), then the peers on the
     /// same q, cache and block table read back from the device.
-    pub fn decode(&mut self, dc: DecodeCase, tiles: &[Tile], splits_list: &[usize]) -> Result<CaseResult> {
-        let DecodeCase { bsz, h, s, page, dt } = dc;
+    pub fn decode(
+        &mut self,
+        dc: DecodeCase,
+        tiles: &[Tile],
+        splits_list: &[usize],
+    ) -> Result<CaseResult> {
+        let DecodeCase {
+            bsz,
+            h,
+            s,
+            page,
+            dt,
+        } = dc;
         let base = v3_dims(dt);
         let filler = self.filler(dt)?;
         let (lkv, r) = (base.lkv, base.r);
@@ -458,7 +475,10 @@ impl Session {
         let pages = bsz * s / page;
         let mut c = CaseResult {
             kernel: "decode",
-            shape: format!("B={bsz} H={h} s_k={s} page={page} d={row}/{lkv} {}", dt.name()),
+            shape: format!(
+                "B={bsz} H={h} s_k={s} page={page} d={row}/{lkv} {}",
+                dt.name()
+            ),
             bytes: (bsz * s * row * 2 + bsz * h * row * 2 + bsz * h * lkv * 2) as f64,
             flops: 2.0 * (bsz * h * s) as f64 * (row + lkv) as f64,
             ours: Vec::new(),
@@ -523,7 +543,8 @@ impl Session {
                     continue;
                 }
                 Err(e) => {
-                    c.notes.push(format!("decode H={h}: tile {}: {e}", tile.label()));
+                    c.notes
+                        .push(format!("decode H={h}: tile {}: {e}", tile.label()));
                     continue;
                 }
             };
@@ -580,12 +601,28 @@ impl Session {
             "bench": {"warmup": 5, "iters": 50},
         });
         let ours = best_out.as_ref().map(|b| &b.1[..]);
-        self.time_peers(&mut c, "decode", &inputs, &meta, "attn_latent", &[bsz, 1, h, lkv], &want, ours, dt);
+        self.time_peers(
+            &mut c,
+            "decode",
+            &inputs,
+            &meta,
+            "attn_latent",
+            &[bsz, 1, h, lkv],
+            &want,
+            ours,
+            dt,
+        );
         Ok(c)
     }
 
     /// Causal prefill flash attention over T tokens in the decompressed (MHA) form at `m`'s head dims.
-    pub fn prefill(&mut self, m: &Entry, t: usize, dt: Dtype, tiles: &[Tile]) -> Result<CaseResult> {
+    pub fn prefill(
+        &mut self,
+        m: &Entry,
+        t: usize,
+        dt: Dtype,
+        tiles: &[Tile],
+    ) -> Result<CaseResult> {
         let (h, p, r, dv) = (m.heads, m.qk_nope, m.qk_rope, m.v_head);
         let dqk = p + r;
         let filler = self.filler(dt)?;
@@ -636,11 +673,13 @@ impl Session {
         let want: Vec<u16> = o.read(0, t * h * dv)?;
         let mut best_out: Option<(f64, Vec<u16>)> = None;
         for &tile in tiles {
-            let att = match Attn::load(&mut self.k, &self.gpu, "prefill.cu", &dims, &[tile], false) {
+            let att = match Attn::load(&mut self.k, &self.gpu, "prefill.cu", &dims, &[tile], false)
+            {
                 Ok(a) if a.uses_mma() => a,
                 Ok(_) => continue,
                 Err(e) => {
-                    c.notes.push(format!("prefill H={h}: tile {}: {e}", tile.label()));
+                    c.notes
+                        .push(format!("prefill H={h}: tile {}: {e}", tile.label()));
                     continue;
                 }
             };
@@ -648,7 +687,13 @@ impl Session {
             att.run(&a, 1)?;
             self.gpu.sync("prefill (tensor cores)")?;
             let got: Vec<u16> = o.read(0, t * h * dv)?;
-            let tm = Self::timed(tile.label(), time_us(3, 20, || att.run(&a, 1))?, &got, &want, dt);
+            let tm = Self::timed(
+                tile.label(),
+                time_us(3, 20, || att.run(&a, 1))?,
+                &got,
+                &want,
+                dt,
+            );
             if tm.correct && best_out.as_ref().is_none_or(|b| tm.median_us < b.0) {
                 best_out = Some((tm.median_us, got));
             }
@@ -683,7 +728,17 @@ impl Session {
             "bench": {"warmup": 3, "iters": 20},
         });
         let ours = best_out.as_ref().map(|b| &b.1[..]);
-        self.time_peers(&mut c, "prefill", &inputs, &meta, "attn_heads", &[t, h, dv], &want, ours, dt);
+        self.time_peers(
+            &mut c,
+            "prefill",
+            &inputs,
+            &meta,
+            "attn_heads",
+            &[t, h, dv],
+            &want,
+            ours,
+            dt,
+        );
         Ok(c)
     }
 
@@ -693,7 +748,15 @@ impl Session {
         writeln!(
             out,
             "\n{:<8} {:<42} {:<44} {:>9} {:>8} {:>8} {:>7} {:>8} {:>7}  check",
-            "kernel", "shape", "config", "median us", "GB/s", "%copy", "TFLOP/s", "%matmul", "min us"
+            "kernel",
+            "shape",
+            "config",
+            "median us",
+            "GB/s",
+            "%copy",
+            "TFLOP/s",
+            "%matmul",
+            "min us"
         )
         .unwrap();
         for r in rows {
@@ -732,7 +795,17 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
             // One split fills the GPU at 128 heads (2 CTAs per request); 16 heads needs more.
             let splits: &[usize] = if h >= 64 { &[1, 2] } else { &[2, 4, 8] };
             let (bsz, s, page) = (64, 4096, 64);
-            let c = ses.decode(DecodeCase { bsz, h, s, page, dt }, &tiles, splits)?;
+            let c = ses.decode(
+                DecodeCase {
+                    bsz,
+                    h,
+                    s,
+                    page,
+                    dt,
+                },
+                &tiles,
+                splits,
+            )?;
             rows.extend(ses.rows(&c));
             for n in &c.notes {
                 writeln!(ses.log, "{n}").unwrap();

@@ -58,10 +58,38 @@ pub const CASES: [(Shape, Floor); 6] = {
         min: 0.8,
     };
     [
-        (Shape::Decode { bsz: 64, h: 128, s: 4096 }, FLASHMLA),
-        (Shape::Decode { bsz: 64, h: 16, s: 4096 }, Floor::CopyBw(0.85)),
-        (Shape::Decode { bsz: 128, h: 64, s: 4096 }, FLASHMLA),
-        (Shape::Decode { bsz: 16, h: 128, s: 32768 }, FLASHMLA),
+        (
+            Shape::Decode {
+                bsz: 64,
+                h: 128,
+                s: 4096,
+            },
+            FLASHMLA,
+        ),
+        (
+            Shape::Decode {
+                bsz: 64,
+                h: 16,
+                s: 4096,
+            },
+            Floor::CopyBw(0.85),
+        ),
+        (
+            Shape::Decode {
+                bsz: 128,
+                h: 64,
+                s: 4096,
+            },
+            FLASHMLA,
+        ),
+        (
+            Shape::Decode {
+                bsz: 16,
+                h: 128,
+                s: 32768,
+            },
+            FLASHMLA,
+        ),
         (Shape::Prefill(Preset::DeepseekV3), CUDNN),
         (Shape::Prefill(Preset::Glm5), CUDNN),
     ]
@@ -129,6 +157,7 @@ pub struct TableEntry {
 pub struct TableReport {
     pub gpu: String,
     pub sms: i32,
+    /// cuDriverGetVersion (13000: CUDA 13.0).
     pub driver: i32,
     pub copy_gbps: f64,
     pub matmul_tflops: f64,
@@ -173,7 +202,11 @@ pub fn verdict(floor: Floor, ours: Option<&Speed>, peers: &[PeerSpeed]) -> Floor
         measured,
     };
     let Some(ours) = ours else {
-        return done(None, None, "not measured: no configuration of ours ran correctly".into());
+        return done(
+            None,
+            None,
+            "not measured: no configuration of ours ran correctly".into(),
+        );
     };
     match floor {
         Floor::CopyBw(min) => {
@@ -182,7 +215,11 @@ pub fn verdict(floor: Floor, ours: Option<&Speed>, peers: &[PeerSpeed]) -> Floor
             done(
                 Some(met),
                 Some(f),
-                format!("{}: {:.1}% of copy bandwidth", if met { "met" } else { "missed" }, 100.0 * f),
+                format!(
+                    "{}: {:.1}% of copy bandwidth",
+                    if met { "met" } else { "missed" },
+                    100.0 * f
+                ),
             )
         }
         Floor::PeerSpeed { peer, backend, min } => {
@@ -199,7 +236,11 @@ pub fn verdict(floor: Floor, ours: Option<&Speed>, peers: &[PeerSpeed]) -> Floor
                 }
             }
             if !p.speed.timed.correct {
-                return done(None, None, format!("not measured: {peer}'s output is wrong"));
+                return done(
+                    None,
+                    None,
+                    format!("not measured: {peer}'s output is wrong"),
+                );
             }
             let Some(ratio) = p.ours_speed_ratio else {
                 return done(None, None, format!("not measured: no time against {peer}"));
@@ -208,7 +249,10 @@ pub fn verdict(floor: Floor, ours: Option<&Speed>, peers: &[PeerSpeed]) -> Floor
             done(
                 Some(met),
                 Some(ratio),
-                format!("{}: ours at {ratio:.2}x {peer}'s speed", if met { "met" } else { "missed" }),
+                format!(
+                    "{}: ours at {ratio:.2}x {peer}'s speed",
+                    if met { "met" } else { "missed" }
+                ),
             )
         }
     }
@@ -251,9 +295,17 @@ pub fn table(opts: &TableOptions) -> Result<(TableReport, String)> {
             }
             let tiles = our_tiles(shape);
             let c = match shape {
-                Shape::Decode { bsz, h, s } => {
-                    ses.decode(DecodeCase { bsz, h, s, page: 64, dt }, &tiles, &SPLITS)?
-                }
+                Shape::Decode { bsz, h, s } => ses.decode(
+                    DecodeCase {
+                        bsz,
+                        h,
+                        s,
+                        page: 64,
+                        dt,
+                    },
+                    &tiles,
+                    &SPLITS,
+                )?,
                 Shape::Prefill(p) => ses.prefill(p.entry(), 4096, dt, &tiles)?,
             };
             rows.extend(ses.rows(&c));
@@ -302,11 +354,13 @@ pub fn markdown(rep: &TableReport) -> String {
     let mut s = String::new();
     writeln!(
         s,
-        "{} ({} SMs, driver {}); ceilings in the same run: copy {:.0} GB/s, cuBLAS bf16 {:.1} TFLOP/s.\n",
+        "{} ({} SMs, CUDA driver API {}); ceilings in the same run: copy {:.0} GB/s, cuBLAS bf16 {:.1} TFLOP/s.\n",
         rep.gpu, rep.sms, rep.driver, rep.copy_gbps, rep.matmul_tflops
     )
     .unwrap();
-    let mut head = String::from("| shape | dtype | ours (fastest correct config) | µs | TFLOP/s | % copy BW | % cuBLAS |");
+    let mut head = String::from(
+        "| shape | dtype | ours (fastest correct config) | µs | TFLOP/s | % copy BW | % cuBLAS |",
+    );
     let mut rule = String::from("|---|---|---|---:|---:|---:|---:|");
     for p in &peers {
         write!(head, " {p} µs (ours ÷ its speed) |").unwrap();
@@ -326,14 +380,29 @@ pub fn markdown(rep: &TableReport) -> String {
                 format!("{:.1}", o.pct_matmul),
                 format!("{:.1e}", o.timed.rel_l2_vs_scalar),
             ),
-            None => ("none correct".into(), "-".into(), "-".into(), "-".into(), "-".into(), "-".into()),
+            None => (
+                "none correct".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+            ),
         };
-        write!(s, "| {} {shape} | {} | {cfg} | {us} | {tf} | {bw} | {mm} |", e.kernel, e.dtype).unwrap();
+        write!(
+            s,
+            "| {} {shape} | {} | {cfg} | {us} | {tf} | {bw} | {mm} |",
+            e.kernel, e.dtype
+        )
+        .unwrap();
         let mut errs = vec![err];
         for name in &peers {
             match e.peers.iter().find(|p| p.peer == *name) {
                 Some(p) => {
-                    let ratio = p.ours_speed_ratio.map(|r| format!(" ({r:.2}x)")).unwrap_or_default();
+                    let ratio = p
+                        .ours_speed_ratio
+                        .map(|r| format!(" ({r:.2}x)"))
+                        .unwrap_or_default();
                     let wrong = if p.speed.timed.correct { "" } else { " WRONG" };
                     write!(s, " {:.1}{ratio}{wrong} |", p.speed.timed.median_us).unwrap();
                     errs.push(format!("{:.1e}", p.speed.timed.rel_l2_vs_scalar));
@@ -341,7 +410,14 @@ pub fn markdown(rep: &TableReport) -> String {
                 None => s.push_str(" - |"),
             }
         }
-        writeln!(s, " {} | {} | {} |", errs.join("; "), e.floor.floor, e.floor.verdict).unwrap();
+        writeln!(
+            s,
+            " {} | {} | {} |",
+            errs.join("; "),
+            e.floor.floor,
+            e.floor.verdict
+        )
+        .unwrap();
     }
     writeln!(
         s,
@@ -400,11 +476,23 @@ mod tests {
     #[test]
     fn peer_floor_is_the_time_ratio() {
         let ours = sp(100.0, 0.0, true);
-        let v = verdict(FM, Some(&ours), &[peer("flashmla", "1.0", 95.0, 100.0, true)]);
+        let v = verdict(
+            FM,
+            Some(&ours),
+            &[peer("flashmla", "1.0", 95.0, 100.0, true)],
+        );
         assert_eq!((v.met, v.measured), (Some(true), Some(0.95)));
-        let v = verdict(FM, Some(&ours), &[peer("flashmla", "1.0", 85.0, 100.0, true)]);
+        let v = verdict(
+            FM,
+            Some(&ours),
+            &[peer("flashmla", "1.0", 85.0, 100.0, true)],
+        );
         assert_eq!(v.met, Some(false));
-        assert!(v.verdict.starts_with("missed: ours at 0.85x"), "{}", v.verdict);
+        assert!(
+            v.verdict.starts_with("missed: ours at 0.85x"),
+            "{}",
+            v.verdict
+        );
     }
 
     #[test]
@@ -412,7 +500,11 @@ mod tests {
         let ours = sp(100.0, 0.0, true);
         assert_eq!(verdict(FM, Some(&ours), &[]).met, None);
         // A peer whose output is wrong does not count, however fast.
-        let v = verdict(FM, Some(&ours), &[peer("flashmla", "1.0", 1000.0, 100.0, false)]);
+        let v = verdict(
+            FM,
+            Some(&ours),
+            &[peer("flashmla", "1.0", 1000.0, 100.0, false)],
+        );
         assert_eq!(v.met, None);
         // The prefill floor is against cuDNN: torch on its flash kernel does not measure it.
         let cudnn = Floor::PeerSpeed {
@@ -420,12 +512,27 @@ mod tests {
             backend: Some("cudnn"),
             min: 0.8,
         };
-        let flash = peer("torch", "torch 2.11, SDPA backend flash on H200", 1000.0, 100.0, true);
+        let flash = peer(
+            "torch",
+            "torch 2.11, SDPA backend flash on H200",
+            1000.0,
+            100.0,
+            true,
+        );
         assert_eq!(verdict(cudnn, Some(&ours), &[flash]).met, None);
-        let c = peer("torch", "torch 2.11, SDPA backend cudnn on H200", 1000.0, 100.0, true);
+        let c = peer(
+            "torch",
+            "torch 2.11, SDPA backend cudnn on H200",
+            1000.0,
+            100.0,
+            true,
+        );
         assert_eq!(verdict(cudnn, Some(&ours), &[c]).met, Some(true));
         // No correct configuration of ours: nothing is measured.
-        assert_eq!(verdict(FM, None, &[peer("flashmla", "", 1.0, 1.0, true)]).met, None);
+        assert_eq!(
+            verdict(FM, None, &[peer("flashmla", "", 1.0, 1.0, true)]).met,
+            None
+        );
     }
 
     #[test]
@@ -436,7 +543,10 @@ mod tests {
         assert_eq!(v.met, Some(false));
         assert_eq!(v.verdict, "missed: 67.8% of copy bandwidth");
         // NaN never passes.
-        assert_eq!(verdict(f, Some(&sp(1.0, f64::NAN, true)), &[]).met, Some(false));
+        assert_eq!(
+            verdict(f, Some(&sp(1.0, f64::NAN, true)), &[]).met,
+            Some(false)
+        );
     }
 
     #[test]
@@ -450,8 +560,19 @@ mod tests {
             .collect();
         assert_eq!(
             decode,
-            [(64, 128, 4096), (64, 16, 4096), (128, 64, 4096), (16, 128, 32768)]
+            [
+                (64, 128, 4096),
+                (64, 16, 4096),
+                (128, 64, 4096),
+                (16, 128, 32768)
+            ]
         );
-        assert_eq!(CASES.iter().filter(|(s, _)| matches!(s, Shape::Prefill(_))).count(), 2);
+        assert_eq!(
+            CASES
+                .iter()
+                .filter(|(s, _)| matches!(s, Shape::Prefill(_)))
+                .count(),
+            2
+        );
     }
 }
