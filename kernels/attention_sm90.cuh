@@ -205,9 +205,10 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs
         m[e] = MLA_NEG_INF;
         l[e] = 0.f;
     }
+    // O is not zeroed: tile 0's first P·V k-step overwrites it (scale-d 0), and a row block with no tile
+    // stores zeros. Zeroing it made ptxas see non-wgmma definitions of the accumulators inside a P·V
+    // pipeline stage and serialize every wgmma of the kernel (C7515; 254 registers, now 194).
     float o[WG_NV / 2];
-#pragma unroll
-    for (int i = 0; i < WG_NV / 2; ++i) o[i] = 0.f;
 
     for (int it = 0; it < n_tiles; ++it) {
         const unsigned sK = sK0 + (it & 1) * WG_TILE;
@@ -279,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs
         l[0] = l[0] * al[0] + rs[0];  // per-thread partial; reduced at the end
         l[1] = l[1] * al[1] + rs[1];
 #pragma unroll
-        for (int i = 0; i < WG_NV / 2; ++i) o[i] *= al[(i >> 1) & 1];
+        for (int i = 0; i < WG_NV / 2; ++i) o[i] *= al[(i >> 1) & 1];  // unset on tile 0: overwritten
         wg_fence_smem();
         __syncthreads();  // P complete
 
@@ -287,7 +288,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < WG_BN / 16; ++kk)
-            wg_pv(o, wg_desc(sP + kk * 32, 16, 1024), wg_desc(sK + wg * (WG_NV / 64) * WG_BLK + kk * 16 * 128, WG_BLK, 1024), 1);
+            wg_pv(o, wg_desc(sP + kk * 32, 16, 1024), wg_desc(sK + wg * (WG_NV / 64) * WG_BLK + kk * 16 * 128, WG_BLK, 1024), it > 0 || kk > 0);
         wg_commit();
     }
     wg_wait<0>();
@@ -312,7 +313,8 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs
         const float inv = L > 0.f ? 1.f / L : 0.f;
 #pragma unroll
         for (int n = 0; n < WG_NV / 8; ++n)
-            att_store(a, b, ri, wg * WG_NV + n * 8 + 2 * t, o[4 * n + 2 * e] * inv, o[4 * n + 2 * e + 1] * inv, 1);
+            att_store(a, b, ri, wg * WG_NV + n * 8 + 2 * t, L > 0.f ? o[4 * n + 2 * e] * inv : 0.f,
+                      L > 0.f ? o[4 * n + 2 * e + 1] * inv : 0.f, 1);  // o is unset when no tile ran
     }
 }
 #endif  // wgmma path

@@ -2,7 +2,8 @@
 
 use clap::Subcommand;
 use mla_diff::backend::cuda::bench::BenchOptions;
-use mla_diff::backend::Kind;
+use mla_diff::backend::cuda::table;
+use mla_diff::backend::{Dtype, Kind};
 use mla_diff::error::Error;
 use mla_diff::model::synthetic::{Dims, Family};
 use std::path::PathBuf;
@@ -21,6 +22,9 @@ enum BenchCmd {
     Decode(DecodeArgs),
     /// Causal prefill flash attention at 4k tokens (qk 192 / v 128, 128 heads; 256 / 256, 64 heads).
     Prefill(PrefillArgs),
+    /// Issue #16's table in one run: 4 decode and 2 prefill shapes per dtype, our fastest correct
+    /// configuration, the peers on the same inputs, the ceilings, ratios, correctness and floor verdicts.
+    Table(TableArgs),
 }
 
 #[derive(clap::Args)]
@@ -90,6 +94,35 @@ struct PrefillArgs {
     peers: Vec<String>,
 }
 
+#[derive(clap::Args)]
+struct TableArgs {
+    #[arg(long, value_enum, default_value = "cuda")]
+    backend: Kind,
+    #[arg(long)]
+    kernels: Option<PathBuf>,
+    /// Also write the whole record (every timing, the summary, the floors) as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Also write the summary table as Markdown to this file.
+    #[arg(long)]
+    markdown: Option<PathBuf>,
+    /// Storage types (comma-separated).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "bf16,fp16")]
+    dtypes: Vec<Dtype>,
+    /// Peers (as for `bench decode --peers`); the prefill floor is against torch on cuDNN
+    /// (MLA_DIFF_SDPA_BACKEND=cudnn). Empty (`--peers ''`): ours and the ceilings only.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "flashmla,vllm-triton,torch"
+    )]
+    peers: Vec<String>,
+    /// Only these rows of the table (1-6, in the issue's order: decode H=128, H=16, B=128 H=64,
+    /// B=16 s_k=32k, prefill 192/128, prefill 256/256).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<usize>,
+}
+
 impl ReferenceArgs {
     /// The preset's full dims with the overrides laid over them.
     fn dims(&self) -> Result<Dims, Error> {
@@ -154,7 +187,41 @@ pub fn exec(a: Args) -> Result<i32, Error> {
         }
         BenchCmd::Decode(a) => cuda_bench(&a.options()?, a.json.as_deref()),
         BenchCmd::Prefill(a) => cuda_bench(&a.options()?, a.json.as_deref()),
+        BenchCmd::Table(a) => table(a),
     }
+}
+
+fn table(a: TableArgs) -> Result<i32, Error> {
+    only_cuda(a.backend)?;
+    let n = table::CASES.len();
+    if let Some(bad) = a.only.iter().find(|&&i| i == 0 || i > n) {
+        return Err(Error::Usage(format!(
+            "bench table --only {bad}: rows are 1..={n}"
+        )));
+    }
+    if a.dtypes.contains(&Dtype::F32) {
+        return Err(Error::Usage(
+            "bench table --dtypes: bf16 and fp16 (the tensor-core kernels and the peers are 16-bit)".into(),
+        ));
+    }
+    let opts = table::TableOptions {
+        kernels_dir: a.kernels,
+        dtypes: a.dtypes,
+        peers: a.peers.into_iter().filter(|p| !p.is_empty()).collect(),
+        only: a.only.iter().map(|i| i - 1).collect(),
+    };
+    let (rep, text) = table::table(&opts)?;
+    print!("{text}");
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_string_pretty(&rep).expect("json"))
+            .map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
+    }
+    if let Some(p) = &a.markdown {
+        std::fs::write(p, table::markdown(&rep))
+            .map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
+    }
+    // A wrong output of ours is a failure; a missed floor is a measurement.
+    Ok(if rep.correct { 0 } else { 1 })
 }
 
 fn cuda_bench(opts: &BenchOptions, json: Option<&std::path::Path>) -> Result<i32, Error> {

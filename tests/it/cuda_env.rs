@@ -39,6 +39,7 @@ fn cuda_without_a_gpu_is_an_environment_error() {
             "split_drop_last",
         ],
         vec!["bench", "decode", "--backend", "cuda"],
+        vec!["bench", "table", "--peers", ""],
         vec!["gpu-validate", "--quick"],
     ] {
         let (code, err) = mla_diff(&args);
@@ -50,6 +51,21 @@ fn cuda_without_a_gpu_is_an_environment_error() {
             "{args:?}: one line expected: {err}"
         );
         assert!(err.contains("error:"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn bench_table_usage_errors_come_before_the_gpu() {
+    for (args, want) in [
+        (vec!["bench", "table", "--only", "7"], "rows are 1..=6"),
+        (vec!["bench", "table", "--only", "0"], "rows are 1..=6"),
+        (vec!["bench", "table", "--dtypes", "f32"], "bf16 and fp16"),
+        (vec!["bench", "table", "--backend", "cpu"], "--backend cuda"),
+    ] {
+        let (code, err) = mla_diff(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
     }
 }
 

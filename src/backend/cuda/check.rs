@@ -257,6 +257,13 @@ fn check_all_tiles(src: &Sources, arch: &str, rep: &mut String) -> Result<usize>
     Ok(jobs.len())
 }
 
+/// A compiler log line worth failing on: a warning, or ptxas's C75xx "Potential Performance Loss" notes
+/// (wgmma serialized: C7510 extern calls, C7511 registers, C7515 accumulators touched mid-pipeline, …),
+/// which ptxas prints at *info* level, so a filter on "warning" alone never sees them.
+pub fn is_ptxas_warning(line: &str) -> bool {
+    line.contains("warning") || line.contains("Potential Performance Loss") || line.contains("(C75")
+}
+
 /// The `.entry` functions of a PTX file with their text (up to the next entry).
 fn ptx_entries(ptx: &str) -> Vec<(&str, &str)> {
     let starts: Vec<usize> = ptx.match_indices(".entry ").map(|(i, _)| i).collect();
@@ -375,7 +382,7 @@ pub fn kernels_check(
                             "{unit} for {arch}: NVRTC returned no PTX"
                         )));
                     }
-                    for w in c.log.lines().filter(|l| l.contains("warning")) {
+                    for w in c.log.lines().filter(|l| is_ptxas_warning(l)) {
                         warnings.push(format!("{arch} {name} {} {unit}: {}", dt.name(), w.trim()));
                     }
                     let kernels = parse_ptxas(&c.log);
@@ -503,6 +510,21 @@ mod tests {
         assert_eq!(fault_arch(&v(&["sm_80", "sm_90"])).unwrap(), "sm_90");
         assert_eq!(fault_arch(&v(&["sm_120"])).unwrap(), "sm_120");
         assert_eq!(fault_arch(&[]), None);
+    }
+
+    #[test]
+    fn wgmma_serialization_notes_count_as_warnings() {
+        // ptxas prints these at info level (NVIDIA/cutlass#1840, TensorRT-LLM#2116).
+        let c7511 = "ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the wgmma pipeline in the function 'attn_wgmma'";
+        let c7515 = "ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions defining accumulator registers of a wgmma between start and end of the pipeline stage in the function 'attn_wgmma'";
+        assert!(is_ptxas_warning(c7511) && is_ptxas_warning(c7515));
+        assert!(is_ptxas_warning("ptxas warning : Registers are spilled"));
+        assert!(!is_ptxas_warning(
+            "ptxas info    : Used 168 registers, 464 bytes cmem[0]"
+        ));
+        assert!(!is_ptxas_warning(
+            "ptxas info    : Function properties for attn_wgmma"
+        ));
     }
 
     #[test]

@@ -35,6 +35,7 @@ pub mod plan;
 // the same choice (shared memory per arch). Two host models of one choice: to be unified.
 pub mod prefill;
 pub mod shared;
+pub mod table;
 pub mod tile_model;
 pub mod trace;
 pub mod validate;

@@ -1,4 +1,4 @@
-//! `mla-diff bench decode --peers …`: other projects' decode kernels, run through their runners
+//! `mla-diff bench decode|prefill|table --peers …`: other projects' kernels, run through their runners
 //! (docs/runners.md) on the very inputs our kernels were timed on — the same queries, the same paged
 //! cache and block table, read back from the device — timed by the runner with CUDA events (`meta.bench`),
 //! their outputs checked against our scalar kernel and our fastest tile.
@@ -97,12 +97,13 @@ impl Peer {
     }
 }
 
-/// rel-L2 of `a` against `b` (bf16 bit patterns) and the count of non-finite values in `a`.
-pub fn rel_l2_vs_bf16(a: &[f64], b: &[u16]) -> (f64, usize) {
+/// rel-L2 of `a` against `b` (16-bit bit patterns of `dt`) and the count of non-finite values in
+/// either (never a match).
+pub fn rel_l2_vs_bits(a: &[f64], b: &[u16], dt: crate::backend::Dtype) -> (f64, usize) {
     let (mut num, mut den, mut bad) = (0.0, 0.0, 0);
     for (&x, &y) in a.iter().zip(b) {
-        let y = half::bf16::from_bits(y).to_f64();
-        if !x.is_finite() {
+        let y = super::bench::bits_to_f64(y, dt);
+        if !x.is_finite() || !y.is_finite() {
             bad += 1;
             continue;
         }
