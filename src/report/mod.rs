@@ -47,6 +47,10 @@ pub struct RunInfo {
     /// Caveats of the run that every output format repeats (e.g. dense attention beyond a DSA top-k).
     #[serde(skip_serializing_if = "Vec::is_empty", default)]
     pub notices: Vec<String>,
+    /// `run --shard i/n`: this report is shard i of n of the run over `of` (`crate::shard`); absent
+    /// for a whole run, and in what `mla-diff merge` writes.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub shard: Option<crate::shard::ShardInfo>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
