@@ -29,6 +29,7 @@ pub mod schedule;
 pub mod selftest;
 pub mod shard;
 pub mod sweep;
+pub mod tp;
 pub mod trace;
 
 pub use error::{Error, Result};

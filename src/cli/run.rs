@@ -57,6 +57,18 @@ pub struct Args {
     /// reports into the whole run's (docs/scale.md).
     #[arg(long, value_name = "i/n", conflicts_with_all = ["baseline", "write_baseline"])]
     shard: Option<String>,
+    /// Tensor parallel: run each layer as N ranks, each on its heads of q_b, k_b/v_b and its columns of
+    /// o_proj, the partial outputs summed (all-reduce) as the engine does; report each rank against the
+    /// fp64 reference of its heads, and the merged layer against the whole reference (docs/scale.md).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..), conflicts_with = "runner")]
+    tp: Option<u32>,
+    /// With --tp: run only rank r's optimized path (the other ranks' heads are their fp64 references
+    /// stored in the run's dtype).
+    #[arg(long, value_name = "r", requires = "tp")]
+    tp_rank: Option<usize>,
+    /// With --tp: plant the --inject faults in rank r only.
+    #[arg(long, value_name = "r", requires_all = ["tp", "inject"])]
+    inject_rank: Option<usize>,
     // The groups last: clap keeps a group's help heading for the arguments after it.
     #[command(flatten)]
     input: InputArgs,
@@ -178,8 +190,16 @@ pub fn exec(a: Args) -> Result<i32, Error> {
         let n = opts.layers.as_ref().map_or(cfg.n_layer, Vec::len);
         s.range(n, "layers")?;
     }
+    let tp = a.tp.map(|n| mla_diff::tp::TpSpec {
+        size: n as usize,
+        rank: a.tp_rank,
+        fault_rank: a.inject_rank,
+    });
+    if let Some(t) = &tp {
+        t.check(&cfg)?;
+    }
     let ready = Prepared::check(&file, &cfg, &opts, &a.report)?;
-    let how = How { shard };
+    let how = How { shard, tp };
     execute_with(&file, &cfg, &opts, ready, &a.backend, &a.report, &[], how)
 }
 
@@ -187,6 +207,7 @@ pub fn exec(a: Args) -> Result<i32, Error> {
 #[derive(Default)]
 pub struct How {
     pub shard: Option<mla_diff::shard::Shard>,
+    pub tp: Option<mla_diff::tp::TpSpec>,
 }
 
 /// What is checked before the (possibly long) run, so that an unusable output path or a mismatched
@@ -242,12 +263,27 @@ pub fn execute_with(
             eprintln!("mla-diff: note: injected fault {b} may not show on this run");
         }
     }
-    let (mut backend, info) = backend.open(opts.dtype)?;
+    let (mut backend, mut info) = backend.open(opts.dtype)?;
+    let inner: &mut dyn mla_diff::backend::Backend = backend.as_mut();
+    let mut tp = None;
+    let b: &mut dyn mla_diff::backend::Backend = match how.tp {
+        Some(spec) => {
+            let tolerances = opts.tolerances.clone();
+            let t = tp.insert(mla_diff::tp::TpBackend::new(inner, spec, opts.dtype, tolerances));
+            info.description = mla_diff::backend::Backend::describe(t);
+            t
+        }
+        None => inner,
+    };
     let started = std::time::Instant::now();
     let mut rep = match how.shard {
-        Some(s) => mla_diff::shard::run(file, backend.as_mut(), &info, opts, s)?,
-        None => mla_diff::run::run(file, backend.as_mut(), &info, opts)?,
+        Some(s) => mla_diff::shard::run(file, b, &info, opts, s)?,
+        None => mla_diff::run::run(file, b, &info, opts)?,
     };
+    if let Some(t) = tp {
+        let layers = rep.run.layers.clone();
+        rep.set_tp(t.result(cfg, &layers));
+    }
     rep.run.notices.extend(notices.iter().cloned());
     if let (Some((b, diffs)), Some(p)) = (baseline, &r.baseline) {
         let mut g = report::baseline::gate(&rep, &b, &p.display().to_string(), r.baseline_factor);

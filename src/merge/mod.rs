@@ -150,6 +150,25 @@ fn join(parts: Vec<Report>) -> Report {
             .collect();
         out.set_repeat(RepeatResult::new(rp.runs, &rp.mode, layers));
     }
+    if let Some(tp) = out.tp.take() {
+        let ranks = tp
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(i, rk)| {
+                let layers = parts
+                    .iter()
+                    .flat_map(|r| {
+                        r.tp.as_ref()
+                            .map(|t| t.ranks[i].layers.clone())
+                            .unwrap_or_default()
+                    })
+                    .collect();
+                (rk.rank, rk.heads, layers)
+            })
+            .collect();
+        out.set_tp(crate::tp::TpResult::new(tp.size, tp.fault_rank, ranks));
+    }
     out
 }
 
@@ -167,6 +186,14 @@ fn frame(r: &Report) -> serde_json::Value {
     if let Some(rp) = &mut f.repeat {
         *rp = RepeatResult::new(rp.runs, &rp.mode, vec![]);
     }
+    if let Some(tp) = &mut f.tp {
+        tp.pass = true;
+        tp.message.clear();
+        for r in &mut tp.ranks {
+            r.layers.clear();
+            r.verdict = compare::verdict(&[]);
+        }
+    }
     serde_json::to_value(&f).expect("report serialises")
 }
 
@@ -181,7 +208,7 @@ fn tolerances(r: &Report) -> BTreeMap<String, Tolerance> {
     out
 }
 
-/// The paths (`run.schedule.chunk`) where two JSON values differ, at most a few.
+/// The paths (`run.schedule.chunk`) where two JSON values differ, at most six.
 fn differences(a: &serde_json::Value, b: &serde_json::Value, at: &str) -> Vec<String> {
     use serde_json::Value;
     let mut out = Vec::new();
@@ -203,7 +230,7 @@ fn differences(a: &serde_json::Value, b: &serde_json::Value, at: &str) -> Vec<St
         _ if a != b => out.push(at.to_string()),
         _ => {}
     }
-    out.truncate(4);
+    out.truncate(6);
     out
 }
 

@@ -442,6 +442,7 @@ pub fn run_from(
         baseline: None,
         repeat: None,
         coverage: Some(coverage),
+        tp: None,
         dumps: dumped,
     };
     if opts.repeat > 1 {
