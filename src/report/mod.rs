@@ -203,7 +203,8 @@ impl Report {
                 )))
             }
         }
-        serde_json::from_value(v)
+        // From the text, not the Value: a Value's maps are sorted, and positions keep their axis order.
+        serde_json::from_str(&s)
             .map_err(|e| Error::Usage(format!("{}: not an mla-diff report: {e}", path.display())))
     }
     /// The overall verdict. With shadow mode it decides: a layer's local error is the kernel's fault,

@@ -57,10 +57,12 @@ fn whole_equals_merged(dir: &Path, model: &Path, n: usize, extra: &[&str]) -> i3
             c.stdout(std::process::Stdio::null()).spawn().unwrap()
         })
         .collect();
-    for mut c in children {
-        let st = c.wait().unwrap();
-        assert_eq!(st.code(), Some(code), "a shard's exit code differs from the run's");
-    }
+    // Each shard's exit code is its own layers' verdict: the run fails when one of them does.
+    let codes: Vec<i32> = children
+        .into_iter()
+        .map(|mut c| c.wait().unwrap().code().unwrap())
+        .collect();
+    assert_eq!(codes.iter().copied().max(), Some(code), "shards {codes:?}");
     // In reverse order: merge sorts by shard index.
     let mut m = vec!["merge".to_string()];
     m.extend((0..n).rev().map(|i| p(&format!("s{i}.json"))));
