@@ -158,7 +158,10 @@ mod tests {
     #[test]
     fn shards_parse_and_refuse_nonsense() {
         assert_eq!(Shard::parse("0/4").unwrap(), Shard { index: 0, count: 4 });
-        assert_eq!(Shard::parse(" 3 / 4").unwrap(), Shard { index: 3, count: 4 });
+        assert_eq!(
+            Shard::parse(" 3 / 4").unwrap(),
+            Shard { index: 3, count: 4 }
+        );
         for bad in ["4/4", "1/0", "1", "a/2", "-1/2", "1/2/3"] {
             assert!(Shard::parse(bad).is_err(), "{bad}");
         }
@@ -178,7 +181,12 @@ mod tests {
                 }
                 assert_eq!(next, len);
             }
-            assert!(Shard { index: 0, count: len + 1 }.range(len, "x").is_err());
+            assert!(Shard {
+                index: 0,
+                count: len + 1
+            }
+            .range(len, "x")
+            .is_err());
         }
     }
 }

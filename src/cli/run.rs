@@ -269,7 +269,9 @@ pub fn execute_with(
     let b: &mut dyn mla_diff::backend::Backend = match how.tp {
         Some(spec) => {
             let tolerances = opts.tolerances.clone();
-            let t = tp.insert(mla_diff::tp::TpBackend::new(inner, spec, opts.dtype, tolerances));
+            let t = tp.insert(mla_diff::tp::TpBackend::new(
+                inner, spec, opts.dtype, tolerances,
+            ));
             info.description = mla_diff::backend::Backend::describe(t);
             t
         }

@@ -146,7 +146,12 @@ fn join(parts: Vec<Report>) -> Report {
     if let Some(rp) = repeat {
         let layers = parts
             .iter()
-            .flat_map(|r| r.repeat.as_ref().map(|x| x.layers.clone()).unwrap_or_default())
+            .flat_map(|r| {
+                r.repeat
+                    .as_ref()
+                    .map(|x| x.layers.clone())
+                    .unwrap_or_default()
+            })
             .collect();
         out.set_repeat(RepeatResult::new(rp.runs, &rp.mode, layers));
     }

@@ -220,8 +220,7 @@ impl Backend for TpBackend<'_> {
         let mut traces = Vec::with_capacity(size);
         for rank in 0..size {
             let w = slice::rank_weights(ctx.cfg, ctx.weights, size, rank);
-            let reference =
-                crate::reference::run_layer(&cfg_r, &w, ctx.rope, x, ctx.sched)?;
+            let reference = crate::reference::run_layer(&cfg_r, &w, ctx.rope, x, ctx.sched)?;
             if !self.spec.runs(rank) {
                 traces.push(slice::rounded(&reference, self.dtype));
                 continue;
@@ -245,7 +244,8 @@ impl Backend for TpBackend<'_> {
                     block_table: ctx.block_table,
                     provided: self.inner.provides(),
                 };
-                let r = compare::compare_layer(&cctx, &reference, &opt, self.dtype, &self.tolerances)?;
+                let r =
+                    compare::compare_layer(&cctx, &reference, &opt, self.dtype, &self.tolerances)?;
                 if let Some((_, ls)) = self.results.iter_mut().find(|(q, _)| *q == rank) {
                     ls.push(r);
                 }

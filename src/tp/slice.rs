@@ -61,9 +61,7 @@ pub fn rank_weights(cfg: &MlaConfig, w: &LayerWeights, size: usize, rank: usize)
                 a_norm: a_norm.clone(),
                 b: rows(b, q_rows),
             },
-            QProj::Plain { q } => QProj::Plain {
-                q: rows(q, q_rows),
-            },
+            QProj::Plain { q } => QProj::Plain { q: rows(q, q_rows) },
         },
         kv_a: w.kv_a.clone(),
         kv_a_norm: w.kv_a_norm.clone(),
@@ -82,10 +80,7 @@ pub fn gather(ranks: &[LayerTrace], dtype: Dtype) -> LayerTrace {
     let first = &ranks[0];
     let mut out = LayerTrace::new(first.layer);
     for t in &first.stages {
-        let parts: Vec<&StageTensor> = ranks
-            .iter()
-            .filter_map(|r| r.get(t.stage))
-            .collect();
+        let parts: Vec<&StageTensor> = ranks.iter().filter_map(|r| r.get(t.stage)).collect();
         if parts.len() != ranks.len() {
             continue;
         }
@@ -157,8 +152,8 @@ mod tests {
             ..Schedule::default()
         };
         let f = synthetic::rope_factors(&cfg, 4);
-        let rope = crate::rope::RopeTables::for_run(&cfg, f.as_ref(), 0, sched.total_tokens())
-            .unwrap();
+        let rope =
+            crate::rope::RopeTables::for_run(&cfg, f.as_ref(), 0, sched.total_tokens()).unwrap();
         let x = crate::input::random_hidden(cfg.hidden, sched.total_tokens(), 5);
         let whole = crate::reference::run_layer(&cfg, &w, &rope, &x, &sched).unwrap();
         let size = 2;
@@ -182,7 +177,11 @@ mod tests {
                 }
             }
             // attn_out went through one f32 rounding per hop; everything else is exact.
-            let tol = if t.stage == crate::trace::Stage::AttnOut { 1e-6 } else { 1e-12 };
+            let tol = if t.stage == crate::trace::Stage::AttnOut {
+                1e-6
+            } else {
+                1e-12
+            };
             assert!((num / den.max(1e-300)).sqrt() < tol, "{}", t.stage);
         }
         assert!(check_size(&cfg, cfg.n_head + 1).is_err());

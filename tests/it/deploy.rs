@@ -36,7 +36,11 @@ fn k8s_script(yaml: &str) -> String {
         .copied()
         .collect();
     let strip = body.iter().map(|l| indent(l)).min().unwrap();
-    body.iter().map(|l| &l[strip.min(l.len())..]).collect::<Vec<_>>().join("\n") + "\n"
+    body.iter()
+        .map(|l| &l[strip.min(l.len())..])
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n"
 }
 
 /// `- name: K` / `value: "V"` pairs of a container's env.
@@ -59,7 +63,14 @@ fn k8s_number(yaml: &str, key: &str) -> usize {
         .lines()
         .find(|l| l.trim_start().starts_with(&format!("{key}:")))
         .unwrap_or_else(|| panic!("no {key}"));
-    let v = l.split_once(':').unwrap().1.split('#').next().unwrap().trim();
+    let v = l
+        .split_once(':')
+        .unwrap()
+        .1
+        .split('#')
+        .next()
+        .unwrap()
+        .trim();
     v.parse().unwrap()
 }
 
@@ -132,10 +143,15 @@ fn slurm_array_and_merge_give_the_whole_run() {
         .output()
         .unwrap();
     assert_eq!(m.status.code(), Some(0), "{}", common::stderr(&m));
-    assert!(whole(&model, dir.path()) == merged(&reports), "merged ≠ whole run");
+    assert!(
+        whole(&model, dir.path()) == merged(&reports),
+        "merged ≠ whole run"
+    );
     // submit.sh queues the array of SHARDS tasks and the merge after it.
     let submit = text("deploy/slurm/submit.sh");
-    assert!(submit.contains("--array=0-$((SHARDS - 1))") && submit.contains("--dependency=afterok"));
+    assert!(
+        submit.contains("--array=0-$((SHARDS - 1))") && submit.contains("--dependency=afterok")
+    );
 }
 
 #[test]
@@ -171,7 +187,10 @@ fn kubernetes_indexed_job_and_merge_give_the_whole_run() {
         .output()
         .unwrap();
     assert_eq!(m.status.code(), Some(0), "{}", common::stderr(&m));
-    assert!(whole(&model, dir.path()) == merged(&reports), "merged ≠ whole run");
+    assert!(
+        whole(&model, dir.path()) == merged(&reports),
+        "merged ≠ whole run"
+    );
 
     // A missing pod's report: the merge step fails with exit 2, naming it.
     std::fs::remove_file(reports.join("shard-2.json")).unwrap();

@@ -53,7 +53,12 @@ fn whole_equals_merged(dir: &Path, model: &Path, n: usize, extra: &[&str]) -> i3
             c.args(["run", model.to_str().unwrap(), "-q"])
                 .args(ARGS)
                 .args(extra)
-                .args(["--shard", &format!("{i}/{n}"), "--json", &p(&format!("s{i}.json"))]);
+                .args([
+                    "--shard",
+                    &format!("{i}/{n}"),
+                    "--json",
+                    &p(&format!("s{i}.json")),
+                ]);
             c.stdout(std::process::Stdio::null()).spawn().unwrap()
         })
         .collect();
@@ -69,9 +74,17 @@ fn whole_equals_merged(dir: &Path, model: &Path, n: usize, extra: &[&str]) -> i3
     let (mj, mx, mm) = (p("merged.json"), p("merged.xml"), p("merged.md"));
     m.extend(["-o", &mj, "--junit", &mx, "--markdown", &mm].map(String::from));
     let merged = common::bin().args(&m).output().unwrap();
-    assert_eq!(merged.status.code(), Some(code), "{}", common::stderr(&merged));
+    assert_eq!(
+        merged.status.code(),
+        Some(code),
+        "{}",
+        common::stderr(&merged)
+    );
     for (w, g) in [(&wj, &mj), (&wx, &mx), (&wm, &mm)] {
-        assert!(read(Path::new(w)) == read(Path::new(g)), "{w} and {g} differ");
+        assert!(
+            read(Path::new(w)) == read(Path::new(g)),
+            "{w} and {g} differ"
+        );
     }
     let json: serde_json::Value = serde_json::from_str(&read(Path::new(&mj))).unwrap();
     assert!(common::schema_errors(&common::report_validator(), &json).is_empty());
@@ -132,7 +145,10 @@ fn merge_refuses_what_is_not_one_complete_run() {
     let f32 = shard(1, 2, "f32.json", &["--dtype", "f32"]);
     let of3 = shard(1, 3, "of3.json", &[]);
     let whole = p("whole.json");
-    let o = run(&model, &["--mode", "shadow", "--layers", "0..3", "--json", &whole]);
+    let o = run(
+        &model,
+        &["--mode", "shadow", "--layers", "0..3", "--json", &whole],
+    );
     assert_eq!(o.status.code(), Some(0));
     let merge = |args: &[&str]| {
         let mut a = vec!["merge"];

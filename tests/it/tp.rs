@@ -94,8 +94,15 @@ fn a_bug_in_one_rank_is_attributed_to_that_rank() {
     assert_eq!(q["pass"], false);
     assert!(q["metrics"]["max_abs_at"]["head"].as_u64().unwrap() >= 2);
     // Only rank 1 run (--tp-rank 1) with the bug fails; rank 0 alone passes.
-    let (code, json) = run_json(&m, dir.path(), &["--tp", "2", "--tp-rank", "1", "--inject", "rope_neox"]);
-    assert_eq!((code, json["tp"]["ranks_run"].clone()), (1, serde_json::json!([1])));
+    let (code, json) = run_json(
+        &m,
+        dir.path(),
+        &["--tp", "2", "--tp-rank", "1", "--inject", "rope_neox"],
+    );
+    assert_eq!(
+        (code, json["tp"]["ranks_run"].clone()),
+        (1, serde_json::json!([1]))
+    );
     let (code, _) = run_json(&m, dir.path(), &["--tp", "2", "--tp-rank", "0"]);
     assert_eq!(code, 0);
 }
@@ -123,7 +130,10 @@ fn tp_merged_equals_tp1_within_the_noise() {
         let diff = common::stage_error(a, b).rel_l2;
         if s == Stage::AttnOut {
             // The all-reduce sums 4 bf16 partials: a different rounding, of the size of the noise.
-            assert!(diff > 0.0 && diff <= 2.0 * noise, "{s}: {diff} vs noise {noise}");
+            assert!(
+                diff > 0.0 && diff <= 2.0 * noise,
+                "{s}: {diff} vs noise {noise}"
+            );
         } else {
             // Per head, a rank computes what the whole layer does for that head.
             assert!(diff <= 0.5 * noise, "{s}: {diff} vs noise {noise}");
@@ -137,6 +147,15 @@ fn tp_sizes_that_do_not_divide_the_heads_are_refused() {
     let m = model(dir.path());
     let o = common::run(&["run", m.to_str().unwrap(), "--backend", "cpu", "--tp", "3"]);
     common::assert_clean_error(&o, "4 attention heads");
-    let o = common::run(&["run", m.to_str().unwrap(), "--backend", "cpu", "--tp", "2", "--tp-rank", "2"]);
+    let o = common::run(&[
+        "run",
+        m.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--tp",
+        "2",
+        "--tp-rank",
+        "2",
+    ]);
     common::assert_clean_error(&o, "--tp-rank 2");
 }
