@@ -71,12 +71,44 @@ fn tp_2_and_4_pass_per_rank_and_merged() {
 fn a_bug_in_one_rank_is_attributed_to_that_rank() {
     let dir = tempfile::tempdir().unwrap();
     let m = model(dir.path());
+    let (xml, md) = (dir.path().join("tp.xml"), dir.path().join("tp.md"));
     let (code, json) = run_json(
         &m,
         dir.path(),
-        &["--tp", "2", "--inject", "rope_neox", "--inject-rank", "1"],
+        &[
+            "--tp",
+            "2",
+            "--inject",
+            "rope_neox",
+            "--inject-rank",
+            "1",
+            "--junit",
+            xml.to_str().unwrap(),
+            "--markdown",
+            md.to_str().unwrap(),
+        ],
     );
     assert_eq!(code, 1);
+    // JUnit: a case per rank, rank 1's failing; Markdown: a line per rank.
+    let xml = std::fs::read_to_string(xml).unwrap();
+    let doc = roxmltree::Document::parse(&xml).unwrap();
+    let case = |name: &str| {
+        doc.descendants()
+            .find(|n| n.has_tag_name("testcase") && n.attribute("name") == Some(name))
+            .unwrap_or_else(|| panic!("no JUnit case {name}"))
+    };
+    assert!(!case("tp rank 0")
+        .children()
+        .any(|c| c.has_tag_name("failure")));
+    assert!(case("tp rank 1")
+        .children()
+        .any(|c| c.has_tag_name("failure")));
+    let md = std::fs::read_to_string(md).unwrap();
+    assert!(
+        md.contains("- tp rank 1 of 2 (heads 2..4): DIVERGENCE"),
+        "{md}"
+    );
+    assert!(md.contains("- tp rank 0 of 2 (heads 0..2): PASS"), "{md}");
     let ranks = json["tp"]["ranks"].as_array().unwrap();
     assert_eq!(ranks[0]["verdict"]["pass"], true, "rank 0 is clean");
     assert_eq!(ranks[1]["verdict"]["pass"], false);
