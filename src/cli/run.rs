@@ -62,10 +62,6 @@ pub struct Args {
     /// fp64 reference of its heads, and the merged layer against the whole reference (docs/scale.md).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..), conflicts_with = "runner")]
     tp: Option<u32>,
-    /// With --tp: run only rank r's optimized path (the other ranks' heads are their fp64 references
-    /// stored in the run's dtype).
-    #[arg(long, value_name = "r", requires = "tp")]
-    tp_rank: Option<usize>,
     /// With --tp: plant the --inject faults in rank r only.
     #[arg(long, value_name = "r", requires_all = ["tp", "inject"])]
     inject_rank: Option<usize>,
@@ -192,7 +188,6 @@ pub fn exec(a: Args) -> Result<i32, Error> {
     }
     let tp = a.tp.map(|n| mla_diff::tp::TpSpec {
         size: n as usize,
-        rank: a.tp_rank,
         fault_rank: a.inject_rank,
     });
     if let Some(t) = &tp {

@@ -311,7 +311,7 @@ pub fn run_from(
                     &ctx,
                 )?);
             }
-            let local = compare::local::compute(
+            let mut local = compare::local::compute(
                 &compare::local::Inputs {
                     cfg: &cfg,
                     weights: &w,
@@ -323,6 +323,8 @@ pub fn run_from(
                 },
                 &opt,
             );
+            let outside = backend.outside_local_view();
+            local.stages.retain(|s| !outside.contains(s.stage));
             let r = compare::compare_layer(
                 &ctx,
                 &reference,
@@ -351,8 +353,14 @@ pub fn run_from(
                     &free_ctx,
                 )?);
             }
-            let mut r =
-                compare::compare_layer(&free_ctx, &reference, &opt, opts.dtype, &opts.tolerances, None)?;
+            let mut r = compare::compare_layer(
+                &free_ctx,
+                &reference,
+                &opt,
+                opts.dtype,
+                &opts.tolerances,
+                None,
+            )?;
             add_residual(&mut h_opt, attn_out(&opt)?);
             r.drift = Some(compare::metrics::rel_l2(
                 next_ref.as_slice().expect("standard layout"),

@@ -118,21 +118,6 @@ fn concat_heads(parts: &[&StageTensor]) -> StageTensor {
     StageTensor::new(parts[0].stage, shape, data)
 }
 
-/// A trace with every value stored in `dtype` (the fp64 reference of a rank that did not run, standing
-/// in for it).
-pub fn rounded(t: &LayerTrace, dtype: Dtype) -> LayerTrace {
-    let mut out = LayerTrace::new(t.layer);
-    for st in &t.stages {
-        let data = st
-            .data
-            .iter()
-            .map(|&v| dtype.round(v as f32) as f64)
-            .collect();
-        out.push(StageTensor::new(st.stage, st.shape.clone(), data));
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
