@@ -39,9 +39,7 @@ pub fn exec(a: Args) -> Result<i32, Error> {
         .map(|p| Ok((p.clone(), Report::from_json_file(p)?)))
         .collect::<Result<Vec<_>, Error>>()?;
     let merged = mla_diff::merge::merge(reports)?;
-    let stdout_taken = targets
-        .iter()
-        .any(|t| *t == Some(report::output::Target::Stdout));
+    let stdout_taken = targets.contains(&Some(report::output::Target::Stdout));
     let to_terminal = {
         use std::io::IsTerminal;
         if stdout_taken {
