@@ -19,6 +19,7 @@ pub mod gguf;
 pub mod input;
 pub mod inspect;
 pub mod lint;
+pub mod merge;
 pub mod model;
 pub mod reference;
 pub mod report;
@@ -26,7 +27,9 @@ pub mod rope;
 pub mod run;
 pub mod schedule;
 pub mod selftest;
+pub mod shard;
 pub mod sweep;
+pub mod tp;
 pub mod trace;
 
 pub use error::{Error, Result};

@@ -137,6 +137,11 @@ pub trait Backend {
     fn provides(&self) -> StageSet;
     /// Run one layer's attention on `ctx.sched`. `x` is the layer input `[T, hidden]` (before attn_norm).
     fn run_layer(&mut self, ctx: &LayerCtx, x: &Array2<f64>) -> Result<LayerTrace>;
+    /// Stages whose stage-local view (`compare::local`) does not model this path, judged end to end
+    /// instead: a tensor-parallel all-reduce's roundings of the partial o_proj outputs (`crate::tp`).
+    fn outside_local_view(&self) -> StageSet {
+        StageSet::NONE
+    }
     /// What the report should say about this backend after the run (e.g. a runner that returned its
     /// LSE in bf16); every format shows it.
     fn notices(&self) -> Vec<String> {

@@ -12,6 +12,7 @@ mod gpu_validate;
 mod inspect;
 mod kernels;
 mod lint;
+mod merge;
 mod replay;
 mod run;
 mod selftest;
@@ -44,6 +45,10 @@ enum Cmd {
     /// partition) and report the smallest failing length, bisecting the gap below it; or, with --splits,
     /// check that split-KV counts agree within tolerance. Same report formats as `run`.
     Sweep(Box<sweep::Args>),
+    /// Merge the JSON reports of a run's shards (`run --shard i/n`) into the report, JUnit and Markdown
+    /// the whole run writes (refusing reports of different runs, overlapping or missing shards); exit
+    /// code: the merged verdict.
+    Merge(merge::Args),
     /// Write one layer of a model as a self-contained capsule directory (its tensors' bytes as stored, the
     /// layer input, the fp64 reference stages, a manifest): the repro to attach to a bug report.
     Export(Box<export::Args>),
@@ -73,6 +78,7 @@ pub fn exec(cli: Cli) -> Result<i32, Error> {
         Cmd::Fixture(a) => fixture::exec(a),
         Cmd::Run(a) => run::exec(*a),
         Cmd::Sweep(a) => sweep::exec(*a),
+        Cmd::Merge(a) => merge::exec(a),
         Cmd::Export(a) => export::exec(*a),
         Cmd::Replay(a) => replay::exec(*a),
         Cmd::Calibrate(a) => calibrate::exec(a),

@@ -52,6 +52,19 @@ pub struct Args {
     /// (NaNs equal to NaNs); any difference is nondeterminism and fails the run. 1: no repeat.
     #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     repeat: u32,
+    /// Run shard i of n (counted from 0) of the selected layers: a contiguous, balanced slice, started
+    /// from the residual streams the whole run has there; `mla-diff merge` joins the shards' --json
+    /// reports into the whole run's (docs/scale.md).
+    #[arg(long, value_name = "i/n", conflicts_with_all = ["baseline", "write_baseline"])]
+    shard: Option<String>,
+    /// Tensor parallel: run each layer as N ranks, each on its heads of q_b, k_b/v_b and its columns of
+    /// o_proj, the partial outputs summed (all-reduce) as the engine does; report each rank against the
+    /// fp64 reference of its heads, and the merged layer against the whole reference (docs/scale.md).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..), conflicts_with = "runner")]
+    tp: Option<u32>,
+    /// With --tp: plant the --inject faults in rank r only.
+    #[arg(long, value_name = "r", requires_all = ["tp", "inject"])]
+    inject_rank: Option<usize>,
     // The groups last: clap keeps a group's help heading for the arguments after it.
     #[command(flatten)]
     input: InputArgs,
@@ -162,9 +175,34 @@ pub fn exec(a: Args) -> Result<i32, Error> {
     let faults = a.faults()?;
     let file = GgufFile::open(&a.file)?;
     let cfg = MlaConfig::from_gguf(&file)?;
+    let shard = a
+        .shard
+        .as_deref()
+        .map(mla_diff::shard::Shard::parse)
+        .transpose()?;
     let opts = a.options(&file, &cfg, faults)?;
+    if let Some(s) = shard {
+        // Before the run: a shard count larger than the layers is a usage error.
+        let n = opts.layers.as_ref().map_or(cfg.n_layer, Vec::len);
+        s.range(n, "layers")?;
+    }
+    let tp = a.tp.map(|n| mla_diff::tp::TpSpec {
+        size: n as usize,
+        fault_rank: a.inject_rank,
+    });
+    if let Some(t) = &tp {
+        t.check(&cfg)?;
+    }
     let ready = Prepared::check(&file, &cfg, &opts, &a.report)?;
-    execute(&file, &cfg, &opts, ready, &a.backend, &a.report, &[])
+    let how = How { shard, tp };
+    execute_with(&file, &cfg, &opts, ready, &a.backend, &a.report, &[], how)
+}
+
+/// How `run` splits its work (`--shard`); nothing for `replay`.
+#[derive(Default)]
+pub struct How {
+    pub shard: Option<mla_diff::shard::Shard>,
+    pub tp: Option<mla_diff::tp::TpSpec>,
 }
 
 /// What is checked before the (possibly long) run, so that an unusable output path or a mismatched
@@ -199,15 +237,50 @@ pub fn execute(
     r: &ReportArgs,
     notices: &[String],
 ) -> Result<i32, Error> {
+    execute_with(file, cfg, opts, ready, backend, r, notices, How::default())
+}
+
+/// [`execute`], split as `how` says.
+#[allow(clippy::too_many_arguments)]
+pub fn execute_with(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    opts: &RunOptions,
+    ready: Prepared,
+    backend: &BackendArgs,
+    r: &ReportArgs,
+    notices: &[String],
+    how: How,
+) -> Result<i32, Error> {
     let Prepared { outputs, baseline } = ready;
     if !r.formats.quiet {
         for b in opts.faults.blind_spots(cfg, &opts.sched) {
             eprintln!("mla-diff: note: injected fault {b} may not show on this run");
         }
     }
-    let (mut backend, info) = backend.open(opts.dtype)?;
+    let (mut backend, mut info) = backend.open(opts.dtype)?;
+    let inner: &mut dyn mla_diff::backend::Backend = backend.as_mut();
+    let mut tp = None;
+    let b: &mut dyn mla_diff::backend::Backend = match how.tp {
+        Some(spec) => {
+            let tolerances = opts.tolerances.clone();
+            let t = tp.insert(mla_diff::tp::TpBackend::new(
+                inner, spec, opts.dtype, tolerances,
+            ));
+            info.description = mla_diff::backend::Backend::describe(t);
+            t
+        }
+        None => inner,
+    };
     let started = std::time::Instant::now();
-    let mut rep = mla_diff::run::run(file, backend.as_mut(), &info, opts)?;
+    let mut rep = match how.shard {
+        Some(s) => mla_diff::shard::run(file, b, &info, opts, s)?,
+        None => mla_diff::run::run(file, b, &info, opts)?,
+    };
+    if let Some(t) = tp {
+        let layers = rep.run.layers.clone();
+        rep.set_tp(t.result(cfg, &layers));
+    }
     rep.run.notices.extend(notices.iter().cloned());
     if let (Some((b, diffs)), Some(p)) = (baseline, &r.baseline) {
         let mut g = report::baseline::gate(&rep, &b, &p.display().to_string(), r.baseline_factor);

@@ -34,12 +34,28 @@ impl Serialize for Position {
     }
 }
 
+// Keeps the keys in the document's order (axis order), so that a report read back is written again
+// byte for byte (`mla-diff merge`).
 impl<'de> Deserialize<'de> for Position {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let m = std::collections::BTreeMap::<String, usize>::deserialize(d)?;
-        Ok(Position {
-            coords: m.into_iter().collect(),
-        })
+        struct Coords;
+        impl<'de> serde::de::Visitor<'de> for Coords {
+            type Value = Position;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a map of axis names to indices")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> std::result::Result<Position, A::Error> {
+                let mut coords = Vec::new();
+                while let Some(kv) = m.next_entry::<String, usize>()? {
+                    coords.push(kv);
+                }
+                Ok(Position { coords })
+            }
+        }
+        d.deserialize_map(Coords)
     }
 }
 

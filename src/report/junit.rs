@@ -118,6 +118,23 @@ pub fn render(r: &Report) -> String {
         }
         report.add_test_suite(suite);
     }
+    // --tp: one case per rank, failing where the rank diverges from the fp64 reference of its heads.
+    if let Some(t) = &r.tp {
+        let mut suite = TestSuite::new(format!("{file} tp {}", t.size));
+        for rk in &t.ranks {
+            let status = if rk.verdict.pass {
+                TestCaseStatus::success()
+            } else {
+                let mut s = TestCaseStatus::non_success(NonSuccessKind::Failure);
+                s.set_message(rk.line(t.size));
+                s
+            };
+            let mut tc = TestCase::new(format!("tp rank {}", rk.rank), status);
+            tc.set_classname("mla-diff.tp");
+            suite.add_test_case(tc);
+        }
+        report.add_test_suite(suite);
+    }
     report.to_string().expect("junit serialises")
 }
 

@@ -48,6 +48,13 @@ pub fn render(r: &Report) -> String {
             writeln!(s).ok();
         }
     }
+    if let Some(t) = &r.tp {
+        writeln!(s, "Tensor parallel {}: {}\n", t.size, t.message).ok();
+        for rk in &t.ranks {
+            writeln!(s, "- {}", rk.line(t.size)).ok();
+        }
+        writeln!(s).ok();
+    }
     for n in &r.run.notices {
         writeln!(s, "> ⚠️ **Notice:** {n}\n").ok();
     }

@@ -47,6 +47,10 @@ pub struct RunInfo {
     /// Caveats of the run that every output format repeats (e.g. dense attention beyond a DSA top-k).
     #[serde(skip_serializing_if = "Vec::is_empty", default)]
     pub notices: Vec<String>,
+    /// `run --shard i/n`: this report is shard i of n of the run over `of` (`crate::shard`); absent
+    /// for a whole run, and in what `mla-diff merge` writes.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub shard: Option<crate::shard::ShardInfo>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -86,6 +90,9 @@ pub struct Report {
     /// absent in reports of mla-diff before #14.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub coverage: Option<crate::coverage::Coverage>,
+    /// `run --tp N`: each tensor-parallel rank against the fp64 reference of its heads; absent without --tp.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub tp: Option<crate::tp::TpResult>,
     /// Directories the run wrote `.npy` dumps into (printed, not part of the JSON: paths are local).
     #[serde(skip)]
     pub dumps: Vec<std::path::PathBuf>,
@@ -132,6 +139,7 @@ impl Report {
         self.verdict.pass
             && self.baseline.as_ref().is_none_or(|b| b.pass)
             && self.repeat.as_ref().is_none_or(|r| r.pass)
+            && self.tp.as_ref().is_none_or(|t| t.pass)
     }
     /// Record the baseline gate's result and fold it into the top-level verdict, so that the exit
     /// code, `verdict.pass`, JUnit and Markdown all say the same.
@@ -148,6 +156,14 @@ impl Report {
             self.fail_with(&r.message);
         }
         self.repeat = Some(r);
+    }
+    /// Record the tensor-parallel ranks' own results (`--tp`) and fold a failing rank into the
+    /// top-level verdict, as the baseline gate is.
+    pub fn set_tp(&mut self, t: crate::tp::TpResult) {
+        if !t.pass {
+            self.fail_with(&t.message);
+        }
+        self.tp = Some(t);
     }
     /// A failure beside the modes' verdict: first in the message when the modes passed, else after.
     fn fail_with(&mut self, message: &str) {
@@ -187,7 +203,8 @@ impl Report {
                 )))
             }
         }
-        serde_json::from_value(v)
+        // From the text, not the Value: a Value's maps are sorted, and positions keep their axis order.
+        serde_json::from_str(&s)
             .map_err(|e| Error::Usage(format!("{}: not an mla-diff report: {e}", path.display())))
     }
     /// The overall verdict. With shadow mode it decides: a layer's local error is the kernel's fault,

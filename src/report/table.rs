@@ -164,6 +164,13 @@ pub fn render(r: &Report, style: &Style) -> String {
             writeln!(s, "  {line}").ok();
         }
     }
+    // --tp: each rank against its own fp64 slice (a failing one is already in the verdict line).
+    for rk in
+        r.tp.iter()
+            .flat_map(|t| t.ranks.iter().map(move |rk| rk.line(t.size)))
+    {
+        writeln!(s, "  {rk}").ok();
+    }
     s
 }
 

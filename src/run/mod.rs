@@ -196,6 +196,25 @@ pub fn run(
     info: &BackendInfo,
     opts: &RunOptions,
 ) -> Result<Report> {
+    run_from(file, backend, info, opts, None)
+}
+
+/// Where a run starts when it is a slice of a longer one (`crate::shard`): its layers, and the two
+/// residual streams (reference, optimized) as the longer run had them before its first layer.
+pub struct Start {
+    pub layers: Vec<usize>,
+    pub h_ref: Array2<f64>,
+    pub h_opt: Array2<f64>,
+}
+
+/// [`run`], or with `start` the slice of it that begins there.
+pub fn run_from(
+    file: &GgufFile,
+    backend: &mut dyn Backend,
+    info: &BackendInfo,
+    opts: &RunOptions,
+    start: Option<Start>,
+) -> Result<Report> {
     let cfg = MlaConfig::from_gguf(file)?;
     opts.sched.validate()?;
     // Before the inputs, the rope tables or any layer buffer is allocated.
@@ -206,9 +225,10 @@ pub fn run(
     if opts.repeat == 0 {
         return Err(Error::Usage("--repeat must be at least 1".into()));
     }
-    let layers = match &opts.layers {
-        Some(l) => l.clone(),
-        None => (0..cfg.n_layer).collect(),
+    let layers = match (&start, &opts.layers) {
+        (Some(s), _) => s.layers.clone(),
+        (None, Some(l)) => l.clone(),
+        (None, None) => (0..cfg.n_layer).collect(),
     };
     if let Some(&l) = layers.iter().find(|&&l| l >= cfg.n_layer) {
         return Err(Error::Usage(format!(
@@ -248,8 +268,13 @@ pub fn run(
         indicatif::ProgressBar::hidden()
     };
 
-    let mut h_ref = inputs.layer(layers[0])?;
-    let mut h_opt = h_ref.clone();
+    let (mut h_ref, mut h_opt) = match start {
+        Some(s) => (s.h_ref, s.h_opt),
+        None => {
+            let h = inputs.layer(layers[0])?;
+            (h.clone(), h)
+        }
+    };
     let (mut shadow, mut free) = (Vec::<LayerResult>::new(), Vec::<LayerResult>::new());
     let mut dumped = Vec::new();
     let mut repeats = Vec::new();
@@ -286,7 +311,7 @@ pub fn run(
                     &ctx,
                 )?);
             }
-            let local = compare::local::compute(
+            let mut local = compare::local::compute(
                 &compare::local::Inputs {
                     cfg: &cfg,
                     weights: &w,
@@ -298,6 +323,8 @@ pub fn run(
                 },
                 &opt,
             );
+            let outside = backend.outside_local_view();
+            local.stages.retain(|s| !outside.contains(s.stage));
             let r = compare::compare_layer(
                 &ctx,
                 &reference,
@@ -406,6 +433,7 @@ pub fn run(
                 .into_iter()
                 .chain(backend.notices())
                 .collect(),
+            shard: None,
         },
         environment: Environment {
             backend: match opts.faults.is_empty() {
@@ -422,6 +450,7 @@ pub fn run(
         baseline: None,
         repeat: None,
         coverage: Some(coverage),
+        tp: None,
         dumps: dumped,
     };
     if opts.repeat > 1 {
