@@ -184,6 +184,31 @@ pub fn run(
     }
 }
 
+/// Per query, the magnitude the score's rounding errors scale with: `Σ_h |w_h| · ‖q_h‖ · max_j ‖k_j‖ ·
+/// Di^-0.5` (a stored q or k element off by `u` relative moves a logit by at most `u·‖q‖‖k‖`, and ReLU
+/// passes at most that). The selection check's noise margin is a multiple of `u` times it.
+pub fn error_scale(o: &IndexerOut) -> Vec<f64> {
+    let (t, hi, di) = o.q.dim();
+    let kmax = o
+        .k
+        .rows()
+        .into_iter()
+        .map(|r| r.dot(&r).sqrt())
+        .fold(0f64, f64::max);
+    (0..t)
+        .map(|tt| {
+            (0..hi)
+                .map(|h| {
+                    let q = o.q.slice(s![tt, h, ..]);
+                    o.weights[[tt, h]].abs() * q.dot(&q).sqrt()
+                })
+                .sum::<f64>()
+                * kmax
+                / (di as f64).sqrt()
+        })
+        .collect()
+}
+
 /// `score[t, j] = Σ_h w[t, h] · ReLU(q[t, h] · k[j] · Di^-0.5)` over all keys: `select` applies the
 /// causal cut (a non-causal reading ranks the full row).
 pub fn index_scores(q: &Array3<f64>, k: &Array2<f64>, w: &Array2<f64>, no_relu: bool) -> Array2<f64> {

@@ -21,7 +21,9 @@ const TOL: f64 = 1e-6;
 /// A misreading must move the output by at least this much.
 const DETECT: f64 = 100.0 * TOL;
 
-const FAMILIES: [&str; 2] = ["glm-5-dsa", "deepseek-v3.2-dsa"];
+// DeepSeek-V3.2 is not here yet: its converter class asserts `add_bos_token`, which transformers 5.24
+// does not surface for the rebuilt GPT-2 tokenizer (docs/dsa.md).
+const FAMILIES: [&str; 1] = ["glm-5-dsa"];
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/golden")

@@ -12,6 +12,7 @@ mod common;
 mod coverage;
 mod cuda_env;
 mod detection;
+mod dsa;
 mod dsa_golden;
 mod fixture_roundtrip;
 mod fixtures;

@@ -17,9 +17,9 @@
 //! top-k, no ReLU, top-k one short) and `Fp8Fault` (the key scale dropped).
 
 use super::front::RopeF32;
-use super::ops::{dot, linear, round_all, stored};
-use super::MirrorFront;
+use super::ops::{dot, linear, rms_norm, round_all, stored};
 use crate::backend::Dtype;
+use crate::error::{Error, Result};
 use crate::faults::Active;
 use crate::model::{IndexerConfig, IndexerWeights, LayerWeights, MlaConfig, QProj, RopePairing};
 use crate::reference::indexer::Reading;
@@ -111,17 +111,30 @@ pub fn run(
     iw: &IndexerWeights,
     w: &LayerWeights,
     rope: &RopeTables,
-    f: &MirrorFront,
+    x: &Array2<f64>,
     dt: Dtype,
     plan: Plan,
-) -> MirrorIndexer {
+) -> Result<MirrorIndexer> {
     let r = plan.reading;
-    let (t, hi, di, rd) = (f.attn_in.nrows(), ic.heads, ic.head_dim, ic.rope_dim);
-    let attn_in = f.attn_in.view();
+    let (hi, di, rd) = (ic.heads, ic.head_dim, ic.rope_dim);
+    if plan.keys == KeyPrecision::Fp8 && !di.is_power_of_two() {
+        return Err(Error::Usage(format!(
+            "fp8 indexer keys need a power-of-two head dim for the Hadamard rotation, the file has {di}"
+        )));
+    }
+    // The layer input and attn_norm as the mirror's front computes them (`front::input`, `attn_in`).
+    let attn_in = rms_norm(
+        super::front::input(x, dt).view(),
+        &stored(&w.attn_norm, dt),
+        cfg.rms_eps,
+        dt,
+    );
+    let t = attn_in.nrows();
+    let attn_in = attn_in.view();
     let qr = match &w.q {
         QProj::Lora { a, a_norm, .. } => {
             let qa = linear(attn_in, stored(a, dt).view(), dt);
-            super::ops::rms_norm(qa.view(), &stored(a_norm, dt), cfg.lora_norm_eps, dt)
+            rms_norm(qa.view(), &stored(a_norm, dt), cfg.lora_norm_eps, dt)
         }
         QProj::Plain { .. } => unreachable!("a DSA indexer needs q-LoRA"),
     };
@@ -168,7 +181,7 @@ pub fn run(
         }
     }
     let selection = crate::reference::indexer::select(&scores.mapv(f64::from), ic.top_k, r);
-    MirrorIndexer { scores, selection }
+    Ok(MirrorIndexer { scores, selection })
 }
 
 /// Hadamard-rotate and fp8-quantize q (per token and head) and k (per token) in place, leaving each
