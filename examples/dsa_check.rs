@@ -26,8 +26,13 @@ fn main() {
 
 fn run() -> Result<bool> {
     let a: Vec<String> = std::env::args().skip(1).collect();
-    let usage = || Error::Usage("usage: dsa_check FILE LAYER PROMPT_LEN DECODE_STEPS [cpu|cuda] [bf16|f16|f32]".into());
-    let num = |i: usize| -> Result<usize> { a.get(i).and_then(|s| s.parse().ok()).ok_or_else(usage) };
+    let usage = || {
+        Error::Usage(
+            "usage: dsa_check FILE LAYER PROMPT_LEN DECODE_STEPS [cpu|cuda] [bf16|f16|f32]".into(),
+        )
+    };
+    let num =
+        |i: usize| -> Result<usize> { a.get(i).and_then(|s| s.parse().ok()).ok_or_else(usage) };
     let file = GgufFile::open(a.first().ok_or_else(usage)?)?;
     let (layer, prompt, decode) = (num(1)?, num(2)?, num(3)?);
     let choice = match a.get(4).map(String::as_str) {
@@ -59,9 +64,24 @@ fn run() -> Result<bool> {
     let factors = RopeFactors::load(&file, &cfg)?;
     let tables = RunTables::new(&cfg, factors.as_ref(), &sched)?;
     let x = mla_diff::input::random_hidden(cfg.hidden, sched.total_tokens(), 0);
-    let (mut backend, info) = open(choice, &Options { dtype, kernels_dir: None, runner: None })?;
+    let (mut backend, info) = open(
+        choice,
+        &Options {
+            dtype,
+            kernels_dir: None,
+            runner: None,
+        },
+    )?;
     let ctx = tables.ctx(&cfg, &w, &sched, Active::NONE);
-    let d = mla_diff::run::dsa::run_layer(&ctx, &ic, &iw, backend.as_mut(), &x, dtype, Plan::default())?;
+    let d = mla_diff::run::dsa::run_layer(
+        &ctx,
+        &ic,
+        &iw,
+        backend.as_mut(),
+        &x,
+        dtype,
+        Plan::default(),
+    )?;
     let cctx = compare::Ctx {
         layer,
         elementwise: true,
@@ -69,13 +89,34 @@ fn run() -> Result<bool> {
         block_table: &tables.block_table,
         provided: backend.provides(),
     };
-    let r = compare::compare_layer(&cctx, &d.reference, &d.optimized, dtype, &ToleranceTable::defaults())?;
-    println!("{} | {} tokens, top_k {}, {} sparse queries", info.description, sched.total_tokens(), ic.top_k, d.ref_selection.sparse_queries());
+    let r = compare::compare_layer(
+        &cctx,
+        &d.reference,
+        &d.optimized,
+        dtype,
+        &ToleranceTable::defaults(),
+        None,
+    )?;
+    println!(
+        "{} | {} tokens, top_k {}, {} sparse queries",
+        info.description,
+        sched.total_tokens(),
+        ic.top_k,
+        d.ref_selection.sparse_queries()
+    );
     for c in &r.checks {
-        println!("  {:20} {} rel-L2 {:.3e}", c.check, if c.pass { "pass" } else { "FAIL" }, c.metrics.rel_l2);
+        println!(
+            "  {:20} {} rel-L2 {:.3e}",
+            c.check,
+            if c.pass { "pass" } else { "FAIL" },
+            c.metrics.rel_l2
+        );
     }
     println!("  {}", d.selection.summary());
-    println!("  own selection: attn_out rel-L2 {:.3e} vs fp64 on it; selection effect {:.3e}", d.own_path_error, d.selection_effect);
+    println!(
+        "  own selection: attn_out rel-L2 {:.3e} vs fp64 on it; selection effect {:.3e}",
+        d.own_path_error, d.selection_effect
+    );
     let pass = r.pass && d.selection.pass;
     println!("{}", if pass { "PASS" } else { "FAIL" });
     Ok(pass)

@@ -86,19 +86,32 @@ pub fn compare(
         let mut sorted = row.clone();
         sorted.sort_by(|a, b| b.total_cmp(a));
         let k = rk.len();
-        let s_k = sorted.get(k.wrapping_sub(1)).copied().unwrap_or(f64::INFINITY);
+        let s_k = sorted
+            .get(k.wrapping_sub(1))
+            .copied()
+            .unwrap_or(f64::INFINITY);
         let s_k1 = sorted.get(k).copied().unwrap_or(f64::NEG_INFINITY);
         let margin = MARGIN_ROUNDINGS * unit_roundoff * scale[q];
         let common = ok.iter().filter(|j| rk.binary_search(j).is_ok()).count();
-        let recall = if k == 0 { 1.0 } else { common as f64 / k as f64 };
+        let recall = if k == 0 {
+            1.0
+        } else {
+            common as f64 / k as f64
+        };
         r.recall_min = r.recall_min.min(recall);
         r.recall_mean += recall / t as f64;
         if ok.len() != k {
             r.count_mismatch += 1;
             r.pass = false;
         }
-        let extra = ok.iter().filter(|j| rk.binary_search(j).is_err()).map(|&j| (j, true));
-        let dropped = rk.iter().filter(|j| ok.binary_search(j).is_err()).map(|&j| (j, false));
+        let extra = ok
+            .iter()
+            .filter(|j| rk.binary_search(j).is_err())
+            .map(|&j| (j, true));
+        let dropped = rk
+            .iter()
+            .filter(|j| ok.binary_search(j).is_err())
+            .map(|&j| (j, false));
         for (j, is_extra) in extra.chain(dropped) {
             r.differing += 1;
             let s = row[j as usize];
@@ -109,7 +122,11 @@ pub fn compare(
                 continue;
             }
             r.pass = false;
-            let ratio = if margin > 0.0 { gap / margin } else { f64::INFINITY };
+            let ratio = if margin > 0.0 {
+                gap / margin
+            } else {
+                f64::INFINITY
+            };
             if r.worst.is_none() || ratio > worst_ratio || ratio.is_nan() {
                 worst_ratio = ratio;
                 r.worst = Some(Miss {
@@ -160,7 +177,8 @@ mod tests {
     fn scores() -> Array2<f64> {
         // Query 3 sees keys 0..=3 with scores 4, 3, 2.9999, 1.
         let mut s = Array2::zeros((4, 4));
-        s.row_mut(3).assign(&ndarray::arr1(&[4.0, 3.0, 2.9999, 1.0]));
+        s.row_mut(3)
+            .assign(&ndarray::arr1(&[4.0, 3.0, 2.9999, 1.0]));
         s
     }
 
@@ -191,6 +209,15 @@ mod tests {
     fn nan_scores_never_pass() {
         let mut s = scores();
         s[[3, 2]] = f64::NAN;
-        assert!(!compare(&s, &[4.0; 4], &sel(vec![0, 1]), &sel(vec![0, 2]), 2f64.powi(-8)).pass);
+        assert!(
+            !compare(
+                &s,
+                &[4.0; 4],
+                &sel(vec![0, 1]),
+                &sel(vec![0, 2]),
+                2f64.powi(-8)
+            )
+            .pass
+        );
     }
 }

@@ -54,7 +54,11 @@ impl IndexerConfig {
                     Some(n) if n > 0 && n < 1 << 24 => Ok(Some(n as usize)),
                     _ => Err(Error::format(
                         f.path.display(),
-                        format!("{} is {}, expected a positive integer", key(k), v.display_short()),
+                        format!(
+                            "{} is {}, expected a positive integer",
+                            key(k),
+                            v.display_short()
+                        ),
                     )),
                 },
             }

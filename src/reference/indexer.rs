@@ -189,12 +189,11 @@ pub fn run(
 /// passes at most that). The selection check's noise margin is a multiple of `u` times it.
 pub fn error_scale(o: &IndexerOut) -> Vec<f64> {
     let (t, hi, di) = o.q.dim();
-    let kmax = o
-        .k
-        .rows()
-        .into_iter()
-        .map(|r| r.dot(&r).sqrt())
-        .fold(0f64, f64::max);
+    let kmax =
+        o.k.rows()
+            .into_iter()
+            .map(|r| r.dot(&r).sqrt())
+            .fold(0f64, f64::max);
     (0..t)
         .map(|tt| {
             (0..hi)
@@ -211,7 +210,12 @@ pub fn error_scale(o: &IndexerOut) -> Vec<f64> {
 
 /// `score[t, j] = Σ_h w[t, h] · ReLU(q[t, h] · k[j] · Di^-0.5)` over all keys: `select` applies the
 /// causal cut (a non-causal reading ranks the full row).
-pub fn index_scores(q: &Array3<f64>, k: &Array2<f64>, w: &Array2<f64>, no_relu: bool) -> Array2<f64> {
+pub fn index_scores(
+    q: &Array3<f64>,
+    k: &Array2<f64>,
+    w: &Array2<f64>,
+    no_relu: bool,
+) -> Array2<f64> {
     let (t, hi, di) = q.dim();
     let sc = (di as f64).powf(-0.5);
     let mut out = Array2::zeros((t, t));

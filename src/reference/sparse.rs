@@ -73,7 +73,12 @@ pub fn mask_row(sel: &Selection, t: usize, row: &mut [f64]) {
 /// The indices FlashMLA's sparse interface takes for one query (`indices [.., topk]` int32):
 /// `page · page_size + offset` of each selected key's cache row through the block table, in key order,
 /// padded to `top_k` with −1 (the only value its kernels treat as invalid).
-pub fn flashmla_indices(keys: &[u32], top_k: usize, block_table: &[usize], page: usize) -> Vec<i32> {
+pub fn flashmla_indices(
+    keys: &[u32],
+    top_k: usize,
+    block_table: &[usize],
+    page: usize,
+) -> Vec<i32> {
     let mut out: Vec<i32> = keys
         .iter()
         .map(|&j| {

@@ -73,7 +73,9 @@ pub fn ref_selection(
 }
 
 fn attn_out(t: &LayerTrace) -> &[f64] {
-    &t.get(Stage::AttnOut).expect("every backend provides attn_out").data
+    &t.get(Stage::AttnOut)
+        .expect("every backend provides attn_out")
+        .data
 }
 
 /// Run one DSA layer with its own indexer (`iw`); the optimized side's indexer is the CPU mirror's at

@@ -139,9 +139,15 @@ impl Golden {
         let x = self.x.index_axis(Axis(0), l).to_owned();
         let attn_in = mla_diff::reference::front::attn_in(&self.cfg, &w, x.view());
         let idx = indexer::run(&self.cfg, &self.ic, &iw, &w, &rope, attn_in.view(), r);
-        let tr =
-            mla_diff::reference::run_layer_sel(&self.cfg, &w, &rope, &x, &sched, Some(&idx.selection))
-                .unwrap();
+        let tr = mla_diff::reference::run_layer_sel(
+            &self.cfg,
+            &w,
+            &rope,
+            &x,
+            &sched,
+            Some(&idx.selection),
+        )
+        .unwrap();
         let o = tr.get(Stage::AttnOut).unwrap();
         let k = self.ic.top_k;
         let min_gap = (k..t)
@@ -178,7 +184,10 @@ impl Golden {
 }
 
 fn fmt(e: &[f64]) -> String {
-    e.iter().map(|v| format!("{v:.2e}")).collect::<Vec<_>>().join(", ")
+    e.iter()
+        .map(|v| format!("{v:.2e}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn present() -> Vec<Golden> {
@@ -250,8 +259,9 @@ fn dense_attention_is_not_the_model_past_top_k() {
             let rope = RopeTables::for_run(&g.cfg, g.factors.as_ref(), 0, t).unwrap();
             let w = LayerWeights::load(&g.file, &g.cfg, l).unwrap();
             let x = g.x.index_axis(Axis(0), l).to_owned();
-            let tr = mla_diff::reference::run_layer_sel(&g.cfg, &w, &rope, &x, &sched, Some(&dense))
-                .unwrap();
+            let tr =
+                mla_diff::reference::run_layer_sel(&g.cfg, &w, &rope, &x, &sched, Some(&dense))
+                    .unwrap();
             let o = tr.get(Stage::AttnOut).unwrap();
             let o = Array2::from_shape_vec((t, g.cfg.hidden), o.data.clone()).unwrap();
             let e = g.error(l, &o);
@@ -311,7 +321,11 @@ fn indexer_misreadings_move_the_output() {
                 .collect();
             println!("{} {what}: {}", g.name, fmt(&e));
             if e.iter().all(|&v| v <= DETECT) {
-                failures.push(format!("{} {what}: {} not above {DETECT:.0e}", g.name, fmt(&e)));
+                failures.push(format!(
+                    "{} {what}: {} not above {DETECT:.0e}",
+                    g.name,
+                    fmt(&e)
+                ));
             }
         }
         let unscaled = Reading {

@@ -53,7 +53,9 @@ pub fn fp8_e4m3(x: f32) -> f32 {
     }
     let e = a.log2().floor().max(-6.0);
     let step = (e - 3.0).exp2();
-    ((a / step).round_ties_even() * step).min(FP8_MAX).copysign(x)
+    ((a / step).round_ties_even() * step)
+        .min(FP8_MAX)
+        .copysign(x)
 }
 
 /// `x · H / sqrt(n)` with `H` the Sylvester Hadamard matrix (fast Walsh–Hadamard transform), in f32.
