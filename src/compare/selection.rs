@@ -73,14 +73,14 @@ pub fn compare(
         worst: None,
         pass: true,
     };
-    if opt.n_queries() != t {
+    if opt.n_queries() != t || scale.len() != t {
         r.pass = false;
         r.count_mismatch = t.abs_diff(opt.n_queries());
         r.recall_min = 0.0;
         return r;
     }
     let mut worst_ratio = 0.0;
-    for q in 0..t {
+    for (q, &scale_q) in scale.iter().enumerate().take(t) {
         let (rk, ok) = (&reference.keys[q], &opt.keys[q]);
         let row: Vec<f64> = scores.row(q).iter().take(q + 1).copied().collect();
         let mut sorted = row.clone();
@@ -91,7 +91,7 @@ pub fn compare(
             .copied()
             .unwrap_or(f64::INFINITY);
         let s_k1 = sorted.get(k).copied().unwrap_or(f64::NEG_INFINITY);
-        let margin = MARGIN_ROUNDINGS * unit_roundoff * scale[q];
+        let margin = MARGIN_ROUNDINGS * unit_roundoff * scale_q;
         let common = ok.iter().filter(|j| rk.binary_search(j).is_ok()).count();
         let recall = if k == 0 {
             1.0

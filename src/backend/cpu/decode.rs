@@ -107,6 +107,7 @@ pub fn split_partial(
 }
 
 /// `split_partial` with the faults of the split's tile loop (`keys` are the split's keys this query sees).
+#[allow(clippy::too_many_arguments)]
 pub fn split_partial_fx(
     cfg: &MlaConfig,
     cache: &PagedCache,
