@@ -54,13 +54,7 @@ impl Local {
             coherent: None,
         });
     }
-    fn push_rows(
-        &mut self,
-        stage: Stage,
-        values: Vec<f64>,
-        hidden_var: Vec<f64>,
-        rows: Vec<(f64, f64)>,
-    ) {
+    fn push_rows(&mut self, stage: Stage, values: Vec<f64>, hidden_var: Vec<f64>, rows: Vec<(f64, f64)>) {
         self.push(stage, values, hidden_var);
         self.stages.last_mut().expect("pushed").coherent = Some(rows);
     }
@@ -93,9 +87,7 @@ fn linear(a: ArrayView2<f64>, w: &Array2<f64>) -> (Array2<f64>, Array2<f64>) {
     let y = a.dot(&w.t());
     let sq = a.mapv(|v| v * v).dot(&w.mapv(|v| v * v).t());
     let n = a.ncols();
-    let var = Zip::from(&sq)
-        .and(&y)
-        .map_collect(|&s, &t| acc_var(n, s, t));
+    let var = Zip::from(&sq).and(&y).map_collect(|&s, &t| acc_var(n, s, t));
     (y, var)
 }
 
@@ -120,11 +112,7 @@ fn rms_norm(
         let s4: f64 = xr.iter().map(|a| a.powi(4)).sum();
         let r = 1.0 / (s2 / n as f64 + eps).sqrt();
         let den = s2 + n as f64 * eps;
-        let prop: f64 = xr
-            .iter()
-            .zip(vr.iter())
-            .map(|(a, va)| 4.0 * a * a * va)
-            .sum();
+        let prop: f64 = xr.iter().zip(vr.iter()).map(|(a, va)| 4.0 * a * a * va).sum();
         let rel_r = (prop + acc_var(n, s4, s2)) / (4.0 * den * den) + F32_OP;
         for ((yv, vv), &g) in yr.iter_mut().zip(vr.iter_mut()).zip(w) {
             let out = *yv * r * g;
@@ -201,13 +189,7 @@ impl Attn {
 
 /// Softmax attention in fp64 of pre-computed scores `(s, var_s)` over values `v` (with their hidden
 /// variances `vv`, if any): P is rounded to `dt` before P·V (the kernels' MMA input), the rest is f32.
-fn attend(
-    scores: &[(f64, f64)],
-    v: &[&[f64]],
-    vv: Option<&[&[f64]]>,
-    dim: usize,
-    dt: Dtype,
-) -> Attn {
+fn attend(scores: &[(f64, f64)], v: &[&[f64]], vv: Option<&[&[f64]]>, dim: usize, dt: Dtype) -> Attn {
     if scores.is_empty() {
         return Attn::empty(dim);
     }
@@ -241,11 +223,7 @@ fn attend(
             let dev = (x - out[d]).powi(2);
             // P's rounding moves the numerator only, or numerator and sum (kernels differ): the larger.
             // The key holding the maximum has p = exp(0) = 1 exactly in every online softmax.
-            let round = if j == arg_max {
-                0.0
-            } else {
-                hidden_round(dt, p[j])
-            };
+            let round = if j == arg_max { 0.0 } else { hidden_round(dt, p[j]) };
             let c = round * (x * x).max(dev) + p[j] * p[j] * pv[j] * dev;
             per_key[j] += c / (l * l);
             a += c;
@@ -277,10 +255,7 @@ fn merge(parts: &[Attn]) -> Attn {
     if parts.iter().any(|p| p.lse.is_nan()) {
         return Attn::nan(dim);
     }
-    let m = parts
-        .iter()
-        .map(|p| p.lse)
-        .fold(f64::NEG_INFINITY, f64::max);
+    let m = parts.iter().map(|p| p.lse).fold(f64::NEG_INFINITY, f64::max);
     if m == f64::NEG_INFINITY {
         return Attn::empty(dim);
     }
@@ -349,11 +324,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     let x = inp.x.mapv(|v| dt.round(v as f32) as f64);
     let zero = Array2::<f64>::zeros(x.dim());
     let (ai, vai) = rms_norm(x.view(), zero.view(), &f64s(&mw.attn_norm), cfg.rms_eps);
-    out.push(
-        Stage::AttnIn,
-        ai.into_raw_vec_and_offset().0,
-        vai.into_raw_vec_and_offset().0,
-    );
+    out.push(Stage::AttnIn, ai.into_raw_vec_and_offset().0, vai.into_raw_vec_and_offset().0);
 
     let Some(attn_in) = opt2(opt, Stage::AttnIn) else {
         return out;
@@ -362,13 +333,9 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     let (q, vq) = match &mw.q {
         QProj::Lora { a, a_norm, b } => {
             let (qa, mut vqa) = linear(attn_in.view(), &f64s(a));
-            Zip::from(&mut vqa)
-                .and(&qa)
-                .for_each(|v, &y| *v += hidden_round(dt, y));
+            Zip::from(&mut vqa).and(&qa).for_each(|v, &y| *v += hidden_round(dt, y));
             let (qn, mut vqn) = rms_norm(qa.view(), vqa.view(), &f64s(a_norm), cfg.lora_norm_eps);
-            Zip::from(&mut vqn)
-                .and(&qn)
-                .for_each(|v, &y| *v += hidden_round(dt, y));
+            Zip::from(&mut vqn).and(&qn).for_each(|v, &y| *v += hidden_round(dt, y));
             let b = f64s(b);
             let (q, acc) = linear(qn.view(), &b);
             (q, acc + propagate(&vqn, &b))
@@ -378,9 +345,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     // Per head rows `[T·H, P+R]`.
     let dk = p + r;
     let mut q = q.into_shape_with_order((t_all * h, dk)).expect("[T, H·Dk]");
-    let mut vq = vq
-        .into_shape_with_order((t_all * h, dk))
-        .expect("[T, H·Dk]");
+    let mut vq = vq.into_shape_with_order((t_all * h, dk)).expect("[T, H·Dk]");
     let q_nope = q.slice(s![.., ..p]).to_owned();
     out.push(
         Stage::QNope,
@@ -400,20 +365,14 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
 
     // kv ← attn_in: stored, then the latent normed and k_pe roped.
     let (mut kv, mut vkv) = linear(attn_in.view(), &f64s(&mw.kv_a));
-    Zip::from(&mut vkv)
-        .and(&kv)
-        .for_each(|v, &y| *v += hidden_round(dt, y));
+    Zip::from(&mut vkv).and(&kv).for_each(|v, &y| *v += hidden_round(dt, y));
     let (lat, vlat) = rms_norm(
         kv.slice(s![.., ..lkv]),
         vkv.slice(s![.., ..lkv]),
         &f64s(&mw.kv_a_norm),
         cfg.lora_norm_eps,
     );
-    out.push(
-        Stage::KvLatent,
-        lat.iter().copied().collect(),
-        vlat.iter().copied().collect(),
-    );
+    out.push(Stage::KvLatent, lat.iter().copied().collect(), vlat.iter().copied().collect());
     rope_rows(&mut kv, &mut vkv, &rope, lkv..lkv + r, |row| row);
     out.push(
         Stage::KPe,
@@ -440,12 +399,8 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
         return out;
     };
     // `[T·H, ·]` views of the per-head query parts.
-    let o_qn = o_qn
-        .into_shape_with_order((t_all * h, p))
-        .expect("[T, H, P]");
-    let o_qpe = o_qpe
-        .into_shape_with_order((t_all * h, r))
-        .expect("[T, H, R]");
+    let o_qn = o_qn.into_shape_with_order((t_all * h, p)).expect("[T, H, P]");
+    let o_qpe = o_qpe.into_shape_with_order((t_all * h, r)).expect("[T, H, R]");
     let scale = cfg.softmax_scale;
     let w_uk = f64s(&mw.w_uk); // [H·P, Lkv]
     let w_uv = f64s(&mw.w_uv); // [H·Dv, Lkv]
@@ -465,13 +420,9 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
             let uv = w_uv.slice(s![hh * dv..(hh + 1) * dv, ..]).to_owned();
             let decompress = |lat: ArrayView2<f64>| {
                 let (k, mut vk) = linear(lat, &uk);
-                Zip::from(&mut vk)
-                    .and(&k)
-                    .for_each(|v, &y| *v += hidden_round(dt, y));
+                Zip::from(&mut vk).and(&k).for_each(|v, &y| *v += hidden_round(dt, y));
                 let (v, mut vv) = linear(lat, &uv);
-                Zip::from(&mut vv)
-                    .and(&v)
-                    .for_each(|x, &y| *x += hidden_round(dt, y));
+                Zip::from(&mut vv).and(&v).for_each(|x, &y| *x += hidden_round(dt, y));
                 (k, vk, v, vv)
             };
             let own = decompress(o_lat.slice(s![..pl, ..]));
@@ -483,37 +434,22 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                     let qi = t * h + hh;
                     let (qn, qp) = (o_qn.row(qi), o_qpe.row(qi));
                     let part = |keys: std::ops::Range<usize>,
-                                (k, vk, v, vv): &(
-                        Array2<f64>,
-                        Array2<f64>,
-                        Array2<f64>,
-                        Array2<f64>,
-                    ),
+                                (k, vk, v, vv): &(Array2<f64>, Array2<f64>, Array2<f64>, Array2<f64>),
                                 kpe: &ArrayView2<f64>| {
                         let sc: Vec<(f64, f64)> = keys
                             .clone()
                             .map(|j| {
                                 let (kr, vkr, pr) = (k.row(j), vk.row(j), kpe.row(j));
                                 let a: f64 = qn.dot(&kr) + qp.dot(&pr);
-                                let sq: f64 = qn
-                                    .iter()
-                                    .zip(kr)
-                                    .map(|(x, y)| (x * y).powi(2))
-                                    .sum::<f64>()
+                                let sq: f64 = qn.iter().zip(kr).map(|(x, y)| (x * y).powi(2)).sum::<f64>()
                                     + qp.iter().zip(pr).map(|(x, y)| (x * y).powi(2)).sum::<f64>();
                                 let prop: f64 = qn.iter().zip(vkr).map(|(x, y)| x * x * y).sum();
                                 let s = a * scale;
-                                (
-                                    s,
-                                    scale * scale * (prop + acc_var(p + r, sq, a))
-                                        + s * s * 2.0 * F32_OP,
-                                )
+                                (s, scale * scale * (prop + acc_var(p + r, sq, a)) + s * s * 2.0 * F32_OP)
                             })
                             .collect();
-                        let vals: Vec<&[f64]> = keys
-                            .clone()
-                            .map(|j| v.row(j).to_slice().expect("row"))
-                            .collect();
+                        let vals: Vec<&[f64]> =
+                            keys.clone().map(|j| v.row(j).to_slice().expect("row")).collect();
                         let vvs: Vec<&[f64]> =
                             keys.map(|j| vv.row(j).to_slice().expect("row")).collect();
                         attend(&sc, &vals, Some(&vvs), dv, dt)
@@ -570,9 +506,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
             Some(o) => (o.clone(), Array2::zeros(o.dim())),
             None => {
                 let mut v = vqabs.clone();
-                Zip::from(&mut v)
-                    .and(&qabs)
-                    .for_each(|x, &y| *x += hidden_round(dt, y));
+                Zip::from(&mut v).and(&qabs).for_each(|x, &y| *x += hidden_round(dt, y));
                 (qabs.clone(), v)
             }
         };
@@ -587,8 +521,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
         let mut vlatent = vec![0.0; nd * h * lkv];
         let o_split = match (opt.get(Stage::SplitOut), opt.get(Stage::SplitLse)) {
             (Some(o), Some(l))
-                if inp.provided.contains(Stage::SplitOut)
-                    && inp.provided.contains(Stage::SplitLse) =>
+                if inp.provided.contains(Stage::SplitOut) && inp.provided.contains(Stage::SplitLse) =>
             {
                 Some((o, l))
             }
@@ -609,10 +542,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                         + qp.iter().zip(kp).map(|(x, y)| (x * y).powi(2)).sum::<f64>();
                     let prop: f64 = lt.iter().zip(vqa).map(|(x, v)| x * x * v).sum();
                     let s = a * scale;
-                    (
-                        s,
-                        scale * scale * (prop + acc_var(lkv + r, sq, a)) + s * s * 2.0 * F32_OP,
-                    )
+                    (s, scale * scale * (prop + acc_var(lkv + r, sq, a)) + s * s * 2.0 * F32_OP)
                 };
                 let parts: Vec<Attn> = splits
                     .iter()
@@ -662,9 +592,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
         out.push_rows(Stage::AttnLatent, latent, vlatent, latent_coh);
         // attn_heads[decode] ← the stored attn_latent.
         if let Some(o_att) = opt2(opt, Stage::AttnLatent) {
-            let o_att = o_att
-                .into_shape_with_order((nd * h, lkv))
-                .expect("[D, H, Lkv]");
+            let o_att = o_att.into_shape_with_order((nd * h, lkv)).expect("[D, H, Lkv]");
             for hh in 0..h {
                 let uv = w_uv.slice(s![hh * dv..(hh + 1) * dv, ..]).to_owned();
                 let rows: Vec<usize> = (0..nd).map(|d| d * h + hh).collect();
@@ -687,11 +615,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     // attn_out ← the stored heads.
     if let Some(o_heads) = opt2(opt, Stage::AttnHeads) {
         let (y, v) = linear(o_heads.view(), &f64s(&mw.o));
-        out.push(
-            Stage::AttnOut,
-            y.into_raw_vec_and_offset().0,
-            v.into_raw_vec_and_offset().0,
-        );
+        out.push(Stage::AttnOut, y.into_raw_vec_and_offset().0, v.into_raw_vec_and_offset().0);
     }
     out
 }

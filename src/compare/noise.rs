@@ -227,9 +227,9 @@ pub fn judge(
         .collect();
     // Whole check.
     let d_all = {
-        let (sp, sd) = row_dof.iter().fold((0.0, 0.0), |(a, b), &(p, d)| {
-            (a + p, b + p * p / d.max(1e-300))
-        });
+        let (sp, sd) = row_dof
+            .iter()
+            .fold((0.0, 0.0), |(a, b), &(p, d)| (a + p, b + p * p / d.max(1e-300)));
         if sd > 0.0 {
             sp * sp / sd
         } else {
@@ -247,9 +247,9 @@ pub fn judge(
     let r_all = ratio_of(e_all, p_all, energy_bound);
     if r_all > 1.0 {
         reasons.push(match p_all > 0.0 {
-            true => {
-                format!("error energy {energy:.2}× the predicted noise (bound {energy_bound:.2}×)")
-            }
+            true => format!(
+                "error energy {energy:.2}× the predicted noise (bound {energy_bound:.2}×)"
+            ),
             false => "differs from an exact copy of its input".to_string(),
         });
     }
@@ -345,10 +345,7 @@ mod tests {
     fn store_is_inferred_from_values() {
         assert_eq!(Store::infer(&[1.0, 0.5, -3.0]), Store::Bf16);
         assert_eq!(Store::infer(&[1.0 + 2f64.powi(-10)]), Store::Fp16);
-        assert_eq!(
-            Store::infer(&[0.1f32 as f64, f64::NEG_INFINITY]),
-            Store::F32
-        );
+        assert_eq!(Store::infer(&[0.1f32 as f64, f64::NEG_INFINITY]), Store::F32);
         assert_eq!(Store::infer(&[0.1]), Store::F64);
         assert_eq!(Store::Bf16.ulp(1.5), 2f64.powi(-7));
         assert_eq!(Store::Fp16.ulp(1e-9), 2f64.powi(-24));

@@ -327,14 +327,8 @@ pub fn run(
                     &free_ctx,
                 )?);
             }
-            let mut r = compare::compare_layer(
-                &free_ctx,
-                &reference,
-                &opt,
-                opts.dtype,
-                &opts.tolerances,
-                None,
-            )?;
+            let mut r =
+                compare::compare_layer(&free_ctx, &reference, &opt, opts.dtype, &opts.tolerances, None)?;
             add_residual(&mut h_opt, attn_out(&opt)?);
             r.drift = Some(compare::metrics::rel_l2(
                 next_ref.as_slice().expect("standard layout"),
