@@ -85,6 +85,8 @@ pub struct LayerCtx<'a> {
     pub block_table: &'a [usize],
     /// Planted bugs active in this layer (`mla-diff run --inject`); `Active::NONE` for a real run.
     pub faults: Active,
+    /// DSA: the keys each query attends to (`run::dsa`); `None` for dense attention.
+    pub selection: Option<&'a crate::reference::sparse::Selection>,
 }
 
 /// What a run computes once for all its layers: the rope tables and the block table.
@@ -120,6 +122,7 @@ impl RunTables {
             sched,
             block_table: &self.block_table,
             faults,
+            selection: None,
         }
     }
 }

@@ -5,6 +5,7 @@ pub mod checks;
 pub mod local;
 pub mod metrics;
 pub mod noise;
+pub mod selection;
 pub mod tolerance;
 
 pub use checks::{checks_for, Check, Phase};

@@ -31,7 +31,7 @@ pub struct YarnSpec {
     pub beta_slow: Option<f32>,
 }
 
-/// The DSA indexer of GLM-5 (written to the file; the dense MLA graph does not use it).
+/// The DSA indexer of GLM-5 (keys and `blk.N.indexer.*` tensors; docs/dsa.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Indexer {
     pub heads: u32,
@@ -187,8 +187,8 @@ pub const CATALOGUE: [Entry; 7] = [
         indexer: None,
         note: "",
     },
-    // The 78 trunk layers; the converter also appends the NextN/MTP block (block_count 79) and the DSA
-    // indexer tensors, neither of which the dense MLA graph uses, so the fixture writes neither.
+    // The 78 trunk layers; the converter also appends the NextN/MTP block (block_count 79), which the
+    // fixture does not write. It writes the DSA indexer's tensors (`blk.N.indexer.*`).
     Entry {
         preset: Preset::Glm5,
         name: "glm-5",

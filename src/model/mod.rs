@@ -2,10 +2,12 @@
 
 pub mod catalogue;
 pub mod config;
+pub mod indexer;
 pub mod rope_factors;
 pub mod synthetic;
 pub mod weights;
 
 pub use config::{yarn_scales, Arch, MlaConfig, RopeConfig, RopePairing, Yarn};
+pub use indexer::{IndexerConfig, IndexerWeights};
 pub use rope_factors::RopeFactors;
 pub use weights::{KvBLayout, LayerWeights, QProj};

@@ -5,6 +5,7 @@
 use super::front::{cache_rows, linear, o_proj, Front};
 use super::mha::AttnOutput;
 use super::softmax_in_place;
+use super::sparse::{mask_row, Selection};
 use crate::model::{LayerWeights, MlaConfig};
 use crate::schedule::Schedule;
 use ndarray::{concatenate, s, Array2, Array3, Array4, Axis};
@@ -30,6 +31,17 @@ pub fn absorb_query(
 /// Scaled scores `[H, n, rows.end]` of the queries `rows` over the keys `0..rows.end`; −inf where a key
 /// lies after its query (causal).
 pub fn scores(cfg: &MlaConfig, f: &Front, q_abs: &Array3<f64>, rows: Range<usize>) -> Array3<f64> {
+    scores_sel(cfg, f, q_abs, rows, None)
+}
+
+/// `scores` with −inf also at the keys a DSA selection drops.
+pub fn scores_sel(
+    cfg: &MlaConfig,
+    f: &Front,
+    q_abs: &Array3<f64>,
+    rows: Range<usize>,
+    sel: Option<&Selection>,
+) -> Array3<f64> {
     let keys = cache_rows(f);
     let keys = keys.slice(s![..rows.end, ..]);
     let (n, h) = (rows.len(), cfg.n_head);
@@ -47,6 +59,10 @@ pub fn scores(cfg: &MlaConfig, f: &Front, q_abs: &Array3<f64>, rows: Range<usize
         for (i, mut row) in sc.rows_mut().into_iter().enumerate() {
             row.slice_mut(s![rows.start + i + 1..])
                 .fill(f64::NEG_INFINITY);
+            if let Some(sel) = sel {
+                let t = rows.start + i;
+                mask_row(sel, t, &mut row.as_slice_mut().expect("contiguous")[..=t]);
+            }
         }
         out.slice_mut(s![hh, .., ..]).assign(&sc);
     }
@@ -73,9 +89,20 @@ pub fn latent_attention(
     f: &Front,
     rows: Range<usize>,
 ) -> LatentAttention {
+    latent_attention_sel(cfg, w, f, rows, None)
+}
+
+/// `latent_attention` over the keys a DSA selection keeps (`None`: all of them).
+pub fn latent_attention_sel(
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    f: &Front,
+    rows: Range<usize>,
+    sel: Option<&Selection>,
+) -> LatentAttention {
     let (n, h, lkv) = (rows.len(), cfg.n_head, cfg.kv_lora_rank);
     let q_abs = absorb_query(cfg, w, &f.q_nope, rows.clone());
-    let scores = scores(cfg, f, &q_abs, rows.clone());
+    let scores = scores_sel(cfg, f, &q_abs, rows.clone(), sel);
     let latent = f.latent.slice(s![..rows.end, ..]);
     let mut lse = Array2::zeros((n, h));
     let mut latent_out = Array3::zeros((n, h, lkv));

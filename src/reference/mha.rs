@@ -4,6 +4,7 @@
 
 use super::front::{linear, o_proj, Front};
 use super::softmax_in_place;
+use super::sparse::{mask_row, Selection};
 use crate::model::{LayerWeights, MlaConfig};
 use ndarray::{concatenate, s, Array2, Array3, ArrayView2, Axis};
 
@@ -42,6 +43,16 @@ pub fn decompress(
 
 /// Causal attention of every token over the tokens up to itself.
 pub fn attention(cfg: &MlaConfig, w: &LayerWeights, f: &Front) -> AttnOutput {
+    attention_sel(cfg, w, f, None)
+}
+
+/// `attention` over the keys a DSA selection keeps (`None`: all of them).
+pub fn attention_sel(
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    f: &Front,
+    sel: Option<&Selection>,
+) -> AttnOutput {
     let (t, h, dv) = (f.latent.nrows(), cfg.n_head, cfg.v_head_dim);
     let (k_nope, v) = decompress(cfg, w, f.latent.view());
     let mut lse = Array2::zeros((t, h));
@@ -57,6 +68,9 @@ pub fn attention(cfg: &MlaConfig, w: &LayerWeights, f: &Front) -> AttnOutput {
         let mut p = q.dot(&k.t()) * cfg.softmax_scale;
         for (i, mut row) in p.rows_mut().into_iter().enumerate() {
             let row = row.as_slice_mut().expect("contiguous");
+            if let Some(sel) = sel {
+                mask_row(sel, i, &mut row[..=i]);
+            }
             lse[[i, hh]] = softmax_in_place(&mut row[..=i]);
             row[i + 1..].fill(0.0);
         }

@@ -7,7 +7,9 @@
 
 pub mod absorbed;
 pub mod front;
+pub mod indexer;
 pub mod mha;
+pub mod sparse;
 
 use crate::error::{Error, Result};
 use crate::model::{LayerWeights, MlaConfig, QProj};
@@ -121,12 +123,32 @@ pub fn run_layer(
     x: &Array2<f64>,
     sched: &Schedule,
 ) -> Result<LayerTrace> {
+    run_layer_sel(cfg, w, rope, x, sched, None)
+}
+
+/// `run_layer` for a DSA layer: attention over the keys `sel` keeps (`None`: dense).
+pub fn run_layer_sel(
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    rope: &RopeTables,
+    x: &Array2<f64>,
+    sched: &Schedule,
+    sel: Option<&sparse::Selection>,
+) -> Result<LayerTrace> {
     check_inputs(cfg, w, rope, x, sched)?;
     let t = sched.total_tokens();
+    if let Some(s) = sel {
+        if s.n_queries() != t {
+            return Err(Error::Usage(format!(
+                "the DSA selection covers {} queries, the schedule has {t} tokens",
+                s.n_queries()
+            )));
+        }
+    }
     let f = front::front(cfg, w, rope, x.view());
-    let a = mha::attention(cfg, w, &f);
+    let a = mha::attention_sel(cfg, w, &f, sel);
     let dec = sched.prompt_len..t;
-    let b = absorbed::latent_attention(cfg, w, &f, dec.clone());
+    let b = absorbed::latent_attention_sel(cfg, w, &f, dec.clone(), sel);
     let (split_out, split_lse) = absorbed::split_partials(&b.scores, &f.latent, dec, sched);
     let mut tr = LayerTrace::new(w.layer);
     tr.push(stage(Stage::AttnIn, &f.attn_in));

@@ -22,6 +22,7 @@ use crate::trace::{LayerTrace, Stage};
 use ndarray::Array2;
 use std::path::PathBuf;
 
+pub mod dsa;
 pub mod repeat;
 
 /// Where layer inputs come from.

@@ -63,6 +63,7 @@ impl Case {
             sched: &self.sched,
             block_table: &self.block_table,
             faults: mla_diff::faults::Active::NONE,
+            selection: None,
         }
     }
 }

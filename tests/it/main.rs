@@ -13,6 +13,8 @@ mod coverage;
 mod cuda_env;
 mod deploy;
 mod detection;
+mod dsa;
+mod dsa_golden;
 mod fixture_roundtrip;
 mod fixtures;
 mod flash;

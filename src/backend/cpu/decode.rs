@@ -11,6 +11,7 @@ use super::{row3, MirrorFront};
 use crate::backend::Dtype;
 use crate::faults::{Active, Fault};
 use crate::model::MlaConfig;
+use crate::reference::sparse::Selection;
 use crate::schedule::Schedule;
 use ndarray::{s, Array2, Array3, Array4, ArrayView1};
 use std::ops::Range;
@@ -102,10 +103,11 @@ pub fn split_partial(
     keys: Range<usize>,
     dt: Dtype,
 ) -> Partial {
-    split_partial_fx(cfg, cache, qa, qp, keys, dt, Active::NONE)
+    split_partial_fx(cfg, cache, qa, qp, keys, dt, Active::NONE, None)
 }
 
 /// `split_partial` with the faults of the split's tile loop (`keys` are the split's keys this query sees).
+#[allow(clippy::too_many_arguments)]
 pub fn split_partial_fx(
     cfg: &MlaConfig,
     cache: &PagedCache,
@@ -114,6 +116,7 @@ pub fn split_partial_fx(
     mut keys: Range<usize>,
     dt: Dtype,
     fx: Active,
+    sel: Option<(&Selection, usize)>,
 ) -> Partial {
     let lkv = cfg.kv_lora_rank;
     let scale = cfg.softmax_scale as f32;
@@ -131,6 +134,12 @@ pub fn split_partial_fx(
         |j| {
             if drop_upper && (j - start) % TILE >= TILE / 2 {
                 return f32::NEG_INFINITY;
+            }
+            // DSA: a key the query's selection drops (`sel`: the selection and the query token).
+            if let Some((sel, t)) = sel {
+                if !sel.allows(t, j) {
+                    return f32::NEG_INFINITY;
+                }
             }
             let row = cache.row(j);
             (dot(qa, &row[..lkv]) + dot(qp, &row[lkv..])) * scale
@@ -151,6 +160,7 @@ pub fn step(
     sched: &Schedule,
     dt: Dtype,
     fx: Active,
+    sel: Option<&Selection>,
     out: &mut DecodeStages,
     heads: &mut Array3<f32>,
     lse: &mut Array2<f32>,
@@ -172,7 +182,7 @@ pub fn step(
                     if k == last && fx.on(Fault::ReadPastEnd) {
                         keys.end += 1;
                     }
-                    split_partial_fx(cfg, cache, qa, qp, keys, dt, fx)
+                    split_partial_fx(cfg, cache, qa, qp, keys, dt, fx, sel.map(|s| (s, t)))
                 })
                 .collect();
             for (k, p) in parts.iter().enumerate() {

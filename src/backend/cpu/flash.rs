@@ -52,6 +52,12 @@ pub fn attend<'a>(
         s.clear();
         s.extend(tile.clone().map(&score));
         let m_new = s.iter().copied().fold(m, f32::max);
+        // A tile whose keys are all masked (DSA: none selected) adds nothing; skipping it keeps
+        // exp(−inf − −inf) = NaN out of the rescale. A NaN score still flows (it is not −inf).
+        if m_new == f32::NEG_INFINITY && s.iter().all(|&v| v == f32::NEG_INFINITY) {
+            k0 = tile.end;
+            continue;
+        }
         let alpha = (m - m_new).exp();
         l *= alpha;
         acc.iter_mut().for_each(|a| *a *= alpha);
@@ -65,6 +71,9 @@ pub fn attend<'a>(
         }
         m = m_new;
         k0 = tile.end;
+    }
+    if m == f32::NEG_INFINITY && l == 0.0 {
+        return Partial::empty(dim);
     }
     Partial {
         out: acc.iter().map(|a| a / l).collect(),

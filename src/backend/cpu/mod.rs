@@ -46,6 +46,7 @@ pub mod cache;
 pub mod decode;
 pub mod flash;
 pub mod front;
+pub mod indexer;
 pub mod ops;
 pub mod prefill;
 
@@ -124,6 +125,8 @@ impl Backend for CpuMirror {
         let t = sched.total_tokens();
         let dt = self.dtype;
         let fx = ctx.faults;
+        // DSA: attention over the selection the run gives (the reference's, or the mirror's own).
+        let sel = ctx.selection;
         let rope = front::RopeF32::new(tables, fx);
         let mw = front::MirrorWeights::new(cfg, w, dt, fx);
 
@@ -165,13 +168,13 @@ impl Backend for CpuMirror {
         let mut lse = Array2::<f32>::zeros((t, h));
         for c in sched.prefill_chunks() {
             write(&mut cache, c.clone());
-            prefill::chunk(&acfg, &mw, &f, &cache, c, dt, fx, &mut heads, &mut lse);
+            prefill::chunk(&acfg, &mw, &f, &cache, c, dt, fx, sel, &mut heads, &mut lse);
         }
         let mut dec = decode::DecodeStages::new(cfg, sched);
         for r in sched.decode_ranges() {
             write(&mut cache, r.clone());
             decode::step(
-                &acfg, &mw, &f, &cache, r, sched, dt, fx, &mut dec, &mut heads, &mut lse,
+                &acfg, &mw, &f, &cache, r, sched, dt, fx, sel, &mut dec, &mut heads, &mut lse,
             );
         }
         let attn_out = match fx.on(Fault::HeadStrideQk) {

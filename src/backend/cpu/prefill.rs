@@ -10,6 +10,7 @@ use super::{row3, MirrorFront};
 use crate::backend::Dtype;
 use crate::faults::{Active, Fault};
 use crate::model::MlaConfig;
+use crate::reference::sparse::Selection;
 use ndarray::{s, Array2, Array3};
 use std::ops::Range;
 
@@ -67,6 +68,21 @@ pub fn attend_kv(
     keys: Range<usize>,
     dt: Dtype,
 ) -> Partial {
+    attend_kv_sel(cfg, f, kv, t, h, keys, dt, None)
+}
+
+/// `attend_kv` over the keys a DSA selection keeps: `sel` and the token of `kv`'s row 0.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_kv_sel(
+    cfg: &MlaConfig,
+    f: &MirrorFront,
+    kv: &Kv,
+    t: usize,
+    h: usize,
+    keys: Range<usize>,
+    dt: Dtype,
+    sel: Option<(&Selection, usize)>,
+) -> Partial {
     let (qn, qp) = (row3(&f.q_nope, t, h), row3(&f.q_pe, t, h));
     let scale = cfg.softmax_scale as f32;
     let k_pe = kv.k_pe.as_slice().expect("contiguous");
@@ -75,7 +91,10 @@ pub fn attend_kv(
         keys,
         cfg.v_head_dim,
         dt,
-        |j| (dot(qn, row3(&kv.k_nope, j, h)) + dot(qp, &k_pe[j * r..(j + 1) * r])) * scale,
+        |j| match sel {
+            Some((sel, base)) if !sel.allows(t, base + j) => f32::NEG_INFINITY,
+            _ => (dot(qn, row3(&kv.k_nope, j, h)) + dot(qp, &k_pe[j * r..(j + 1) * r])) * scale,
+        },
         |j| row3(&kv.v, j, h),
     )
     .rounded(dt)
@@ -97,6 +116,7 @@ pub fn chunk(
     c: Range<usize>,
     dt: Dtype,
     fx: Active,
+    sel: Option<&Selection>,
     heads: &mut Array3<f32>,
     lse: &mut Array2<f32>,
 ) {
@@ -107,11 +127,13 @@ pub fn chunk(
     let ctx = (c.start > 0 || empty_ctx_inf).then(|| context_kv(cfg, mw, cache, c.start, dt));
     for (i, t) in c.clone().enumerate() {
         for h in 0..cfg.n_head {
-            let mine = attend_kv(cfg, f, &own, t, h, 0..causal_end(i, fx).min(c.len()), dt);
+            let own_keys = 0..causal_end(i, fx).min(c.len());
+            let mine = attend_kv_sel(cfg, f, &own, t, h, own_keys, dt, sel.map(|s| (s, c.start)));
             let res = match &ctx {
                 None => mine,
                 Some(kv) => {
-                    let mut prefix = attend_kv(cfg, f, kv, t, h, 0..c.start, dt);
+                    let ks = 0..c.start;
+                    let mut prefix = attend_kv_sel(cfg, f, kv, t, h, ks, dt, sel.map(|s| (s, 0)));
                     if c.start == 0 && empty_ctx_inf {
                         prefix.lse = f32::INFINITY;
                     }

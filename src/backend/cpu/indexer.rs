@@ -1,0 +1,252 @@
+//! The DSA lightning indexer at the engine's precision (the CPU mirror's; the fp64 one is
+//! `reference::indexer`).
+//!
+//! - `q = round(q_lora_latent · W_q_bᵀ)` (the mirror's stored, normed q-LoRA latent), per head rope on its
+//!   first R dims in f32, rounded;
+//! - `k = round(LayerNorm_f32(round(attn_in · W_kᵀ)) · w + b)`, rope likewise;
+//! - `w = attn_in · W_projᵀ` with `W_proj` kept in f32 (transformers' `_keep_in_fp32_modules`, vLLM),
+//!   scaled by `(Hi·Di)^-0.5` once (llama.cpp's pre-scaling; equal to the model's two scalings since
+//!   ReLU is positively homogeneous);
+//! - with `Fp8Keys`: q and k rotated by the normalised Hadamard matrix (exact in the maths: `Hq·Hk = q·k`)
+//!   and stored as fp8 e4m3 with one f32 scale `amax/448` per 128 values (vLLM's indexer cache:
+//!   `DeepseekV32IndexerCache`, 132 B per token for Di 128); the logit is `dot(q8, k8)·s_q·s_k`;
+//! - `score[t, j] = Σ_h w[t, h] · ReLU(logit)` in f32; top `min(top_k, t+1)` of `0..=t`, ties to the
+//!   lower key.
+//!
+//! Planted indexer bugs come in as a `Reading` (the rope pairing swapped, no causal cut before the
+//! top-k, no ReLU, top-k one short) and `Fp8Fault` (the key scale dropped).
+
+use super::front::RopeF32;
+use super::ops::{dot, linear, rms_norm, round_all, stored};
+use crate::backend::Dtype;
+use crate::error::{Error, Result};
+use crate::faults::Active;
+use crate::model::{IndexerConfig, IndexerWeights, LayerWeights, MlaConfig, QProj, RopePairing};
+use crate::reference::indexer::Reading;
+use crate::reference::sparse::Selection;
+use crate::rope::RopeTables;
+use ndarray::{s, Array2, Array3, Axis};
+
+/// How the indexer stores q and k.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyPrecision {
+    /// In the run's dtype (bf16 / fp16 / f32), like transformers' and llama.cpp's graphs.
+    #[default]
+    Storage,
+    /// Hadamard-rotated fp8 e4m3 with per-128 scales, like vLLM / DeepGEMM (`Di` a power of two).
+    Fp8,
+}
+
+/// The fp8 e4m3 block of the indexer cache: values per scale.
+pub const FP8_BLOCK: usize = 128;
+/// Largest finite e4m3 value.
+pub const FP8_MAX: f32 = 448.0;
+
+/// Round to fp8 e4m3 (saturating at ±448; 3 mantissa bits, subnormals below 2^-6).
+pub fn fp8_e4m3(x: f32) -> f32 {
+    if !x.is_finite() {
+        return x;
+    }
+    let a = x.abs().min(FP8_MAX);
+    if a == 0.0 {
+        return 0.0 * x.signum();
+    }
+    let e = a.log2().floor().max(-6.0);
+    let step = (e - 3.0).exp2();
+    ((a / step).round_ties_even() * step)
+        .min(FP8_MAX)
+        .copysign(x)
+}
+
+/// `x · H / sqrt(n)` with `H` the Sylvester Hadamard matrix (fast Walsh–Hadamard transform), in f32.
+pub fn hadamard(x: &mut [f32]) {
+    let n = x.len();
+    debug_assert!(n.is_power_of_two());
+    let mut h = 1;
+    while h < n {
+        for i in (0..n).step_by(2 * h) {
+            for j in i..i + h {
+                let (a, b) = (x[j], x[j + h]);
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+        }
+        h *= 2;
+    }
+    let s = (n as f32).sqrt().recip();
+    x.iter_mut().for_each(|v| *v *= s);
+}
+
+/// Quantize a vector to fp8 in blocks of `FP8_BLOCK`; returns the per-block scales (`amax/448`).
+pub fn quantize_fp8(x: &mut [f32]) -> Vec<f32> {
+    x.chunks_mut(FP8_BLOCK)
+        .map(|b| {
+            let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let sc = if amax > 0.0 { amax / FP8_MAX } else { 1.0 };
+            b.iter_mut().for_each(|v| *v = fp8_e4m3(*v / sc));
+            sc
+        })
+        .collect()
+}
+
+/// The mirror indexer's tensors and selection.
+#[derive(Debug, Clone)]
+pub struct MirrorIndexer {
+    /// `[T, T]` f32 scores over all keys (only `j ≤ t` is visible).
+    pub scores: Array2<f32>,
+    pub selection: Selection,
+}
+
+/// What the mirror's indexer computes: the model (`Reading::default()`) or a planted misreading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Plan {
+    pub keys: KeyPrecision,
+    pub reading: Reading,
+    /// Fp8 only: the key scale dropped from the logit (the cache read as if its values were unscaled).
+    pub fp8_scale_dropped: bool,
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn run(
+    cfg: &MlaConfig,
+    ic: &IndexerConfig,
+    iw: &IndexerWeights,
+    w: &LayerWeights,
+    rope: &RopeTables,
+    x: &Array2<f64>,
+    dt: Dtype,
+    plan: Plan,
+) -> Result<MirrorIndexer> {
+    let r = plan.reading;
+    let (hi, di, rd) = (ic.heads, ic.head_dim, ic.rope_dim);
+    if plan.keys == KeyPrecision::Fp8 && !di.is_power_of_two() {
+        return Err(Error::Usage(format!(
+            "fp8 indexer keys need a power-of-two head dim for the Hadamard rotation, the file has {di}"
+        )));
+    }
+    // The layer input and attn_norm as the mirror's front computes them (`front::input`, `attn_in`).
+    let attn_in = rms_norm(
+        super::front::input(x, dt).view(),
+        &stored(&w.attn_norm, dt),
+        cfg.rms_eps,
+        dt,
+    );
+    let t = attn_in.nrows();
+    let attn_in = attn_in.view();
+    let qr = match &w.q {
+        QProj::Lora { a, a_norm, .. } => {
+            let qa = linear(attn_in, stored(a, dt).view(), dt);
+            rms_norm(qa.view(), &stored(a_norm, dt), cfg.lora_norm_eps, dt)
+        }
+        QProj::Plain { .. } => unreachable!("a DSA indexer needs q-LoRA"),
+    };
+    let mut tables = RopeF32::new(rope, Active::NONE);
+    tables.pairing = match (r.swap_rope, ic.rope) {
+        (false, p) => p,
+        (true, RopePairing::Norm) => RopePairing::Neox,
+        (true, RopePairing::Neox) => RopePairing::Norm,
+    };
+    let mut q = linear(qr.view(), stored(&iw.q_b, dt).view(), dt)
+        .into_shape_with_order((t, hi, di))
+        .expect("[T, Hi·Di]");
+    for (tt, mut tok) in q.axis_iter_mut(Axis(0)).enumerate() {
+        for mut head in tok.axis_iter_mut(Axis(0)) {
+            tables.rotate(tt, &mut head.as_slice_mut().expect("contiguous")[..rd], dt);
+        }
+    }
+    let mut k = layer_norm(
+        linear(attn_in, stored(&iw.k, dt).view(), dt),
+        &stored(&iw.k_norm, dt),
+        &stored(&iw.k_norm_bias, dt),
+        dt,
+    );
+    for (tt, mut row) in k.axis_iter_mut(Axis(0)).enumerate() {
+        tables.rotate(tt, &mut row.as_slice_mut().expect("contiguous")[..rd], dt);
+    }
+    let scale = ((hi * di) as f32).sqrt().recip();
+    let weights = attn_in.dot(&iw.proj.t()) * scale;
+    if plan.keys == KeyPrecision::Fp8 {
+        fp8_rows(&mut q, &mut k, plan.fp8_scale_dropped);
+    }
+    let mut scores = Array2::<f32>::zeros((t, t));
+    for tt in 0..t {
+        for j in 0..t {
+            let kj = k.row(j);
+            let kj = kj.as_slice().expect("contiguous");
+            let mut acc = 0f32;
+            for h in 0..hi {
+                let qh = &q.slice(s![tt, h, ..]);
+                let l = dot(qh.as_slice().expect("contiguous"), kj);
+                acc += weights[[tt, h]] * if r.no_relu { l } else { l.max(0.0) };
+            }
+            scores[[tt, j]] = acc;
+        }
+    }
+    let selection = crate::reference::indexer::select(&scores.mapv(f64::from), ic.top_k, r);
+    Ok(MirrorIndexer { scores, selection })
+}
+
+/// Hadamard-rotate and fp8-quantize q (per token and head) and k (per token) in place, leaving each
+/// value as `fp8 · scale` (the logit `Σ_blocks dot(q8, k8)·s_q·s_k` up to f32 summation order).
+fn fp8_rows(q: &mut Array3<f32>, k: &mut Array2<f32>, scale_dropped: bool) {
+    let fp8 = |v: &mut [f32], keep_scale: bool| {
+        hadamard(v);
+        let scales = quantize_fp8(v);
+        if keep_scale {
+            for (b, sc) in v.chunks_mut(FP8_BLOCK).zip(scales) {
+                b.iter_mut().for_each(|x| *x *= sc);
+            }
+        }
+    };
+    for mut row in q.rows_mut() {
+        fp8(row.as_slice_mut().expect("contiguous"), true);
+    }
+    for mut row in k.rows_mut() {
+        fp8(row.as_slice_mut().expect("contiguous"), !scale_dropped);
+    }
+}
+
+/// `round(LayerNorm_f32(x) · w + b)` per row (population variance, eps 1e-6).
+fn layer_norm(
+    mut x: Array2<f32>,
+    w: &ndarray::Array1<f32>,
+    b: &ndarray::Array1<f32>,
+    dt: Dtype,
+) -> Array2<f32> {
+    let eps = crate::model::indexer::K_NORM_EPS as f32;
+    for mut row in x.rows_mut() {
+        let n = row.len() as f32;
+        let mean = row.sum() / n;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+        let r = (var + eps).sqrt().recip();
+        for ((v, &g), &bb) in row.iter_mut().zip(w.iter()).zip(b.iter()) {
+            *v = dt.round((*v - mean) * r * g + bb);
+        }
+    }
+    round_all(x, dt)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp8_rounds_to_three_mantissa_bits_and_saturates() {
+        assert_eq!(fp8_e4m3(1.0), 1.0);
+        assert_eq!(fp8_e4m3(1.0625), 1.0); // halfway to 1.125: ties to even
+        assert_eq!(fp8_e4m3(1.1), 1.125);
+        assert_eq!(fp8_e4m3(-300.0), -288.0);
+        assert_eq!(fp8_e4m3(1000.0), 448.0);
+        assert_eq!(fp8_e4m3(2f32.powi(-9)), 2f32.powi(-9)); // smallest subnormal
+    }
+
+    #[test]
+    fn hadamard_is_orthogonal() {
+        let a: Vec<f32> = (0..8).map(|i| (i as f32 * 0.7).sin()).collect();
+        let b: Vec<f32> = (0..8).map(|i| (i as f32 * 1.3).cos()).collect();
+        let (mut ha, mut hb) = (a.clone(), b.clone());
+        hadamard(&mut ha);
+        hadamard(&mut hb);
+        assert!((dot(&a, &b) - dot(&ha, &hb)).abs() < 1e-5);
+    }
+}
