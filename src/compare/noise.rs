@@ -267,13 +267,13 @@ pub fn judge(
     // Rows of the last axis.
     let row_x = x + (rows.max(1) as f64).ln();
     let (mut row_ratio, mut row_energy, mut row_bound, mut row_i) = (0.0, 0.0, 0.0, None);
-    for r in 0..rows {
+    for (r, &(_, row_d)) in row_dof.iter().enumerate() {
         let idx = (r * row..(r + 1) * row).filter(|&i| fin(i));
         let (e, p) = idx.fold((0.0, 0.0), |(e, p), i| {
             let d = opt[i] - local[i];
             (e + d * d, p + var[i])
         });
-        let b = K * chi2_bound(row_dof[r].1, row_x);
+        let b = K * chi2_bound(row_d, row_x);
         let q = ratio_of(e, p, b);
         if q > row_ratio {
             row_ratio = q;
