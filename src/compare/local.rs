@@ -21,7 +21,8 @@ use crate::model::{LayerWeights, MlaConfig, QProj};
 use crate::rope::{pair, RopeTables};
 use crate::schedule::Schedule;
 use crate::trace::{LayerTrace, Stage, StageSet};
-use ndarray::{s, Array1, Array2, ArrayView2, Zip};
+use ndarray::{s, Array1, Array2, ArrayView1, ArrayView2, Zip};
+use rayon::prelude::*;
 
 /// fp64 of each stage from the optimized path's inputs, and the variance its hidden roundings and f32
 /// arithmetic predict (the output's own rounding is added by the judge, from the stored values).
@@ -168,6 +169,32 @@ fn rope_rows(
     }
 }
 
+/// A row of a standard-layout array (or a contiguous view) as a slice.
+fn row(a: &Array2<f64>, i: usize) -> &[f64] {
+    sl(a.row(i))
+}
+fn sl(a: ArrayView1<'_, f64>) -> &[f64] {
+    a.to_slice().expect("a contiguous row")
+}
+
+/// A score `x·y + xr·yr` in one pass, with Σ(xᵢyᵢ)² (for its f32 sum's rounding) and Σxᵢ²·wᵢ, the
+/// variance that y's hidden rounding (variance `w`) adds to it.
+fn dot_var(x: &[f64], y: &[f64], w: &[f64], xr: &[f64], yr: &[f64]) -> (f64, f64, f64) {
+    let (mut a, mut sq, mut prop) = (0.0, 0.0, 0.0);
+    for ((&x, &y), &w) in x.iter().zip(y).zip(w) {
+        let xy = x * y;
+        a += xy;
+        sq += xy * xy;
+        prop += x * x * w;
+    }
+    for (&x, &y) in xr.iter().zip(yr) {
+        let xy = x * y;
+        a += xy;
+        sq += xy * xy;
+    }
+    (a, sq, prop)
+}
+
 /// One attention over `keys`: output, its variance, lse and its variance.
 struct Attn {
     out: Vec<f64>,
@@ -237,56 +264,59 @@ fn attend(
     out.iter_mut().for_each(|o| *o /= l);
     let n = p.len();
     let tiles = n.div_ceil(64) as f64;
-    let mut var = vec![0.0; dim];
-    let mut per_key = vec![0.0; n];
-    // P's roundings act along the values: where the values share a direction (latent rows often
-    // do), their sum along it is one source, not one per key.
-    let r_of = |j: usize| {
-        if j == arg_max {
-            0.0
-        } else {
-            hidden_round(dt, p[j])
-        }
-    };
-    let r_tot: f64 = (0..n).map(r_of).sum();
-    let common: Vec<f64> = (0..dim)
-        .map(|d| match r_tot > 0.0 {
-            true => (0..n).map(|j| r_of(j) * v[j][d]).sum::<f64>() / r_tot,
-            false => 0.0,
+    // The key holding the maximum has p = exp(0) = 1 exactly in every online softmax. Keys in tiles
+    // before the maximum's were rounded against a smaller running max, so where in their binade they
+    // sat is unknown: the largest relative rounding is assumed for them.
+    let rv: Vec<f64> = (0..n)
+        .map(|j| match j {
+            _ if j == arg_max => 0.0,
+            _ if j < early_end => Store::from(dt).worst_round_var(p[j]),
+            _ => hidden_round(dt, p[j]),
         })
         .collect();
-    let c_sq: f64 = common.iter().map(|c| c * c).sum();
-    let mut along = 0.0;
-    for (d, vd) in var.iter_mut().enumerate() {
-        let (mut a, mut sq, mut tot) = (0.0, 0.0, 0.0);
-        for j in 0..n {
-            let x = v[j][d];
-            let dev = (x - out[d]).powi(2);
-            // P's rounding moves the numerator only, or numerator and sum (kernels differ): the larger.
-            // The key holding the maximum has p = exp(0) = 1 exactly in every online softmax. Keys
-            // in tiles before the maximum's were rounded against a smaller running max, so where in
-            // their binade they sat is unknown: the largest relative rounding is assumed for them.
-            let round = if j == arg_max {
-                0.0
-            } else if j < early_end {
-                (p[j] * dt.round_unit()).powi(2) / 12.0
-            } else {
-                hidden_round(dt, p[j])
-            };
-            let c = round * (x * x).max(dev) + p[j] * p[j] * pv[j] * dev;
-            per_key[j] += c / (l * l);
-            if d == 0 {
-                along += round * c_sq / (l * l);
-            }
-            a += c;
-            if let Some(vv) = vv {
-                a += p[j] * p[j] * vv[j][d];
-            }
-            sq += (p[j] * x).powi(2);
-            tot += p[j] * x;
+    // P's roundings act along the values: where the values share a direction (latent rows often
+    // do), their sum along it is one source, not one per key.
+    let r_tot: f64 = rv.iter().sum();
+    let inv_l2 = 1.0 / (l * l);
+    let mut common = vec![0.0; dim];
+    if r_tot > 0.0 {
+        for (vj, &r) in v.iter().zip(&rv) {
+            let w = r / r_tot;
+            common.iter_mut().zip(*vj).for_each(|(c, &x)| *c += w * x);
         }
-        *vd = (a + acc_var(n, sq, tot)) / (l * l) + out[d] * out[d] * (tiles + 2.0) * F32_OP;
     }
+    let c_sq: f64 = common.iter().map(|c| c * c).sum();
+    let along = r_tot * c_sq * inv_l2;
+    // Per value column: P's roundings, the scores' (through p), the values' own; the f32 sum's terms.
+    let (mut a, mut sq, mut tot) = (vec![0.0; dim], vec![0.0; dim], vec![0.0; dim]);
+    let mut per_key = vec![0.0; n];
+    for j in 0..n {
+        let (round, pj) = (rv[j], p[j]);
+        let ppv = pj * pj * pv[j];
+        let mut key = 0.0;
+        let cols = v[j].iter().zip(&out).zip(a.iter_mut());
+        for (((&x, &o), ad), (sqd, td)) in cols.zip(sq.iter_mut().zip(tot.iter_mut())) {
+            let dev = (x - o) * (x - o);
+            // P's rounding moves the numerator only, or numerator and sum (kernels differ): the larger.
+            let c = round * (x * x).max(dev) + ppv * dev;
+            key += c;
+            *ad += c;
+            let px = pj * x;
+            *sqd += px * px;
+            *td += px;
+        }
+        if let Some(vv) = vv {
+            a.iter_mut()
+                .zip(vv[j])
+                .for_each(|(ad, &w)| *ad += pj * pj * w);
+        }
+        per_key[j] = key * inv_l2;
+    }
+    let mut var: Vec<f64> = (0..dim)
+        .map(|d| {
+            (a[d] + acc_var(n, sq[d], tot[d])) * inv_l2 + out[d] * out[d] * (tiles + 2.0) * F32_OP
+        })
+        .collect();
     let sp: f64 = p.iter().zip(&pv).map(|(a, b)| a * a * b).sum();
     let sq: f64 = p.iter().map(|a| a * a).sum();
     // The f32 sum l scales the whole row. Added to a running sum that already holds the maximum's 1,
@@ -346,7 +376,8 @@ fn merge(parts: &[Attn]) -> Attn {
     }
     let mut var = vec![0.0; dim];
     let mut var_lse = F32_OP;
-    let (mut coh, mut n_eff) = (0.0, 0.0);
+    // The row's shared variance: the parts' own (with their numbers of sources) and the lse shifts.
+    let (mut coh, mut coh2, mut shifts) = (0.0, 0.0, 0.0);
     for (p, &wk) in parts.iter().zip(&w) {
         if wk == 0.0 {
             continue;
@@ -360,17 +391,28 @@ fn merge(parts: &[Attn]) -> Attn {
             shift += dev;
             var[d] += a * a * (p.var[d] + dev + 2.0 * F32_OP * p.out[d].powi(2));
         }
-        // A part's lse error moves the whole row: one more shared source.
-        coh += a * a * (p.coh + shift);
-        n_eff += p.n_eff + 1.0;
+        let own = a * a * p.coh;
+        coh += own;
+        if own > 0.0 {
+            coh2 += own * own / p.n_eff.max(1.0);
+        }
+        shifts += a * a * shift;
     }
+    // A part's lse error moves the whole row along its output's difference from the merged one; with
+    // two parts both move it along one direction (a₁(o₁ − o) = −a₂(o₂ − o)): all of them one source.
+    coh += shifts;
+    coh2 += shifts * shifts;
     Attn {
         out,
         var,
         lse: m + total.ln(),
         var_lse,
         coh,
-        n_eff: n_eff.max(1.0),
+        n_eff: if coh2 > 0.0 {
+            (coh * coh / coh2).max(1.0)
+        } else {
+            1.0
+        },
     }
 }
 
@@ -513,84 +555,97 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     // Prefill, chunk by chunk: own keys from the chunk's fresh latent, context keys from the cache.
     let pl = sched.prompt_len;
     if pl > 0 {
-        for hh in 0..h {
-            let uk = w_uk.slice(s![hh * p..(hh + 1) * p, ..]).to_owned();
-            let uv = w_uv.slice(s![hh * dv..(hh + 1) * dv, ..]).to_owned();
-            let decompress = |lat: ArrayView2<f64>| {
-                let (k, mut vk) = linear(lat, &uk);
-                Zip::from(&mut vk)
-                    .and(&k)
-                    .for_each(|v, &y| *v += hidden_round(dt, y));
-                let (v, mut vv) = linear(lat, &uv);
-                Zip::from(&mut vv)
-                    .and(&v)
-                    .for_each(|x, &y| *x += hidden_round(dt, y));
-                (k, vk, v, vv)
-            };
-            let own = decompress(o_lat.slice(s![..pl, ..]));
-            let ctx = decompress(cache.slice(s![..pl, ..lkv]));
-            let kpe_own = o_kpe.slice(s![..pl, ..]);
-            let kpe_ctx = cache.slice(s![..pl, lkv..]);
-            for c in sched.prefill_chunks() {
-                for t in c.clone() {
-                    let qi = t * h + hh;
-                    let (qn, qp) = (o_qn.row(qi), o_qpe.row(qi));
-                    let part = |keys: std::ops::Range<usize>,
-                                (k, vk, v, vv): &(
-                        Array2<f64>,
-                        Array2<f64>,
-                        Array2<f64>,
-                        Array2<f64>,
-                    ),
-                                kpe: &ArrayView2<f64>| {
-                        let sc: Vec<(f64, f64)> = keys
-                            .clone()
-                            .map(|j| {
-                                let (kr, vkr, pr) = (k.row(j), vk.row(j), kpe.row(j));
-                                let a: f64 = qn.dot(&kr) + qp.dot(&pr);
-                                let sq: f64 = qn
-                                    .iter()
-                                    .zip(kr)
-                                    .map(|(x, y)| (x * y).powi(2))
-                                    .sum::<f64>()
-                                    + qp.iter().zip(pr).map(|(x, y)| (x * y).powi(2)).sum::<f64>();
-                                let prop: f64 = qn.iter().zip(vkr).map(|(x, y)| x * x * y).sum();
-                                let s = a * scale;
-                                (
-                                    s,
-                                    scale * scale * (prop + acc_var(p + r, sq, a))
-                                        + s * s * 2.0 * F32_OP,
-                                )
-                            })
-                            .collect();
-                        let vals: Vec<&[f64]> = keys
-                            .clone()
-                            .map(|j| v.row(j).to_slice().expect("row"))
-                            .collect();
-                        let vvs: Vec<&[f64]> =
-                            keys.map(|j| vv.row(j).to_slice().expect("row")).collect();
-                        attend(&sc, &vals, Some(&vvs), dv, dt)
-                    };
-                    let mine = part(c.start..t + 1, &own, &kpe_own);
-                    let res = if c.start > 0 {
-                        // Each part's output is stored before the merge.
-                        let mut parts = [part(0..c.start, &ctx, &kpe_ctx), mine];
-                        for pa in parts.iter_mut() {
-                            for (v, &o) in pa.var.iter_mut().zip(&pa.out) {
-                                *v += hidden_round(dt, o);
+        // Each head's prefill: independent, so in parallel.
+        let per_head: Vec<Vec<Attn>> = (0..h)
+            .into_par_iter()
+            .map(|hh| {
+                let mut rows = Vec::with_capacity(pl);
+                let uk = w_uk.slice(s![hh * p..(hh + 1) * p, ..]).to_owned();
+                let uv = w_uv.slice(s![hh * dv..(hh + 1) * dv, ..]).to_owned();
+                let decompress = |lat: ArrayView2<f64>| {
+                    let (k, mut vk) = linear(lat, &uk);
+                    Zip::from(&mut vk)
+                        .and(&k)
+                        .for_each(|v, &y| *v += hidden_round(dt, y));
+                    let (v, mut vv) = linear(lat, &uv);
+                    Zip::from(&mut vv)
+                        .and(&v)
+                        .for_each(|x, &y| *x += hidden_round(dt, y));
+                    (k, vk, v, vv)
+                };
+                let own = decompress(o_lat.slice(s![..pl, ..]));
+                // Context keys only where a chunk has context.
+                let ctx = (sched.prefill_chunks().len() > 1)
+                    .then(|| decompress(cache.slice(s![..pl, ..lkv])));
+                let kpe_own = o_kpe.slice(s![..pl, ..]);
+                let kpe_ctx = cache.slice(s![..pl, lkv..]);
+                for c in sched.prefill_chunks() {
+                    for t in c.clone() {
+                        let qi = t * h + hh;
+                        let (qn, qp) = (o_qn.row(qi), o_qpe.row(qi));
+                        let part = |keys: std::ops::Range<usize>,
+                                    (k, vk, v, vv): &(
+                            Array2<f64>,
+                            Array2<f64>,
+                            Array2<f64>,
+                            Array2<f64>,
+                        ),
+                                    kpe: &ArrayView2<f64>| {
+                            let sc: Vec<(f64, f64)> = keys
+                                .clone()
+                                .map(|j| {
+                                    let (a, sq, prop) = dot_var(
+                                        sl(qn),
+                                        sl(k.row(j)),
+                                        sl(vk.row(j)),
+                                        sl(qp),
+                                        sl(kpe.row(j)),
+                                    );
+                                    let s = a * scale;
+                                    (
+                                        s,
+                                        scale * scale * (prop + acc_var(p + r, sq, a))
+                                            + s * s * 2.0 * F32_OP,
+                                    )
+                                })
+                                .collect();
+                            let vals: Vec<&[f64]> = keys
+                                .clone()
+                                .map(|j| v.row(j).to_slice().expect("row"))
+                                .collect();
+                            let vvs: Vec<&[f64]> =
+                                keys.map(|j| vv.row(j).to_slice().expect("row")).collect();
+                            attend(&sc, &vals, Some(&vvs), dv, dt)
+                        };
+                        let mine = part(c.start..t + 1, &own, &kpe_own);
+                        let res = if c.start > 0 {
+                            // Each part's output is stored before the merge.
+                            let ctx = ctx.as_ref().expect("a chunk with context");
+                            let mut parts = [part(0..c.start, ctx, &kpe_ctx), mine];
+                            for pa in parts.iter_mut() {
+                                for (v, &o) in pa.var.iter_mut().zip(&pa.out) {
+                                    *v += hidden_round(dt, o);
+                                }
                             }
-                        }
-                        merge(&parts)
-                    } else {
-                        mine
-                    };
-                    let at = (t * h + hh) * dv;
-                    heads[at..at + dv].copy_from_slice(&res.out);
-                    heads_coh[t * h + hh] = (res.coh, res.n_eff);
-                    vheads[at..at + dv].copy_from_slice(&res.var);
-                    lse[t * h + hh] = res.lse;
-                    vlse[t * h + hh] = res.var_lse;
+                            merge(&parts)
+                        } else {
+                            mine
+                        };
+                        rows.push(res);
+                    }
                 }
+                rows
+            })
+            .collect();
+        for (hh, rows) in per_head.into_iter().enumerate() {
+            // Chunks cover the prompt in order, so row t is token t.
+            for (t, res) in rows.into_iter().enumerate() {
+                let at = (t * h + hh) * dv;
+                heads[at..at + dv].copy_from_slice(&res.out);
+                heads_coh[t * h + hh] = (res.coh, res.n_eff);
+                vheads[at..at + dv].copy_from_slice(&res.var);
+                lse[t * h + hh] = res.lse;
+                vlse[t * h + hh] = res.var_lse;
             }
         }
     }
@@ -651,33 +706,57 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
             let t = pl + d;
             let seq_len = pl + (d / sched.q_len + 1) * sched.q_len;
             let splits = sched.split_ranges(seq_len);
-            for hh in 0..h {
+            // Each head's splits and combine: independent, so in parallel.
+            let per_head: Vec<(Vec<Attn>, Attn)> = (0..h)
+                .into_par_iter()
+                .map(|hh| {
+                    let qi = d * h + hh;
+                    let (qa, vqa, qp) = (
+                        row(&qa_used, qi),
+                        row(&vqa_used, qi),
+                        row(&o_qpe, t * h + hh),
+                    );
+                    let score = |j: usize| {
+                        let (lt, kp) = row(&cache, j).split_at(lkv);
+                        let (a, sq, prop) = dot_var(lt, qa, vqa, kp, qp);
+                        let s = a * scale;
+                        (
+                            s,
+                            scale * scale * (prop + acc_var(lkv + r, sq, a)) + s * s * 2.0 * F32_OP,
+                        )
+                    };
+                    let parts: Vec<Attn> = splits
+                        .iter()
+                        .map(|sr| {
+                            let keys = sr.start..sr.end.min(t + 1);
+                            let sc: Vec<(f64, f64)> = keys.clone().map(score).collect();
+                            let vals: Vec<&[f64]> = keys.map(|j| &row(&cache, j)[..lkv]).collect();
+                            attend(&sc, &vals, None, lkv, dt)
+                        })
+                        .collect();
+                    // The combine, from the stored partials when the backend exposes them.
+                    let merged = match o_split {
+                        Some((o, l)) => {
+                            let stored: Vec<Attn> = (0..ns)
+                                .map(|k| Attn {
+                                    out: o.data[(qi * ns + k) * lkv..(qi * ns + k + 1) * lkv]
+                                        .to_vec(),
+                                    var: vec![0.0; lkv],
+                                    lse: l.data[qi * ns + k],
+                                    var_lse: 0.0,
+                                    coh: 0.0,
+                                    n_eff: 0.0,
+                                })
+                                .collect();
+                            merge(&stored)
+                        }
+                        None => merge(&parts),
+                    };
+                    (parts, merged)
+                })
+                .collect();
+            for (hh, (parts, merged)) in per_head.into_iter().enumerate() {
                 let qi = d * h + hh;
-                let (qa, vqa, qp) = (qa_used.row(qi), vqa_used.row(qi), o_qpe.row(t * h + hh));
-                let score = |j: usize| {
-                    let row = cache.row(j);
-                    let (lt, kp) = (row.slice(s![..lkv]), row.slice(s![lkv..]));
-                    let a = qa.dot(&lt) + qp.dot(&kp);
-                    let sq: f64 = qa.iter().zip(lt).map(|(x, y)| (x * y).powi(2)).sum::<f64>()
-                        + qp.iter().zip(kp).map(|(x, y)| (x * y).powi(2)).sum::<f64>();
-                    let prop: f64 = lt.iter().zip(vqa).map(|(x, v)| x * x * v).sum();
-                    let s = a * scale;
-                    (
-                        s,
-                        scale * scale * (prop + acc_var(lkv + r, sq, a)) + s * s * 2.0 * F32_OP,
-                    )
-                };
-                let parts: Vec<Attn> = splits
-                    .iter()
-                    .map(|sr| {
-                        let keys = sr.start..sr.end.min(t + 1);
-                        let sc: Vec<(f64, f64)> = keys.clone().map(score).collect();
-                        let vals: Vec<&[f64]> = keys
-                            .map(|j| &cache.row(j).to_slice().expect("row")[..lkv])
-                            .collect();
-                        attend(&sc, &vals, None, lkv, dt)
-                    })
-                    .collect();
                 for (k, pa) in parts.iter().enumerate() {
                     let at = (qi * ns + k) * lkv;
                     split_out[at..at + lkv].copy_from_slice(&pa.out);
@@ -686,23 +765,6 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                     split_lse[qi * ns + k] = pa.lse;
                     vsplit_lse[qi * ns + k] = pa.var_lse;
                 }
-                // The combine, from the stored partials when the backend exposes them.
-                let merged = match o_split {
-                    Some((o, l)) => {
-                        let stored: Vec<Attn> = (0..ns)
-                            .map(|k| Attn {
-                                out: o.data[(qi * ns + k) * lkv..(qi * ns + k + 1) * lkv].to_vec(),
-                                var: vec![0.0; lkv],
-                                lse: l.data[qi * ns + k],
-                                var_lse: 0.0,
-                                coh: 0.0,
-                                n_eff: 0.0,
-                            })
-                            .collect();
-                        merge(&stored)
-                    }
-                    None => merge(&parts),
-                };
                 latent[qi * lkv..(qi + 1) * lkv].copy_from_slice(&merged.out);
                 latent_coh[qi] = (merged.coh, merged.n_eff);
                 vlatent[qi * lkv..(qi + 1) * lkv].copy_from_slice(&merged.var);

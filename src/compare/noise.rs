@@ -84,6 +84,14 @@ impl Store {
         let u = self.ulp(y);
         u * u / 12.0
     }
+    /// The largest variance of rounding a value of magnitude |y| to this type, wherever in its binade
+    /// it sits (at the binade's bottom, where the spacing relative to the value is largest: 2^-m):
+    /// for values rounded at a scale the trace does not show.
+    pub fn worst_round_var(self, y: f64) -> f64 {
+        let (m, _) = self.format();
+        let u = y.abs() * 2f64.powi(-m);
+        (u * u / 12.0).max(self.round_var(y))
+    }
     /// Round to this type (to nearest even).
     pub fn round(self, y: f64) -> f64 {
         match self {

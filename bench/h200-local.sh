@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# #14 on the H200 with the stage-local view deciding: clean runs of every shipped fixture × bf16/fp16 ×
+# seeds through the CUDA kernels (each line: the worst check's local ratio, ≥ 1 fails), then the fault
+# self-test. Usage on the GPU host:  B=path/to/mla-diff OUT=dir SEEDS="0 1 2" bash bench/h200-local.sh
+set -uo pipefail
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+B=${B:-.carry/mla-diff}
+OUT=${OUT:-out}
+mkdir -p "$OUT/runs"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+worst() {  # the largest local ratio of a report, and where
+    python3 - "$1" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+best = (0.0, "-")
+for m in r["modes"]:
+    for l in m["layers"]:
+        for c in l["checks"]:
+            lo = c.get("local")
+            if lo and lo["ratio"] > best[0]:
+                best = (lo["ratio"], f'layer {l["layer"]} {c["check"]}')
+print(f"worst local ratio {best[0]:.3f} at {best[1]}")
+PY
+}
+fails=0
+for f in fixtures/*.gguf; do
+    n=$(basename "$f" .gguf)
+    for dt in bf16 fp16; do
+        for s in ${SEEDS:-0 1 2}; do
+            j="$OUT/runs/$n-$dt-$s.json"
+            NO_COLOR=1 timeout 120 "$B" run "$f" --backend cuda --mode shadow --dtype $dt --seed $s --json "$j" -q > "$OUT/runs/$n-$dt-$s.txt" 2>&1
+            rc=$?
+            [ $rc -ne 0 ] && fails=$((fails + 1))
+            echo "$n $dt seed $s: exit $rc; $(worst "$j" 2>/dev/null)"
+        done
+    done
+done
+echo "clean runs failing: $fails"
+NO_COLOR=1 timeout 300 "$B" selftest --backend cuda > "$OUT/selftest-cuda.txt" 2>&1
+echo "selftest --backend cuda: exit $?"
+tail -5 "$OUT/selftest-cuda.txt"
+tar czf "$OUT/local-h200.tar.gz" -C "$OUT" runs selftest-cuda.txt 2>/dev/null
+rm -rf "$OUT/runs"
