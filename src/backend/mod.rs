@@ -145,6 +145,16 @@ pub trait Backend {
     fn outside_local_view(&self) -> StageSet {
         StageSet::NONE
     }
+    /// Whether its attention is known to the stage-local view: P computed as exp(s − m) against a
+    /// running row max before P·V (an online softmax: the max key's P is exactly 1, a key's P rounded
+    /// in its binade against the final max unless its tile came before the max's), and `attn_latent`
+    /// the LSE combine of the split partials it stores. External kernels are not known to do either
+    /// (numpy's normalises P first and computes `attn_latent` apart from its splits): the view then
+    /// takes every P, the max's too, rounded at the worst place of its binade, and the stored partials
+    /// with the noise of a fresh computation.
+    fn known_attention(&self) -> bool {
+        true
+    }
     /// What the report should say about this backend after the run (e.g. a runner that returned its
     /// LSE in bf16); every format shows it.
     fn notices(&self) -> Vec<String> {

@@ -81,6 +81,8 @@ pub struct Inputs<'a> {
     pub dtype: Dtype,
     /// The stages the backend provides: a decode attention without exposed splits is recomputed whole.
     pub provided: StageSet,
+    /// `Backend::known_attention`: an online softmax, and `attn_latent` merged from the stored partials.
+    pub known_attention: bool,
 }
 
 fn f64s<D: ndarray::Dimension>(a: &ndarray::Array<f32, D>) -> ndarray::Array<f64, D> {
@@ -237,6 +239,7 @@ fn attend(
     vv: Option<&[&[f64]]>,
     dim: usize,
     dt: Dtype,
+    online: bool,
 ) -> Attn {
     if scores.is_empty() {
         return Attn::empty(dim);
@@ -267,10 +270,11 @@ fn attend(
     // The key holding the maximum has p = exp(0) = 1 exactly in every online softmax. Keys in tiles
     // before the maximum's were rounded against a smaller running max, so where in their binade they
     // sat is unknown: the largest relative rounding is assumed for them.
+    // Without an online softmax (`Backend::known_attention`), every P at the worst place.
     let rv: Vec<f64> = (0..n)
         .map(|j| match j {
+            _ if !online || j < early_end => Store::from(dt).worst_round_var(p[j]),
             _ if j == arg_max => 0.0,
-            _ if j < early_end => Store::from(dt).worst_round_var(p[j]),
             _ => hidden_round(dt, p[j]),
         })
         .collect();
@@ -615,7 +619,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                                 .collect();
                             let vvs: Vec<&[f64]> =
                                 keys.map(|j| vv.row(j).to_slice().expect("row")).collect();
-                            attend(&sc, &vals, Some(&vvs), dv, dt)
+                            attend(&sc, &vals, Some(&vvs), dv, dt, inp.known_attention)
                         };
                         let mine = part(c.start..t + 1, &own, &kpe_own);
                         let res = if c.start > 0 {
@@ -731,21 +735,26 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                             let keys = sr.start..sr.end.min(t + 1);
                             let sc: Vec<(f64, f64)> = keys.clone().map(score).collect();
                             let vals: Vec<&[f64]> = keys.map(|j| &row(&cache, j)[..lkv]).collect();
-                            attend(&sc, &vals, None, lkv, dt)
+                            attend(&sc, &vals, None, lkv, dt, inp.known_attention)
                         })
                         .collect();
                     // The combine, from the stored partials when the backend exposes them.
+                    // (Exact when the path merges what it stored; else with a fresh computation's noise.)
                     let merged = match o_split {
                         Some((o, l)) => {
+                            let known = inp.known_attention;
                             let stored: Vec<Attn> = (0..ns)
                                 .map(|k| Attn {
                                     out: o.data[(qi * ns + k) * lkv..(qi * ns + k + 1) * lkv]
                                         .to_vec(),
-                                    var: vec![0.0; lkv],
+                                    var: match known {
+                                        true => vec![0.0; lkv],
+                                        false => parts[k].var.clone(),
+                                    },
                                     lse: l.data[qi * ns + k],
-                                    var_lse: 0.0,
-                                    coh: 0.0,
-                                    n_eff: 0.0,
+                                    var_lse: if known { 0.0 } else { parts[k].var_lse },
+                                    coh: if known { 0.0 } else { parts[k].coh },
+                                    n_eff: if known { 0.0 } else { parts[k].n_eff },
                                 })
                                 .collect();
                             merge(&stored)

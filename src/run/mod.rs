@@ -321,6 +321,7 @@ pub fn run_from(
                     x: &h_ref,
                     dtype: opts.dtype,
                     provided,
+                    known_attention: backend.known_attention(),
                 },
                 &opt,
             );

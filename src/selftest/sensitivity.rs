@@ -86,6 +86,7 @@ pub fn measure(
             x: &x,
             dtype,
             provided: ctx.provided,
+            known_attention: backend.known_attention(),
         },
         &opt,
     );

@@ -100,6 +100,9 @@ impl Backend for Recorder<'_> {
     fn notices(&self) -> Vec<String> {
         self.inner.notices()
     }
+    fn known_attention(&self) -> bool {
+        self.inner.known_attention()
+    }
     fn key_tiles(&self) -> KeyTiles {
         self.inner.key_tiles()
     }

@@ -191,6 +191,9 @@ impl Backend for TpBackend<'_> {
         }
         n
     }
+    fn known_attention(&self) -> bool {
+        self.inner.known_attention()
+    }
     fn outside_local_view(&self) -> StageSet {
         match self.spec.size {
             1 => StageSet::NONE,
@@ -246,6 +249,7 @@ impl Backend for TpBackend<'_> {
                         x,
                         dtype: self.dtype,
                         provided: self.inner.provides(),
+                        known_attention: self.inner.known_attention(),
                     },
                     &opt,
                 );

@@ -216,6 +216,10 @@ impl Backend for RunnerBackend {
         self.inner.device()
     }
 
+    /// The external kernel's softmax and merge are not known (numpy's normalises P first).
+    fn known_attention(&self) -> bool {
+        false
+    }
     fn key_tiles(&self) -> crate::backend::KeyTiles {
         // The runner's kernel tiles are its own (unknown here): only the phases it leaves to the inner
         // backend keep that backend's tiles.
