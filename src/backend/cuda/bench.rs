@@ -809,9 +809,9 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
             let mut tiles: Vec<Tile> = decode_tiles(h);
             tiles.truncate(if opts.best_only { 1 } else { 3 });
             if h < 64 && !opts.best_only {
-                // Deeper pipelines: more key bytes in flight per SM for the memory-bound small-head case.
+                // A deeper pipeline: 1.45x slower on the H200 (one CTA per SM instead of two; st4 the
+                // same, bench/RESULTS.md 2026-12-01 (d)), kept as the measured alternative.
                 tiles.push(Tile::new(1, 4, 32, 3, 1));
-                tiles.push(Tile::new(1, 4, 32, 4, 1));
             }
             // One split fills the GPU at 128 heads (2 CTAs per request); 16 heads needs more.
             let splits: &[usize] = if h >= 64 { &[1, 2] } else { &[2, 4, 8] };
