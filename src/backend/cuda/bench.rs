@@ -809,16 +809,13 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
             let mut tiles: Vec<Tile> = decode_tiles(h);
             tiles.truncate(if opts.best_only { 1 } else { 3 });
             if h < 64 && !opts.best_only {
-                // A deeper pipeline: 1.45x slower on the H200 (one CTA per SM instead of two; st4 the
-                // same, bench/RESULTS.md 2026-12-01 (d)), kept as the measured alternative.
+                // A deeper pipeline: 1.45x slower on the H200 (one CTA per SM instead of two), kept as
+                // the measured alternative; st4, 16-key 2-warp tiles (3-4 CTAs per SM) and 16 splits were
+                // slower too (bench/RESULTS.md, 2026-12-01 (d)).
                 tiles.push(Tile::new(1, 4, 32, 3, 1));
-                // 16-key tiles by 2 warps: 55 / 73 KB of shared memory, so 4 / 3 CTAs per SM where the
-                // tiles above fit 2 (more loads in flight without a bigger CTA).
-                tiles.push(Tile::new(1, 2, 16, 2, 1));
-                tiles.push(Tile::new(1, 2, 16, 3, 1));
             }
             // One split fills the GPU at 128 heads (2 CTAs per request); 16 heads needs more.
-            let splits: &[usize] = if h >= 64 { &[1, 2] } else { &[2, 4, 8, 16] };
+            let splits: &[usize] = if h >= 64 { &[1, 2] } else { &[2, 4, 8] };
             let (bsz, s, page) = (64, 4096, 64);
             let c = ses.decode(
                 DecodeCase {
