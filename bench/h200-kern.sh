@@ -6,7 +6,9 @@
 # Carry the binary and the peers (runners/fetch_peers.sh) in .carry; .carry/COMMIT names the commit.
 # Usage on the GPU host:  B=.carry/mla-diff OUT=dir bash bench/h200-kern.sh
 # Outputs land in $OUT/kern/ as they are written (a call cut short still returns what ran).
-# Env: SKIP_CHECKS=1 (selftest, gpu-validate), SKIP_TABLE=1, SKIP_SANITIZERS=1, PROBES (below).
+# Env: SKIP_CHECKS=1 (selftest, gpu-validate), SKIP_TABLE=1, SKIP_SANITIZERS=1, PROBES (below),
+#      DECODE16=1 (`bench decode --heads 16`, every tile, at 1 and 10 back-to-back launches per sample),
+#      TABLE_L1=1 (the decode rows of the table, bf16, also at 1 launch per sample: the old timing).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -35,6 +37,13 @@ for p in ${PROBES:-}; do
   timeout 60 "$B" bench decode --heads "$h" --best-only --kernels "$k" > "$D/probe-$(basename "$k")-h$h.txt" 2>&1
   echo "probe $k H=$h: exit $? $(grep -E '^decode  ' "$D/probe-$(basename "$k")-h$h.txt" | sed -E 's/.*(splits [0-9]+) +([0-9.]+) .*/\1: \2 us/' | tr '\n' ' ')"
 done
+if [ "${DECODE16:-0}" = 1 ]; then
+  for n in 1 10; do
+    timeout 120 "$B" bench decode --heads 16 --launches $n > "$D/decode16-l$n.txt" 2>&1
+    echo "bench decode --heads 16 --launches $n: exit $?"
+    grep -E '^decode  ' "$D/decode16-l$n.txt" | sed -E 's/ +vs scalar kernel: rel-L2 ([^,]+),.*/  \1/; s/^decode +B=64 H=16 s_k=4096 page=64 d=576\/512 bf16 +//'
+  done
+fi
 if [ "${SKIP_CHECKS:-0}" != 1 ]; then
   t0=$SECONDS
   timeout 100 "$B" selftest --backend cuda > "$D/selftest-cuda.txt" 2>&1
@@ -50,6 +59,12 @@ if [ "${SKIP_TABLE:-0}" != 1 ]; then
   grep -E "^(GPU|ceilings|peer|decode|prefill) " "$D/table.txt" | grep -vE "^(decode|prefill) +(B=|T=)" | head -40
   cat "$D/table.md"
 fi
+if [ "${TABLE_L1:-0}" = 1 ]; then
+  t0=$SECONDS
+  timeout 200 "$B" bench table --launches 1 --only 1,2,3,4 --dtypes bf16 --json "$D/table-l1.json" --markdown "$D/table-l1.md" > "$D/table-l1.txt" 2>&1
+  step "bench table --launches 1 --only 1,2,3,4 --dtypes bf16 ($((SECONDS - t0)) s)" $?
+  cat "$D/table-l1.md"
+fi
 if [ "${SKIP_SANITIZERS:-0}" != 1 ]; then
   for tool in memcheck synccheck racecheck; do
     t0=$SECONDS
@@ -63,6 +78,7 @@ if [ "${SKIP_SANITIZERS:-0}" != 1 ]; then
 fi
 # The device hands back a few files: the whole folder as one archive, the table as Markdown and JSON.
 tar czf "$OUT/kern-h200.tar.gz" -C "$OUT" kern && cp "$D/table.md" "$D/table.json" "$OUT/" 2>/dev/null
+cp "$D/table-l1.md" "$OUT/" 2>/dev/null
 rm -rf "$D"
 echo "$([ $fail -eq 0 ] && echo PASS || echo FAIL): bench/h200-kern.sh"
 exit $fail

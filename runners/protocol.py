@@ -302,15 +302,19 @@ def serve(runner, stdin=None):
 
 
 def bench(runner, op, tensors, meta):
-    """`meta.bench = {warmup, iters}` (mla-diff bench --peers): time the op's kernel launch alone
+    """`meta.bench = {warmup, iters, launches}` (mla-diff bench --peers): time the op's kernel launch alone
     (`<op>_kernel` gives it on prepared buffers) with CUDA events, like mla-diff's own bench: warm-up
-    runs, then each run between two events; returns the outputs of the last run and {median, min} in µs."""
+    runs, then `iters` samples, each `launches` back-to-back launches between two events divided by
+    `launches` (default 1: one launch after a synchronize, whose host dispatch latency is then counted;
+    more keep the GPU's queue fed, as a graph replay would); returns the outputs of the last run and
+    {median, min, iters, launches} in µs per launch."""
     make = getattr(runner, op + "_kernel", None)
     if make is None:
         raise Unsupported(f"this runner cannot time its {op} op (no {op}_kernel)")
     import torch
 
     b = meta["bench"]
+    n = max(1, int(b.get("launches", 1)))
     with torch.no_grad():
         run, collect = make(tensors, meta)
         for _ in range(int(b.get("warmup", 5))):
@@ -319,12 +323,13 @@ def bench(runner, op, tensors, meta):
         times = []
         for _ in range(int(b.get("iters", 50))):
             start.record()
-            run()
+            for _ in range(n):
+                run()
             stop.record()
             stop.synchronize()
-            times.append(start.elapsed_time(stop) * 1e3)
+            times.append(start.elapsed_time(stop) * 1e3 / n)
         times.sort()
-        return collect(), {"median": times[len(times) // 2], "min": times[0], "iters": len(times)}
+        return collect(), {"median": times[len(times) // 2], "min": times[0], "iters": len(times), "launches": n}
 
 
 def unsupported_exit(reason):

@@ -77,6 +77,10 @@ struct DecodeArgs {
     /// `vllm-triton` (runners/, under MLA_DIFF_PYTHON or python3), or a runner command line.
     #[arg(long, value_delimiter = ',')]
     peers: Vec<String>,
+    /// Back-to-back launches per timed sample, ours and the peers' alike (1: one launch after a
+    /// synchronize, which counts the host's dispatch latency, the Python peers' most).
+    #[arg(long, default_value_t = LAUNCHES, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    launches: u32,
 }
 
 #[derive(clap::Args)]
@@ -92,6 +96,10 @@ struct PrefillArgs {
     /// command line.
     #[arg(long, value_delimiter = ',')]
     peers: Vec<String>,
+    /// Back-to-back launches per timed sample, ours and the peers' alike (1: one launch after a
+    /// synchronize, which counts the host's dispatch latency, the Python peers' most).
+    #[arg(long, default_value_t = LAUNCHES, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    launches: u32,
 }
 
 #[derive(clap::Args)]
@@ -121,6 +129,10 @@ struct TableArgs {
     /// B=16 s_k=32k, prefill 192/128, prefill 256/256).
     #[arg(long, value_delimiter = ',')]
     only: Vec<usize>,
+    /// Back-to-back launches per timed sample, ours and the peers' alike (1: one launch after a
+    /// synchronize, which counts the host's dispatch latency, the Python peers' most).
+    #[arg(long, default_value_t = LAUNCHES, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    launches: u32,
 }
 
 impl ReferenceArgs {
@@ -151,6 +163,7 @@ impl DecodeArgs {
             decode_heads: self.heads.clone(),
             best_only: self.best_only,
             peers: self.peers.clone(),
+            launches: self.launches as usize,
         })
     }
 }
@@ -166,12 +179,16 @@ impl PrefillArgs {
             decode_heads: vec![],
             best_only: false,
             peers: self.peers.clone(),
+            launches: self.launches as usize,
         })
     }
 }
 
 /// Timed launches per kernel configuration (the median is reported).
 const ITERS: usize = 50;
+/// Back-to-back launches per timed sample by default: enough that a Python peer's dispatch (tens of µs)
+/// runs ahead of the GPU instead of inside the timed interval.
+const LAUNCHES: u32 = 10;
 
 pub fn exec(a: Args) -> Result<i32, Error> {
     match a.what {
@@ -209,6 +226,7 @@ fn table(a: TableArgs) -> Result<i32, Error> {
         dtypes: a.dtypes,
         peers: a.peers.into_iter().filter(|p| !p.is_empty()).collect(),
         only: a.only.iter().map(|i| i - 1).collect(),
+        launches: a.launches as usize,
     };
     let (rep, text) = table::table(&opts)?;
     print!("{text}");

@@ -70,6 +70,16 @@ fn bench_table_usage_errors_come_before_the_gpu() {
 }
 
 #[test]
+fn bench_launches_must_be_at_least_one() {
+    // A sample of no launches times nothing: refused before any GPU work, as a usage error.
+    for cmd in ["decode", "prefill", "table"] {
+        let (code, err) = mla_diff(&["bench", cmd, "--launches", "0"]);
+        assert_eq!(code, 2, "bench {cmd}: {err}");
+        assert!(err.contains("--launches"), "bench {cmd}: {err}");
+    }
+}
+
+#[test]
 fn edited_kernels_dir_must_hold_every_file() {
     let dir = tempfile::tempdir().unwrap();
     let (code, err) = mla_diff(&[

@@ -42,6 +42,8 @@ pub struct BenchReport {
     pub matmul_tflops: f64,
     pub rows: Vec<BenchRow>,
     pub nvrtc_ms: f64,
+    /// Back-to-back launches per timed sample (ours and the peers alike; see `Session::launches`).
+    pub launches: usize,
 }
 
 pub struct BenchOptions {
@@ -55,6 +57,8 @@ pub struct BenchOptions {
     pub best_only: bool,
     /// Other projects' decode kernels to time on the same inputs (`peers::command`).
     pub peers: Vec<String>,
+    /// Back-to-back launches per timed sample (`Session::launches`).
+    pub launches: usize,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -62,17 +66,27 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Time `f` (`warm` untimed runs, then `iters` runs each between events); returns (median, min) in µs.
-fn time_us(warm: usize, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+/// Time `f` (`warm` untimed runs, then `iters` samples of `launches` back-to-back runs between two
+/// events, each divided by `launches`); returns (median, min) in µs per run. One launch per sample counts
+/// the host's dispatch latency into the time; several keep the GPU's queue fed, as a graph replay would.
+fn time_us(
+    warm: usize,
+    iters: usize,
+    launches: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<(f64, f64)> {
     for _ in 0..warm {
         f()?;
     }
     let t = Timer::new()?;
+    let n = launches.max(1);
     let mut v = Vec::with_capacity(iters);
     for _ in 0..iters {
         t.start()?;
-        f()?;
-        v.push(t.stop_ms()? as f64 * 1e3);
+        for _ in 0..n {
+            f()?;
+        }
+        v.push(t.stop_ms()? as f64 * 1e3 / n as f64);
     }
     let min = v.iter().cloned().fold(f64::INFINITY, f64::min);
     Ok((median(v), min))
@@ -226,6 +240,9 @@ pub struct Session {
     pub copy_gbps: f64,
     pub matmul_tflops: f64,
     pub peers: Vec<(String, Peer)>,
+    /// Back-to-back launches per timed sample, ours and the peers' (`meta.bench.launches`) alike, so a
+    /// ratio near 1x compares kernels rather than host dispatch latencies (set before timing).
+    pub launches: usize,
     /// What the run printed so far (GPU, ceilings, peers, skipped tiles, ratios).
     pub log: String,
 }
@@ -259,6 +276,7 @@ impl Session {
             copy_gbps: 0.0,
             matmul_tflops: 0.0,
             peers: Vec::new(),
+            launches: 1,
             log: String::new(),
         };
         let info = &s.gpu.info;
@@ -302,7 +320,7 @@ impl Session {
         let a = DevBuf::alloc(copy_bytes)?;
         let b = DevBuf::alloc(copy_bytes)?;
         filler.fill(&a, copy_bytes / 2, 1, 1.0)?;
-        let (copy_us, _) = time_us(3, 20, || {
+        let (copy_us, _) = time_us(3, 20, 1, || {
             unsafe {
                 cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
                     b.ptr,
@@ -323,7 +341,7 @@ impl Session {
         filler.fill(&ga, nm * nm, 2, 1.0)?;
         filler.fill(&gb, nm * nm, 3, 1.0)?;
         let blas = &self.blas;
-        let (mm_us, _) = time_us(3, 20, || {
+        let (mm_us, _) = time_us(3, 20, 1, || {
             blas.batched(
                 GemmPrecision::Storage(Dtype::Bf16),
                 Op::CUBLAS_OP_N,
@@ -563,7 +581,7 @@ impl Session {
                 let got: Vec<u16> = o.read(0, bsz * h * lkv)?;
                 let t = Self::timed(
                     format!("{}; splits {splits}", tile.label()),
-                    time_us(5, 50, run)?,
+                    time_us(5, 50, self.launches, run)?,
                     &got,
                     &want,
                     dt,
@@ -598,7 +616,7 @@ impl Session {
             "dtype": dt.name(), "softmax_scale": scale, "heads": h, "kv_lora_rank": lkv,
             "qk_nope": base.p, "qk_rope": r, "v_head_dim": base.dv, "page_size": page,
             "num_splits": 4, "q_len": 1, "causal": true,
-            "bench": {"warmup": 5, "iters": 50},
+            "bench": {"warmup": 5, "iters": 50, "launches": self.launches},
         });
         let ours = best_out.as_ref().map(|b| &b.1[..]);
         self.time_peers(
@@ -689,7 +707,7 @@ impl Session {
             let got: Vec<u16> = o.read(0, t * h * dv)?;
             let tm = Self::timed(
                 tile.label(),
-                time_us(3, 20, || att.run(&a, 1))?,
+                time_us(3, 20, self.launches, || att.run(&a, 1))?,
                 &got,
                 &want,
                 dt,
@@ -725,7 +743,7 @@ impl Session {
             "dtype": dt.name(), "softmax_scale": 1.0 / (dqk as f64).sqrt(), "heads": h,
             "kv_lora_rank": m.kv_lora, "qk_nope": p, "qk_rope": r, "v_head_dim": dv,
             "page_size": 64, "num_splits": 1, "q_len": 1, "causal": true, "context_len": 0,
-            "bench": {"warmup": 3, "iters": 20},
+            "bench": {"warmup": 3, "iters": 20, "launches": self.launches},
         });
         let ours = best_out.as_ref().map(|b| &b.1[..]);
         self.time_peers(
@@ -783,6 +801,7 @@ impl Session {
 /// `bench decode|prefill`: every tile (or the first), bf16, at the fixed shapes.
 pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
     let mut ses = Session::open(opts.kernels_dir.as_deref(), &opts.peers)?;
+    ses.launches = opts.launches;
     let dt = Dtype::Bf16;
     let mut rows: Vec<BenchRow> = Vec::new();
     if opts.decode {
@@ -790,6 +809,9 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
             let mut tiles: Vec<Tile> = decode_tiles(h);
             tiles.truncate(if opts.best_only { 1 } else { 3 });
             if h < 64 && !opts.best_only {
+                // A deeper pipeline: 1.45x slower on the H200 (one CTA per SM instead of two), kept as
+                // the measured alternative; st4, 16-key 2-warp tiles (3-4 CTAs per SM) and 16 splits were
+                // slower too (bench/RESULTS.md, 2026-12-01 (d)).
                 tiles.push(Tile::new(1, 4, 32, 3, 1));
             }
             // One split fills the GPU at 128 heads (2 CTAs per request); 16 heads needs more.
@@ -833,6 +855,7 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
         matmul_tflops: ses.matmul_tflops,
         rows,
         nvrtc_ms: ses.k.compile_ms,
+        launches: ses.launches,
     };
     Ok((rep, out))
 }

@@ -171,12 +171,16 @@ pub struct TableReport {
     /// Every configuration of ours that ran was correct (finite, within 4u of the scalar kernel).
     pub correct: bool,
     pub nvrtc_ms: f64,
+    /// Back-to-back launches per timed sample, ours and the peers' alike (`Session::launches`).
+    pub launches: usize,
 }
 
 pub struct TableOptions {
     pub kernels_dir: Option<std::path::PathBuf>,
     pub dtypes: Vec<Dtype>,
     pub peers: Vec<String>,
+    /// Back-to-back launches per timed sample (`Session::launches`).
+    pub launches: usize,
     /// Only these of `CASES` (0-based, in order); empty: all.
     pub only: Vec<usize>,
 }
@@ -286,6 +290,7 @@ fn entry(ses: &Session, c: &CaseResult, dt: Dtype, floor: Floor) -> TableEntry {
 
 pub fn table(opts: &TableOptions) -> Result<(TableReport, String)> {
     let mut ses = Session::open(opts.kernels_dir.as_deref(), &opts.peers)?;
+    ses.launches = opts.launches;
     let mut entries = Vec::new();
     let mut rows = Vec::new();
     for &dt in &opts.dtypes {
@@ -333,6 +338,7 @@ pub fn table(opts: &TableOptions) -> Result<(TableReport, String)> {
         entries,
         rows,
         nvrtc_ms: ses.k.compile_ms,
+        launches: ses.launches,
     };
     let mut out = std::mem::take(&mut ses.log);
     out.push_str(&Session::table_text(&rep.rows));
@@ -354,8 +360,9 @@ pub fn markdown(rep: &TableReport) -> String {
     let mut s = String::new();
     writeln!(
         s,
-        "{} ({} SMs, CUDA driver API {}); ceilings in the same run: copy {:.0} GB/s, cuBLAS bf16 {:.1} TFLOP/s.\n",
-        rep.gpu, rep.sms, rep.driver, rep.copy_gbps, rep.matmul_tflops
+        "{} ({} SMs, CUDA driver API {}); ceilings in the same run: copy {:.0} GB/s, cuBLAS bf16 {:.1} TFLOP/s; \
+         times: median per launch over samples of {} back-to-back launches, ours and the peers alike.\n",
+        rep.gpu, rep.sms, rep.driver, rep.copy_gbps, rep.matmul_tflops, rep.launches
     )
     .unwrap();
     let mut head = String::from(
