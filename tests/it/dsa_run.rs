@@ -121,7 +121,8 @@ fn indexer_faults_are_attributed_to_the_selection() {
         "indexer_topk_off_by_one",
     ] {
         let inj = format!("{fault}@layer=1");
-        let (o, r) = run_json(&["--inject", &inj, "--mode", "shadow"]);
+        // The classic schedule (48 prompt tokens, 16 decode steps): 56 queries past top_k 8.
+        let (o, r) = run_json(&["--inject", &inj, "--mode", "shadow", "--prompt-len", "48"]);
         assert_eq!(o.status.code(), Some(1), "{fault}: {}", stderr(&o));
         assert_eq!(r["verdict"]["pass"], false, "{fault}");
         assert_eq!(r["modes"][0]["verdict"]["pass"], true, "{fault}: {r}");
