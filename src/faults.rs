@@ -46,7 +46,6 @@ pub enum Fault {
     IndexerNonCausal,
     IndexerNoRelu,
     IndexerTopkOffByOne,
-    IndexerFp8ScaleDropped,
 }
 
 /// What a run needs for a fault to be visible at all. Model needs are properties of the file; run
@@ -183,7 +182,7 @@ pub struct Info {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 24] = [
+    pub const ALL: [Fault; 23] = [
         Fault::RopeNeox,
         Fault::RopeNorm,
         Fault::YarnMscaleMissing,
@@ -207,7 +206,6 @@ impl Fault {
         Fault::IndexerNonCausal,
         Fault::IndexerNoRelu,
         Fault::IndexerTopkOffByOne,
-        Fault::IndexerFp8ScaleDropped,
     ];
 
     /// A fault of the DSA indexer: caught by the selection check (`SELECTION_CHECK`), not a stage check.

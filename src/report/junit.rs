@@ -138,7 +138,10 @@ pub fn render(r: &Report) -> String {
     // DSA: one case per layer, failing where a selection (or the path over its own) fails.
     if let Some(d) = &r.dsa {
         let mut suite = TestSuite::new(format!("{file} dsa top_k {}", d.top_k));
-        suite.add_property(quick_junit::Property::new("mla-diff.dsa.indexer", d.indexer.as_str()));
+        suite.add_property(quick_junit::Property::new(
+            "mla-diff.dsa.indexer",
+            d.indexer.as_str(),
+        ));
         for l in &d.layers {
             let status = if l.pass {
                 TestCaseStatus::success()

@@ -138,7 +138,11 @@ pub fn render(r: &Report, style: &Style) -> String {
         }
     }
     if let Some(d) = &r.dsa {
-        writeln!(s, "\n[DSA selections: the modes above attend over the reference's; here each side's own]").ok();
+        writeln!(
+            s,
+            "\n[DSA selections: the modes above attend over the reference's; here each side's own]"
+        )
+        .ok();
         for l in &d.layers {
             let line = l.line();
             writeln!(s, "{}", if l.pass { line } else { style.red(&line) }).ok();

@@ -161,9 +161,8 @@ pub fn sparse_for(
 /// The optimized indexer's plan for a layer's planted faults (the indexer rows of the catalogue).
 pub fn plan_for(fx: crate::faults::Active, keys: KeyPrecision) -> Plan {
     use crate::faults::Fault;
-    let fp8_scale = fx.on(Fault::IndexerFp8ScaleDropped);
     Plan {
-        keys: if fp8_scale { KeyPrecision::Fp8 } else { keys },
+        keys,
         reading: Reading {
             swap_rope: fx.on(Fault::IndexerRopeSwap),
             no_relu: fx.on(Fault::IndexerNoRelu),
@@ -171,7 +170,7 @@ pub fn plan_for(fx: crate::faults::Active, keys: KeyPrecision) -> Plan {
             non_causal: fx.on(Fault::IndexerNonCausal),
             ..Reading::default()
         },
-        fp8_scale_dropped: fp8_scale,
+        fp8_scale_dropped: false,
     }
 }
 
@@ -232,8 +231,17 @@ impl RunSparse {
                 }
                 self.own_indexer = Some(false);
                 let plan = plan_for(crate::faults::Active::NONE, KeyPrecision::Storage);
-                Ok(mirror_indexer::run(ctx.cfg, &self.ic, iw, ctx.weights, ctx.rope, x, dtype, plan)?
-                    .selection)
+                Ok(mirror_indexer::run(
+                    ctx.cfg,
+                    &self.ic,
+                    iw,
+                    ctx.weights,
+                    ctx.rope,
+                    x,
+                    dtype,
+                    plan,
+                )?
+                .selection)
             }
             None => Ok(self
                 .prev
@@ -277,10 +285,21 @@ impl RunSparse {
             },
             x,
         )?;
-        let ref_own =
-            crate::reference::run_layer_sel(ctx.cfg, ctx.weights, ctx.rope, x, ctx.sched, Some(&own))?;
-        let own_cmp = crate::compare::compare_layer(cmp, &ref_own, &opt_own, dtype, tolerances, None)?;
-        let own_first = own_cmp.checks.iter().find(|c| !c.pass).map(|c| c.check.clone());
+        let ref_own = crate::reference::run_layer_sel(
+            ctx.cfg,
+            ctx.weights,
+            ctx.rope,
+            x,
+            ctx.sched,
+            Some(&own),
+        )?;
+        let own_cmp =
+            crate::compare::compare_layer(cmp, &ref_own, &opt_own, dtype, tolerances, None)?;
+        let own_first = own_cmp
+            .checks
+            .iter()
+            .find(|c| !c.pass)
+            .map(|c| c.check.clone());
         let own_path_error = rel_l2(attn_out(&ref_own), attn_out(&opt_own));
         let pass = selection.as_ref().is_none_or(|s| s.pass) && own_cmp.pass;
         self.layers.push(DsaLayerResult {

@@ -303,14 +303,8 @@ pub fn run_from(
             None => None,
         };
         let ref_sel = sel.as_ref().map(|s| &s.reference);
-        let reference = crate::reference::run_layer_sel(
-            &cfg,
-            &w,
-            &tables.rope,
-            &h_ref,
-            &opts.sched,
-            ref_sel,
-        )?;
+        let reference =
+            crate::reference::run_layer_sel(&cfg, &w, &tables.rope, &h_ref, &opts.sched, ref_sel)?;
         // Shadow mode's optimized path attends over the reference's selection: its stage checks then
         // see kernel errors only; the selections are checked apart (`dsa::RunSparse::check_layer`).
         let layer_ctx = crate::backend::LayerCtx {

@@ -43,6 +43,12 @@ pub struct Fixture {
 /// The top_k of `Model::Glm5Dsa`: the indexer faults' runs (`Need::Dsa`) see up to 43 keys.
 pub const DSA_TOP_K: u32 = 16;
 
+/// Indexer heads of `Model::Glm5Dsa` (GLM-5 has 32). The selection check's noise margin is a worst-case
+/// bound, `8·u·Σ_h |w_h|·‖q_h‖·‖k‖·Di^-0.5`; on random weights the spread of the scores over keys is
+/// about `1/√(Hi·Di)` of that sum, so at 32 heads of 128 the whole spread sits inside the bf16 margin and
+/// no misreading could show. 2 heads of 128 keep it about twice the margin (docs/dsa.md).
+pub const DSA_HEADS: u32 = 2;
+
 /// The exponent K of `Model::V2LiteLargeQAbs`: puts the rms of q_absorbed above 65504 (checked on the
 /// reference values of every run that needs it).
 pub const LARGE_QABS_LOG2: i32 = 18;
@@ -89,15 +95,15 @@ pub const FIXTURES: [Fixture; 5] = [
         purpose: "no YaRN, P+R = Dv: for the controls",
         dsa_top_k: None,
     },
-    // GLM-5's indexer (32 heads of 128, interleaved rope) with a small top_k, so that sparsity bites
-    // at a few dozen tokens: the indexer faults' fixture.
+    // GLM-5's indexer (heads of 128, interleaved rope) with a small top_k, so that sparsity bites at a
+    // few dozen tokens, and 2 heads (`DSA_HEADS`): the indexer faults' fixture.
     Fixture {
         model: Model::Glm5Dsa,
         name: "glm-5-dsa",
         preset: Preset::Glm5,
         q_lora: Some(64),
         scale_log2: None,
-        purpose: "DSA indexer, top_k 16: for the indexer faults",
+        purpose: "DSA indexer, 2 heads of 128, top_k 16: for the indexer faults",
         dsa_top_k: Some(DSA_TOP_K),
     },
 ];
@@ -128,7 +134,7 @@ impl Model {
             vocab: Some(64),
         })?;
         if let Some(k) = f.dsa_top_k {
-            s.indexer = s.indexer.map(|(h, d, _)| (h, d, k));
+            s.indexer = s.indexer.map(|(_, d, _)| (DSA_HEADS, d, k));
         }
         Ok(s)
     }

@@ -82,7 +82,14 @@ fn sparse_run_passes_and_every_format_says_so() {
 /// section and says the indexer did not run.
 #[test]
 fn within_top_k_stays_dense() {
-    let (o, r) = run_json(&["--prompt-len", "6", "--decode-steps", "2", "--mode", "shadow"]);
+    let (o, r) = run_json(&[
+        "--prompt-len",
+        "6",
+        "--decode-steps",
+        "2",
+        "--mode",
+        "shadow",
+    ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(r.get("dsa").is_none(), "{r}");
     let cov = &r["coverage"]["dsa"];
@@ -131,7 +138,10 @@ fn indexer_faults_are_attributed_to_the_selection() {
         assert_eq!(dsa["layers"][0]["pass"], true, "{fault}");
         assert_eq!(dsa["layers"][1]["selection"]["pass"], false, "{fault}");
         // The optimized path over its own (wrong) selection is still the model over that selection.
-        assert!(dsa["layers"][1]["own_path_first_failing"].is_null(), "{fault}");
+        assert!(
+            dsa["layers"][1]["own_path_first_failing"].is_null(),
+            "{fault}"
+        );
         let msg = r["verdict"]["message"].as_str().unwrap();
         assert!(msg.contains("DSA layer 1"), "{fault}: {msg}");
     }
