@@ -39,9 +39,10 @@ pub struct Args {
     /// Default: both, or shadow when --hidden holds per-layer captures.
     #[arg(long, value_enum)]
     mode: Option<ModeArg>,
-    /// Run a DSA model (GLM-5, DeepSeek-V3.2) on a schedule where queries see more keys than the
-    /// indexer's top_k: the reference is dense, so the run then checks dense attention, not the model.
-    /// Without this flag such a run is refused; with it every report carries a notice.
+    /// Run a DSA model (GLM-5, DeepSeek-V3.2) without indexer tensors on a schedule where queries see
+    /// more keys than the indexer's top_k: the run then checks dense attention, not the model. Without
+    /// this flag such a run is refused; with it every report carries a notice. (A file with indexer
+    /// tensors runs the sparse model past top_k: docs/dsa.md.)
     #[arg(long)]
     allow_dense_beyond_topk: bool,
     /// Plant a bug from the catalogue in the optimized path, repeatable: NAME (every layer) or
