@@ -42,6 +42,10 @@ pub enum Fault {
     HeadStrideQk,
     Wg2KeysDropped,
     SplitTailDropped,
+    IndexerRopeSwap,
+    IndexerNonCausal,
+    IndexerNoRelu,
+    IndexerTopkOffByOne,
 }
 
 /// What a run needs for a fault to be visible at all. Model needs are properties of the file; run
@@ -85,6 +89,9 @@ pub enum Need {
     /// q_len × heads ≥ 64 decode rows: what the CUDA backend runs Hopper's warpgroup kernel for (the
     /// CPU mirror and the CUDA kernels of fewer rows show a fault that needs it without it).
     DecodeRows64,
+    /// A DSA file with an indexer and queries that see more than its top_k keys (the indexer's
+    /// selection matters only there; a file property, checked on the report's coverage).
+    Dsa,
 }
 
 impl Need {
@@ -105,6 +112,7 @@ impl Need {
             Need::SplitOverHalfTile => "a split > 32 keys",
             Need::SplitTail => "a split tail after a full tile",
             Need::DecodeRows64 => "q_len×heads ≥ 64",
+            Need::Dsa => "DSA past top_k",
         }
     }
     /// Whether the model and schedule provide this; `None` when it depends on values or the dtype.
@@ -115,7 +123,7 @@ impl Need {
             Need::NeoxRope => cfg.rope.pairing == RopePairing::Neox,
             Need::Yarn => (cfg.mscale - 1.0).abs() > 1e-3,
             Need::QkNotV => cfg.qk_head_dim() != cfg.v_head_dim,
-            Need::LargeQAbs | Need::F32 => return None,
+            Need::LargeQAbs | Need::F32 | Need::Dsa => return None,
             Need::Prefill => s.prompt_len >= 2 && s.chunk >= 2,
             Need::Positions => s.pos_offset > 0 || s.total_tokens() >= 2,
             Need::Decode => decode,
@@ -147,6 +155,10 @@ pub fn decode_split_lens(s: &Schedule) -> impl Iterator<Item = usize> + '_ {
     })
 }
 
+/// The name an indexer fault's first check has: the DSA selection check of `run::dsa`, beside the
+/// stage checks.
+pub const SELECTION_CHECK: &str = "selection";
+
 /// A fault's row of the catalogue.
 #[derive(Debug, Clone, Copy)]
 pub struct Info {
@@ -170,7 +182,7 @@ pub struct Info {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 19] = [
+    pub const ALL: [Fault; 23] = [
         Fault::RopeNeox,
         Fault::RopeNorm,
         Fault::YarnMscaleMissing,
@@ -190,7 +202,16 @@ impl Fault {
         Fault::HeadStrideQk,
         Fault::Wg2KeysDropped,
         Fault::SplitTailDropped,
+        Fault::IndexerRopeSwap,
+        Fault::IndexerNonCausal,
+        Fault::IndexerNoRelu,
+        Fault::IndexerTopkOffByOne,
     ];
+
+    /// A fault of the DSA indexer: caught by the selection check (`SELECTION_CHECK`), not a stage check.
+    pub fn is_indexer(self) -> bool {
+        self.info().expected == SELECTION_CHECK
+    }
 
     /// The fault's row of the catalogue.
     pub fn info(self) -> &'static Info {
@@ -363,7 +384,7 @@ mod tests {
             assert!(names.insert(i.name), "duplicate {}", i.name);
             assert_eq!(i.define, format!("MLA_FAULT_{}", i.name.to_uppercase()));
             assert!(
-                Check::parse(i.expected).is_some(),
+                Check::parse(i.expected).is_some() || i.expected == SELECTION_CHECK,
                 "{}: {}",
                 i.name,
                 i.expected

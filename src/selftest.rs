@@ -80,11 +80,12 @@ pub fn run(
     if temporary {
         let _ = std::fs::remove_dir_all(&dir);
     }
-    let (backend, outcomes) = result?;
+    let (backend, outcomes, left_out) = result?;
     Ok(Summary {
         backend,
         outcomes,
         seconds: started.elapsed().as_secs_f64(),
+        left_out,
     })
 }
 
@@ -94,7 +95,29 @@ fn run_cases(
     opts: &Options,
     make_backend: &mut BackendFactory,
     on_outcome: &mut dyn FnMut(&Outcome),
-) -> Result<(String, Vec<Outcome>)> {
+) -> Result<(String, Vec<Outcome>, Vec<String>)> {
+    // The DSA fixture's runs need sparse attention (`Backend::sparse`): left out, and said so, where the
+    // backend has none.
+    let mut left_out = Vec::new();
+    let needs_sparse = |c: &Case| c.model == Model::Glm5Dsa;
+    let sparse_ok = match cases.iter().find(|c| needs_sparse(c)) {
+        Some(c) => make_backend(c.dtype, &FaultSet::default())?.0.sparse(),
+        None => true,
+    };
+    let cases: Vec<Case> = cases
+        .iter()
+        .filter(|c| {
+            let keep = sparse_ok || !needs_sparse(c);
+            if !keep {
+                if let (Some(f), None) = (c.fault, c.lacking) {
+                    left_out.push(format!("{f} (the backend has no sparse attention for DSA)"));
+                }
+            }
+            keep
+        })
+        .cloned()
+        .collect();
+    let cases = &cases[..];
     let mut files = std::collections::HashMap::new();
     for c in cases {
         if let std::collections::hash_map::Entry::Vacant(e) = files.entry(c.model) {
@@ -131,7 +154,7 @@ fn run_cases(
         on_outcome(&o);
         outcomes.push(o);
     }
-    Ok((backend_name, outcomes))
+    Ok((backend_name, outcomes, left_out))
 }
 
 fn run_case(
@@ -176,12 +199,19 @@ fn run_case(
 /// not be detected, on a run that really lacks the need it is about.
 fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Outcome {
     let shadow = &rep.modes[0];
-    let v = &shadow.verdict;
-    let first = shadow
+    // The stage checks first (dataflow order); where they pass, a failing DSA selection check.
+    let dsa_v = dsa_verdict(rep);
+    let v = match (&shadow.verdict, &dsa_v) {
+        (s, Some(d)) if s.pass => d,
+        (s, _) => s,
+    };
+    let first_margin = shadow
         .layers
         .iter()
         .find(|l| !l.pass)
-        .and_then(|l| l.checks.iter().find(|ch| !ch.pass));
+        .and_then(|l| l.checks.iter().find(|ch| !ch.pass))
+        .map(|ch| ch.ratio())
+        .or_else(|| dsa_margin(rep));
     let mut problems = Vec::new();
     let q_abs_large = q_abs_rms(rep).map(|r| (r, r > 65504.0));
     let cfg = MlaConfig::from_gguf(file);
@@ -227,6 +257,14 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
                     }
                 }
             }
+            let past_top_k = rep
+                .coverage
+                .as_ref()
+                .and_then(|c| c.dsa.as_ref())
+                .is_some_and(|d| d.sparse_queries > 0);
+            if info.needs.contains(&Need::Dsa) && !past_top_k {
+                problems.push("no query of the run sees more than the indexer's top_k".into());
+            }
             if info.needs.contains(&Need::LargeQAbs) {
                 if let Some((r, false)) = q_abs_large {
                     problems.push(format!(
@@ -251,12 +289,20 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
                         v.reasons.join("; ")
                     ));
                 }
-                let others: Vec<usize> = shadow
+                let dsa_layers = rep.dsa.iter().flat_map(|d| &d.layers);
+                let mut others: Vec<usize> = shadow
                     .layers
                     .iter()
                     .filter(|l| l.layer != TARGET && !l.pass)
                     .map(|l| l.layer)
+                    .chain(
+                        dsa_layers
+                            .filter(|l| l.layer != TARGET && !l.pass)
+                            .map(|l| l.layer),
+                    )
                     .collect();
+                others.sort_unstable();
+                others.dedup();
                 if !others.is_empty() {
                     problems.push(format!(
                         "layers {others:?} fail too; only {TARGET} was injected"
@@ -270,10 +316,36 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
         detected: !v.pass,
         first_layer: v.first_layer,
         first_check: v.first_check.clone(),
-        margin: first.map(|ch| ch.ratio()),
+        margin: first_margin,
         reason: v.reasons.join("; "),
         ok: problems.is_empty(),
         problems,
+    }
+}
+
+/// The DSA selection check's verdict as a stage check's would read (`faults::SELECTION_CHECK`), when
+/// it fails.
+fn dsa_verdict(rep: &Report) -> Option<crate::compare::Verdict> {
+    let d = rep.dsa.as_ref().filter(|d| !d.pass)?;
+    let l = d.layers.iter().find(|l| !l.pass)?;
+    Some(crate::compare::Verdict {
+        pass: false,
+        first_layer: Some(l.layer),
+        first_check: Some(crate::faults::SELECTION_CHECK.into()),
+        reasons: vec![l.failure()],
+        message: d.message.clone(),
+    })
+}
+
+/// The first failing DSA layer's worst selection gap ÷ its noise margin.
+fn dsa_margin(rep: &Report) -> Option<f64> {
+    let l = rep.dsa.as_ref()?.layers.iter().find(|l| !l.pass)?;
+    let s = l.selection.as_ref()?;
+    match &s.worst {
+        Some(m) if m.margin > 0.0 => Some(m.gap / m.margin),
+        Some(_) => Some(f64::INFINITY),
+        // A count mismatch alone has no gap.
+        None => None,
     }
 }
 

@@ -140,6 +140,22 @@ pub trait Backend {
     fn provides(&self) -> StageSet;
     /// Run one layer's attention on `ctx.sched`. `x` is the layer input `[T, hidden]` (before attn_norm).
     fn run_layer(&mut self, ctx: &LayerCtx, x: &Array2<f64>) -> Result<LayerTrace>;
+    /// DSA: whether `run_layer` attends over `ctx.selection` only (sparse attention). A run past a DSA
+    /// file's top_k refuses a backend that does not (`run::dsa`).
+    fn sparse(&self) -> bool {
+        false
+    }
+    /// DSA: this path's own lightning indexer on the layer input `x` (with `ctx.faults`); `None`: it has
+    /// none, and the run stands in the CPU mirror's at the run's dtype, without faults (`run::dsa`).
+    fn indexer(
+        &mut self,
+        _ctx: &LayerCtx,
+        _ic: &crate::model::IndexerConfig,
+        _iw: &crate::model::IndexerWeights,
+        _x: &Array2<f64>,
+    ) -> Result<Option<crate::reference::sparse::Selection>> {
+        Ok(None)
+    }
     /// Stages whose stage-local view (`compare::local`) does not model this path, judged end to end
     /// instead: a tensor-parallel all-reduce's roundings of the partial o_proj outputs (`crate::tp`).
     fn outside_local_view(&self) -> StageSet {

@@ -39,9 +39,10 @@ pub struct Args {
     /// Default: both, or shadow when --hidden holds per-layer captures.
     #[arg(long, value_enum)]
     mode: Option<ModeArg>,
-    /// Run a DSA model (GLM-5, DeepSeek-V3.2) on a schedule where queries see more keys than the
-    /// indexer's top_k: the reference is dense, so the run then checks dense attention, not the model.
-    /// Without this flag such a run is refused; with it every report carries a notice.
+    /// Run a DSA model (GLM-5, DeepSeek-V3.2) without indexer tensors on a schedule where queries see
+    /// more keys than the indexer's top_k: the run then checks dense attention, not the model. Without
+    /// this flag such a run is refused; with it every report carries a notice. (A file with indexer
+    /// tensors runs the sparse model past top_k: docs/dsa.md.)
     #[arg(long)]
     allow_dense_beyond_topk: bool,
     /// Plant a bug from the catalogue in the optimized path, repeatable: NAME (every layer) or
@@ -118,7 +119,17 @@ impl Args {
         let dump = self.report.dump(cfg.n_layer)?;
         let layers = mla_diff::run::parse_layers(&self.layers, cfg.n_layer)?;
         faults.check_layers(cfg.n_layer, &layers)?;
-        check_dense_beyond_top_k(file, cfg, &sched, self.allow_dense_beyond_topk)?;
+        // A file with an indexer runs the sparse model past top_k (`run::dsa`); only a DSA file without
+        // one would run dense there.
+        let sparse = mla_diff::run::dsa::sparse_for(file, cfg, &sched)?.is_some();
+        if sparse && (self.shard.is_some() || self.tp.is_some()) {
+            return Err(Error::Usage(
+                "--shard and --tp do not run the DSA sparse model yet: use at most top_k tokens on this file, or run without them".into(),
+            ));
+        }
+        if !sparse {
+            check_dense_beyond_top_k(file, cfg, &sched, self.allow_dense_beyond_topk)?;
+        }
         let hidden = &self.input.hidden;
         let mode = match (self.mode, hidden) {
             (Some(m), _) => m,

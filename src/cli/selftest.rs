@@ -77,6 +77,9 @@ pub fn exec(a: Args) -> Result<i32, Error> {
     if controls.lines().count() > 2 {
         println!("Controls: each fault on a run lacking one of its needs must stay undetected.\n\n{controls}");
     }
+    for l in &summary.left_out {
+        println!("left out: {l}");
+    }
     let (n_ok, n) = (
         summary.outcomes.iter().filter(|o| o.ok).count(),
         summary.outcomes.len(),

@@ -12,7 +12,7 @@
 
 use crate::reference::sparse::Selection;
 use ndarray::Array2;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Roundings of the score's storage a flip may be blamed on: q and k stored (2), their rope (2), the
 /// per-head logit and weights (2), the sum over heads (2). The mirror's measured error on the glm-5-dsa
@@ -20,7 +20,7 @@ use serde::Serialize;
 pub const MARGIN_ROUNDINGS: f64 = 8.0;
 
 /// One selected key outside the margin.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Miss {
     pub query: usize,
     /// The key token.
@@ -33,7 +33,7 @@ pub struct Miss {
 }
 
 /// The verdict on one layer's selections.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SelectionResult {
     pub queries: usize,
     /// Queries whose reference selection drops a visible key (where DSA differs from dense).

@@ -247,6 +247,42 @@ pub struct Coverage {
     pub classes: Vec<ClassCount>,
     /// Classes not exercised, unknown geometry, a production kernel that did not run.
     pub warnings: Vec<String>,
+    /// A DSA file (GLM-5, DeepSeek-V3.2): whether the run went past top_k; absent for dense models.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub dsa: Option<DsaCoverage>,
+}
+
+/// What a run on a DSA file covered of the sparse model (docs/dsa.md).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DsaCoverage {
+    pub top_k: usize,
+    /// Keys the last query sees.
+    pub max_keys: usize,
+    /// Queries that see more than top_k keys: where the indexer's selection matters (0: DSA is dense
+    /// attention exactly on this schedule).
+    pub sparse_queries: usize,
+    /// How the optimized side's indexer computed; `None` when it did not run (no query past top_k).
+    pub indexer: Option<String>,
+}
+
+impl DsaCoverage {
+    /// One line for the table, Markdown and JUnit.
+    pub fn line(&self) -> String {
+        match &self.indexer {
+            Some(ix) => format!(
+                "dsa: sparse, {} queries past top_k {} (up to {} keys); indexer: {ix}",
+                self.sparse_queries, self.top_k, self.max_keys
+            ),
+            None if self.sparse_queries == 0 => format!(
+                "dsa: no query past top_k {} (up to {} keys): dense attention exactly, indexer not run",
+                self.top_k, self.max_keys
+            ),
+            None => format!(
+                "dsa: {} queries past top_k {} but no indexer tensors: dense attention, not the model",
+                self.sparse_queries, self.top_k
+            ),
+        }
+    }
 }
 
 /// The key ranges one phase's kernel loops over, for a kernel of geometry `g`.
@@ -511,6 +547,7 @@ pub fn compute(kernels: &[KernelUse], cfg: &MlaConfig, s: &Schedule) -> Coverage
         kernels: used,
         classes,
         warnings,
+        dsa: None,
     }
 }
 

@@ -4,7 +4,7 @@
 use super::{Fault, Info, Need};
 
 /// The catalogue, one row per fault in `Fault` order (docs/faults.md is generated from it).
-pub const CATALOGUE: [Info; 19] = [
+pub const CATALOGUE: [Info; 23] = [
     Info {
         fault: Fault::RopeNeox,
         name: "rope_neox",
@@ -236,5 +236,53 @@ pub const CATALOGUE: [Info; 19] = [
         expected: "split_out",
         needs: &[Need::Decode, Need::SplitTail],
         cuda_site: "kernels/attention.cuh (decode.cu, ATT_MQA): `att_fault_tail` cuts the key range of `attn_mma` and `attn_wgmma` (per CTA) and of `attn_scalar` (per row) to whole tiles of that kernel (ATT_BN keys for attn_mma, 64 for attn_wgmma, 32 for attn_scalar) when it holds more than one tile",
+    },
+    Info {
+        fault: Fault::IndexerRopeSwap,
+        name: "indexer_rope_swap",
+        define: "MLA_FAULT_INDEXER_ROPE_SWAP",
+        summary: "the lightning indexer ropes q and k with the other pairing (NeoX on GLM-5's interleaved indexer, interleaved on DeepSeek-V3.2's NeoX one)",
+        models: "the DSA indexer rope layout: ik_llama.cpp hard-coded NeoX for glm-dsa while the config says indexer_rope_interleave (single-character corruption growing with context); ATOM's GLM-5.2 is_neox fix (gsm8k 0.36 → 0.98); vllm-ascend's DeepSeek-V3.2 indexer must be NeoX",
+        sources: &[
+            "https://github.com/ikawrakow/ik_llama.cpp/pull/2099",
+            "https://github.com/ROCm/ATOM/pull/1502",
+            "https://github.com/vllm-project/vllm-ascend/pull/4641",
+        ],
+        expected: "selection",
+        needs: &[Need::Dsa, Need::Positions],
+        cuda_site: "host, src/backend/cpu/indexer.rs: the optimized side's indexer is the CPU mirror's on every backend (no CUDA indexer yet), run with the misreading (`run::dsa::plan_for`)",
+    },
+    Info {
+        fault: Fault::IndexerNonCausal,
+        name: "indexer_non_causal",
+        define: "MLA_FAULT_INDEXER_NON_CAUSAL",
+        summary: "the indexer's top-k runs before the causal mask: future keys compete for the top_k slots (and are then masked out of attention)",
+        models: "a causal-mask slip in the indexer's logits (the masking class of the chunked-prefill bugs): a query keeps fewer than top_k of its visible keys",
+        sources: &[],
+        expected: "selection",
+        needs: &[Need::Dsa, Need::Prefill],
+        cuda_site: "host, src/backend/cpu/indexer.rs: the optimized side's indexer is the CPU mirror's on every backend (no CUDA indexer yet), run with the misreading (`run::dsa::plan_for`)",
+    },
+    Info {
+        fault: Fault::IndexerNoRelu,
+        name: "indexer_no_relu",
+        define: "MLA_FAULT_INDEXER_NO_RELU",
+        summary: "the indexer sums the per-head logits without their ReLU",
+        models: "a dropped activation in the lightning indexer (score = Σ_h w_h·ReLU(q_h·k)): negative head logits then vote, and the top-k changes. On random weights the keys it moves stay within the bf16 noise margin of the selection check, so f32 pins it",
+        sources: &[],
+        expected: "selection",
+        needs: &[Need::Dsa, Need::F32],
+        cuda_site: "host, src/backend/cpu/indexer.rs: the optimized side's indexer is the CPU mirror's on every backend (no CUDA indexer yet), run with the misreading (`run::dsa::plan_for`)",
+    },
+    Info {
+        fault: Fault::IndexerTopkOffByOne,
+        name: "indexer_topk_off_by_one",
+        define: "MLA_FAULT_INDEXER_TOPK_OFF_BY_ONE",
+        summary: "the indexer keeps top_k − 1 keys per query",
+        models: "a top-k boundary bug (an exclusive bound where the count is meant): the boundary class of the index-offset bugs, no single public report",
+        sources: &[],
+        expected: "selection",
+        needs: &[Need::Dsa],
+        cuda_site: "host, src/backend/cpu/indexer.rs: the optimized side's indexer is the CPU mirror's on every backend (no CUDA indexer yet), run with the misreading (`run::dsa::plan_for`)",
     },
 ];

@@ -135,6 +135,28 @@ pub fn render(r: &Report) -> String {
         }
         report.add_test_suite(suite);
     }
+    // DSA: one case per layer, failing where a selection (or the path over its own) fails.
+    if let Some(d) = &r.dsa {
+        let mut suite = TestSuite::new(format!("{file} dsa top_k {}", d.top_k));
+        suite.add_property(quick_junit::Property::new(
+            "mla-diff.dsa.indexer",
+            d.indexer.as_str(),
+        ));
+        for l in &d.layers {
+            let status = if l.pass {
+                TestCaseStatus::success()
+            } else {
+                let mut s = TestCaseStatus::non_success(NonSuccessKind::Failure);
+                s.set_message(format!("layer {} DSA selection: {}", l.layer, l.failure()));
+                s
+            };
+            let mut tc = TestCase::new(format!("layer {} selection", l.layer), status);
+            tc.set_classname("mla-diff.dsa");
+            tc.set_system_out(l.line());
+            suite.add_test_case(tc);
+        }
+        report.add_test_suite(suite);
+    }
     report.to_string().expect("junit serialises")
 }
 
@@ -153,6 +175,9 @@ fn add_coverage(suite: &mut TestSuite, c: &crate::coverage::Coverage) {
             format!("mla-diff.coverage.{}.{}", cl.phase.name(), cl.class),
             cl.count.map_or("unknown".to_string(), |n| n.to_string()),
         ));
+    }
+    if let Some(d) = &c.dsa {
+        suite.add_property(Property::new("mla-diff.coverage.dsa", d.line()));
     }
     for w in &c.warnings {
         suite.add_property(Property::new("mla-diff.coverage.warning", w.as_str()));

@@ -115,6 +115,18 @@ pub fn render(r: &Report) -> String {
             .ok();
         }
     }
+    if let Some(d) = &r.dsa {
+        writeln!(
+            s,
+            "#### DSA selections\n\nThe modes above attend over the reference's selection; here the optimized indexer ({}) against it, and each side over the optimized selection. {}\n",
+            d.indexer, d.message
+        )
+        .ok();
+        for l in &d.layers {
+            writeln!(s, "- {} {}", if l.pass { "✅" } else { "❌" }, l.line()).ok();
+        }
+        writeln!(s).ok();
+    }
     if let Some(c) = &r.coverage {
         s.push_str(&coverage(c));
     }
@@ -126,6 +138,9 @@ fn coverage(c: &crate::coverage::Coverage) -> String {
     let mut s = String::from("#### Coverage\n\n");
     for k in &c.kernels {
         writeln!(s, "- {}: `{}`", k.phase.name(), k.describe()).ok();
+    }
+    if let Some(d) = &c.dsa {
+        writeln!(s, "- {}", d.line()).ok();
     }
     writeln!(s, "\n| phase | class | count |\n|---|---|---|").ok();
     for cl in &c.classes {

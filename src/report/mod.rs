@@ -93,6 +93,9 @@ pub struct Report {
     /// `run --tp N`: each tensor-parallel rank against the fp64 reference of its heads; absent without --tp.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub tp: Option<crate::tp::TpResult>,
+    /// A DSA file past top_k: the selection checks (`crate::run::dsa`); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub dsa: Option<crate::run::dsa::DsaResult>,
     /// Directories the run wrote `.npy` dumps into (printed, not part of the JSON: paths are local).
     #[serde(skip)]
     pub dumps: Vec<std::path::PathBuf>,
@@ -140,6 +143,7 @@ impl Report {
             && self.baseline.as_ref().is_none_or(|b| b.pass)
             && self.repeat.as_ref().is_none_or(|r| r.pass)
             && self.tp.as_ref().is_none_or(|t| t.pass)
+            && self.dsa.as_ref().is_none_or(|d| d.pass)
     }
     /// Record the baseline gate's result and fold it into the top-level verdict, so that the exit
     /// code, `verdict.pass`, JUnit and Markdown all say the same.
@@ -164,6 +168,14 @@ impl Report {
             self.fail_with(&t.message);
         }
         self.tp = Some(t);
+    }
+    /// Record the DSA selection checks and fold a failing one into the top-level verdict, as the
+    /// baseline gate is.
+    pub fn set_dsa(&mut self, d: crate::run::dsa::DsaResult) {
+        if !d.pass {
+            self.fail_with(&d.message);
+        }
+        self.dsa = Some(d);
     }
     /// A failure beside the modes' verdict: first in the message when the modes passed, else after.
     fn fail_with(&mut self, message: &str) {

@@ -137,6 +137,17 @@ pub fn render(r: &Report, style: &Style) -> String {
             .ok();
         }
     }
+    if let Some(d) = &r.dsa {
+        writeln!(
+            s,
+            "\n[DSA selections: the modes above attend over the reference's; here each side's own]"
+        )
+        .ok();
+        for l in &d.layers {
+            let line = l.line();
+            writeln!(s, "{}", if l.pass { line } else { style.red(&line) }).ok();
+        }
+    }
     if let Some(c) = &r.coverage {
         writeln!(s).ok();
         s.push_str(&coverage_lines(c, style));
@@ -205,6 +216,9 @@ fn coverage_lines(c: &crate::coverage::Coverage, style: &Style) -> String {
             c.summary(k.phase)
         )
         .ok();
+    }
+    if let Some(d) = &c.dsa {
+        writeln!(s, "{:<10}{}", "", d.line()).ok();
     }
     for w in &c.warnings {
         writeln!(s, "{}", style.red(&format!("WARNING: {w}"))).ok();

@@ -10,7 +10,7 @@
 //!    same selection (its own error on its own path), and fp64 over its selection is compared with fp64
 //!    over the reference's (what the selection difference costs the output; informational).
 
-use crate::backend::cpu::indexer::{self as mirror_indexer, Plan};
+use crate::backend::cpu::indexer::{self as mirror_indexer, KeyPrecision, Plan};
 use crate::backend::{Backend, Dtype, LayerCtx};
 use crate::compare::metrics::rel_l2;
 use crate::compare::selection::{self, SelectionResult};
@@ -120,4 +120,304 @@ pub fn run_layer(
         opt_selection: opt_sel,
         selection,
     })
+}
+
+// ---- `mla-diff run` on a DSA file (src/run/mod.rs calls these) ----
+
+/// The run-level DSA state: the indexer, once some query of the schedule sees more than top_k keys.
+pub struct RunSparse {
+    pub ic: IndexerConfig,
+    /// The reference's selection of the last full indexer layer (GLM-5.2 shared layers reuse it), with
+    /// that layer and the optimized side's own selection.
+    prev: Option<(usize, Selection, Selection)>,
+    pub layers: Vec<DsaLayerResult>,
+    /// Whether the backend's own indexer ran (`Backend::indexer`), or the CPU mirror's stood in.
+    own_indexer: Option<bool>,
+}
+
+/// The sparse model runs when the file has an indexer (its keys and some layer's tensors) and the last
+/// query sees more than top_k keys (causal: it sees every key of the run); otherwise DSA is dense
+/// attention exactly (a file without indexer tensors runs dense beyond top_k, with a notice).
+pub fn sparse_for(
+    file: &crate::gguf::GgufFile,
+    cfg: &crate::model::MlaConfig,
+    sched: &crate::schedule::Schedule,
+) -> Result<Option<RunSparse>> {
+    let has_tensors = (0..cfg.n_layer).any(|l| {
+        crate::model::indexer::tensor_names(l)
+            .iter()
+            .any(|n| file.tensor(n).is_some())
+    });
+    Ok(IndexerConfig::from_gguf(file, cfg)?
+        .filter(|ic| has_tensors && sched.total_tokens() > ic.top_k)
+        .map(|ic| RunSparse {
+            ic,
+            prev: None,
+            layers: Vec::new(),
+            own_indexer: None,
+        }))
+}
+
+/// The optimized indexer's plan for a layer's planted faults (the indexer rows of the catalogue).
+pub fn plan_for(fx: crate::faults::Active, keys: KeyPrecision) -> Plan {
+    use crate::faults::Fault;
+    Plan {
+        keys,
+        reading: Reading {
+            swap_rope: fx.on(Fault::IndexerRopeSwap),
+            no_relu: fx.on(Fault::IndexerNoRelu),
+            top_k_minus_one: fx.on(Fault::IndexerTopkOffByOne),
+            non_causal: fx.on(Fault::IndexerNonCausal),
+            ..Reading::default()
+        },
+        fp8_scale_dropped: false,
+    }
+}
+
+/// One layer's selections for a run: the reference's (with its fp64 scores, `None` on a shared layer)
+/// and the layer's indexer weights.
+pub struct LayerSelection {
+    pub reference: Selection,
+    scores: Option<Scores>,
+    iw: Option<IndexerWeights>,
+}
+
+impl RunSparse {
+    /// How the optimized side's indexer computed (reports' coverage).
+    pub fn indexer_name(&self, dtype: Dtype, backend: &str) -> String {
+        match self.own_indexer {
+            Some(true) => format!("{backend}'s own, q/k in {}", dtype.name()),
+            Some(false) => format!(
+                "cpu mirror standing in (the backend has none), q/k in {}",
+                dtype.name()
+            ),
+            None => "not run".into(),
+        }
+    }
+
+    /// The reference's selection for layer `l` on input `x` (the shadow stream).
+    pub fn select(
+        &self,
+        file: &crate::gguf::GgufFile,
+        ctx: &LayerCtx,
+        x: &Array2<f64>,
+    ) -> Result<LayerSelection> {
+        let iw = IndexerWeights::load(file, ctx.cfg, &self.ic, ctx.layer)?;
+        let prev = self.prev.as_ref().map(|(_, r, _)| r);
+        let (reference, scores) = ref_selection(ctx, &self.ic, iw.as_ref(), prev, x)?;
+        Ok(LayerSelection {
+            reference,
+            scores,
+            iw,
+        })
+    }
+
+    /// The optimized side's own selection on input `x`: the backend's indexer's (or the CPU mirror's
+    /// standing in, without faults: a backend without an indexer has none to plant them in), or on a
+    /// shared layer the last full layer's own one.
+    pub fn own_selection(
+        &mut self,
+        ctx: &LayerCtx,
+        sel: &LayerSelection,
+        backend: &mut dyn Backend,
+        x: &Array2<f64>,
+        dtype: Dtype,
+    ) -> Result<Selection> {
+        match &sel.iw {
+            Some(iw) => {
+                if let Some(s) = backend.indexer(ctx, &self.ic, iw, x)? {
+                    self.own_indexer = Some(true);
+                    return Ok(s);
+                }
+                self.own_indexer = Some(false);
+                let plan = plan_for(crate::faults::Active::NONE, KeyPrecision::Storage);
+                Ok(mirror_indexer::run(
+                    ctx.cfg,
+                    &self.ic,
+                    iw,
+                    ctx.weights,
+                    ctx.rope,
+                    x,
+                    dtype,
+                    plan,
+                )?
+                .selection)
+            }
+            None => Ok(self
+                .prev
+                .as_ref()
+                .map(|(_, _, o)| o.clone())
+                .unwrap_or_else(|| sel.reference.clone())),
+        }
+    }
+
+    /// The selection check of one layer (on the shadow stream `x`): the optimized indexer's sets against
+    /// the reference's, tie-aware, and the optimized path over its own selection against fp64 over that
+    /// selection (`compare_layer` with the run's tolerances). `reference` is the sparse fp64 trace over
+    /// the reference's selection.
+    #[allow(clippy::too_many_arguments)]
+    pub fn check_layer(
+        &mut self,
+        ctx: &LayerCtx,
+        cmp: &crate::compare::Ctx,
+        sel: LayerSelection,
+        backend: &mut dyn Backend,
+        x: &Array2<f64>,
+        reference: &LayerTrace,
+        dtype: Dtype,
+        tolerances: &crate::compare::ToleranceTable,
+    ) -> Result<()> {
+        let own = self.own_selection(ctx, &sel, backend, x, dtype)?;
+        let selection = match &sel.scores {
+            Some((scores, scale)) => Some(selection::compare(
+                scores,
+                scale,
+                &sel.reference,
+                &own,
+                dtype.round_unit(),
+            )),
+            None => None,
+        };
+        let opt_own = backend.run_layer(
+            &LayerCtx {
+                selection: Some(&own),
+                ..*ctx
+            },
+            x,
+        )?;
+        let ref_own = crate::reference::run_layer_sel(
+            ctx.cfg,
+            ctx.weights,
+            ctx.rope,
+            x,
+            ctx.sched,
+            Some(&own),
+        )?;
+        let own_cmp =
+            crate::compare::compare_layer(cmp, &ref_own, &opt_own, dtype, tolerances, None)?;
+        let own_first = own_cmp
+            .checks
+            .iter()
+            .find(|c| !c.pass)
+            .map(|c| c.check.clone());
+        let own_path_error = rel_l2(attn_out(&ref_own), attn_out(&opt_own));
+        let pass = selection.as_ref().is_none_or(|s| s.pass) && own_cmp.pass;
+        self.layers.push(DsaLayerResult {
+            layer: ctx.layer,
+            sparse_queries: sel.reference.sparse_queries(),
+            shared_from: match sel.scores {
+                Some(_) => None,
+                None => self.prev.as_ref().map(|(l, _, _)| *l),
+            },
+            selection,
+            own_path_error: finite(own_path_error),
+            own_path_first_failing: own_first,
+            selection_effect: finite(rel_l2(attn_out(reference), attn_out(&ref_own))),
+            pass,
+        });
+        if sel.iw.is_some() {
+            self.prev = Some((ctx.layer, sel.reference, own));
+        }
+        Ok(())
+    }
+
+    /// The run's DSA section (`Report::dsa`).
+    pub fn result(self, dtype: Dtype, backend: &str) -> DsaResult {
+        let indexer = self.indexer_name(dtype, backend);
+        let failing = self.layers.iter().find(|l| !l.pass);
+        let message = match failing {
+            None => format!(
+                "DSA: {} layer(s) sparse past top_k {}, selections and own-selection paths within tolerance",
+                self.layers.len(),
+                self.ic.top_k
+            ),
+            Some(l) => format!("DSA layer {}: {}", l.layer, l.failure()),
+        };
+        DsaResult {
+            top_k: self.ic.top_k,
+            indexer,
+            pass: failing.is_none(),
+            first_layer: failing.map(|l| l.layer),
+            message,
+            layers: self.layers,
+        }
+    }
+}
+
+/// `Report::dsa`: the selection checks of a run on a DSA file past top_k (docs/dsa.md). The stage checks
+/// of the modes ran over the reference's selection; this section is what the selections add.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DsaResult {
+    pub top_k: usize,
+    /// How the optimized side's indexer computed (its precision).
+    pub indexer: String,
+    pub pass: bool,
+    pub first_layer: Option<usize>,
+    pub message: String,
+    pub layers: Vec<DsaLayerResult>,
+}
+
+/// One layer's selection check.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DsaLayerResult {
+    pub layer: usize,
+    /// Queries whose reference selection drops a visible key.
+    pub sparse_queries: usize,
+    /// A layer without indexer tensors (GLM-5.2 "shared"): the full layer whose selections it reuses.
+    pub shared_from: Option<usize>,
+    /// The optimized indexer's sets against the reference's, tie-aware (`None` on a shared layer).
+    pub selection: Option<SelectionResult>,
+    /// rel-L2 of `attn_out`: the optimized path over its own selection vs fp64 over that selection.
+    /// `None`: not finite (JSON has no NaN; the stage checks fail then).
+    pub own_path_error: Option<f64>,
+    /// The first failing stage check of the optimized path over its own selection (`None`: all pass).
+    pub own_path_first_failing: Option<String>,
+    /// rel-L2 of `attn_out`: fp64 over the optimized selection vs fp64 over the reference's
+    /// (informational: a near-tie flip may move the output a lot).
+    pub selection_effect: Option<f64>,
+    pub pass: bool,
+}
+
+impl DsaLayerResult {
+    /// Why the layer fails (empty when it passes).
+    pub fn failure(&self) -> String {
+        let mut why = Vec::new();
+        if let Some(s) = self.selection.as_ref().filter(|s| !s.pass) {
+            why.push(s.summary());
+        }
+        if let Some(c) = &self.own_path_first_failing {
+            why.push(format!(
+                "over its own selection the optimized path diverges from fp64 at {c} (attn_out rel-L2 {})",
+                num(self.own_path_error)
+            ));
+        }
+        why.join("; ")
+    }
+    /// One line for the table and Markdown.
+    pub fn line(&self) -> String {
+        let sel = match (&self.selection, self.shared_from) {
+            (Some(s), _) => s.summary(),
+            (None, Some(l)) => format!("selection shared from layer {l}"),
+            (None, None) => "selection shared".into(),
+        };
+        format!(
+            "layer {} {}: {sel}; own-selection attn_out {}{}; selection effect {}",
+            self.layer,
+            if self.pass { "PASS" } else { "FAIL" },
+            num(self.own_path_error),
+            match &self.own_path_first_failing {
+                Some(c) => format!(" (FAIL at {c})"),
+                None => String::new(),
+            },
+            num(self.selection_effect)
+        )
+    }
+}
+
+fn finite(x: f64) -> Option<f64> {
+    x.is_finite().then_some(x)
+}
+
+fn num(x: Option<f64>) -> String {
+    x.map_or("non-finite".into(), |v| format!("{v:.2e}"))
 }

@@ -250,6 +250,15 @@ pub fn run_from(
     let factors = RopeFactors::load(file, &cfg)?;
     let tables = RunTables::new(&cfg, factors.as_ref(), &opts.sched)?;
     let provided = backend.provides();
+    // A DSA file past top_k runs the sparse model (`dsa`); otherwise DSA is dense attention exactly.
+    let mut sparse = dsa::sparse_for(file, &cfg, &opts.sched)?;
+    if sparse.is_some() && !backend.sparse() {
+        return Err(Error::Unsupported(format!(
+            "{} has no sparse attention, but this DSA file's queries see more than its indexer's top_k ({} keys): run it on --backend cpu, or on at most top_k tokens",
+            info.description,
+            opts.sched.total_tokens()
+        )));
+    }
 
     let bar = if opts.progress && layers.len() > 1 {
         let b = indicatif::ProgressBar::with_draw_target(
@@ -288,8 +297,20 @@ pub fn run_from(
             }
         }
         let w = LayerWeights::load(file, &cfg, l)?;
-        let reference = crate::reference::run_layer(&cfg, &w, &tables.rope, &h_ref, &opts.sched)?;
-        let layer_ctx = tables.ctx(&cfg, &w, &opts.sched, opts.faults.active(l));
+        let dense_ctx = tables.ctx(&cfg, &w, &opts.sched, opts.faults.active(l));
+        let sel = match &sparse {
+            Some(sp) => Some(sp.select(file, &dense_ctx, &h_ref)?),
+            None => None,
+        };
+        let ref_sel = sel.as_ref().map(|s| &s.reference);
+        let reference =
+            crate::reference::run_layer_sel(&cfg, &w, &tables.rope, &h_ref, &opts.sched, ref_sel)?;
+        // Shadow mode's optimized path attends over the reference's selection: its stage checks then
+        // see kernel errors only; the selections are checked apart (`dsa::RunSparse::check_layer`).
+        let layer_ctx = crate::backend::LayerCtx {
+            selection: ref_sel,
+            ..dense_ctx
+        };
         // The reference residual after this layer: the next layer's shadow input and free mode's yardstick.
         let next_ref = residual_after(&h_ref, &reference)?;
         let ctx = compare::Ctx {
@@ -327,19 +348,23 @@ pub fn run_from(
             );
             let outside = backend.outside_local_view();
             local.stages.retain(|s| !outside.contains(s.stage));
+            // The stage-local view recomputes dense attention: not (yet) for a sparse layer.
             let r = compare::compare_layer(
                 &ctx,
                 &reference,
                 &opt,
                 opts.dtype,
                 &opts.tolerances,
-                Some(&local),
+                sel.is_none().then_some(&local),
             )?;
             dump_traces.push((opt, r.pass));
             shadow.push(r);
         }
         if opts.modes.free {
-            let opt = backend.run_layer(&layer_ctx, &h_opt)?;
+            // DSA: over the reference's selection too, so that the stages stay comparable (a near-tie
+            // flip makes whole split partials incomparable); what selections cost is the `dsa` section's.
+            let free_layer_ctx = layer_ctx;
+            let opt = backend.run_layer(&free_layer_ctx, &h_opt)?;
             let free_ctx = compare::Ctx {
                 elementwise: false,
                 ..ctx
@@ -348,7 +373,7 @@ pub fn run_from(
             if opts.repeat > 1 && !opts.modes.shadow {
                 repeats.push(repeat::repeat_layer(
                     backend,
-                    &layer_ctx,
+                    &free_layer_ctx,
                     &h_opt,
                     &opt,
                     opts.repeat,
@@ -383,6 +408,18 @@ pub fn run_from(
                 dumped.push(crate::report::npy::dump_layer(dir, &reference, opt)?);
             }
         }
+        if let (Some(sp), Some(sel)) = (sparse.as_mut(), sel) {
+            sp.check_layer(
+                &dense_ctx,
+                &ctx,
+                sel,
+                backend,
+                &h_ref,
+                &reference,
+                opts.dtype,
+                &opts.tolerances,
+            )?;
+        }
         h_ref = next_ref;
         bar.inc(1);
     }
@@ -405,7 +442,16 @@ pub fn run_from(
     }
     let verdict = Report::overall_verdict(&modes);
     // After the run: a backend may choose its kernels per layer (CUDA compiles them for the layer's dims).
-    let coverage = crate::coverage::compute(&backend.kernels(&cfg, &opts.sched), &cfg, &opts.sched);
+    let mut coverage =
+        crate::coverage::compute(&backend.kernels(&cfg, &opts.sched), &cfg, &opts.sched);
+    coverage.dsa = dsa_coverage(
+        file,
+        &cfg,
+        &opts.sched,
+        sparse.as_ref(),
+        opts.dtype,
+        info.kind.name(),
+    )?;
     let mut report = Report {
         schema_version: SCHEMA_VERSION,
         tool: ToolInfo {
@@ -431,7 +477,10 @@ pub fn run_from(
             input: input_json(&opts.input),
             tolerances: opts.tolerance_source.clone(),
             injected: opts.faults.0.clone(),
-            notices: dense_beyond_top_k(file, &cfg, &opts.sched)
+            notices: sparse
+                .is_none()
+                .then(|| dense_beyond_top_k(file, &cfg, &opts.sched))
+                .flatten()
                 .into_iter()
                 .chain(backend.notices())
                 .collect(),
@@ -453,13 +502,40 @@ pub fn run_from(
         repeat: None,
         coverage: Some(coverage),
         tp: None,
+        dsa: None,
         dumps: dumped,
     };
+    if let Some(sp) = sparse {
+        report.set_dsa(sp.result(opts.dtype, info.kind.name()));
+    }
     if opts.repeat > 1 {
         let mode = if opts.modes.shadow { "shadow" } else { "free" };
         report.set_repeat(repeat::RepeatResult::new(opts.repeat, mode, repeats));
     }
     Ok(report)
+}
+
+/// What a run on a DSA file covered: whether the sparsity bit (queries past top_k) and the optimized
+/// indexer's precision; `None` for a dense architecture or a DSA file without indexer keys.
+fn dsa_coverage(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    sched: &Schedule,
+    sparse: Option<&dsa::RunSparse>,
+    dtype: Dtype,
+    backend: &str,
+) -> Result<Option<crate::coverage::DsaCoverage>> {
+    let Some(ic) = crate::model::IndexerConfig::from_gguf(file, cfg)? else {
+        return Ok(None);
+    };
+    let t = sched.total_tokens();
+    Ok(Some(crate::coverage::DsaCoverage {
+        top_k: ic.top_k,
+        max_keys: t,
+        // Causal: query i (0-based) sees i + 1 keys.
+        sparse_queries: t.saturating_sub(ic.top_k),
+        indexer: sparse.map(|sp| sp.indexer_name(dtype, backend)),
+    }))
 }
 
 /// The lightning indexer's `top_k` of a DSA model (GLM-5 `glm-dsa`, DeepSeek-V3.2 `deepseek32`), `None`

@@ -46,6 +46,12 @@ pub fn schedule_for(needs: &[Need]) -> Schedule {
                 s.decode_steps = s.decode_steps.max(3);
                 s.prompt_len = s.prompt_len.max(88);
             }
+            // Past the fixture's top_k (16) in prefill and decode.
+            Need::Dsa => {
+                s.prompt_len = s.prompt_len.max(40);
+                s.chunk = 16;
+                s.decode_steps = s.decode_steps.max(3);
+            }
             Need::NormRope
             | Need::NeoxRope
             | Need::Yarn
@@ -225,7 +231,9 @@ pub fn controls() -> Vec<Case> {
 impl Model {
     /// The fixture a fault's model needs.
     pub fn for_needs(needs: &[Need]) -> Model {
-        if needs.contains(&Need::NeoxRope) {
+        if needs.contains(&Need::Dsa) {
+            Model::Glm5Dsa
+        } else if needs.contains(&Need::NeoxRope) {
             Model::Minicpm3
         } else if needs.contains(&Need::LargeQAbs) {
             Model::V2LiteLargeQAbs

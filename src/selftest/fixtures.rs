@@ -16,6 +16,7 @@ pub enum Model {
     Minicpm3,
     V2LiteLargeQAbs,
     Glm5,
+    Glm5Dsa,
 }
 
 /// Query heads of every selftest fixture.
@@ -35,14 +36,25 @@ pub struct Fixture {
     pub scale_log2: Option<i32>,
     /// Why the selftest has it.
     pub purpose: &'static str,
+    /// `Some(K)`: the DSA indexer's top_k set to K (runs past it exercise the sparse model).
+    pub dsa_top_k: Option<u32>,
 }
+
+/// The top_k of `Model::Glm5Dsa`: the indexer faults' runs (`Need::Dsa`) see up to 43 keys.
+pub const DSA_TOP_K: u32 = 16;
+
+/// Indexer heads of `Model::Glm5Dsa` (GLM-5 has 32). The selection check's noise margin is a worst-case
+/// bound, `8·u·Σ_h |w_h|·‖q_h‖·‖k‖·Di^-0.5`; on random weights the spread of the scores over keys is
+/// about `1/√(Hi·Di)` of that sum, so at 32 heads of 128 the whole spread sits inside the bf16 margin and
+/// no misreading could show. 2 heads of 128 keep it about twice the margin (docs/dsa.md).
+pub const DSA_HEADS: u32 = 2;
 
 /// The exponent K of `Model::V2LiteLargeQAbs`: puts the rms of q_absorbed above 65504 (checked on the
 /// reference values of every run that needs it).
 pub const LARGE_QABS_LOG2: i32 = 18;
 
 /// Every selftest fixture, in `Model` order.
-pub const FIXTURES: [Fixture; 4] = [
+pub const FIXTURES: [Fixture; 5] = [
     Fixture {
         model: Model::DeepseekV3,
         name: "deepseek-v3",
@@ -50,6 +62,7 @@ pub const FIXTURES: [Fixture; 4] = [
         q_lora: Some(128),
         scale_log2: None,
         purpose: "NORM rope, YaRN factor 40 (mscale² 1.87), P+R ≠ Dv: the default",
+        dsa_top_k: None,
     },
     Fixture {
         model: Model::Minicpm3,
@@ -58,6 +71,7 @@ pub const FIXTURES: [Fixture; 4] = [
         q_lora: Some(128),
         scale_log2: None,
         purpose: "NEOX rope, LongRoPE factors",
+        dsa_top_k: None,
     },
     // No q-LoRA, the model of llama.cpp #13137. The scaling makes q_absorbed = W_UKᵀ·q_nope leave the
     // fp16 range (and the latent shrink by 2^-K), while scores, k_nope, v, the heads, attn_out and so every
@@ -70,6 +84,7 @@ pub const FIXTURES: [Fixture; 4] = [
         q_lora: None,
         scale_log2: Some(LARGE_QABS_LOG2),
         purpose: "q_absorbed beyond the fp16 range",
+        dsa_top_k: None,
     },
     Fixture {
         model: Model::Glm5,
@@ -78,6 +93,18 @@ pub const FIXTURES: [Fixture; 4] = [
         q_lora: Some(64),
         scale_log2: None,
         purpose: "no YaRN, P+R = Dv: for the controls",
+        dsa_top_k: None,
+    },
+    // GLM-5's indexer (heads of 128, interleaved rope) with a small top_k, so that sparsity bites at a
+    // few dozen tokens, and 2 heads (`DSA_HEADS`): the indexer faults' fixture.
+    Fixture {
+        model: Model::Glm5Dsa,
+        name: "glm-5-dsa",
+        preset: Preset::Glm5,
+        q_lora: Some(64),
+        scale_log2: None,
+        purpose: "DSA indexer, 2 heads of 128, top_k 16: for the indexer faults",
+        dsa_top_k: Some(DSA_TOP_K),
     },
 ];
 
@@ -94,7 +121,7 @@ impl Model {
     }
     fn spec(self) -> Result<fixture::Spec> {
         let f = self.fixture();
-        fixture::Spec::from_options(&fixture::Options {
+        let mut s = fixture::Spec::from_options(&fixture::Options {
             preset: f.preset,
             layers: Some(LAYERS),
             quant: GgmlType::from_name("BF16").expect("bf16"),
@@ -105,7 +132,11 @@ impl Model {
             // 0: no q-LoRA.
             q_lora_rank: Some(f.q_lora.unwrap_or(0)),
             vocab: Some(64),
-        })
+        })?;
+        if let Some(k) = f.dsa_top_k {
+            s.indexer = s.indexer.map(|(_, d, _)| (DSA_HEADS, d, k));
+        }
+        Ok(s)
     }
     /// Write the fixture to `path`.
     pub fn write(self, path: &Path) -> Result<()> {

@@ -76,6 +76,8 @@ pub struct Summary {
     pub backend: String,
     pub outcomes: Vec<Outcome>,
     pub seconds: f64,
+    /// Faults not run, with why (the DSA indexer faults on a backend without sparse attention).
+    pub left_out: Vec<String>,
 }
 
 impl Summary {

@@ -15,6 +15,7 @@ mod deploy;
 mod detection;
 mod dsa;
 mod dsa_golden;
+mod dsa_run;
 mod fixture_roundtrip;
 mod fixtures;
 mod flash;

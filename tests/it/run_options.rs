@@ -221,7 +221,8 @@ fn free_mode_refuses_per_layer_captures() {
     );
 }
 
-/// The GLM-5 fixture with its indexer top_k set to `top_k` (None: the key removed).
+/// The GLM-5 fixture with its indexer top_k set to `top_k` (None: the key removed) and without its
+/// indexer tensors (a file with them runs the sparse model past top_k: tests/it/dsa_run.rs).
 fn glm5_with_top_k(dir: &Path, top_k: Option<u32>) -> PathBuf {
     let src = GgufFile::open(fixture("glm-5-q4_0.gguf")).unwrap();
     let key = "glm-dsa.attention.indexer.top_k";
@@ -233,7 +234,12 @@ fn glm5_with_top_k(dir: &Path, top_k: Option<u32>) -> PathBuf {
             (false, _) => w.add(k.clone(), v.clone()).unwrap(),
         }
     }
-    for t in &src.tensors {
+    let kept: Vec<_> = src
+        .tensors
+        .iter()
+        .filter(|t| !t.name.contains(".indexer."))
+        .collect();
+    for t in &kept {
         let id = match t.ty {
             TensorType::Known(g) => g.id,
             TensorType::Unknown(id) => id,
@@ -243,7 +249,7 @@ fn glm5_with_top_k(dir: &Path, top_k: Option<u32>) -> PathBuf {
     }
     let p = dir.join(format!("glm5-{top_k:?}.gguf"));
     let mut sink = w.start(std::fs::File::create(&p).unwrap()).unwrap();
-    for t in &src.tensors {
+    for t in &kept {
         sink.write(src.tensor_bytes(t).unwrap()).unwrap();
     }
     sink.finish().unwrap();
@@ -258,13 +264,20 @@ fn dsa_beyond_top_k_is_refused_or_noticed() {
         .get("glm-dsa.attention.indexer.top_k")
         .and_then(|v| v.as_u64());
     assert_eq!(k, Some(2048));
-    let o = run_on(
-        "glm-5-q4_0.gguf",
-        &["--prompt-len", "2100", "--decode-steps", "0"],
-    );
+    let d = tempfile::tempdir().unwrap();
+    let p = glm5_with_top_k(d.path(), Some(2048));
+    let o = run(&[
+        "run",
+        p.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--prompt-len",
+        "2100",
+        "--decode-steps",
+        "0",
+    ]);
     assert_clean_error(&o, "--allow-dense-beyond-topk");
 
-    let d = tempfile::tempdir().unwrap();
     let p = glm5_with_top_k(d.path(), Some(40));
     let args = |extra: &[&str]| {
         let mut a = vec![

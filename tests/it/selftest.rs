@@ -40,6 +40,22 @@ impl Backend for Mirror {
         };
         self.inner.run_layer(&ctx, x)
     }
+    fn sparse(&self) -> bool {
+        self.inner.sparse()
+    }
+    fn indexer(
+        &mut self,
+        ctx: &LayerCtx,
+        ic: &mla_diff::model::IndexerConfig,
+        iw: &mla_diff::model::IndexerWeights,
+        x: &ndarray::Array2<f64>,
+    ) -> mla_diff::Result<Option<mla_diff::reference::sparse::Selection>> {
+        let ctx = LayerCtx {
+            faults: self.faults.unwrap_or(ctx.faults),
+            ..*ctx
+        };
+        self.inner.indexer(&ctx, ic, iw, x)
+    }
 }
 
 fn mirror(

@@ -119,6 +119,22 @@ impl Backend for CpuMirror {
         crate::coverage::mirror_kernels()
     }
 
+    fn sparse(&self) -> bool {
+        true
+    }
+
+    fn indexer(
+        &mut self,
+        ctx: &LayerCtx,
+        ic: &crate::model::IndexerConfig,
+        iw: &crate::model::IndexerWeights,
+        x: &Array2<f64>,
+    ) -> Result<Option<crate::reference::sparse::Selection>> {
+        let plan = crate::run::dsa::plan_for(ctx.faults, indexer::KeyPrecision::Storage);
+        let o = indexer::run(ctx.cfg, ic, iw, ctx.weights, ctx.rope, x, self.dtype, plan)?;
+        Ok(Some(o.selection))
+    }
+
     fn run_layer(&mut self, ctx: &LayerCtx, x: &Array2<f64>) -> Result<LayerTrace> {
         let (cfg, w, sched, tables) = (ctx.cfg, ctx.weights, ctx.sched, ctx.rope);
         crate::reference::check_inputs(cfg, w, tables, x, sched)?;
