@@ -14,7 +14,8 @@
 //! - `attn_out` ← `attn_heads`.
 
 use super::noise::{acc_var, Store, EXP_REL_VAR, F32_OP, U32};
-use crate::backend::cpu::front::{MirrorWeights, RopeF32};
+use crate::backend::cpu::front::RopeF32;
+use crate::backend::cpu::ops::stored;
 use crate::backend::Dtype;
 use crate::faults::Active;
 use crate::model::{LayerWeights, MlaConfig, QProj};
@@ -105,6 +106,39 @@ fn linear(a: ArrayView2<f64>, w: &Array2<f64>) -> (Array2<f64>, Array2<f64>) {
 /// Input variances through `y = a·wᵀ`.
 fn propagate(var_a: &Array2<f64>, w: &Array2<f64>) -> Array2<f64> {
     var_a.dot(&w.mapv(|v| v * v).t())
+}
+
+/// Bytes of f64 weight rows made at a time by [`linear_stored`] (as `reference::front::linear`).
+const BLOCK_BYTES: usize = 16 << 20;
+
+/// [`linear`] (and, given `var_a`, [`propagate`] added to its variance) for a weight `w [out, in]` the
+/// path stores in `dt`: rounded and widened a block of rows at a time, never as a whole f64 copy (a
+/// whole layer's would be gigabytes). Each output column is the same dot product either way.
+fn linear_stored(
+    a: ArrayView2<f64>,
+    w: ArrayView2<f32>,
+    dt: Dtype,
+    var_a: Option<&Array2<f64>>,
+) -> (Array2<f64>, Array2<f64>) {
+    let (n_out, n_in) = w.dim();
+    let rows = (BLOCK_BYTES / 8 / n_in.max(1)).clamp(1, n_out.max(1));
+    let (mut y, mut var) = (
+        Array2::zeros((a.nrows(), n_out)),
+        Array2::zeros((a.nrows(), n_out)),
+    );
+    let mut r0 = 0;
+    while r0 < n_out {
+        let r1 = (r0 + rows).min(n_out);
+        let b = w.slice(s![r0..r1, ..]).mapv(|v| dt.round(v) as f64);
+        let (yb, mut vb) = linear(a, &b);
+        if let Some(va) = var_a {
+            vb = vb + propagate(va, &b);
+        }
+        y.slice_mut(s![.., r0..r1]).assign(&yb);
+        var.slice_mut(s![.., r0..r1]).assign(&vb);
+        r0 = r1;
+    }
+    (y, var)
 }
 
 /// RMSNorm per row with f32 statistics: values, and variance from the input's (`vx`) and the
@@ -241,18 +275,29 @@ fn attend(
     let mut per_key = vec![0.0; n];
     // P's roundings act along the values: where the values share a direction (latent rows often
     // do), their sum along it is one source, not one per key.
-    let r_of = |j: usize| {
-        if j == arg_max {
-            0.0
-        } else {
-            hidden_round(dt, p[j])
-        }
-    };
-    let r_tot: f64 = (0..n).map(r_of).sum();
+    // Each key's rounding variance, once per key (not once per key and value column: its ulp's
+    // log2/floor/powi were most of a whole run's time).
+    let r_of: Vec<f64> = (0..n)
+        .map(|j| match j == arg_max {
+            true => 0.0,
+            false => hidden_round(dt, p[j]),
+        })
+        .collect();
+    let r_tot: f64 = r_of.iter().sum();
     let common: Vec<f64> = (0..dim)
         .map(|d| match r_tot > 0.0 {
-            true => (0..n).map(|j| r_of(j) * v[j][d]).sum::<f64>() / r_tot,
+            true => (0..n).map(|j| r_of[j] * v[j][d]).sum::<f64>() / r_tot,
             false => 0.0,
+        })
+        .collect();
+    // P's rounding moves the numerator only, or numerator and sum (kernels differ): the larger.
+    // The key holding the maximum has p = exp(0) = 1 exactly in every online softmax. Keys
+    // in tiles before the maximum's were rounded against a smaller running max, so where in
+    // their binade they sat is unknown: the largest relative rounding is assumed for them.
+    let rounds: Vec<f64> = (0..n)
+        .map(|j| match j < early_end && j != arg_max {
+            true => (p[j] * dt.round_unit()).powi(2) / 12.0,
+            false => r_of[j],
         })
         .collect();
     let c_sq: f64 = common.iter().map(|c| c * c).sum();
@@ -262,17 +307,7 @@ fn attend(
         for j in 0..n {
             let x = v[j][d];
             let dev = (x - out[d]).powi(2);
-            // P's rounding moves the numerator only, or numerator and sum (kernels differ): the larger.
-            // The key holding the maximum has p = exp(0) = 1 exactly in every online softmax. Keys
-            // in tiles before the maximum's were rounded against a smaller running max, so where in
-            // their binade they sat is unknown: the largest relative rounding is assumed for them.
-            let round = if j == arg_max {
-                0.0
-            } else if j < early_end {
-                (p[j] * dt.round_unit()).powi(2) / 12.0
-            } else {
-                hidden_round(dt, p[j])
-            };
+            let round = rounds[j];
             let c = round * (x * x).max(dev) + p[j] * p[j] * pv[j] * dev;
             per_key[j] += c / (l * l);
             if d == 0 {
@@ -385,7 +420,8 @@ fn opt2(tr: &LayerTrace, s: Stage) -> Option<Array2<f64>> {
 /// Compute the local view of every stage whose inputs the optimized trace holds.
 pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     let (cfg, dt, sched) = (inp.cfg, inp.dtype, inp.sched);
-    let mw = MirrorWeights::new(cfg, inp.weights, dt, Active::NONE);
+    // The weights as the path stores them: the vectors rounded here, the matrices block by block.
+    let w = inp.weights;
     let rope = RopeF32::new(inp.rope, Active::NONE);
     let (h, p, r, dv, lkv) = (
         cfg.n_head,
@@ -400,7 +436,12 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     // attn_in ← the layer input, as the path stores it.
     let x = inp.x.mapv(|v| dt.round(v as f32) as f64);
     let zero = Array2::<f64>::zeros(x.dim());
-    let (ai, vai) = rms_norm(x.view(), zero.view(), &f64s(&mw.attn_norm), cfg.rms_eps);
+    let (ai, vai) = rms_norm(
+        x.view(),
+        zero.view(),
+        &f64s(&stored(&w.attn_norm, dt)),
+        cfg.rms_eps,
+    );
     out.push(
         Stage::AttnIn,
         ai.into_raw_vec_and_offset().0,
@@ -411,21 +452,20 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
         return out;
     };
     // q ← attn_in (q-LoRA's latent stored and normed on the way).
-    let (q, vq) = match &mw.q {
+    let (q, vq) = match &w.q {
         QProj::Lora { a, a_norm, b } => {
-            let (qa, mut vqa) = linear(attn_in.view(), &f64s(a));
+            let (qa, mut vqa) = linear_stored(attn_in.view(), a.view(), dt, None);
             Zip::from(&mut vqa)
                 .and(&qa)
                 .for_each(|v, &y| *v += hidden_round(dt, y));
-            let (qn, mut vqn) = rms_norm(qa.view(), vqa.view(), &f64s(a_norm), cfg.lora_norm_eps);
+            let a_norm = f64s(&stored(a_norm, dt));
+            let (qn, mut vqn) = rms_norm(qa.view(), vqa.view(), &a_norm, cfg.lora_norm_eps);
             Zip::from(&mut vqn)
                 .and(&qn)
                 .for_each(|v, &y| *v += hidden_round(dt, y));
-            let b = f64s(b);
-            let (q, acc) = linear(qn.view(), &b);
-            (q, acc + propagate(&vqn, &b))
+            linear_stored(qn.view(), b.view(), dt, Some(&vqn))
         }
-        QProj::Plain { q } => linear(attn_in.view(), &f64s(q)),
+        QProj::Plain { q } => linear_stored(attn_in.view(), q.view(), dt, None),
     };
     // Per head rows `[T·H, P+R]`.
     let dk = p + r;
@@ -451,14 +491,14 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     );
 
     // kv ← attn_in: stored, then the latent normed and k_pe roped.
-    let (mut kv, mut vkv) = linear(attn_in.view(), &f64s(&mw.kv_a));
+    let (mut kv, mut vkv) = linear_stored(attn_in.view(), w.kv_a.view(), dt, None);
     Zip::from(&mut vkv)
         .and(&kv)
         .for_each(|v, &y| *v += hidden_round(dt, y));
     let (lat, vlat) = rms_norm(
         kv.slice(s![.., ..lkv]),
         vkv.slice(s![.., ..lkv]),
-        &f64s(&mw.kv_a_norm),
+        &f64s(&stored(&w.kv_a_norm, dt)),
         cfg.lora_norm_eps,
     );
     out.push(
@@ -500,8 +540,13 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
         .into_shape_with_order((t_all * h, r))
         .expect("[T, H, R]");
     let scale = cfg.softmax_scale;
-    let w_uk = f64s(&mw.w_uk); // [H·P, Lkv]
-    let w_uv = f64s(&mw.w_uv); // [H·Dv, Lkv]
+    let flat = |m: &ndarray::Array3<f32>, d: usize| {
+        m.mapv(|v| dt.round(v) as f64)
+            .into_shape_with_order((h * d, lkv))
+            .expect("[H, d, Lkv]")
+    };
+    let w_uk = flat(&w.w_uk, p); // [H·P, Lkv]
+    let w_uv = flat(&w.w_uv, dv); // [H·Dv, Lkv]
     let mut heads = vec![0.0; t_all * h * dv];
     let mut heads_coh = vec![(0.0, 1.0); t_all * h];
     let mut vheads = vec![0.0; t_all * h * dv];
@@ -739,7 +784,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
 
     // attn_out ← the stored heads.
     if let Some(o_heads) = opt2(opt, Stage::AttnHeads) {
-        let (y, v) = linear(o_heads.view(), &f64s(&mw.o));
+        let (y, v) = linear_stored(o_heads.view(), w.o.view(), dt, None);
         out.push(
             Stage::AttnOut,
             y.into_raw_vec_and_offset().0,

@@ -23,6 +23,7 @@ use ndarray::Array2;
 use std::path::PathBuf;
 
 pub mod dsa;
+pub mod profile;
 pub mod repeat;
 
 /// Where layer inputs come from.
@@ -279,6 +280,7 @@ pub fn run_from(
     let (mut shadow, mut free) = (Vec::<LayerResult>::new(), Vec::<LayerResult>::new());
     let mut dumped = Vec::new();
     let mut repeats = Vec::new();
+    let mut prof = profile::Profile::from_env();
     for (i, &l) in layers.iter().enumerate() {
         bar.set_message(format!("layer {l}"));
         // Captured per-layer inputs replace the attention-only residual stream in shadow mode.
@@ -287,11 +289,35 @@ pub fn run_from(
                 h_ref = inputs.layer(l)?;
             }
         }
-        let w = LayerWeights::load(file, &cfg, l)?;
-        let reference = crate::reference::run_layer(&cfg, &w, &tables.rope, &h_ref, &opts.sched)?;
+        let w = prof.time("load + dequantize", || LayerWeights::load(file, &cfg, l))?;
+        // The weights are dequantized copies now: the file's pages of this layer are not needed again.
+        file.release(
+            crate::model::weights::tensor_names(l)
+                .iter()
+                .filter_map(|n| file.tensor(n)),
+        );
         let layer_ctx = tables.ctx(&cfg, &w, &opts.sched, opts.faults.active(l));
+        // The fp64 reference on its own thread, next to the optimized path and the local view (which
+        // do not need it); nothing is compared until both are done, so the results are the same.
+        let (reference, layer) = std::thread::scope(|sc| {
+            let (c, w, rope, h, sched) = (&cfg, &w, &tables.rope, &h_ref, &opts.sched);
+            let r = sc.spawn(move || {
+                let t0 = std::time::Instant::now();
+                let r = crate::reference::run_layer(c, w, rope, h, sched);
+                (r, t0.elapsed())
+            });
+            let layer = optimized_layer(
+                backend, &layer_ctx, &cfg, &w, &tables, &h_ref, &h_opt, opts, provided, &mut prof,
+            );
+            let (r, dt) = r.join().expect("the reference thread does not panic");
+            prof.add("reference (fp64)", dt);
+            (r, layer)
+        });
+        let reference = reference?;
+        let layer = layer?;
         // The reference residual after this layer: the next layer's shadow input and free mode's yardstick.
         let next_ref = residual_after(&h_ref, &reference)?;
+        let t_cmp = std::time::Instant::now();
         let ctx = compare::Ctx {
             elementwise: true,
             layer: l,
@@ -300,8 +326,11 @@ pub fn run_from(
             provided,
         };
         let mut dump_traces: Vec<(LayerTrace, bool)> = Vec::new();
-        if opts.modes.shadow {
-            let opt = backend.run_layer(&layer_ctx, &h_ref)?;
+        let OptLayer {
+            shadow: shadow_opt,
+            free: free_opt,
+        } = layer;
+        if let Some((opt, local)) = shadow_opt {
             if opts.repeat > 1 {
                 repeats.push(repeat::repeat_layer(
                     backend,
@@ -312,20 +341,6 @@ pub fn run_from(
                     &ctx,
                 )?);
             }
-            let mut local = compare::local::compute(
-                &compare::local::Inputs {
-                    cfg: &cfg,
-                    weights: &w,
-                    rope: &tables.rope,
-                    sched: &opts.sched,
-                    x: &h_ref,
-                    dtype: opts.dtype,
-                    provided,
-                },
-                &opt,
-            );
-            let outside = backend.outside_local_view();
-            local.stages.retain(|s| !outside.contains(s.stage));
             let r = compare::compare_layer(
                 &ctx,
                 &reference,
@@ -337,8 +352,7 @@ pub fn run_from(
             dump_traces.push((opt, r.pass));
             shadow.push(r);
         }
-        if opts.modes.free {
-            let opt = backend.run_layer(&layer_ctx, &h_opt)?;
+        if let Some(opt) = free_opt {
             let free_ctx = compare::Ctx {
                 elementwise: false,
                 ..ctx
@@ -383,9 +397,11 @@ pub fn run_from(
             }
         }
         h_ref = next_ref;
+        prof.add("compare + reports", t_cmp.elapsed());
         bar.inc(1);
     }
     bar.finish_and_clear();
+    prof.print();
 
     let mut modes = Vec::new();
     if opts.modes.shadow {
@@ -459,6 +475,55 @@ pub fn run_from(
         report.set_repeat(repeat::RepeatResult::new(opts.repeat, mode, repeats));
     }
     Ok(report)
+}
+
+/// One layer's optimized traces: shadow mode's (with its stage-local view) and free mode's.
+struct OptLayer {
+    shadow: Option<(LayerTrace, compare::local::Local)>,
+    free: Option<LayerTrace>,
+}
+
+/// The optimized path of one layer in the run's modes, and shadow mode's stage-local view: everything
+/// of a layer that does not need its reference (which runs meanwhile).
+#[allow(clippy::too_many_arguments)]
+fn optimized_layer(
+    backend: &mut dyn Backend,
+    layer_ctx: &crate::backend::LayerCtx,
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    tables: &RunTables,
+    h_ref: &Array2<f64>,
+    h_opt: &Array2<f64>,
+    opts: &RunOptions,
+    provided: crate::trace::StageSet,
+    prof: &mut profile::Profile,
+) -> Result<OptLayer> {
+    let mut shadow = None;
+    if opts.modes.shadow {
+        let opt = prof.time("optimized path", || backend.run_layer(layer_ctx, h_ref))?;
+        let mut local = prof.time("stage-local view", || {
+            compare::local::compute(
+                &compare::local::Inputs {
+                    cfg,
+                    weights: w,
+                    rope: &tables.rope,
+                    sched: &opts.sched,
+                    x: h_ref,
+                    dtype: opts.dtype,
+                    provided,
+                },
+                &opt,
+            )
+        });
+        let outside = backend.outside_local_view();
+        local.stages.retain(|s| !outside.contains(s.stage));
+        shadow = Some((opt, local));
+    }
+    let free = match opts.modes.free {
+        true => Some(prof.time("optimized path", || backend.run_layer(layer_ctx, h_opt))?),
+        false => None,
+    };
+    Ok(OptLayer { shadow, free })
 }
 
 /// The lightning indexer's `top_k` of a DSA model (GLM-5 `glm-dsa`, DeepSeek-V3.2 `deepseek32`), `None`
