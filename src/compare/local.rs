@@ -23,6 +23,7 @@ use crate::rope::{pair, RopeTables};
 use crate::schedule::Schedule;
 use crate::trace::{LayerTrace, Stage, StageSet};
 use ndarray::{s, Array1, Array2, ArrayView2, Zip};
+use rayon::prelude::*;
 
 /// fp64 of each stage from the optimized path's inputs, and the variance its hidden roundings and f32
 /// arithmetic predict (the output's own rounding is added by the judge, from the stored values).
@@ -558,7 +559,9 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     // Prefill, chunk by chunk: own keys from the chunk's fresh latent, context keys from the cache.
     let pl = sched.prompt_len;
     if pl > 0 {
-        for hh in 0..h {
+        // Heads are independent: each computed on its own (in parallel), then stored in place.
+        let per_head = |hh: usize| {
+            let mut res_t = Vec::with_capacity(pl);
             let uk = w_uk.slice(s![hh * p..(hh + 1) * p, ..]).to_owned();
             let uv = w_uv.slice(s![hh * dv..(hh + 1) * dv, ..]).to_owned();
             let decompress = |lat: ArrayView2<f64>| {
@@ -629,13 +632,20 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                     } else {
                         mine
                     };
-                    let at = (t * h + hh) * dv;
-                    heads[at..at + dv].copy_from_slice(&res.out);
-                    heads_coh[t * h + hh] = (res.coh, res.n_eff);
-                    vheads[at..at + dv].copy_from_slice(&res.var);
-                    lse[t * h + hh] = res.lse;
-                    vlse[t * h + hh] = res.var_lse;
+                    res_t.push((t, res));
                 }
+            }
+            res_t
+        };
+        let all: Vec<Vec<(usize, Attn)>> = (0..h).into_par_iter().map(per_head).collect();
+        for (hh, res_t) in all.into_iter().enumerate() {
+            for (t, res) in res_t {
+                let at = (t * h + hh) * dv;
+                heads[at..at + dv].copy_from_slice(&res.out);
+                heads_coh[t * h + hh] = (res.coh, res.n_eff);
+                vheads[at..at + dv].copy_from_slice(&res.var);
+                lse[t * h + hh] = res.lse;
+                vlse[t * h + hh] = res.var_lse;
             }
         }
     }
@@ -692,12 +702,13 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
             }
             _ => None,
         };
-        for d in 0..nd {
+        // Every (decode token, head) is independent: computed in parallel, then stored in place.
+        let per_query = |qi: usize| {
+            let (d, hh) = (qi / h, qi % h);
             let t = pl + d;
             let seq_len = pl + (d / sched.q_len + 1) * sched.q_len;
             let splits = sched.split_ranges(seq_len);
-            for hh in 0..h {
-                let qi = d * h + hh;
+            {
                 let (qa, vqa, qp) = (qa_used.row(qi), vqa_used.row(qi), o_qpe.row(t * h + hh));
                 let score = |j: usize| {
                     let row = cache.row(j);
@@ -723,14 +734,6 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                         attend(&sc, &vals, None, lkv, dt)
                     })
                     .collect();
-                for (k, pa) in parts.iter().enumerate() {
-                    let at = (qi * ns + k) * lkv;
-                    split_out[at..at + lkv].copy_from_slice(&pa.out);
-                    split_coh[qi * ns + k] = (pa.coh, pa.n_eff);
-                    vsplit_out[at..at + lkv].copy_from_slice(&pa.var);
-                    split_lse[qi * ns + k] = pa.lse;
-                    vsplit_lse[qi * ns + k] = pa.var_lse;
-                }
                 // The combine, from the stored partials when the backend exposes them.
                 let merged = match o_split {
                     Some((o, l)) => {
@@ -748,6 +751,26 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                     }
                     None => merge(&parts),
                 };
+                (parts, merged)
+            }
+        };
+        // A bounded batch at a time: the results of all queries at once would be another copy of
+        // the split partials (hundreds of MB on a long decode).
+        let batch = 64 * rayon::current_num_threads();
+        for b0 in (0..nd * h).step_by(batch) {
+            let qis = b0..(b0 + batch).min(nd * h);
+            let all: Vec<(Vec<Attn>, Attn)> = qis.clone().into_par_iter().map(per_query).collect();
+            for (qi, (parts, merged)) in qis.zip(all) {
+                let (d, hh) = (qi / h, qi % h);
+                let t = pl + d;
+                for (k, pa) in parts.iter().enumerate() {
+                    let at = (qi * ns + k) * lkv;
+                    split_out[at..at + lkv].copy_from_slice(&pa.out);
+                    split_coh[qi * ns + k] = (pa.coh, pa.n_eff);
+                    vsplit_out[at..at + lkv].copy_from_slice(&pa.var);
+                    split_lse[qi * ns + k] = pa.lse;
+                    vsplit_lse[qi * ns + k] = pa.var_lse;
+                }
                 latent[qi * lkv..(qi + 1) * lkv].copy_from_slice(&merged.out);
                 latent_coh[qi] = (merged.coh, merged.n_eff);
                 vlatent[qi * lkv..(qi + 1) * lkv].copy_from_slice(&merged.var);
@@ -792,4 +815,30 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The weights widened block by block give the products of the whole f64 copy, bit for bit (the
+    /// reports do not change), with blocks that cut the output columns unevenly.
+    #[test]
+    fn blocked_linear_is_the_whole_product() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let (t, n_in, n_out) = (7, 300, 9000);
+        let a = Array2::from_shape_fn((t, n_in), |_| rng.random_range(-2.0..2.0));
+        let va = Array2::from_shape_fn((t, n_in), |_| rng.random_range(0.0..1e-6));
+        let w = Array2::from_shape_fn((n_out, n_in), |_| rng.random_range(-1.0f32..1.0));
+        assert!(BLOCK_BYTES / 8 / n_in < n_out, "more than one block");
+        for dt in [Dtype::Bf16, Dtype::F32] {
+            let whole = w.mapv(|v| dt.round(v) as f64);
+            let (y, v) = linear(a.view(), &whole);
+            let (yb, vb) = linear_stored(a.view(), w.view(), dt, None);
+            assert!(y == yb && v == vb, "{dt:?}");
+            let (_, vp) = linear_stored(a.view(), w.view(), dt, Some(&va));
+            assert!(vp == v + propagate(&va, &whole), "{dt:?} propagated");
+        }
+    }
 }

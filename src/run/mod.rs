@@ -281,6 +281,8 @@ pub fn run_from(
     let mut dumped = Vec::new();
     let mut repeats = Vec::new();
     let mut prof = profile::Profile::from_env();
+    // The next layer's weights, loaded by the reference's thread once the reference is done.
+    let mut preloaded: Option<(Result<LayerWeights>, std::time::Duration)> = None;
     for (i, &l) in layers.iter().enumerate() {
         bar.set_message(format!("layer {l}"));
         // Captured per-layer inputs replace the attention-only residual stream in shadow mode.
@@ -289,13 +291,12 @@ pub fn run_from(
                 h_ref = inputs.layer(l)?;
             }
         }
-        let w = prof.time("load + dequantize", || LayerWeights::load(file, &cfg, l))?;
-        // The weights are dequantized copies now: the file's pages of this layer are not needed again.
-        file.release(
-            crate::model::weights::tensor_names(l)
-                .iter()
-                .filter_map(|n| file.tensor(n)),
-        );
+        let (w, t_load) = preloaded
+            .take()
+            .unwrap_or_else(|| load_layer(file, &cfg, l));
+        prof.add("load + dequantize", t_load);
+        let w = w?;
+        let next = layers.get(i + 1).copied();
         let layer_ctx = tables.ctx(&cfg, &w, &opts.sched, opts.faults.active(l));
         // The fp64 reference on its own thread, next to the optimized path and the local view (which
         // do not need it); nothing is compared until both are done, so the results are the same.
@@ -304,13 +305,20 @@ pub fn run_from(
             let r = sc.spawn(move || {
                 let t0 = std::time::Instant::now();
                 let r = crate::reference::run_layer(c, w, rope, h, sched);
-                (r, t0.elapsed())
+                let dt = t0.elapsed();
+                // Only after a good reference: a failing layer stops the run before the next is read.
+                let next = match (&r, next) {
+                    (Ok(_), Some(n)) => Some(load_layer(file, c, n)),
+                    _ => None,
+                };
+                (r, dt, next)
             });
             let layer = optimized_layer(
                 backend, &layer_ctx, &cfg, &w, &tables, &h_ref, &h_opt, opts, provided, &mut prof,
             );
-            let (r, dt) = r.join().expect("the reference thread does not panic");
+            let (r, dt, next) = r.join().expect("the reference thread does not panic");
             prof.add("reference (fp64)", dt);
+            preloaded = next;
             (r, layer)
         });
         let reference = reference?;
@@ -475,6 +483,23 @@ pub fn run_from(
         report.set_repeat(repeat::RepeatResult::new(opts.repeat, mode, repeats));
     }
     Ok(report)
+}
+
+/// One layer's weights, dequantized, and the time it took; the file's pages of the layer are released
+/// (the weights are copies: those pages are not read again).
+fn load_layer(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    l: usize,
+) -> (Result<LayerWeights>, std::time::Duration) {
+    let t0 = std::time::Instant::now();
+    let w = LayerWeights::load(file, cfg, l);
+    file.release(
+        crate::model::weights::tensor_names(l)
+            .iter()
+            .filter_map(|n| file.tensor(n)),
+    );
+    (w, t0.elapsed())
 }
 
 /// One layer's optimized traces: shadow mode's (with its stage-local view) and free mode's.

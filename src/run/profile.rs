@@ -1,7 +1,8 @@
 //! `MLA_DIFF_PROFILE=1`: where a run's time goes, per phase, summed over its layers (stderr).
 //!
-//! The reference runs on its own thread next to the optimized path and the local view, so its time
-//! overlaps theirs: the phases add up to more than the wall time when that overlap works.
+//! The reference, then the next layer's load, run on their own thread next to the optimized path and
+//! the local view, so their time overlaps theirs: the phases add up to more than the wall time when
+//! that overlap works.
 
 use std::time::{Duration, Instant};
 
