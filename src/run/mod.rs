@@ -314,7 +314,7 @@ pub fn run_from(
                 (r, dt, next)
             });
             let layer = optimized_layer(
-                backend, &layer_ctx, &cfg, &w, &tables, &h_ref, &h_opt, opts, provided, &mut prof,
+                backend, &layer_ctx, &cfg, w, &tables, &h_ref, &h_opt, opts, provided, &mut prof,
             );
             let (r, dt, next) = r.join().expect("the reference thread does not panic");
             prof.add("reference (fp64)", dt);
