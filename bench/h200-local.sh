@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # #14 on the H200 with the stage-local view deciding: clean runs of every shipped fixture × bf16/fp16 ×
 # seeds through the CUDA kernels (each line: the worst check's local ratio, ≥ 1 fails), then the fault
-# self-test. Usage on the GPU host:  B=path/to/mla-diff OUT=dir SEEDS="0 1 2" bash bench/h200-local.sh
+# self-test, and with SENSITIVITY=1 `selftest --sensitivity`. Usage on the GPU host:
+#   B=path/to/mla-diff OUT=dir SEEDS="0 1 2" [SENSITIVITY=1] bash bench/h200-local.sh
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 B=${B:-.carry/mla-diff}
@@ -39,5 +40,9 @@ echo "clean runs failing: $fails"
 NO_COLOR=1 timeout 300 "$B" selftest --backend cuda > "$OUT/selftest-cuda.txt" 2>&1
 echo "selftest --backend cuda: exit $?"
 tail -5 "$OUT/selftest-cuda.txt"
+if [ -n "${SENSITIVITY:-}" ]; then
+    t=$SECONDS; NO_COLOR=1 timeout 240 "$B" selftest --sensitivity --backend cuda > "$OUT/sensitivity-cuda.txt" 2>&1
+    echo "selftest --sensitivity --backend cuda: exit $? ($((SECONDS - t)) s)"; cat "$OUT/sensitivity-cuda.txt"
+fi
 tar czf "$OUT/local-h200.tar.gz" -C "$OUT" runs selftest-cuda.txt 2>/dev/null
 rm -rf "$OUT/runs"

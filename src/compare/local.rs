@@ -240,6 +240,7 @@ fn attend(
     dim: usize,
     dt: Dtype,
     online: bool,
+    gram: Option<&dyn Fn(usize, usize) -> f64>,
 ) -> Attn {
     if scores.is_empty() {
         return Attn::empty(dim);
@@ -340,18 +341,44 @@ fn attend(
         .zip(&out)
         .for_each(|(v, o)| *v += o * o * l_rel);
     let keys: f64 = per_key.iter().sum();
-    // Sources: the common direction (one), the keys' own parts, the sum l (one).
-    let along = along.min(keys);
-    let own = keys - along;
-    let own2: f64 =
-        per_key.iter().map(|c| c * c).sum::<f64>() * (own / keys.max(f64::MIN_POSITIVE)).powi(2);
+    // The row's degrees of freedom: key j's error lies along v_j, so the keys' part has covariance
+    // Σ = Σ_j c_j v̂_j v̂_jᵀ and (tr Σ)²/tr Σ² of them, tr Σ² = Σ_jk c_j c_k cos²(v_j, v_k). Latent rows
+    // span few directions (a few outlier dims carry most of their energy: measured on the H200, 60 %
+    // of a split_out row's error in 16 of 512 dims), so that is far fewer than the keys. The 256
+    // largest keys pairwise, the rest as independent. Without the values' Gram matrix: their common
+    // direction as one source, the rest per key.
+    let keys2 = match gram {
+        Some(g) => {
+            let mut idx: Vec<usize> = (0..n).collect();
+            idx.sort_unstable_by(|&a, &b| per_key[b].total_cmp(&per_key[a]));
+            let (top, rest) = idx.split_at(n.min(256));
+            let mut t2: f64 = rest.iter().map(|&j| per_key[j] * per_key[j]).sum();
+            for (a, &j) in top.iter().enumerate() {
+                t2 += per_key[j] * per_key[j];
+                for &k in &top[a + 1..] {
+                    t2 += 2.0 * per_key[j] * per_key[k] * g(j, k);
+                }
+            }
+            t2
+        }
+        None => {
+            let along = along.min(keys);
+            let own = keys - along;
+            along * along
+                + per_key.iter().map(|c| c * c).sum::<f64>()
+                    * (own / keys.max(f64::MIN_POSITIVE)).powi(2)
+        }
+    };
+    // Sources: the keys' (above), the sum l (one).
     let coh = keys + l_part;
-    let coh2 = along * along + own2 + l_part * l_part;
+    let coh2 = keys2 + l_part * l_part;
     Attn {
         out,
         var,
         lse: m + l.ln(),
-        var_lse: sp / (l * l) + l_rel + tiles * F32_OP,
+        // Kernels form lse as (m·log2e + log2 l)·ln 2 in f32: three roundings at its magnitude (on the
+        // H200 a split_lse check's energy was 1.9× the prediction without them).
+        var_lse: sp / (l * l) + l_rel + tiles * F32_OP + 3.0 * F32_OP * (m + l.ln()).powi(2),
         coh,
         n_eff: if coh2 > 0.0 { coh * coh / coh2 } else { 1.0 },
     }
@@ -619,7 +646,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                                 .collect();
                             let vvs: Vec<&[f64]> =
                                 keys.map(|j| vv.row(j).to_slice().expect("row")).collect();
-                            attend(&sc, &vals, Some(&vvs), dv, dt, inp.known_attention)
+                            attend(&sc, &vals, Some(&vvs), dv, dt, inp.known_attention, None)
                         };
                         let mine = part(c.start..t + 1, &own, &kpe_own);
                         let res = if c.start > 0 {
@@ -689,6 +716,19 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
             }
         };
         let ns = sched.num_splits;
+        // cos² between the cache's latent rows (the decode values), once per layer: what a split
+        // row's degrees of freedom need (`attend`); up to 4096 tokens (64 MB), else the old estimate.
+        let gram: Option<Vec<f32>> = (t_all <= 4096).then(|| {
+            let lat = cache.slice(s![.., ..lkv]);
+            let g = lat.dot(&lat.t());
+            let d = g.diag().to_owned();
+            let mut c = vec![0f32; t_all * t_all];
+            for ((j, k), &x) in g.indexed_iter() {
+                let den = d[j] * d[k];
+                c[j * t_all + k] = if den > 0.0 { (x * x / den) as f32 } else { 0.0 };
+            }
+            c
+        });
         let mut split_out = vec![0.0; nd * h * ns * lkv];
         let mut split_coh = vec![(0.0, 1.0); nd * h * ns];
         let mut latent_coh = vec![(0.0, 1.0); nd * h];
@@ -735,7 +775,13 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                             let keys = sr.start..sr.end.min(t + 1);
                             let sc: Vec<(f64, f64)> = keys.clone().map(score).collect();
                             let vals: Vec<&[f64]> = keys.map(|j| &row(&cache, j)[..lkv]).collect();
-                            attend(&sc, &vals, None, lkv, dt, inp.known_attention)
+                            let cos2 = |j: usize, k: usize| match &gram {
+                                Some(g) => g[(sr.start + j) * t_all + sr.start + k] as f64,
+                                None => 0.0,
+                            };
+                            let g: Option<&dyn Fn(usize, usize) -> f64> =
+                                gram.as_ref().map(|_| &cos2 as &dyn Fn(usize, usize) -> f64);
+                            attend(&sc, &vals, None, lkv, dt, inp.known_attention, g)
                         })
                         .collect();
                     // The combine, from the stored partials when the backend exposes them.
