@@ -105,7 +105,7 @@ pub fn measure(
         let tol = tols.get(dtype, &check)?;
         let judged = |t: &StageTensor| -> Result<compare::CheckResult> {
             let mut c = compare::compare_check(&ctx, check, r, t, tol)?;
-            compare::apply_local(&ctx, check, &mut c, t, l, false);
+            compare::apply_local(&ctx, check, &mut c, t, l);
             Ok(c)
         };
         let span = check.rows(sched);
@@ -148,11 +148,11 @@ pub fn measure(
                 };
                 p.data[i] = store.round(p.data[i] + d);
             }
-            Ok(!judged(&p)?.pass)
+            Ok(!judged(&p)?.local.is_some_and(|l| l.pass))
         };
         let mut thresholds = [None; 3];
         for (t, kind) in thresholds.iter_mut().zip(Kind::ALL) {
-            *t = match clean.pass {
+            *t = match lr.pass {
                 false => Some(0.0),
                 true => threshold(|k| caught(kind, k))?,
             };
