@@ -279,19 +279,7 @@ fn attend(
             _ => hidden_round(dt, p[j]),
         })
         .collect();
-    // P's roundings act along the values: where the values share a direction (latent rows often
-    // do), their sum along it is one source, not one per key.
-    let r_tot: f64 = rv.iter().sum();
     let inv_l2 = 1.0 / (l * l);
-    let mut common = vec![0.0; dim];
-    if r_tot > 0.0 {
-        for (vj, &r) in v.iter().zip(&rv) {
-            let w = r / r_tot;
-            common.iter_mut().zip(*vj).for_each(|(c, &x)| *c += w * x);
-        }
-    }
-    let c_sq: f64 = common.iter().map(|c| c * c).sum();
-    let along = r_tot * c_sq * inv_l2;
     // Per value column: P's roundings, the scores' (through p), the values' own; the f32 sum's terms.
     let (mut a, mut sq, mut tot) = (vec![0.0; dim], vec![0.0; dim], vec![0.0; dim]);
     let mut per_key = vec![0.0; n];
@@ -362,7 +350,18 @@ fn attend(
             t2
         }
         None => {
-            let along = along.min(keys);
+            // P's roundings act along the values: where the values share a direction (latent rows
+            // often do), their sum along it is one source, not one per key.
+            let r_tot: f64 = rv.iter().sum();
+            let mut common = vec![0.0; dim];
+            if r_tot > 0.0 {
+                for (vj, &r) in v.iter().zip(&rv) {
+                    let w = r / r_tot;
+                    common.iter_mut().zip(*vj).for_each(|(c, &x)| *c += w * x);
+                }
+            }
+            let c_sq: f64 = common.iter().map(|c| c * c).sum();
+            let along = (r_tot * c_sq * inv_l2).min(keys);
             let own = keys - along;
             along * along
                 + per_key.iter().map(|c| c * c).sum::<f64>()
@@ -381,6 +380,34 @@ fn attend(
         var_lse: sp / (l * l) + l_rel + tiles * F32_OP + 3.0 * F32_OP * (m + l.ln()).powi(2),
         coh,
         n_eff: if coh2 > 0.0 { coh * coh / coh2 } else { 1.0 },
+    }
+}
+
+/// Attention rows of a stage being assembled: values, variances, and each row's shared variance.
+struct Rows {
+    dim: usize,
+    out: Vec<f64>,
+    var: Vec<f64>,
+    coh: Vec<(f64, f64)>,
+}
+
+impl Rows {
+    fn new(rows: usize, dim: usize) -> Rows {
+        Rows {
+            dim,
+            out: vec![0.0; rows * dim],
+            var: vec![0.0; rows * dim],
+            coh: vec![(0.0, 1.0); rows],
+        }
+    }
+    fn put(&mut self, i: usize, a: &Attn) {
+        let at = i * self.dim..(i + 1) * self.dim;
+        self.out[at.clone()].copy_from_slice(&a.out);
+        self.var[at].copy_from_slice(&a.var);
+        self.coh[i] = (a.coh, a.n_eff);
+    }
+    fn push_to(self, local: &mut Local, stage: Stage) {
+        local.push_rows(stage, self.out, self.var, self.coh);
     }
 }
 
@@ -575,9 +602,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     let scale = cfg.softmax_scale;
     let w_uk = f64s(&mw.w_uk); // [H·P, Lkv]
     let w_uv = f64s(&mw.w_uv); // [H·Dv, Lkv]
-    let mut heads = vec![0.0; t_all * h * dv];
-    let mut heads_coh = vec![(0.0, 1.0); t_all * h];
-    let mut vheads = vec![0.0; t_all * h * dv];
+    let mut heads = Rows::new(t_all * h, dv);
     let mut lse = vec![0.0; t_all * h];
     let mut vlse = vec![0.0; t_all * h];
     // attn_heads[decode] needs the stored attn_latent.
@@ -671,10 +696,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
         for (hh, rows) in per_head.into_iter().enumerate() {
             // Chunks cover the prompt in order, so row t is token t.
             for (t, res) in rows.into_iter().enumerate() {
-                let at = (t * h + hh) * dv;
-                heads[at..at + dv].copy_from_slice(&res.out);
-                heads_coh[t * h + hh] = (res.coh, res.n_eff);
-                vheads[at..at + dv].copy_from_slice(&res.var);
+                heads.put(t * h + hh, &res);
                 lse[t * h + hh] = res.lse;
                 vlse[t * h + hh] = res.var_lse;
             }
@@ -729,14 +751,10 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
             }
             c
         });
-        let mut split_out = vec![0.0; nd * h * ns * lkv];
-        let mut split_coh = vec![(0.0, 1.0); nd * h * ns];
-        let mut latent_coh = vec![(0.0, 1.0); nd * h];
-        let mut vsplit_out = vec![0.0; nd * h * ns * lkv];
+        let mut split_out = Rows::new(nd * h * ns, lkv);
         let mut split_lse = vec![0.0; nd * h * ns];
         let mut vsplit_lse = vec![0.0; nd * h * ns];
-        let mut latent = vec![0.0; nd * h * lkv];
-        let mut vlatent = vec![0.0; nd * h * lkv];
+        let mut latent = Rows::new(nd * h, lkv);
         let o_split = match (opt.get(Stage::SplitOut), opt.get(Stage::SplitLse)) {
             (Some(o), Some(l))
                 if inp.provided.contains(Stage::SplitOut)
@@ -788,19 +806,24 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                     // (Exact when the path merges what it stored; else with a fresh computation's noise.)
                     let merged = match o_split {
                         Some((o, l)) => {
-                            let known = inp.known_attention;
                             let stored: Vec<Attn> = (0..ns)
-                                .map(|k| Attn {
-                                    out: o.data[(qi * ns + k) * lkv..(qi * ns + k + 1) * lkv]
-                                        .to_vec(),
-                                    var: match known {
-                                        true => vec![0.0; lkv],
-                                        false => parts[k].var.clone(),
-                                    },
-                                    lse: l.data[qi * ns + k],
-                                    var_lse: if known { 0.0 } else { parts[k].var_lse },
-                                    coh: if known { 0.0 } else { parts[k].coh },
-                                    n_eff: if known { 0.0 } else { parts[k].n_eff },
+                                .map(|k| {
+                                    let out = o.data[(qi * ns + k) * lkv..(qi * ns + k + 1) * lkv]
+                                        .to_vec();
+                                    let lse = l.data[qi * ns + k];
+                                    match inp.known_attention {
+                                        true => Attn {
+                                            out,
+                                            lse,
+                                            ..Attn::empty(lkv)
+                                        },
+                                        false => Attn {
+                                            out,
+                                            lse,
+                                            var: parts[k].var.clone(),
+                                            ..parts[k]
+                                        },
+                                    }
                                 })
                                 .collect();
                             merge(&stored)
@@ -813,23 +836,18 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
             for (hh, (parts, merged)) in per_head.into_iter().enumerate() {
                 let qi = d * h + hh;
                 for (k, pa) in parts.iter().enumerate() {
-                    let at = (qi * ns + k) * lkv;
-                    split_out[at..at + lkv].copy_from_slice(&pa.out);
-                    split_coh[qi * ns + k] = (pa.coh, pa.n_eff);
-                    vsplit_out[at..at + lkv].copy_from_slice(&pa.var);
+                    split_out.put(qi * ns + k, pa);
                     split_lse[qi * ns + k] = pa.lse;
                     vsplit_lse[qi * ns + k] = pa.var_lse;
                 }
-                latent[qi * lkv..(qi + 1) * lkv].copy_from_slice(&merged.out);
-                latent_coh[qi] = (merged.coh, merged.n_eff);
-                vlatent[qi * lkv..(qi + 1) * lkv].copy_from_slice(&merged.var);
+                latent.put(qi, &merged);
                 lse[t * h + hh] = merged.lse;
                 vlse[t * h + hh] = merged.var_lse;
             }
         }
-        out.push_rows(Stage::SplitOut, split_out, vsplit_out, split_coh);
+        split_out.push_to(&mut out, Stage::SplitOut);
         out.push(Stage::SplitLse, split_lse, vsplit_lse);
-        out.push_rows(Stage::AttnLatent, latent, vlatent, latent_coh);
+        latent.push_to(&mut out, Stage::AttnLatent);
         // attn_heads[decode] ← the stored attn_latent.
         if let Some(o_att) = opt2(opt, Stage::AttnLatent) {
             let o_att = o_att
@@ -841,8 +859,8 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                 let (y, v) = linear(o_att.select(ndarray::Axis(0), &rows).view(), &uv);
                 for d in 0..nd {
                     let at = ((pl + d) * h + hh) * dv;
-                    heads[at..at + dv].copy_from_slice(y.row(d).as_slice().expect("row"));
-                    vheads[at..at + dv].copy_from_slice(v.row(d).as_slice().expect("row"));
+                    heads.out[at..at + dv].copy_from_slice(y.row(d).as_slice().expect("row"));
+                    heads.var[at..at + dv].copy_from_slice(v.row(d).as_slice().expect("row"));
                 }
             }
         } else {
@@ -851,7 +869,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     }
     out.push(Stage::Lse, lse, vlse);
     if heads_ok {
-        out.push_rows(Stage::AttnHeads, heads, vheads, heads_coh);
+        heads.push_to(&mut out, Stage::AttnHeads);
     }
 
     // attn_out ← the stored heads.
