@@ -60,8 +60,9 @@ pub enum Need {
     Yarn,
     /// A qk head dim (P+R) different from the v head dim (not GLM, where both are 256).
     QkNotV,
-    /// q_absorbed beyond the fp16 range (large activations; checked on the reference values). (The
-    /// stage-local view also sees the fault's fp16 accumulation without overflow.)
+    /// q_absorbed beyond the fp16 range (large activations; checked on the reference values): where
+    /// the fault overflows, as in the bug report. (The stage-local view also sees the fault's fp16
+    /// accumulation without overflow, so it has no control run.)
     LargeQAbs,
     /// An f32 run: the fault's effect on its earliest stage is a few percent, within the bf16 noise
     /// there, so only f32 pins it to that stage (bf16 catches it one stage later).

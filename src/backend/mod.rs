@@ -171,6 +171,12 @@ pub trait Backend {
     fn known_attention(&self) -> bool {
         true
     }
+    /// How it sums an attention score's dot product: the stage-local view models that sum's noise
+    /// (and, on tensor cores, the truncating accumulator's one-signed bias: on the H200 most of a GLM-5
+    /// split_lse's error). Unknown kernels get the conservative model.
+    fn score_sum(&self) -> crate::compare::noise::ScoreSum {
+        crate::compare::noise::ScoreSum::Sequential
+    }
     /// What the report should say about this backend after the run (e.g. a runner that returned its
     /// LSE in bf16); every format shows it.
     fn notices(&self) -> Vec<String> {

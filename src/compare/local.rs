@@ -13,7 +13,7 @@
 //!   the context's `cache_rows` (decompressed with W_UK/W_UV, as prefill does);
 //! - `attn_out` ← `attn_heads`.
 
-use super::noise::{acc_var, Store, EXP_REL_VAR, F32_OP, U32};
+use super::noise::{acc_var, ScoreSum, Store, EXP_REL_VAR, F32_OP, U32};
 use crate::backend::cpu::front::{MirrorWeights, RopeF32};
 use crate::backend::Dtype;
 use crate::faults::Active;
@@ -42,6 +42,10 @@ pub struct LocalStage {
     pub coherent: Option<Vec<(f64, f64)>>,
     /// A copy of values already stored in their type (the cache): must match exactly.
     pub exact: bool,
+    /// Per element: the bias a truncating tensor-core accumulator puts into the scores, carried here,
+    /// at κ = 1 (`noise::Prediction::truncation`); `None` where the backend's accumulators round to
+    /// nearest or the stage does not depend on scores.
+    pub truncation: Option<Vec<f64>>,
 }
 
 impl Local {
@@ -56,6 +60,7 @@ impl Local {
             hidden_var,
             coherent: None,
             exact: false,
+            truncation: None,
         });
     }
     fn push_rows(
@@ -67,6 +72,12 @@ impl Local {
     ) {
         self.push(stage, values, hidden_var);
         self.stages.last_mut().expect("pushed").coherent = Some(rows);
+    }
+    /// Attach the truncation bias to the stage last pushed (where the backend truncates).
+    fn with_truncation(&mut self, on: bool, bias: Vec<f64>) {
+        if on {
+            self.stages.last_mut().expect("pushed").truncation = Some(bias);
+        }
     }
 }
 
@@ -83,6 +94,8 @@ pub struct Inputs<'a> {
     pub provided: StageSet,
     /// `Backend::known_attention`: an online softmax, and `attn_latent` merged from the stored partials.
     pub known_attention: bool,
+    /// `Backend::score_sum`: how its attention scores are summed.
+    pub score_sum: ScoreSum,
 }
 
 fn f64s<D: ndarray::Dimension>(a: &ndarray::Array<f32, D>) -> ndarray::Array<f64, D> {
@@ -181,20 +194,115 @@ fn sl(a: ArrayView1<'_, f64>) -> &[f64] {
 
 /// A score `x·y + xr·yr` in one pass, with Σ(xᵢyᵢ)² (for its f32 sum's rounding) and Σxᵢ²·wᵢ, the
 /// variance that y's hidden rounding (variance `w`) adds to it.
-fn dot_var(x: &[f64], y: &[f64], w: &[f64], xr: &[f64], yr: &[f64]) -> (f64, f64, f64) {
-    let (mut a, mut sq, mut prop) = (0.0, 0.0, 0.0);
-    for ((&x, &y), &w) in x.iter().zip(y).zip(w) {
+/// A score's dot product `x·y + xr·yr` in fp64, with what its f32 computation's noise needs.
+struct Dot {
+    value: f64,
+    /// x's hidden variance carried through: Σ x²·w.
+    prop: f64,
+    /// The variance of its f32 sum, as the backend sums (`ScoreSum`).
+    acc: f64,
+    /// Σ of the partial sums after each 16-wide k-step of a tensor-core MMA, in the kernels' K order
+    /// (x's part, then xr's): a truncating accumulator's bias per unit κ, up to −u (`Score::trunc`).
+    steps: f64,
+}
+
+/// The noise of the mirror's `ops::dot`: 8 interleaved lanes, each a sequential f32 sum, then a pairwise
+/// tree; every product, partial sum and tree sum rounded once (≤ u²/3 of its square: F32_OP).
+fn lanes8(x: &[f64], y: &[f64]) -> (f64, f64) {
+    let mut acc = [0.0f64; 8];
+    let mut v = 0.0;
+    for (i, (&x, &y)) in x.iter().zip(y).enumerate() {
+        let xy = x * y;
+        acc[i % 8] += xy;
+        v += xy * xy + acc[i % 8] * acc[i % 8];
+    }
+    let p: [f64; 4] = std::array::from_fn(|k| acc[k] + acc[k + 4]);
+    let (a, b) = (p[0] + p[1], p[2] + p[3]);
+    let t = a + b;
+    v += p.iter().map(|x| x * x).sum::<f64>() + a * a + b * b + t * t;
+    (t, F32_OP * v)
+}
+
+fn dot_var(x: &[f64], y: &[f64], w: &[f64], xr: &[f64], yr: &[f64], sum: ScoreSum) -> Dot {
+    let (mut a, mut sq, mut prop, mut steps, mut steps2) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    let n = x.len();
+    let k = n + xr.len();
+    let xs = x.iter().zip(y).chain(xr.iter().zip(yr));
+    for (i, (&x, &y)) in xs.enumerate() {
         let xy = x * y;
         a += xy;
         sq += xy * xy;
-        prop += x * x * w;
+        if i < n {
+            prop += x * x * w[i];
+        }
+        if i % 16 == 15 || i + 1 == k {
+            steps += a;
+            steps2 += a * a;
+        }
     }
-    for (&x, &y) in xr.iter().zip(yr) {
-        let xy = x * y;
-        a += xy;
-        sq += xy * xy;
+    let acc = match sum {
+        // Tensor cores: one rounding of the accumulator per k-step (a truncation's spread is at most
+        // its ulp, ≤ 2u of the partial sum: ≤ F32_OP of its square), doubled for the MMA's internal
+        // alignment; the products are exact.
+        ScoreSum::TensorCore => 2.0 * F32_OP * steps2,
+        // The mirror: two `ops::dot`s (x's part, xr's), then their sum.
+        ScoreSum::Lanes8 => lanes8(x, y).1 + lanes8(xr, yr).1 + F32_OP * a * a,
+        // Unknown: a sequential sum's, conservative for any order.
+        ScoreSum::Sequential => acc_var(k, sq, a),
+    };
+    Dot {
+        value: a,
+        prop,
+        acc,
+        steps,
     }
-    (a, sq, prop)
+}
+
+/// One score as the path computes it: its value, its variance, and the bias at κ = 1 of a tensor-core
+/// accumulator that truncates toward zero after each 16-wide k-step: each step loses ~κ·u of its
+/// partial sum, so the score moves by −κ·u·Σ partial sums (Fasi et al., "Numerical behavior of NVIDIA
+/// tensor cores", 2021; on the H200 this direction explains 86 % of a GLM-5 split_lse's bias, with
+/// κ ≈ 0.5–0.6: `bench/probe/split_lse.py`). Zero where the backend rounds to nearest.
+#[derive(Debug, Clone, Copy)]
+struct Score {
+    s: f64,
+    var: f64,
+    trunc: f64,
+}
+
+fn score(d: Dot, scale: f64, sum: ScoreSum) -> Score {
+    let s = d.value * scale;
+    Score {
+        s,
+        var: scale * scale * (d.prop + d.acc) + s * s * 2.0 * F32_OP,
+        trunc: match sum.truncates() {
+            true => -U32 * scale * d.steps,
+            false => 0.0,
+        },
+    }
+}
+
+/// cos² between the rows of `a` (`[T, D]`, f32 to halve the memory): what an attention row's degrees
+/// of freedom need (`attend`).
+fn cos2(a: ArrayView2<f64>) -> Vec<f32> {
+    let t = a.nrows();
+    let g = a.dot(&a.t());
+    let d = g.diag().to_owned();
+    let mut c = vec![0f32; t * t];
+    for ((j, k), &x) in g.indexed_iter() {
+        let den = d[j] * d[k];
+        c[j * t + k] = if den > 0.0 { (x * x / den) as f32 } else { 0.0 };
+    }
+    c
+}
+
+/// How the path computes an attention: P's type, whether its softmax is online (`known_attention`), and
+/// how it sums scores.
+#[derive(Debug, Clone, Copy)]
+struct Path {
+    dt: Dtype,
+    online: bool,
+    sum: ScoreSum,
 }
 
 /// One attention over `keys`: output, its variance, lse and its variance.
@@ -206,6 +314,9 @@ struct Attn {
     /// Σ over the row of the variance shared through the keys' P, and the keys' effective number.
     coh: f64,
     n_eff: f64,
+    /// The scores' truncation bias carried to the output and the lse (`Score::trunc`).
+    bias_out: Vec<f64>,
+    bias_lse: f64,
 }
 
 impl Attn {
@@ -217,6 +328,8 @@ impl Attn {
             var_lse: 0.0,
             coh: 0.0,
             n_eff: 1.0,
+            bias_out: vec![0.0; dim],
+            bias_lse: 0.0,
         }
     }
     fn nan(dim: usize) -> Attn {
@@ -227,6 +340,8 @@ impl Attn {
             var_lse: 0.0,
             coh: 0.0,
             n_eff: 1.0,
+            bias_out: vec![0.0; dim],
+            bias_lse: 0.0,
         }
     }
 }
@@ -234,38 +349,49 @@ impl Attn {
 /// Softmax attention in fp64 of pre-computed scores `(s, var_s)` over values `v` (with their hidden
 /// variances `vv`, if any): P is rounded to `dt` before P·V (the kernels' MMA input), the rest is f32.
 fn attend(
-    scores: &[(f64, f64)],
+    scores: &[Score],
     v: &[&[f64]],
     vv: Option<&[&[f64]]>,
     dim: usize,
-    dt: Dtype,
-    online: bool,
+    path: Path,
     gram: Option<&dyn Fn(usize, usize) -> f64>,
 ) -> Attn {
+    let (dt, online) = (path.dt, path.online);
     if scores.is_empty() {
         return Attn::empty(dim);
     }
-    let m = scores.iter().map(|s| s.0).fold(f64::NEG_INFINITY, f64::max);
-    if m.is_nan() || scores.iter().any(|s| s.0.is_nan()) {
+    let m = scores.iter().map(|s| s.s).fold(f64::NEG_INFINITY, f64::max);
+    if m.is_nan() || scores.iter().any(|s| s.s.is_nan()) {
         return Attn::nan(dim);
     }
-    let p: Vec<f64> = scores.iter().map(|s| (s.0 - m).exp()).collect();
-    let arg_max = scores.iter().position(|s| s.0 == m).unwrap_or(0);
+    let p: Vec<f64> = scores.iter().map(|s| (s.s - m).exp()).collect();
+    let arg_max = scores.iter().position(|s| s.s == m).unwrap_or(0);
     // Keys before the maximum's 32-key block (a kernel's smallest key tile, a warpgroup's half).
     let early_end = arg_max / 32 * 32;
     // Relative error variance of each p: its score's, the exp's, the subtraction's.
     let pv: Vec<f64> = scores
         .iter()
-        .map(|&(s, vs)| vs + EXP_REL_VAR + ((s - m) * U32).powi(2))
+        .map(|sc| sc.var + EXP_REL_VAR + ((sc.s - m) * U32).powi(2))
         .collect();
     let l: f64 = p.iter().sum();
     let mut out = vec![0.0; dim];
-    for (pj, vj) in p.iter().zip(v) {
-        for (o, &x) in out.iter_mut().zip(*vj) {
+    // ∂/∂κ of the output: Σ p_j t_j (v_j − o) / l, and of the lse: Σ p_j t_j / l.
+    let mut bias_out = vec![0.0; dim];
+    let mut bias_lse = 0.0;
+    for ((pj, vj), sc) in p.iter().zip(v).zip(scores) {
+        let pt = pj * sc.trunc;
+        bias_lse += pt;
+        for ((o, b), &x) in out.iter_mut().zip(bias_out.iter_mut()).zip(*vj) {
             *o += pj * x;
+            *b += pt * x;
         }
     }
     out.iter_mut().for_each(|o| *o /= l);
+    bias_lse /= l;
+    bias_out
+        .iter_mut()
+        .zip(&out)
+        .for_each(|(b, o)| *b = *b / l - bias_lse * o);
     let n = p.len();
     let tiles = n.div_ceil(64) as f64;
     // The key holding the maximum has p = exp(0) = 1 exactly in every online softmax. Keys in tiles
@@ -375,11 +501,23 @@ fn attend(
         out,
         var,
         lse: m + l.ln(),
-        // Kernels form lse as (m·log2e + log2 l)·ln 2 in f32: three roundings at its magnitude (on the
-        // H200 a split_lse check's energy was 1.9× the prediction without them).
-        var_lse: sp / (l * l) + l_rel + tiles * F32_OP + 3.0 * F32_OP * (m + l.ln()).powi(2),
+        var_lse: sp / (l * l) + l_rel + tiles * F32_OP + lse_rounding(path.sum, m, l),
         coh,
         n_eff: if coh2 > 0.0 { coh * coh / coh2 } else { 1.0 },
+        bias_out,
+        bias_lse,
+    }
+}
+
+/// The variance of forming lse from the row max m and the sum l in f32: the mirror's `m + ln l` (two
+/// roundings), the CUDA kernels' `(m₂ + log2 l)·ln 2` (m₂ in log2 units; two at the lse's magnitude and
+/// an approximate log2), unknown kernels three at the lse's magnitude.
+fn lse_rounding(sum: ScoreSum, m: f64, l: f64) -> f64 {
+    let lse = m + l.ln();
+    match sum {
+        ScoreSum::Lanes8 => F32_OP * (lse * lse + l.ln().powi(2)),
+        ScoreSum::TensorCore => F32_OP * (2.0 * lse * lse + 4.0 * l.ln().powi(2)),
+        ScoreSum::Sequential => 3.0 * F32_OP * lse * lse,
     }
 }
 
@@ -389,6 +527,7 @@ struct Rows {
     out: Vec<f64>,
     var: Vec<f64>,
     coh: Vec<(f64, f64)>,
+    bias: Vec<f64>,
 }
 
 impl Rows {
@@ -398,16 +537,19 @@ impl Rows {
             out: vec![0.0; rows * dim],
             var: vec![0.0; rows * dim],
             coh: vec![(0.0, 1.0); rows],
+            bias: vec![0.0; rows * dim],
         }
     }
     fn put(&mut self, i: usize, a: &Attn) {
         let at = i * self.dim..(i + 1) * self.dim;
         self.out[at.clone()].copy_from_slice(&a.out);
-        self.var[at].copy_from_slice(&a.var);
+        self.var[at.clone()].copy_from_slice(&a.var);
+        self.bias[at].copy_from_slice(&a.bias_out);
         self.coh[i] = (a.coh, a.n_eff);
     }
-    fn push_to(self, local: &mut Local, stage: Stage) {
+    fn push_to(self, local: &mut Local, stage: Stage, truncating: bool) {
         local.push_rows(stage, self.out, self.var, self.coh);
+        local.with_truncation(truncating, self.bias);
     }
 }
 
@@ -427,9 +569,19 @@ fn merge(parts: &[Attn]) -> Attn {
     let w: Vec<f64> = parts.iter().map(|p| (p.lse - m).exp()).collect();
     let total: f64 = w.iter().sum();
     let mut out = vec![0.0; dim];
+    let mut bias_lse = 0.0;
     for (p, &wk) in parts.iter().zip(&w) {
         for (o, &x) in out.iter_mut().zip(&p.out) {
             *o += wk / total * x;
+        }
+        bias_lse += wk / total * p.bias_lse;
+    }
+    // ∂/∂κ: the parts' own, and their weights' (∂a_k = a_k·(∂lse_k − ∂lse)).
+    let mut bias_out = vec![0.0; dim];
+    for (p, &wk) in parts.iter().zip(&w) {
+        let a = wk / total;
+        for ((b, &x), &bx) in bias_out.iter_mut().zip(&p.out).zip(&p.bias_out) {
+            *b += a * (bx + (p.bias_lse - bias_lse) * x);
         }
     }
     let mut var = vec![0.0; dim];
@@ -471,6 +623,8 @@ fn merge(parts: &[Attn]) -> Attn {
         } else {
             1.0
         },
+        bias_out,
+        bias_lse,
     }
 }
 
@@ -605,6 +759,14 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     let mut heads = Rows::new(t_all * h, dv);
     let mut lse = vec![0.0; t_all * h];
     let mut vlse = vec![0.0; t_all * h];
+    let mut blse = vec![0.0; t_all * h];
+    let sum = inp.score_sum;
+    let tc = sum.truncates();
+    let path = Path {
+        dt,
+        online: inp.known_attention,
+        sum,
+    };
     // attn_heads[decode] needs the stored attn_latent.
     let mut heads_ok = true;
 
@@ -630,6 +792,9 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                     (k, vk, v, vv)
                 };
                 let own = decompress(o_lat.slice(s![..pl, ..]));
+                // cos² between this head's values, for a row's degrees of freedom (`attend`); the
+                // context's, decompressed from the cache, are the same rows rounded alike.
+                let gram = (pl <= 2048).then(|| cos2(own.2.view()));
                 // Context keys only where a chunk has context.
                 let ctx = (sched.prefill_chunks().len() > 1)
                     .then(|| decompress(cache.slice(s![..pl, ..lkv])));
@@ -647,31 +812,34 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                             Array2<f64>,
                         ),
                                     kpe: &ArrayView2<f64>| {
-                            let sc: Vec<(f64, f64)> = keys
+                            let sc: Vec<Score> = keys
                                 .clone()
                                 .map(|j| {
-                                    let (a, sq, prop) = dot_var(
+                                    let d = dot_var(
                                         sl(qn),
                                         sl(k.row(j)),
                                         sl(vk.row(j)),
                                         sl(qp),
                                         sl(kpe.row(j)),
+                                        sum,
                                     );
-                                    let s = a * scale;
-                                    (
-                                        s,
-                                        scale * scale * (prop + acc_var(p + r, sq, a))
-                                            + s * s * 2.0 * F32_OP,
-                                    )
+                                    score(d, scale, sum)
                                 })
                                 .collect();
+                            let k0 = keys.start;
+                            let cs = |j: usize, k: usize| match &gram {
+                                Some(g) => g[(k0 + j) * pl + k0 + k] as f64,
+                                None => 0.0,
+                            };
+                            let g: Option<&dyn Fn(usize, usize) -> f64> =
+                                gram.as_ref().map(|_| &cs as &dyn Fn(usize, usize) -> f64);
                             let vals: Vec<&[f64]> = keys
                                 .clone()
                                 .map(|j| v.row(j).to_slice().expect("row"))
                                 .collect();
                             let vvs: Vec<&[f64]> =
                                 keys.map(|j| vv.row(j).to_slice().expect("row")).collect();
-                            attend(&sc, &vals, Some(&vvs), dv, dt, inp.known_attention, None)
+                            attend(&sc, &vals, Some(&vvs), dv, path, g)
                         };
                         let mine = part(c.start..t + 1, &own, &kpe_own);
                         let res = if c.start > 0 {
@@ -699,6 +867,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                 heads.put(t * h + hh, &res);
                 lse[t * h + hh] = res.lse;
                 vlse[t * h + hh] = res.var_lse;
+                blse[t * h + hh] = res.bias_lse;
             }
         }
     }
@@ -740,20 +909,11 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
         let ns = sched.num_splits;
         // cos² between the cache's latent rows (the decode values), once per layer: what a split
         // row's degrees of freedom need (`attend`); up to 4096 tokens (64 MB), else the old estimate.
-        let gram: Option<Vec<f32>> = (t_all <= 4096).then(|| {
-            let lat = cache.slice(s![.., ..lkv]);
-            let g = lat.dot(&lat.t());
-            let d = g.diag().to_owned();
-            let mut c = vec![0f32; t_all * t_all];
-            for ((j, k), &x) in g.indexed_iter() {
-                let den = d[j] * d[k];
-                c[j * t_all + k] = if den > 0.0 { (x * x / den) as f32 } else { 0.0 };
-            }
-            c
-        });
+        let gram: Option<Vec<f32>> = (t_all <= 4096).then(|| cos2(cache.slice(s![.., ..lkv])));
         let mut split_out = Rows::new(nd * h * ns, lkv);
         let mut split_lse = vec![0.0; nd * h * ns];
         let mut vsplit_lse = vec![0.0; nd * h * ns];
+        let mut bsplit_lse = vec![0.0; nd * h * ns];
         let mut latent = Rows::new(nd * h, lkv);
         let o_split = match (opt.get(Stage::SplitOut), opt.get(Stage::SplitLse)) {
             (Some(o), Some(l))
@@ -778,20 +938,15 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                         row(&vqa_used, qi),
                         row(&o_qpe, t * h + hh),
                     );
-                    let score = |j: usize| {
+                    let score_of = |j: usize| {
                         let (lt, kp) = row(&cache, j).split_at(lkv);
-                        let (a, sq, prop) = dot_var(lt, qa, vqa, kp, qp);
-                        let s = a * scale;
-                        (
-                            s,
-                            scale * scale * (prop + acc_var(lkv + r, sq, a)) + s * s * 2.0 * F32_OP,
-                        )
+                        score(dot_var(lt, qa, vqa, kp, qp, sum), scale, sum)
                     };
                     let parts: Vec<Attn> = splits
                         .iter()
                         .map(|sr| {
                             let keys = sr.start..sr.end.min(t + 1);
-                            let sc: Vec<(f64, f64)> = keys.clone().map(score).collect();
+                            let sc: Vec<Score> = keys.clone().map(score_of).collect();
                             let vals: Vec<&[f64]> = keys.map(|j| &row(&cache, j)[..lkv]).collect();
                             let cos2 = |j: usize, k: usize| match &gram {
                                 Some(g) => g[(sr.start + j) * t_all + sr.start + k] as f64,
@@ -799,7 +954,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                             };
                             let g: Option<&dyn Fn(usize, usize) -> f64> =
                                 gram.as_ref().map(|_| &cos2 as &dyn Fn(usize, usize) -> f64);
-                            attend(&sc, &vals, None, lkv, dt, inp.known_attention, g)
+                            attend(&sc, &vals, None, lkv, path, g)
                         })
                         .collect();
                     // The combine, from the stored partials when the backend exposes them.
@@ -821,6 +976,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                                             out,
                                             lse,
                                             var: parts[k].var.clone(),
+                                            bias_out: parts[k].bias_out.clone(),
                                             ..parts[k]
                                         },
                                     }
@@ -839,15 +995,18 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                     split_out.put(qi * ns + k, pa);
                     split_lse[qi * ns + k] = pa.lse;
                     vsplit_lse[qi * ns + k] = pa.var_lse;
+                    bsplit_lse[qi * ns + k] = pa.bias_lse;
                 }
                 latent.put(qi, &merged);
                 lse[t * h + hh] = merged.lse;
                 vlse[t * h + hh] = merged.var_lse;
+                blse[t * h + hh] = merged.bias_lse;
             }
         }
-        split_out.push_to(&mut out, Stage::SplitOut);
+        split_out.push_to(&mut out, Stage::SplitOut, tc);
         out.push(Stage::SplitLse, split_lse, vsplit_lse);
-        latent.push_to(&mut out, Stage::AttnLatent);
+        out.with_truncation(tc, bsplit_lse);
+        latent.push_to(&mut out, Stage::AttnLatent, tc);
         // attn_heads[decode] ← the stored attn_latent.
         if let Some(o_att) = opt2(opt, Stage::AttnLatent) {
             let o_att = o_att
@@ -868,8 +1027,9 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
         }
     }
     out.push(Stage::Lse, lse, vlse);
+    out.with_truncation(tc, blse);
     if heads_ok {
-        heads.push_to(&mut out, Stage::AttnHeads);
+        heads.push_to(&mut out, Stage::AttnHeads, tc);
     }
 
     // attn_out ← the stored heads.

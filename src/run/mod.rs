@@ -343,6 +343,7 @@ pub fn run_from(
                     dtype: opts.dtype,
                     provided,
                     known_attention: backend.known_attention(),
+                    score_sum: backend.score_sum(),
                 },
                 &opt,
             );

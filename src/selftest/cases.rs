@@ -104,7 +104,7 @@ pub struct Control {
     pub sched: Option<Schedule>,
 }
 
-pub const CONTROLS: [Control; 13] = [
+pub const CONTROLS: [Control; 12] = [
     Control {
         fault: Fault::RopeNeox,
         lacking: Need::NormRope,
@@ -127,12 +127,6 @@ pub const CONTROLS: [Control; 13] = [
         fault: Fault::HeadStrideQk,
         lacking: Need::QkNotV,
         model: Some(Model::Glm5),
-        sched: None,
-    },
-    Control {
-        fault: Fault::QAbsFp16Accum,
-        lacking: Need::LargeQAbs,
-        model: Some(Model::DeepseekV3),
         sched: None,
     },
     Control {

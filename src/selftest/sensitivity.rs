@@ -87,6 +87,7 @@ pub fn measure(
             dtype,
             provided: ctx.provided,
             known_attention: backend.known_attention(),
+            score_sum: backend.score_sum(),
         },
         &opt,
     );
@@ -105,7 +106,7 @@ pub fn measure(
         let tol = tols.get(dtype, &check)?;
         let judged = |t: &StageTensor| -> Result<compare::CheckResult> {
             let mut c = compare::compare_check(&ctx, check, r, t, tol)?;
-            compare::apply_local(&ctx, check, &mut c, t, l);
+            compare::apply_local(&ctx, check, &mut c, t, l, false);
             Ok(c)
         };
         let span = check.rows(sched);
@@ -148,11 +149,11 @@ pub fn measure(
                 };
                 p.data[i] = store.round(p.data[i] + d);
             }
-            Ok(!judged(&p)?.local.is_some_and(|l| l.pass))
+            Ok(!judged(&p)?.pass)
         };
         let mut thresholds = [None; 3];
         for (t, kind) in thresholds.iter_mut().zip(Kind::ALL) {
-            *t = match lr.pass {
+            *t = match clean.pass {
                 false => Some(0.0),
                 true => threshold(|k| caught(kind, k))?,
             };

@@ -103,6 +103,9 @@ impl Backend for Recorder<'_> {
     fn known_attention(&self) -> bool {
         self.inner.known_attention()
     }
+    fn score_sum(&self) -> crate::compare::noise::ScoreSum {
+        self.inner.score_sum()
+    }
     fn key_tiles(&self) -> KeyTiles {
         self.inner.key_tiles()
     }

@@ -194,6 +194,9 @@ impl Backend for TpBackend<'_> {
     fn known_attention(&self) -> bool {
         self.inner.known_attention()
     }
+    fn score_sum(&self) -> crate::compare::noise::ScoreSum {
+        self.inner.score_sum()
+    }
     fn outside_local_view(&self) -> StageSet {
         match self.spec.size {
             1 => StageSet::NONE,
@@ -250,6 +253,7 @@ impl Backend for TpBackend<'_> {
                         dtype: self.dtype,
                         provided: self.inner.provides(),
                         known_attention: self.inner.known_attention(),
+                        score_sum: self.inner.score_sum(),
                     },
                     &opt,
                 );

@@ -102,6 +102,10 @@ impl Backend for CpuMirror {
         StageSet::ALL
     }
 
+    fn score_sum(&self) -> crate::compare::noise::ScoreSum {
+        crate::compare::noise::ScoreSum::Lanes8 // `ops::dot`
+    }
+
     fn key_tiles(&self) -> super::KeyTiles {
         // One online-softmax loop for both phases: tiles of `flash::TILE` keys from each range's start.
         let t = || vec![super::KeyTile::new("flash tile", flash::TILE)];

@@ -119,6 +119,8 @@ pub struct CudaBackend {
     pub last_tiles: crate::backend::KeyTiles,
     /// The same, for the coverage section: per phase the kernel, its geometry and the production kernel.
     pub last_kernels: Vec<crate::coverage::KernelUse>,
+    /// How the last layer's attention summed its scores (`Backend::score_sum`).
+    pub last_score_sum: crate::compare::noise::ScoreSum,
     /// Notices for the report (a kernel choice the host did not predict), without repeats.
     pub notices: Vec<String>,
 }
@@ -139,6 +141,7 @@ impl CudaBackend {
             last_paths: String::new(),
             last_tiles: Default::default(),
             last_kernels: Vec::new(),
+            last_score_sum: crate::compare::noise::ScoreSum::Sequential,
             notices: Vec::new(),
         })
     }
@@ -189,6 +192,11 @@ impl CudaBackend {
             uses.push(tile_model::kernel_use(phase, ran, prod));
         }
         self.last_kernels = uses;
+        // Tensor cores in both phases, or the scalar kernels' lane sums (modelled as sequential).
+        self.last_score_sum = match k.prefill.uses_mma() && k.decode.uses_mma() {
+            true => crate::compare::noise::ScoreSum::TensorCore,
+            false => crate::compare::noise::ScoreSum::Sequential,
+        };
     }
 }
 
@@ -231,6 +239,10 @@ impl Backend for CudaBackend {
 
     fn notices(&self) -> Vec<String> {
         self.notices.clone()
+    }
+
+    fn score_sum(&self) -> crate::compare::noise::ScoreSum {
+        self.last_score_sum
     }
 
     fn kernels(

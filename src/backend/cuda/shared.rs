@@ -67,6 +67,9 @@ impl Backend for SharedCuda {
     fn notices(&self) -> Vec<String> {
         self.inner.borrow().notices()
     }
+    fn score_sum(&self) -> crate::compare::noise::ScoreSum {
+        self.inner.borrow().score_sum()
+    }
     fn kernels(
         &self,
         cfg: &crate::model::MlaConfig,
