@@ -58,12 +58,46 @@ struct ReferenceArgs {
     json: bool,
 }
 
+/// What every GPU bench takes.
 #[derive(clap::Args)]
-struct DecodeArgs {
+struct GpuArgs {
+    /// Only `cuda` (the CPU mirror is not timed).
     #[arg(long, value_enum, default_value = "cuda")]
     backend: Kind,
+    /// Read the kernel sources from this directory instead of the embedded copy.
     #[arg(long)]
     kernels: Option<PathBuf>,
+    /// Back-to-back launches per timed sample, ours and the peers' alike (1: one launch after a
+    /// synchronize, which counts the host's dispatch latency, the Python peers' most).
+    #[arg(long, default_value_t = LAUNCHES, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    launches: u32,
+}
+
+impl GpuArgs {
+    /// The options of a decode or prefill bench (decode: its head counts and whether the best tile only).
+    fn options(
+        &self,
+        decode: Option<(&[usize], bool)>,
+        peers: &[String],
+    ) -> Result<BenchOptions, Error> {
+        only_cuda(self.backend)?;
+        Ok(BenchOptions {
+            kernels_dir: self.kernels.clone(),
+            decode: decode.is_some(),
+            prefill: decode.is_none(),
+            iters: ITERS,
+            decode_heads: decode.map(|d| d.0.to_vec()).unwrap_or_default(),
+            best_only: decode.is_some_and(|d| d.1),
+            peers: peers.to_vec(),
+            launches: self.launches as usize,
+        })
+    }
+}
+
+#[derive(clap::Args)]
+struct DecodeArgs {
+    #[command(flatten)]
+    gpu: GpuArgs,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -77,18 +111,12 @@ struct DecodeArgs {
     /// `vllm-triton` (runners/, under MLA_DIFF_PYTHON or python3), or a runner command line.
     #[arg(long, value_delimiter = ',')]
     peers: Vec<String>,
-    /// Back-to-back launches per timed sample, ours and the peers' alike (1: one launch after a
-    /// synchronize, which counts the host's dispatch latency, the Python peers' most).
-    #[arg(long, default_value_t = LAUNCHES, value_parser = clap::value_parser!(u32).range(1..=1000))]
-    launches: u32,
 }
 
 #[derive(clap::Args)]
 struct PrefillArgs {
-    #[arg(long, value_enum, default_value = "cuda")]
-    backend: Kind,
-    #[arg(long)]
-    kernels: Option<PathBuf>,
+    #[command(flatten)]
+    gpu: GpuArgs,
     #[arg(long)]
     json: Option<PathBuf>,
     /// Other projects' prefill kernels to time on the same inputs, through their runners: `torch`
@@ -96,18 +124,12 @@ struct PrefillArgs {
     /// command line.
     #[arg(long, value_delimiter = ',')]
     peers: Vec<String>,
-    /// Back-to-back launches per timed sample, ours and the peers' alike (1: one launch after a
-    /// synchronize, which counts the host's dispatch latency, the Python peers' most).
-    #[arg(long, default_value_t = LAUNCHES, value_parser = clap::value_parser!(u32).range(1..=1000))]
-    launches: u32,
 }
 
 #[derive(clap::Args)]
 struct TableArgs {
-    #[arg(long, value_enum, default_value = "cuda")]
-    backend: Kind,
-    #[arg(long)]
-    kernels: Option<PathBuf>,
+    #[command(flatten)]
+    gpu: GpuArgs,
     /// Also write the whole record (every timing, the summary, the floors) as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -129,10 +151,6 @@ struct TableArgs {
     /// B=16 s_k=32k, prefill 192/128, prefill 256/256).
     #[arg(long, value_delimiter = ',')]
     only: Vec<usize>,
-    /// Back-to-back launches per timed sample, ours and the peers' alike (1: one launch after a
-    /// synchronize, which counts the host's dispatch latency, the Python peers' most).
-    #[arg(long, default_value_t = LAUNCHES, value_parser = clap::value_parser!(u32).range(1..=1000))]
-    launches: u32,
 }
 
 impl ReferenceArgs {
@@ -149,38 +167,6 @@ impl ReferenceArgs {
             ));
         }
         Ok(d)
-    }
-}
-
-impl DecodeArgs {
-    fn options(&self) -> Result<BenchOptions, Error> {
-        only_cuda(self.backend)?;
-        Ok(BenchOptions {
-            kernels_dir: self.kernels.clone(),
-            decode: true,
-            prefill: false,
-            iters: ITERS,
-            decode_heads: self.heads.clone(),
-            best_only: self.best_only,
-            peers: self.peers.clone(),
-            launches: self.launches as usize,
-        })
-    }
-}
-
-impl PrefillArgs {
-    fn options(&self) -> Result<BenchOptions, Error> {
-        only_cuda(self.backend)?;
-        Ok(BenchOptions {
-            kernels_dir: self.kernels.clone(),
-            decode: false,
-            prefill: true,
-            iters: ITERS,
-            decode_heads: vec![],
-            best_only: false,
-            peers: self.peers.clone(),
-            launches: self.launches as usize,
-        })
     }
 }
 
@@ -202,14 +188,17 @@ pub fn exec(a: Args) -> Result<i32, Error> {
             }
             Ok(0)
         }
-        BenchCmd::Decode(a) => cuda_bench(&a.options()?, a.json.as_deref()),
-        BenchCmd::Prefill(a) => cuda_bench(&a.options()?, a.json.as_deref()),
+        BenchCmd::Decode(a) => cuda_bench(
+            &a.gpu.options(Some((&a.heads, a.best_only)), &a.peers)?,
+            a.json.as_deref(),
+        ),
+        BenchCmd::Prefill(a) => cuda_bench(&a.gpu.options(None, &a.peers)?, a.json.as_deref()),
         BenchCmd::Table(a) => table(a),
     }
 }
 
 fn table(a: TableArgs) -> Result<i32, Error> {
-    only_cuda(a.backend)?;
+    only_cuda(a.gpu.backend)?;
     let n = table::CASES.len();
     if let Some(bad) = a.only.iter().find(|&&i| i == 0 || i > n) {
         return Err(Error::Usage(format!(
@@ -222,11 +211,11 @@ fn table(a: TableArgs) -> Result<i32, Error> {
         ));
     }
     let opts = table::TableOptions {
-        kernels_dir: a.kernels,
+        kernels_dir: a.gpu.kernels,
         dtypes: a.dtypes,
         peers: a.peers.into_iter().filter(|p| !p.is_empty()).collect(),
         only: a.only.iter().map(|i| i - 1).collect(),
-        launches: a.launches as usize,
+        launches: a.gpu.launches as usize,
     };
     let (rep, text) = table::table(&opts)?;
     print!("{text}");
