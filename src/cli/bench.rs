@@ -246,7 +246,7 @@ fn only_cuda(k: Kind) -> Result<(), Error> {
     match k {
         Kind::Cuda => Ok(()),
         Kind::Cpu => Err(Error::Usage(
-            "bench decode/prefill time the CUDA kernels: --backend cuda (the CPU mirror is not timed)".into(),
+            "bench times the CUDA kernels: --backend cuda (the CPU mirror is not timed)".into(),
         )),
     }
 }
