@@ -127,22 +127,11 @@ fn slurm_array_and_merge_give_the_whole_run() {
     let reports = dir.path().join("reports");
     let env = job_env(&model, &reports);
     // Every array task at once, as Slurm starts them, each with its SLURM_ARRAY_TASK_ID.
-    let tasks: Vec<_> = (0..shards)
-        .map(|i| {
-            bash(&sbatch, dir.path(), &env)
-                .env("SLURM_ARRAY_TASK_ID", i.to_string())
-                .stdout(std::process::Stdio::null())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for mut t in tasks {
-        assert!(t.wait().unwrap().success());
-    }
-    let m = bash(&text("deploy/slurm/merge.sbatch"), dir.path(), &env)
-        .output()
-        .unwrap();
-    assert_eq!(m.status.code(), Some(0), "{}", common::stderr(&m));
+    shards_then_merge(
+        (&sbatch, "SLURM_ARRAY_TASK_ID", shards),
+        &text("deploy/slurm/merge.sbatch"),
+        (dir.path(), &env),
+    );
     assert!(
         whole(&model, dir.path()) == merged(&reports),
         "merged ≠ whole run"
@@ -152,6 +141,29 @@ fn slurm_array_and_merge_give_the_whole_run() {
     assert!(
         submit.contains("--array=0-$((SHARDS - 1))") && submit.contains("--dependency=afterok")
     );
+}
+
+/// Run `n` shard tasks at once (each with its index in `index_var`), as the scheduler starts them;
+/// then the merge script, which must exit 0.
+fn shards_then_merge(
+    (script, index_var, n): (&str, &str, usize),
+    merge: &str,
+    (dir, env): (&Path, &[(String, String)]),
+) {
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            bash(script, dir, env)
+                .env(index_var, i.to_string())
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut t in tasks {
+        assert!(t.wait().unwrap().success());
+    }
+    let m = bash(merge, dir, env).output().unwrap();
+    assert_eq!(m.status.code(), Some(0), "{}", common::stderr(&m));
 }
 
 #[test]
@@ -171,22 +183,11 @@ fn kubernetes_indexed_job_and_merge_give_the_whole_run() {
     let mut env = job_env(&model, &reports);
     env.push(("SHARDS".into(), shards.to_string()));
     let script = k8s_script(&shards_yaml);
-    let pods: Vec<_> = (0..shards)
-        .map(|i| {
-            bash(&script, dir.path(), &env)
-                .env("JOB_COMPLETION_INDEX", i.to_string())
-                .stdout(std::process::Stdio::null())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for mut p in pods {
-        assert!(p.wait().unwrap().success());
-    }
-    let m = bash(&k8s_script(&merge_yaml), dir.path(), &env)
-        .output()
-        .unwrap();
-    assert_eq!(m.status.code(), Some(0), "{}", common::stderr(&m));
+    shards_then_merge(
+        (&script, "JOB_COMPLETION_INDEX", shards),
+        &k8s_script(&merge_yaml),
+        (dir.path(), &env),
+    );
     assert!(
         whole(&model, dir.path()) == merged(&reports),
         "merged ≠ whole run"
