@@ -169,6 +169,28 @@ impl GgufFile {
     pub fn architecture(&self) -> Option<&str> {
         self.get("general.architecture").and_then(|v| v.as_str())
     }
+    /// Give back the resident pages of these tensors' bytes: the file is mapped, and every page read
+    /// stays in the process's resident set until released (a whole model's worth by the last layer).
+    /// Pages touched again are read back from the file, so this is only ever a hint; it fails silently.
+    pub fn release<'a>(&self, tensors: impl IntoIterator<Item = &'a TensorInfo>) {
+        for t in tensors {
+            let (Some(s), Some(n)) = (self.shards.get(t.shard), t.n_bytes()) else {
+                continue;
+            };
+            let start = s.data_offset.saturating_add(t.offset) as usize;
+            if start.saturating_add(n as usize) > s.map.len() {
+                continue;
+            }
+            #[cfg(unix)]
+            // SAFETY: a read-only shared mapping of a file nobody writes: MADV_DONTNEED drops this
+            // process's pages and a later read faults the same bytes back in from the file.
+            let _ = unsafe {
+                s.map
+                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, n as usize)
+            };
+        }
+    }
+
     /// The raw bytes of a tensor whose type is known (from whichever shard holds it). They may sit at
     /// any address the file's alignment allows (even an odd one), so read them as bytes.
     pub fn tensor_bytes(&self, t: &TensorInfo) -> Result<&[u8]> {

@@ -23,6 +23,7 @@ use ndarray::Array2;
 use std::path::PathBuf;
 
 pub mod dsa;
+pub mod profile;
 pub mod repeat;
 
 /// Where layer inputs come from.
@@ -288,6 +289,9 @@ pub fn run_from(
     let (mut shadow, mut free) = (Vec::<LayerResult>::new(), Vec::<LayerResult>::new());
     let mut dumped = Vec::new();
     let mut repeats = Vec::new();
+    let mut prof = profile::Profile::from_env();
+    // The next layer's weights, loaded by the reference's thread once the reference is done.
+    let mut preloaded: Option<(Result<LayerWeights>, std::time::Duration)> = None;
     for (i, &l) in layers.iter().enumerate() {
         bar.set_message(format!("layer {l}"));
         // Captured per-layer inputs replace the attention-only residual stream in shadow mode.
@@ -296,23 +300,24 @@ pub fn run_from(
                 h_ref = inputs.layer(l)?;
             }
         }
-        let w = LayerWeights::load(file, &cfg, l)?;
+        let (w, t_load) = preloaded
+            .take()
+            .unwrap_or_else(|| load_layer(file, &cfg, l));
+        prof.add("load + dequantize", t_load);
+        let w = w?;
+        let next = layers.get(i + 1).copied();
         let dense_ctx = tables.ctx(&cfg, &w, &opts.sched, opts.faults.active(l));
         let sel = match &sparse {
-            Some(sp) => Some(sp.select(file, &dense_ctx, &h_ref)?),
+            Some(sp) => Some(prof.time("DSA selection", || sp.select(file, &dense_ctx, &h_ref))?),
             None => None,
         };
         let ref_sel = sel.as_ref().map(|s| &s.reference);
-        let reference =
-            crate::reference::run_layer_sel(&cfg, &w, &tables.rope, &h_ref, &opts.sched, ref_sel)?;
         // Shadow mode's optimized path attends over the reference's selection: its stage checks then
         // see kernel errors only; the selections are checked apart (`dsa::RunSparse::check_layer`).
         let layer_ctx = crate::backend::LayerCtx {
             selection: ref_sel,
             ..dense_ctx
         };
-        // The reference residual after this layer: the next layer's shadow input and free mode's yardstick.
-        let next_ref = residual_after(&h_ref, &reference)?;
         let ctx = compare::Ctx {
             elementwise: true,
             layer: l,
@@ -320,35 +325,93 @@ pub fn run_from(
             block_table: &tables.block_table,
             provided,
         };
+        let free_ctx = compare::Ctx {
+            elementwise: false,
+            ..ctx
+        };
+        // The fp64 reference on its own thread, next to everything of the layer that does not need it
+        // (the optimized path in both modes, the repeats, the stage-local view); nothing is compared
+        // until both are done, and each side computes what it did alone, so the results are the same.
+        let (reference, optimized) = std::thread::scope(|sc| {
+            let (c, w, rope, h, sched) = (&cfg, &w, &tables.rope, &h_ref, &opts.sched);
+            let r = sc.spawn(move || {
+                let t0 = std::time::Instant::now();
+                let r = crate::reference::run_layer_sel(c, w, rope, h, sched, ref_sel);
+                let took = t0.elapsed();
+                // Only after a good reference: a failing layer stops the run before the next is read.
+                let next = match (&r, next) {
+                    (Ok(_), Some(n)) => Some(load_layer(file, c, n)),
+                    _ => None,
+                };
+                (r, took, next)
+            });
+            let optimized = (|| -> Result<(Option<(LayerTrace, compare::local::Local)>, Option<LayerTrace>)> {
+                let mut shadow_opt = None;
+                if opts.modes.shadow {
+                    let opt = prof.time("optimized path", || backend.run_layer(&layer_ctx, &h_ref))?;
+                    if opts.repeat > 1 {
+                        repeats.push(repeat::repeat_layer(
+                            backend,
+                            &layer_ctx,
+                            &h_ref,
+                            &opt,
+                            opts.repeat,
+                            &ctx,
+                        )?);
+                    }
+                    let mut local = prof.time("stage-local view", || {
+                        compare::local::compute(
+                            &compare::local::Inputs {
+                                cfg: &cfg,
+                                weights: &w,
+                                rope: &tables.rope,
+                                sched: &opts.sched,
+                                x: &h_ref,
+                                dtype: opts.dtype,
+                                provided,
+                                known_attention: backend.known_attention(),
+                                score_sum: backend.score_sum(),
+                            },
+                            &opt,
+                        )
+                    });
+                    let outside = backend.outside_local_view();
+                    local.stages.retain(|s| !outside.contains(s.stage));
+                    shadow_opt = Some((opt, local));
+                }
+                let mut free_opt = None;
+                if opts.modes.free {
+                    // DSA: over the reference's selection too, so that the stages stay comparable (a
+                    // near-tie flip makes whole split partials incomparable); what selections cost is
+                    // the `dsa` section's.
+                    let opt = prof.time("optimized path", || backend.run_layer(&layer_ctx, &h_opt))?;
+                    // Without shadow mode the repeats take free mode's input (the optimized stream).
+                    if opts.repeat > 1 && !opts.modes.shadow {
+                        repeats.push(repeat::repeat_layer(
+                            backend,
+                            &layer_ctx,
+                            &h_opt,
+                            &opt,
+                            opts.repeat,
+                            &free_ctx,
+                        )?);
+                    }
+                    free_opt = Some(opt);
+                }
+                Ok((shadow_opt, free_opt))
+            })();
+            let (r, took, next) = r.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+            prof.add("reference (fp64)", took);
+            preloaded = next;
+            (r, optimized)
+        });
+        let reference = reference?;
+        let (shadow_opt, free_opt) = optimized?;
+        let t_cmp = std::time::Instant::now();
+        // The reference residual after this layer: the next layer's shadow input and free mode's yardstick.
+        let next_ref = residual_after(&h_ref, &reference)?;
         let mut dump_traces: Vec<(LayerTrace, bool)> = Vec::new();
-        if opts.modes.shadow {
-            let opt = backend.run_layer(&layer_ctx, &h_ref)?;
-            if opts.repeat > 1 {
-                repeats.push(repeat::repeat_layer(
-                    backend,
-                    &layer_ctx,
-                    &h_ref,
-                    &opt,
-                    opts.repeat,
-                    &ctx,
-                )?);
-            }
-            let mut local = compare::local::compute(
-                &compare::local::Inputs {
-                    cfg: &cfg,
-                    weights: &w,
-                    rope: &tables.rope,
-                    sched: &opts.sched,
-                    x: &h_ref,
-                    dtype: opts.dtype,
-                    provided,
-                    known_attention: backend.known_attention(),
-                    score_sum: backend.score_sum(),
-                },
-                &opt,
-            );
-            let outside = backend.outside_local_view();
-            local.stages.retain(|s| !outside.contains(s.stage));
+        if let Some((opt, local)) = shadow_opt {
             // The stage-local view recomputes dense attention: not (yet) for a sparse layer.
             let r = compare::compare_layer(
                 &ctx,
@@ -361,26 +424,7 @@ pub fn run_from(
             dump_traces.push((opt, r.pass));
             shadow.push(r);
         }
-        if opts.modes.free {
-            // DSA: over the reference's selection too, so that the stages stay comparable (a near-tie
-            // flip makes whole split partials incomparable); what selections cost is the `dsa` section's.
-            let free_layer_ctx = layer_ctx;
-            let opt = backend.run_layer(&free_layer_ctx, &h_opt)?;
-            let free_ctx = compare::Ctx {
-                elementwise: false,
-                ..ctx
-            };
-            // Without shadow mode the repeats take free mode's input (the optimized stream).
-            if opts.repeat > 1 && !opts.modes.shadow {
-                repeats.push(repeat::repeat_layer(
-                    backend,
-                    &free_layer_ctx,
-                    &h_opt,
-                    &opt,
-                    opts.repeat,
-                    &free_ctx,
-                )?);
-            }
+        if let Some(opt) = free_opt {
             let mut r = compare::compare_layer(
                 &free_ctx,
                 &reference,
@@ -422,9 +466,11 @@ pub fn run_from(
             )?;
         }
         h_ref = next_ref;
+        prof.add("compare + reports", t_cmp.elapsed());
         bar.inc(1);
     }
     bar.finish_and_clear();
+    prof.print();
 
     let mut modes = Vec::new();
     if opts.modes.shadow {
@@ -514,6 +560,23 @@ pub fn run_from(
         report.set_repeat(repeat::RepeatResult::new(opts.repeat, mode, repeats));
     }
     Ok(report)
+}
+
+/// One layer's weights, dequantized, and the time it took; the file's pages of the layer are released
+/// (the weights are copies: those pages are not read again).
+fn load_layer(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    l: usize,
+) -> (Result<LayerWeights>, std::time::Duration) {
+    let t0 = std::time::Instant::now();
+    let w = LayerWeights::load(file, cfg, l);
+    file.release(
+        crate::model::weights::tensor_names(l)
+            .iter()
+            .filter_map(|n| file.tensor(n)),
+    );
+    (w, t0.elapsed())
 }
 
 /// What a run on a DSA file covered: whether the sparsity bit (queries past top_k) and the optimized

@@ -15,9 +15,12 @@ pub fn round_all<D: Dimension>(mut a: Array<f32, D>, dt: Dtype) -> Array<f32, D>
     a
 }
 
-/// A weight or input in the dtype.
+/// A weight or input in the dtype (one pass over it: a whole layer's weights are hundreds of MB).
 pub fn stored<D: Dimension>(a: &Array<f32, D>, dt: Dtype) -> Array<f32, D> {
-    round_all(a.clone(), dt)
+    match dt {
+        Dtype::F32 => a.clone(),
+        _ => a.mapv(|v| dt.round(v)),
+    }
 }
 
 /// f32 dot product with eight partial sums (the lane-parallel order a vector unit or a warp uses).

@@ -2,6 +2,7 @@
 
 mod formats;
 mod gate;
+mod scale;
 
 use crate::common;
 
