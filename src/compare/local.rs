@@ -14,7 +14,8 @@
 //! - `attn_out` ← `attn_heads`.
 
 use super::noise::{acc_var, ScoreSum, Store, EXP_REL_VAR, F32_OP, U32};
-use crate::backend::cpu::front::{MirrorWeights, RopeF32};
+use crate::backend::cpu::front::RopeF32;
+use crate::backend::cpu::ops::stored;
 use crate::backend::Dtype;
 use crate::faults::Active;
 use crate::model::{LayerWeights, MlaConfig, QProj};
@@ -121,6 +122,39 @@ fn linear(a: ArrayView2<f64>, w: &Array2<f64>) -> (Array2<f64>, Array2<f64>) {
 /// Input variances through `y = a·wᵀ`.
 fn propagate(var_a: &Array2<f64>, w: &Array2<f64>) -> Array2<f64> {
     var_a.dot(&w.mapv(|v| v * v).t())
+}
+
+/// Bytes of f64 weight rows made at a time by [`linear_stored`] (as `reference::front::linear`).
+const BLOCK_BYTES: usize = 16 << 20;
+
+/// [`linear`] (and, given `var_a`, [`propagate`] added to its variance) for a weight `w [out, in]` the
+/// path stores in `dt`: rounded and widened a block of rows at a time, never as a whole f64 copy (a
+/// whole layer's would be gigabytes). Each output column is the same dot product either way.
+fn linear_stored(
+    a: ArrayView2<f64>,
+    w: ArrayView2<f32>,
+    dt: Dtype,
+    var_a: Option<&Array2<f64>>,
+) -> (Array2<f64>, Array2<f64>) {
+    let (n_out, n_in) = w.dim();
+    let rows = (BLOCK_BYTES / 8 / n_in.max(1)).clamp(1, n_out.max(1));
+    let (mut y, mut var) = (
+        Array2::zeros((a.nrows(), n_out)),
+        Array2::zeros((a.nrows(), n_out)),
+    );
+    let mut r0 = 0;
+    while r0 < n_out {
+        let r1 = (r0 + rows).min(n_out);
+        let b = w.slice(s![r0..r1, ..]).mapv(|v| dt.round(v) as f64);
+        let (yb, mut vb) = linear(a, &b);
+        if let Some(va) = var_a {
+            vb = vb + propagate(va, &b);
+        }
+        y.slice_mut(s![.., r0..r1]).assign(&yb);
+        var.slice_mut(s![.., r0..r1]).assign(&vb);
+        r0 = r1;
+    }
+    (y, var)
 }
 
 /// RMSNorm per row with f32 statistics: values, and variance from the input's (`vx`) and the
@@ -639,7 +673,8 @@ fn opt2(tr: &LayerTrace, s: Stage) -> Option<Array2<f64>> {
 /// Compute the local view of every stage whose inputs the optimized trace holds.
 pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     let (cfg, dt, sched) = (inp.cfg, inp.dtype, inp.sched);
-    let mw = MirrorWeights::new(cfg, inp.weights, dt, Active::NONE);
+    // The weights as the path stores them: the vectors rounded here, the matrices block by block.
+    let w = inp.weights;
     let rope = RopeF32::new(inp.rope, Active::NONE);
     let (h, p, r, dv, lkv) = (
         cfg.n_head,
@@ -654,7 +689,12 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     // attn_in ← the layer input, as the path stores it.
     let x = inp.x.mapv(|v| dt.round(v as f32) as f64);
     let zero = Array2::<f64>::zeros(x.dim());
-    let (ai, vai) = rms_norm(x.view(), zero.view(), &f64s(&mw.attn_norm), cfg.rms_eps);
+    let (ai, vai) = rms_norm(
+        x.view(),
+        zero.view(),
+        &f64s(&stored(&w.attn_norm, dt)),
+        cfg.rms_eps,
+    );
     out.push(
         Stage::AttnIn,
         ai.into_raw_vec_and_offset().0,
@@ -665,21 +705,20 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
         return out;
     };
     // q ← attn_in (q-LoRA's latent stored and normed on the way).
-    let (q, vq) = match &mw.q {
+    let (q, vq) = match &w.q {
         QProj::Lora { a, a_norm, b } => {
-            let (qa, mut vqa) = linear(attn_in.view(), &f64s(a));
+            let (qa, mut vqa) = linear_stored(attn_in.view(), a.view(), dt, None);
             Zip::from(&mut vqa)
                 .and(&qa)
                 .for_each(|v, &y| *v += hidden_round(dt, y));
-            let (qn, mut vqn) = rms_norm(qa.view(), vqa.view(), &f64s(a_norm), cfg.lora_norm_eps);
+            let a_norm = f64s(&stored(a_norm, dt));
+            let (qn, mut vqn) = rms_norm(qa.view(), vqa.view(), &a_norm, cfg.lora_norm_eps);
             Zip::from(&mut vqn)
                 .and(&qn)
                 .for_each(|v, &y| *v += hidden_round(dt, y));
-            let b = f64s(b);
-            let (q, acc) = linear(qn.view(), &b);
-            (q, acc + propagate(&vqn, &b))
+            linear_stored(qn.view(), b.view(), dt, Some(&vqn))
         }
-        QProj::Plain { q } => linear(attn_in.view(), &f64s(q)),
+        QProj::Plain { q } => linear_stored(attn_in.view(), q.view(), dt, None),
     };
     // Per head rows `[T·H, P+R]`.
     let dk = p + r;
@@ -705,14 +744,14 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     );
 
     // kv ← attn_in: stored, then the latent normed and k_pe roped.
-    let (mut kv, mut vkv) = linear(attn_in.view(), &f64s(&mw.kv_a));
+    let (mut kv, mut vkv) = linear_stored(attn_in.view(), w.kv_a.view(), dt, None);
     Zip::from(&mut vkv)
         .and(&kv)
         .for_each(|v, &y| *v += hidden_round(dt, y));
     let (lat, vlat) = rms_norm(
         kv.slice(s![.., ..lkv]),
         vkv.slice(s![.., ..lkv]),
-        &f64s(&mw.kv_a_norm),
+        &f64s(&stored(&w.kv_a_norm, dt)),
         cfg.lora_norm_eps,
     );
     out.push(
@@ -754,8 +793,13 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
         .into_shape_with_order((t_all * h, r))
         .expect("[T, H, R]");
     let scale = cfg.softmax_scale;
-    let w_uk = f64s(&mw.w_uk); // [H·P, Lkv]
-    let w_uv = f64s(&mw.w_uv); // [H·Dv, Lkv]
+    let flat = |m: &ndarray::Array3<f32>, d: usize| {
+        m.mapv(|v| dt.round(v) as f64)
+            .into_shape_with_order((h * d, lkv))
+            .expect("[H, d, Lkv]")
+    };
+    let w_uk = flat(&w.w_uk, p); // [H·P, Lkv]
+    let w_uv = flat(&w.w_uv, dv); // [H·Dv, Lkv]
     let mut heads = Rows::new(t_all * h, dv);
     let mut lse = vec![0.0; t_all * h];
     let mut vlse = vec![0.0; t_all * h];
@@ -1034,7 +1078,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
 
     // attn_out ← the stored heads.
     if let Some(o_heads) = opt2(opt, Stage::AttnHeads) {
-        let (y, v) = linear(o_heads.view(), &f64s(&mw.o));
+        let (y, v) = linear_stored(o_heads.view(), w.o.view(), dt, None);
         out.push(
             Stage::AttnOut,
             y.into_raw_vec_and_offset().0,
@@ -1042,4 +1086,30 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The weights widened block by block give the products of the whole f64 copy, bit for bit (the
+    /// reports do not change), with blocks that cut the output columns unevenly.
+    #[test]
+    fn blocked_linear_is_the_whole_product() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let (t, n_in, n_out) = (7, 300, 9000);
+        let a = Array2::from_shape_fn((t, n_in), |_| rng.random_range(-2.0..2.0));
+        let va = Array2::from_shape_fn((t, n_in), |_| rng.random_range(0.0..1e-6));
+        let w = Array2::from_shape_fn((n_out, n_in), |_| rng.random_range(-1.0f32..1.0));
+        assert!(BLOCK_BYTES / 8 / n_in < n_out, "more than one block");
+        for dt in [Dtype::Bf16, Dtype::F32] {
+            let whole = w.mapv(|v| dt.round(v) as f64);
+            let (y, v) = linear(a.view(), &whole);
+            let (yb, vb) = linear_stored(a.view(), w.view(), dt, None);
+            assert!(y == yb && v == vb, "{dt:?}");
+            let (_, vp) = linear_stored(a.view(), w.view(), dt, Some(&va));
+            assert!(vp == v + propagate(&va, &whole), "{dt:?} propagated");
+        }
+    }
 }
