@@ -9,6 +9,7 @@ use super::sparse::{mask_row, Selection};
 use crate::model::{LayerWeights, MlaConfig};
 use crate::schedule::Schedule;
 use ndarray::{concatenate, s, Array2, Array3, Array4, Axis};
+use rayon::prelude::*;
 use std::ops::Range;
 
 /// `q_abs [n, H, Lkv]` for the query tokens `rows`.
@@ -45,25 +46,32 @@ pub fn scores_sel(
     let keys = cache_rows(f);
     let keys = keys.slice(s![..rows.end, ..]);
     let (n, h) = (rows.len(), cfg.n_head);
-    let mut out = Array3::zeros((h, n, rows.end));
-    for hh in 0..h {
-        let q = concatenate(
-            Axis(1),
-            &[
-                q_abs.slice(s![.., hh, ..]),
-                f.q_pe.slice(s![rows.clone(), hh, ..]),
-            ],
-        )
-        .expect("same rows");
-        let mut sc = q.dot(&keys.t()) * cfg.softmax_scale;
-        for (i, mut row) in sc.rows_mut().into_iter().enumerate() {
-            row.slice_mut(s![rows.start + i + 1..])
-                .fill(f64::NEG_INFINITY);
-            if let Some(sel) = sel {
-                let t = rows.start + i;
-                mask_row(sel, t, &mut row.as_slice_mut().expect("contiguous")[..=t]);
+    // Heads are independent: each computed on its own (over the host's cores), then stored in place.
+    let per_head: Vec<Array2<f64>> = (0..h)
+        .into_par_iter()
+        .map(|hh| {
+            let q = concatenate(
+                Axis(1),
+                &[
+                    q_abs.slice(s![.., hh, ..]),
+                    f.q_pe.slice(s![rows.clone(), hh, ..]),
+                ],
+            )
+            .expect("same rows");
+            let mut sc = q.dot(&keys.t()) * cfg.softmax_scale;
+            for (i, mut row) in sc.rows_mut().into_iter().enumerate() {
+                row.slice_mut(s![rows.start + i + 1..])
+                    .fill(f64::NEG_INFINITY);
+                if let Some(sel) = sel {
+                    let t = rows.start + i;
+                    mask_row(sel, t, &mut row.as_slice_mut().expect("contiguous")[..=t]);
+                }
             }
-        }
+            sc
+        })
+        .collect();
+    let mut out = Array3::zeros((h, n, rows.end));
+    for (hh, sc) in per_head.into_iter().enumerate() {
         out.slice_mut(s![hh, .., ..]).assign(&sc);
     }
     out
@@ -104,17 +112,25 @@ pub fn latent_attention_sel(
     let q_abs = absorb_query(cfg, w, &f.q_nope, rows.clone());
     let scores = scores_sel(cfg, f, &q_abs, rows.clone(), sel);
     let latent = f.latent.slice(s![..rows.end, ..]);
+    let per_head: Vec<(Vec<f64>, Array2<f64>)> = (0..h)
+        .into_par_iter()
+        .map(|hh| {
+            let mut p = scores.slice(s![hh, .., ..]).to_owned();
+            let mut lse = vec![0.0; n];
+            for (i, mut row) in p.rows_mut().into_iter().enumerate() {
+                let row = row.as_slice_mut().expect("contiguous");
+                let t = rows.start + i;
+                lse[i] = softmax_in_place(&mut row[..=t]);
+                row[t + 1..].fill(0.0);
+            }
+            (lse, p.dot(&latent))
+        })
+        .collect();
     let mut lse = Array2::zeros((n, h));
     let mut latent_out = Array3::zeros((n, h, lkv));
-    for hh in 0..h {
-        let mut p = scores.slice(s![hh, .., ..]).to_owned();
-        for (i, mut row) in p.rows_mut().into_iter().enumerate() {
-            let row = row.as_slice_mut().expect("contiguous");
-            let t = rows.start + i;
-            lse[[i, hh]] = softmax_in_place(&mut row[..=t]);
-            row[t + 1..].fill(0.0);
-        }
-        latent_out.slice_mut(s![.., hh, ..]).assign(&p.dot(&latent));
+    for (hh, (l, o)) in per_head.into_iter().enumerate() {
+        lse.column_mut(hh).assign(&ndarray::ArrayView1::from(&l));
+        latent_out.slice_mut(s![.., hh, ..]).assign(&o);
     }
     LatentAttention {
         q_abs,

@@ -7,6 +7,7 @@ use super::softmax_in_place;
 use super::sparse::{mask_row, Selection};
 use crate::model::{LayerWeights, MlaConfig};
 use ndarray::{concatenate, s, Array2, Array3, ArrayView2, Axis};
+use rayon::prelude::*;
 
 /// What attention produces for a set of query tokens.
 #[derive(Debug, Clone)]
@@ -55,28 +56,35 @@ pub fn attention_sel(
 ) -> AttnOutput {
     let (t, h, dv) = (f.latent.nrows(), cfg.n_head, cfg.v_head_dim);
     let (k_nope, v) = decompress(cfg, w, f.latent.view());
+    // Heads are independent: each computed on its own (over the host's cores), then stored in place.
+    let per_head: Vec<(Vec<f64>, Array2<f64>)> = (0..h)
+        .into_par_iter()
+        .map(|hh| {
+            let q = concatenate(
+                Axis(1),
+                &[f.q_nope.slice(s![.., hh, ..]), f.q_pe.slice(s![.., hh, ..])],
+            )
+            .expect("same rows");
+            let k = concatenate(Axis(1), &[k_nope.slice(s![.., hh, ..]), f.k_pe.view()])
+                .expect("same rows");
+            let mut p = q.dot(&k.t()) * cfg.softmax_scale;
+            let mut lse = vec![0.0; t];
+            for (i, mut row) in p.rows_mut().into_iter().enumerate() {
+                let row = row.as_slice_mut().expect("contiguous");
+                if let Some(sel) = sel {
+                    mask_row(sel, i, &mut row[..=i]);
+                }
+                lse[i] = softmax_in_place(&mut row[..=i]);
+                row[i + 1..].fill(0.0);
+            }
+            (lse, p.dot(&v.slice(s![.., hh, ..])))
+        })
+        .collect();
     let mut lse = Array2::zeros((t, h));
     let mut heads = Array3::zeros((t, h, dv));
-    for hh in 0..h {
-        let q = concatenate(
-            Axis(1),
-            &[f.q_nope.slice(s![.., hh, ..]), f.q_pe.slice(s![.., hh, ..])],
-        )
-        .expect("same rows");
-        let k = concatenate(Axis(1), &[k_nope.slice(s![.., hh, ..]), f.k_pe.view()])
-            .expect("same rows");
-        let mut p = q.dot(&k.t()) * cfg.softmax_scale;
-        for (i, mut row) in p.rows_mut().into_iter().enumerate() {
-            let row = row.as_slice_mut().expect("contiguous");
-            if let Some(sel) = sel {
-                mask_row(sel, i, &mut row[..=i]);
-            }
-            lse[[i, hh]] = softmax_in_place(&mut row[..=i]);
-            row[i + 1..].fill(0.0);
-        }
-        heads
-            .slice_mut(s![.., hh, ..])
-            .assign(&p.dot(&v.slice(s![.., hh, ..])));
+    for (hh, (l, o)) in per_head.into_iter().enumerate() {
+        lse.column_mut(hh).assign(&ndarray::ArrayView1::from(&l));
+        heads.slice_mut(s![.., hh, ..]).assign(&o);
     }
     let out = o_proj(w, &heads);
     AttnOutput { lse, heads, out }
