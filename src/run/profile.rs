@@ -1,15 +1,25 @@
-//! `MLA_DIFF_PROFILE=1`: where a run's time goes, per phase, summed over its layers (stderr).
+//! `MLA_DIFF_PROFILE=1`: where a run's time goes, per phase, summed over its layers (stderr), and how
+//! far the process's peak resident set (`VmHWM`, Linux) rose while each phase ran on the run's thread.
 //!
 //! The reference, then the next layer's load, run on their own thread next to the optimized path and
 //! the local view, so their time overlaps theirs: the phases add up to more than the wall time when
-//! that overlap works.
+//! that overlap works, and a peak reached during that overlap is counted to the phase on the run's
+//! thread.
 
 use std::time::{Duration, Instant};
 
 pub struct Profile {
     on: bool,
     start: Instant,
-    phases: Vec<(&'static str, Duration)>,
+    /// Per phase: time, and the peak RSS growth (kB) seen across it.
+    phases: Vec<(&'static str, Duration, u64)>,
+}
+
+/// The process's peak resident set so far, kB (`None` off Linux or when unreadable).
+pub fn peak_rss_kb() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
 }
 
 impl Profile {
@@ -24,17 +34,29 @@ impl Profile {
     }
 
     pub fn add(&mut self, phase: &'static str, d: Duration) {
-        match self.phases.iter_mut().find(|(p, _)| *p == phase) {
-            Some((_, t)) => *t += d,
-            None => self.phases.push((phase, d)),
+        self.add_peak(phase, d, 0);
+    }
+
+    fn add_peak(&mut self, phase: &'static str, d: Duration, kb: u64) {
+        match self.phases.iter_mut().find(|(p, _, _)| *p == phase) {
+            Some((_, t, k)) => {
+                *t += d;
+                *k += kb;
+            }
+            None => self.phases.push((phase, d, kb)),
         }
     }
 
-    /// Run `f`, adding its time to `phase`.
+    /// Run `f`, adding its time (and, when on, the peak RSS growth across it) to `phase`.
     pub fn time<T>(&mut self, phase: &'static str, f: impl FnOnce() -> T) -> T {
-        let t0 = Instant::now();
+        let peak = || match self.on {
+            true => peak_rss_kb().unwrap_or(0),
+            false => 0,
+        };
+        let (t0, p0) = (Instant::now(), peak());
         let r = f();
-        self.add(phase, t0.elapsed());
+        let grew = peak().saturating_sub(p0);
+        self.add_peak(phase, t0.elapsed(), grew);
         r
     }
 
@@ -45,12 +67,20 @@ impl Profile {
         }
         let wall = self.start.elapsed().as_secs_f64();
         eprintln!(
-            "mla-diff: profile (seconds, summed over layers; the reference overlaps the rest)"
+            "mla-diff: profile (seconds, summed over layers; the reference overlaps the rest; peak RSS growth)"
         );
-        for (p, d) in &self.phases {
+        for (p, d, kb) in &self.phases {
             let s = d.as_secs_f64();
-            eprintln!("  {p:<28} {s:>9.2}  {:>5.1}%", 100.0 * s / wall.max(1e-9));
+            let mb = match kb {
+                0 => String::new(),
+                kb => format!("  +{} MB", kb / 1024),
+            };
+            eprintln!(
+                "  {p:<28} {s:>9.2}  {:>5.1}%{mb}",
+                100.0 * s / wall.max(1e-9)
+            );
         }
-        eprintln!("  {:<28} {wall:>9.2}", "wall (run loop)");
+        let peak = peak_rss_kb().map_or(String::new(), |kb| format!("  peak RSS {} MB", kb / 1024));
+        eprintln!("  {:<28} {wall:>9.2}{peak}", "wall (run loop)");
     }
 }
