@@ -329,9 +329,11 @@ pub fn run_from(
             elementwise: false,
             ..ctx
         };
-        // The fp64 reference on its own thread, next to everything of the layer that does not need it
-        // (the optimized path in both modes, the repeats, the stage-local view); nothing is compared
-        // until both are done, and each side computes what it did alone, so the results are the same.
+        // The fp64 reference on its own thread, next to what of the layer does not need it: shadow
+        // mode's optimized path, its repeats and its stage-local view (or, without shadow mode, free
+        // mode's). Nothing is compared until both are done, and each side computes what it did alone,
+        // so the results are the same. With both modes free mode runs after shadow mode's comparison,
+        // once shadow mode's trace and local view are dropped: they are a layer's largest buffers.
         let (reference, optimized) = std::thread::scope(|sc| {
             let (c, w, rope, h, sched) = (&cfg, &w, &tables.rope, &h_ref, &opts.sched);
             let r = sc.spawn(move || {
@@ -379,25 +381,10 @@ pub fn run_from(
                     local.stages.retain(|s| !outside.contains(s.stage));
                     shadow_opt = Some((opt, local));
                 }
-                let mut free_opt = None;
-                if opts.modes.free {
-                    // DSA: over the reference's selection too, so that the stages stay comparable (a
-                    // near-tie flip makes whole split partials incomparable); what selections cost is
-                    // the `dsa` section's.
-                    let opt = prof.time("optimized path", || backend.run_layer(&layer_ctx, &h_opt))?;
-                    // Without shadow mode the repeats take free mode's input (the optimized stream).
-                    if opts.repeat > 1 && !opts.modes.shadow {
-                        repeats.push(repeat::repeat_layer(
-                            backend,
-                            &layer_ctx,
-                            &h_opt,
-                            &opt,
-                            opts.repeat,
-                            &free_ctx,
-                        )?);
-                    }
-                    free_opt = Some(opt);
-                }
+                let free_opt = match opts.modes.free && !opts.modes.shadow {
+                    true => Some(free_layer(backend, &layer_ctx, &h_opt, opts, &free_ctx, &mut repeats, &mut prof)?),
+                    false => None,
+                };
                 Ok((shadow_opt, free_opt))
             })();
             let (r, took, next) = r.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
@@ -407,7 +394,8 @@ pub fn run_from(
         });
         let reference = reference?;
         let (shadow_opt, free_opt) = optimized?;
-        let t_cmp = std::time::Instant::now();
+        let mut t_cmp = std::time::Instant::now();
+        let keep_traces = opts.dump.is_some();
         // The reference residual after this layer: the next layer's shadow input and free mode's yardstick.
         let next_ref = residual_after(&h_ref, &reference)?;
         let mut dump_traces: Vec<(LayerTrace, bool)> = Vec::new();
@@ -421,9 +409,28 @@ pub fn run_from(
                 &opts.tolerances,
                 sel.is_none().then_some(&local),
             )?;
-            dump_traces.push((opt, r.pass));
+            if keep_traces {
+                dump_traces.push((opt, r.pass));
+            }
             shadow.push(r);
         }
+        let free_opt = match free_opt {
+            None if opts.modes.free => {
+                prof.add("compare + reports", t_cmp.elapsed());
+                let opt = free_layer(
+                    backend,
+                    &layer_ctx,
+                    &h_opt,
+                    opts,
+                    &free_ctx,
+                    &mut repeats,
+                    &mut prof,
+                )?;
+                t_cmp = std::time::Instant::now();
+                Some(opt)
+            }
+            f => f,
+        };
         if let Some(opt) = free_opt {
             let mut r = compare::compare_layer(
                 &free_ctx,
@@ -438,7 +445,9 @@ pub fn run_from(
                 next_ref.as_slice().expect("standard layout"),
                 h_opt.as_slice().expect("standard layout"),
             ));
-            dump_traces.push((opt, r.pass));
+            if keep_traces {
+                dump_traces.push((opt, r.pass));
+            }
             free.push(r);
         }
         if let Some((dir, which)) = &opts.dump {
@@ -453,7 +462,9 @@ pub fn run_from(
                 dumped.push(crate::report::npy::dump_layer(dir, &reference, opt)?);
             }
         }
+        prof.add("compare + reports", t_cmp.elapsed());
         if let (Some(sp), Some(sel)) = (sparse.as_mut(), sel) {
+            let t_dsa = std::time::Instant::now();
             sp.check_layer(
                 &dense_ctx,
                 &ctx,
@@ -464,9 +475,9 @@ pub fn run_from(
                 opts.dtype,
                 &opts.tolerances,
             )?;
+            prof.add("DSA selection check", t_dsa.elapsed());
         }
         h_ref = next_ref;
-        prof.add("compare + reports", t_cmp.elapsed());
         bar.inc(1);
     }
     bar.finish_and_clear();
@@ -577,6 +588,34 @@ fn load_layer(
             .filter_map(|n| file.tensor(n)),
     );
     (w, t0.elapsed())
+}
+
+/// Free mode's optimized path of one layer on the optimized stream `h_opt` (and, without shadow mode,
+/// its repeats).
+fn free_layer(
+    backend: &mut dyn Backend,
+    layer_ctx: &crate::backend::LayerCtx,
+    h_opt: &Array2<f64>,
+    opts: &RunOptions,
+    free_ctx: &compare::Ctx,
+    repeats: &mut Vec<repeat::LayerRepeat>,
+    prof: &mut profile::Profile,
+) -> Result<LayerTrace> {
+    // DSA: over the reference's selection too, so that the stages stay comparable (a near-tie flip
+    // makes whole split partials incomparable); what selections cost is the `dsa` section's.
+    let opt = prof.time("optimized path", || backend.run_layer(layer_ctx, h_opt))?;
+    // Without shadow mode the repeats take free mode's input (the optimized stream).
+    if opts.repeat > 1 && !opts.modes.shadow {
+        repeats.push(repeat::repeat_layer(
+            backend,
+            layer_ctx,
+            h_opt,
+            &opt,
+            opts.repeat,
+            free_ctx,
+        )?);
+    }
+    Ok(opt)
 }
 
 /// What a run on a DSA file covered: whether the sparsity bit (queries past top_k) and the optimized
