@@ -26,6 +26,44 @@ fn reports_do_not_depend_on_the_thread_count() {
     assert_eq!(one, json(3));
 }
 
+/// The fp64 reference's per-head attention over rayon's threads: the same bits on one thread as on
+/// several (it runs on its own thread in `run`, on the global pool, so the report test does not vary it).
+#[test]
+fn reference_does_not_depend_on_the_thread_count() {
+    use mla_diff::backend::RunTables;
+    use mla_diff::model::rope_factors::RopeFactors;
+    use mla_diff::model::{LayerWeights, MlaConfig};
+    use mla_diff::schedule::Schedule;
+    let f = GgufFile::open(tiny4()).unwrap();
+    let cfg = MlaConfig::from_gguf(&f).unwrap();
+    let sched = Schedule::default();
+    let factors = RopeFactors::load(&f, &cfg).unwrap();
+    let tables = RunTables::new(&cfg, factors.as_ref(), &sched).unwrap();
+    let w = LayerWeights::load(&f, &cfg, 1).unwrap();
+    let x = mla_diff::input::random_hidden(cfg.hidden, sched.total_tokens(), 11);
+    let bits = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let tr = pool.install(|| {
+            mla_diff::reference::run_layer(&cfg, &w, &tables.rope, &x, &sched).unwrap()
+        });
+        tr.stages
+            .iter()
+            .map(|s| {
+                (
+                    s.stage,
+                    s.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let one = bits(1);
+    assert!(one.len() >= 13, "every stage: {}", one.len());
+    assert_eq!(one, bits(3));
+}
+
 /// Released pages read back the same bytes.
 #[test]
 fn released_pages_read_back_the_same() {
