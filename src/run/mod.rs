@@ -347,10 +347,11 @@ pub fn run_from(
                 };
                 (r, took, next)
             });
-            let optimized = (|| -> Result<(Option<(LayerTrace, compare::local::Local)>, Option<LayerTrace>)> {
+            let optimized = (|| -> Result<OptTraces> {
                 let mut shadow_opt = None;
                 if opts.modes.shadow {
-                    let opt = prof.time("optimized path", || backend.run_layer(&layer_ctx, &h_ref))?;
+                    let opt =
+                        prof.time("optimized path", || backend.run_layer(&layer_ctx, &h_ref))?;
                     if opts.repeat > 1 {
                         repeats.push(repeat::repeat_layer(
                             backend,
@@ -382,7 +383,15 @@ pub fn run_from(
                     shadow_opt = Some((opt, local));
                 }
                 let free_opt = match opts.modes.free && !opts.modes.shadow {
-                    true => Some(free_layer(backend, &layer_ctx, &h_opt, opts, &free_ctx, &mut repeats, &mut prof)?),
+                    true => Some(free_layer(
+                        backend,
+                        &layer_ctx,
+                        &h_opt,
+                        opts,
+                        &free_ctx,
+                        &mut repeats,
+                        &mut prof,
+                    )?),
                     false => None,
                 };
                 Ok((shadow_opt, free_opt))
@@ -589,6 +598,13 @@ fn load_layer(
     );
     (w, t0.elapsed())
 }
+
+/// A layer's optimized traces computed next to its reference: shadow mode's with its stage-local view,
+/// and free mode's when it runs there (without shadow mode).
+type OptTraces = (
+    Option<(LayerTrace, compare::local::Local)>,
+    Option<LayerTrace>,
+);
 
 /// Free mode's optimized path of one layer on the optimized stream `h_opt` (and, without shadow mode,
 /// its repeats).
