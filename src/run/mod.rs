@@ -366,7 +366,7 @@ pub fn run_from(
                         compare::local::compute(
                             &compare::local::Inputs {
                                 cfg: &cfg,
-                                weights: &w,
+                                weights: w,
                                 rope: &tables.rope,
                                 sched: &opts.sched,
                                 x: &h_ref,
