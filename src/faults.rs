@@ -46,6 +46,7 @@ pub enum Fault {
     IndexerNonCausal,
     IndexerNoRelu,
     IndexerTopkOffByOne,
+    SparseIndexPageBase,
 }
 
 /// What a run needs for a fault to be visible at all. Model needs are properties of the file; run
@@ -182,7 +183,7 @@ pub struct Info {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 23] = [
+    pub const ALL: [Fault; 24] = [
         Fault::RopeNeox,
         Fault::RopeNorm,
         Fault::YarnMscaleMissing,
@@ -206,6 +207,7 @@ impl Fault {
         Fault::IndexerNonCausal,
         Fault::IndexerNoRelu,
         Fault::IndexerTopkOffByOne,
+        Fault::SparseIndexPageBase,
     ];
 
     /// A fault of the DSA indexer: caught by the selection check (`SELECTION_CHECK`), not a stage check.

@@ -4,7 +4,7 @@
 use super::{Fault, Info, Need};
 
 /// The catalogue, one row per fault in `Fault` order (docs/faults.md is generated from it).
-pub const CATALOGUE: [Info; 23] = [
+pub const CATALOGUE: [Info; 24] = [
     Info {
         fault: Fault::RopeNeox,
         name: "rope_neox",
@@ -284,5 +284,16 @@ pub const CATALOGUE: [Info; 23] = [
         expected: "selection",
         needs: &[Need::Dsa],
         cuda_site: "host, src/backend/cpu/indexer.rs: the optimized side's indexer is the CPU mirror's on every backend (no CUDA indexer yet), run with the misreading (`run::dsa::plan_for`)",
+    },
+    Info {
+        fault: Fault::SparseIndexPageBase,
+        name: "sparse_index_page_base",
+        define: "MLA_FAULT_SPARSE_INDEX_PAGE_BASE",
+        summary: "sparse attention's key indices built from the key's logical page (its position), the block table skipped",
+        models: "FlashMLA's sparse kernels take indices into the flat paged cache (page·page_size + offset through the block table); passing the indexer's token positions instead reads other tokens' rows, or unwritten ones, wherever pages are not laid out in order",
+        sources: &["https://github.com/deepseek-ai/FlashMLA"],
+        expected: "lse[prefill]",
+        needs: &[Need::Dsa, Need::Prefill],
+        cuda_site: "host, src/backend/cuda/sparse.rs `index_rows`: the index rows for kernels/sparse_attn.cu hold key positions",
     },
 ];

@@ -77,12 +77,30 @@ impl PagedCache {
 
     /// Rows of tokens `r`, in token order.
     pub fn gather(&self, r: Range<usize>) -> Array2<f32> {
+        self.gather_with(r, |t| self.row(t))
+    }
+
+    /// Pool row `slot`, no block table (NaN beyond the pool): what a reader that takes a token's
+    /// position for its cache slot gets (fault `sparse_index_page_base`).
+    pub fn raw_row(&self, slot: usize) -> &[f32] {
+        match self.pool.get(slot * self.width..(slot + 1) * self.width) {
+            Some(r) => r,
+            None => &self.poison,
+        }
+    }
+
+    /// Pool rows `r` read as `raw_row` does.
+    pub fn gather_raw(&self, r: Range<usize>) -> Array2<f32> {
+        self.gather_with(r, |t| self.raw_row(t))
+    }
+
+    fn gather_with<'a>(&'a self, r: Range<usize>, row: impl Fn(usize) -> &'a [f32]) -> Array2<f32> {
         let mut out = Array2::zeros((r.len(), self.width));
         for (i, t) in r.enumerate() {
             out.row_mut(i)
                 .as_slice_mut()
                 .expect("contiguous")
-                .copy_from_slice(self.row(t));
+                .copy_from_slice(row(t));
         }
         out
     }

@@ -127,6 +127,12 @@ pub fn split_partial_fx(
     // Fault: keys 32..63 of each tile (the Hopper kernel's second warpgroup) scored −inf, i.e. dropped:
     // exp(−inf) = 0 exactly, and a tile with any key seen always has one in its first half.
     let (start, drop_upper) = (keys.start, fx.on(Fault::Wg2KeysDropped));
+    // Fault: a sparse reader's key index is the key's position, the block table skipped.
+    let raw = sel.is_some() && fx.on(Fault::SparseIndexPageBase);
+    let row = |j: usize| match raw {
+        true => cache.raw_row(j),
+        false => cache.row(j),
+    };
     attend(
         keys,
         lkv,
@@ -141,10 +147,10 @@ pub fn split_partial_fx(
                     return f32::NEG_INFINITY;
                 }
             }
-            let row = cache.row(j);
+            let row = row(j);
             (dot(qa, &row[..lkv]) + dot(qp, &row[lkv..])) * scale
         },
-        |j| &cache.row(j)[..lkv],
+        |j| &row(j)[..lkv],
     )
 }
 

@@ -48,7 +48,11 @@ pub fn context_kv(
     end: usize,
     dt: Dtype,
 ) -> Kv {
-    let rows = cache.gather(0..end);
+    rows_kv(cfg, mw, cache.gather(0..end), dt)
+}
+
+/// Cache rows `[latent | k_pe]` decompressed.
+fn rows_kv(cfg: &MlaConfig, mw: &MirrorWeights, rows: Array2<f32>, dt: Dtype) -> Kv {
     let lkv = cfg.kv_lora_rank;
     let (k_nope, v) = decompress(cfg, mw, rows.slice(s![.., ..lkv]), dt);
     Kv {
@@ -120,11 +124,20 @@ pub fn chunk(
     heads: &mut Array3<f32>,
     lse: &mut Array2<f32>,
 ) {
-    let own = chunk_kv(cfg, mw, f, c.clone(), dt);
+    // Fault (sparse only): every key read at its position as the cache slot, the block table skipped;
+    // the chunk's own keys too, which a sparse kernel reads from the cache like the context.
+    let raw = sel.is_some() && fx.on(Fault::SparseIndexPageBase);
+    let own = match raw {
+        true => rows_kv(cfg, mw, cache.gather_raw(c.clone()), dt),
+        false => chunk_kv(cfg, mw, f, c.clone(), dt),
+    };
     // Fault: an engine that runs the context pass even for a chunk without context (FA2 then returns
     // lse +inf for it, vLLM #15492).
     let empty_ctx_inf = fx.on(Fault::EmptyCtxLseInf);
-    let ctx = (c.start > 0 || empty_ctx_inf).then(|| context_kv(cfg, mw, cache, c.start, dt));
+    let ctx = (c.start > 0 || empty_ctx_inf).then(|| match raw {
+        true => rows_kv(cfg, mw, cache.gather_raw(0..c.start), dt),
+        false => context_kv(cfg, mw, cache, c.start, dt),
+    });
     for (i, t) in c.clone().enumerate() {
         for h in 0..cfg.n_head {
             let own_keys = 0..causal_end(i, fx).min(c.len());

@@ -62,6 +62,7 @@ fn jobs() -> Vec<Job> {
         ("norm_rope.cu", None),
         ("cache_write.cu", None),
         ("fill.cu", None),
+        ("sparse_attn.cu", None),
         ("prefill.cu", Some(prefill_tiles()[0])),
         ("decode.cu", Some(decode_tiles(64)[0])),
         ("decode.cu", Some(decode_tiles(1)[0])),

@@ -101,7 +101,10 @@ impl Layer<'_> {
                 scale_log2: z.scale_log2,
                 ..AttnArgs::decode_layout(h, lkv, r)
             };
-            dec.run(&args, 1)?;
+            match self.sparse {
+                Some(sp) => self.decode_sparse_attention(sched, sp, st.clone(), partials)?,
+                None => dec.run(&args, 1)?,
+            }
             self.sync_if_debug("decode attention")?;
             if partials {
                 dec.combine(&args, n * h)?;

@@ -19,6 +19,8 @@ pub struct Layer<'a> {
     pub fx: Active,
     /// MLA_DEBUG: decode's internal stages are recorded and every attention launch is synchronised.
     pub debug: bool,
+    /// DSA: attention over a selection only (`sparse.rs`); `None`: dense.
+    pub sparse: Option<&'a super::sparse::Sparse<'a>>,
 }
 
 impl Layer<'_> {

@@ -35,6 +35,7 @@ pub mod plan;
 // the same choice (shared memory per arch). Two host models of one choice: to be unified.
 pub mod prefill;
 pub mod shared;
+pub mod sparse;
 pub mod table;
 pub mod tile_model;
 pub mod trace;
@@ -233,6 +234,10 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn sparse(&self) -> bool {
+        true
+    }
+
     fn key_tiles(&self) -> crate::backend::KeyTiles {
         self.last_tiles.clone()
     }
@@ -297,6 +302,16 @@ impl Backend for CudaBackend {
             decode: k.decode.key_tiles(),
         };
         self.record_kernels(&k, &dims, sched.q_len * z.h);
+        // DSA: attention over the run's selection (kernels/sparse_attn.cu).
+        let sparse = match ctx.selection {
+            Some(sel) => Some(sparse::Sparse::load(
+                &mut self.kernels,
+                &dims,
+                sel,
+                ctx.block_table,
+            )?),
+            None => None,
+        };
         let w = Weights::upload(ctx, dt)?;
         let a = Acts::alloc(ctx, &z, x, w.lq)?;
         let layer = Layer {
@@ -308,6 +323,7 @@ impl Backend for CudaBackend {
             z,
             fx,
             debug: self.opts.debug,
+            sparse: sparse.as_ref(),
         };
         layer.prefill(sched)?;
         layer.decode(sched)?;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 /// Every kernel file, headers first. The `.cu` files are compiled; the `.cuh` files are passed to NVRTC
 /// as named headers.
-pub const KERNEL_FILES: [(&str, &str); 8] = [
+pub const KERNEL_FILES: [(&str, &str); 9] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "attention.cuh",
@@ -30,6 +30,10 @@ pub const KERNEL_FILES: [(&str, &str); 8] = [
     ("prefill.cu", include_str!("../../../kernels/prefill.cu")),
     ("decode.cu", include_str!("../../../kernels/decode.cu")),
     ("fill.cu", include_str!("../../../kernels/fill.cu")),
+    (
+        "sparse_attn.cu",
+        include_str!("../../../kernels/sparse_attn.cu"),
+    ),
 ];
 
 /// The kernel sources a run uses.

@@ -42,6 +42,9 @@ impl Layer<'_> {
     }
 
     pub fn prefill(&self, sched: &Schedule) -> Result<()> {
+        if let Some(sp) = self.sparse {
+            return self.prefill_sparse(sched, sp);
+        }
         let (z, a, pre) = (&self.z, self.a, &self.k.prefill);
         let (es, h, dv, row) = (z.es, z.h, z.dv, z.row);
         // Host part of fault empty_ctx_lse_inf: the context pass and the merge run for the first chunk
