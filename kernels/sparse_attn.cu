@@ -18,15 +18,15 @@
 #define SP_QC ((SP_ROW + 31) / 32)
 #define SP_VC ((MLA_LKV + 31) / 32)
 
-// Grid (num_splits, ceil(n_q·n_heads / SP_ROWS)); block 32·SP_ROWS. With `partials` each split writes its
+// Grid (ceil(n_q·n_heads / SP_ROWS), num_splits) (rows on x: y is limited to 65535); block 32·SP_ROWS. With `partials` each split writes its
 // f32 partial [row][split][Lkv] and lse [row][split] for decode.cu's combine_splits; without, the one split
 // writes the final out (storage type, row stride out_rs, head stride out_hs) and lse [row].
 extern "C" __global__ void __launch_bounds__(32 * SP_ROWS)
     sparse_attn(const dt* q, const dt* pool, const int* indices, const int* bounds, dt* out, long long out_rs,
                 long long out_hs, float* lse, float* part_out, float* part_lse, int n_q, int n_heads, int topk,
                 int num_splits, int partials, float scale_log2) {
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, s = blockIdx.x;
-    const long long row = (long long)blockIdx.y * SP_ROWS + w;  // query · n_heads + head
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, s = blockIdx.y;
+    const long long row = (long long)blockIdx.x * SP_ROWS + w;  // query · n_heads + head
     if (row >= (long long)n_q * n_heads) return;
     const int i = (int)(row / n_heads), h = (int)(row % n_heads);
     const int* idx = indices + (long long)i * topk;

@@ -156,6 +156,11 @@ pub trait Backend {
     ) -> Result<Option<crate::reference::sparse::Selection>> {
         Ok(None)
     }
+    /// DSA: whether `indexer` is this path's own (planted indexer faults reach it); without one the run's
+    /// stand-in (the CPU mirror's) takes no faults, so the selftest leaves the indexer faults out.
+    fn has_indexer(&self) -> bool {
+        false
+    }
     /// Stages whose stage-local view (`compare::local`) does not model this path, judged end to end
     /// instead: a tensor-parallel all-reduce's roundings of the partial o_proj outputs (`crate::tp`).
     fn outside_local_view(&self) -> StageSet {

@@ -127,6 +127,10 @@ impl Backend for CpuMirror {
         true
     }
 
+    fn has_indexer(&self) -> bool {
+        true
+    }
+
     fn indexer(
         &mut self,
         ctx: &LayerCtx,

@@ -126,8 +126,8 @@ impl Layer<'_> {
         let partials = l.partials as i32;
         let (q, pool, ip, bp) = (l.q, self.a.pool.ptr, idx.ptr, bnd.ptr);
         let grid = (
-            l.splits as u32,
             (l.n_q * z.h).div_ceil(ROWS_PER_CTA) as u32,
+            l.splits as u32,
             1,
         );
         launch(
