@@ -61,6 +61,21 @@ impl Backend for SharedCuda {
     fn run_layer(&mut self, ctx: &LayerCtx, x: &ndarray::Array2<f64>) -> Result<LayerTrace> {
         self.bind().run_layer(ctx, x)
     }
+    fn sparse(&self) -> bool {
+        self.inner.borrow().sparse()
+    }
+    fn indexer(
+        &mut self,
+        ctx: &LayerCtx,
+        ic: &crate::model::IndexerConfig,
+        iw: &crate::model::IndexerWeights,
+        x: &ndarray::Array2<f64>,
+    ) -> Result<Option<crate::reference::sparse::Selection>> {
+        self.bind().indexer(ctx, ic, iw, x)
+    }
+    fn has_indexer(&self) -> bool {
+        self.inner.borrow().has_indexer()
+    }
     fn key_tiles(&self) -> crate::backend::KeyTiles {
         self.inner.borrow().key_tiles()
     }
