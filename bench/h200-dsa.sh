@@ -1,26 +1,37 @@
 #!/usr/bin/env bash
-# Issue #17 on the H200: one GLM-5-dims DSA layer (hidden 6144, 64 heads, q_lora 2048, kv_lora 512,
-# 192/64/256, indexer 32 x 128, top_k 2048) on a 3072-token prompt + 16 decode steps (1024 + 16 queries
-# past top_k), through `run::dsa` (docs/dsa.md): the sparse fp64 reference against
-#   1. the CPU mirror (bf16) over the reference's selection, its own indexer's selection (tie-aware), and
-#      over its own selection;
-#   2. the CUDA kernels (bf16), likewise. Until the kernels take `LayerCtx::selection` (sparse decode over
-#      FlashMLA-style page*64+offset indices, `reference::sparse::flashmla_indices`), step 2 is expected
-#      to FAIL past top_k (dense attention is not the model there): that is the check working.
-# Needs the example built on the host (cargo build --release --example dsa_check) and carried as
-# .carry/dsa_check with the binary .carry/mla-diff. Output: $OUT/dsa-h200.txt.
-# Usage on the GPU host:  OUT=dir bash bench/h200-dsa.sh   (fp64 reference at T = 3088: several minutes)
+# Issue #17 on the H200: the CUDA sparse path (kernels/sparse_attn.cu) on GLM-5-dims DSA layers past
+# top_k 2048 (3072-token prompts: 1040 of 3088 queries sparse), against the fp64 sparse reference, with
+# `selftest --backend cuda` meanwhile (GV=1: also gpu-validate --quick). The fp64 reference is
+# single-threaded, so the runs go in parallel on the host's cores. Results: bench/RESULTS.md
+# ("2026-12-01 (f)"), bench/results/2026-12-01-h200-dsa/.
+# Usage on the GPU host:  B=path/to/mla-diff OUT=dir [RUN_T=250] bash bench/h200-dsa.sh
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-B=${B:-.carry/mla-diff}
-E=${E:-.carry/dsa_check}
-mkdir -p "$OUT"
-log="$OUT/dsa-h200.txt"
-"$B" fixture --preset glm-5 --layers 1 --quant bf16 -o "$OUT/glm5-dsa.gguf" | tee "$log"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$log"
-for backend in cpu cuda; do
-  echo "== $backend: layer 0, prompt 3072, 16 decode steps" | tee -a "$log"
-  /usr/bin/time -f "   %e s, %M KB" "$E" "$OUT/glm5-dsa.gguf" 0 3072 16 "$backend" bf16 2>&1 | tee -a "$log"
-  echo "   exit ${PIPESTATUS[0]}" | tee -a "$log"
-done
-rm -f "$OUT/glm5-dsa.gguf"
+B=${B:-.carry/sparse/mla-diff}
+S=$(date +%s)
+t() { echo "   [$(( $(date +%s) - S )) s]"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+echo "cores $(nproc)" >> "$OUT/gpu.txt"
+"$B" fixture --preset glm-5 --layers 1 --quant bf16 --heads 8 --hidden 2048 -o /tmp/glm5h8.gguf > /dev/null
+"$B" fixture --preset glm-5 --layers 1 --quant bf16 -o /tmp/glm5.gguf > /dev/null
+run() {  # name file dtype prompt chunk decode splits timeout
+  NO_COLOR=1 /usr/bin/time -f "%e s wall, %M KB" timeout $8 "$B" run "$2" --backend cuda --dtype $3 --mode shadow \
+    --prompt-len $4 --chunk $5 --decode-steps $6 --num-splits $7 --page-size 64 \
+    --json "$OUT/$1.json" --markdown "$OUT/$1.md" > "$OUT/$1.txt" 2>&1
+  echo "exit $?" >> "$OUT/$1.txt"
+}
+run glm5h8-bf16-p3072-c512-d16-s4 /tmp/glm5h8.gguf bf16 3072 512 16 4 ${RUN_T:-235} &
+run glm5h8-fp16-p3072-c512-d16-s4 /tmp/glm5h8.gguf fp16 3072 512 16 4 ${RUN_T:-235} &
+run glm5-bf16-p2112-c1024-d4-s2 /tmp/glm5.gguf bf16 2112 1024 4 2 ${RUN_T:-235} &
+run glm5h8-bf16-p2304-c512-d8-s4 /tmp/glm5h8.gguf bf16 2304 512 8 4 ${RUN_T:-235} &
+NO_COLOR=1 timeout 100 "$B" selftest --backend cuda > "$OUT/selftest-cuda.txt" 2>&1
+echo "selftest --backend cuda: exit $?"; t
+tail -3 "$OUT/selftest-cuda.txt"
+grep -E "left out|glm-5-dsa" "$OUT/selftest-cuda.txt" | grep -v "^|" | head -12
+if [ -n "${GV:-}" ]; then
+  NO_COLOR=1 timeout 90 "$B" gpu-validate --quick --json "$OUT/gpu-validate.json" > "$OUT/gpu-validate.txt" 2>&1
+  echo "gpu-validate --quick: exit $?"; t
+  tail -3 "$OUT/gpu-validate.txt"
+fi
+wait; t
+for f in "$OUT"/glm5*.txt; do echo "== $f"; grep -vE "^\s*$" "$f" | tail -22; done

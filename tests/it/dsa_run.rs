@@ -158,3 +158,36 @@ fn kernel_fault_is_not_a_selection_difference() {
         assert_eq!(l["selection"]["pass"], true, "{l}");
     }
 }
+
+/// Sparse attention reading its keys at their positions (the block table skipped) fails the first
+/// attention check of its layer, over the reference's selection, and the selection check stays clean;
+/// the same run within top_k (dense: no index rows) does not plant it.
+#[test]
+fn sparse_index_page_base_is_caught_at_the_first_attention_stage() {
+    let (o, r) = run_json(&[
+        "--inject",
+        "sparse_index_page_base@layer=1",
+        "--mode",
+        "shadow",
+        "--prompt-len",
+        "48",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let v = &r["modes"][0]["verdict"];
+    assert_eq!(v["first_layer"], 1, "{v}");
+    assert_eq!(v["first_check"], "lse[prefill]", "{v}");
+    for l in r["dsa"]["layers"].as_array().unwrap() {
+        assert_eq!(l["selection"]["pass"], true, "{l}");
+    }
+    // Within top_k 8 the run is dense: nothing reads through index rows.
+    let (o, r) = run_json(&[
+        "--inject",
+        "sparse_index_page_base@layer=1",
+        "--prompt-len",
+        "6",
+        "--decode-steps",
+        "2",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(r.get("dsa").is_none(), "{r}");
+}

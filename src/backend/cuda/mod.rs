@@ -302,6 +302,11 @@ impl Backend for CudaBackend {
             decode: k.decode.key_tiles(),
         };
         self.record_kernels(&k, &dims, sched.q_len * z.h);
+        if ctx.selection.is_some() {
+            // The dense kernels are loaded but attention runs in sparse_attn: say so, tile classes unknown.
+            (self.last_kernels, self.last_tiles) = (sparse::kernel_uses(), Default::default());
+            self.last_paths = "prefill and decode: sparse_attn".into();
+        }
         // DSA: attention over the run's selection (kernels/sparse_attn.cu).
         let sparse = match ctx.selection {
             Some(sel) => Some(sparse::Sparse::load(

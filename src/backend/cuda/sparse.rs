@@ -52,6 +52,23 @@ impl<'s> Sparse<'s> {
     }
 }
 
+/// The coverage section's kernels of a sparse layer: `sparse_attn` in both phases. Its tiles are 32
+/// consecutive entries of a query's index row, not key positions, so the dense tile classes do not apply
+/// (no geometry: reported unknown).
+pub fn kernel_uses() -> Vec<crate::coverage::KernelUse> {
+    use crate::coverage::{Family, KernelUse, Phase};
+    [Phase::Prefill, Phase::Decode]
+        .into_iter()
+        .map(|phase| KernelUse {
+            phase,
+            family: Family::Scalar,
+            label: "sparse_attn (absorbed, one warp per (query, head), 32-index tiles)".into(),
+            geometry: None,
+            production: None,
+        })
+        .collect()
+}
+
 /// Index rows of queries `queries` and, per query, where each split's keys start in its row.
 #[derive(Debug, Clone, PartialEq)]
 pub struct IndexRows {
