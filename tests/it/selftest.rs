@@ -43,6 +43,9 @@ impl Backend for Mirror {
     fn sparse(&self) -> bool {
         self.inner.sparse()
     }
+    fn has_indexer(&self) -> bool {
+        self.inner.has_indexer()
+    }
     fn indexer(
         &mut self,
         ctx: &LayerCtx,
