@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue #17 on the H200: the CUDA sparse path (kernels/sparse_attn.cu) on GLM-5-dims DSA layers past
 # top_k 2048 (3072-token prompts: 1040 of 3088 queries sparse), against the fp64 sparse reference, with
-# `selftest --backend cuda` meanwhile (GV=1: also gpu-validate --quick). The fp64 reference is
-# single-threaded, so the runs go in parallel on the host's cores. Results: bench/RESULTS.md
+# `selftest --backend cuda` meanwhile (GV=1: also gpu-validate --quick). The runs go in parallel on the
+# host's cores (the fp64 reference's heads are spread over them too). Results: bench/RESULTS.md
 # ("2026-12-01 (f)"), bench/results/2026-12-01-h200-dsa/.
 # Usage on the GPU host:  B=path/to/mla-diff OUT=dir [RUN_T=250] bash bench/h200-dsa.sh
 set -uo pipefail
@@ -23,6 +23,7 @@ run() {  # name file dtype prompt chunk decode splits timeout
 run glm5h8-bf16-p3072-c512-d16-s4 /tmp/glm5h8.gguf bf16 3072 512 16 4 ${RUN_T:-235} &
 run glm5h8-fp16-p3072-c512-d16-s4 /tmp/glm5h8.gguf fp16 3072 512 16 4 ${RUN_T:-235} &
 run glm5-bf16-p2112-c1024-d4-s2 /tmp/glm5.gguf bf16 2112 1024 4 2 ${RUN_T:-235} &
+[ -n "${FULL3K:-}" ] && run glm5-bf16-p3072-c1024-d16-s4 /tmp/glm5.gguf bf16 3072 1024 16 4 ${RUN_T:-235} &
 run glm5h8-bf16-p2304-c512-d8-s4 /tmp/glm5h8.gguf bf16 2304 512 8 4 ${RUN_T:-235} &
 NO_COLOR=1 timeout 100 "$B" selftest --backend cuda > "$OUT/selftest-cuda.txt" 2>&1
 echo "selftest --backend cuda: exit $?"; t

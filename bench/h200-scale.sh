@@ -4,7 +4,8 @@
 # (wall, user, sys, peak RSS), with the phase table of MLA_DIFF_PROFILE=1; then the same for the
 # classic 64-token schedule (48 prompt + 16 decode steps, as #15 first measured). Target: <= 60 s,
 # peak RSS <= 3 GB. The generated file is deleted at the end (it is 7.3 GB).
-#   B=path/to/mla-diff OUT=dir bash bench/h200-scale.sh   (about 10 minutes, most of it writing the file)
+#   B=path/to/mla-diff OUT=dir [LAYERS=8: the first 8 of the 78 layers only] bash bench/h200-scale.sh
+#   (the whole file: about 10 minutes, most of it writing the file)
 set -uo pipefail
 export NO_COLOR=1 MLA_DIFF_PROFILE=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -13,7 +14,7 @@ R="$OUT/scale"; mkdir -p "$R"
 F=${F:-/tmp/glm5-q4_k.gguf}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$R/gpu.txt"
 nproc | tee "$R/nproc.txt"
-[ -f "$F" ] || /usr/bin/time -v "$B" fixture --preset glm-5 --quant q4_k -o "$F" > "$R/fixture.txt" 2>&1
+[ -f "$F" ] || /usr/bin/time -v "$B" fixture --preset glm-5 --quant q4_k ${LAYERS:+--layers $LAYERS} -o "$F" > "$R/fixture.txt" 2>&1
 ls -l "$F" | tee -a "$R/fixture.txt"
 fail=0
 # run NAME ARGS...: one timed run, its JSON, its profile; a summary line.
