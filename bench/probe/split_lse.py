@@ -10,20 +10,25 @@ qa, qpe, cache, sl = ld("q_absorbed"), ld("q_pe"), ld("cache_rows"), ld("split_l
 D, H = qa.shape[0], qa.shape[1]
 q = np.concatenate([qa, qpe[pl:pl + D]], axis=-1)  # [D, H, 576]
 S = np.einsum("dhk,tk->dht", q, cache) * scale     # [D, H, T]
+def splits():
+    """Every (decode row, split) with keys: the row, the split index and its key range."""
+    for di in range(D):
+        t = pl + di
+        seq = pl + (di // q_len + 1) * q_len
+        per = -(-seq // ns)
+        for k in range(ns):
+            k0, k1 = k * per, min((k + 1) * per, seq, t + 1)
+            if k1 > k0:
+                yield di, k, k0, k1
+
+
 errs, lses, ns_keys, ls = [], [], [], []
-for di in range(D):
-    t = pl + di
-    seq = pl + (di // q_len + 1) * q_len
-    per = -(-seq // ns)
-    for k in range(ns):
-        k0, k1 = k * per, min((k + 1) * per, seq, t + 1)
-        if k1 <= k0:
-            continue
-        s = S[di, :, k0:k1]
-        m = s.max(-1, keepdims=True)
-        l = np.exp(s - m).sum(-1)
-        lse = m[:, 0] + np.log(l)
-        errs.append(sl[di, :, k] - lse); lses.append(lse); ns_keys.append(np.full(H, k1 - k0)); ls.append(l)
+for di, k, k0, k1 in splits():
+    s = S[di, :, k0:k1]
+    m = s.max(-1, keepdims=True)
+    l = np.exp(s - m).sum(-1)
+    lse = m[:, 0] + np.log(l)
+    errs.append(sl[di, :, k] - lse); lses.append(lse); ns_keys.append(np.full(H, k1 - k0)); ls.append(l)
 e, L, n, l = map(np.concatenate, (errs, lses, ns_keys, ls))
 u = 2.0 ** -24
 print(f"rows {e.size}: err mean {e.mean():+.3e} std {e.std():.3e} rms {np.sqrt((e**2).mean()):.3e}; "
@@ -48,18 +53,11 @@ for c0 in range(0, K, 16):
     psum += acc
 psum *= scale
 g_shrink, g_trunc = [], []
-for di in range(D):
-    t = pl + di
-    seq = pl + (di // q_len + 1) * q_len
-    per = -(-seq // ns)
-    for k in range(ns):
-        k0, k1 = k * per, min((k + 1) * per, seq, t + 1)
-        if k1 <= k0:
-            continue
-        s = S[di, :, k0:k1]
-        p = np.exp(s - s.max(-1, keepdims=True)); p /= p.sum(-1, keepdims=True)
-        g_shrink.append((p * s).sum(-1))
-        g_trunc.append(-(p * psum[di, :, k0:k1]).sum(-1) * u)
+for di, k, k0, k1 in splits():
+    s = S[di, :, k0:k1]
+    p = np.exp(s - s.max(-1, keepdims=True)); p /= p.sum(-1, keepdims=True)
+    g_shrink.append((p * s).sum(-1))
+    g_trunc.append(-(p * psum[di, :, k0:k1]).sum(-1) * u)
 for name, g in (("shrink", np.concatenate(g_shrink)), ("trunc", np.concatenate(g_trunc))):
     c = (e * g).sum() / (g * g).sum()
     r = e - c * g
