@@ -15,6 +15,7 @@ use crate::backend::Dtype;
 use crate::error::{Error, Result};
 use crate::schedule::Schedule;
 use crate::trace::{LayerTrace, Stage, StageSet, StageTensor};
+use rayon::prelude::*;
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Serialize};
 
@@ -406,40 +407,48 @@ pub fn compare_layer(
     tols: &ToleranceTable,
     local: Option<&local::Local>,
 ) -> Result<LayerResult> {
-    let mut out = Vec::new();
-    let mut not_provided = Vec::new();
-    for check in checks_for(ctx.sched) {
-        if !ctx.provided.contains(check.stage) {
-            not_provided.push(check.name());
-            continue;
-        }
-        let missing = |side: &str| {
-            Error::Usage(format!(
-                "layer {}: the {side} trace has no stage {} (check {})",
-                ctx.layer,
-                check.stage,
-                check.name()
-            ))
-        };
-        let r = reference
-            .get(check.stage)
-            .ok_or_else(|| missing("reference"))?;
-        let o = optimized
-            .get(check.stage)
-            .ok_or_else(|| missing("optimized backend, which claims to provide it,"))?;
-        let mut c = compare_check(ctx, check, r, o, tols.get(dtype, &check)?)?;
-        if let Some(l) = local.and_then(|l| l.get(check.stage)) {
-            if l.values.len() == o.data.len() {
-                apply_local(ctx, check, &mut c, o, l, tols.is_overridden(dtype, &check));
+    let (checks, not_provided): (Vec<Check>, Vec<Check>) = checks_for(ctx.sched)
+        .into_iter()
+        .partition(|c| ctx.provided.contains(c.stage));
+    let not_provided = not_provided.iter().map(|c| c.name()).collect();
+    // Each check is independent (the largest, split_out, is tens of millions of elements): in
+    // parallel, results and the first error in the checks' order.
+    let per_check: Vec<Result<Vec<CheckResult>>> = checks
+        .par_iter()
+        .map(|&check| {
+            let missing = |side: &str| {
+                Error::Usage(format!(
+                    "layer {}: the {side} trace has no stage {} (check {})",
+                    ctx.layer,
+                    check.stage,
+                    check.name()
+                ))
+            };
+            let r = reference
+                .get(check.stage)
+                .ok_or_else(|| missing("reference"))?;
+            let o = optimized
+                .get(check.stage)
+                .ok_or_else(|| missing("optimized backend, which claims to provide it,"))?;
+            let mut c = compare_check(ctx, check, r, o, tols.get(dtype, &check)?)?;
+            if let Some(l) = local.and_then(|l| l.get(check.stage)) {
+                if l.values.len() == o.data.len() {
+                    apply_local(ctx, check, &mut c, o, l, tols.is_overridden(dtype, &check));
+                }
             }
-        }
-        out.push(c);
-        // A runner's stage, against fp64 from the runner's own inputs: its kernel's error alone.
-        if let Some(a) = optimized.at_runner.iter().find(|a| a.check == check.name()) {
-            let mut c = compare_check(ctx, check, &a.reference, &a.optimized, a.tolerance)?;
-            c.check = format!("{}{AT_RUNNER}", check.name());
-            out.push(c);
-        }
+            let mut out = vec![c];
+            // A runner's stage, against fp64 from the runner's own inputs: its kernel's error alone.
+            if let Some(a) = optimized.at_runner.iter().find(|a| a.check == check.name()) {
+                let mut c = compare_check(ctx, check, &a.reference, &a.optimized, a.tolerance)?;
+                c.check = format!("{}{AT_RUNNER}", check.name());
+                out.push(c);
+            }
+            Ok(out)
+        })
+        .collect();
+    let mut out = Vec::new();
+    for r in per_check {
+        out.extend(r?);
     }
     let first_failure = out.iter().find(|c| !c.pass).map(|c| c.check.clone());
     Ok(LayerResult {
