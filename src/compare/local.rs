@@ -410,22 +410,31 @@ fn attend(
     let l: f64 = p.iter().sum();
     let mut out = vec![0.0; dim];
     // ∂/∂κ of the output: Σ p_j t_j (v_j − o) / l, and of the lse: Σ p_j t_j / l.
-    let mut bias_out = vec![0.0; dim];
-    let mut bias_lse = 0.0;
-    for ((pj, vj), sc) in p.iter().zip(v).zip(scores) {
-        let pt = pj * sc.trunc;
-        bias_lse += pt;
-        for ((o, b), &x) in out.iter_mut().zip(bias_out.iter_mut()).zip(*vj) {
+    for (pj, vj) in p.iter().zip(v) {
+        for (o, &x) in out.iter_mut().zip(*vj) {
             *o += pj * x;
-            *b += pt * x;
         }
     }
     out.iter_mut().for_each(|o| *o /= l);
-    bias_lse /= l;
-    bias_out
-        .iter_mut()
-        .zip(&out)
-        .for_each(|(b, o)| *b = *b / l - bias_lse * o);
+    // Only where the sum may truncate: elsewhere every score's bias is 0 (a second pass over the
+    // values, off the mirror's hot path).
+    let mut bias_out = vec![0.0; dim];
+    let mut bias_lse = 0.0;
+    if path.sum.truncates() {
+        for ((pj, vj), sc) in p.iter().zip(v).zip(scores) {
+            let pt = pj * sc.trunc;
+            bias_lse += pt;
+            bias_out
+                .iter_mut()
+                .zip(*vj)
+                .for_each(|(b, &x)| *b += pt * x);
+        }
+        bias_lse /= l;
+        bias_out
+            .iter_mut()
+            .zip(&out)
+            .for_each(|(b, o)| *b = *b / l - bias_lse * o);
+    }
     let n = p.len();
     let tiles = n.div_ceil(64) as f64;
     // The key holding the maximum has p = exp(0) = 1 exactly in every online softmax. Keys in tiles
