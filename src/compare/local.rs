@@ -15,7 +15,6 @@
 
 use super::noise::{acc_var, ScoreSum, Store, EXP_REL_VAR, F32_OP, U32};
 use crate::backend::cpu::front::RopeF32;
-use crate::backend::cpu::ops::stored;
 use crate::backend::Dtype;
 use crate::faults::Active;
 use crate::model::{LayerWeights, MlaConfig, QProj};
@@ -110,16 +109,38 @@ fn hidden_round(dt: Dtype, y: f64) -> f64 {
 
 /// `y = a·wᵀ` in fp64 and the variance of computing it with f32 accumulation.
 fn linear(a: ArrayView2<f64>, w: &Array2<f64>) -> (Array2<f64>, Array2<f64>) {
+    linear_var(a, w, None)
+}
+
+/// [`linear`], with the input variances `var_a` propagated through `y = a·wᵀ` added to the variance:
+/// `a²·(w²)ᵀ` and `var_a·(w²)ᵀ` in one product of the rows stacked (one pass over `w²`).
+fn linear_var(
+    a: ArrayView2<f64>,
+    w: &Array2<f64>,
+    var_a: Option<&Array2<f64>>,
+) -> (Array2<f64>, Array2<f64>) {
     let y = a.dot(&w.t());
-    let sq = a.mapv(|v| v * v).dot(&w.mapv(|v| v * v).t());
-    let n = a.ncols();
-    let var = Zip::from(&sq)
+    let (t, n) = a.dim();
+    let w2 = w.mapv(|v| v * v);
+    let mut sq_in = Array2::zeros((t * if var_a.is_some() { 2 } else { 1 }, n));
+    Zip::from(sq_in.slice_mut(s![..t, ..]))
+        .and(&a)
+        .for_each(|d, &v| *d = v * v);
+    if let Some(va) = var_a {
+        sq_in.slice_mut(s![t.., ..]).assign(va);
+    }
+    let sq = sq_in.dot(&w2.t());
+    let mut var = Zip::from(sq.slice(s![..t, ..]))
         .and(&y)
         .map_collect(|&s, &t| acc_var(n, s, t));
+    if var_a.is_some() {
+        var += &sq.slice(s![t.., ..]);
+    }
     (y, var)
 }
 
 /// Input variances through `y = a·wᵀ`.
+#[cfg(test)]
 fn propagate(var_a: &Array2<f64>, w: &Array2<f64>) -> Array2<f64> {
     var_a.dot(&w.mapv(|v| v * v).t())
 }
@@ -127,13 +148,12 @@ fn propagate(var_a: &Array2<f64>, w: &Array2<f64>) -> Array2<f64> {
 /// Bytes of f64 weight rows made at a time by [`linear_stored`] (as `reference::front::linear`).
 const BLOCK_BYTES: usize = 16 << 20;
 
-/// [`linear`] (and, given `var_a`, [`propagate`] added to its variance) for a weight `w [out, in]` the
-/// path stores in `dt`: rounded and widened a block of rows at a time, never as a whole f64 copy (a
-/// whole layer's would be gigabytes). Each output column is the same dot product either way.
+/// [`linear_var`] for a weight `w [out, in]` as the path stores it (`LayerWeights::stored`): widened a
+/// block of rows at a time, never as a whole f64 copy (a whole layer's would be gigabytes), the blocks
+/// in parallel. Each output column is the same dot product either way.
 fn linear_stored(
     a: ArrayView2<f64>,
     w: ArrayView2<f32>,
-    dt: Dtype,
     var_a: Option<&Array2<f64>>,
 ) -> (Array2<f64>, Array2<f64>) {
     let (n_out, n_in) = w.dim();
@@ -142,17 +162,19 @@ fn linear_stored(
         Array2::zeros((a.nrows(), n_out)),
         Array2::zeros((a.nrows(), n_out)),
     );
-    let mut r0 = 0;
-    while r0 < n_out {
-        let r1 = (r0 + rows).min(n_out);
-        let b = w.slice(s![r0..r1, ..]).mapv(|v| dt.round(v) as f64);
-        let (yb, mut vb) = linear(a, &b);
-        if let Some(va) = var_a {
-            vb = vb + propagate(va, &b);
-        }
-        y.slice_mut(s![.., r0..r1]).assign(&yb);
-        var.slice_mut(s![.., r0..r1]).assign(&vb);
-        r0 = r1;
+    let blocks: Vec<_> = (0..n_out)
+        .step_by(rows)
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .map(|r0| {
+            let r1 = (r0 + rows).min(n_out);
+            let b = w.slice(s![r0..r1, ..]).mapv(|v| v as f64);
+            (r0..r1, linear_var(a, &b, var_a))
+        })
+        .collect();
+    for (r, (yb, vb)) in blocks {
+        y.slice_mut(s![.., r.clone()]).assign(&yb);
+        var.slice_mut(s![.., r]).assign(&vb);
     }
     (y, var)
 }
@@ -244,36 +266,89 @@ struct Dot {
 /// tree; every product, partial sum and tree sum rounded once (≤ u²/3 of its square: F32_OP).
 fn lanes8(x: &[f64], y: &[f64]) -> (f64, f64) {
     let mut acc = [0.0f64; 8];
-    let mut v = 0.0;
-    for (i, (&x, &y)) in x.iter().zip(y).enumerate() {
-        let xy = x * y;
-        acc[i % 8] += xy;
-        v += xy * xy + acc[i % 8] * acc[i % 8];
+    // Per lane: Σ (product² + partial sum²), summed across lanes at the end (one chain would make
+    // this loop latency-bound; a noise model's sum needs no particular order).
+    let mut v8 = [0.0f64; 8];
+    let (xc, yc) = (x.chunks_exact(8), y.chunks_exact(8));
+    let (xt, yt) = (xc.remainder(), yc.remainder());
+    for (a, b) in xc.zip(yc) {
+        for l in 0..8 {
+            let xy = a[l] * b[l];
+            acc[l] += xy;
+            v8[l] += xy * xy + acc[l] * acc[l];
+        }
+    }
+    for (l, (a, b)) in xt.iter().zip(yt).enumerate() {
+        let xy = a * b;
+        acc[l] += xy;
+        v8[l] += xy * xy + acc[l] * acc[l];
     }
     let p: [f64; 4] = std::array::from_fn(|k| acc[k] + acc[k + 4]);
     let (a, b) = (p[0] + p[1], p[2] + p[3]);
     let t = a + b;
-    v += p.iter().map(|x| x * x).sum::<f64>() + a * a + b * b + t * t;
+    let v = v8.iter().sum::<f64>() + p.iter().map(|x| x * x).sum::<f64>() + a * a + b * b + t * t;
     (t, F32_OP * v)
 }
 
-fn dot_var(x: &[f64], y: &[f64], w: &[f64], xr: &[f64], yr: &[f64], sum: ScoreSum) -> Dot {
-    let (mut a, mut sq, mut prop, mut steps, mut steps2) = (0.0, 0.0, 0.0, 0.0, 0.0);
-    let n = x.len();
-    let k = n + xr.len();
-    let xs = x.iter().zip(y).chain(xr.iter().zip(yr));
-    for (i, (&x, &y)) in xs.enumerate() {
-        let xy = x * y;
-        a += xy;
-        sq += xy * xy;
-        if i < n {
-            prop += x * x * w[i];
-        }
-        if i % 16 == 15 || i + 1 == k {
-            steps += a;
-            steps2 += a * a;
+/// Σ x·y and Σ (x·y)² over a few elements, four lanes wide (the products' order within a 16-wide
+/// k-step does not matter to the model; one sequential chain would bound the loop by add latency).
+#[inline]
+fn part(x: &[f64], y: &[f64]) -> (f64, f64) {
+    let (mut s, mut q) = ([0.0f64; 4], [0.0f64; 4]);
+    let (xc, yc) = (x.chunks_exact(4), y.chunks_exact(4));
+    let (xt, yt) = (xc.remainder(), yc.remainder());
+    for (a, b) in xc.zip(yc) {
+        for l in 0..4 {
+            let p = a[l] * b[l];
+            s[l] += p;
+            q[l] += p * p;
         }
     }
+    for (a, b) in xt.iter().zip(yt) {
+        let p = a * b;
+        s[0] += p;
+        q[0] += p * p;
+    }
+    ((s[0] + s[1]) + (s[2] + s[3]), (q[0] + q[1]) + (q[2] + q[3]))
+}
+
+/// The score `x·y + xr·yr` (the kernels' K order: x's part, then xr's) with its variance terms, summed
+/// 16-wide k-step by k-step: the partial sums after each step are the truncation model's.
+fn dot_var(x: &[f64], y: &[f64], w: &[f64], xr: &[f64], yr: &[f64], sum: ScoreSum) -> Dot {
+    let (mut a, mut sq, mut steps, mut steps2) = (0.0, 0.0, 0.0, 0.0);
+    let n = x.len();
+    let k = n + xr.len();
+    let mut i = 0;
+    while i < k {
+        let end = ((i / 16 + 1) * 16).min(k);
+        let (s, q) = if end <= n {
+            part(&x[i..end], &y[i..end])
+        } else if i >= n {
+            part(&xr[i - n..end - n], &yr[i - n..end - n])
+        } else {
+            let (s0, q0) = part(&x[i..], &y[i..]);
+            let (s1, q1) = part(&xr[..end - n], &yr[..end - n]);
+            (s0 + s1, q0 + q1)
+        };
+        a += s;
+        sq += q;
+        steps += a;
+        steps2 += a * a;
+        i = end;
+    }
+    // x's hidden variance carried through, four lanes wide.
+    let mut p4 = [0.0f64; 4];
+    let (xc, wc) = (x.chunks_exact(4), w[..n].chunks_exact(4));
+    let (xt, wt) = (xc.remainder(), wc.remainder());
+    for (xv, wv) in xc.zip(wc) {
+        for l in 0..4 {
+            p4[l] += xv[l] * xv[l] * wv[l];
+        }
+    }
+    for (xv, wv) in xt.iter().zip(wt) {
+        p4[0] += xv * xv * wv;
+    }
+    let prop = (p4[0] + p4[1]) + (p4[2] + p4[3]);
     let acc = match sum {
         // Tensor cores: one rounding of the accumulator per k-step (a truncation's spread is at most
         // its ulp, ≤ 2u of the partial sum: ≤ F32_OP of its square), doubled for the MMA's internal
@@ -455,18 +530,34 @@ fn attend(
     for j in 0..n {
         let (round, pj) = (rv[j], p[j]);
         let ppv = pj * pj * pv[j];
-        let mut key = 0.0;
-        let cols = v[j].iter().zip(&out).zip(a.iter_mut());
-        for (((&x, &o), ad), (sqd, td)) in cols.zip(sq.iter_mut().zip(tot.iter_mut())) {
+        // Four columns at a time, the key's sum in four lanes: one f64 chain would keep the compiler
+        // from vectorizing the loop (this is the local view's hottest).
+        let mut key4 = [0.0f64; 4];
+        let col = |x: f64, o: f64, ad: &mut f64, sqd: &mut f64, td: &mut f64| {
             let dev = (x - o) * (x - o);
             // P's rounding moves the numerator only, or numerator and sum (kernels differ): the larger.
             let c = round * (x * x).max(dev) + ppv * dev;
-            key += c;
             *ad += c;
             let px = pj * x;
             *sqd += px * px;
             *td += px;
+            c
+        };
+        let vj = &v[j][..dim];
+        let cols = vj
+            .chunks_exact(4)
+            .zip(out.chunks_exact(4))
+            .zip(a.chunks_exact_mut(4))
+            .zip(sq.chunks_exact_mut(4).zip(tot.chunks_exact_mut(4)));
+        for (((xc, oc), ac), (sqc, tc)) in cols {
+            for l in 0..4 {
+                key4[l] += col(xc[l], oc[l], &mut ac[l], &mut sqc[l], &mut tc[l]);
+            }
         }
+        for d in dim - dim % 4..dim {
+            key4[0] += col(vj[d], out[d], &mut a[d], &mut sq[d], &mut tot[d]);
+        }
+        let key = (key4[0] + key4[1]) + (key4[2] + key4[3]);
         if let Some(vv) = vv {
             a.iter_mut()
                 .zip(vv[j])
@@ -683,7 +774,8 @@ fn opt2(tr: &LayerTrace, s: Stage) -> Option<Array2<f64>> {
 pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     let (cfg, dt, sched) = (inp.cfg, inp.dtype, inp.sched);
     // The weights as the path stores them: the vectors rounded here, the matrices block by block.
-    let w = inp.weights;
+    // The weights as the path stores them (made once per layer, shared with the CPU mirror).
+    let w = inp.weights.stored(dt);
     let rope = RopeF32::new(inp.rope, Active::NONE);
     let (h, p, r, dv, lkv) = (
         cfg.n_head,
@@ -698,12 +790,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     // attn_in ← the layer input, as the path stores it.
     let x = inp.x.mapv(|v| dt.round(v as f32) as f64);
     let zero = Array2::<f64>::zeros(x.dim());
-    let (ai, vai) = rms_norm(
-        x.view(),
-        zero.view(),
-        &f64s(&stored(&w.attn_norm, dt)),
-        cfg.rms_eps,
-    );
+    let (ai, vai) = rms_norm(x.view(), zero.view(), &f64s(&w.attn_norm), cfg.rms_eps);
     out.push(
         Stage::AttnIn,
         ai.into_raw_vec_and_offset().0,
@@ -716,18 +803,18 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     // q ← attn_in (q-LoRA's latent stored and normed on the way).
     let (q, vq) = match &w.q {
         QProj::Lora { a, a_norm, b } => {
-            let (qa, mut vqa) = linear_stored(attn_in.view(), a.view(), dt, None);
+            let (qa, mut vqa) = linear_stored(attn_in.view(), a.view(), None);
             Zip::from(&mut vqa)
                 .and(&qa)
                 .for_each(|v, &y| *v += hidden_round(dt, y));
-            let a_norm = f64s(&stored(a_norm, dt));
+            let a_norm = f64s(a_norm);
             let (qn, mut vqn) = rms_norm(qa.view(), vqa.view(), &a_norm, cfg.lora_norm_eps);
             Zip::from(&mut vqn)
                 .and(&qn)
                 .for_each(|v, &y| *v += hidden_round(dt, y));
-            linear_stored(qn.view(), b.view(), dt, Some(&vqn))
+            linear_stored(qn.view(), b.view(), Some(&vqn))
         }
-        QProj::Plain { q } => linear_stored(attn_in.view(), q.view(), dt, None),
+        QProj::Plain { q } => linear_stored(attn_in.view(), q.view(), None),
     };
     // Per head rows `[T·H, P+R]`.
     let dk = p + r;
@@ -753,14 +840,14 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     );
 
     // kv ← attn_in: stored, then the latent normed and k_pe roped.
-    let (mut kv, mut vkv) = linear_stored(attn_in.view(), w.kv_a.view(), dt, None);
+    let (mut kv, mut vkv) = linear_stored(attn_in.view(), w.kv_a.view(), None);
     Zip::from(&mut vkv)
         .and(&kv)
         .for_each(|v, &y| *v += hidden_round(dt, y));
     let (lat, vlat) = rms_norm(
         kv.slice(s![.., ..lkv]),
         vkv.slice(s![.., ..lkv]),
-        &f64s(&stored(&w.kv_a_norm, dt)),
+        &f64s(&w.kv_a_norm),
         cfg.lora_norm_eps,
     );
     out.push(
@@ -803,7 +890,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
         .expect("[T, H, R]");
     let scale = cfg.softmax_scale;
     let flat = |m: &ndarray::Array3<f32>, d: usize| {
-        m.mapv(|v| dt.round(v) as f64)
+        m.mapv(|v| v as f64)
             .into_shape_with_order((h * d, lkv))
             .expect("[H, d, Lkv]")
     };
@@ -1087,7 +1174,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
 
     // attn_out ← the stored heads.
     if let Some(o_heads) = opt2(opt, Stage::AttnHeads) {
-        let (y, v) = linear_stored(o_heads.view(), w.o.view(), dt, None);
+        let (y, v) = linear_stored(o_heads.view(), w.o.view(), None);
         out.push(
             Stage::AttnOut,
             y.into_raw_vec_and_offset().0,
@@ -1115,9 +1202,10 @@ mod tests {
         for dt in [Dtype::Bf16, Dtype::F32] {
             let whole = w.mapv(|v| dt.round(v) as f64);
             let (y, v) = linear(a.view(), &whole);
-            let (yb, vb) = linear_stored(a.view(), w.view(), dt, None);
+            let ws = w.mapv(|v| dt.round(v));
+            let (yb, vb) = linear_stored(a.view(), ws.view(), None);
             assert!(y == yb && v == vb, "{dt:?}");
-            let (_, vp) = linear_stored(a.view(), w.view(), dt, Some(&va));
+            let (_, vp) = linear_stored(a.view(), ws.view(), Some(&va));
             assert!(vp == v + propagate(&va, &whole), "{dt:?} propagated");
         }
     }

@@ -162,6 +162,7 @@ pub fn weights(cfg: &MlaConfig, seed: u64) -> LayerWeights {
         w_uv,
         o,
         kv_b_layout: KvBLayout::Split,
+        stored: Default::default(),
     }
 }
 

@@ -6,10 +6,13 @@
 //! layouts the file uses. Non-attention tensors are never read.
 
 use super::config::MlaConfig;
+use crate::backend::Dtype;
 use crate::error::{Error, Result};
 use crate::gguf::{dequantize_f32, GgufFile};
-use ndarray::{Array1, Array2, Array3};
+use ndarray::{Array1, Array2, Array3, Dimension};
+use rayon::prelude::*;
 use serde::Serialize;
+use std::sync::OnceLock;
 
 /// How the file stores the kv_b decompression.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -51,6 +54,8 @@ pub struct LayerWeights {
     /// `[E, H·Dv]`
     pub o: Array2<f32>,
     pub kv_b_layout: KvBLayout,
+    /// The same weights rounded to bf16 and fp16 ([`LayerWeights::stored`]), made on first use.
+    pub(crate) stored: [OnceLock<Box<LayerWeights>>; 2],
 }
 
 /// Tensor names of one layer's attention.
@@ -181,8 +186,53 @@ impl LayerWeights {
             w_uv,
             o,
             kv_b_layout,
+            stored: Default::default(),
         })
     }
+
+    /// The weights as an optimized path stores them in `dt`: each value rounded to the dtype (f32 holding
+    /// it exactly; `self` for f32). Made once per layer, on first use, and shared by everything that
+    /// reads the stored weights (the CPU mirror's shadow and free passes, the stage-local view): rounding
+    /// a layer's hundreds of MB several times was a fifth of a run. Edit the weights (tests do) before
+    /// the first call, never after.
+    pub fn stored(&self, dt: Dtype) -> &LayerWeights {
+        let slot = match dt {
+            Dtype::F32 => return self,
+            Dtype::Bf16 => &self.stored[0],
+            Dtype::F16 => &self.stored[1],
+        };
+        slot.get_or_init(|| {
+            let q = match &self.q {
+                QProj::Lora { a, a_norm, b } => QProj::Lora {
+                    a: rounded(a, dt),
+                    a_norm: rounded(a_norm, dt),
+                    b: rounded(b, dt),
+                },
+                QProj::Plain { q } => QProj::Plain { q: rounded(q, dt) },
+            };
+            Box::new(LayerWeights {
+                layer: self.layer,
+                attn_norm: rounded(&self.attn_norm, dt),
+                q,
+                kv_a: rounded(&self.kv_a, dt),
+                kv_a_norm: rounded(&self.kv_a_norm, dt),
+                w_uk: rounded(&self.w_uk, dt),
+                w_uv: rounded(&self.w_uv, dt),
+                o: rounded(&self.o, dt),
+                kv_b_layout: self.kv_b_layout,
+                stored: Default::default(),
+            })
+        })
+    }
+}
+
+/// A standard-layout copy of `a` with every value rounded to `dt` (in parallel: it is memory-bound).
+fn rounded<D: Dimension>(a: &ndarray::Array<f32, D>, dt: Dtype) -> ndarray::Array<f32, D> {
+    let mut out = a.as_standard_layout().into_owned();
+    let v = out.as_slice_mut().expect("standard layout");
+    v.par_chunks_mut(1 << 16)
+        .for_each(|c| c.iter_mut().for_each(|x| *x = dt.round(*x)));
+    out
 }
 
 /// LongRoPE / rope frequency factors, if the file has them.

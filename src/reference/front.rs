@@ -40,19 +40,26 @@ pub fn rms_norm(x: ArrayView2<f64>, w: &Array1<f32>, eps: f64) -> Array2<f64> {
 /// enough that no f64 copy of a whole weight is ever made (memory and page faults dominate otherwise).
 const LINEAR_BLOCK_BYTES: usize = 16 << 20;
 
-/// `x · Wᵀ` for a torch-orientation `W [out, in]`, in f64: `W` is converted block by block of rows.
+/// `x · Wᵀ` for a torch-orientation `W [out, in]`, in f64: `W` is converted block by block of rows,
+/// the blocks in parallel (each output column is the same dot product whichever block holds it).
 pub fn linear(x: ArrayView2<f64>, w: ArrayView2<f32>) -> Array2<f64> {
+    use rayon::prelude::*;
     let (n_out, n_in) = w.dim();
     let mut y = Array2::zeros((x.nrows(), n_out));
     let rows = (LINEAR_BLOCK_BYTES / 8 / n_in.max(1)).clamp(1, n_out.max(1));
-    let mut buf = Array2::<f64>::zeros((rows, n_in));
-    let mut r0 = 0;
-    while r0 < n_out {
-        let r1 = (r0 + rows).min(n_out);
-        let mut b = buf.slice_mut(s![..r1 - r0, ..]);
-        b.zip_mut_with(&w.slice(s![r0..r1, ..]), |d, &v| *d = v as f64);
-        ndarray::linalg::general_mat_mul(1.0, &x, &b.t(), 0.0, &mut y.slice_mut(s![.., r0..r1]));
-        r0 = r1;
+    let blocks: Vec<(usize, Array2<f64>)> = (0..n_out)
+        .step_by(rows)
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .map(|r0| {
+            let r1 = (r0 + rows).min(n_out);
+            let b = w.slice(s![r0..r1, ..]).mapv(|v| v as f64);
+            (r0, x.dot(&b.t()))
+        })
+        .collect();
+    for (r0, yb) in blocks {
+        let r1 = r0 + yb.ncols();
+        y.slice_mut(s![.., r0..r1]).assign(&yb);
     }
     y
 }

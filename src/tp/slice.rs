@@ -69,6 +69,7 @@ pub fn rank_weights(cfg: &MlaConfig, w: &LayerWeights, size: usize, rank: usize)
         w_uv: w.w_uv.slice(s![h.clone(), .., ..]).to_owned(),
         o: w.o.slice(s![.., h.start * dv..h.end * dv]).to_owned(),
         kv_b_layout: w.kv_b_layout,
+        stored: Default::default(),
     }
 }
 

@@ -1,60 +1,54 @@
 //! The mirror's row-wise stages: the layer input in the dtype, attn_norm, q, kv_a, rope, decompression,
 //! o_proj. Each token's row is computed independently, so the schedule cannot change these values.
 
-use super::ops::{linear, rms_norm, rope, round_all, stored};
+use super::ops::{linear, rms_norm, rope, round_all};
 use crate::backend::common::kv_b_split_swapped;
 use crate::backend::Dtype;
 use crate::faults::{Active, Fault};
 use crate::model::{LayerWeights, MlaConfig, QProj, RopePairing};
 use crate::rope::RopeTables;
-use ndarray::{s, Array1, Array2, Array3, ArrayView2, Axis};
+use ndarray::{s, Array1, Array2, Array3, ArrayView2, Axis, CowArray, Ix2, Ix3};
 
 /// The layer's weights stored in the dtype.
 #[derive(Debug, Clone)]
-pub struct MirrorWeights {
-    pub attn_norm: Array1<f32>,
-    pub q: QProj,
-    pub kv_a: Array2<f32>,
-    pub kv_a_norm: Array1<f32>,
+pub struct MirrorWeights<'a> {
+    pub attn_norm: &'a Array1<f32>,
+    pub q: &'a QProj,
+    pub kv_a: &'a Array2<f32>,
+    pub kv_a_norm: &'a Array1<f32>,
     /// `[H·P, Lkv]`
-    pub w_uk: Array2<f32>,
+    pub w_uk: CowArray<'a, f32, Ix2>,
     /// `[H·Dv, Lkv]`
-    pub w_uv: Array2<f32>,
-    pub o: Array2<f32>,
+    pub w_uv: CowArray<'a, f32, Ix2>,
+    pub o: &'a Array2<f32>,
 }
 
-impl MirrorWeights {
-    pub fn new(cfg: &MlaConfig, w: &LayerWeights, dt: Dtype, fx: Active) -> MirrorWeights {
+impl<'a> MirrorWeights<'a> {
+    /// The layer's weights as stored in `dt` (made once per layer: [`LayerWeights::stored`]).
+    pub fn new(cfg: &MlaConfig, w: &'a LayerWeights, dt: Dtype, fx: Active) -> MirrorWeights<'a> {
         let (h, lkv) = (cfg.n_head, cfg.kv_lora_rank);
-        let flat = |m: &Array3<f32>, d: usize| {
-            stored(m, dt)
-                .into_shape_with_order((h * d, lkv))
-                .expect("[H, d, Lkv]")
+        let s = w.stored(dt);
+        let flat = |m: CowArray<'a, f32, Ix3>, d: usize| {
+            m.into_shape_with_order((h * d, lkv))
+                .expect("[H, d, Lkv], standard layout")
         };
-        // Fault: each head's kv_b block [k_nope(P) | v(Dv)] split as [v(Dv) | k_nope(P)].
-        let swapped;
+        // Fault: each head's kv_b block [k_nope(P) | v(Dv)] split as [v(Dv) | k_nope(P)] (a permutation:
+        // the stored values swapped are the swapped values stored).
         let (w_uk, w_uv) = match fx.on(Fault::KvBSwap) {
             true => {
-                swapped = kv_b_split_swapped(cfg, w);
-                (&swapped.0, &swapped.1)
+                let (uk, uv) = kv_b_split_swapped(cfg, s);
+                (CowArray::from(uk), CowArray::from(uv))
             }
-            false => (&w.w_uk, &w.w_uv),
+            false => (CowArray::from(s.w_uk.view()), CowArray::from(s.w_uv.view())),
         };
         MirrorWeights {
-            attn_norm: stored(&w.attn_norm, dt),
-            q: match &w.q {
-                QProj::Lora { a, a_norm, b } => QProj::Lora {
-                    a: stored(a, dt),
-                    a_norm: stored(a_norm, dt),
-                    b: stored(b, dt),
-                },
-                QProj::Plain { q } => QProj::Plain { q: stored(q, dt) },
-            },
-            kv_a: stored(&w.kv_a, dt),
-            kv_a_norm: stored(&w.kv_a_norm, dt),
+            attn_norm: &s.attn_norm,
+            q: &s.q,
+            kv_a: &s.kv_a,
+            kv_a_norm: &s.kv_a_norm,
             w_uk: flat(w_uk, cfg.qk_nope),
             w_uv: flat(w_uv, cfg.v_head_dim),
-            o: stored(&w.o, dt),
+            o: &s.o,
         }
     }
     /// `W_UK[h]` as `[P, Lkv]`.
@@ -117,7 +111,7 @@ pub fn query(
     attn_in: ArrayView2<f32>,
     dt: Dtype,
 ) -> Array2<f32> {
-    match &mw.q {
+    match mw.q {
         QProj::Lora { a, a_norm, b } => {
             let qa = linear(attn_in, a.view(), dt);
             let qa = rms_norm(qa.view(), a_norm, cfg.lora_norm_eps, dt);
