@@ -18,6 +18,7 @@ pub mod fuzz;
 pub mod gguf;
 pub mod input;
 pub mod inspect;
+pub mod linalg;
 pub mod lint;
 pub mod merge;
 pub mod model;

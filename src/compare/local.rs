@@ -119,7 +119,7 @@ fn linear_var(
     w: &Array2<f64>,
     var_a: Option<&Array2<f64>>,
 ) -> (Array2<f64>, Array2<f64>) {
-    let y = a.dot(&w.t());
+    let y = crate::linalg::mat_mul_t(a, w.view());
     let (t, n) = a.dim();
     let w2 = w.mapv(|v| v * v);
     let mut sq_in = Array2::zeros((t * if var_a.is_some() { 2 } else { 1 }, n));
@@ -129,7 +129,7 @@ fn linear_var(
     if let Some(va) = var_a {
         sq_in.slice_mut(s![t.., ..]).assign(va);
     }
-    let sq = sq_in.dot(&w2.t());
+    let sq = crate::linalg::mat_mul_t(sq_in.view(), w2.view());
     let mut var = Zip::from(sq.slice(s![..t, ..]))
         .and(&y)
         .map_collect(|&s, &t| acc_var(n, s, t));

@@ -13,8 +13,9 @@ use candle_core::quantized::{QStorage, QTensor};
 use candle_core::Device;
 use std::borrow::Cow;
 
-/// Elements dequantized per candle call: bounds the temporary buffers (about 2 × 32 MiB).
-const CHUNK_ELEMS: usize = 8 << 20;
+/// Elements dequantized per candle call: bounds the temporary buffers (about 2 × 4 MiB per thread: the
+/// chunks run in parallel).
+const CHUNK_ELEMS: usize = 1 << 20;
 
 /// Dequantize a whole tensor to f32, in file (row-major, `ne` reversed) order.
 pub fn dequantize_f32(file: &GgufFile, t: &TensorInfo) -> Result<Vec<f32>> {
@@ -106,25 +107,32 @@ fn dequantize_bytes(t: &TensorInfo, ty: GgmlType, bytes: &[u8]) -> Result<Vec<f3
                 .expect("dequantizable block type has a candle dtype");
             let rows = n / row;
             let rows_per_chunk = (CHUNK_ELEMS / row).max(1);
-            let mut out = Vec::with_capacity(n);
-            let mut scratch = Vec::new();
-            let mut r0 = 0;
-            while r0 < rows {
-                let r1 = (r0 + rows_per_chunk).min(rows);
-                let chunk = aligned(&bytes[r0 * row_bytes..r1 * row_bytes], &mut scratch);
-                let storage = QStorage::from_data(Cow::Borrowed(chunk), &Device::Cpu, dtype)
-                    .map_err(|e| Error::Unsupported(format!("tensor {:?}: {e}", t.name)))?;
-                let q = QTensor::new(storage, ((r1 - r0) * row,))
-                    .map_err(|e| Error::Unsupported(format!("tensor {:?}: {e}", t.name)))?;
-                let v = q
-                    .dequantize(&Device::Cpu)
-                    .and_then(|x| x.to_vec1::<f32>())
-                    .map_err(|e| {
-                        Error::Unsupported(format!("tensor {:?}: dequantizing {}: {e}", t.name, ty))
-                    })?;
-                out.extend_from_slice(&v);
-                r0 = r1;
-            }
+            // Chunks in parallel, each into its own part of the output.
+            use rayon::prelude::*;
+            let mut out = vec![0f32; n];
+            out.par_chunks_mut(rows_per_chunk * row)
+                .enumerate()
+                .try_for_each(|(c, dst)| -> Result<()> {
+                    let (r0, r1) = (c * rows_per_chunk, (c * rows_per_chunk + dst.len() / row));
+                    let mut scratch = Vec::new();
+                    let chunk = aligned(&bytes[r0 * row_bytes..r1 * row_bytes], &mut scratch);
+                    let storage = QStorage::from_data(Cow::Borrowed(chunk), &Device::Cpu, dtype)
+                        .map_err(|e| Error::Unsupported(format!("tensor {:?}: {e}", t.name)))?;
+                    let q = QTensor::new(storage, ((r1 - r0) * row,))
+                        .map_err(|e| Error::Unsupported(format!("tensor {:?}: {e}", t.name)))?;
+                    let v = q
+                        .dequantize(&Device::Cpu)
+                        .and_then(|x| x.to_vec1::<f32>())
+                        .map_err(|e| {
+                            Error::Unsupported(format!(
+                                "tensor {:?}: dequantizing {}: {e}",
+                                t.name, ty
+                            ))
+                        })?;
+                    dst.copy_from_slice(&v);
+                    Ok(())
+                })?;
+            debug_assert_eq!(rows * row, n);
             Ok(out)
         }
     }

@@ -230,8 +230,7 @@ impl LayerWeights {
 fn rounded<D: Dimension>(a: &ndarray::Array<f32, D>, dt: Dtype) -> ndarray::Array<f32, D> {
     let mut out = a.as_standard_layout().into_owned();
     let v = out.as_slice_mut().expect("standard layout");
-    v.par_chunks_mut(1 << 16)
-        .for_each(|c| c.iter_mut().for_each(|x| *x = dt.round(*x)));
+    v.par_chunks_mut(1 << 16).for_each(|c| dt.round_slice(c));
     out
 }
 

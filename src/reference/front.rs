@@ -54,7 +54,7 @@ pub fn linear(x: ArrayView2<f64>, w: ArrayView2<f32>) -> Array2<f64> {
         .map(|r0| {
             let r1 = (r0 + rows).min(n_out);
             let b = w.slice(s![r0..r1, ..]).mapv(|v| v as f64);
-            (r0, x.dot(&b.t()))
+            (r0, crate::linalg::mat_mul_t(x, b.view()))
         })
         .collect();
     for (r0, yb) in blocks {

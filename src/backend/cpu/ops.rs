@@ -9,8 +9,9 @@ use ndarray::{Array, Array1, Array2, ArrayView2, Dimension};
 
 /// Round every element to the dtype.
 pub fn round_all<D: Dimension>(mut a: Array<f32, D>, dt: Dtype) -> Array<f32, D> {
-    if dt != Dtype::F32 {
-        a.mapv_inplace(|v| dt.round(v));
+    match a.as_slice_memory_order_mut() {
+        Some(v) => dt.round_slice(v),
+        None => a.mapv_inplace(|v| dt.round(v)),
     }
     a
 }
