@@ -101,7 +101,7 @@ pub fn input(x: &Array2<f64>, dt: Dtype) -> Array2<f32> {
 }
 
 pub fn attn_in(cfg: &MlaConfig, mw: &MirrorWeights, x: ArrayView2<f32>, dt: Dtype) -> Array2<f32> {
-    rms_norm(x, &mw.attn_norm, cfg.rms_eps, dt)
+    rms_norm(x, mw.attn_norm, cfg.rms_eps, dt)
 }
 
 /// The full query `[T, H·(P+R)]`; with q-LoRA the low-rank activation is stored and normed in between.
@@ -155,7 +155,7 @@ pub fn kv(
     let lkv = cfg.kv_lora_rank;
     let latent = rms_norm(
         kv.slice(s![.., ..lkv]),
-        &mw.kv_a_norm,
+        mw.kv_a_norm,
         cfg.lora_norm_eps,
         dt,
     );
