@@ -98,8 +98,15 @@ pub struct Inputs<'a> {
     pub score_sum: ScoreSum,
 }
 
-fn f64s<D: ndarray::Dimension>(a: &ndarray::Array<f32, D>) -> ndarray::Array<f64, D> {
-    a.mapv(|v| v as f64)
+/// `a` widened, rounded to `round` first where the weights are the file's (`Stored`).
+fn f64s<D: ndarray::Dimension>(
+    a: &ndarray::Array<f32, D>,
+    round: Option<Dtype>,
+) -> ndarray::Array<f64, D> {
+    match round {
+        Some(dt) => a.mapv(|v| dt.round(v) as f64),
+        None => a.mapv(|v| v as f64),
+    }
 }
 
 /// Variance of storing `y` in the path's dtype (a rounding the trace does not show).
@@ -142,18 +149,19 @@ fn linear_var(
 /// Input variances through `y = a·wᵀ`.
 #[cfg(test)]
 fn propagate(var_a: &Array2<f64>, w: &Array2<f64>) -> Array2<f64> {
-    var_a.dot(&w.mapv(|v| v * v).t())
+    crate::linalg::mat_mul_t(var_a.view(), w.mapv(|v| v * v).view())
 }
 
 /// Bytes of f64 weight rows made at a time by [`linear_stored`] (as `reference::front::linear`).
 const BLOCK_BYTES: usize = 16 << 20;
 
-/// [`linear_var`] for a weight `w [out, in]` as the path stores it (`LayerWeights::stored`): widened a
-/// block of rows at a time, never as a whole f64 copy (a whole layer's would be gigabytes), the blocks
-/// in parallel. Each output column is the same dot product either way.
+/// [`linear_var`] for a weight `w [out, in]` as the path stores it: `w` itself, or `w` rounded to
+/// `round`; widened (and rounded) a block of rows at a time, never as a whole f64 copy (a whole layer's
+/// would be gigabytes), the blocks in parallel. Each output column is the same dot product either way.
 fn linear_stored(
     a: ArrayView2<f64>,
     w: ArrayView2<f32>,
+    round: Option<Dtype>,
     var_a: Option<&Array2<f64>>,
 ) -> (Array2<f64>, Array2<f64>) {
     let (n_out, n_in) = w.dim();
@@ -168,8 +176,11 @@ fn linear_stored(
         .into_par_iter()
         .map(|r0| {
             let r1 = (r0 + rows).min(n_out);
-            let b = w.slice(s![r0..r1, ..]).mapv(|v| v as f64);
-            (r0..r1, linear_var(a, &b, var_a))
+            let mut b32 = w.slice(s![r0..r1, ..]).as_standard_layout().into_owned();
+            if let Some(dt) = round {
+                dt.round_slice(b32.as_slice_mut().expect("standard layout"));
+            }
+            (r0..r1, linear_var(a, &b32.mapv(|v| v as f64), var_a))
         })
         .collect();
     for (r, (yb, vb)) in blocks {
@@ -775,7 +786,13 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     let (cfg, dt, sched) = (inp.cfg, inp.dtype, inp.sched);
     // The weights as the path stores them: the vectors rounded here, the matrices block by block.
     // The weights as the path stores them (made once per layer, shared with the CPU mirror).
-    let w = inp.weights.stored(dt);
+    // The weights as the path stores them: the layer's rounded copy where the CPU mirror made one
+    // (`LayerWeights::stored`), else the file's values rounded as they are read (a GPU run then holds
+    // no second copy of the layer).
+    let (w, round) = match inp.weights.stored_made(dt) {
+        Some(s) => (s, None),
+        None => (inp.weights, Some(dt)),
+    };
     let rope = RopeF32::new(inp.rope, Active::NONE);
     let (h, p, r, dv, lkv) = (
         cfg.n_head,
@@ -790,7 +807,12 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     // attn_in ← the layer input, as the path stores it.
     let x = inp.x.mapv(|v| dt.round(v as f32) as f64);
     let zero = Array2::<f64>::zeros(x.dim());
-    let (ai, vai) = rms_norm(x.view(), zero.view(), &f64s(&w.attn_norm), cfg.rms_eps);
+    let (ai, vai) = rms_norm(
+        x.view(),
+        zero.view(),
+        &f64s(&w.attn_norm, round),
+        cfg.rms_eps,
+    );
     out.push(
         Stage::AttnIn,
         ai.into_raw_vec_and_offset().0,
@@ -803,18 +825,18 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     // q ← attn_in (q-LoRA's latent stored and normed on the way).
     let (q, vq) = match &w.q {
         QProj::Lora { a, a_norm, b } => {
-            let (qa, mut vqa) = linear_stored(attn_in.view(), a.view(), None);
+            let (qa, mut vqa) = linear_stored(attn_in.view(), a.view(), round, None);
             Zip::from(&mut vqa)
                 .and(&qa)
                 .for_each(|v, &y| *v += hidden_round(dt, y));
-            let a_norm = f64s(a_norm);
+            let a_norm = f64s(a_norm, round);
             let (qn, mut vqn) = rms_norm(qa.view(), vqa.view(), &a_norm, cfg.lora_norm_eps);
             Zip::from(&mut vqn)
                 .and(&qn)
                 .for_each(|v, &y| *v += hidden_round(dt, y));
-            linear_stored(qn.view(), b.view(), Some(&vqn))
+            linear_stored(qn.view(), b.view(), round, Some(&vqn))
         }
-        QProj::Plain { q } => linear_stored(attn_in.view(), q.view(), None),
+        QProj::Plain { q } => linear_stored(attn_in.view(), q.view(), round, None),
     };
     // Per head rows `[T·H, P+R]`.
     let dk = p + r;
@@ -840,14 +862,14 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
     );
 
     // kv ← attn_in: stored, then the latent normed and k_pe roped.
-    let (mut kv, mut vkv) = linear_stored(attn_in.view(), w.kv_a.view(), None);
+    let (mut kv, mut vkv) = linear_stored(attn_in.view(), w.kv_a.view(), round, None);
     Zip::from(&mut vkv)
         .and(&kv)
         .for_each(|v, &y| *v += hidden_round(dt, y));
     let (lat, vlat) = rms_norm(
         kv.slice(s![.., ..lkv]),
         vkv.slice(s![.., ..lkv]),
-        &f64s(&w.kv_a_norm),
+        &f64s(&w.kv_a_norm, round),
         cfg.lora_norm_eps,
     );
     out.push(
@@ -890,7 +912,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
         .expect("[T, H, R]");
     let scale = cfg.softmax_scale;
     let flat = |m: &ndarray::Array3<f32>, d: usize| {
-        m.mapv(|v| v as f64)
+        f64s(m, round)
             .into_shape_with_order((h * d, lkv))
             .expect("[H, d, Lkv]")
     };
@@ -1174,7 +1196,7 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
 
     // attn_out ← the stored heads.
     if let Some(o_heads) = opt2(opt, Stage::AttnHeads) {
-        let (y, v) = linear_stored(o_heads.view(), w.o.view(), None);
+        let (y, v) = linear_stored(o_heads.view(), w.o.view(), round, None);
         out.push(
             Stage::AttnOut,
             y.into_raw_vec_and_offset().0,
@@ -1203,10 +1225,12 @@ mod tests {
             let whole = w.mapv(|v| dt.round(v) as f64);
             let (y, v) = linear(a.view(), &whole);
             let ws = w.mapv(|v| dt.round(v));
-            let (yb, vb) = linear_stored(a.view(), ws.view(), None);
-            assert!(y == yb && v == vb, "{dt:?}");
-            let (_, vp) = linear_stored(a.view(), ws.view(), Some(&va));
-            assert!(vp == v + propagate(&va, &whole), "{dt:?} propagated");
+            for (wv, round) in [(&ws, None), (&w, Some(dt))] {
+                let (yb, vb) = linear_stored(a.view(), wv.view(), round, None);
+                assert!(y == yb && v == vb, "{dt:?}");
+                let (_, vp) = linear_stored(a.view(), wv.view(), round, Some(&va));
+                assert!(vp == &v + &propagate(&va, &whole), "{dt:?} propagated");
+            }
         }
     }
 }

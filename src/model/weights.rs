@@ -196,6 +196,9 @@ impl LayerWeights {
     /// a layer's hundreds of MB several times was a fifth of a run. Edit the weights (tests do) before
     /// the first call, never after.
     pub fn stored(&self, dt: Dtype) -> &LayerWeights {
+        if let Some(s) = self.stored_made(dt) {
+            return s;
+        }
         let slot = match dt {
             Dtype::F32 => return self,
             Dtype::Bf16 => &self.stored[0],
@@ -223,6 +226,17 @@ impl LayerWeights {
                 stored: Default::default(),
             })
         })
+    }
+}
+
+impl LayerWeights {
+    /// [`LayerWeights::stored`] if it was made already (`self` for f32), without making it.
+    pub fn stored_made(&self, dt: Dtype) -> Option<&LayerWeights> {
+        match dt {
+            Dtype::F32 => Some(self),
+            Dtype::Bf16 => self.stored[0].get().map(|b| &**b),
+            Dtype::F16 => self.stored[1].get().map(|b| &**b),
+        }
     }
 }
 

@@ -153,12 +153,7 @@ pub fn kv(
 ) -> (Array2<f32>, Array2<f32>, Array2<f32>) {
     let kv = linear(attn_in, mw.kv_a.view(), dt);
     let lkv = cfg.kv_lora_rank;
-    let latent = rms_norm(
-        kv.slice(s![.., ..lkv]),
-        mw.kv_a_norm,
-        cfg.lora_norm_eps,
-        dt,
-    );
+    let latent = rms_norm(kv.slice(s![.., ..lkv]), mw.kv_a_norm, cfg.lora_norm_eps, dt);
     let mut k_pe = kv.slice(s![.., lkv..]).to_owned();
     for (t, mut row) in k_pe.rows_mut().into_iter().enumerate() {
         rope.rotate(t, row.as_slice_mut().expect("contiguous"), dt);
