@@ -8,7 +8,9 @@
 # Outputs land in $OUT/kern/ as they are written (a call cut short still returns what ran).
 # Env: SKIP_CHECKS=1 (selftest, gpu-validate), SKIP_TABLE=1, SKIP_SANITIZERS=1, PROBES (below),
 #      DECODE16=1 (`bench decode --heads 16`, every tile, at 1 and 10 back-to-back launches per sample),
-#      TABLE_L1=1 (the decode rows of the table, bf16, also at 1 launch per sample: the old timing).
+#      TABLE_L1=1 (the decode rows of the table, bf16, also at 1 launch per sample: the old timing),
+#      PREFILL=1 (`bench prefill`: every prefill tile, wgmma and mma, both head-dim pairs, bf16),
+#      TABLE_ONLY (e.g. 5,6: `bench table --only` for the main table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -44,6 +46,11 @@ if [ "${DECODE16:-0}" = 1 ]; then
     grep -E '^decode  ' "$D/decode16-l$n.txt" | sed -E 's/ +vs scalar kernel: rel-L2 ([^,]+),.*/  \1/; s/^decode +B=64 H=16 s_k=4096 page=64 d=576\/512 bf16 +//'
   done
 fi
+if [ "${PREFILL:-0}" = 1 ]; then
+  timeout 120 "$B" bench prefill > "$D/prefill.txt" 2>&1
+  echo "bench prefill: exit $?"
+  grep -E '^prefill ' "$D/prefill.txt" | sed -E 's/ +vs scalar kernel: rel-L2 ([^,]+),.*/  rel-L2 \1/'
+fi
 if [ "${SKIP_CHECKS:-0}" != 1 ]; then
   t0=$SECONDS
   timeout 100 "$B" selftest --backend cuda > "$D/selftest-cuda.txt" 2>&1
@@ -54,7 +61,7 @@ if [ "${SKIP_CHECKS:-0}" != 1 ]; then
 fi
 if [ "${SKIP_TABLE:-0}" != 1 ]; then
   t0=$SECONDS
-  timeout 300 "$B" bench table --json "$D/table.json" --markdown "$D/table.md" > "$D/table.txt" 2>&1
+  timeout 300 "$B" bench table ${TABLE_ONLY:+--only $TABLE_ONLY} --json "$D/table.json" --markdown "$D/table.md" > "$D/table.txt" 2>&1
   step "bench table ($((SECONDS - t0)) s)" $?
   grep -E "^(GPU|ceilings|peer|decode|prefill) " "$D/table.txt" | grep -vE "^(decode|prefill) +(B=|T=)" | head -40
   cat "$D/table.md"

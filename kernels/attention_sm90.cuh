@@ -47,27 +47,7 @@
 // {dynamic shared bytes, threads per CTA, rows per CTA, keys per tile}
 extern "C" __device__ const int attn_wgmma_config[4] = {WG_SMEM, WG_NT, WG_BM, WG_BN};
 
-// Shared-memory matrix descriptor: start address, leading / stride byte offsets (16-byte units), 128-byte
-// swizzle. K-major operands (Q, K, P) step 8-row groups by 1024 B (stride); V, read N-major, steps 64-column
-// blocks by WG_BLK (leading) and 8-key groups by 1024 B (stride).
-__device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lbo, unsigned sbo) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
-           ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Make generic-proxy writes (cp.async, st.shared) visible to wgmma's reads (async proxy).
-__device__ __forceinline__ void wg_fence_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Pin accumulators after a wait: reads of them may not move above it.
-template <int N>
-__device__ __forceinline__ void wg_pin(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
+#include "wgmma.cuh"
 
 // D (+)= A·B for one warpgroup; A and B by descriptor; `acc` = 0 overwrites D. `_bt`: B is N-major.
 __device__ __forceinline__ void wg_m64n32k16(float (&d)[16], unsigned long long da, unsigned long long db, int acc) {

@@ -183,6 +183,10 @@ impl Attn {
     pub fn key_tiles(&self) -> Vec<crate::backend::KeyTile> {
         use crate::backend::KeyTile;
         match (self.mma, self.tile) {
+            // kernels/prefill_sm90.cuh: ATT_BN-key tiles, each warpgroup takes every key of its rows.
+            (Some(_), Some(t)) if t.wgmma && !self.mqa => {
+                vec![KeyTile::new("wgmma tile", t.bn as usize)]
+            }
             // kernels/attention_sm90.cuh: 64-key tiles, warpgroup g takes keys [32g, 32g + 32).
             (Some(_), Some(t)) if t.wgmma => vec![
                 KeyTile::new("wgmma tile", 64),

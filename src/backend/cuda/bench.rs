@@ -836,7 +836,11 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
     }
     if opts.prefill {
         let mut tiles = prefill_tiles();
-        tiles.truncate(2);
+        tiles.truncate(3);
+        // Hopper's wgmma prefill at 128-key tiles (only 192/128 fits: 209 KB), and by one warpgroup of 64
+        // rows (two CTAs per SM at 192/128: 104 KB each).
+        tiles.insert(1, Tile::wgmma(Tile::new(8, 1, 128, 2, 1)));
+        tiles.insert(2, Tile::wgmma(Tile::new(4, 1, 64, 2, 1)));
         tiles.push(Tile::new(8, 1, 64, 2, 2));
         tiles.push(Tile::new(8, 1, 32, 2, 1));
         for m in [Preset::DeepseekV3, Preset::Glm5].map(Preset::entry) {

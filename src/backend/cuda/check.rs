@@ -148,7 +148,7 @@ fn check_faults(
                 if kernels.is_empty() {
                     continue;
                 }
-                // A fault in the attention core must reach both tensor-core decode kernels.
+                // A fault in the attention core must reach both tensor-core kernels of the module.
                 let has_wgmma = after.iter().any(|(k, _)| *k == "attn_wgmma");
                 if has_wgmma && kernels.contains(&"attn_mma") && !kernels.contains(&"attn_wgmma") {
                     return Err(Error::Environment(format!(
@@ -178,12 +178,19 @@ fn check_faults(
 /// `attn_*_config`, so that a kernel edit that changes its layout cannot leave the two apart.
 fn check_plan(dims: &Dims, unit: &str, t: Tile, kernel: &str, c: [i32; 4]) -> Result<()> {
     let decode = unit == "decode.cu";
-    let g = super::tile_model::geometry(Some(Tile {
-        wgmma: kernel == "attn_wgmma",
-        ..t
-    }));
+    let g = super::tile_model::geometry(
+        Some(Tile {
+            wgmma: kernel == "attn_wgmma",
+            ..t
+        }),
+        decode,
+    );
     let want = match kernel {
-        "attn_wgmma" => [super::tile_model::wgmma_smem(dims), 256],
+        // Decode's kernel: two warpgroups; prefill's: one per 64 rows.
+        "attn_wgmma" => [
+            super::tile_model::wgmma_smem(dims, &t, decode),
+            if decode { 256 } else { 32 * t.wm as usize },
+        ],
         "attn_mma" => [
             super::tile_model::mma_smem(dims, &t, decode),
             32 * (t.wm * t.wn) as usize,
@@ -405,7 +412,7 @@ pub fn kernels_check(
                             Widths::prefill(&dims)
                         };
                         let host = if k.name == "attn_wgmma" {
-                            plan::wgmma_smem(&w)
+                            plan::wgmma_smem(&w, &t)
                         } else {
                             plan::mma_smem(&w, &t)
                         };

@@ -95,8 +95,10 @@ pub struct Tile {
     pub swn: u32,
     /// S-phase k-loop unroll (0: the kernel's default).
     pub su: u32,
-    /// Decode on Hopper's warpgroup MMA (`attn_wgmma`, kernels/attention_sm90.cuh: 64 rows, 64 keys,
-    /// fixed layout); the other fields then only configure the module's fallback `attn_mma`.
+    /// Hopper's warpgroup MMA (`attn_wgmma`): decode in kernels/attention_sm90.cuh (64 rows, 64 keys, a
+    /// 4x2-warp fallback), prefill in kernels/prefill_sm90.cuh (16·wm = 64 or 128 rows, a warpgroup per
+    /// 64, `bn` keys; its tiles have one warp column); the other fields then only configure the module's
+    /// fallback `attn_mma`.
     pub wgmma: bool,
 }
 
@@ -149,7 +151,17 @@ impl Tile {
     }
     pub fn label(&self) -> String {
         if self.wgmma {
-            return "wgmma 2 warpgroups bn64 st2".to_string();
+            // Prefill's tiles have one warp column, decode's (64 rows, 64 keys) two.
+            return match self.wn {
+                1 => format!(
+                    "wgmma {} warpgroup{} bm{} bn{} st2",
+                    self.wm / 4,
+                    if self.wm > 4 { "s" } else { "" },
+                    16 * self.wm,
+                    self.bn
+                ),
+                _ => "wgmma 2 warpgroups bn64 st2".to_string(),
+            };
         }
         // e.g. "4x2w bn64 st2 S:2m/2k PV:2m": warps, keys per tile, stages, S-phase m-tiles per warp and key
         // groups, PV-phase m-tiles per warp.

@@ -102,6 +102,8 @@ pub fn decode_tiles(rows: usize) -> Vec<Tile> {
 /// Tile choices for prefill, best first (with one warp column P stays in registers).
 pub fn prefill_tiles() -> Vec<Tile> {
     vec![
+        // Hopper: warpgroup MMA (sm_90a; kernels/prefill_sm90.cuh), 128 rows by two warpgroups.
+        Tile::wgmma(Tile::new(8, 1, 64, 2, 1)),
         Tile::new(8, 1, 64, 2, 1),
         Tile::new(4, 1, 64, 2, 1),
         Tile::new(4, 1, 32, 2, 1),
@@ -179,7 +181,7 @@ impl CudaBackend {
                     tile_model::label(ran)
                 ));
             }
-            let g = tile_model::geometry(ran);
+            let g = tile_model::geometry(ran, phase == Phase::Decode);
             if let Some((rows, keys)) = attn.rows_keys() {
                 if (rows, keys) != (g.rows_per_cta, g.keys_per_tile) {
                     note(format!(

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 /// Every kernel file, headers first. The `.cu` files are compiled; the `.cuh` files are passed to NVRTC
 /// as named headers.
-pub const KERNEL_FILES: [(&str, &str); 9] = [
+pub const KERNEL_FILES: [(&str, &str); 11] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "attention.cuh",
@@ -18,6 +18,11 @@ pub const KERNEL_FILES: [(&str, &str); 9] = [
     (
         "attention_sm90.cuh",
         include_str!("../../../kernels/attention_sm90.cuh"),
+    ),
+    ("wgmma.cuh", include_str!("../../../kernels/wgmma.cuh")),
+    (
+        "prefill_sm90.cuh",
+        include_str!("../../../kernels/prefill_sm90.cuh"),
     ),
     (
         "norm_rope.cu",

@@ -94,9 +94,11 @@ pub fn mma_smem(w: &Widths, t: &Tile) -> usize {
     sq + stages * (sk + sv) + sp + sred
 }
 
-/// Why Hopper's warpgroup-MMA decode (`attn_wgmma`) does not exist in the module, or `None` when it
-/// does: attention_sm90.cuh's guard (sm_90a, absorbed decode, 16-bit storage, a latent of 512 or 256,
-/// a key row that is a multiple of 8, and a fallback tile of 64 rows).
+/// Why Hopper's warpgroup-MMA kernel (`attn_wgmma`) does not exist in the module, or `None` when it
+/// does. Decode: attention_sm90.cuh's guard (sm_90a, absorbed decode, 16-bit storage, a latent of 512
+/// or 256, a key row that is a multiple of 8, and a fallback tile of 64 rows); prefill:
+/// prefill_sm90.cuh's (sm_90a, 16-bit storage, values at most 256 wide, a fallback tile of 64 or 128
+/// rows and 64 or 128 keys; widths multiples of 8, as `mma_blocker` already requires).
 pub fn wgmma_blocker(arch: &str, dtype: Dtype, w: &Widths, fallback: &Tile) -> Option<String> {
     let mut why = Vec::new();
     if arch != "sm_90a" {
@@ -104,6 +106,18 @@ pub fn wgmma_blocker(arch: &str, dtype: Dtype, w: &Widths, fallback: &Tile) -> O
     }
     if dtype == Dtype::F32 {
         why.push("f32 storage".to_string());
+    }
+    if !w.v_in_k {
+        if w.dv > 256 {
+            why.push(format!(
+                "value width {} (one wgmma of at most 256 columns)",
+                w.dv
+            ));
+        }
+        if !(fallback.wm == 4 || fallback.wm == 8) || !(fallback.bn == 64 || fallback.bn == 128) {
+            why.push("a tile of other than 64 or 128 rows and 64 or 128 keys".to_string());
+        }
+        return (!why.is_empty()).then(|| why.join(", "));
     }
     if !(w.dv == 512 || w.dv == 256) {
         why.push(format!(
@@ -120,12 +134,18 @@ pub fn wgmma_blocker(arch: &str, dtype: Dtype, w: &Widths, fallback: &Tile) -> O
     (!why.is_empty()).then(|| why.join(", "))
 }
 
-/// `WG_SMEM` of attention_sm90.cuh (bytes): alignment slack, Q and two key stages of 64-column blocks,
-/// the P tile, the row-max/row-sum exchange.
-pub fn wgmma_smem(w: &Widths) -> usize {
-    let blk = 64 * 128;
-    let tile = (w.da + w.db).div_ceil(64) * blk;
-    1024 + 3 * tile + blk + 4 * 64 * 4
+/// Shared memory of `attn_wgmma` (bytes). Decode, `WG_SMEM` of attention_sm90.cuh: alignment slack, Q
+/// and two key stages of 64-column blocks, the P tile, the row-max/row-sum exchange. Prefill, `PW_SMEM`
+/// of prefill_sm90.cuh: alignment slack, Q of 16·wm rows, two stages of `bn` K and V rows.
+pub fn wgmma_smem(w: &Widths, t: &Tile) -> usize {
+    let kb = (w.da + w.db).div_ceil(64);
+    if w.v_in_k {
+        let blk = 64 * 128;
+        1024 + 3 * kb * blk + blk + 4 * 64 * 4
+    } else {
+        let (bm, bn, vb) = (16 * t.wm as usize, t.bn as usize, w.dv.div_ceil(64));
+        1024 + kb * bm * 128 + 2 * (kb + vb) * bn * 128
+    }
 }
 
 /// The kernel one attention unit ends up launching.
@@ -166,7 +186,7 @@ pub fn plan(dims: &Dims, decode: bool, q_rows: usize, arch: &str, smem_limit: us
                     passed.push(format!("attn_wgmma: {why}"));
                     continue;
                 }
-                let smem = wgmma_smem(&w);
+                let smem = wgmma_smem(&w, t);
                 if smem > smem_limit {
                     passed.push(format!(
                         "attn_wgmma: {smem} bytes of shared memory > {smem_limit}"
@@ -177,8 +197,8 @@ pub fn plan(dims: &Dims, decode: bool, q_rows: usize, arch: &str, smem_limit: us
                     kernel: "attn_wgmma",
                     tile: Some(*t),
                     smem,
-                    rows: 64,
-                    keys: 64,
+                    rows: 16 * t.wm as usize,
+                    keys: t.bn as usize,
                     passed_over: passed,
                 };
             }
@@ -258,7 +278,7 @@ mod tests {
         let d = dims(Dtype::Bf16, 512, 64, 128, 128, 128);
         let w = Widths::decode(&d);
         // 9 blocks of 8 KB for Q, two K stages and… : 1024 + 3·73728 + 8192 + 1024.
-        assert_eq!(wgmma_smem(&w), 231_424);
+        assert_eq!(wgmma_smem(&w, &decode_tiles(128)[0]), 231_424);
         // Q 64·576·2 + 2 stages of K 64·576·2 + P 64·72·2 + (2+1)·64·4.
         assert_eq!(mma_smem(&w, &Tile::new(4, 2, 64, 2, 2)), 231_168);
         let p = plan(&d, true, 128, "sm_90a", 232_448);

@@ -95,12 +95,20 @@ pub const CASES: [(Shape, Floor); 6] = {
     ]
 };
 
-/// Our candidates per shape: decode, the tile `run` chooses at every split count; prefill, two tiles.
+/// Our candidates per shape: decode, the tile `run` chooses at every split count; prefill, five tiles.
 fn our_tiles(shape: Shape) -> Vec<Tile> {
     match shape {
         Shape::Decode { h, .. } => decode_tiles(h).into_iter().take(1).collect(),
-        // The first prefill tile, and its P·V on 32-row tiles (the faster one at 256-wide values).
-        Shape::Prefill(_) => vec![prefill_tiles()[0], Tile::new(8, 1, 64, 2, 2)],
+        // The first prefill tile (Hopper's wgmma, 128 rows by 64 keys), the same at 128 keys (too big
+        // for 256-wide rows: skipped there) and at 64 rows by one warpgroup, and off Hopper the mma tile
+        // with its P·V on 32-row tiles (the faster one at 256-wide values).
+        Shape::Prefill(_) => vec![
+            prefill_tiles()[0],
+            Tile::wgmma(Tile::new(8, 1, 128, 2, 1)),
+            Tile::wgmma(Tile::new(4, 1, 64, 2, 1)),
+            prefill_tiles()[1],
+            Tile::new(8, 1, 64, 2, 2),
+        ],
     }
 }
 

@@ -91,21 +91,36 @@ pub fn mma_smem(d: &Dims, t: &Tile, decode: bool) -> usize {
     sq + stages * (sk + sv) + sp + sred
 }
 
-/// `WG_SMEM` of `attn_wgmma` (kernels/attention_sm90.cuh): alignment slack, Q, two K stages, P, row stats.
-pub fn wgmma_smem(d: &Dims) -> usize {
-    let kb = (d.lkv + d.r).div_ceil(64);
-    let tile = kb * 64 * 128;
-    1024 + 3 * tile + 64 * 128 + 4 * 64 * 4
+/// Shared memory of `attn_wgmma`: decode (`WG_SMEM`, kernels/attention_sm90.cuh): alignment slack, Q,
+/// two K stages, P, row stats; prefill (`PW_SMEM`, kernels/prefill_sm90.cuh): alignment slack, Q of
+/// 16·wm rows, two stages of `bn` K and V rows, each in 64-column blocks.
+pub fn wgmma_smem(d: &Dims, t: &Tile, decode: bool) -> usize {
+    if decode {
+        let kb = (d.lkv + d.r).div_ceil(64);
+        let tile = kb * 64 * 128;
+        1024 + 3 * tile + 64 * 128 + 4 * 64 * 4
+    } else {
+        let (kb, vb) = ((d.p + d.r).div_ceil(64), d.dv.div_ceil(64));
+        let (bm, bn) = (16 * t.wm as usize, t.bn as usize);
+        1024 + kb * bm * 128 + 2 * (kb + vb) * bn * 128
+    }
 }
 
-/// Whether decode.cu holds `attn_wgmma` for these dims and tile: attention_sm90.cuh's `#if` (sm_90a,
-/// 16-bit storage, a latent of 512 or 256, key rows a multiple of 8, a 64-row fallback tile).
-pub fn wgmma_compiles(d: &Dims, t: &Tile, caps: &Caps) -> bool {
-    caps.cc == (9, 0)
-        && d.dtype != Dtype::F32
-        && (d.lkv == 512 || d.lkv == 256)
-        && (d.lkv + d.r).is_multiple_of(8)
-        && t.wm == 4
+/// Whether the module holds `attn_wgmma` for these dims and tile: decode.cu, attention_sm90.cuh's `#if`
+/// (sm_90a, 16-bit storage, a latent of 512 or 256, key rows a multiple of 8, a 64-row fallback tile);
+/// prefill.cu, prefill_sm90.cuh's (sm_90a, 16-bit storage, widths multiples of 8, values at most 256
+/// wide, a fallback tile of 64 or 128 rows and 64 or 128 keys).
+pub fn wgmma_compiles(d: &Dims, t: &Tile, caps: &Caps, decode: bool) -> bool {
+    let common = caps.cc == (9, 0) && d.dtype != Dtype::F32;
+    if decode {
+        common && (d.lkv == 512 || d.lkv == 256) && (d.lkv + d.r).is_multiple_of(8) && t.wm == 4
+    } else {
+        common
+            && [d.p, d.r, d.dv].iter().all(|w| w.is_multiple_of(8))
+            && d.dv <= 256
+            && (t.wm == 4 || t.wm == 8)
+            && (t.bn == 64 || t.bn == 128)
+    }
 }
 
 /// The tile `Attn::load` picks for `tiles` (`None`: the scalar kernel).
@@ -121,10 +136,10 @@ pub fn select(
     }
     tiles.iter().copied().find(|t| {
         let smem = if t.wgmma {
-            if !decode || !wgmma_compiles(d, t, caps) {
+            if !wgmma_compiles(d, t, caps, decode) {
                 return false;
             }
-            wgmma_smem(d)
+            wgmma_smem(d, t, decode)
         } else {
             mma_smem(d, t, decode)
         };
@@ -162,8 +177,9 @@ pub fn label(t: Option<Tile>) -> String {
     }
 }
 
-/// How the kernel of tile `t` cuts a phase's work (kernels/attention.cuh, attention_sm90.cuh).
-pub fn geometry(t: Option<Tile>) -> Geometry {
+/// How the kernel of tile `t` cuts a phase's work (kernels/attention.cuh, attention_sm90.cuh,
+/// prefill_sm90.cuh).
+pub fn geometry(t: Option<Tile>, decode: bool) -> Geometry {
     match t {
         // SC_ROWS rows (warps) per CTA, each with its own key range, 32 keys per tile, no pipeline.
         None => Geometry {
@@ -173,11 +189,19 @@ pub fn geometry(t: Option<Tile>) -> Geometry {
             stages: 1,
             per_row_ranges: true,
         },
-        // WG_BM rows, WG_BN keys, one 32-key half per warpgroup, K double-buffered.
-        Some(t) if t.wgmma => Geometry {
+        // Decode: WG_BM rows, WG_BN keys, one 32-key half per warpgroup, K double-buffered.
+        Some(t) if t.wgmma && decode => Geometry {
             rows_per_cta: 64,
             keys_per_tile: 64,
             key_slices: 2,
+            stages: 2,
+            per_row_ranges: false,
+        },
+        // Prefill: ATT_BM rows, 64 per warpgroup over every key of an ATT_BN tile, K and V double-buffered.
+        Some(t) if t.wgmma => Geometry {
+            rows_per_cta: 16 * t.wm as usize,
+            keys_per_tile: t.bn as usize,
+            key_slices: 1,
             stages: 2,
             per_row_ranges: false,
         },
@@ -197,7 +221,7 @@ pub fn kernel_use(phase: Phase, t: Option<Tile>, production: Option<Production>)
         phase,
         family: family(t),
         label: label(t),
-        geometry: Some(geometry(t)),
+        geometry: Some(geometry(t, phase == Phase::Decode)),
         production,
     }
 }
@@ -298,9 +322,13 @@ mod tests {
         // attn_wgmma at DeepSeek's 576-wide key rows: 1 KB + 3 x 9 blocks of 8 KB + P + stats (the figure
         // in attention_sm90.cuh's header and in `kernels check`'s table).
         let d = dims(Dtype::Bf16, 512, 64, 128, 128, 16);
-        assert_eq!(wgmma_smem(&d), 231_424);
-        assert!(wgmma_smem(&d) <= HOPPER.smem_optin);
+        let t = decode_tiles(64)[0];
+        assert_eq!(wgmma_smem(&d, &t, true), 231_424);
+        assert!(wgmma_smem(&d, &t, true) <= HOPPER.smem_optin);
         // MiniCPM3's 288-wide rows take 5 blocks.
-        assert_eq!(wgmma_smem(&dims(Dtype::Bf16, 256, 32, 64, 64, 4)), 133_120);
+        assert_eq!(
+            wgmma_smem(&dims(Dtype::Bf16, 256, 32, 64, 64, 4), &t, true),
+            133_120
+        );
     }
 }
