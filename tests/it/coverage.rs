@@ -70,11 +70,13 @@ fn default_schedule_crosses_every_class_of_every_kernel() {
             }
         }
         // On Hopper the default decode runs the warpgroup kernel for every fixture (8 heads, 4 heads, 64
-        // heads alike: q_len x heads > 64); on an A100 an mma tile whose shared memory fits.
+        // heads alike: q_len x heads > 64), and so does prefill; on an A100 mma tiles whose shared
+        // memory fits.
         let h = cuda(&cfg, Dtype::Bf16, true, &s);
         assert_eq!(h[1].family, Family::Wgmma, "{f}");
-        assert_eq!(h[0].family, Family::Mma, "{f}");
+        assert_eq!(h[0].family, Family::Wgmma, "{f}");
         let a = cuda(&cfg, Dtype::Bf16, false, &s);
+        assert_eq!(a[0].family, Family::Mma, "{f}");
         assert_eq!(a[1].family, Family::Mma, "{f}");
         assert!(a[1].geometry.unwrap().key_slices >= 2, "{f}");
         // The targets the schedule was computed for are these kernels (plus the 64-row ones).

@@ -351,11 +351,20 @@ fn the_kernel_plan_follows_the_dims() {
     assert!(dec.starts_with("attn_wgmma"), "{dec}");
     assert!(dec.contains("231424 bytes"), "{dec}");
     assert!(dec.contains("pages of 16 rows"), "{dec}");
-    assert!(pre.starts_with("attn_mma"), "{pre}");
-    let (dec, _) = kernel(&glm, &["--arch", "sm_90", "--page-size", "64"]);
+    // Prefill on Hopper's wgmma too: 128 rows x 64 keys, Q + two K/V stages of 256-wide rows.
+    assert!(pre.starts_with("attn_wgmma"), "{pre}");
+    assert!(
+        pre.contains("128 rows × 64 keys per CTA, 197632 bytes"),
+        "{pre}"
+    );
+    let (dec, pre) = kernel(&glm, &["--arch", "sm_90", "--page-size", "64"]);
     assert!(
         dec.starts_with("attn_mma") && dec.contains("sm_90a only"),
         "{dec}"
+    );
+    assert!(
+        pre.starts_with("attn_mma") && pre.contains("sm_90a only"),
+        "{pre}"
     );
     assert!(dec.contains("pages of 64 rows"), "{dec}");
     let (dec, pre) = kernel(&glm, &["--dtype", "f32"]);

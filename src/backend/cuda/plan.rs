@@ -296,11 +296,12 @@ mod tests {
     }
 
     /// What the H200 launched in the last recorded gpu-validate (18 case runs: DeepSeek-V3, GLM-5 and
-    /// MiniCPM3 dims, 8 to 128 heads, q_len 1 and 2, bf16 and fp16) is what the plan says.
+    /// MiniCPM3 dims, 8 to 128 heads, q_len 1 and 2, bf16 and fp16; prefill on wgmma) is what the plan
+    /// says.
     #[test]
     fn the_plan_is_what_the_h200_launched() {
         let runs: serde_json::Value = serde_json::from_str(include_str!(
-            "../../../bench/results/2026-11-30-h200-host-split-recheck/after/gpu-validate.json"
+            "../../../bench/results/2026-12-01-h200-kern3/call1/gpu-validate.json"
         ))
         .unwrap();
         let runs = runs.as_array().unwrap();
@@ -312,7 +313,7 @@ mod tests {
                 .unwrap_or_else(|| panic!("{k} in {s}"));
             v.parse().unwrap()
         };
-        let mut wgmma = 0;
+        let (mut wgmma, mut prefill_wgmma) = (0, 0);
         for r in runs {
             let (d, sched) = (r["dims"].as_str().unwrap(), r["schedule"].as_str().unwrap());
             let dtype = match r["dtype"].as_str().unwrap() {
@@ -339,12 +340,14 @@ mod tests {
                 r["case"],
                 r["dtype"]
             );
-            wgmma += launched.contains("wgmma") as usize;
+            wgmma += launched.contains("decode: mma (wgmma") as usize;
+            prefill_wgmma += launched.contains("prefill: mma (wgmma") as usize;
         }
         assert!(
             wgmma > 0 && wgmma < runs.len(),
             "both decode kernels are covered"
         );
+        assert_eq!(prefill_wgmma, runs.len(), "every prefill ran on wgmma");
     }
 
     #[test]
@@ -381,6 +384,39 @@ mod tests {
             o.passed_over[0].contains("not a multiple of 8"),
             "{:?}",
             o.passed_over
+        );
+        // Prefill on Hopper: wgmma at 128 rows x 64 keys for all three dim sets (the kernels' own
+        // PW_SMEM, as `kernels check` printed it), mma on sm_90; values wider than 256: mma.
+        for (d, smem) in [
+            (dims(Dtype::Bf16, 512, 64, 128, 128, 128), 132_096),
+            (dims(Dtype::F16, 512, 64, 192, 256, 64), 197_632),
+            (m, 82_944),
+        ] {
+            let p = plan(&d, false, 0, "sm_90a", 232_448);
+            assert_eq!(
+                (p.kernel, p.smem, p.rows, p.keys),
+                ("attn_wgmma", smem, 128, 64)
+            );
+            let p = plan(&d, false, 0, "sm_90", 232_448);
+            assert_eq!(p.kernel, "attn_mma");
+            assert!(
+                p.passed_over[0].contains("sm_90a only"),
+                "{:?}",
+                p.passed_over
+            );
+        }
+        let wide = plan(
+            &dims(Dtype::Bf16, 512, 64, 128, 512, 8),
+            false,
+            0,
+            "sm_90a",
+            232_448,
+        );
+        assert_eq!(wide.kernel, "attn_mma");
+        assert!(
+            wide.passed_over[0].contains("value width 512"),
+            "{:?}",
+            wide.passed_over
         );
         // A latent of 384 is no wgmma shape.
         let k = dims(Dtype::Bf16, 384, 64, 128, 128, 128);

@@ -293,6 +293,7 @@ mod tests {
         let (pre, dec) = layer_tiles(&d, 64, &HOPPER, false);
         assert!(dec.unwrap().wgmma);
         assert_eq!(pre, Some(prefill_tiles()[0]));
+        assert_eq!(family(pre), Family::Wgmma);
         // 8 rows: the 16-row mma tile, and the Hopper kernel is named as the production one.
         let (_, small) = layer_tiles(&d, 8, &HOPPER, false);
         assert_eq!(small, Some(decode_tiles(8)[0]));
@@ -312,8 +313,10 @@ mod tests {
             production(&f, Phase::Decode, None, 64, &HOPPER, false),
             None
         );
-        // Forced scalar: the production kernel is named.
+        // Forced scalar: the production kernel is named (prefill's on Hopper: wgmma; on an A100: mma).
         let p = production(&d, Phase::Prefill, None, 0, &HOPPER, true).unwrap();
+        assert_eq!(p.family, Family::Wgmma);
+        let p = production(&d, Phase::Prefill, None, 0, &AMPERE, true).unwrap();
         assert_eq!(p.family, Family::Mma);
     }
 
@@ -325,6 +328,32 @@ mod tests {
         let t = decode_tiles(64)[0];
         assert_eq!(wgmma_smem(&d, &t, true), 231_424);
         assert!(wgmma_smem(&d, &t, true) <= HOPPER.smem_optin);
+        // Prefill (PW_SMEM): 1 KB + Q 128 x 192 + two stages of 64 K (192) and V (128) rows; at 128 keys
+        // 209 KB (fits), at GLM-5's 256 / 256 with 128 keys 328 KB (does not: the 64-key tile runs).
+        let pre = prefill_tiles()[0];
+        assert!(pre.wgmma && pre.wm == 8 && pre.bn == 64);
+        assert_eq!(wgmma_smem(&d, &pre, false), 132_096);
+        let bn128 = Tile::wgmma(Tile::new(8, 1, 128, 2, 1));
+        assert_eq!(wgmma_smem(&d, &bn128, false), 214_016);
+        let glm = dims(Dtype::Bf16, 512, 64, 192, 256, 64);
+        assert_eq!(wgmma_smem(&glm, &pre, false), 197_632);
+        assert!(wgmma_smem(&glm, &bn128, false) > HOPPER.smem_optin);
+        assert_eq!(
+            select(&glm, &[bn128, pre], false, &HOPPER, false),
+            Some(pre)
+        );
+        // Its geometry: 128 rows, 64 keys, no key slices (each warpgroup takes every key of its rows).
+        let g = geometry(Some(pre), false);
+        assert_eq!(
+            (g.rows_per_cta, g.keys_per_tile, g.key_slices),
+            (128, 64, 1)
+        );
+        assert_eq!(geometry(Some(decode_tiles(64)[0]), true).key_slices, 2);
+        // Off Hopper the module has no wgmma kernel: the mma tile after it.
+        assert_eq!(
+            select(&d, &prefill_tiles(), false, &AMPERE, false),
+            Some(prefill_tiles()[1])
+        );
         // MiniCPM3's 288-wide rows take 5 blocks.
         assert_eq!(
             wgmma_smem(&dims(Dtype::Bf16, 256, 32, 64, 64, 4), &t, true),
