@@ -149,7 +149,7 @@ pub const CATALOGUE: [Info; 24] = [
         ],
         expected: "lse[prefill]",
         needs: &[Need::Prefill],
-        cuda_site: "host, src/backend/cuda/prefill.rs: run the context pass and `merge_states` (kernels/prefill.cu) for the first chunk too (0 keys); kernels/attention.cuh (prefill.cu): a row that sees no key writes lse = +inf; `merge_states` then merges it without its isinf guard",
+        cuda_site: "host, src/backend/cuda/prefill.rs: run the context pass and `merge_states` (kernels/prefill.cu) for the first chunk too (0 keys); kernels/attention.cuh (prefill.cu; `ATT_EMPTY_LSE`, which prefill_sm90.cuh's `attn_wgmma` shares): a row that sees no key writes lse = +inf; `merge_states` then merges it without its isinf guard",
     },
     Info {
         fault: Fault::CausalOffByOne,
@@ -160,7 +160,7 @@ pub const CATALOGUE: [Info; 24] = [
         sources: &[],
         expected: "lse[prefill]",
         needs: &[Need::Prefill],
-        cuda_site: "kernels/attention.cuh: causal limit of query i is key i+1 instead of i (prefill's own chunk and decode within a step)",
+        cuda_site: "kernels/attention.cuh: causal limit of query i is key i+1 instead of i (prefill's own chunk and decode within a step; `att_row`, which the wgmma kernels share)",
     },
     Info {
         fault: Fault::QAbsFp16Accum,
