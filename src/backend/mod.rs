@@ -185,6 +185,12 @@ pub trait Backend {
     fn has_indexer(&self) -> bool {
         false
     }
+    /// DSA: whether its sparse prefill attends in the absorbed form over the cache rows (FlashMLA's
+    /// sparse prefill, CUDA's `sparse_attn`), not decompressed over the own chunk and the context: the
+    /// stage-local view (`compare::local::Sparse`) recomputes it the same way.
+    fn sparse_prefill_absorbed(&self) -> bool {
+        false
+    }
     /// Stages whose stage-local view (`compare::local`) does not model this path, judged end to end
     /// instead: a tensor-parallel all-reduce's roundings of the partial o_proj outputs (`crate::tp`).
     fn outside_local_view(&self) -> StageSet {

@@ -293,8 +293,15 @@ impl RunSparse {
             ctx.sched,
             Some(&own),
         )?;
-        let own_cmp =
-            crate::compare::compare_layer(cmp, &ref_own, &opt_own, dtype, tolerances, None)?;
+        let local = own_local_view(ctx, cmp, backend, x, dtype, &opt_own, &own);
+        let own_cmp = crate::compare::compare_layer(
+            cmp,
+            &ref_own,
+            &opt_own,
+            dtype,
+            tolerances,
+            Some(&local),
+        )?;
         let own_first = own_cmp
             .checks
             .iter()
@@ -342,6 +349,40 @@ impl RunSparse {
             layers: self.layers,
         }
     }
+}
+
+/// The stage-local view of the optimized path over its own selection (`compare::local::Sparse`): the
+/// attentions recomputed over the keys its own indexer chose, so its stage checks judge the kernels on
+/// that path as shadow mode's do on the reference's selection.
+fn own_local_view(
+    ctx: &LayerCtx,
+    cmp: &crate::compare::Ctx,
+    backend: &dyn Backend,
+    x: &Array2<f64>,
+    dtype: Dtype,
+    opt: &LayerTrace,
+    own: &Selection,
+) -> crate::compare::local::Local {
+    use crate::compare::local;
+    let inp = local::Inputs {
+        cfg: ctx.cfg,
+        weights: ctx.weights,
+        rope: ctx.rope,
+        sched: ctx.sched,
+        x,
+        dtype,
+        provided: cmp.provided,
+        known_attention: backend.known_attention(),
+        score_sum: backend.score_sum(),
+    };
+    let sp = local::Sparse {
+        selection: own,
+        absorbed_prefill: backend.sparse_prefill_absorbed(),
+    };
+    let mut l = local::compute_sparse(&inp, opt, sp);
+    let outside = backend.outside_local_view();
+    l.stages.retain(|s| !outside.contains(s.stage));
+    l
 }
 
 /// `Report::dsa`: the selection checks of a run on a DSA file past top_k (docs/dsa.md). The stage checks

@@ -363,20 +363,29 @@ pub fn run_from(
                         )?);
                     }
                     let mut local = prof.time("stage-local view", || {
-                        compare::local::compute(
-                            &compare::local::Inputs {
-                                cfg: &cfg,
-                                weights: w,
-                                rope: &tables.rope,
-                                sched: &opts.sched,
-                                x: &h_ref,
-                                dtype: opts.dtype,
-                                provided,
-                                known_attention: backend.known_attention(),
-                                score_sum: backend.score_sum(),
-                            },
-                            &opt,
-                        )
+                        let inp = compare::local::Inputs {
+                            cfg: &cfg,
+                            weights: w,
+                            rope: &tables.rope,
+                            sched: &opts.sched,
+                            x: &h_ref,
+                            dtype: opts.dtype,
+                            provided,
+                            known_attention: backend.known_attention(),
+                            score_sum: backend.score_sum(),
+                        };
+                        // DSA: over the selection the path attended over (the reference's).
+                        match ref_sel {
+                            Some(selection) => compare::local::compute_sparse(
+                                &inp,
+                                &opt,
+                                compare::local::Sparse {
+                                    selection,
+                                    absorbed_prefill: backend.sparse_prefill_absorbed(),
+                                },
+                            ),
+                            None => compare::local::compute(&inp, &opt),
+                        }
                     });
                     let outside = backend.outside_local_view();
                     local.stages.retain(|s| !outside.contains(s.stage));
@@ -409,14 +418,13 @@ pub fn run_from(
         let next_ref = residual_after(&h_ref, &reference)?;
         let mut dump_traces: Vec<(LayerTrace, bool)> = Vec::new();
         if let Some((opt, local)) = shadow_opt {
-            // The stage-local view recomputes dense attention: not (yet) for a sparse layer.
             let r = compare::compare_layer(
                 &ctx,
                 &reference,
                 &opt,
                 opts.dtype,
                 &opts.tolerances,
-                sel.is_none().then_some(&local),
+                Some(&local),
             )?;
             if keep_traces {
                 dump_traces.push((opt, r.pass));

@@ -72,7 +72,48 @@ impl Case {
         let mut m = CpuMirror::new(dt);
         dsa::run_layer(&ctx, &self.ic, &self.iw, &mut m, &self.x, dt, plan).unwrap()
     }
+    /// The stage-local view of `opt`, run with `sel` by the mirror: over the selection, or (`sel`
+    /// `None`) dense, as before sparse layers had one.
+    fn local(
+        &self,
+        opt: &mla_diff::trace::LayerTrace,
+        dt: Dtype,
+        sel: Option<&Selection>,
+    ) -> compare::local::Local {
+        let inp = compare::local::Inputs {
+            cfg: &self.cfg,
+            weights: &self.w,
+            rope: &self.tables.rope,
+            sched: &self.sched,
+            x: &self.x,
+            dtype: dt,
+            provided: mla_diff::trace::StageSet::ALL,
+            known_attention: true,
+            score_sum: compare::noise::ScoreSum::Lanes8,
+        };
+        match sel {
+            Some(selection) => compare::local::compute_sparse(
+                &inp,
+                opt,
+                compare::local::Sparse {
+                    selection,
+                    absorbed_prefill: false,
+                },
+            ),
+            None => compare::local::compute(&inp, opt),
+        }
+    }
+    /// The stage checks of the path over the reference's selection, the local view deciding.
     fn kernel_checks_pass(&self, d: &DsaLayer, dt: Dtype) -> (bool, String) {
+        let local = self.local(&d.optimized, dt, Some(&d.ref_selection));
+        self.checks_with(d, dt, Some(&local))
+    }
+    fn checks_with(
+        &self,
+        d: &DsaLayer,
+        dt: Dtype,
+        local: Option<&compare::local::Local>,
+    ) -> (bool, String) {
         let ctx = compare::Ctx {
             layer: self.w.layer,
             elementwise: true,
@@ -86,8 +127,7 @@ impl Case {
             &d.optimized,
             dt,
             &ToleranceTable::defaults(),
-            // The stage-local view recomputes dense attention from the path's inputs: not yet DSA-aware.
-            None,
+            local,
         )
         .unwrap();
         let first = r
@@ -215,6 +255,22 @@ fn indexer_faults_are_caught_by_the_selection_check_only() {
         println!("{what}: {}", d.selection.summary());
         assert!(!d.selection.pass, "{what}");
         assert!(c.kernel_checks_pass(&d, Dtype::Bf16).0, "{what}");
+    }
+}
+
+/// The stage-local view of a sparse layer recomputes each attention over the selection the path was
+/// given: the mirror passes it, in every dtype; the dense view of the same trace (every visible key)
+/// fails at the first attention stage, so the selection is what the view's pass rests on.
+#[test]
+fn the_local_view_attends_over_the_selection() {
+    let c = case(1);
+    for dt in [Dtype::Bf16, Dtype::F32] {
+        let d = c.run(dt, Plan::default(), Active::NONE);
+        let (pass, first) = c.kernel_checks_pass(&d, dt);
+        assert!(pass, "{}: {first}", dt.name());
+        let dense = c.local(&d.optimized, dt, None);
+        let (pass, first) = c.checks_with(&d, dt, Some(&dense));
+        assert!(!pass && first == "lse[prefill]", "{}: {first}", dt.name());
     }
 }
 
