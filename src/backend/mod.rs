@@ -177,6 +177,7 @@ pub trait Backend {
         _ic: &crate::model::IndexerConfig,
         _iw: &crate::model::IndexerWeights,
         _x: &Array2<f64>,
+        _keys: crate::backend::cpu::indexer::KeyPrecision,
     ) -> Result<Option<crate::reference::sparse::Selection>> {
         Ok(None)
     }

@@ -79,6 +79,8 @@ pub struct RunOptions {
     /// Runs of the optimized path per layer (`--repeat`): above 1, runs 2..N are compared with run 1
     /// bit for bit and any difference fails the run.
     pub repeat: usize,
+    /// DSA: how the optimized indexer stores q and k (`--indexer-keys`; the run's dtype by default).
+    pub indexer_keys: crate::backend::cpu::indexer::KeyPrecision,
 }
 
 /// Parse `--layers`: `all`, `N`, `A..B` (half-open), `A..=B`, or a comma list of those.
@@ -253,6 +255,9 @@ pub fn run_from(
     let provided = backend.provides();
     // A DSA file past top_k runs the sparse model (`dsa`); otherwise DSA is dense attention exactly.
     let mut sparse = dsa::sparse_for(file, &cfg, &opts.sched)?;
+    if let Some(sp) = sparse.as_mut() {
+        sp.keys = opts.indexer_keys;
+    }
     if sparse.is_some() && !backend.sparse() {
         return Err(Error::Unsupported(format!(
             "{} has no sparse attention, but this DSA file's queries see more than its indexer's top_k ({} keys): run it on --backend cpu, or on at most top_k tokens",

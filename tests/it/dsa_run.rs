@@ -183,7 +183,10 @@ fn sparse_index_page_base_is_caught_at_the_first_attention_stage() {
     assert_eq!(v["first_layer"], 1, "{v}");
     assert_eq!(v["first_check"], "lse[prefill]", "{v}");
     // Decided by the stage-local view (over the selection the path was given).
-    assert!(v["reasons"][0].as_str().unwrap().starts_with("local: "), "{v}");
+    assert!(
+        v["reasons"][0].as_str().unwrap().starts_with("local: "),
+        "{v}"
+    );
     for l in r["dsa"]["layers"].as_array().unwrap() {
         assert_eq!(l["selection"]["pass"], true, "{l}");
     }

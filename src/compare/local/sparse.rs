@@ -5,7 +5,9 @@
 //! `sparse_attn`, as FlashMLA's sparse prefill) is here: `q_abs = W_UKᵀ·q_nope` stored, one attention
 //! over the selected cache rows (the values are the latents), the latent stored, then `W_UV`.
 
-use super::{attend, cos2, hidden_round, linear, propagate, row, score, dot_var, Attn, Path, Score};
+use super::{
+    attend, cos2, dot_var, hidden_round, linear, propagate, row, score, Attn, Path, Score,
+};
 use crate::reference::sparse::Selection;
 use ndarray::{s, Array2, Axis, Zip};
 use rayon::prelude::*;
