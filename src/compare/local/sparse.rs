@@ -6,7 +6,7 @@
 //! over the selected cache rows (the values are the latents), the latent stored, then `W_UV`.
 
 use super::{
-    attend, cos2, dot_var, hidden_round, linear, propagate, row, score, Attn, Path, Score,
+    attend, cos2, dot_var, hidden_round, linear, linear_var, row, score, Attn, Path, Score,
 };
 use crate::reference::sparse::Selection;
 use ndarray::{s, Array2, Axis, Zip};
@@ -103,14 +103,15 @@ pub(super) fn prefill_absorbed(p: &Prefill, path: Path) -> Vec<Attn> {
 fn up_project(lat: &Attn, uv: &Array2<f64>) -> Attn {
     let a = Array2::from_shape_vec((1, lat.out.len()), lat.out.clone()).expect("[1, Lkv]");
     let va = Array2::from_shape_vec((1, lat.var.len()), lat.var.clone()).expect("[1, Lkv]");
-    let (y, vy) = linear(a.view(), uv);
-    let carried = propagate(&va, uv);
+    let (y, vy) = linear_var(a.view(), uv, Some(&va));
+    let (_, own) = linear(a.view(), uv);
     let bias = uv.dot(&ndarray::ArrayView1::from(&lat.bias_out));
-    let (in_var, out_var) = (lat.var.iter().sum::<f64>(), carried.sum());
+    // The carried part of the variance (all of it but the product's own).
+    let (in_var, out_var) = (lat.var.iter().sum::<f64>(), (&vy - &own).sum());
     let ratio = if in_var > 0.0 { out_var / in_var } else { 0.0 };
     Attn {
         out: y.into_raw_vec_and_offset().0,
-        var: (vy + carried).into_raw_vec_and_offset().0,
+        var: vy.into_raw_vec_and_offset().0,
         lse: lat.lse,
         var_lse: lat.var_lse,
         coh: lat.coh * ratio,
