@@ -187,8 +187,10 @@ pub trait Backend {
         false
     }
     /// DSA: whether its sparse prefill attends in the absorbed form over the cache rows (FlashMLA's
-    /// sparse prefill, CUDA's `sparse_attn`), not decompressed over the own chunk and the context: the
-    /// stage-local view (`compare::local::Sparse`) recomputes it the same way.
+    /// sparse prefill, CUDA's `sparse_attn`), not decompressed over the own chunk and the context. The
+    /// stage-local view does not model that form (its shared q_abs rounding moves every score of a row
+    /// together: measured on the H200, prefill lse 4× the predicted error), so such a backend's sparse
+    /// layers have none and are judged end to end (docs/dsa.md).
     fn sparse_prefill_absorbed(&self) -> bool {
         false
     }

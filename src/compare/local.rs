@@ -949,29 +949,7 @@ fn compute_with(inp: &Inputs, opt: &LayerTrace, sp: Option<sparse::Sparse>) -> L
 
     // Prefill, chunk by chunk: own keys from the chunk's fresh latent, context keys from the cache.
     let pl = sched.prompt_len;
-    if let Some(sp) = sp.filter(|sp| sp.absorbed_prefill && pl > 0) {
-        let rows = sparse::prefill_absorbed(
-            &sparse::Prefill {
-                sel: sp.selection,
-                q_nope: &o_qn,
-                q_pe: &o_qpe,
-                cache: &cache,
-                w_uk: &w_uk,
-                w_uv: &w_uv,
-                heads: h,
-                pl,
-                scale,
-            },
-            path,
-        );
-        // Row t·H + h of the prompt: each an attention's head output, with its latent's lse.
-        for (i, a) in rows.iter().enumerate() {
-            heads.put(i, a);
-            lse[i] = a.lse;
-            vlse[i] = a.var_lse;
-            blse[i] = a.bias_lse;
-        }
-    } else if pl > 0 {
+    if pl > 0 {
         // Each head's prefill: independent, so in parallel.
         let per_head: Vec<Vec<Attn>> = (0..h)
             .into_par_iter()

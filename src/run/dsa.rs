@@ -366,6 +366,10 @@ fn own_local_view(
     own: &Selection,
 ) -> crate::compare::local::Local {
     use crate::compare::local;
+    // An absorbed sparse prefill is not modelled (docs/dsa.md): no local view, end to end decides.
+    if backend.sparse_prefill_absorbed() {
+        return local::Local::default();
+    }
     let inp = local::Inputs {
         cfg: ctx.cfg,
         weights: ctx.weights,
@@ -377,10 +381,7 @@ fn own_local_view(
         known_attention: backend.known_attention(),
         score_sum: backend.score_sum(),
     };
-    let sp = local::Sparse {
-        selection: own,
-        absorbed_prefill: backend.sparse_prefill_absorbed(),
-    };
+    let sp = local::Sparse { selection: own };
     let mut l = local::compute_sparse(&inp, opt, sp);
     let outside = backend.outside_local_view();
     l.stages.retain(|s| !outside.contains(s.stage));

@@ -379,15 +379,14 @@ pub fn run_from(
                             known_attention: backend.known_attention(),
                             score_sum: backend.score_sum(),
                         };
-                        // DSA: over the selection the path attended over (the reference's).
+                        // DSA: over the selection the path attended over (the reference's); none
+                        // for an absorbed sparse prefill (not modelled: docs/dsa.md).
                         match ref_sel {
+                            Some(_) if backend.sparse_prefill_absorbed() => Default::default(),
                             Some(selection) => compare::local::compute_sparse(
                                 &inp,
                                 &opt,
-                                compare::local::Sparse {
-                                    selection,
-                                    absorbed_prefill: backend.sparse_prefill_absorbed(),
-                                },
+                                compare::local::Sparse { selection },
                             ),
                             None => compare::local::compute(&inp, &opt),
                         }

@@ -96,14 +96,9 @@ impl Case {
             score_sum: compare::noise::ScoreSum::Lanes8,
         };
         match sel {
-            Some(selection) => compare::local::compute_sparse(
-                &inp,
-                opt,
-                compare::local::Sparse {
-                    selection,
-                    absorbed_prefill: false,
-                },
-            ),
+            Some(selection) => {
+                compare::local::compute_sparse(&inp, opt, compare::local::Sparse { selection })
+            }
             None => compare::local::compute(&inp, opt),
         }
     }
