@@ -197,6 +197,7 @@ fn run_case(
         faults,
         progress: false,
         repeat: 1,
+        indexer_keys: Default::default(),
     };
     let rep = crate::run::run(file, backend.as_mut(), &info, &opts)?;
     Ok((rep, info.description))

@@ -177,12 +177,21 @@ pub trait Backend {
         _ic: &crate::model::IndexerConfig,
         _iw: &crate::model::IndexerWeights,
         _x: &Array2<f64>,
+        _keys: crate::backend::cpu::indexer::KeyPrecision,
     ) -> Result<Option<crate::reference::sparse::Selection>> {
         Ok(None)
     }
     /// DSA: whether `indexer` is this path's own (planted indexer faults reach it); without one the run's
     /// stand-in (the CPU mirror's) takes no faults, so the selftest leaves the indexer faults out.
     fn has_indexer(&self) -> bool {
+        false
+    }
+    /// DSA: whether its sparse prefill attends in the absorbed form over the cache rows (FlashMLA's
+    /// sparse prefill, CUDA's `sparse_attn`), not decompressed over the own chunk and the context. The
+    /// stage-local view does not model that form (its shared q_abs rounding moves every score of a row
+    /// together: measured on the H200, prefill lse 4× the predicted error), so such a backend's sparse
+    /// layers have none and are judged end to end (docs/dsa.md).
+    fn sparse_prefill_absorbed(&self) -> bool {
         false
     }
     /// Stages whose stage-local view (`compare::local`) does not model this path, judged end to end

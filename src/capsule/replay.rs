@@ -67,6 +67,7 @@ impl Capsule {
             faults: FaultSet::default(),
             progress,
             repeat: 1,
+            indexer_keys: Default::default(),
         }
     }
 

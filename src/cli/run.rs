@@ -45,6 +45,11 @@ pub struct Args {
     /// tensors runs the sparse model past top_k: docs/dsa.md.)
     #[arg(long)]
     allow_dense_beyond_topk: bool,
+    /// DSA: how the optimized indexer stores q and k: `storage` (the run's dtype) or `fp8` (Hadamard
+    /// rotation, fp8 e4m3 with one scale per 128 values, as vLLM's indexer cache); the selection check's
+    /// noise margin follows (docs/dsa.md). No effect on a file without an indexer.
+    #[arg(long, value_enum, default_value = "storage")]
+    indexer_keys: mla_diff::backend::cpu::indexer::KeyPrecision,
     /// Plant a bug from the catalogue in the optimized path, repeatable: NAME (every layer) or
     /// NAME@layer=L. `mla-diff selftest --list` shows the catalogue.
     #[arg(long = "inject", value_name = "NAME[@layer=L]")]
@@ -160,6 +165,7 @@ impl Args {
             faults,
             progress: !self.report.formats.quiet,
             repeat: self.repeat as usize,
+            indexer_keys: self.indexer_keys,
         })
     }
 }

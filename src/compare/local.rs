@@ -24,6 +24,9 @@ use crate::trace::{LayerTrace, Stage, StageSet};
 use ndarray::{s, Array1, Array2, ArrayView1, ArrayView2, Zip};
 use rayon::prelude::*;
 
+pub mod sparse;
+pub use sparse::Sparse;
+
 /// fp64 of each stage from the optimized path's inputs, and the variance its hidden roundings and f32
 /// arithmetic predict (the output's own rounding is added by the judge, from the stored values).
 #[derive(Debug, Clone, Default)]
@@ -783,6 +786,18 @@ fn opt2(tr: &LayerTrace, s: Stage) -> Option<Array2<f64>> {
 
 /// Compute the local view of every stage whose inputs the optimized trace holds.
 pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
+    compute_with(inp, opt, None)
+}
+
+/// The local view of a DSA layer (`sparse::Sparse`): every attention over the keys the path attended
+/// over, in the path's form of sparse prefill.
+pub fn compute_sparse(inp: &Inputs, opt: &LayerTrace, sp: sparse::Sparse) -> Local {
+    compute_with(inp, opt, Some(sp))
+}
+
+fn compute_with(inp: &Inputs, opt: &LayerTrace, sp: Option<sparse::Sparse>) -> Local {
+    // DSA: the keys query t attends to (all visible ones on a dense layer).
+    let keep = |t: usize, j: usize| sp.is_none_or(|sp| sp.selection.allows(t, j));
     let (cfg, dt, sched) = (inp.cfg, inp.dtype, inp.sched);
     // The weights as the path stores them: the vectors rounded here, the matrices block by block.
     // The weights as the path stores them (made once per layer, shared with the CPU mirror).
@@ -974,9 +989,10 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                             Array2<f64>,
                         ),
                                     kpe: &ArrayView2<f64>| {
+                            let keys: Vec<usize> = keys.filter(|&j| keep(t, j)).collect();
                             let sc: Vec<Score> = keys
-                                .clone()
-                                .map(|j| {
+                                .iter()
+                                .map(|&j| {
                                     let d = dot_var(
                                         sl(qn),
                                         sl(k.row(j)),
@@ -988,19 +1004,20 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                                     score(d, scale, sum)
                                 })
                                 .collect();
-                            let k0 = keys.start;
                             let cs = |j: usize, k: usize| match &gram {
-                                Some(g) => g[(k0 + j) * pl + k0 + k] as f64,
+                                Some(g) => g[keys[j] * pl + keys[k]] as f64,
                                 None => 0.0,
                             };
                             let g: Option<&dyn Fn(usize, usize) -> f64> =
                                 gram.as_ref().map(|_| &cs as &dyn Fn(usize, usize) -> f64);
                             let vals: Vec<&[f64]> = keys
-                                .clone()
-                                .map(|j| v.row(j).to_slice().expect("row"))
+                                .iter()
+                                .map(|&j| v.row(j).to_slice().expect("row"))
                                 .collect();
-                            let vvs: Vec<&[f64]> =
-                                keys.map(|j| vv.row(j).to_slice().expect("row")).collect();
+                            let vvs: Vec<&[f64]> = keys
+                                .iter()
+                                .map(|&j| vv.row(j).to_slice().expect("row"))
+                                .collect();
                             attend(&sc, &vals, Some(&vvs), dv, path, g)
                         };
                         let mine = part(c.start..t + 1, &own, &kpe_own);
@@ -1107,11 +1124,14 @@ pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
                     let parts: Vec<Attn> = splits
                         .iter()
                         .map(|sr| {
-                            let keys = sr.start..sr.end.min(t + 1);
-                            let sc: Vec<Score> = keys.clone().map(score_of).collect();
-                            let vals: Vec<&[f64]> = keys.map(|j| &row(&cache, j)[..lkv]).collect();
+                            let keys: Vec<usize> = (sr.start..sr.end.min(t + 1))
+                                .filter(|&j| keep(t, j))
+                                .collect();
+                            let sc: Vec<Score> = keys.iter().map(|&j| score_of(j)).collect();
+                            let vals: Vec<&[f64]> =
+                                keys.iter().map(|&j| &row(&cache, j)[..lkv]).collect();
                             let cos2 = |j: usize, k: usize| match &gram {
-                                Some(g) => g[(sr.start + j) * t_all + sr.start + k] as f64,
+                                Some(g) => g[keys[j] * t_all + keys[k]] as f64,
                                 None => 0.0,
                             };
                             let g: Option<&dyn Fn(usize, usize) -> f64> =

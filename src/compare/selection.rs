@@ -1,23 +1,226 @@
 //! Comparing DSA selections: the optimized path's top-k index sets against the reference's, tie-aware.
 //!
 //! Per query `t` with reference scores `s` (fp64, over the visible keys `0..=t`) and the reference's
-//! selection of `k` keys: let `s_k` be the k-th largest score and `s_k1` the (k+1)-th (−inf when every
-//! key is selected). A key the optimized path selects but the reference does not is *within the noise
-//! margin* when `s_k − s_j ≤ margin_t`; a key the reference selects but the optimized path drops, when
-//! `s_j − s_k1 ≤ margin_t`. `margin_t = MARGIN_ROUNDINGS · u · scale_t`, with `u` the storage dtype's unit
-//! roundoff and `scale_t` the magnitude the query's score errors scale with
-//! (`reference::indexer::error_scale`): a near-tie may flip at the engine's precision (axolotl PR
-//! #3832), a key beyond it may not. A different count of keys is a failure by itself (a
-//! top-k boundary bug can hide inside the margin otherwise). NaN scores never pass.
+//! selection of `k` keys: let key `a` hold the k-th largest score and `b` the (k+1)-th (none when every
+//! key is selected). A key `j` the optimized path selects but the reference does not is *within the
+//! noise margin* when `s_a − s_j ≤ MARGIN_SIGMAS · σ(s_a − s_j)`; a key the reference selects but the
+//! optimized path drops, when `s_j − s_b ≤ MARGIN_SIGMAS · σ(s_j − s_b)`. σ is the statistical noise of
+//! that score difference at the optimized indexer's precision (`ScoreNoise`): the square root of the
+//! sum of its per-term rounding variances, not a worst-case bound (which at GLM-5's 32 heads of 128 is
+//! wider than the whole spread of the scores). A near-tie may flip at the engine's precision (axolotl
+//! PR #3832), a key beyond it may not. A different count of keys is a failure by itself (a top-k
+//! boundary bug can hide inside the margin otherwise). NaN scores never pass.
 
+use crate::backend::cpu::indexer::KeyPrecision;
+use crate::backend::Dtype;
+use crate::compare::noise::{acc_var, F32_OP};
+use crate::reference::indexer::IndexerOut;
 use crate::reference::sparse::Selection;
-use ndarray::Array2;
+use ndarray::{s, Array2, Array3};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-/// Roundings of the score's storage a flip may be blamed on: q and k stored (2), their rope (2), the
-/// per-head logit and weights (2), the sum over heads (2). The mirror's measured error on the glm-5-dsa
-/// golden's file stays below half of it (`tests/it/dsa.rs`: bf16 0.50 u, fp16 0.54 u, f32 2.06 u).
-pub const MARGIN_ROUNDINGS: f64 = 8.0;
+/// Standard deviations of a score difference a flip may be blamed on. The largest of N Gaussian
+/// near-ties is about √(2 ln N) σ: 4.3 σ for the ~10⁴ near-ties of a 3k-token layer; 6 σ leaves room
+/// for the model's approximations (measured on the golden: `tests/it/dsa.rs`).
+pub const MARGIN_SIGMAS: f64 = 6.0;
+
+/// fp8 e4m3's unit roundoff (3 mantissa bits).
+pub const FP8_UNIT: f64 = 1.0 / 16.0;
+
+/// The noise of the optimized indexer's scores, from the reference's fp64 tensors: per element of q and
+/// k the variance of its roundings (in the Hadamard-rotated basis for fp8 keys, where the fp8 rounding
+/// happens), carried through ReLU's pass/cut of each head, and the f32 sums.
+#[derive(Debug, Clone)]
+pub struct ScoreNoise {
+    /// `[T, Hi, Di]` (with the logit's `Di^-0.5`), `[T, Di]`, `[T, Hi]`: the reference's (rotated for
+    /// fp8), and q's and k's per-element rounding variances.
+    q: Array3<f64>,
+    k: Array2<f64>,
+    w: Array2<f64>,
+    vq: Array3<f64>,
+    vk: Array2<f64>,
+    /// `[T, Hi]`: the weights' variance (attn_in's and the layer input's roundings through W_proj).
+    vw: Array2<f64>,
+}
+
+/// `x · H / sqrt(n)` in f64 (the mirror's `indexer::hadamard`).
+fn hadamard(x: &mut [f64]) {
+    let n = x.len();
+    let mut h = 1;
+    while h < n {
+        for i in (0..n).step_by(2 * h) {
+            for j in i..i + h {
+                let (a, b) = (x[j], x[j + h]);
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+        }
+        h *= 2;
+    }
+    let s = (n as f64).sqrt().recip();
+    x.iter_mut().for_each(|v| *v *= s);
+}
+
+fn mean_sq(x: &[f64]) -> f64 {
+    x.iter().map(|v| v * v).sum::<f64>() / x.len().max(1) as f64
+}
+
+impl ScoreNoise {
+    /// The noise of scores computed with q and k stored in `dt` (and, for `KeyPrecision::Fp8`,
+    /// Hadamard-rotated to fp8 with per-block scales). Each rounding has variance ≤ u²/3 of its value's
+    /// square. q: its own storage and rope roundings (∝ q_i²) and those of the layer input, attn_in,
+    /// the q-LoRA projection and its norm, which reach q_i through `W_q_b` (∝ the head's mean q²,
+    /// not q_i²: a small q_i is a cancelling sum). k: its own two (∝ k_i²), and the LayerNorm input's
+    /// own, attn_in's and the layer input's, times the norm's gain (the centring cancels).
+    pub fn new(o: &IndexerOut, dt: Dtype, keys: KeyPrecision) -> ScoreNoise {
+        let u2 = dt.round_unit().powi(2) / 3.0;
+        let (t, hi, di) = o.q.dim();
+        // The linears' f32 sums (`noise::acc_var` of n random terms: ~(5/3)·n roundings of the
+        // output's mean square): over E for attn_in's projections, E + Lq for q.
+        let (e, lq) = (o.in_dims.0 as f64, o.in_dims.1 as f64);
+        let sum_e = F32_OP * 5.0 / 3.0 * e;
+        let q = o.q.mapv(|v| v / (di as f64).sqrt());
+        let mut vq = Array3::zeros((t, hi, di));
+        for tt in 0..t {
+            for h in 0..hi {
+                let qh = q.slice(s![tt, h, ..]);
+                let ms = mean_sq(qh.as_slice().expect("contiguous"));
+                for i in 0..di {
+                    vq[[tt, h, i]] =
+                        u2 * (2.0 * qh[i] * qh[i] + 4.0 * ms) + F32_OP * 5.0 / 3.0 * (e + lq) * ms;
+                }
+            }
+        }
+        let mut vk = Array2::zeros((t, di));
+        for tt in 0..t {
+            let x = o.k_lin.row(tt);
+            let ms = mean_sq(x.as_slice().expect("contiguous"));
+            for i in 0..di {
+                let (k, g) = (o.k[[tt, i]], o.k_gain[[tt, i]]);
+                vk[[tt, i]] =
+                    u2 * (2.0 * k * k + g * g * (x[i] * x[i] + 2.0 * ms)) + sum_e * g * g * ms;
+            }
+        }
+        let mut n = ScoreNoise {
+            q,
+            k: o.k.clone(),
+            w: o.weights.clone(),
+            vq,
+            vk,
+            vw: o.weights_sq.mapv(|v| (2.0 * u2 + sum_e) * v),
+        };
+        // A power-of-two Di is checked where the fp8 indexer runs; a rotation of any other would not
+        // be orthogonal.
+        if keys == KeyPrecision::Fp8 && di.is_power_of_two() {
+            n.rotate_to_fp8();
+        }
+        n
+    }
+
+    /// Into the Hadamard basis: independent errors of variances v_i become each of variance mean(v);
+    /// then the fp8 rounding of each rotated value (relative: the block scale puts it in e4m3's
+    /// normal range).
+    fn rotate_to_fp8(&mut self) {
+        let f8 = FP8_UNIT * FP8_UNIT / 3.0;
+        let rot = |x: &mut [f64], v: &mut [f64]| {
+            hadamard(x);
+            let m = v.iter().sum::<f64>() / v.len() as f64;
+            v.iter_mut()
+                .zip(x.iter())
+                .for_each(|(v, x)| *v = m + f8 * x * x);
+        };
+        for (mut x, mut v) in self.q.rows_mut().into_iter().zip(self.vq.rows_mut()) {
+            rot(
+                x.as_slice_mut().expect("contiguous"),
+                v.as_slice_mut().expect("contiguous"),
+            );
+        }
+        for (mut x, mut v) in self.k.rows_mut().into_iter().zip(self.vk.rows_mut()) {
+            rot(
+                x.as_slice_mut().expect("contiguous"),
+                v.as_slice_mut().expect("contiguous"),
+            );
+        }
+    }
+
+    /// Per head of query `t`, key `j`: `w_h` where ReLU may pass the logit (0 where it surely cuts
+    /// it), and the f32 sums' variance of the score. A logit within `KINK_SIGMAS` of its own noise
+    /// below 0 counts as passing: its rounding may carry it over ReLU's kink.
+    fn heads(&self, t: usize, j: usize) -> (Vec<f64>, Vec<f64>, f64) {
+        const KINK_SIGMAS: f64 = 4.0;
+        let (hi, di) = (self.q.dim().1, self.q.dim().2);
+        let (kj, vkj) = (self.k.row(j), self.vk.row(j));
+        let mut wa = vec![0.0; hi];
+        let mut relu = vec![0.0; hi];
+        let (mut acc, mut sq, mut total) = (0.0, 0.0, 0.0);
+        for (h, wah) in wa.iter_mut().enumerate() {
+            let (qh, vqh) = (self.q.slice(s![t, h, ..]), self.vq.slice(s![t, h, ..]));
+            let l = qh.dot(&kj);
+            let (mut terms, mut var_l) = (0.0, 0.0);
+            for i in 0..di {
+                terms += (qh[i] * kj[i]).powi(2);
+                var_l += vqh[i] * kj[i] * kj[i] + vkj[i] * qh[i] * qh[i];
+            }
+            if l > -KINK_SIGMAS * var_l.sqrt() {
+                let w = self.w[[t, h]];
+                *wah = w;
+                let l = l.max(0.0);
+                relu[h] = l;
+                acc += w * w * acc_var(di, terms, l);
+                sq += (w * l).powi(2);
+                total += w * l;
+            }
+        }
+        (
+            wa,
+            relu,
+            acc + acc_var(hi, sq, total) + F32_OP * total * total,
+        )
+    }
+
+    /// σ of `s_a − s_b` for query `t` (`b` `None`: of `s_a` alone). q's rounding is shared by both
+    /// scores (it moves them along `k_a − k_b`, per head where ReLU passes); each key's is its own.
+    pub fn sigma(&self, t: usize, a: usize, b: Option<usize>) -> f64 {
+        let di = self.q.dim().2;
+        let (wa, ra, acc_a) = self.heads(t, a);
+        let (wb, rb, acc_b) = match b {
+            Some(b) => self.heads(t, b),
+            None => (vec![0.0; wa.len()], vec![0.0; wa.len()], 0.0),
+        };
+        let (ka, kb) = (self.k.row(a), self.k.row(b.unwrap_or(a)));
+        // The weights' roundings, shared by both scores: Σ_h var(w_h)·(ReLU(l_ha) − ReLU(l_hb))².
+        let mut var: f64 = (0..wa.len())
+            .map(|h| self.vw[[t, h]] * (ra[h] - rb[h]).powi(2))
+            .sum();
+        // q's roundings: Σ_h Σ_i var(q_hi)·(w_ha k_ai − w_hb k_bi)².
+        for (h, (&xa, &xb)) in wa.iter().zip(&wb).enumerate() {
+            if xa == 0.0 && xb == 0.0 {
+                continue;
+            }
+            let vqh = self.vq.slice(s![t, h, ..]);
+            var += vqh
+                .iter()
+                .zip(ka.iter().zip(kb))
+                .map(|(&v, (&x, &y))| v * (xa * x - xb * y).powi(2))
+                .sum::<f64>();
+        }
+        // Each key's roundings: Σ_i var(k_i)·(Σ_h w_h q_hi)².
+        let along = |wk: &[f64], vk: ndarray::ArrayView1<f64>| {
+            let mut g = vec![0.0; di];
+            for (h, &w) in wk.iter().enumerate().filter(|(_, w)| **w != 0.0) {
+                let qh = self.q.slice(s![t, h, ..]);
+                g.iter_mut().zip(qh).for_each(|(g, &q)| *g += w * q);
+            }
+            g.iter().zip(vk).map(|(g, &v)| g * g * v).sum::<f64>()
+        };
+        var += along(&wa, self.vk.row(a));
+        if let Some(b) = b {
+            var += along(&wb, self.vk.row(b));
+        }
+        (var + acc_a + acc_b).sqrt()
+    }
+}
 
 /// One selected key outside the margin.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -53,13 +256,12 @@ pub struct SelectionResult {
 }
 
 /// Compare `opt` with `reference` under the reference's fp64 `scores` (`[T, T]`, visible `j ≤ t`) and
-/// per-query error scales.
+/// the optimized indexer's score noise.
 pub fn compare(
     scores: &Array2<f64>,
-    scale: &[f64],
+    noise: &ScoreNoise,
     reference: &Selection,
     opt: &Selection,
-    unit_roundoff: f64,
 ) -> SelectionResult {
     let t = reference.n_queries();
     let mut r = SelectionResult {
@@ -73,69 +275,88 @@ pub fn compare(
         worst: None,
         pass: true,
     };
-    if opt.n_queries() != t || scale.len() != t {
+    if opt.n_queries() != t || scores.nrows() != t {
         r.pass = false;
         r.count_mismatch = t.abs_diff(opt.n_queries());
         r.recall_min = 0.0;
         return r;
     }
+    // Per query: recall, count mismatch, and each differing key's (gap, margin); in parallel.
+    let per_query: Vec<(f64, bool, Vec<Miss>)> = (0..t)
+        .into_par_iter()
+        .map(|q| {
+            let (rk, ok) = (&reference.keys[q], &opt.keys[q]);
+            let row: Vec<f64> = scores.row(q).iter().take(q + 1).copied().collect();
+            let k = rk.len();
+            let ranked = crate::reference::indexer::top_keys(&row, q + 1, (k + 1).min(q + 1));
+            // The threshold keys: the k-th (for an extra key) and the (k+1)-th (for a dropped one).
+            let (th_in, th_out) = (
+                k.checked_sub(1)
+                    .and_then(|i| ranked.get(i))
+                    .map(|&j| j as usize),
+                ranked.get(k).map(|&j| j as usize),
+            );
+            let common = ok.iter().filter(|j| rk.binary_search(j).is_ok()).count();
+            let recall = if k == 0 {
+                1.0
+            } else {
+                common as f64 / k as f64
+            };
+            let extra = ok
+                .iter()
+                .filter(|j| rk.binary_search(j).is_err())
+                .map(|&j| (j as usize, true));
+            let dropped = rk
+                .iter()
+                .filter(|j| ok.binary_search(j).is_err())
+                .map(|&j| (j as usize, false));
+            let misses = extra
+                .chain(dropped)
+                .map(|(j, is_extra)| {
+                    let (gap, th) = match is_extra {
+                        true => (th_in.map_or(f64::INFINITY, |a| row[a] - row[j]), th_in),
+                        false => (th_out.map_or(f64::INFINITY, |b| row[j] - row[b]), th_out),
+                    };
+                    let margin = match th {
+                        Some(a) => MARGIN_SIGMAS * noise.sigma(q, a, Some(j)),
+                        None => 0.0,
+                    };
+                    Miss {
+                        query: q,
+                        key: j,
+                        extra: is_extra,
+                        gap,
+                        margin,
+                    }
+                })
+                .collect();
+            (recall, ok.len() != k, misses)
+        })
+        .collect();
     let mut worst_ratio = 0.0;
-    for (q, &scale_q) in scale.iter().enumerate().take(t) {
-        let (rk, ok) = (&reference.keys[q], &opt.keys[q]);
-        let row: Vec<f64> = scores.row(q).iter().take(q + 1).copied().collect();
-        let mut sorted = row.clone();
-        sorted.sort_by(|a, b| b.total_cmp(a));
-        let k = rk.len();
-        let s_k = sorted
-            .get(k.wrapping_sub(1))
-            .copied()
-            .unwrap_or(f64::INFINITY);
-        let s_k1 = sorted.get(k).copied().unwrap_or(f64::NEG_INFINITY);
-        let margin = MARGIN_ROUNDINGS * unit_roundoff * scale_q;
-        let common = ok.iter().filter(|j| rk.binary_search(j).is_ok()).count();
-        let recall = if k == 0 {
-            1.0
-        } else {
-            common as f64 / k as f64
-        };
+    for (recall, mismatch, misses) in per_query {
         r.recall_min = r.recall_min.min(recall);
         r.recall_mean += recall / t as f64;
-        if ok.len() != k {
+        if mismatch {
             r.count_mismatch += 1;
             r.pass = false;
         }
-        let extra = ok
-            .iter()
-            .filter(|j| rk.binary_search(j).is_err())
-            .map(|&j| (j, true));
-        let dropped = rk
-            .iter()
-            .filter(|j| ok.binary_search(j).is_err())
-            .map(|&j| (j, false));
-        for (j, is_extra) in extra.chain(dropped) {
+        for m in misses {
             r.differing += 1;
-            let s = row[j as usize];
-            let gap = if is_extra { s_k - s } else { s - s_k1 };
             // NaN anywhere (score, margin) is outside: `gap <= margin` is false.
-            if gap <= margin {
+            if m.gap <= m.margin {
                 r.within_margin += 1;
                 continue;
             }
             r.pass = false;
-            let ratio = if margin > 0.0 {
-                gap / margin
+            let ratio = if m.margin > 0.0 {
+                m.gap / m.margin
             } else {
                 f64::INFINITY
             };
             if r.worst.is_none() || ratio > worst_ratio || ratio.is_nan() {
                 worst_ratio = ratio;
-                r.worst = Some(Miss {
-                    query: q,
-                    key: j as usize,
-                    extra: is_extra,
-                    gap,
-                    margin,
-                });
+                r.worst = Some(m);
             }
         }
     }
@@ -182,26 +403,46 @@ mod tests {
         s
     }
 
+    /// One head of one dim, weight 1, q = 1: each key's k is its score; every value with a relative
+    /// rounding variance 2u².
+    fn noise(u: f64) -> ScoreNoise {
+        let k = Array2::from_shape_vec((4, 1), vec![4.0, 3.0, 2.9999, 1.0]).unwrap();
+        ScoreNoise {
+            q: Array3::ones((4, 1, 1)),
+            vq: Array3::from_elem((4, 1, 1), 2.0 * u * u),
+            vk: k.mapv(|x| 2.0 * u * u * x * x),
+            k,
+            w: Array2::ones((4, 1)),
+            vw: Array2::zeros((4, 1)),
+        }
+    }
+
     fn sel(last: Vec<u32>) -> Selection {
         Selection::new(2, vec![vec![0], vec![0, 1], vec![0, 1], last])
     }
 
     #[test]
     fn a_near_tie_passes_and_a_far_key_fails_with_its_gap() {
-        let (s, r) = (scores(), sel(vec![0, 1]));
-        assert!(compare(&s, &[4.0; 4], &r, &r, 2f64.powi(-8)).pass);
-        let tie = compare(&s, &[4.0; 4], &r, &sel(vec![0, 2]), 2f64.powi(-8));
+        let (s, r, n) = (scores(), sel(vec![0, 1]), noise(2f64.powi(-8)));
+        assert!(compare(&s, &n, &r, &r).pass);
+        let tie = compare(&s, &n, &r, &sel(vec![0, 2]));
         assert!(tie.pass && tie.within_margin == 2, "{}", tie.summary());
-        let far = compare(&s, &[4.0; 4], &r, &sel(vec![0, 3]), 2f64.powi(-8));
+        let far = compare(&s, &n, &r, &sel(vec![0, 3]));
         assert!(!far.pass);
         let m = far.worst.unwrap();
         assert_eq!((m.query, m.key, m.extra), (3, 3, true));
         assert!((m.gap - 2.0).abs() < 1e-12);
+        // σ of s_1 − s_3 with q shared: u²·2·(q²(k₁−k₃)² + k₁² + k₃²) = 2u²·(4 + 9 + 1).
+        let sigma = 2f64.powi(-8) * (2.0f64 * 14.0).sqrt();
+        assert!(
+            (m.margin / (MARGIN_SIGMAS * sigma) - 1.0).abs() < 1e-6,
+            "{m:?}"
+        );
     }
 
     #[test]
     fn one_key_short_fails_even_inside_the_margin() {
-        let r = compare(&scores(), &[4.0; 4], &sel(vec![0, 1]), &sel(vec![0]), 1.0);
+        let r = compare(&scores(), &noise(1.0), &sel(vec![0, 1]), &sel(vec![0]));
         assert!(!r.pass && r.count_mismatch == 1, "{}", r.summary());
     }
 
@@ -209,15 +450,31 @@ mod tests {
     fn nan_scores_never_pass() {
         let mut s = scores();
         s[[3, 2]] = f64::NAN;
-        assert!(
-            !compare(
-                &s,
-                &[4.0; 4],
-                &sel(vec![0, 1]),
-                &sel(vec![0, 2]),
-                2f64.powi(-8)
-            )
-            .pass
-        );
+        let n = noise(2f64.powi(-8));
+        assert!(!compare(&s, &n, &sel(vec![0, 1]), &sel(vec![0, 2])).pass);
+    }
+
+    /// A head whose logit ReLU cuts adds no noise to that key's score; fp8 keys widen σ by their
+    /// rounding, in the rotated basis.
+    #[test]
+    fn relu_cut_heads_are_silent_and_fp8_widens_the_noise() {
+        let mut n = noise(2f64.powi(-8));
+        let quiet = n.sigma(3, 0, None);
+        n.q[[3, 0, 0]] = -1.0;
+        assert!(n.sigma(3, 0, None) < 1e-6 * quiet);
+        let o = IndexerOut {
+            q: Array3::from_shape_fn((2, 2, 4), |(t, h, d)| 1.0 + (t + h + d) as f64 * 0.1),
+            k: Array2::from_shape_fn((2, 4), |(t, d)| 1.0 - (t + d) as f64 * 0.2),
+            k_lin: Array2::from_shape_fn((2, 4), |(t, d)| 2.0 - (t + d) as f64 * 0.3),
+            k_gain: Array2::ones((2, 4)),
+            weights: Array2::ones((2, 2)),
+            weights_sq: Array2::ones((2, 2)),
+            in_dims: (8, 4),
+            scores: Array2::zeros((2, 2)),
+            selection: Selection::dense(2, 2),
+        };
+        let bf = ScoreNoise::new(&o, Dtype::Bf16, KeyPrecision::Storage).sigma(1, 0, Some(1));
+        let f8 = ScoreNoise::new(&o, Dtype::Bf16, KeyPrecision::Fp8).sigma(1, 0, Some(1));
+        assert!(f8 > 2.0 * bf, "bf16 {bf:.3e} fp8 {f8:.3e}");
     }
 }

@@ -46,8 +46,19 @@ pub struct IndexerOut {
     pub q: Array3<f64>,
     /// `[T, Di]`, normed and roped.
     pub k: Array2<f64>,
+    /// `[T, Di]`: LayerNorm's input `W_k · attn_in`, and its gain `k_norm_i / sqrt(var + eps)` per
+    /// element: an error of the input reaches k times that gain (the noise model of the selection
+    /// check needs it: the centring cancels, so the input's rounding is not relative to k).
+    pub k_lin: Array2<f64>,
+    pub k_gain: Array2<f64>,
     /// `[T, Hi]`, scaled.
     pub weights: Array2<f64>,
+    /// `[T, Hi]`: Σ_m (W_proj[h, m]·attn_in[t, m])², scaled alike: what an error of attn_in's
+    /// elements moves each weight by (the selection check's noise model).
+    pub weights_sq: Array2<f64>,
+    /// The input widths of the linears before q and k: the hidden size E and the q-LoRA rank (the
+    /// noise model's f32 sums over them).
+    pub in_dims: (usize, usize),
     /// `[T, T]` over all keys; only `j ≤ t` is visible (`select` cuts the rest).
     pub scores: Array2<f64>,
     pub selection: Selection,
@@ -162,6 +173,13 @@ pub fn run(
         &iw.k_norm_bias,
         crate::model::indexer::K_NORM_EPS,
     );
+    let k_gain = Array2::from_shape_fn(k_lin.dim(), |(tt, i)| {
+        let row = k_lin.row(tt);
+        let n = row.len() as f64;
+        let mean = row.sum() / n;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
+        iw.k_norm[i] as f64 / (var + crate::model::indexer::K_NORM_EPS).sqrt()
+    });
     for (tt, mut row) in k.axis_iter_mut(Axis(0)).enumerate() {
         let mut pe = row.slice(s![rope_at.clone()]).to_owned();
         tables.rotate(tt, pe.as_slice_mut().expect("contiguous"));
@@ -173,39 +191,23 @@ pub fn run(
         (hi as f64).powf(-0.5)
     };
     let weights = linear(attn_in, iw.proj.view()) * w_scale;
+    let weights_sq = linear(
+        attn_in.mapv(|a| a * a).view(),
+        iw.proj.mapv(|p| p * p).view(),
+    ) * (w_scale * w_scale);
     let scores = index_scores(&q, &k, &weights, r.no_relu);
     let selection = select(&scores, ic.top_k, r);
     IndexerOut {
         q,
         k,
+        k_lin,
+        k_gain,
+        weights_sq,
+        in_dims: (attn_in.ncols(), qr.ncols()),
         weights,
         scores,
         selection,
     }
-}
-
-/// Per query, the magnitude the score's rounding errors scale with: `Σ_h |w_h| · ‖q_h‖ · max_j ‖k_j‖ ·
-/// Di^-0.5` (a stored q or k element off by `u` relative moves a logit by at most `u·‖q‖‖k‖`, and ReLU
-/// passes at most that). The selection check's noise margin is a multiple of `u` times it.
-pub fn error_scale(o: &IndexerOut) -> Vec<f64> {
-    let (t, hi, di) = o.q.dim();
-    let kmax =
-        o.k.rows()
-            .into_iter()
-            .map(|r| r.dot(&r).sqrt())
-            .fold(0f64, f64::max);
-    (0..t)
-        .map(|tt| {
-            (0..hi)
-                .map(|h| {
-                    let q = o.q.slice(s![tt, h, ..]);
-                    o.weights[[tt, h]].abs() * q.dot(&q).sqrt()
-                })
-                .sum::<f64>()
-                * kmax
-                / (di as f64).sqrt()
-        })
-        .collect()
 }
 
 /// `score[t, j] = Σ_h w[t, h] · ReLU(q[t, h] · k[j] · Di^-0.5)` over all keys: `select` applies the

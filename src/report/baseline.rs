@@ -321,6 +321,7 @@ mod tests {
             faults: Default::default(),
             progress: false,
             repeat: 1,
+            indexer_keys: Default::default(),
         };
         let planned = Identity::planned(&file, &cfg, &opts).unwrap();
         assert_eq!(planned.tolerances["attn_out[decode]"].rel_l2, 0.5);

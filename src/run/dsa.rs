@@ -13,7 +13,7 @@
 use crate::backend::cpu::indexer::{self as mirror_indexer, KeyPrecision, Plan};
 use crate::backend::{Backend, Dtype, LayerCtx};
 use crate::compare::metrics::rel_l2;
-use crate::compare::selection::{self, SelectionResult};
+use crate::compare::selection::{self, ScoreNoise, SelectionResult};
 use crate::error::{Error, Result};
 use crate::model::{IndexerConfig, IndexerWeights};
 use crate::reference::indexer::{self as ref_indexer, Reading};
@@ -37,8 +37,9 @@ pub struct DsaLayer {
     pub selection_effect: f64,
 }
 
-/// The reference's fp64 index scores `[T, T]` and per-query error scales (`indexer::error_scale`).
-pub type Scores = (Array2<f64>, Vec<f64>);
+/// The reference's fp64 indexer: its scores `[T, T]`, and the q, k and weights the selection check's
+/// noise model needs (`selection::ScoreNoise`).
+pub type Scores = ref_indexer::IndexerOut;
 
 /// The selection for a layer: its own indexer's (with its scores), or (GLM-5.2 shared layers, no
 /// indexer tensors) the previous full layer's.
@@ -61,8 +62,7 @@ pub fn ref_selection(
                 attn_in.view(),
                 Reading::default(),
             );
-            let scale = ref_indexer::error_scale(&o);
-            Ok((o.selection, Some((o.scores, scale))))
+            Ok((o.selection.clone(), Some(o)))
         }
         (None, Some(p)) => Ok((p.clone(), None)),
         (None, None) => Err(Error::Tensor(format!(
@@ -92,7 +92,7 @@ pub fn run_layer(
 ) -> Result<DsaLayer> {
     let (cfg, w, rope, sched) = (ctx.cfg, ctx.weights, ctx.rope, ctx.sched);
     let (ref_sel, scores) = ref_selection(ctx, ic, Some(iw), None, x)?;
-    let (scores, scale) = scores.expect("a full layer has scores");
+    let scores = scores.expect("a full layer has scores");
     let reference = crate::reference::run_layer_sel(cfg, w, rope, x, sched, Some(&ref_sel))?;
     let optimized = backend.run_layer(
         &LayerCtx {
@@ -102,7 +102,8 @@ pub fn run_layer(
         x,
     )?;
     let opt_sel = mirror_indexer::run(cfg, ic, iw, w, rope, x, dtype, plan)?.selection;
-    let selection = selection::compare(&scores, &scale, &ref_sel, &opt_sel, dtype.round_unit());
+    let noise = ScoreNoise::new(&scores, dtype, plan.keys);
+    let selection = selection::compare(&scores.scores, &noise, &ref_sel, &opt_sel);
     let own = backend.run_layer(
         &LayerCtx {
             selection: Some(&opt_sel),
@@ -133,6 +134,8 @@ pub struct RunSparse {
     pub layers: Vec<DsaLayerResult>,
     /// Whether the backend's own indexer ran (`Backend::indexer`), or the CPU mirror's stood in.
     own_indexer: Option<bool>,
+    /// How the optimized indexer stores q and k (`--indexer-keys`).
+    pub keys: KeyPrecision,
 }
 
 /// The sparse model runs when the file has an indexer (its keys and some layer's tensors) and the last
@@ -155,6 +158,7 @@ pub fn sparse_for(
             prev: None,
             layers: Vec::new(),
             own_indexer: None,
+            keys: KeyPrecision::Storage,
         }))
 }
 
@@ -185,12 +189,16 @@ pub struct LayerSelection {
 impl RunSparse {
     /// How the optimized side's indexer computed (reports' coverage).
     pub fn indexer_name(&self, dtype: Dtype, backend: &str) -> String {
-        match self.own_indexer {
-            Some(true) => format!("{backend}'s own, q/k in {}", dtype.name()),
-            Some(false) => format!(
-                "cpu mirror standing in (the backend has none), q/k in {}",
+        let keys = match self.keys {
+            KeyPrecision::Storage => format!("q/k in {}", dtype.name()),
+            KeyPrecision::Fp8 => format!(
+                "q/k in {}, then Hadamard-rotated fp8 e4m3 with per-128 scales",
                 dtype.name()
             ),
+        };
+        match self.own_indexer {
+            Some(true) => format!("{backend}'s own, {keys}"),
+            Some(false) => format!("cpu mirror standing in (the backend has none), {keys}"),
             None => "not run".into(),
         }
     }
@@ -225,12 +233,12 @@ impl RunSparse {
     ) -> Result<Selection> {
         match &sel.iw {
             Some(iw) => {
-                if let Some(s) = backend.indexer(ctx, &self.ic, iw, x)? {
+                if let Some(s) = backend.indexer(ctx, &self.ic, iw, x, self.keys)? {
                     self.own_indexer = Some(true);
                     return Ok(s);
                 }
                 self.own_indexer = Some(false);
-                let plan = plan_for(crate::faults::Active::NONE, KeyPrecision::Storage);
+                let plan = plan_for(crate::faults::Active::NONE, self.keys);
                 Ok(mirror_indexer::run(
                     ctx.cfg,
                     &self.ic,
@@ -268,16 +276,10 @@ impl RunSparse {
         tolerances: &crate::compare::ToleranceTable,
     ) -> Result<()> {
         let own = self.own_selection(ctx, &sel, backend, x, dtype)?;
-        let selection = match &sel.scores {
-            Some((scores, scale)) => Some(selection::compare(
-                scores,
-                scale,
-                &sel.reference,
-                &own,
-                dtype.round_unit(),
-            )),
-            None => None,
-        };
+        let selection = sel.scores.as_ref().map(|o| {
+            let noise = ScoreNoise::new(o, dtype, self.keys);
+            selection::compare(&o.scores, &noise, &sel.reference, &own)
+        });
         let opt_own = backend.run_layer(
             &LayerCtx {
                 selection: Some(&own),
@@ -293,8 +295,15 @@ impl RunSparse {
             ctx.sched,
             Some(&own),
         )?;
-        let own_cmp =
-            crate::compare::compare_layer(cmp, &ref_own, &opt_own, dtype, tolerances, None)?;
+        let local = own_local_view(ctx, cmp, backend, x, dtype, &opt_own, &own);
+        let own_cmp = crate::compare::compare_layer(
+            cmp,
+            &ref_own,
+            &opt_own,
+            dtype,
+            tolerances,
+            Some(&local),
+        )?;
         let own_first = own_cmp
             .checks
             .iter()
@@ -342,6 +351,41 @@ impl RunSparse {
             layers: self.layers,
         }
     }
+}
+
+/// The stage-local view of the optimized path over its own selection (`compare::local::Sparse`): the
+/// attentions recomputed over the keys its own indexer chose, so its stage checks judge the kernels on
+/// that path as shadow mode's do on the reference's selection.
+fn own_local_view(
+    ctx: &LayerCtx,
+    cmp: &crate::compare::Ctx,
+    backend: &dyn Backend,
+    x: &Array2<f64>,
+    dtype: Dtype,
+    opt: &LayerTrace,
+    own: &Selection,
+) -> crate::compare::local::Local {
+    use crate::compare::local;
+    // An absorbed sparse prefill is not modelled (docs/dsa.md): no local view, end to end decides.
+    if backend.sparse_prefill_absorbed() {
+        return local::Local::default();
+    }
+    let inp = local::Inputs {
+        cfg: ctx.cfg,
+        weights: ctx.weights,
+        rope: ctx.rope,
+        sched: ctx.sched,
+        x,
+        dtype,
+        provided: cmp.provided,
+        known_attention: backend.known_attention(),
+        score_sum: backend.score_sum(),
+    };
+    let sp = local::Sparse { selection: own };
+    let mut l = local::compute_sparse(&inp, opt, sp);
+    let outside = backend.outside_local_view();
+    l.stages.retain(|s| !outside.contains(s.stage));
+    l
 }
 
 /// `Report::dsa`: the selection checks of a run on a DSA file past top_k (docs/dsa.md). The stage checks

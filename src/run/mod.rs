@@ -79,6 +79,8 @@ pub struct RunOptions {
     /// Runs of the optimized path per layer (`--repeat`): above 1, runs 2..N are compared with run 1
     /// bit for bit and any difference fails the run.
     pub repeat: usize,
+    /// DSA: how the optimized indexer stores q and k (`--indexer-keys`; the run's dtype by default).
+    pub indexer_keys: crate::backend::cpu::indexer::KeyPrecision,
 }
 
 /// Parse `--layers`: `all`, `N`, `A..B` (half-open), `A..=B`, or a comma list of those.
@@ -253,6 +255,9 @@ pub fn run_from(
     let provided = backend.provides();
     // A DSA file past top_k runs the sparse model (`dsa`); otherwise DSA is dense attention exactly.
     let mut sparse = dsa::sparse_for(file, &cfg, &opts.sched)?;
+    if let Some(sp) = sparse.as_mut() {
+        sp.keys = opts.indexer_keys;
+    }
     if sparse.is_some() && !backend.sparse() {
         return Err(Error::Unsupported(format!(
             "{} has no sparse attention, but this DSA file's queries see more than its indexer's top_k ({} keys): run it on --backend cpu, or on at most top_k tokens",
@@ -363,20 +368,28 @@ pub fn run_from(
                         )?);
                     }
                     let mut local = prof.time("stage-local view", || {
-                        compare::local::compute(
-                            &compare::local::Inputs {
-                                cfg: &cfg,
-                                weights: w,
-                                rope: &tables.rope,
-                                sched: &opts.sched,
-                                x: &h_ref,
-                                dtype: opts.dtype,
-                                provided,
-                                known_attention: backend.known_attention(),
-                                score_sum: backend.score_sum(),
-                            },
-                            &opt,
-                        )
+                        let inp = compare::local::Inputs {
+                            cfg: &cfg,
+                            weights: w,
+                            rope: &tables.rope,
+                            sched: &opts.sched,
+                            x: &h_ref,
+                            dtype: opts.dtype,
+                            provided,
+                            known_attention: backend.known_attention(),
+                            score_sum: backend.score_sum(),
+                        };
+                        // DSA: over the selection the path attended over (the reference's); none
+                        // for an absorbed sparse prefill (not modelled: docs/dsa.md).
+                        match ref_sel {
+                            Some(_) if backend.sparse_prefill_absorbed() => Default::default(),
+                            Some(selection) => compare::local::compute_sparse(
+                                &inp,
+                                &opt,
+                                compare::local::Sparse { selection },
+                            ),
+                            None => compare::local::compute(&inp, &opt),
+                        }
                     });
                     let outside = backend.outside_local_view();
                     local.stages.retain(|s| !outside.contains(s.stage));
@@ -409,14 +422,13 @@ pub fn run_from(
         let next_ref = residual_after(&h_ref, &reference)?;
         let mut dump_traces: Vec<(LayerTrace, bool)> = Vec::new();
         if let Some((opt, local)) = shadow_opt {
-            // The stage-local view recomputes dense attention: not (yet) for a sparse layer.
             let r = compare::compare_layer(
                 &ctx,
                 &reference,
                 &opt,
                 opts.dtype,
                 &opts.tolerances,
-                sel.is_none().then_some(&local),
+                Some(&local),
             )?;
             if keep_traces {
                 dump_traces.push((opt, r.pass));

@@ -80,6 +80,7 @@ impl SweepOptions {
             faults: self.faults.clone(),
             progress: false,
             repeat: 1,
+            indexer_keys: Default::default(),
         }
     }
 }

@@ -56,6 +56,12 @@ fn sparse_run_passes_and_every_format_says_so() {
     assert_eq!(dsa["pass"], true);
     assert_eq!(dsa["top_k"], 8);
     assert_eq!(dsa["layers"].as_array().unwrap().len(), 2);
+    // The stage-local view decides every attention stage of the sparse layers too (over the selection).
+    for l in r["modes"][0]["layers"].as_array().unwrap() {
+        for c in l["checks"].as_array().unwrap() {
+            assert_eq!(c["local"]["pass"], true, "{c}");
+        }
+    }
     let cov = &r["coverage"]["dsa"];
     assert!(cov["sparse_queries"].as_u64().unwrap() > 0, "{cov}");
     assert!(cov["indexer"].as_str().unwrap().contains("bf16"), "{cov}");
@@ -176,6 +182,11 @@ fn sparse_index_page_base_is_caught_at_the_first_attention_stage() {
     let v = &r["modes"][0]["verdict"];
     assert_eq!(v["first_layer"], 1, "{v}");
     assert_eq!(v["first_check"], "lse[prefill]", "{v}");
+    // Decided by the stage-local view (over the selection the path was given).
+    assert!(
+        v["reasons"][0].as_str().unwrap().starts_with("local: "),
+        "{v}"
+    );
     for l in r["dsa"]["layers"].as_array().unwrap() {
         assert_eq!(l["selection"]["pass"], true, "{l}");
     }

@@ -52,12 +52,13 @@ impl Backend for Mirror {
         ic: &mla_diff::model::IndexerConfig,
         iw: &mla_diff::model::IndexerWeights,
         x: &ndarray::Array2<f64>,
+        keys: mla_diff::backend::cpu::indexer::KeyPrecision,
     ) -> mla_diff::Result<Option<mla_diff::reference::sparse::Selection>> {
         let ctx = LayerCtx {
             faults: self.faults.unwrap_or(ctx.faults),
             ..*ctx
         };
-        self.inner.indexer(&ctx, ic, iw, x)
+        self.inner.indexer(&ctx, ic, iw, x, keys)
     }
 }
 

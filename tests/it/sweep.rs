@@ -389,6 +389,7 @@ fn run_opts(repeat: usize) -> RunOptions {
         faults: Default::default(),
         progress: false,
         repeat,
+        indexer_keys: Default::default(),
     }
 }
 

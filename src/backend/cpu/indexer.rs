@@ -27,13 +27,15 @@ use crate::reference::sparse::Selection;
 use crate::rope::RopeTables;
 use ndarray::{s, Array2, Array3, Axis};
 
-/// How the indexer stores q and k.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// How the indexer stores q and k (`--indexer-keys`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum KeyPrecision {
     /// In the run's dtype (bf16 / fp16 / f32), like transformers' and llama.cpp's graphs.
     #[default]
+    #[value(name = "storage")]
     Storage,
     /// Hadamard-rotated fp8 e4m3 with per-128 scales, like vLLM / DeepGEMM (`Di` a power of two).
+    #[value(name = "fp8")]
     Fp8,
 }
 

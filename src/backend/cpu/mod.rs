@@ -137,8 +137,9 @@ impl Backend for CpuMirror {
         ic: &crate::model::IndexerConfig,
         iw: &crate::model::IndexerWeights,
         x: &Array2<f64>,
+        keys: indexer::KeyPrecision,
     ) -> Result<Option<crate::reference::sparse::Selection>> {
-        let plan = crate::run::dsa::plan_for(ctx.faults, indexer::KeyPrecision::Storage);
+        let plan = crate::run::dsa::plan_for(ctx.faults, keys);
         let o = indexer::run(ctx.cfg, ic, iw, ctx.weights, ctx.rope, x, self.dtype, plan)?;
         Ok(Some(o.selection))
     }

@@ -240,6 +240,10 @@ impl Backend for CudaBackend {
         true
     }
 
+    fn sparse_prefill_absorbed(&self) -> bool {
+        true
+    }
+
     fn key_tiles(&self) -> crate::backend::KeyTiles {
         self.last_tiles.clone()
     }

@@ -70,8 +70,12 @@ impl Backend for SharedCuda {
         ic: &crate::model::IndexerConfig,
         iw: &crate::model::IndexerWeights,
         x: &ndarray::Array2<f64>,
+        keys: crate::backend::cpu::indexer::KeyPrecision,
     ) -> Result<Option<crate::reference::sparse::Selection>> {
-        self.bind().indexer(ctx, ic, iw, x)
+        self.bind().indexer(ctx, ic, iw, x, keys)
+    }
+    fn sparse_prefill_absorbed(&self) -> bool {
+        self.inner.borrow().sparse_prefill_absorbed()
     }
     fn has_indexer(&self) -> bool {
         self.inner.borrow().has_indexer()

@@ -50,6 +50,7 @@ fn opts(dtype: Dtype) -> RunOptions {
         faults: Default::default(),
         progress: false,
         repeat: 1,
+        indexer_keys: Default::default(),
     }
 }
 
