@@ -46,19 +46,8 @@ pub struct ScoreNoise {
 
 /// `x · H / sqrt(n)` in f64 (the mirror's `indexer::hadamard`).
 fn hadamard(x: &mut [f64]) {
-    let n = x.len();
-    let mut h = 1;
-    while h < n {
-        for i in (0..n).step_by(2 * h) {
-            for j in i..i + h {
-                let (a, b) = (x[j], x[j + h]);
-                x[j] = a + b;
-                x[j + h] = a - b;
-            }
-        }
-        h *= 2;
-    }
-    let s = (n as f64).sqrt().recip();
+    crate::backend::cpu::indexer::walsh_hadamard(x);
+    let s = (x.len() as f64).sqrt().recip();
     x.iter_mut().for_each(|v| *v *= s);
 }
 

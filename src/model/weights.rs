@@ -196,13 +196,8 @@ impl LayerWeights {
     /// a layer's hundreds of MB several times was a fifth of a run. Edit the weights (tests do) before
     /// the first call, never after.
     pub fn stored(&self, dt: Dtype) -> &LayerWeights {
-        if let Some(s) = self.stored_made(dt) {
-            return s;
-        }
-        let slot = match dt {
-            Dtype::F32 => return self,
-            Dtype::Bf16 => &self.stored[0],
-            Dtype::F16 => &self.stored[1],
+        let Some(slot) = self.stored_slot(dt) else {
+            return self;
         };
         slot.get_or_init(|| {
             let q = match &self.q {
@@ -227,15 +222,21 @@ impl LayerWeights {
             })
         })
     }
-}
 
-impl LayerWeights {
     /// [`LayerWeights::stored`] if it was made already (`self` for f32), without making it.
     pub fn stored_made(&self, dt: Dtype) -> Option<&LayerWeights> {
+        match self.stored_slot(dt) {
+            None => Some(self),
+            Some(slot) => slot.get().map(|b| &**b),
+        }
+    }
+
+    /// The rounded copy's slot for `dt` (none for f32: nothing to round).
+    fn stored_slot(&self, dt: Dtype) -> Option<&OnceLock<Box<LayerWeights>>> {
         match dt {
-            Dtype::F32 => Some(self),
-            Dtype::Bf16 => self.stored[0].get().map(|b| &**b),
-            Dtype::F16 => self.stored[1].get().map(|b| &**b),
+            Dtype::F32 => None,
+            Dtype::Bf16 => Some(&self.stored[0]),
+            Dtype::F16 => Some(&self.stored[1]),
         }
     }
 }

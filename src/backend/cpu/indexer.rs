@@ -60,8 +60,11 @@ pub fn fp8_e4m3(x: f32) -> f32 {
         .copysign(x)
 }
 
-/// `x · H / sqrt(n)` with `H` the Sylvester Hadamard matrix (fast Walsh–Hadamard transform), in f32.
-pub fn hadamard(x: &mut [f32]) {
+/// `x · H` with `H` the Sylvester Hadamard matrix (fast Walsh–Hadamard transform, unnormalized), in
+/// the precision of `T` (f32 here, f64 for the selection check's noise model).
+pub fn walsh_hadamard<T: Copy + std::ops::Add<Output = T> + std::ops::Sub<Output = T>>(
+    x: &mut [T],
+) {
     let n = x.len();
     debug_assert!(n.is_power_of_two());
     let mut h = 1;
@@ -75,7 +78,12 @@ pub fn hadamard(x: &mut [f32]) {
         }
         h *= 2;
     }
-    let s = (n as f32).sqrt().recip();
+}
+
+/// `x · H / sqrt(n)` in f32.
+pub fn hadamard(x: &mut [f32]) {
+    walsh_hadamard(x);
+    let s = (x.len() as f32).sqrt().recip();
     x.iter_mut().for_each(|v| *v *= s);
 }
 
