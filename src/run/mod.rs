@@ -416,7 +416,7 @@ pub fn run_from(
         });
         let reference = reference?;
         let (shadow_opt, free_opt) = optimized?;
-        let mut t_cmp = std::time::Instant::now();
+        let mut t_cmp = prof.mark();
         let keep_traces = opts.dump.is_some();
         // The reference residual after this layer: the next layer's shadow input and free mode's yardstick.
         let next_ref = residual_after(&h_ref, &reference)?;
@@ -437,7 +437,7 @@ pub fn run_from(
         }
         let free_opt = match free_opt {
             None if opts.modes.free => {
-                prof.add("compare + reports", t_cmp.elapsed());
+                prof.add_since("compare + reports", t_cmp);
                 let opt = free_layer(
                     backend,
                     &layer_ctx,
@@ -447,7 +447,7 @@ pub fn run_from(
                     &mut repeats,
                     &mut prof,
                 )?;
-                t_cmp = std::time::Instant::now();
+                t_cmp = prof.mark();
                 Some(opt)
             }
             f => f,
@@ -483,7 +483,7 @@ pub fn run_from(
                 dumped.push(crate::report::npy::dump_layer(dir, &reference, opt)?);
             }
         }
-        prof.add("compare + reports", t_cmp.elapsed());
+        prof.add_since("compare + reports", t_cmp);
         if let (Some(sp), Some(sel)) = (sparse.as_mut(), sel) {
             let t_dsa = std::time::Instant::now();
             sp.check_layer(

@@ -4,15 +4,27 @@
 //! The reference, then the next layer's load, run on their own thread next to the optimized path and
 //! the local view, so their time overlaps theirs: the phases add up to more than the wall time when
 //! that overlap works, and a peak reached during that overlap is counted to the phase on the run's
-//! thread.
+//! thread. Each phase also shows the process's CPU time (user + system, every thread) while it ran,
+//! and so how many cores it kept busy on average: what layers in flight could still use.
 
 use std::time::{Duration, Instant};
 
 pub struct Profile {
     on: bool,
     start: Instant,
-    /// Per phase: time, and the peak RSS growth (kB) seen across it.
-    phases: Vec<(&'static str, Duration, u64)>,
+    /// Per phase: time, the peak RSS growth (kB) seen across it, and the process's CPU time across it.
+    phases: Vec<(&'static str, Duration, u64, Duration)>,
+}
+
+/// The process's CPU time so far, user + system, all threads (zero where unreadable).
+pub fn cpu_time() -> Duration {
+    // SAFETY: getrusage writes the struct it is given and nothing else.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return Duration::ZERO;
+    }
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(u.ru_utime) + tv(u.ru_stime)
 }
 
 /// The process's peak resident set so far, kB (`None` off Linux or when unreadable).
@@ -33,17 +45,36 @@ impl Profile {
         }
     }
 
-    pub fn add(&mut self, phase: &'static str, d: Duration) {
-        self.add_peak(phase, d, 0);
+    /// The clocks now, for [`Profile::add_since`].
+    pub fn mark(&self) -> (Instant, Duration) {
+        (
+            Instant::now(),
+            if self.on { cpu_time() } else { Duration::ZERO },
+        )
     }
 
-    fn add_peak(&mut self, phase: &'static str, d: Duration, kb: u64) {
-        match self.phases.iter_mut().find(|(p, _, _)| *p == phase) {
-            Some((_, t, k)) => {
+    /// The wall and CPU time since `mark` to `phase`.
+    pub fn add_since(&mut self, phase: &'static str, mark: (Instant, Duration)) {
+        let cpu = match self.on {
+            true => cpu_time().saturating_sub(mark.1),
+            false => Duration::ZERO,
+        };
+        self.add_peak(phase, mark.0.elapsed(), 0, cpu);
+    }
+
+    /// `d` of wall time (measured elsewhere: no CPU time) to `phase`.
+    pub fn add(&mut self, phase: &'static str, d: Duration) {
+        self.add_peak(phase, d, 0, Duration::ZERO);
+    }
+
+    fn add_peak(&mut self, phase: &'static str, d: Duration, kb: u64, cpu: Duration) {
+        match self.phases.iter_mut().find(|(p, ..)| *p == phase) {
+            Some((_, t, k, c)) => {
                 *t += d;
                 *k += kb;
+                *c += cpu;
             }
-            None => self.phases.push((phase, d, kb)),
+            None => self.phases.push((phase, d, kb, cpu)),
         }
     }
 
@@ -53,10 +84,15 @@ impl Profile {
             true => peak_rss_kb().unwrap_or(0),
             false => 0,
         };
-        let (t0, p0) = (Instant::now(), peak());
+        let cpu = || match self.on {
+            true => cpu_time(),
+            false => Duration::ZERO,
+        };
+        let (t0, p0, c0) = (Instant::now(), peak(), cpu());
         let r = f();
         let grew = peak().saturating_sub(p0);
-        self.add_peak(phase, t0.elapsed(), grew);
+        let used = cpu().saturating_sub(c0);
+        self.add_peak(phase, t0.elapsed(), grew, used);
         r
     }
 
@@ -67,20 +103,33 @@ impl Profile {
         }
         let wall = self.start.elapsed().as_secs_f64();
         eprintln!(
-            "mla-diff: profile (seconds, summed over layers; the reference overlaps the rest; peak RSS growth)"
+            "mla-diff: profile (seconds, summed over layers; the reference overlaps the rest; process CPU seconds and cores busy while the phase ran; peak RSS growth)"
         );
-        for (p, d, kb) in &self.phases {
+        for (p, d, kb, c) in &self.phases {
             let s = d.as_secs_f64();
             let mb = match kb {
                 0 => String::new(),
                 kb => format!("  +{} MB", kb / 1024),
             };
+            let cpu = match c.is_zero() {
+                true => String::new(),
+                false => format!(
+                    "  cpu {:>8.2} ({:.1} cores)",
+                    c.as_secs_f64(),
+                    c.as_secs_f64() / s.max(1e-9)
+                ),
+            };
             eprintln!(
-                "  {p:<28} {s:>9.2}  {:>5.1}%{mb}",
+                "  {p:<28} {s:>9.2}  {:>5.1}%{cpu}{mb}",
                 100.0 * s / wall.max(1e-9)
             );
         }
         let peak = peak_rss_kb().map_or(String::new(), |kb| format!("  peak RSS {} MB", kb / 1024));
-        eprintln!("  {:<28} {wall:>9.2}{peak}", "wall (run loop)");
+        let cpu = cpu_time().as_secs_f64();
+        eprintln!(
+            "  {:<28} {wall:>9.2}  cpu {cpu:>8.2} ({:.1} cores){peak}",
+            "wall (run loop)",
+            cpu / wall.max(1e-9)
+        );
     }
 }

@@ -1,15 +1,20 @@
 //! The layer's device buffers: its weights in the storage type (with the host faults that change a
 //! weight) and every activation, scratch and output buffer, allocated once per layer before any launch.
 
-use super::device::{elem_bytes, encode, DevBuf};
+use super::device::{elem_bytes, encode, encode_f32, DevBuf};
 use crate::backend::{Dtype, LayerCtx};
 use crate::error::Result;
 use crate::faults::{Active, Fault};
 use crate::model::weights::QProj;
 
-/// Upload an f32 host tensor in the storage type.
-pub fn up(dt: Dtype, v: impl IntoIterator<Item = f32>) -> Result<DevBuf> {
-    DevBuf::upload(&encode(dt, v.into_iter().map(|x| x as f64)))
+/// Upload an f32 host tensor (in its logical order) in the storage type.
+pub fn up<S, D>(dt: Dtype, a: &ndarray::ArrayBase<S, D>) -> Result<DevBuf>
+where
+    S: ndarray::Data<Elem = f32>,
+    D: ndarray::Dimension,
+{
+    let a = a.as_standard_layout();
+    DevBuf::upload(&encode_f32(dt, a.as_slice().expect("standard layout")))
 }
 
 /// The layer's sizes (elements) and constants, as the launches use them.
@@ -89,18 +94,18 @@ pub struct Weights {
 impl Weights {
     pub fn upload(ctx: &LayerCtx, dt: Dtype) -> Result<Weights> {
         let (cfg, w, fx) = (ctx.cfg, ctx.weights, ctx.faults);
-        let attn_norm = up(dt, w.attn_norm.iter().copied())?;
+        let attn_norm = up(dt, &w.attn_norm)?;
         let (lq, q_a, q_a_norm, q_b) = match &w.q {
             QProj::Lora { a, a_norm, b } => (
                 a.nrows(),
-                Some(up(dt, a.iter().copied())?),
-                Some(up(dt, a_norm.iter().copied())?),
-                up(dt, b.iter().copied())?,
+                Some(up(dt, a)?),
+                Some(up(dt, a_norm)?),
+                up(dt, b)?,
             ),
-            QProj::Plain { q } => (0, None, None, up(dt, q.iter().copied())?),
+            QProj::Plain { q } => (0, None, None, up(dt, q)?),
         };
-        let kv_a = up(dt, w.kv_a.iter().copied())?;
-        let kv_a_norm = up(dt, w.kv_a_norm.iter().copied())?;
+        let kv_a = up(dt, &w.kv_a)?;
+        let kv_a_norm = up(dt, &w.kv_a_norm)?;
         // Host fault kv_b_swap: each head's kv_b block split [v | k_nope] (the CPU mirror's own split).
         let swapped = fx
             .on(Fault::KvBSwap)
@@ -109,8 +114,8 @@ impl Weights {
             Some((uk, uv)) => (uk, uv),
             None => (&w.w_uk, &w.w_uv),
         };
-        let w_uk = up(dt, uk.iter().copied())?; // [H·P, Lkv]
-        let w_uv = up(dt, uv.iter().copied())?; // [H·Dv, Lkv]
+        let w_uk = up(dt, uk)?; // [H·P, Lkv]
+        let w_uv = up(dt, uv)?; // [H·Dv, Lkv]
 
         // The q_absorbed GEMM's W_UK. Host fault k_b_untransposed: each head's buffer holds W_UKᵀ
         // ([Lkv, P] row-major, attn_k_b as stored) but is read as [P, Lkv], as the CPU mirror does.
@@ -122,7 +127,7 @@ impl Weights {
             (false, true) => uk.iter().copied().collect(),
         };
         let w_uk_t = match kb_untransposed {
-            true => Some(up(dt, uk_abs.iter().copied())?),
+            true => Some(up(dt, &ndarray::aview1(&uk_abs))?),
             false => None,
         };
         // Host fault q_abs_fp16_accum: that W_UK as fp16, converted from its stored values.
@@ -133,7 +138,7 @@ impl Weights {
             ))?),
             false => None,
         };
-        let o = up(dt, w.o.iter().copied())?; // [E, H·Dv]
+        let o = up(dt, &w.o)?; // [E, H·Dv]
         Ok(Weights {
             attn_norm,
             lq,

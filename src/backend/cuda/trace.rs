@@ -15,8 +15,9 @@ pub fn down(b: &DevBuf, dt: Dtype, off: usize, n: usize) -> Result<Vec<f64>> {
 }
 
 fn down_f32(b: &DevBuf, off: usize, n: usize) -> Result<Vec<f64>> {
+    use rayon::prelude::*;
     Ok(b.read::<f32>(off, n)?
-        .into_iter()
+        .into_par_iter()
         .map(|v| v as f64)
         .collect())
 }
