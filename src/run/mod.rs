@@ -291,216 +291,193 @@ pub fn run_from(
             (h.clone(), h)
         }
     };
-    let (mut shadow, mut free) = (Vec::<LayerResult>::new(), Vec::<LayerResult>::new());
-    let mut dumped = Vec::new();
+    // Per mode, the layers' results; the dumps written.
+    let mut results = (Vec::<LayerResult>::new(), Vec::new(), Vec::new());
     let mut repeats = Vec::new();
     let mut prof = profile::Profile::from_env();
     // The next layer's weights, loaded by the reference's thread once the reference is done.
     let mut preloaded: Option<(Result<LayerWeights>, std::time::Duration)> = None;
-    for (i, &l) in layers.iter().enumerate() {
-        bar.set_message(format!("layer {l}"));
-        // Captured per-layer inputs replace the attention-only residual stream in shadow mode.
-        if i > 0 {
-            if let LayerInputs::PerLayer(_) = inputs {
-                h_ref = inputs.layer(l)?;
+    // Each layer's comparison runs on its own thread next to the next layer's reference, optimized
+    // path and local view (it needs nothing of them, nor they of it); one at a time, in layer order,
+    // so that results and dumps come out as a sequential run's.
+    std::thread::scope(|judges| -> Result<()> {
+        let mut judging: Option<std::thread::ScopedJoinHandle<Result<Judged>>> = None;
+        let collect = |j: std::thread::ScopedJoinHandle<Result<Judged>>,
+                       prof: &mut profile::Profile,
+                       out: &mut (Vec<LayerResult>, Vec<LayerResult>, Vec<PathBuf>)|
+         -> Result<()> {
+            let j = j.join().unwrap_or_else(|e| std::panic::resume_unwind(e))?;
+            out.0.extend(j.shadow);
+            out.1.extend(j.free);
+            out.2.extend(j.dump);
+            prof.add("stage-local view", j.local);
+            prof.add("compare + reports", j.took);
+            Ok(())
+        };
+        for (i, &l) in layers.iter().enumerate() {
+            bar.set_message(format!("layer {l}"));
+            // Captured per-layer inputs replace the attention-only residual stream in shadow mode.
+            if i > 0 {
+                if let LayerInputs::PerLayer(_) = inputs {
+                    h_ref = inputs.layer(l)?;
+                }
             }
-        }
-        let (w, t_load) = preloaded
-            .take()
-            .unwrap_or_else(|| load_layer(file, &cfg, l));
-        prof.add("load + dequantize", t_load);
-        let w = w?;
-        let next = layers.get(i + 1).copied();
-        let dense_ctx = tables.ctx(&cfg, &w, &opts.sched, opts.faults.active(l));
-        let sel = match &sparse {
-            Some(sp) => Some(prof.time("DSA selection", || sp.select(file, &dense_ctx, &h_ref))?),
-            None => None,
-        };
-        let ref_sel = sel.as_ref().map(|s| &s.reference);
-        // Shadow mode's optimized path attends over the reference's selection: its stage checks then
-        // see kernel errors only; the selections are checked apart (`dsa::RunSparse::check_layer`).
-        let layer_ctx = crate::backend::LayerCtx {
-            selection: ref_sel,
-            ..dense_ctx
-        };
-        let ctx = compare::Ctx {
-            elementwise: true,
-            layer: l,
-            sched: &opts.sched,
-            block_table: &tables.block_table,
-            provided,
-        };
-        let free_ctx = compare::Ctx {
-            elementwise: false,
-            ..ctx
-        };
-        // The fp64 reference on its own thread, next to what of the layer does not need it: shadow
-        // mode's optimized path, its repeats and its stage-local view (or, without shadow mode, free
-        // mode's). Nothing is compared until both are done, and each side computes what it did alone,
-        // so the results are the same. With both modes free mode runs after shadow mode's comparison,
-        // once shadow mode's trace and local view are dropped: they are a layer's largest buffers.
-        let (reference, optimized) = std::thread::scope(|sc| {
-            let (c, w, rope, h, sched) = (&cfg, &w, &tables.rope, &h_ref, &opts.sched);
-            let r = sc.spawn(move || {
-                let t0 = std::time::Instant::now();
-                let r = crate::reference::run_layer_sel(c, w, rope, h, sched, ref_sel);
-                let took = t0.elapsed();
-                // Only after a good reference: a failing layer stops the run before the next is read.
-                let next = match (&r, next) {
-                    (Ok(_), Some(n)) => Some(load_layer(file, c, n)),
-                    _ => None,
-                };
-                (r, took, next)
-            });
-            let optimized = (|| -> Result<OptTraces> {
-                let mut shadow_opt = None;
-                if opts.modes.shadow {
-                    let opt =
-                        prof.time("optimized path", || backend.run_layer(&layer_ctx, &h_ref))?;
-                    if opts.repeat > 1 {
-                        repeats.push(repeat::repeat_layer(
+            let (w, t_load) = preloaded
+                .take()
+                .unwrap_or_else(|| load_layer(file, &cfg, l));
+            prof.add("load + dequantize", t_load);
+            // Shared with the layer's comparison thread (its stage-local view reads the weights).
+            let w = std::sync::Arc::new(w?);
+            let next = layers.get(i + 1).copied();
+            let dense_ctx = tables.ctx(&cfg, &w, &opts.sched, opts.faults.active(l));
+            let sel = match &sparse {
+                Some(sp) => {
+                    Some(prof.time("DSA selection", || sp.select(file, &dense_ctx, &h_ref))?)
+                }
+                None => None,
+            };
+            let ref_sel = sel.as_ref().map(|s| &s.reference);
+            // Shadow mode's optimized path attends over the reference's selection: its stage checks then
+            // see kernel errors only; the selections are checked apart (`dsa::RunSparse::check_layer`).
+            let layer_ctx = crate::backend::LayerCtx {
+                selection: ref_sel,
+                ..dense_ctx
+            };
+            let ctx = compare::Ctx {
+                elementwise: true,
+                layer: l,
+                sched: &opts.sched,
+                block_table: &tables.block_table,
+                provided,
+            };
+            let free_ctx = compare::Ctx {
+                elementwise: false,
+                ..ctx
+            };
+            // The fp64 reference on its own thread, next to what of the layer does not need it: shadow
+            // mode's optimized path, its repeats and its stage-local view (or, without shadow mode, free
+            // mode's). Each side computes what it did alone, so the results are the same.
+            let (reference, optimized) = std::thread::scope(|sc| {
+                let (c, w, rope, h, sched) = (&cfg, &w, &tables.rope, &h_ref, &opts.sched);
+                let r = sc.spawn(move || {
+                    let t0 = std::time::Instant::now();
+                    let r = crate::reference::run_layer_sel(c, w, rope, h, sched, ref_sel);
+                    let took = t0.elapsed();
+                    // Only after a good reference: a failing layer stops the run before the next is read.
+                    let next = match (&r, next) {
+                        (Ok(_), Some(n)) => Some(load_layer(file, c, n)),
+                        _ => None,
+                    };
+                    (r, took, next)
+                });
+                let optimized = (|| -> Result<OptTraces> {
+                    let mut shadow_opt = None;
+                    if opts.modes.shadow {
+                        let opt =
+                            prof.time("optimized path", || backend.run_layer(&layer_ctx, &h_ref))?;
+                        if opts.repeat > 1 {
+                            repeats.push(repeat::repeat_layer(
+                                backend,
+                                &layer_ctx,
+                                &h_ref,
+                                &opt,
+                                opts.repeat,
+                                &ctx,
+                            )?);
+                        }
+                        shadow_opt = Some(opt);
+                    }
+                    let free_opt = match opts.modes.free {
+                        true => Some(free_layer(
                             backend,
                             &layer_ctx,
-                            &h_ref,
-                            &opt,
-                            opts.repeat,
-                            &ctx,
-                        )?);
-                    }
-                    let mut local = prof.time("stage-local view", || {
-                        let inp = compare::local::Inputs {
-                            cfg: &cfg,
-                            weights: w,
-                            rope: &tables.rope,
-                            sched: &opts.sched,
-                            x: &h_ref,
-                            dtype: opts.dtype,
-                            provided,
-                            known_attention: backend.known_attention(),
-                            score_sum: backend.score_sum(),
-                        };
-                        // DSA: over the selection the path attended over (the reference's); none
-                        // for an absorbed sparse prefill (not modelled: docs/dsa.md).
-                        match ref_sel {
-                            Some(_) if backend.sparse_prefill_absorbed() => Default::default(),
-                            Some(selection) => compare::local::compute_sparse(
-                                &inp,
-                                &opt,
-                                compare::local::Sparse { selection },
-                            ),
-                            None => compare::local::compute(&inp, &opt),
-                        }
-                    });
-                    let outside = backend.outside_local_view();
-                    local.stages.retain(|s| !outside.contains(s.stage));
-                    shadow_opt = Some((opt, local));
+                            &h_opt,
+                            opts,
+                            &free_ctx,
+                            &mut repeats,
+                            &mut prof,
+                        )?),
+                        false => None,
+                    };
+                    Ok((shadow_opt, free_opt))
+                })();
+                let (r, took, next) = r.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+                prof.add("reference (fp64)", took);
+                preloaded = next;
+                (r, optimized)
+            });
+            let reference = reference?;
+            let (shadow_opt, free_opt) = optimized?;
+            // The reference residual after this layer: the next layer's shadow input and free mode's
+            // yardstick; the optimized one: free mode's next input.
+            let next_ref = residual_after(&h_ref, &reference)?;
+            let free_opt = match free_opt {
+                Some(opt) => {
+                    add_residual(&mut h_opt, attn_out(&opt)?);
+                    let drift = compare::metrics::rel_l2(
+                        next_ref.as_slice().expect("standard layout"),
+                        h_opt.as_slice().expect("standard layout"),
+                    );
+                    Some((opt, drift))
                 }
-                let free_opt = match opts.modes.free && !opts.modes.shadow {
-                    true => Some(free_layer(
-                        backend,
-                        &layer_ctx,
-                        &h_opt,
-                        opts,
-                        &free_ctx,
-                        &mut repeats,
-                        &mut prof,
-                    )?),
-                    false => None,
-                };
-                Ok((shadow_opt, free_opt))
-            })();
-            let (r, took, next) = r.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
-            prof.add("reference (fp64)", took);
-            preloaded = next;
-            (r, optimized)
-        });
-        let reference = reference?;
-        let (shadow_opt, free_opt) = optimized?;
-        let mut t_cmp = prof.mark();
-        let keep_traces = opts.dump.is_some();
-        // The reference residual after this layer: the next layer's shadow input and free mode's yardstick.
-        let next_ref = residual_after(&h_ref, &reference)?;
-        let mut dump_traces: Vec<(LayerTrace, bool)> = Vec::new();
-        if let Some((opt, local)) = shadow_opt {
-            let r = compare::compare_layer(
-                &ctx,
-                &reference,
-                &opt,
-                opts.dtype,
-                &opts.tolerances,
-                Some(&local),
-            )?;
-            if keep_traces {
-                dump_traces.push((opt, r.pass));
-            }
-            shadow.push(r);
-        }
-        let free_opt = match free_opt {
-            None if opts.modes.free => {
-                prof.add_since("compare + reports", t_cmp);
-                let opt = free_layer(
-                    backend,
-                    &layer_ctx,
-                    &h_opt,
-                    opts,
-                    &free_ctx,
-                    &mut repeats,
-                    &mut prof,
-                )?;
-                t_cmp = prof.mark();
-                Some(opt)
-            }
-            f => f,
-        };
-        if let Some(opt) = free_opt {
-            let mut r = compare::compare_layer(
-                &free_ctx,
-                &reference,
-                &opt,
-                opts.dtype,
-                &opts.tolerances,
-                None,
-            )?;
-            add_residual(&mut h_opt, attn_out(&opt)?);
-            r.drift = Some(compare::metrics::rel_l2(
-                next_ref.as_slice().expect("standard layout"),
-                h_opt.as_slice().expect("standard layout"),
-            ));
-            if keep_traces {
-                dump_traces.push((opt, r.pass));
-            }
-            free.push(r);
-        }
-        if let Some((dir, which)) = &opts.dump {
-            let failing = dump_traces.iter().find(|(_, pass)| !pass).map(|(t, _)| t);
-            let chosen = match which {
-                DumpLayers::All => dump_traces.first().map(|(t, _)| t),
-                DumpLayers::List(ls) if ls.contains(&l) => dump_traces.first().map(|(t, _)| t),
-                DumpLayers::First if dumped.is_empty() => failing,
-                _ => None,
+                None => None,
             };
-            if let Some(opt) = chosen {
-                dumped.push(crate::report::npy::dump_layer(dir, &reference, opt)?);
+            let layer_sel = sel.as_ref().map(|s| s.reference.clone());
+            if let (Some(sp), Some(sel)) = (sparse.as_mut(), sel) {
+                let t_dsa = std::time::Instant::now();
+                sp.check_layer(
+                    &dense_ctx,
+                    &ctx,
+                    sel,
+                    backend,
+                    &h_ref,
+                    &reference,
+                    opts.dtype,
+                    &opts.tolerances,
+                )?;
+                prof.add("DSA selection check", t_dsa.elapsed());
             }
+            if let Some(j) = judging.take() {
+                collect(j, &mut prof, &mut results)?;
+            }
+            // The stage-local view over the selection the path attended over (the reference's); none
+            // for an absorbed sparse prefill (not modelled: docs/dsa.md).
+            let view = match &layer_sel {
+                Some(_) if backend.sparse_prefill_absorbed() => None,
+                s => Some(View {
+                    weights: w.clone(),
+                    x: h_ref.clone(),
+                    known_attention: backend.known_attention(),
+                    score_sum: backend.score_sum(),
+                    outside: backend.outside_local_view(),
+                    selection: s.clone(),
+                }),
+            };
+            let layer = Computed {
+                reference,
+                shadow: shadow_opt.map(|o| (o, view)),
+                free: free_opt,
+            };
+            let dumped_before = !results.2.is_empty();
+            let (cfg, tables) = (&cfg, &tables);
+            judging = Some(judges.spawn(move || {
+                let env = JudgeEnv {
+                    cfg,
+                    rope: &tables.rope,
+                    opts,
+                    provided,
+                };
+                judge(layer, &env, &ctx, &free_ctx, dumped_before)
+            }));
+            h_ref = next_ref;
+            bar.inc(1);
         }
-        prof.add_since("compare + reports", t_cmp);
-        if let (Some(sp), Some(sel)) = (sparse.as_mut(), sel) {
-            let t_dsa = std::time::Instant::now();
-            sp.check_layer(
-                &dense_ctx,
-                &ctx,
-                sel,
-                backend,
-                &h_ref,
-                &reference,
-                opts.dtype,
-                &opts.tolerances,
-            )?;
-            prof.add("DSA selection check", t_dsa.elapsed());
+        if let Some(j) = judging.take() {
+            collect(j, &mut prof, &mut results)?;
         }
-        h_ref = next_ref;
-        bar.inc(1);
-    }
+        Ok(())
+    })?;
+    let (shadow, free, dumped) = results;
     bar.finish_and_clear();
     prof.print();
 
@@ -611,12 +588,137 @@ fn load_layer(
     (w, t0.elapsed())
 }
 
-/// A layer's optimized traces computed next to its reference: shadow mode's with its stage-local view,
-/// and free mode's when it runs there (without shadow mode).
-type OptTraces = (
-    Option<(LayerTrace, compare::local::Local)>,
-    Option<LayerTrace>,
-);
+/// A layer's optimized traces computed next to its reference: shadow mode's and free mode's.
+type OptTraces = (Option<LayerTrace>, Option<LayerTrace>);
+
+/// A layer's traces, computed, for [`judge`]: the reference, shadow mode's optimized trace with what
+/// its stage-local view needs (none where it is not modelled), free mode's with its drift.
+struct Computed {
+    reference: LayerTrace,
+    shadow: Option<(LayerTrace, Option<View>)>,
+    free: Option<(LayerTrace, f64)>,
+}
+
+/// What a layer's stage-local view needs besides the run's tables: the layer's weights and input, the
+/// backend's answers about its path, and (DSA) the selection the path attended over.
+struct View {
+    weights: std::sync::Arc<LayerWeights>,
+    x: Array2<f64>,
+    known_attention: bool,
+    score_sum: compare::noise::ScoreSum,
+    outside: crate::trace::StageSet,
+    selection: Option<crate::reference::sparse::Selection>,
+}
+
+/// What every layer's [`judge`] shares.
+struct JudgeEnv<'a> {
+    cfg: &'a MlaConfig,
+    rope: &'a crate::rope::RopeTables,
+    opts: &'a RunOptions,
+    provided: crate::trace::StageSet,
+}
+
+/// A layer's comparisons: its results per mode, its dump, and how long its local view and the rest took.
+struct Judged {
+    shadow: Option<LayerResult>,
+    free: Option<LayerResult>,
+    dump: Option<PathBuf>,
+    local: std::time::Duration,
+    took: std::time::Duration,
+}
+
+/// The stage-local view of shadow mode's trace.
+fn local_view(env: &JudgeEnv, opt: &LayerTrace, v: Option<View>) -> compare::local::Local {
+    let Some(v) = v else {
+        return Default::default();
+    };
+    let inp = compare::local::Inputs {
+        cfg: env.cfg,
+        weights: &v.weights,
+        rope: env.rope,
+        sched: &env.opts.sched,
+        x: &v.x,
+        dtype: env.opts.dtype,
+        provided: env.provided,
+        known_attention: v.known_attention,
+        score_sum: v.score_sum,
+    };
+    let mut local = match &v.selection {
+        Some(selection) => {
+            compare::local::compute_sparse(&inp, opt, compare::local::Sparse { selection })
+        }
+        None => compare::local::compute(&inp, opt),
+    };
+    local.stages.retain(|s| !v.outside.contains(s.stage));
+    local
+}
+
+/// A computed layer's stage-local view and comparison in each mode, and its dump as `--dump-dir` asks
+/// (`dumped_before`: an earlier layer was dumped).
+fn judge(
+    c: Computed,
+    env: &JudgeEnv,
+    ctx: &compare::Ctx,
+    free_ctx: &compare::Ctx,
+    dumped_before: bool,
+) -> Result<Judged> {
+    let opts = env.opts;
+    let t_local = std::time::Instant::now();
+    let shadow_opt = c.shadow.map(|(opt, v)| {
+        let local = local_view(env, &opt, v);
+        (opt, local)
+    });
+    let local = t_local.elapsed();
+    let t0 = std::time::Instant::now();
+    let mut traces: Vec<(LayerTrace, bool)> = Vec::new();
+    let mut shadow = None;
+    if let Some((opt, local)) = shadow_opt {
+        let r = compare::compare_layer(
+            ctx,
+            &c.reference,
+            &opt,
+            opts.dtype,
+            &opts.tolerances,
+            Some(&local),
+        )?;
+        traces.push((opt, r.pass));
+        shadow = Some(r);
+    }
+    let mut free = None;
+    if let Some((opt, drift)) = c.free {
+        let mut r = compare::compare_layer(
+            free_ctx,
+            &c.reference,
+            &opt,
+            opts.dtype,
+            &opts.tolerances,
+            None,
+        )?;
+        r.drift = Some(drift);
+        traces.push((opt, r.pass));
+        free = Some(r);
+    }
+    let mut dump = None;
+    if let Some((dir, which)) = &opts.dump {
+        let failing = traces.iter().find(|(_, pass)| !pass).map(|(t, _)| t);
+        let chosen = match which {
+            DumpLayers::All => traces.first().map(|(t, _)| t),
+            DumpLayers::List(ls) if ls.contains(&ctx.layer) => traces.first().map(|(t, _)| t),
+            DumpLayers::First if !dumped_before => failing,
+            _ => None,
+        };
+        if let Some(opt) = chosen {
+            dump = Some(crate::report::npy::dump_layer(dir, &c.reference, opt)?);
+        }
+    }
+    Ok(Judged {
+        shadow,
+        free,
+        dump,
+        local,
+        took: t0.elapsed(),
+    })
+}
 
 /// Free mode's optimized path of one layer on the optimized stream `h_opt` (and, without shadow mode,
 /// its repeats).
