@@ -297,11 +297,18 @@ pub fn run_from(
     let mut prof = profile::Profile::from_env();
     // The next layer's weights, loaded by the reference's thread once the reference is done.
     let mut preloaded: Option<(Result<LayerWeights>, std::time::Duration)> = None;
-    // Each layer's comparison runs on its own thread next to the next layer's reference, optimized
-    // path and local view (it needs nothing of them, nor they of it); one at a time, in layer order,
-    // so that results and dumps come out as a sequential run's.
+    // Each layer's stage-local view and comparison (its "judge") run on their own thread next to the
+    // next layer's reference and optimized path (they need nothing of them, nor they of it), collected
+    // in layer order, so that results and dumps come out as a sequential run's. Two judges at a time
+    // where the threads are there for them (on the H200 host's 16 cores one judge kept ~8 busy and set
+    // the pace); one when only the first failing layer is dumped (an earlier dump must be known).
+    let max_judges = match &opts.dump {
+        Some((_, DumpLayers::First)) => 1,
+        _ if rayon::current_num_threads() >= 12 => 2,
+        _ => 1,
+    };
     std::thread::scope(|judges| -> Result<()> {
-        let mut judging: Option<std::thread::ScopedJoinHandle<Result<Judged>>> = None;
+        let mut judging = std::collections::VecDeque::new();
         let collect = |j: std::thread::ScopedJoinHandle<Result<Judged>>,
                        prof: &mut profile::Profile,
                        out: &mut (Vec<LayerResult>, Vec<LayerResult>, Vec<PathBuf>)|
@@ -437,7 +444,8 @@ pub fn run_from(
                 )?;
                 prof.add("DSA selection check", t_dsa.elapsed());
             }
-            if let Some(j) = judging.take() {
+            while judging.len() >= max_judges {
+                let j = judging.pop_front().expect("a judge in flight");
                 collect(j, &mut prof, &mut results)?;
             }
             // The stage-local view over the selection the path attended over (the reference's); none
@@ -460,7 +468,7 @@ pub fn run_from(
             };
             let dumped_before = !results.2.is_empty();
             let (cfg, tables) = (&cfg, &tables);
-            judging = Some(judges.spawn(move || {
+            judging.push_back(judges.spawn(move || {
                 let env = JudgeEnv {
                     cfg,
                     rope: &tables.rope,
@@ -472,7 +480,7 @@ pub fn run_from(
             h_ref = next_ref;
             bar.inc(1);
         }
-        if let Some(j) = judging.take() {
+        while let Some(j) = judging.pop_front() {
             collect(j, &mut prof, &mut results)?;
         }
         Ok(())

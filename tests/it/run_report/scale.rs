@@ -7,7 +7,8 @@ use mla_diff::backend::Dtype;
 use mla_diff::gguf::GgufFile;
 use std::process::Command;
 
-/// The local view and the whole report are the same bytes on one thread as on several.
+/// The local view and the whole report are the same bytes on one thread as on several (12: two layers
+/// judged at a time, `run`'s layers in flight).
 #[test]
 fn reports_do_not_depend_on_the_thread_count() {
     let path = tiny4();
@@ -24,6 +25,7 @@ fn reports_do_not_depend_on_the_thread_count() {
     let one = json(1);
     assert!(one.contains("\"local\""), "the local view is in the report");
     assert_eq!(one, json(3));
+    assert_eq!(one, json(12));
 }
 
 /// The fp64 reference's per-head attention over rayon's threads: the same bits on one thread as on
