@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Lead's #15 measuring call: the whole 78-layer GLM-5 file at 64 tokens, the first layers at the default
+# schedule, with the new binary (before: prof1.sh, same host, 4 layers); selftest/gpu-validate first.
+set -uo pipefail
+export NO_COLOR=1 LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+B=.carry/lead/mla-diff-new; R=$OUT/scale2; mkdir -p $R; F=/tmp/g5-78.gguf
+S64="--prompt-len 48 --chunk 32 --decode-steps 16 --page-size 16 --num-splits 4"
+echo "commit $(cat .carry/lead/COMMIT-new)"; nproc; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+$B selftest --backend cuda > $R/selftest.txt 2>&1; echo "selftest exit $?: $(tail -1 $R/selftest.txt)"
+$B gpu-validate --quick > $R/gpu-validate.txt 2>&1; echo "gpu-validate exit $?: $(tail -1 $R/gpu-validate.txt)"
+/usr/bin/time -f "fixture wall %e s" $B fixture --preset glm-5 --quant q4_k -o $F 2>&1 | tail -1; ls -l $F
+export MLA_DIFF_PROFILE=1
+run() { local n=$1; shift; /usr/bin/time -v "$B" run $F --backend cuda -q --json $R/$n.json "$@" > $R/$n.txt 2>&1; echo "== $n exit $?"; grep -A9 "^mla-diff: profile" $R/$n.txt; grep -E "Elapsed|User time|System time|Maximum resident" $R/$n.txt | sed 's/^\s*//' | tr '\n' ';'; echo; }
+run l4-64 --layers 0..4 $S64
+run l4-default --layers 0..4
+run whole-64 $S64
+run l8-default --layers 0..8
+rm -f $F
