@@ -678,6 +678,8 @@ fn judge(
     });
     let local = t_local.elapsed();
     let t0 = std::time::Instant::now();
+    // The traces are kept for `--dump-dir` only: each is dropped once compared, with its local view.
+    let keep = opts.dump.is_some();
     let mut traces: Vec<(LayerTrace, bool)> = Vec::new();
     let mut shadow = None;
     if let Some((opt, local)) = shadow_opt {
@@ -689,7 +691,9 @@ fn judge(
             &opts.tolerances,
             Some(&local),
         )?;
-        traces.push((opt, r.pass));
+        if keep {
+            traces.push((opt, r.pass));
+        }
         shadow = Some(r);
     }
     let mut free = None;
@@ -703,7 +707,9 @@ fn judge(
             None,
         )?;
         r.drift = Some(drift);
-        traces.push((opt, r.pass));
+        if keep {
+            traces.push((opt, r.pass));
+        }
         free = Some(r);
     }
     let mut dump = None;
