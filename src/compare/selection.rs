@@ -11,7 +11,7 @@
 //! PR #3832), a key beyond it may not. A different count of keys is a failure by itself (a top-k
 //! boundary bug can hide inside the margin otherwise). NaN scores never pass.
 
-use crate::backend::cpu::indexer::KeyPrecision;
+use crate::backend::cpu::indexer::{hadamard, KeyPrecision};
 use crate::backend::Dtype;
 use crate::compare::noise::{acc_var, F32_OP};
 use crate::reference::indexer::IndexerOut;
@@ -24,6 +24,16 @@ use serde::{Deserialize, Serialize};
 /// near-ties is about √(2 ln N) σ: 4.3 σ for the ~10⁴ near-ties of a 3k-token layer; 6 σ leaves room
 /// for the model's approximations (measured on the golden: `tests/it/dsa.rs`).
 pub const MARGIN_SIGMAS: f64 = 6.0;
+
+/// The flip-count test: a key that changed sides at more than `FLIP_SIGMAS` σ of its score difference
+/// from the threshold is a *far flip*. The noise model predicts how many to expect (each key out there
+/// flips with probability Φ(−z)); a layer whose count is improbable under it, a Poisson tail below
+/// `FLIP_P`, fails. It catches what moves many keys by a few σ each, none beyond the per-key margin
+/// (a dropped fp8 block scale: a few percent per key).
+pub const FLIP_SIGMAS: f64 = 3.0;
+pub const FLIP_P: f64 = 1e-6;
+/// Keys further than this from the threshold add nothing to the expected count (Φ(−8) ≈ 6e-16).
+const FLIP_WALK_SIGMAS: f64 = 8.0;
 
 /// fp8 e4m3's unit roundoff (3 mantissa bits).
 pub const FP8_UNIT: f64 = 1.0 / 16.0;
@@ -42,13 +52,6 @@ pub struct ScoreNoise {
     vk: Array2<f64>,
     /// `[T, Hi]`: the weights' variance (attn_in's and the layer input's roundings through W_proj).
     vw: Array2<f64>,
-}
-
-/// `x · H / sqrt(n)` in f64 (the mirror's `indexer::hadamard`).
-fn hadamard(x: &mut [f64]) {
-    crate::backend::cpu::indexer::walsh_hadamard(x);
-    let s = (x.len() as f64).sqrt().recip();
-    x.iter_mut().for_each(|v| *v *= s);
 }
 
 fn mean_sq(x: &[f64]) -> f64 {
@@ -241,7 +244,57 @@ pub struct SelectionResult {
     pub count_mismatch: usize,
     /// The largest gap outside the margin (by `gap / margin`).
     pub worst: Option<Miss>,
+    /// Differing keys more than `FLIP_SIGMAS` σ from the threshold, the count the noise model expects
+    /// of them, and the Poisson probability of at least as many (`FLIP_P`: below it the layer fails).
+    #[serde(default)]
+    pub far_flips: usize,
+    #[serde(default)]
+    pub far_flips_expected: f64,
+    #[serde(default = "one")]
+    pub far_flips_p: f64,
     pub pass: bool,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// Φ(−z) for z ≥ 0 (erfc by Numerical Recipes' Chebyshev fit, relative error < 1.2e-7).
+pub fn upper_tail(z: f64) -> f64 {
+    let x = z / std::f64::consts::SQRT_2;
+    let t = 1.0 / (1.0 + 0.5 * x);
+    let y = t
+        * (-x * x - 1.26551223
+            + t * (1.00002368
+                + t * (0.37409196
+                    + t * (0.09678418
+                        + t * (-0.18628806
+                            + t * (0.27886807
+                                + t * (-1.13520398
+                                    + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))))))))
+            .exp();
+    0.5 * y
+}
+
+/// P(N ≥ n) for N ~ Poisson(λ).
+pub fn poisson_tail(n: usize, lambda: f64) -> f64 {
+    if n == 0 {
+        return 1.0;
+    }
+    if lambda <= 0.0 {
+        return 0.0;
+    }
+    // The first term e^−λ λ^n / n! in logs, then the series' terms in turn until negligible.
+    let ln_fact: f64 = (1..=n).map(|i| (i as f64).ln()).sum();
+    let mut term = (-lambda + n as f64 * lambda.ln() - ln_fact).exp();
+    let mut sum = 0.0;
+    let mut i = n;
+    while term > sum * 1e-17 && i < n + 100_000 {
+        sum += term;
+        i += 1;
+        term *= lambda / i as f64;
+    }
+    sum.min(1.0)
 }
 
 /// Compare `opt` with `reference` under the reference's fp64 `scores` (`[T, T]`, visible `j ≤ t`) and
@@ -262,6 +315,9 @@ pub fn compare(
         within_margin: 0,
         count_mismatch: 0,
         worst: None,
+        far_flips: 0,
+        far_flips_expected: 0.0,
+        far_flips_p: 1.0,
         pass: true,
     };
     if opt.n_queries() != t || scores.nrows() != t {
@@ -271,13 +327,14 @@ pub fn compare(
         return r;
     }
     // Per query: recall, count mismatch, and each differing key's (gap, margin); in parallel.
-    let per_query: Vec<(f64, bool, Vec<Miss>)> = (0..t)
+    let per_query: Vec<(f64, bool, Vec<Miss>, f64)> = (0..t)
         .into_par_iter()
         .map(|q| {
             let (rk, ok) = (&reference.keys[q], &opt.keys[q]);
             let row: Vec<f64> = scores.row(q).iter().take(q + 1).copied().collect();
             let k = rk.len();
-            let ranked = crate::reference::indexer::top_keys(&row, q + 1, (k + 1).min(q + 1));
+            // Every visible key by rank: the flip-count test walks out from the threshold.
+            let ranked = crate::reference::indexer::top_keys(&row, q + 1, q + 1);
             // The threshold keys: the k-th (for an extra key) and the (k+1)-th (for a dropped one).
             let (th_in, th_out) = (
                 k.checked_sub(1)
@@ -319,11 +376,17 @@ pub fn compare(
                     }
                 })
                 .collect();
-            (recall, ok.len() != k, misses)
+            let expected = expected_far_flips(&row, &ranked, k, |a, b| noise.sigma(q, a, Some(b)));
+            (recall, ok.len() != k, misses, expected)
         })
         .collect();
     let mut worst_ratio = 0.0;
-    for (recall, mismatch, misses) in per_query {
+    for (recall, mismatch, misses, expected) in per_query {
+        r.far_flips_expected += expected;
+        r.far_flips += misses
+            .iter()
+            .filter(|m| !(m.gap <= FLIP_SIGMAS / MARGIN_SIGMAS * m.margin))
+            .count();
         r.recall_min = r.recall_min.min(recall);
         r.recall_mean += recall / t as f64;
         if mismatch {
@@ -349,7 +412,47 @@ pub fn compare(
             }
         }
     }
+    r.far_flips_p = poisson_tail(r.far_flips, r.far_flips_expected);
+    if r.far_flips_p < FLIP_P {
+        r.pass = false;
+    }
     r
+}
+
+/// The expected number of far flips of one query (`ranked`: its visible keys by reference score, `k`
+/// selected): Σ Φ(−z) over the keys `FLIP_SIGMAS`..`FLIP_WALK_SIGMAS` σ from the threshold on either
+/// side, z their score's distance from the nearest key across it (the k-th for an unselected key,
+/// the (k+1)-th for a selected one) in σ of that difference. Walks out from the threshold and stops at
+/// the first key beyond `FLIP_WALK_SIGMAS` (the gaps grow with the rank).
+fn expected_far_flips(
+    row: &[f64],
+    ranked: &[u32],
+    k: usize,
+    sigma: impl Fn(usize, usize) -> f64,
+) -> f64 {
+    if k == 0 || k >= ranked.len() {
+        return 0.0;
+    }
+    let (a, b) = (ranked[k - 1] as usize, ranked[k] as usize);
+    let mut sum = 0.0;
+    let mut side = |keys: &mut dyn Iterator<Item = usize>, above: bool| {
+        for j in keys {
+            let (hi, lo) = if above { (j, b) } else { (a, j) };
+            // An exact tie (both scores 0: every head cut by ReLU) is no distance at all.
+            let gap = row[hi] - row[lo];
+            let z = if gap == 0.0 { 0.0 } else { gap / sigma(hi, lo) };
+            // NaN (a NaN score or σ) ends the walk: the per-key check fails such a query already.
+            if !(z <= FLIP_WALK_SIGMAS) {
+                break;
+            }
+            if z > FLIP_SIGMAS {
+                sum += upper_tail(z);
+            }
+        }
+    };
+    side(&mut ranked[..k].iter().rev().map(|&j| j as usize), true);
+    side(&mut ranked[k..].iter().map(|&j| j as usize), false);
+    sum
 }
 
 impl SelectionResult {
@@ -365,6 +468,10 @@ impl SelectionResult {
             self.count_mismatch,
             self.sparse_queries,
             self.queries
+        );
+        s += &format!(
+            ", {} far flips (> {FLIP_SIGMAS} σ; {:.2} expected, p {:.1e})",
+            self.far_flips, self.far_flips_expected, self.far_flips_p
         );
         if let Some(m) = &self.worst {
             s += &format!(
