@@ -250,7 +250,7 @@ pub const CATALOGUE: [Info; 25] = [
         ],
         expected: "selection",
         needs: &[Need::Dsa, Need::Positions],
-        cuda_site: "host, src/backend/cpu/indexer.rs: the optimized side's indexer is the CPU mirror's on every backend (no CUDA indexer yet), run with the misreading (`run::dsa::plan_for`)",
+        cuda_site: "host, src/backend/cpu/indexer.rs `operands`: CUDA's indexer takes its q and k from the host, roped there with the other pairing (`run::dsa::plan_for`)",
     },
     Info {
         fault: Fault::IndexerNonCausal,
@@ -261,7 +261,7 @@ pub const CATALOGUE: [Info; 25] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Dsa, Need::Prefill],
-        cuda_site: "host, src/backend/cpu/indexer.rs: the optimized side's indexer is the CPU mirror's on every backend (no CUDA indexer yet), run with the misreading (`run::dsa::plan_for`)",
+        cuda_site: "kernels/indexer.cu: `indexer_scores` scores the future keys and `indexer_topk` ranks them with the visible ones",
     },
     Info {
         fault: Fault::IndexerNoRelu,
@@ -272,7 +272,7 @@ pub const CATALOGUE: [Info; 25] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Dsa, Need::F32],
-        cuda_site: "host, src/backend/cpu/indexer.rs: the optimized side's indexer is the CPU mirror's on every backend (no CUDA indexer yet), run with the misreading (`run::dsa::plan_for`)",
+        cuda_site: "kernels/indexer.cu `indexer_scores`: the head logits summed without fmaxf(·, 0)",
     },
     Info {
         fault: Fault::IndexerTopkOffByOne,
@@ -283,7 +283,7 @@ pub const CATALOGUE: [Info; 25] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Dsa],
-        cuda_site: "host, src/backend/cpu/indexer.rs: the optimized side's indexer is the CPU mirror's on every backend (no CUDA indexer yet), run with the misreading (`run::dsa::plan_for`)",
+        cuda_site: "kernels/indexer.cu `indexer_topk`: top_k − 1 keys kept per query",
     },
     Info {
         fault: Fault::SparseIndexPageBase,
@@ -305,6 +305,6 @@ pub const CATALOGUE: [Info; 25] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Dsa, Need::Fp8Keys],
-        cuda_site: "host, src/backend/cpu/indexer.rs: the optimized side's indexer is the CPU mirror's on every backend (no CUDA indexer yet), run with the misreading (`run::dsa::plan_for`)",
+        cuda_site: "kernels/indexer.cu `indexer_scores`: the fp8 block's logit without the key's scale",
     },
 ];
