@@ -455,7 +455,7 @@ fn fp8_scale_dropped_is_caught_by_the_flip_count() {
                 );
                 assert_eq!(s.pass, !dropped, "{}", s.summary());
                 if dropped {
-                    assert!(s.far_flips_p < FLIP_P, "{}", s.summary());
+                    assert!(s.far_flip_p < FLIP_P, "{}", s.summary());
                 }
                 if dropped && prompt == 112 {
                     assert!(s.worst.is_none(), "{}", s.summary());
