@@ -47,6 +47,7 @@ pub enum Fault {
     IndexerNoRelu,
     IndexerTopkOffByOne,
     SparseIndexPageBase,
+    IndexerFp8Scale,
 }
 
 /// What a run needs for a fault to be visible at all. Model needs are properties of the file; run
@@ -93,6 +94,10 @@ pub enum Need {
     /// A DSA file with an indexer and queries that see more than its top_k keys (the indexer's
     /// selection matters only there; a file property, checked on the report's coverage).
     Dsa,
+    /// The indexer on fp8 keys (`--indexer-keys fp8`, a run option), over enough queries (176 prompt
+    /// tokens on the selftest's DSA fixture) for a per-key fault of a few σ to show in the count of far
+    /// flips (`compare::selection::FLIP_SIGMAS`).
+    Fp8Keys,
 }
 
 impl Need {
@@ -114,6 +119,7 @@ impl Need {
             Need::SplitTail => "a split tail after a full tile",
             Need::DecodeRows64 => "q_len×heads ≥ 64",
             Need::Dsa => "DSA past top_k",
+            Need::Fp8Keys => "fp8 indexer keys",
         }
     }
     /// Whether the model and schedule provide this; `None` when it depends on values or the dtype.
@@ -124,7 +130,7 @@ impl Need {
             Need::NeoxRope => cfg.rope.pairing == RopePairing::Neox,
             Need::Yarn => (cfg.mscale - 1.0).abs() > 1e-3,
             Need::QkNotV => cfg.qk_head_dim() != cfg.v_head_dim,
-            Need::LargeQAbs | Need::F32 | Need::Dsa => return None,
+            Need::LargeQAbs | Need::F32 | Need::Dsa | Need::Fp8Keys => return None,
             Need::Prefill => s.prompt_len >= 2 && s.chunk >= 2,
             Need::Positions => s.pos_offset > 0 || s.total_tokens() >= 2,
             Need::Decode => decode,
@@ -183,7 +189,7 @@ pub struct Info {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 24] = [
+    pub const ALL: [Fault; 25] = [
         Fault::RopeNeox,
         Fault::RopeNorm,
         Fault::YarnMscaleMissing,
@@ -208,6 +214,7 @@ impl Fault {
         Fault::IndexerNoRelu,
         Fault::IndexerTopkOffByOne,
         Fault::SparseIndexPageBase,
+        Fault::IndexerFp8Scale,
     ];
 
     /// A fault of the DSA indexer: caught by the selection check (`SELECTION_CHECK`), not a stage check.

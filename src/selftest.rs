@@ -197,7 +197,7 @@ fn run_case(
         faults,
         progress: false,
         repeat: 1,
-        indexer_keys: Default::default(),
+        indexer_keys: c.keys,
     };
     let rep = crate::run::run(file, backend.as_mut(), &info, &opts)?;
     Ok((rep, info.description))

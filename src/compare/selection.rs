@@ -11,7 +11,7 @@
 //! PR #3832), a key beyond it may not. A different count of keys is a failure by itself (a top-k
 //! boundary bug can hide inside the margin otherwise). NaN scores never pass.
 
-use crate::backend::cpu::indexer::KeyPrecision;
+use crate::backend::cpu::indexer::{hadamard, KeyPrecision};
 use crate::backend::Dtype;
 use crate::compare::noise::{acc_var, F32_OP};
 use crate::reference::indexer::IndexerOut;
@@ -24,6 +24,17 @@ use serde::{Deserialize, Serialize};
 /// near-ties is about √(2 ln N) σ: 4.3 σ for the ~10⁴ near-ties of a 3k-token layer; 6 σ leaves room
 /// for the model's approximations (measured on the golden: `tests/it/dsa.rs`).
 pub const MARGIN_SIGMAS: f64 = 6.0;
+
+/// The flip-count test: a key that changed sides at more than `FLIP_SIGMAS` σ of its score difference
+/// from the threshold is a *far flip*. Counted per query (a swap flips two keys at once: one event): the
+/// queries with a far flip, against the number the noise model expects (per query the union bound
+/// Σ Φ(−z) over its keys, at most 1, so the expectation errs high). A layer whose count has a Poisson
+/// probability below `FLIP_P` fails. It catches what moves many keys by a few σ each, none beyond the
+/// per-key margin (a dropped fp8 block scale: a few percent per key).
+pub const FLIP_SIGMAS: f64 = 3.0;
+pub const FLIP_P: f64 = 1e-6;
+/// Keys further than this from the threshold add nothing to the expected count (Φ(−8) ≈ 6e-16).
+const FLIP_WALK_SIGMAS: f64 = 8.0;
 
 /// fp8 e4m3's unit roundoff (3 mantissa bits).
 pub const FP8_UNIT: f64 = 1.0 / 16.0;
@@ -42,13 +53,6 @@ pub struct ScoreNoise {
     vk: Array2<f64>,
     /// `[T, Hi]`: the weights' variance (attn_in's and the layer input's roundings through W_proj).
     vw: Array2<f64>,
-}
-
-/// `x · H / sqrt(n)` in f64 (the mirror's `indexer::hadamard`).
-fn hadamard(x: &mut [f64]) {
-    crate::backend::cpu::indexer::walsh_hadamard(x);
-    let s = (x.len() as f64).sqrt().recip();
-    x.iter_mut().for_each(|v| *v *= s);
 }
 
 fn mean_sq(x: &[f64]) -> f64 {
@@ -241,7 +245,65 @@ pub struct SelectionResult {
     pub count_mismatch: usize,
     /// The largest gap outside the margin (by `gap / margin`).
     pub worst: Option<Miss>,
+    /// Queries with a key flipped more than `FLIP_SIGMAS` σ from the threshold, the number the noise
+    /// model expects, and the Poisson probability of at least as many (`FLIP_P`: below it, a failure).
+    #[serde(default)]
+    pub far_flip_queries: usize,
+    #[serde(default)]
+    pub far_flip_expected: f64,
+    #[serde(default = "one")]
+    pub far_flip_p: f64,
     pub pass: bool,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// Φ(−z) for z ≥ 0 (erfc by Numerical Recipes' Chebyshev fit, relative error < 1.2e-7).
+pub fn upper_tail(z: f64) -> f64 {
+    let x = z / std::f64::consts::SQRT_2;
+    let t = 1.0 / (1.0 + 0.5 * x);
+    let y = t
+        * (-x * x - 1.26551223
+            + t * (1.00002368
+                + t * (0.37409196
+                    + t * (0.09678418
+                        + t * (-0.18628806
+                            + t * (0.27886807
+                                + t * (-1.13520398
+                                    + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))))))))
+            .exp();
+    0.5 * y
+}
+
+/// `x ≤ lim`, false when either is NaN (NaN never passes).
+fn at_most(x: f64, lim: f64) -> bool {
+    matches!(
+        x.partial_cmp(&lim),
+        Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+    )
+}
+
+/// P(N ≥ n) for N ~ Poisson(λ).
+pub fn poisson_tail(n: usize, lambda: f64) -> f64 {
+    if n == 0 {
+        return 1.0;
+    }
+    if lambda <= 0.0 {
+        return 0.0;
+    }
+    // The first term e^−λ λ^n / n! in logs, then the series' terms in turn until negligible.
+    let ln_fact: f64 = (1..=n).map(|i| (i as f64).ln()).sum();
+    let mut term = (-lambda + n as f64 * lambda.ln() - ln_fact).exp();
+    let mut sum = 0.0;
+    let mut i = n;
+    while term > sum * 1e-17 && i < n + 100_000 {
+        sum += term;
+        i += 1;
+        term *= lambda / i as f64;
+    }
+    sum.min(1.0)
 }
 
 /// Compare `opt` with `reference` under the reference's fp64 `scores` (`[T, T]`, visible `j ≤ t`) and
@@ -262,6 +324,9 @@ pub fn compare(
         within_margin: 0,
         count_mismatch: 0,
         worst: None,
+        far_flip_queries: 0,
+        far_flip_expected: 0.0,
+        far_flip_p: 1.0,
         pass: true,
     };
     if opt.n_queries() != t || scores.nrows() != t {
@@ -271,13 +336,14 @@ pub fn compare(
         return r;
     }
     // Per query: recall, count mismatch, and each differing key's (gap, margin); in parallel.
-    let per_query: Vec<(f64, bool, Vec<Miss>)> = (0..t)
+    let per_query: Vec<(f64, bool, Vec<Miss>, f64)> = (0..t)
         .into_par_iter()
         .map(|q| {
             let (rk, ok) = (&reference.keys[q], &opt.keys[q]);
             let row: Vec<f64> = scores.row(q).iter().take(q + 1).copied().collect();
             let k = rk.len();
-            let ranked = crate::reference::indexer::top_keys(&row, q + 1, (k + 1).min(q + 1));
+            // Every visible key by rank: the flip-count test walks out from the threshold.
+            let ranked = crate::reference::indexer::top_keys(&row, q + 1, q + 1);
             // The threshold keys: the k-th (for an extra key) and the (k+1)-th (for a dropped one).
             let (th_in, th_out) = (
                 k.checked_sub(1)
@@ -319,11 +385,17 @@ pub fn compare(
                     }
                 })
                 .collect();
-            (recall, ok.len() != k, misses)
+            let expected = expected_far_flips(&row, &ranked, k, |a, b| noise.sigma(q, a, Some(b)));
+            (recall, ok.len() != k, misses, expected)
         })
         .collect();
     let mut worst_ratio = 0.0;
-    for (recall, mismatch, misses) in per_query {
+    for (recall, mismatch, misses, expected) in per_query {
+        r.far_flip_expected += expected.min(1.0);
+        r.far_flip_queries += misses
+            .iter()
+            .any(|m| !at_most(m.gap, FLIP_SIGMAS / MARGIN_SIGMAS * m.margin))
+            as usize;
         r.recall_min = r.recall_min.min(recall);
         r.recall_mean += recall / t as f64;
         if mismatch {
@@ -349,7 +421,47 @@ pub fn compare(
             }
         }
     }
+    r.far_flip_p = poisson_tail(r.far_flip_queries, r.far_flip_expected);
+    if r.far_flip_p < FLIP_P {
+        r.pass = false;
+    }
     r
+}
+
+/// The union bound on one query's far flips (`ranked`: its visible keys by reference score, `k`
+/// selected): Σ Φ(−z) over the keys `FLIP_SIGMAS`..`FLIP_WALK_SIGMAS` σ from the threshold on either
+/// side, z their score's distance from the nearest key across it (the k-th for an unselected key,
+/// the (k+1)-th for a selected one) in σ of that difference. Walks out from the threshold and stops at
+/// the first key beyond `FLIP_WALK_SIGMAS` (the gaps grow with the rank).
+fn expected_far_flips(
+    row: &[f64],
+    ranked: &[u32],
+    k: usize,
+    sigma: impl Fn(usize, usize) -> f64,
+) -> f64 {
+    if k == 0 || k >= ranked.len() {
+        return 0.0;
+    }
+    let (a, b) = (ranked[k - 1] as usize, ranked[k] as usize);
+    let mut sum = 0.0;
+    let mut side = |keys: &mut dyn Iterator<Item = usize>, above: bool| {
+        for j in keys {
+            let (hi, lo) = if above { (j, b) } else { (a, j) };
+            // An exact tie (both scores 0: every head cut by ReLU) is no distance at all.
+            let gap = row[hi] - row[lo];
+            let z = if gap == 0.0 { 0.0 } else { gap / sigma(hi, lo) };
+            // NaN (a NaN score or σ) ends the walk: the per-key check fails such a query already.
+            if !at_most(z, FLIP_WALK_SIGMAS) {
+                break;
+            }
+            if z > FLIP_SIGMAS {
+                sum += upper_tail(z);
+            }
+        }
+    };
+    side(&mut ranked[..k].iter().rev().map(|&j| j as usize), true);
+    side(&mut ranked[k..].iter().map(|&j| j as usize), false);
+    sum
 }
 
 impl SelectionResult {
@@ -365,6 +477,10 @@ impl SelectionResult {
             self.count_mismatch,
             self.sparse_queries,
             self.queries
+        );
+        s += &format!(
+            ", far flips (> {FLIP_SIGMAS} σ) in {} queries ({:.2} expected, p {:.1e})",
+            self.far_flip_queries, self.far_flip_expected, self.far_flip_p
         );
         if let Some(m) = &self.worst {
             s += &format!(
@@ -441,6 +557,65 @@ mod tests {
         s[[3, 2]] = f64::NAN;
         let n = noise(2f64.powi(-8));
         assert!(!compare(&s, &n, &sel(vec![0, 1]), &sel(vec![0, 2])).pass);
+    }
+
+    #[test]
+    fn tails_match_their_closed_forms() {
+        assert!((upper_tail(0.0) - 0.5).abs() < 1e-7);
+        assert!((upper_tail(3.0) / 1.349_898e-3 - 1.0).abs() < 1e-5);
+        assert!((upper_tail(6.0) / 9.865_876e-10 - 1.0).abs() < 1e-5);
+        assert_eq!(poisson_tail(0, 0.3), 1.0);
+        assert!((poisson_tail(1, 0.3) - (1.0 - (-0.3f64).exp())).abs() < 1e-15);
+        // P(N ≥ 3 | 0.25) = 1 − e^−λ (1 + λ + λ²/2).
+        let l: f64 = 0.25;
+        let want = 1.0 - (-l).exp() * (1.0 + l + l * l / 2.0);
+        assert!((poisson_tail(3, l) / want - 1.0).abs() < 1e-9);
+        assert_eq!(poisson_tail(2, 0.0), 0.0);
+    }
+
+    /// Many queries with a key flipped at 4 σ (within the per-key margin) fail the flip count; one passes.
+    #[test]
+    fn many_far_flips_fail_one_does_not() {
+        // 8 queries of 40 keys, scores 40 − j (top 20 selected); σ of every difference 0.25, so the
+        // 20th and 21st keys (1 apart) are 4 σ apart and nothing else is within 8 σ.
+        let t = 40;
+        let mut s = Array2::zeros((t, t));
+        for q in 0..t {
+            for j in 0..=q {
+                s[[q, j]] = (t - j) as f64;
+            }
+        }
+        let u = 0.25 / 2f64.sqrt();
+        let n = ScoreNoise {
+            q: Array3::ones((t, 1, 1)),
+            vq: Array3::zeros((t, 1, 1)),
+            k: Array2::from_shape_fn((t, 1), |(j, _)| (t - j) as f64),
+            vk: Array2::from_elem((t, 1), u * u),
+            w: Array2::ones((t, 1)),
+            vw: Array2::zeros((t, 1)),
+        };
+        let keys = |swap: &dyn Fn(usize) -> bool| {
+            (0..t)
+                .map(|q| {
+                    let mut k: Vec<u32> = (0..=q as u32).take(20).collect();
+                    if q >= 20 && swap(q) {
+                        k[19] = 20;
+                    }
+                    k
+                })
+                .collect()
+        };
+        let r = Selection::new(20, keys(&|_| false));
+        let one = compare(&s, &n, &r, &Selection::new(20, keys(&|q| q == 30)));
+        assert!(one.pass && one.far_flip_queries == 1, "{}", one.summary());
+        let many = compare(&s, &n, &r, &Selection::new(20, keys(&|q| q >= 28)));
+        assert!(many.worst.is_none(), "{}", many.summary());
+        assert!(
+            !many.pass && many.far_flip_queries == 12,
+            "{}",
+            many.summary()
+        );
+        assert!(many.far_flip_p < FLIP_P, "{}", many.summary());
     }
 
     /// A head whose logit ReLU cuts adds no noise to that key's score; fp8 keys widen σ by their

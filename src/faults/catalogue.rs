@@ -4,7 +4,7 @@
 use super::{Fault, Info, Need};
 
 /// The catalogue, one row per fault in `Fault` order (docs/faults.md is generated from it).
-pub const CATALOGUE: [Info; 24] = [
+pub const CATALOGUE: [Info; 25] = [
     Info {
         fault: Fault::RopeNeox,
         name: "rope_neox",
@@ -250,7 +250,7 @@ pub const CATALOGUE: [Info; 24] = [
         ],
         expected: "selection",
         needs: &[Need::Dsa, Need::Positions],
-        cuda_site: "host, src/backend/cpu/indexer.rs: the optimized side's indexer is the CPU mirror's on every backend (no CUDA indexer yet), run with the misreading (`run::dsa::plan_for`)",
+        cuda_site: "host, src/backend/cpu/indexer.rs `operands`: CUDA's indexer takes its q and k from the host, roped there with the other pairing (`run::dsa::plan_for`)",
     },
     Info {
         fault: Fault::IndexerNonCausal,
@@ -261,7 +261,7 @@ pub const CATALOGUE: [Info; 24] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Dsa, Need::Prefill],
-        cuda_site: "host, src/backend/cpu/indexer.rs: the optimized side's indexer is the CPU mirror's on every backend (no CUDA indexer yet), run with the misreading (`run::dsa::plan_for`)",
+        cuda_site: "kernels/indexer.cu: `indexer_scores` scores the future keys and `indexer_topk` ranks them with the visible ones",
     },
     Info {
         fault: Fault::IndexerNoRelu,
@@ -272,7 +272,7 @@ pub const CATALOGUE: [Info; 24] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Dsa, Need::F32],
-        cuda_site: "host, src/backend/cpu/indexer.rs: the optimized side's indexer is the CPU mirror's on every backend (no CUDA indexer yet), run with the misreading (`run::dsa::plan_for`)",
+        cuda_site: "kernels/indexer.cu `indexer_scores`: the head logits summed without fmaxf(·, 0)",
     },
     Info {
         fault: Fault::IndexerTopkOffByOne,
@@ -283,7 +283,7 @@ pub const CATALOGUE: [Info; 24] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Dsa],
-        cuda_site: "host, src/backend/cpu/indexer.rs: the optimized side's indexer is the CPU mirror's on every backend (no CUDA indexer yet), run with the misreading (`run::dsa::plan_for`)",
+        cuda_site: "kernels/indexer.cu `indexer_topk`: top_k − 1 keys kept per query",
     },
     Info {
         fault: Fault::SparseIndexPageBase,
@@ -295,5 +295,16 @@ pub const CATALOGUE: [Info; 24] = [
         expected: "lse[prefill]",
         needs: &[Need::Dsa, Need::Prefill],
         cuda_site: "host, src/backend/cuda/sparse.rs `index_rows`: the index rows for kernels/sparse_attn.cu hold key positions",
+    },
+    Info {
+        fault: Fault::IndexerFp8Scale,
+        name: "indexer_fp8_scale",
+        define: "MLA_FAULT_INDEXER_FP8_SCALE",
+        summary: "the fp8 indexer cache's per-block key scale left out of the logit (keys read as if unscaled)",
+        models: "the fp8 indexer cache (vLLM's DeepseekV32IndexerCache: e4m3 values and one f32 scale per 128) read without its scales: each key's score off by its own factor 448/amax, a few percent on LayerNorm'd keys, every moved key within the per-key noise margin; caught by the count of far flips",
+        sources: &[],
+        expected: "selection",
+        needs: &[Need::Dsa, Need::Fp8Keys],
+        cuda_site: "kernels/indexer.cu `indexer_scores`: the fp8 block's logit without the key's scale",
     },
 ];

@@ -174,7 +174,7 @@ pub fn plan_for(fx: crate::faults::Active, keys: KeyPrecision) -> Plan {
             non_causal: fx.on(Fault::IndexerNonCausal),
             ..Reading::default()
         },
-        fp8_scale_dropped: false,
+        fp8_scale_dropped: fx.on(Fault::IndexerFp8Scale),
     }
 }
 

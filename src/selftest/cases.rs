@@ -2,6 +2,7 @@
 //! that lacks one need), as a table.
 
 use super::fixtures::{Model, HEADS};
+use crate::backend::cpu::indexer::KeyPrecision;
 use crate::backend::Dtype;
 use crate::faults::{Fault, Need};
 use crate::schedule::Schedule;
@@ -52,6 +53,11 @@ pub fn schedule_for(needs: &[Need]) -> Schedule {
                 s.chunk = 16;
                 s.decode_steps = s.decode_steps.max(3);
             }
+            // Enough sparse queries for the flip count (measured: `tests/it/dsa.rs`).
+            Need::Fp8Keys => {
+                s.prompt_len = s.prompt_len.max(176);
+                s.chunk = s.chunk.max(16);
+            }
             Need::NormRope
             | Need::NeoxRope
             | Need::Yarn
@@ -90,6 +96,8 @@ pub struct Case {
     pub model: Model,
     pub dtype: Dtype,
     pub sched: Schedule,
+    /// How the optimized indexer stores q and k (`Need::Fp8Keys`: fp8).
+    pub keys: KeyPrecision,
 }
 
 /// A control: a fault on a run that lacks one of its needs (and has the others), where it must not be
@@ -255,6 +263,10 @@ impl Case {
                 false => Dtype::Bf16,
             },
             sched: schedule_for(needs),
+            keys: match needs.contains(&Need::Fp8Keys) {
+                true => KeyPrecision::Fp8,
+                false => KeyPrecision::Storage,
+            },
         }
     }
     pub(super) fn clean(&self) -> Case {
@@ -266,10 +278,14 @@ impl Case {
     }
     pub(super) fn setup_key(&self) -> String {
         format!(
-            "{} {} {}",
+            "{} {} {}{}",
             self.model.name(),
             self.dtype.name(),
-            self.params()
+            self.params(),
+            match self.keys {
+                KeyPrecision::Fp8 => " fp8-keys",
+                KeyPrecision::Storage => "",
+            }
         )
     }
     /// The run's schedule, test-backend-ops style.

@@ -7,7 +7,7 @@
 use mla_diff::backend::cpu::indexer::{self as mirror_indexer, KeyPrecision, Plan};
 use mla_diff::backend::cpu::CpuMirror;
 use mla_diff::backend::{Dtype, RunTables};
-use mla_diff::compare::selection::{ScoreNoise, MARGIN_SIGMAS};
+use mla_diff::compare::selection::{ScoreNoise, FLIP_P, MARGIN_SIGMAS};
 use mla_diff::compare::{self, ToleranceTable};
 use mla_diff::faults::{Active, Fault};
 use mla_diff::gguf::GgufFile;
@@ -35,6 +35,10 @@ fn case(layer: usize) -> Case {
 }
 
 fn case_of(path: &Path, layer: usize) -> Case {
+    case_sched(path, layer, Schedule::default())
+}
+
+fn case_sched(path: &Path, layer: usize, sched: Schedule) -> Case {
     let file = GgufFile::open(path).unwrap();
     let cfg = MlaConfig::from_gguf(&file).unwrap();
     let ic = IndexerConfig::from_gguf(&file, &cfg).unwrap().unwrap();
@@ -42,7 +46,6 @@ fn case_of(path: &Path, layer: usize) -> Case {
     let iw = IndexerWeights::load(&file, &cfg, &ic, layer)
         .unwrap()
         .unwrap();
-    let sched = Schedule::default();
     let factors = RopeFactors::load(&file, &cfg).unwrap();
     let tables = RunTables::new(&cfg, factors.as_ref(), &sched).unwrap();
     let t = sched.total_tokens();
@@ -421,5 +424,43 @@ fn flashmla_indices_address_the_selected_cache_rows() {
         let (p, o) = (i as usize / page, i as usize % page);
         assert_eq!(c.tables.block_table[j as usize / page], p);
         assert_eq!(j as usize % page, o);
+    }
+}
+
+/// The fp8-scale fault (`Plan::fp8_scale_dropped`: the key's block scale left out of the logit) moves
+/// many keys by a few σ each. At 128 tokens on the selftest fixture's layer 1 every moved key stays
+/// within the per-key margin and the flip-count test alone catches it (`FLIP_SIGMAS`, `FLIP_P`); at
+/// 192 tokens both layers fail it; the clean fp8 runs pass.
+#[test]
+fn fp8_scale_dropped_is_caught_by_the_flip_count() {
+    for (prompt, layers) in [(112, 1..2), (176, 0..2)] {
+        for layer in layers {
+            let sched = Schedule {
+                prompt_len: prompt,
+                ..Schedule::default()
+            };
+            let c = case_sched(&selftest_dsa_fixture(), layer, sched);
+            for dropped in [false, true] {
+                let plan = Plan {
+                    keys: KeyPrecision::Fp8,
+                    fp8_scale_dropped: dropped,
+                    ..Plan::default()
+                };
+                let s = c.run(Dtype::Bf16, plan, Active::NONE).selection;
+                println!(
+                    "{} tokens, layer {layer}, scale {}: {}",
+                    c.sched.total_tokens(),
+                    if dropped { "dropped" } else { "kept" },
+                    s.summary()
+                );
+                assert_eq!(s.pass, !dropped, "{}", s.summary());
+                if dropped {
+                    assert!(s.far_flip_p < FLIP_P, "{}", s.summary());
+                }
+                if dropped && prompt == 112 {
+                    assert!(s.worst.is_none(), "{}", s.summary());
+                }
+            }
+        }
     }
 }

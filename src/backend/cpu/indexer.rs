@@ -60,11 +60,30 @@ pub fn fp8_e4m3(x: f32) -> f32 {
         .copysign(x)
 }
 
-/// `x · H` with `H` the Sylvester Hadamard matrix (fast Walsh–Hadamard transform, unnormalized), in
-/// the precision of `T` (f32 here, f64 for the selection check's noise model).
-pub fn walsh_hadamard<T: Copy + std::ops::Add<Output = T> + std::ops::Sub<Output = T>>(
-    x: &mut [T],
-) {
+/// A float the Hadamard rotation runs in: f32 here, f64 for the selection check's noise model
+/// (`compare::selection`), each scaling in its own precision.
+pub trait HadamardFloat:
+    Copy + std::ops::Add<Output = Self> + std::ops::Sub<Output = Self> + std::ops::MulAssign
+{
+    /// `n^-0.5`.
+    fn inv_sqrt(n: usize) -> Self;
+}
+
+impl HadamardFloat for f32 {
+    fn inv_sqrt(n: usize) -> f32 {
+        (n as f32).sqrt().recip()
+    }
+}
+
+impl HadamardFloat for f64 {
+    fn inv_sqrt(n: usize) -> f64 {
+        (n as f64).sqrt().recip()
+    }
+}
+
+/// `x · H / sqrt(n)` with `H` the Sylvester Hadamard matrix (fast Walsh–Hadamard transform), in the
+/// precision of `T`.
+pub fn hadamard<T: HadamardFloat>(x: &mut [T]) {
     let n = x.len();
     debug_assert!(n.is_power_of_two());
     let mut h = 1;
@@ -78,12 +97,7 @@ pub fn walsh_hadamard<T: Copy + std::ops::Add<Output = T> + std::ops::Sub<Output
         }
         h *= 2;
     }
-}
-
-/// `x · H / sqrt(n)` in f32.
-pub fn hadamard(x: &mut [f32]) {
-    walsh_hadamard(x);
-    let s = (x.len() as f32).sqrt().recip();
+    let s = T::inv_sqrt(n);
     x.iter_mut().for_each(|v| *v *= s);
 }
 
@@ -116,6 +130,23 @@ pub struct Plan {
     pub fp8_scale_dropped: bool,
 }
 
+/// The scores' operands as the engine stores them (the CUDA indexer takes the same ones,
+/// `backend::cuda::indexer`): q and k in the run's dtype, or fp8 e4m3 values (exact in f32) with their
+/// per-block scales.
+#[derive(Debug, Clone)]
+pub struct Operands {
+    /// `[T, Hi, Di]`, roped (and, with fp8 keys, Hadamard-rotated and quantized, scale not applied).
+    pub q: Array3<f32>,
+    /// `[T, Di]`, likewise.
+    pub k: Array2<f32>,
+    /// `[T, Hi, Di / FP8_BLOCK]` and `[T, Di / FP8_BLOCK]`: the fp8 block scales (empty blocks axis
+    /// without fp8: nothing to scale).
+    pub q_scales: Array3<f32>,
+    pub k_scales: Array2<f32>,
+    /// `[T, Hi]` f32, pre-scaled by `(Hi·Di)^-0.5`.
+    pub weights: Array2<f32>,
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn run(
     cfg: &MlaConfig,
@@ -127,6 +158,23 @@ pub fn run(
     dt: Dtype,
     plan: Plan,
 ) -> Result<MirrorIndexer> {
+    let ops = operands(cfg, ic, iw, w, rope, x, dt, plan)?;
+    Ok(score_and_select(&ops, ic.top_k, plan))
+}
+
+/// q, k and the head weights of the mirror's indexer (everything before the scores). The rope pairing
+/// misreading (`Reading::swap_rope`) is applied here; the others act on the scores and the top-k.
+#[allow(clippy::too_many_arguments)]
+pub fn operands(
+    cfg: &MlaConfig,
+    ic: &IndexerConfig,
+    iw: &IndexerWeights,
+    w: &LayerWeights,
+    rope: &RopeTables,
+    x: &Array2<f64>,
+    dt: Dtype,
+    plan: Plan,
+) -> Result<Operands> {
     let r = plan.reading;
     let (hi, di, rd) = (ic.heads, ic.head_dim, ic.rope_dim);
     if plan.keys == KeyPrecision::Fp8 && !di.is_power_of_two() {
@@ -134,21 +182,41 @@ pub fn run(
             "fp8 indexer keys need a power-of-two head dim for the Hadamard rotation, the file has {di}"
         )));
     }
+    // The CPU mirror's rounded copy of the layer (`LayerWeights::stored`) where it was made; never made
+    // here (a CUDA run holds no second copy), the vectors and q_a rounded as they are read then.
+    let held = w.stored_made(dt);
+    fn st<'a>(
+        held: Option<&'a ndarray::Array1<f32>>,
+        a: &ndarray::Array1<f32>,
+        dt: Dtype,
+    ) -> std::borrow::Cow<'a, ndarray::Array1<f32>> {
+        match held {
+            Some(h) => std::borrow::Cow::Borrowed(h),
+            None => std::borrow::Cow::Owned(stored(a, dt)),
+        }
+    }
     // The layer input and attn_norm as the mirror's front computes them (`front::input`, `attn_in`).
     let attn_in = rms_norm(
         super::front::input(x, dt).view(),
-        &stored(&w.attn_norm, dt),
+        &st(held.map(|h| &h.attn_norm), &w.attn_norm, dt),
         cfg.rms_eps,
         dt,
     );
     let t = attn_in.nrows();
     let attn_in = attn_in.view();
-    let qr = match &w.q {
-        QProj::Lora { a, a_norm, .. } => {
-            let qa = linear(attn_in, stored(a, dt).view(), dt);
-            rms_norm(qa.view(), &stored(a_norm, dt), cfg.lora_norm_eps, dt)
+    let qr = match (&w.q, held.map(|h| &h.q)) {
+        (QProj::Lora { a, a_norm, .. }, held_q) => {
+            let (ha, hn) = match held_q {
+                Some(QProj::Lora { a, a_norm, .. }) => (Some(a), Some(a_norm)),
+                _ => (None, None),
+            };
+            let qa = match ha {
+                Some(ha) => linear(attn_in, ha.view(), dt),
+                None => linear(attn_in, stored(a, dt).view(), dt),
+            };
+            rms_norm(qa.view(), &st(hn, a_norm, dt), cfg.lora_norm_eps, dt)
         }
-        QProj::Plain { .. } => unreachable!("a DSA indexer needs q-LoRA"),
+        (QProj::Plain { .. }, _) => unreachable!("a DSA indexer needs q-LoRA"),
     };
     let mut tables = RopeF32::new(rope, Active::NONE);
     tables.pairing = match (r.swap_rope, ic.rope) {
@@ -175,9 +243,36 @@ pub fn run(
     }
     let scale = ((hi * di) as f32).sqrt().recip();
     let weights = attn_in.dot(&iw.proj.t()) * scale;
-    if plan.keys == KeyPrecision::Fp8 {
-        fp8_rows(&mut q, &mut k, plan.fp8_scale_dropped);
+    let (q_scales, k_scales) = match plan.keys {
+        KeyPrecision::Fp8 => fp8_rows(&mut q, &mut k),
+        KeyPrecision::Storage => (Array3::zeros((t, hi, 0)), Array2::zeros((t, 0))),
+    };
+    Ok(Operands {
+        q,
+        k,
+        q_scales,
+        k_scales,
+        weights,
+    })
+}
+
+/// The mirror's scores `[T, T]` (f32; the scales multiplied into the fp8 values first, the key scale
+/// left out with `Plan::fp8_scale_dropped`) and its top-k.
+pub fn score_and_select(ops: &Operands, top_k: usize, plan: Plan) -> MirrorIndexer {
+    let r = plan.reading;
+    let (mut q, mut k) = (ops.q.clone(), ops.k.clone());
+    let (t, hi, _) = q.dim();
+    if ops.q_scales.dim().2 > 0 {
+        for (mut row, sc) in q.rows_mut().into_iter().zip(ops.q_scales.rows()) {
+            scale_blocks(row.as_slice_mut().expect("contiguous"), sc);
+        }
+        if !plan.fp8_scale_dropped {
+            for (mut row, sc) in k.rows_mut().into_iter().zip(ops.k_scales.rows()) {
+                scale_blocks(row.as_slice_mut().expect("contiguous"), sc);
+            }
+        }
     }
+    let weights = &ops.weights;
     let mut scores = Array2::<f32>::zeros((t, t));
     for tt in 0..t {
         for j in 0..t {
@@ -192,28 +287,40 @@ pub fn run(
             scores[[tt, j]] = acc;
         }
     }
-    let selection = crate::reference::indexer::select(&scores.mapv(f64::from), ic.top_k, r);
-    Ok(MirrorIndexer { scores, selection })
+    let selection = crate::reference::indexer::select(&scores.mapv(f64::from), top_k, r);
+    MirrorIndexer { scores, selection }
+}
+
+/// Each `FP8_BLOCK` of `v` times its scale.
+fn scale_blocks(v: &mut [f32], scales: ndarray::ArrayView1<f32>) {
+    for (b, &sc) in v.chunks_mut(FP8_BLOCK).zip(scales) {
+        b.iter_mut().for_each(|x| *x *= sc);
+    }
 }
 
 /// Hadamard-rotate and fp8-quantize q (per token and head) and k (per token) in place, leaving each
-/// value as `fp8 · scale` (the logit `Σ_blocks dot(q8, k8)·s_q·s_k` up to f32 summation order).
-fn fp8_rows(q: &mut Array3<f32>, k: &mut Array2<f32>, scale_dropped: bool) {
-    let fp8 = |v: &mut [f32], keep_scale: bool| {
+/// value in e4m3 (its scale not applied); returns the scales, `[T, Hi, blocks]` and `[T, blocks]`.
+fn fp8_rows(q: &mut Array3<f32>, k: &mut Array2<f32>) -> (Array3<f32>, Array2<f32>) {
+    let (t, hi, di) = q.dim();
+    let nb = di.div_ceil(FP8_BLOCK);
+    let fp8 = |v: &mut [f32]| {
         hadamard(v);
-        let scales = quantize_fp8(v);
-        if keep_scale {
-            for (b, sc) in v.chunks_mut(FP8_BLOCK).zip(scales) {
-                b.iter_mut().for_each(|x| *x *= sc);
-            }
-        }
+        quantize_fp8(v)
     };
-    for mut row in q.rows_mut() {
-        fp8(row.as_slice_mut().expect("contiguous"), true);
-    }
-    for mut row in k.rows_mut() {
-        fp8(row.as_slice_mut().expect("contiguous"), !scale_dropped);
-    }
+    let qs: Vec<f32> = q
+        .rows_mut()
+        .into_iter()
+        .flat_map(|mut row| fp8(row.as_slice_mut().expect("contiguous")))
+        .collect();
+    let ks: Vec<f32> = k
+        .rows_mut()
+        .into_iter()
+        .flat_map(|mut row| fp8(row.as_slice_mut().expect("contiguous")))
+        .collect();
+    (
+        Array3::from_shape_vec((t, hi, nb), qs).expect("one scale per block"),
+        Array2::from_shape_vec((t, nb), ks).expect("one scale per block"),
+    )
 }
 
 /// `round(LayerNorm_f32(x) · w + b)` per row (population variance, eps 1e-6).

@@ -63,6 +63,7 @@ fn jobs() -> Vec<Job> {
         ("cache_write.cu", None),
         ("fill.cu", None),
         ("sparse_attn.cu", None),
+        ("indexer.cu", None),
         ("prefill.cu", Some(prefill_tiles()[0])),
         ("decode.cu", Some(decode_tiles(64)[0])),
         ("decode.cu", Some(decode_tiles(1)[0])),

@@ -29,7 +29,7 @@ pub struct Dims {
 
 /// The faults switched inside the kernels (kernels/*.cu); every other fault is a host switch in the
 /// layer's host code (mod.rs, buffers.rs, front.rs, decode.rs; `faults::Info::cuda_site` says which).
-pub const KERNEL_FAULTS: [Fault; 11] = [
+pub const KERNEL_FAULTS: [Fault; 15] = [
     Fault::RopeNeox,
     Fault::RopeNorm,
     Fault::CachePeFirst,
@@ -41,6 +41,11 @@ pub const KERNEL_FAULTS: [Fault; 11] = [
     Fault::SplitDropLast,
     Fault::Wg2KeysDropped,
     Fault::SplitTailDropped,
+    // kernels/indexer.cu (the DSA indexer's scores and top-k).
+    Fault::IndexerNonCausal,
+    Fault::IndexerNoRelu,
+    Fault::IndexerTopkOffByOne,
+    Fault::IndexerFp8Scale,
 ];
 
 impl Dims {

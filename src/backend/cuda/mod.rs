@@ -25,6 +25,7 @@ pub mod check;
 pub mod decode;
 pub mod device;
 pub mod front;
+pub mod indexer;
 pub mod kernels;
 pub mod launch;
 pub mod layer;
@@ -242,6 +243,22 @@ impl Backend for CudaBackend {
 
     fn sparse_prefill_absorbed(&self) -> bool {
         true
+    }
+
+    fn has_indexer(&self) -> bool {
+        true
+    }
+
+    /// Scores and top-k on the GPU, q/k/weights on the host (`indexer`, kernels/indexer.cu).
+    fn indexer(
+        &mut self,
+        ctx: &LayerCtx,
+        ic: &crate::model::IndexerConfig,
+        iw: &crate::model::IndexerWeights,
+        x: &ndarray::Array2<f64>,
+        keys: crate::backend::cpu::indexer::KeyPrecision,
+    ) -> Result<Option<crate::reference::sparse::Selection>> {
+        Ok(Some(indexer::run(self, ctx, ic, iw, x, keys)?.selection))
     }
 
     fn key_tiles(&self) -> crate::backend::KeyTiles {

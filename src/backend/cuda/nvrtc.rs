@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 /// Every kernel file, headers first. The `.cu` files are compiled; the `.cuh` files are passed to NVRTC
 /// as named headers.
-pub const KERNEL_FILES: [(&str, &str); 11] = [
+pub const KERNEL_FILES: [(&str, &str); 12] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "attention.cuh",
@@ -39,6 +39,7 @@ pub const KERNEL_FILES: [(&str, &str); 11] = [
         "sparse_attn.cu",
         include_str!("../../../kernels/sparse_attn.cu"),
     ),
+    ("indexer.cu", include_str!("../../../kernels/indexer.cu")),
 ];
 
 /// The kernel sources a run uses.
