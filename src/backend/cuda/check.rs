@@ -57,13 +57,22 @@ fn fault_arch(archs: &[String]) -> Option<&String> {
 /// One compile job: unit and attention tile.
 type Job = (&'static str, Option<Tile>);
 
-fn jobs() -> Vec<Job> {
+fn jobs(dims: &Dims) -> Vec<Job> {
+    // Prefill: the tile a Hopper part runs for these dims (128 keys where they fit, else 64).
+    let pre = super::tile_model::select(
+        dims,
+        &prefill_tiles(),
+        false,
+        &super::tile_model::HOPPER,
+        false,
+    )
+    .unwrap_or(prefill_tiles()[1]);
     vec![
         ("norm_rope.cu", None),
         ("cache_write.cu", None),
         ("fill.cu", None),
         ("sparse_attn.cu", None),
-        ("prefill.cu", Some(prefill_tiles()[0])),
+        ("prefill.cu", Some(pre)),
         ("decode.cu", Some(decode_tiles(64)[0])),
         ("decode.cu", Some(decode_tiles(1)[0])),
     ]
@@ -124,7 +133,7 @@ fn check_faults(
                 debug: true,
                 faults: Active::NONE.with(f),
             };
-            for (unit, tile) in jobs() {
+            for (unit, tile) in jobs(&dims) {
                 let c = nvrtc::compile(src, unit, &job_defines(&dims, tile), arch, true).map_err(
                     |e| Error::Environment(format!("{unit} with {define}=1 for {arch}: {e}")),
                 )?;
@@ -186,10 +195,14 @@ fn check_plan(dims: &Dims, unit: &str, t: Tile, kernel: &str, c: [i32; 4]) -> Re
         decode,
     );
     let want = match kernel {
-        // Decode's kernel: two warpgroups; prefill's: one per 64 rows.
+        // Decode's kernel: two warpgroups; prefill's: one per 64 rows and the producer warpgroup.
         "attn_wgmma" => [
             super::tile_model::wgmma_smem(dims, &t, decode),
-            if decode { 256 } else { 32 * t.wm as usize },
+            if decode {
+                256
+            } else {
+                32 * t.wm as usize + 128
+            },
         ],
         "attn_mma" => [
             super::tile_model::mma_smem(dims, &t, decode),
@@ -353,7 +366,7 @@ pub fn kernels_check(
                     debug: true,
                     faults: Active::NONE,
                 };
-                for (unit, tile) in jobs() {
+                for (unit, tile) in jobs(&dims) {
                     let c = nvrtc::compile(&src, unit, &job_defines(&dims, tile), arch, true)?;
                     compiles += 1;
                     if Some(arch) == fault_arch && FAULT_SETS.contains(&(name, dt)) {

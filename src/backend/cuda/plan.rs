@@ -385,17 +385,17 @@ mod tests {
             "{:?}",
             o.passed_over
         );
-        // Prefill on Hopper: wgmma at 128 rows x 64 keys for all three dim sets (the kernels' own
-        // PW_SMEM, as `kernels check` printed it), mma on sm_90; values wider than 256: mma.
-        for (d, smem) in [
-            (dims(Dtype::Bf16, 512, 64, 128, 128, 128), 132_096),
-            (dims(Dtype::F16, 512, 64, 192, 256, 64), 197_632),
-            (m, 82_944),
+        // Prefill on Hopper: wgmma at 128 rows x 128 keys, or 64 keys for GLM-5's 256-wide rows (the
+        // kernels' own PW_SMEM, as `kernels check` printed it), mma on sm_90; values wider than 256: mma.
+        for (d, smem, keys) in [
+            (dims(Dtype::Bf16, 512, 64, 128, 128, 128), 214_016, 128),
+            (dims(Dtype::F16, 512, 64, 192, 256, 64), 197_632, 64),
+            (m, 132_096, 128),
         ] {
             let p = plan(&d, false, 0, "sm_90a", 232_448);
             assert_eq!(
                 (p.kernel, p.smem, p.rows, p.keys),
-                ("attn_wgmma", smem, 128, 64)
+                ("attn_wgmma", smem, 128, keys)
             );
             let p = plan(&d, false, 0, "sm_90", 232_448);
             assert_eq!(p.kernel, "attn_mma");
