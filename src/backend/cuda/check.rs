@@ -57,16 +57,21 @@ fn fault_arch(archs: &[String]) -> Option<&String> {
 /// One compile job: unit and attention tile.
 type Job = (&'static str, Option<Tile>);
 
-fn jobs(dims: &Dims) -> Vec<Job> {
-    // Prefill: the tile a Hopper part runs for these dims (128 keys where they fit, else 64).
-    let pre = super::tile_model::select(
-        dims,
-        &prefill_tiles(),
-        false,
-        &super::tile_model::HOPPER,
-        false,
-    )
-    .unwrap_or(prefill_tiles()[1]);
+fn jobs(dims: &Dims, arch: &str) -> Vec<Job> {
+    // Prefill on sm_90a: the tile a Hopper part runs for these dims (128 keys where they fit, else 64);
+    // elsewhere the 64-key tile, whose module's mma fallback is the tile those parts run.
+    let hopper = (arch == "sm_90a")
+        .then(|| {
+            super::tile_model::select(
+                dims,
+                &prefill_tiles(),
+                false,
+                &super::tile_model::HOPPER,
+                false,
+            )
+        })
+        .flatten();
+    let pre = hopper.unwrap_or(prefill_tiles()[1]);
     vec![
         ("norm_rope.cu", None),
         ("cache_write.cu", None),
@@ -133,7 +138,7 @@ fn check_faults(
                 debug: true,
                 faults: Active::NONE.with(f),
             };
-            for (unit, tile) in jobs(&dims) {
+            for (unit, tile) in jobs(&dims, arch) {
                 let c = nvrtc::compile(src, unit, &job_defines(&dims, tile), arch, true).map_err(
                     |e| Error::Environment(format!("{unit} with {define}=1 for {arch}: {e}")),
                 )?;
@@ -366,7 +371,7 @@ pub fn kernels_check(
                     debug: true,
                     faults: Active::NONE,
                 };
-                for (unit, tile) in jobs(&dims) {
+                for (unit, tile) in jobs(&dims, arch) {
                     let c = nvrtc::compile(&src, unit, &job_defines(&dims, tile), arch, true)?;
                     compiles += 1;
                     if Some(arch) == fault_arch && FAULT_SETS.contains(&(name, dt)) {
