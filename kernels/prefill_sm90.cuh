@@ -25,9 +25,9 @@
 //
 // Shared layout (128-byte swizzle, as attention_sm90.cuh): a tile of n rows is stored as 64-column blocks
 // of n·128 bytes; in a block, row r is 128 bytes at r·128 and its 16-byte chunk c sits at chunk c ^ (r % 8).
-// Columns past the key / value width (MiniCPM3's 96 → 128) are zero. DeepSeek's 192 / 128 at 128-key
-// tiles (`run`'s on Hopper): Q 48 KB + 2 × (K 48 KB + V 32 KB) + 1 KB alignment slack = 209 KB; GLM-5's
-// 256 / 256 takes 64-key tiles (193 KB; 128 keys would need 321 KB).
+// Columns past the key / value width (MiniCPM3's 96 → 128) are zero. DeepSeek's 192 / 128 at 64-key
+// tiles (`run`'s): Q 48 KB + 2 × (K 24 KB + V 16 KB) + 1 KB alignment slack = 129 KB; at 128-key tiles
+// (`bench`'s alternative) 209 KB.
 #pragma once
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !ATT_MQA && !ATT_V_IN_K && MLA_DTYPE != 2 && ATT_DA % 8 == 0 && \

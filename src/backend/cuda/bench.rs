@@ -835,10 +835,11 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
         }
     }
     if opts.prefill {
-        // Hopper's wgmma prefill at 128-key tiles (only 192/128 fits: 209 KB) and 64, and by one consumer
-        // warpgroup of 64 rows; then the mma tiles.
         let mut tiles = prefill_tiles();
-        tiles.truncate(4);
+        tiles.truncate(3);
+        // Hopper's wgmma prefill at 128-key tiles (only 192/128 fits: 209 KB), and by one consumer
+        // warpgroup of 64 rows.
+        tiles.insert(1, Tile::wgmma(Tile::new(8, 1, 128, 2, 1)));
         tiles.insert(2, Tile::wgmma(Tile::new(4, 1, 64, 2, 1)));
         if opts.best_only {
             tiles.retain(|t| t.wgmma);

@@ -57,27 +57,13 @@ fn fault_arch(archs: &[String]) -> Option<&String> {
 /// One compile job: unit and attention tile.
 type Job = (&'static str, Option<Tile>);
 
-fn jobs(dims: &Dims, arch: &str) -> Vec<Job> {
-    // Prefill on sm_90a: the tile a Hopper part runs for these dims (128 keys where they fit, else 64);
-    // elsewhere the 64-key tile, whose module's mma fallback is the tile those parts run.
-    let hopper = (arch == "sm_90a")
-        .then(|| {
-            super::tile_model::select(
-                dims,
-                &prefill_tiles(),
-                false,
-                &super::tile_model::HOPPER,
-                false,
-            )
-        })
-        .flatten();
-    let pre = hopper.unwrap_or(prefill_tiles()[1]);
+fn jobs() -> Vec<Job> {
     vec![
         ("norm_rope.cu", None),
         ("cache_write.cu", None),
         ("fill.cu", None),
         ("sparse_attn.cu", None),
-        ("prefill.cu", Some(pre)),
+        ("prefill.cu", Some(prefill_tiles()[0])),
         ("decode.cu", Some(decode_tiles(64)[0])),
         ("decode.cu", Some(decode_tiles(1)[0])),
     ]
@@ -138,7 +124,7 @@ fn check_faults(
                 debug: true,
                 faults: Active::NONE.with(f),
             };
-            for (unit, tile) in jobs(&dims, arch) {
+            for (unit, tile) in jobs() {
                 let c = nvrtc::compile(src, unit, &job_defines(&dims, tile), arch, true).map_err(
                     |e| Error::Environment(format!("{unit} with {define}=1 for {arch}: {e}")),
                 )?;
@@ -371,7 +357,7 @@ pub fn kernels_check(
                     debug: true,
                     faults: Active::NONE,
                 };
-                for (unit, tile) in jobs(&dims, arch) {
+                for (unit, tile) in jobs() {
                     let c = nvrtc::compile(&src, unit, &job_defines(&dims, tile), arch, true)?;
                     compiles += 1;
                     if Some(arch) == fault_arch && FAULT_SETS.contains(&(name, dt)) {

@@ -102,9 +102,7 @@ pub fn decode_tiles(rows: usize) -> Vec<Tile> {
 /// Tile choices for prefill, best first (with one warp column P stays in registers).
 pub fn prefill_tiles() -> Vec<Tile> {
     vec![
-        // Hopper: warpgroup MMA (sm_90a; kernels/prefill_sm90.cuh), 128 rows by two consumer warpgroups,
-        // at 128-key tiles where they fit (9 % faster at 192/128 on the H200, bench/RESULTS.md (j)), else 64.
-        Tile::wgmma(Tile::new(8, 1, 128, 2, 1)),
+        // Hopper: warpgroup MMA (sm_90a; kernels/prefill_sm90.cuh), 128 rows by two warpgroups.
         Tile::wgmma(Tile::new(8, 1, 64, 2, 1)),
         Tile::new(8, 1, 64, 2, 1),
         Tile::new(4, 1, 64, 2, 1),

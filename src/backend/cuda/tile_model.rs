@@ -329,22 +329,17 @@ mod tests {
         assert_eq!(wgmma_smem(&d, &t, true), 231_424);
         assert!(wgmma_smem(&d, &t, true) <= HOPPER.smem_optin);
         // Prefill (PW_SMEM): 1 KB + Q 128 x 192 + two stages of 64 K (192) and V (128) rows; at 128 keys
-        // (the first choice) 209 KB (fits), at GLM-5's 256 / 256 with 128 keys 328 KB (does not: the
-        // 64-key tile runs).
-        let (bn128, pre) = (prefill_tiles()[0], prefill_tiles()[1]);
-        assert!(bn128.wgmma && bn128.wm == 8 && bn128.bn == 128);
+        // 209 KB (fits), at GLM-5's 256 / 256 with 128 keys 328 KB (does not: the 64-key tile runs).
+        let pre = prefill_tiles()[0];
         assert!(pre.wgmma && pre.wm == 8 && pre.bn == 64);
         assert_eq!(wgmma_smem(&d, &pre, false), 132_096);
+        let bn128 = Tile::wgmma(Tile::new(8, 1, 128, 2, 1));
         assert_eq!(wgmma_smem(&d, &bn128, false), 214_016);
-        assert_eq!(
-            select(&d, &prefill_tiles(), false, &HOPPER, false),
-            Some(bn128)
-        );
         let glm = dims(Dtype::Bf16, 512, 64, 192, 256, 64);
         assert_eq!(wgmma_smem(&glm, &pre, false), 197_632);
         assert!(wgmma_smem(&glm, &bn128, false) > HOPPER.smem_optin);
         assert_eq!(
-            select(&glm, &prefill_tiles(), false, &HOPPER, false),
+            select(&glm, &[bn128, pre], false, &HOPPER, false),
             Some(pre)
         );
         // Its geometry: 128 rows, 64 keys, no key slices (each warpgroup takes every key of its rows).
@@ -354,10 +349,10 @@ mod tests {
             (128, 64, 1)
         );
         assert_eq!(geometry(Some(decode_tiles(64)[0]), true).key_slices, 2);
-        // Off Hopper the module has no wgmma kernel: the mma tile after them.
+        // Off Hopper the module has no wgmma kernel: the mma tile after it.
         assert_eq!(
             select(&d, &prefill_tiles(), false, &AMPERE, false),
-            Some(prefill_tiles()[2])
+            Some(prefill_tiles()[1])
         );
         // MiniCPM3's 288-wide rows take 5 blocks.
         assert_eq!(
