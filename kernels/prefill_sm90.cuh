@@ -7,21 +7,27 @@
 // lse = ATT_EMPTY_LSE. It reuses attention.cuh's row, key-range and store helpers, so the planted faults
 // that reach prefill (CAUSAL_OFF_BY_ONE, EMPTY_CTX_LSE_INF; src/faults.rs) reach this kernel too.
 //
-// CTA: ATT_BM = 64 or 128 query rows of one head (the module's fallback tile: 4 or 8 warp rows), one
-// warpgroup per 64 rows; warpgroup g owns rows [64g, 64g + 64) over every key, so no row statistics cross
-// warpgroups (FlashAttention-3's split, without its producer warpgroup and ping-pong scheduling; with 64
-// rows two CTAs fit an SM at 192/128, and one's softmax can run under the other's MMAs). Per ATT_BN-key tile:
+// CTA: ATT_BM = 64 or 128 query rows of one head (the module's fallback tile: 4 or 8 warp rows) and
+// FlashAttention-3's warp specialization: one consumer warpgroup per 64 rows, which owns rows
+// [64g, 64g + 64) over every key (no row statistics cross warpgroups), and one producer warpgroup that
+// loads Q and the K / V tiles with cp.async (setmaxnreg moves registers from it to the consumers). Per
+// ATT_BN-key tile a consumer computes:
 //   S    S = Q·Kᵀ (wgmma m64n{BN}k16, Q and K from shared memory);
 //   P    online softmax in registers; P rounded to the storage type stays in registers: the accumulator
 //        layout of two adjacent 8-key column groups is the A-operand layout of one 16-key k-step;
 //   P·V  O += P·V (wgmma m64n{DVP}k16, A = P from registers, V from shared memory read N-major).
-// K and V tiles are double-buffered with cp.async; tile i+1's load is issued when every thread is done
-// with tile i-1 and runs under tile i's S, softmax and P·V.
+// Overlap (measured, bench/RESULTS.md (j)): within a warpgroup, tile j issues S(j) and then P(j-1)·V(j-1),
+// waits for S(j) only and runs tile j's softmax while P(j-1)·V(j-1) is on the tensor cores; across the
+// two consumers, named barriers make them take turns issuing (ping-pong), so one's softmax runs under
+// the other's MMAs. No CTA-wide barrier in the loop: K and V have two stages each, with a "full"
+// mbarrier (the producer arrives once its copies landed, after the proxy fence) and an "empty" one
+// (consumer warps arrive once the MMAs that read the stage are done). K runs a tile ahead of V.
 //
 // Shared layout (128-byte swizzle, as attention_sm90.cuh): a tile of n rows is stored as 64-column blocks
 // of n·128 bytes; in a block, row r is 128 bytes at r·128 and its 16-byte chunk c sits at chunk c ^ (r % 8).
 // Columns past the key / value width (MiniCPM3's 96 → 128) are zero. DeepSeek's 192 / 128 at 64-key
-// tiles: Q 48 KB + 2 × (K 24 KB + V 16 KB) + 1 KB alignment slack = 129 KB.
+// tiles (`run`'s): Q 48 KB + 2 × (K 24 KB + V 16 KB) + 1 KB alignment slack = 129 KB; at 128-key tiles
+// (`bench`'s alternative) 209 KB.
 #pragma once
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !ATT_MQA && !ATT_V_IN_K && MLA_DTYPE != 2 && ATT_DA % 8 == 0 && \
@@ -30,7 +36,9 @@
 
 #include "wgmma.cuh"
 
-#define PW_NT (2 * ATT_BM)  // a warpgroup (128 threads) per 64 rows
+#define PW_NC (ATT_BM / 64)   // consumer warpgroups, one per 64 rows
+#define PW_PP (PW_NC == 2)  // the two consumers take turns issuing their MMAs
+#define PW_NT (128 * PW_NC + 128)  // + one producer warpgroup (the loads)
 #define PW_KB ((ATT_DQK + 63) / 64)         // 64-column blocks of a Q / K row
 #define PW_VB ((ATT_DV + 63) / 64)          // 64-column blocks of a V row
 #define PW_DVP (PW_VB * 64)                 // value columns computed (zeros past ATT_DV)
@@ -168,7 +176,7 @@ __device__ __forceinline__ void pw_rs_n256(float (&d)[128], const unsigned (&a)[
 template <int BLOCKS>
 __device__ __forceinline__ void pw_load_row(unsigned dst, int blk, int r, const dt* src, int c1, const dt* src2,
                                             int c2, const dt* any_valid) {
-    const int q = threadIdx.x & 7;
+    const int q = threadIdx.x & 7;  // the producer warpgroup starts at a multiple of 8 threads
     const unsigned d = dst + r * 128 + ((q ^ (r & 7)) << 4);
 #pragma unroll
     for (int k = 0; k < BLOCKS; ++k) {
@@ -186,25 +194,113 @@ __device__ __forceinline__ void pw_load_row(unsigned dst, int blk, int r, const 
     }
 }
 
-// Keys [j0, j0 + BN) ∩ [.., hi) of head h: K = [k_nope | k_pe] and V rows; rows past `hi` are zero.
-__device__ __forceinline__ void pw_load_kv(const AttnArgs& a, int b, int h, int j0, int hi, unsigned sk,
-                                           unsigned sv) {
+// Keys [j0, j0 + BN) ∩ [.., hi) of head h: K = [k_nope | k_pe] rows (rows past `hi` are zero).
+__device__ __forceinline__ void pw_load_k(const AttnArgs& a, int b, int h, int j0, int hi, unsigned sk) {
 #pragma unroll
-    for (int r = threadIdx.x >> 3; r < ATT_BN; r += PW_NT / 8) {
+    for (int r = (threadIdx.x - 128 * PW_NC) >> 3; r < ATT_BN; r += 16) {
         const int j = j0 + r;
         const bool ok = j < hi;
         const dt* ka = ok ? a.ka + b * a.ka_bs + (long long)j * a.ka_rs + (long long)h * a.ka_hs : nullptr;
         const dt* kb = a.kb + b * a.kb_bs + (long long)j * a.kb_rs;
         pw_load_row<PW_KB>(sk, PW_KBLK, r, ka, ATT_DA / 8, kb, ATT_DQK / 8, a.ka);
-        const dt* v = ok ? a.v + b * a.v_bs + (long long)j * a.v_rs + (long long)h * a.v_hs : nullptr;
+    }
+}
+// The same keys' V rows.
+__device__ __forceinline__ void pw_load_v(const AttnArgs& a, int b, int h, int j0, int hi, unsigned sv) {
+#pragma unroll
+    for (int r = (threadIdx.x - 128 * PW_NC) >> 3; r < ATT_BN; r += 16) {
+        const int j = j0 + r;
+        const dt* v = j < hi ? a.v + b * a.v_bs + (long long)j * a.v_rs + (long long)h * a.v_hs : nullptr;
         pw_load_row<PW_VB>(sv, PW_KBLK, r, v, ATT_DV / 8, nullptr, 0, a.ka);
     }
 }
 
+// S = Q·Kᵀ for warpgroup wg's 64 rows and one key tile (issued, not waited).
+__device__ __forceinline__ void pw_issue_s(float (&s)[ATT_BN / 2], unsigned sQ, unsigned sK, int wg) {
+#pragma unroll
+    for (int kk = 0; kk < PW_KB * 4; ++kk) {
+        const unsigned off = (kk & 3) * 32;
+        pw_s(s, wg_desc(sQ + (kk >> 2) * PW_QBLK + wg * 64 * 128 + off, 16, 1024),
+             wg_desc(sK + (kk >> 2) * PW_KBLK + off, 16, 1024), kk > 0);
+    }
+}
+// O (+)= P·V over one key tile (issued, not waited); `first`: overwrite O (its first tile).
+__device__ __forceinline__ void pw_issue_pv(float (&o)[PW_DVP / 2], const unsigned (&pa)[ATT_BN / 16][4],
+                                            unsigned sV, bool first) {
+#pragma unroll
+    for (int kk = 0; kk < ATT_BN / 16; ++kk)
+        pw_pv(o, pa[kk], wg_desc(sV + kk * 16 * 128, PW_KBLK, 1024), !first || kk > 0);
+}
+// Online softmax of one tile's scores, in place: s becomes P = exp2(S·scale - m) (unrounded); m moves to
+// the new row maxima; al gets each row's rescale factor for O and l, rs the rows' partial sums of P.
+__device__ __forceinline__ void pw_softmax(float (&s)[ATT_BN / 2], float (&m)[2], float (&al)[2], float (&rs)[2],
+                                           const int (&lim)[2], int j0, int hi, bool mask, float scale_log2,
+                                           int t) {
+    float mu[2];
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2) {
+        float tm = MLA_NEG_INF;
+#pragma unroll
+        for (int n = 0; n < ATT_BN / 8; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int i = 4 * n + 2 * e2 + c, key = j0 + n * 8 + 2 * t + c;
+                float v = s[i] * scale_log2;
+                if (mask && (key >= hi || key > lim[e2])) v = MLA_NEG_INF;
+                s[i] = v;
+                tm = fmaxf(tm, v);
+            }
+        tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
+        tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
+        const float mn = fmaxf(m[e2], tm);
+        mu[e2] = mn == MLA_NEG_INF ? 0.f : mn;
+        al[e2] = exp2f(m[e2] - mu[e2]);
+        m[e2] = mn;
+        rs[e2] = 0.f;
+    }
+#pragma unroll
+    for (int n = 0; n < ATT_BN / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[4 * n + e] = exp2f(s[4 * n + e] - mu[e >> 1]);
+            rs[e >> 1] += s[4 * n + e];
+        }
+}
+// P rounded to the storage type: the A fragments of P·V's k-steps (two adjacent 8-key column groups of
+// the accumulator layout are one 16-key k-step's A layout).
+__device__ __forceinline__ void pw_pack(unsigned (&pa)[ATT_BN / 16][4], const float (&s)[ATT_BN / 2]) {
+#pragma unroll
+    for (int n = 0; n < ATT_BN / 8; ++n) {
+        pa[n >> 1][2 * (n & 1)] = pack2(s[4 * n], s[4 * n + 1]);
+        pa[n >> 1][2 * (n & 1) + 1] = pack2(s[4 * n + 2], s[4 * n + 3]);
+    }
+}
+
+// mbarriers of the K / V stages (the producer's 128 threads fill, consumer warps empty) and the named
+// barriers 1 and 2 of the consumers' ping-pong.
+__device__ __forceinline__ void mbar_init(unsigned bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, int parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nPW_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra PW_WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void pp_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void pp_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
+
 extern "C" __global__ void __launch_bounds__(PW_NT, 1) attn_wgmma(const AttnArgs a) {
     extern __shared__ __align__(1024) unsigned char smem[];
+    __shared__ __align__(8) unsigned long long bars[8];  // K full 0/1, V full 0/1, K empty 0/1, V empty 0/1
     const unsigned raw = smem_u32(smem), base = (raw + 1023) & ~1023u;
     const unsigned sQ = base, sK0 = base + PW_SQ, sV0 = sK0 + 2 * PW_SK;
+    const unsigned kfull = smem_u32(bars), vfull = kfull + 16, kempty = kfull + 32, vempty = kfull + 48;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wr = 64 * wg + (warp & 3) * 16;  // warpgroup; first of this warp's 16 rows
@@ -215,14 +311,58 @@ extern "C" __global__ void __launch_bounds__(PW_NT, 1) attn_wgmma(const AttnArgs
     att_key_range(a, n_keys, tile, &lo, &hi);
     const int n_tiles = hi > lo ? (hi - lo + ATT_BN - 1) / ATT_BN : 0;
 
-    // Q (rows past the end are zero) and the first K / V tile: one cp.async group.
-    for (int r = tid >> 3; r < ATT_BM; r += PW_NT / 8) {
-        const RowInfo ri = att_row(a, tile, r, n_keys);
-        const dt* src = ri.valid ? a.q + b * a.q_bs + (long long)ri.i * a.q_rs + (long long)ri.h * a.q_hs : nullptr;
-        pw_load_row<PW_KB>(sQ, PW_QBLK, r, src, ATT_DQK / 8, nullptr, 0, a.q);
+    if (tid < 2) {
+        mbar_init(kfull + 8 * tid, 128);
+        mbar_init(vfull + 8 * tid, 128);
+        mbar_init(kempty + 8 * tid, 4 * PW_NC);
+        mbar_init(vempty + 8 * tid, 4 * PW_NC);
     }
-    if (n_tiles > 0) pw_load_kv(a, b, h, lo, hi, sK0, sV0);
-    cp_async_commit();
+    __syncthreads();
+
+    if (wg == PW_NC) {
+        // Producer. Items in the order the consumers need them: Q + K(0), V(0), K(1), V(1), …; item i's
+        // full barrier is signalled once item i+1 is issued and item i has landed.
+#if PW_NC == 2
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+#endif
+        for (int r = (tid - 128 * PW_NC) >> 3; r < ATT_BM; r += 16) {
+            const RowInfo ri = att_row(a, tile, r, n_keys);
+            const dt* src =
+                ri.valid ? a.q + b * a.q_bs + (long long)ri.i * a.q_rs + (long long)ri.h * a.q_hs : nullptr;
+            pw_load_row<PW_KB>(sQ, PW_QBLK, r, src, ATT_DQK / 8, nullptr, 0, a.q);
+        }
+        if (n_tiles > 0) pw_load_k(a, b, h, lo, hi, sK0);
+        cp_async_commit();
+        for (int i = 1; i < 2 * n_tiles; ++i) {
+            const int j = i >> 1, st = j & 1;
+            if (i & 1) {
+                if (j >= 2) mbar_wait(vempty + 8 * st, ((j >> 1) - 1) & 1);  // P(j-2)·V(j-2) done
+                pw_load_v(a, b, h, lo + j * ATT_BN, hi, sV0 + st * PW_SV);
+            } else {
+                if (j >= 2) mbar_wait(kempty + 8 * st, ((j >> 1) - 1) & 1);  // S(j-2) done
+                pw_load_k(a, b, h, lo + j * ATT_BN, hi, sK0 + st * PW_SK);
+            }
+            cp_async_commit();
+            cp_async_wait<1>();
+            wg_fence_smem();
+            const int p = i - 1;  // the item that has landed
+            mbar_arrive(((p & 1) ? vfull : kfull) + 8 * ((p >> 1) & 1));
+        }
+        cp_async_wait<0>();  // with no key tile, Q's copies (unread) still finish before the exit
+        if (n_tiles > 0) {
+            wg_fence_smem();
+            const int p = 2 * n_tiles - 1;
+            mbar_arrive(vfull + 8 * ((p >> 1) & 1));
+        }
+        return;
+    }
+#if PW_NC == 2
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+#endif
+#if PW_PP
+    const int my_bar = 1 + wg, other_bar = 2 - wg;
+    if (wg == 1) pp_arrive(1);  // warpgroup 0 issues first
+#endif
 
     // This thread's rows: wr + g + 8e. Keys below `lim_lo` + 1 are visible to every row of the CTA: tiles
     // below it need no causal mask.
@@ -235,83 +375,76 @@ extern "C" __global__ void __launch_bounds__(PW_NT, 1) attn_wgmma(const AttnArgs
         l[e] = 0.f;
     }
     const int lim_lo = att_row(a, tile, 0, n_keys).lim;
-    // O is not zeroed: tile 0's first P·V k-step overwrites it (scale-d 0) and a CTA with no tile stores
-    // zeros (zeroing it inside the loop's reach serializes the wgmmas, C7515; attention_sm90.cuh).
+    // O is not zeroed: the first P·V k-step overwrites it (scale-d 0) and a CTA with no tile stores zeros
+    // (zeroing it inside the loop's reach serializes the wgmmas, C7515; attention_sm90.cuh).
     float o[PW_DVP / 2];
+    float s[ATT_BN / 2];
+    unsigned pa[ATT_BN / 16][4];
 
-    for (int it = 0; it < n_tiles; ++it) {
-        const int st = it & 1;
-        const unsigned sK = sK0 + st * PW_SK, sV = sV0 + st * PW_SV;
-        const int j0 = lo + it * ATT_BN;
-        cp_async_wait<0>();
-        wg_fence_smem();
-        __syncthreads();  // tile `it` is in shared memory; every warpgroup is done with tile it-1
-        if (it + 1 < n_tiles) pw_load_kv(a, b, h, j0 + ATT_BN, hi, sK0 + (st ^ 1) * PW_SK, sV0 + (st ^ 1) * PW_SV);
-        cp_async_commit();
-
-        // S = Q·Kᵀ for this warpgroup's 64 rows and the tile's keys.
-        float s[ATT_BN / 2];
+    if (n_tiles > 0) {
+        mbar_wait(kfull, 0);  // Q and K(0)
+#if PW_PP
+        pp_sync(my_bar);
+#endif
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < PW_KB * 4; ++kk) {
-            const unsigned off = (kk & 3) * 32;
-            pw_s(s, wg_desc(sQ + (kk >> 2) * PW_QBLK + wg * 64 * 128 + off, 16, 1024),
-                 wg_desc(sK + (kk >> 2) * PW_KBLK + off, 16, 1024), kk > 0);
-        }
+        pw_issue_s(s, sQ, sK0, wg);
         wg_commit();
+#if PW_PP
+        pp_arrive(other_bar);
+#endif
         wg_wait<0>();
         wg_pin(s);
-
-        // Scale, mask (only tiles that reach past a row's limit or the range's end), row max over the quad.
-        const bool mask = j0 + ATT_BN > lim_lo + 1 || j0 + ATT_BN > hi;
-        float mu[2], al[2], rs[2] = {0.f, 0.f};
+        if (lane == 0) mbar_arrive(kempty);
+        float al[2], rs[2];
+        pw_softmax(s, m, al, rs, lim, lo, hi, lo + ATT_BN > lim_lo + 1 || lo + ATT_BN > hi, a.scale_log2, t);
+        l[0] = rs[0];
+        l[1] = rs[1];
+        pw_pack(pa, s);
+    }
+    for (int it = 1; it < n_tiles; ++it) {
+        const int j0 = lo + it * ATT_BN, sk = it & 1, sv = (it - 1) & 1;
+        mbar_wait(kfull + 8 * sk, (it >> 1) & 1);
+        mbar_wait(vfull + 8 * sv, ((it - 1) >> 1) & 1);
+#if PW_PP
+        pp_sync(my_bar);
+#endif
+        wg_fence();
+        pw_issue_s(s, sQ, sK0 + sk * PW_SK, wg);
+        wg_commit();
+        pw_issue_pv(o, pa, sV0 + sv * PW_SV, it == 1);
+        wg_commit();
+#if PW_PP
+        pp_arrive(other_bar);
+#endif
+        wg_wait<1>();  // S(it) done; P(it-1)·V(it-1) may still run
+        wg_pin(s);
+        if (lane == 0) mbar_arrive(kempty + 8 * sk);
+        float al[2], rs[2];
+        pw_softmax(s, m, al, rs, lim, j0, hi, j0 + ATT_BN > lim_lo + 1 || j0 + ATT_BN > hi, a.scale_log2, t);
+        wg_wait<0>();
+        wg_pin(o);
+        if (lane == 0) mbar_arrive(vempty + 8 * sv);
 #pragma unroll
-        for (int e2 = 0; e2 < 2; ++e2) {
-            float tm = MLA_NEG_INF;
-#pragma unroll
-            for (int n = 0; n < ATT_BN / 8; ++n)
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int i = 4 * n + 2 * e2 + c, key = j0 + n * 8 + 2 * t + c;
-                    float v = s[i] * a.scale_log2;
-                    if (mask && (key >= hi || key > lim[e2])) v = MLA_NEG_INF;
-                    s[i] = v;
-                    tm = fmaxf(tm, v);
-                }
-            tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
-            tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
-            const float mn = fmaxf(m[e2], tm);
-            mu[e2] = mn == MLA_NEG_INF ? 0.f : mn;
-            al[e2] = exp2f(m[e2] - mu[e2]);
-            m[e2] = mn;
-        }
-        // P = exp2(S - m); the A fragments of P·V's k-steps, rounded to the storage type.
-        unsigned pa[ATT_BN / 16][4];
-#pragma unroll
-        for (int n = 0; n < ATT_BN / 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[4 * n + e] = exp2f(s[4 * n + e] - mu[e >> 1]);
-                rs[e >> 1] += s[4 * n + e];
-            }
-            pa[n >> 1][2 * (n & 1)] = pack2(s[4 * n], s[4 * n + 1]);
-            pa[n >> 1][2 * (n & 1) + 1] = pack2(s[4 * n + 2], s[4 * n + 3]);
-        }
+        for (int i = 0; i < PW_DVP / 2; ++i) o[i] *= al[(i >> 1) & 1];
         l[0] = l[0] * al[0] + rs[0];  // per-thread partial; reduced over the quad at the end
         l[1] = l[1] * al[1] + rs[1];
-#pragma unroll
-        for (int i = 0; i < PW_DVP / 2; ++i) o[i] *= al[(i >> 1) & 1];  // unset on tile 0: overwritten
-
-        // O += P·V over the tile's keys; waited before the next tile's barrier frees this V stage.
+        pw_pack(pa, s);
+    }
+    if (n_tiles > 0) {
+        const int sv = (n_tiles - 1) & 1;
+        mbar_wait(vfull + 8 * sv, ((n_tiles - 1) >> 1) & 1);
+#if PW_PP
+        pp_sync(my_bar);
+#endif
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < ATT_BN / 16; ++kk)
-            pw_pv(o, pa[kk], wg_desc(sV + kk * 16 * 128, PW_KBLK, 1024), it > 0 || kk > 0);
+        pw_issue_pv(o, pa, sV0 + sv * PW_SV, n_tiles == 1);
         wg_commit();
+#if PW_PP
+        if (wg == 0) pp_arrive(other_bar);  // warpgroup 1's last turn: nothing follows
+#endif
         wg_wait<0>();
         wg_pin(o);
     }
-    cp_async_wait<0>();
 
 #pragma unroll
     for (int e = 0; e < 2; ++e) {

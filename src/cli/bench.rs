@@ -124,6 +124,9 @@ struct PrefillArgs {
     /// command line.
     #[arg(long, value_delimiter = ',')]
     peers: Vec<String>,
+    /// Time only Hopper's warpgroup-MMA tiles (kernel probes), not the mma.sync fallbacks.
+    #[arg(long)]
+    wgmma_only: bool,
 }
 
 #[derive(clap::Args)]
@@ -192,7 +195,11 @@ pub fn exec(a: Args) -> Result<i32, Error> {
             &a.gpu.options(Some((&a.heads, a.best_only)), &a.peers)?,
             a.json.as_deref(),
         ),
-        BenchCmd::Prefill(a) => cuda_bench(&a.gpu.options(None, &a.peers)?, a.json.as_deref()),
+        BenchCmd::Prefill(a) => {
+            let mut o = a.gpu.options(None, &a.peers)?;
+            o.best_only = a.wgmma_only;
+            cuda_bench(&o, a.json.as_deref())
+        }
         BenchCmd::Table(a) => table(a),
     }
 }

@@ -53,7 +53,7 @@ pub struct BenchOptions {
     pub iters: usize,
     /// Decode head counts to time.
     pub decode_heads: Vec<usize>,
-    /// Only the first tile of each shape (the one `run` uses).
+    /// Decode: only the first tile of each shape (the one `run` uses); prefill: only the wgmma tiles.
     pub best_only: bool,
     /// Other projects' decode kernels to time on the same inputs (`peers::command`).
     pub peers: Vec<String>,
@@ -837,12 +837,16 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
     if opts.prefill {
         let mut tiles = prefill_tiles();
         tiles.truncate(3);
-        // Hopper's wgmma prefill at 128-key tiles (only 192/128 fits: 209 KB), and by one warpgroup of 64
-        // rows (two CTAs per SM at 192/128: 104 KB each).
+        // Hopper's wgmma prefill at 128-key tiles (only 192/128 fits: 209 KB), and by one consumer
+        // warpgroup of 64 rows.
         tiles.insert(1, Tile::wgmma(Tile::new(8, 1, 128, 2, 1)));
         tiles.insert(2, Tile::wgmma(Tile::new(4, 1, 64, 2, 1)));
-        tiles.push(Tile::new(8, 1, 64, 2, 2));
-        tiles.push(Tile::new(8, 1, 32, 2, 1));
+        if opts.best_only {
+            tiles.retain(|t| t.wgmma);
+        } else {
+            tiles.push(Tile::new(8, 1, 64, 2, 2));
+            tiles.push(Tile::new(8, 1, 32, 2, 1));
+        }
         for m in [Preset::DeepseekV3, Preset::Glm5].map(Preset::entry) {
             let c = ses.prefill(m, 4096, dt, &tiles)?;
             rows.extend(ses.rows(&c));

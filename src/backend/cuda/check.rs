@@ -187,10 +187,14 @@ fn check_plan(dims: &Dims, unit: &str, t: Tile, kernel: &str, c: [i32; 4]) -> Re
         decode,
     );
     let want = match kernel {
-        // Decode's kernel: two warpgroups; prefill's: one per 64 rows.
+        // Decode's kernel: two warpgroups; prefill's: one per 64 rows and the producer warpgroup.
         "attn_wgmma" => [
             super::tile_model::wgmma_smem(dims, &t, decode),
-            if decode { 256 } else { 32 * t.wm as usize },
+            if decode {
+                256
+            } else {
+                32 * t.wm as usize + 128
+            },
         ],
         "attn_mma" => [
             super::tile_model::mma_smem(dims, &t, decode),

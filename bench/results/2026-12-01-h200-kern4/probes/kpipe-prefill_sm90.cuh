@@ -1,0 +1,386 @@
+// prefill_sm90.cuh — causal / context prefill (decompressed MHA) on Hopper's warpgroup tensor cores
+// (wgmma); sm_90a only, included by prefill.cu next to attn_mma, which the host falls back to elsewhere.
+//
+// Same contract and numerics as attn_mma in attention.cuh (the CPU mirror's specification): per head,
+// scores q·k in f32 scaled by the softmax scale; online softmax per key tile; P rounded to the storage
+// type for P·V, the row sum l from unrounded P; lse = m + ln(l); a row that sees no key gets out = 0,
+// lse = ATT_EMPTY_LSE. It reuses attention.cuh's row, key-range and store helpers, so the planted faults
+// that reach prefill (CAUSAL_OFF_BY_ONE, EMPTY_CTX_LSE_INF; src/faults.rs) reach this kernel too.
+//
+// CTA: ATT_BM = 64 or 128 query rows of one head (the module's fallback tile: 4 or 8 warp rows), one
+// warpgroup per 64 rows; warpgroup g owns rows [64g, 64g + 64) over every key, so no row statistics cross
+// warpgroups (FlashAttention-3's split, without its producer warpgroup and ping-pong scheduling; with 64
+// rows two CTAs fit an SM at 192/128, and one's softmax can run under the other's MMAs). Per ATT_BN-key tile:
+//   S    S = Q·Kᵀ (wgmma m64n{BN}k16, Q and K from shared memory);
+//   P    online softmax in registers; P rounded to the storage type stays in registers: the accumulator
+//        layout of two adjacent 8-key column groups is the A-operand layout of one 16-key k-step;
+//   P·V  O += P·V (wgmma m64n{DVP}k16, A = P from registers, V from shared memory read N-major).
+// K and V tiles are double-buffered with cp.async; tile i+1's load is issued when every thread is done
+// with tile i-1 and runs under tile i's S, softmax and P·V.
+//
+// Shared layout (128-byte swizzle, as attention_sm90.cuh): a tile of n rows is stored as 64-column blocks
+// of n·128 bytes; in a block, row r is 128 bytes at r·128 and its 16-byte chunk c sits at chunk c ^ (r % 8).
+// Columns past the key / value width (MiniCPM3's 96 → 128) are zero. DeepSeek's 192 / 128 at 64-key
+// tiles: Q 48 KB + 2 × (K 24 KB + V 16 KB) + 1 KB alignment slack = 129 KB.
+#pragma once
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !ATT_MQA && !ATT_V_IN_K && MLA_DTYPE != 2 && ATT_DA % 8 == 0 && \
+    ATT_DB % 8 == 0 && ATT_DV % 8 == 0 && ATT_DV <= 256 && (ATT_BM == 64 || ATT_BM == 128) &&             \
+    (ATT_BN == 64 || ATT_BN == 128)
+
+#include "wgmma.cuh"
+
+#define PW_NT (2 * ATT_BM)  // a warpgroup (128 threads) per 64 rows
+#define PW_KB ((ATT_DQK + 63) / 64)         // 64-column blocks of a Q / K row
+#define PW_VB ((ATT_DV + 63) / 64)          // 64-column blocks of a V row
+#define PW_DVP (PW_VB * 64)                 // value columns computed (zeros past ATT_DV)
+#define PW_QBLK (ATT_BM * 128)              // one block of the Q tile
+#define PW_KBLK (ATT_BN * 128)              // one block of a K / V tile
+#define PW_SQ (PW_KB * PW_QBLK)
+#define PW_SK (PW_KB * PW_KBLK)
+#define PW_SV (PW_VB * PW_KBLK)
+#define PW_SMEM (1024 + PW_SQ + 2 * (PW_SK + PW_SV))
+
+// {dynamic shared bytes, threads per CTA, rows per CTA, keys per tile}
+extern "C" __device__ const int attn_wgmma_config[4] = {PW_SMEM, PW_NT, ATT_BM, ATT_BN};
+
+// D (+)= A·B for one warpgroup; `acc` = 0 overwrites D. `ss`: A and B by descriptor, both K-major;
+// `rs`: A (16 rows x 16 k per warp, the mma.sync A fragment) from registers, B N-major by descriptor.
+__device__ __forceinline__ void pw_ss_n64(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_TYPE "." MMA_TYPE " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(acc));
+}
+__device__ __forceinline__ void pw_ss_n128(float (&d)[64], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." MMA_TYPE "." MMA_TYPE " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(acc));
+}
+__device__ __forceinline__ void pw_rs_n64(float (&d)[32], const unsigned (&a)[4], unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_TYPE "." MMA_TYPE " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
+}
+__device__ __forceinline__ void pw_rs_n128(float (&d)[64], const unsigned (&a)[4], unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." MMA_TYPE "." MMA_TYPE " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
+}
+__device__ __forceinline__ void pw_rs_n192(float (&d)[96], const unsigned (&a)[4], unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32." MMA_TYPE "." MMA_TYPE " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+        "}, {%96, %97, %98, %99}, %100, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
+}
+__device__ __forceinline__ void pw_rs_n256(float (&d)[128], const unsigned (&a)[4], unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32." MMA_TYPE "." MMA_TYPE " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
+}
+
+#if ATT_BN == 64
+#define pw_s pw_ss_n64
+#else
+#define pw_s pw_ss_n128
+#endif
+#if PW_DVP == 64
+#define pw_pv pw_rs_n64
+#elif PW_DVP == 128
+#define pw_pv pw_rs_n128
+#elif PW_DVP == 192
+#define pw_pv pw_rs_n192
+#else
+#define pw_pv pw_rs_n256
+#endif
+
+// `width` elements of row `src` (null: zeros) into row r of a tile with blocks of `blk` bytes, eight
+// threads per row: this thread copies chunks q, q + 8, … (q = threadIdx % 8). `src2` continues the row
+// after `width2` chunks of `src` (K's k_pe after k_nope).
+template <int BLOCKS>
+__device__ __forceinline__ void pw_load_row(unsigned dst, int blk, int r, const dt* src, int c1, const dt* src2,
+                                            int c2, const dt* any_valid) {
+    const int q = threadIdx.x & 7;
+    const unsigned d = dst + r * 128 + ((q ^ (r & 7)) << 4);
+#pragma unroll
+    for (int k = 0; k < BLOCKS; ++k) {
+        const int c = 8 * k + q;
+        const dt* s = any_valid;
+        int n = 0;
+        if (src && c < c1) {
+            s = src + c * 8;
+            n = 16;
+        } else if (src && c < c2) {
+            s = src2 + (c - c1) * 8;
+            n = 16;
+        }
+        cp_async16(d + k * blk, s, n);
+    }
+}
+
+// Keys [j0, j0 + BN) ∩ [.., hi) of head h: K = [k_nope | k_pe] rows (rows past `hi` are zero).
+__device__ __forceinline__ void pw_load_k(const AttnArgs& a, int b, int h, int j0, int hi, unsigned sk) {
+#pragma unroll
+    for (int r = threadIdx.x >> 3; r < ATT_BN; r += PW_NT / 8) {
+        const int j = j0 + r;
+        const bool ok = j < hi;
+        const dt* ka = ok ? a.ka + b * a.ka_bs + (long long)j * a.ka_rs + (long long)h * a.ka_hs : nullptr;
+        const dt* kb = a.kb + b * a.kb_bs + (long long)j * a.kb_rs;
+        pw_load_row<PW_KB>(sk, PW_KBLK, r, ka, ATT_DA / 8, kb, ATT_DQK / 8, a.ka);
+    }
+}
+// The same keys' V rows.
+__device__ __forceinline__ void pw_load_v(const AttnArgs& a, int b, int h, int j0, int hi, unsigned sv) {
+#pragma unroll
+    for (int r = threadIdx.x >> 3; r < ATT_BN; r += PW_NT / 8) {
+        const int j = j0 + r;
+        const dt* v = j < hi ? a.v + b * a.v_bs + (long long)j * a.v_rs + (long long)h * a.v_hs : nullptr;
+        pw_load_row<PW_VB>(sv, PW_KBLK, r, v, ATT_DV / 8, nullptr, 0, a.ka);
+    }
+}
+
+// S = Q·Kᵀ for warpgroup wg's 64 rows and one key tile (issued, not waited).
+__device__ __forceinline__ void pw_issue_s(float (&s)[ATT_BN / 2], unsigned sQ, unsigned sK, int wg) {
+#pragma unroll
+    for (int kk = 0; kk < PW_KB * 4; ++kk) {
+        const unsigned off = (kk & 3) * 32;
+        pw_s(s, wg_desc(sQ + (kk >> 2) * PW_QBLK + wg * 64 * 128 + off, 16, 1024),
+             wg_desc(sK + (kk >> 2) * PW_KBLK + off, 16, 1024), kk > 0);
+    }
+}
+// O (+)= P·V over one key tile (issued, not waited); `first`: overwrite O (its first tile).
+__device__ __forceinline__ void pw_issue_pv(float (&o)[PW_DVP / 2], const unsigned (&pa)[ATT_BN / 16][4],
+                                            unsigned sV, bool first) {
+#pragma unroll
+    for (int kk = 0; kk < ATT_BN / 16; ++kk)
+        pw_pv(o, pa[kk], wg_desc(sV + kk * 16 * 128, PW_KBLK, 1024), !first || kk > 0);
+}
+// Online softmax of one tile's scores, in place: s becomes P = exp2(S·scale - m) (unrounded); m moves to
+// the new row maxima; al gets each row's rescale factor for O and l, rs the rows' partial sums of P.
+__device__ __forceinline__ void pw_softmax(float (&s)[ATT_BN / 2], float (&m)[2], float (&al)[2], float (&rs)[2],
+                                           const int (&lim)[2], int j0, int hi, bool mask, float scale_log2,
+                                           int t) {
+    float mu[2];
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2) {
+        float tm = MLA_NEG_INF;
+#pragma unroll
+        for (int n = 0; n < ATT_BN / 8; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int i = 4 * n + 2 * e2 + c, key = j0 + n * 8 + 2 * t + c;
+                float v = s[i] * scale_log2;
+                if (mask && (key >= hi || key > lim[e2])) v = MLA_NEG_INF;
+                s[i] = v;
+                tm = fmaxf(tm, v);
+            }
+        tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
+        tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
+        const float mn = fmaxf(m[e2], tm);
+        mu[e2] = mn == MLA_NEG_INF ? 0.f : mn;
+        al[e2] = exp2f(m[e2] - mu[e2]);
+        m[e2] = mn;
+        rs[e2] = 0.f;
+    }
+#pragma unroll
+    for (int n = 0; n < ATT_BN / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[4 * n + e] = exp2f(s[4 * n + e] - mu[e >> 1]);
+            rs[e >> 1] += s[4 * n + e];
+        }
+}
+// P rounded to the storage type: the A fragments of P·V's k-steps (two adjacent 8-key column groups of
+// the accumulator layout are one 16-key k-step's A layout).
+__device__ __forceinline__ void pw_pack(unsigned (&pa)[ATT_BN / 16][4], const float (&s)[ATT_BN / 2]) {
+#pragma unroll
+    for (int n = 0; n < ATT_BN / 8; ++n) {
+        pa[n >> 1][2 * (n & 1)] = pack2(s[4 * n], s[4 * n + 1]);
+        pa[n >> 1][2 * (n & 1) + 1] = pack2(s[4 * n + 2], s[4 * n + 3]);
+    }
+}
+
+// Intra-warpgroup pipelining (FlashAttention-3's): in key tile j a warpgroup issues S(j) = Q·K(j)ᵀ and then
+// O += P(j-1)·V(j-1), waits for S(j) only, and runs tile j's softmax while P(j-1)·V(j-1) is on the tensor
+// cores; O is rescaled once that finishes. K runs a tile ahead of V: K and V have their own two stages, and
+// the loads issued in tile j (K(j+1), V(j)) fill the stages that tile j-1's MMAs freed.
+extern "C" __global__ void __launch_bounds__(PW_NT, 1) attn_wgmma(const AttnArgs a) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const unsigned raw = smem_u32(smem), base = (raw + 1023) & ~1023u;
+    const unsigned sQ = base, sK0 = base + PW_SQ, sV0 = sK0 + 2 * PW_SK;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wr = 64 * wg + (warp & 3) * 16;  // warpgroup; first of this warp's 16 rows
+    const int g = lane >> 2, t = lane & 3;
+    const int b = blockIdx.z, h = blockIdx.y, tile = att_tile();
+    const int n_keys = a.seq_lens ? a.seq_lens[b] : a.n_keys;
+    int lo, hi;
+    att_key_range(a, n_keys, tile, &lo, &hi);
+    const int n_tiles = hi > lo ? (hi - lo + ATT_BN - 1) / ATT_BN : 0;
+
+    // Q (rows past the end are zero) and K(0): one cp.async group; V(0) and K(1): the next.
+    for (int r = tid >> 3; r < ATT_BM; r += PW_NT / 8) {
+        const RowInfo ri = att_row(a, tile, r, n_keys);
+        const dt* src = ri.valid ? a.q + b * a.q_bs + (long long)ri.i * a.q_rs + (long long)ri.h * a.q_hs : nullptr;
+        pw_load_row<PW_KB>(sQ, PW_QBLK, r, src, ATT_DQK / 8, nullptr, 0, a.q);
+    }
+    if (n_tiles > 0) pw_load_k(a, b, h, lo, hi, sK0);
+    cp_async_commit();
+    if (n_tiles > 0) pw_load_v(a, b, h, lo, hi, sV0);
+    if (n_tiles > 1) pw_load_k(a, b, h, lo + ATT_BN, hi, sK0 + PW_SK);
+    cp_async_commit();
+
+    // This thread's rows: wr + g + 8e. Keys below `lim_lo` + 1 are visible to every row of the CTA: tiles
+    // below it need no causal mask.
+    int lim[2];
+    float m[2], l[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        lim[e] = att_row(a, tile, wr + g + 8 * e, n_keys).lim;
+        m[e] = MLA_NEG_INF;
+        l[e] = 0.f;
+    }
+    const int lim_lo = att_row(a, tile, 0, n_keys).lim;
+    // O is not zeroed: the first P·V k-step overwrites it (scale-d 0) and a CTA with no tile stores zeros
+    // (zeroing it inside the loop's reach serializes the wgmmas, C7515; attention_sm90.cuh).
+    float o[PW_DVP / 2];
+    float s[ATT_BN / 2];
+    unsigned pa[ATT_BN / 16][4];
+
+    if (n_tiles > 0) {
+        cp_async_wait<1>();
+        wg_fence_smem();
+        __syncthreads();  // Q and K(0) are in shared memory
+        wg_fence();
+        pw_issue_s(s, sQ, sK0, wg);
+        wg_commit();
+        wg_wait<0>();
+        wg_pin(s);
+        float al[2], rs[2];
+        pw_softmax(s, m, al, rs, lim, lo, hi, lo + ATT_BN > lim_lo + 1 || lo + ATT_BN > hi, a.scale_log2, t);
+        l[0] = rs[0];
+        l[1] = rs[1];
+        pw_pack(pa, s);
+    }
+    for (int it = 1; it < n_tiles; ++it) {
+        const int j0 = lo + it * ATT_BN;
+        cp_async_wait<0>();
+        wg_fence_smem();
+        __syncthreads();  // K(it) and V(it-1) are in shared memory; every warpgroup is done with tile it-1
+        if (it + 1 < n_tiles) pw_load_k(a, b, h, j0 + ATT_BN, hi, sK0 + ((it + 1) & 1) * PW_SK);
+        pw_load_v(a, b, h, j0, hi, sV0 + (it & 1) * PW_SV);
+        cp_async_commit();
+
+        wg_fence();
+        pw_issue_s(s, sQ, sK0 + (it & 1) * PW_SK, wg);
+        wg_commit();
+        pw_issue_pv(o, pa, sV0 + ((it - 1) & 1) * PW_SV, it == 1);
+        wg_commit();
+        wg_wait<1>();  // S(it) done; P(it-1)·V(it-1) may still run
+        wg_pin(s);
+        float al[2], rs[2];
+        pw_softmax(s, m, al, rs, lim, j0, hi, j0 + ATT_BN > lim_lo + 1 || j0 + ATT_BN > hi, a.scale_log2, t);
+        wg_wait<0>();
+        wg_pin(o);
+#pragma unroll
+        for (int i = 0; i < PW_DVP / 2; ++i) o[i] *= al[(i >> 1) & 1];
+        l[0] = l[0] * al[0] + rs[0];  // per-thread partial; reduced over the quad at the end
+        l[1] = l[1] * al[1] + rs[1];
+        pw_pack(pa, s);
+    }
+    if (n_tiles > 0) {
+        cp_async_wait<0>();
+        wg_fence_smem();
+        __syncthreads();  // V(n_tiles-1) is in shared memory
+        wg_fence();
+        pw_issue_pv(o, pa, sV0 + ((n_tiles - 1) & 1) * PW_SV, n_tiles == 1);
+        wg_commit();
+        wg_wait<0>();
+        wg_pin(o);
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        l[e] += __shfl_xor_sync(0xffffffffu, l[e], 1);
+        l[e] += __shfl_xor_sync(0xffffffffu, l[e], 2);
+        const RowInfo ri = att_row(a, tile, wr + g + 8 * e, n_keys);
+        if (!ri.valid) continue;
+        const float L = l[e];
+        if (t == 0) att_store_lse(a, b, ri, L > 0.f ? (m[e] + log2f(L)) * MLA_LN2 : ATT_EMPTY_LSE);
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+#pragma unroll
+        for (int n = 0; n < ATT_DV / 8; ++n)
+            att_store(a, b, ri, n * 8 + 2 * t, L > 0.f ? o[4 * n + 2 * e] * inv : 0.f,
+                      L > 0.f ? o[4 * n + 2 * e + 1] * inv : 0.f, 1);  // o is unset when no tile ran
+    }
+}
+#endif  // wgmma prefill
