@@ -429,7 +429,23 @@ pub fn run_from(
                 }
                 None => None,
             };
-            let layer_sel = sel.as_ref().map(|s| s.reference.clone());
+            // What shadow mode's stage-local view needs, taken before the DSA check takes the selection:
+            // the selection the path attended over (the reference's); no view for an absorbed sparse
+            // prefill (not modelled: docs/dsa.md).
+            let shadow = shadow_opt.map(|opt| {
+                let view = match &sel {
+                    Some(_) if backend.sparse_prefill_absorbed() => None,
+                    s => Some(View {
+                        weights: w.clone(),
+                        x: h_ref.clone(),
+                        known_attention: backend.known_attention(),
+                        score_sum: backend.score_sum(),
+                        outside: backend.outside_local_view(),
+                        selection: s.as_ref().map(|s| s.reference.clone()),
+                    }),
+                };
+                (opt, view)
+            });
             if let (Some(sp), Some(sel)) = (sparse.as_mut(), sel) {
                 let t_dsa = std::time::Instant::now();
                 sp.check_layer(
@@ -448,22 +464,9 @@ pub fn run_from(
                 let j = judging.pop_front().expect("a judge in flight");
                 collect(j, &mut prof, &mut results)?;
             }
-            // The stage-local view over the selection the path attended over (the reference's); none
-            // for an absorbed sparse prefill (not modelled: docs/dsa.md).
-            let view = match &layer_sel {
-                Some(_) if backend.sparse_prefill_absorbed() => None,
-                s => Some(View {
-                    weights: w.clone(),
-                    x: h_ref.clone(),
-                    known_attention: backend.known_attention(),
-                    score_sum: backend.score_sum(),
-                    outside: backend.outside_local_view(),
-                    selection: s.clone(),
-                }),
-            };
             let layer = Computed {
                 reference,
-                shadow: shadow_opt.map(|o| (o, view)),
+                shadow,
                 free: free_opt,
             };
             let dumped_before = !results.2.is_empty();

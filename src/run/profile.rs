@@ -45,23 +45,6 @@ impl Profile {
         }
     }
 
-    /// The clocks now, for [`Profile::add_since`].
-    pub fn mark(&self) -> (Instant, Duration) {
-        (
-            Instant::now(),
-            if self.on { cpu_time() } else { Duration::ZERO },
-        )
-    }
-
-    /// The wall and CPU time since `mark` to `phase`.
-    pub fn add_since(&mut self, phase: &'static str, mark: (Instant, Duration)) {
-        let cpu = match self.on {
-            true => cpu_time().saturating_sub(mark.1),
-            false => Duration::ZERO,
-        };
-        self.add_peak(phase, mark.0.elapsed(), 0, cpu);
-    }
-
     /// `d` of wall time (measured elsewhere: no CPU time) to `phase`.
     pub fn add(&mut self, phase: &'static str, d: Duration) {
         self.add_peak(phase, d, 0, Duration::ZERO);
