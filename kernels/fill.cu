@@ -18,3 +18,15 @@ extern "C" __global__ void fill_normal(dt* p, long long n, unsigned seed, float 
         p[i] = from_f(scale * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
     }
 }
+
+// Not a kernel under test: the fp64 products of the reference and the stage-local view
+// (src/backend/cuda/dgemm.rs) widen each weight chunk exactly, f32 -> f64, and square it in f64 for the
+// variance product where w2 is given.
+extern "C" __global__ void widen_f32_f64(const float* w, double* w64, double* w2, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const double v = w[i];
+        w64[i] = v;
+        if (w2) w2[i] = v * v;
+    }
+}

@@ -6,6 +6,9 @@ use mla_diff::error::EXIT_ERROR;
 
 mod cli;
 
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     // Die quietly on a closed pipe (`mla-diff ... | head`) like other Unix tools, instead of panicking in println!.
     #[cfg(unix)]

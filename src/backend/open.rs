@@ -110,7 +110,12 @@ impl Factory {
         let kind = choice.resolve(o);
         let mut b: Box<dyn Backend> = match kind {
             Kind::Cpu => Box::new(CpuMirror::new(o.dtype)),
-            Kind::Cuda => Box::new(SharedCuda::open(&mut self.gpu, o)?),
+            Kind::Cuda => {
+                let b = SharedCuda::open(&mut self.gpu, o)?;
+                // The reference's and the local view's fp64 products on the same GPU.
+                super::cuda::dgemm::install()?;
+                Box::new(b)
+            }
         };
         if let Some(cmd) = &o.runner {
             b = Box::new(RunnerBackend::open(cmd, b, o.dtype)?);

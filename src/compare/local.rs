@@ -131,7 +131,14 @@ fn linear_var(
 ) -> (Array2<f64>, Array2<f64>) {
     let y = crate::linalg::mat_mul_t(a, w.view());
     let (t, n) = a.dim();
-    let w2 = w.mapv(|v| v * v);
+    let sq = crate::linalg::mat_mul_t(squares_in(a, var_a).view(), w.mapv(|v| v * v).view());
+    let var = variance(n, t, &y, &sq, var_a.is_some());
+    (y, var)
+}
+
+/// The rows multiplied by `w²`: `a²`, then `var_a` below it where given.
+fn squares_in(a: ArrayView2<f64>, var_a: Option<&Array2<f64>>) -> Array2<f64> {
+    let (t, n) = a.dim();
     let mut sq_in = Array2::zeros((t * if var_a.is_some() { 2 } else { 1 }, n));
     Zip::from(sq_in.slice_mut(s![..t, ..]))
         .and(&a)
@@ -139,14 +146,25 @@ fn linear_var(
     if let Some(va) = var_a {
         sq_in.slice_mut(s![t.., ..]).assign(va);
     }
-    let sq = crate::linalg::mat_mul_t(sq_in.view(), w2.view());
+    sq_in
+}
+
+/// The variance of `y = a·wᵀ` (inner dimension `n`, `t` rows) from `sq` = [`squares_in`]`·(w²)ᵀ`: f32
+/// accumulation's, plus the inputs' propagated where they were given.
+fn variance(
+    n: usize,
+    t: usize,
+    y: &Array2<f64>,
+    sq: &Array2<f64>,
+    with_var_a: bool,
+) -> Array2<f64> {
     let mut var = Zip::from(sq.slice(s![..t, ..]))
-        .and(&y)
+        .and(y)
         .map_collect(|&s, &t| acc_var(n, s, t));
-    if var_a.is_some() {
+    if with_var_a {
         var += &sq.slice(s![t.., ..]);
     }
-    (y, var)
+    var
 }
 
 /// Input variances through `y = a·wᵀ`.
@@ -155,42 +173,20 @@ fn propagate(var_a: &Array2<f64>, w: &Array2<f64>) -> Array2<f64> {
     crate::linalg::mat_mul_t(var_a.view(), w.mapv(|v| v * v).view())
 }
 
-/// Bytes of f64 weight rows made at a time by [`linear_stored`] (as `reference::front::linear`).
-const BLOCK_BYTES: usize = 16 << 20;
-
 /// [`linear_var`] for a weight `w [out, in]` as the path stores it: `w` itself, or `w` rounded to
-/// `round`; widened (and rounded) a block of rows at a time, never as a whole f64 copy (a whole layer's
-/// would be gigabytes), the blocks in parallel. Each output column is the same dot product either way.
+/// `round` (`linalg::linear_f32`: never a whole f64 copy on the host, or on the GPU a run installed).
 fn linear_stored(
     a: ArrayView2<f64>,
     w: ArrayView2<f32>,
     round: Option<Dtype>,
     var_a: Option<&Array2<f64>>,
 ) -> (Array2<f64>, Array2<f64>) {
-    let (n_out, n_in) = w.dim();
-    let rows = (BLOCK_BYTES / 8 / n_in.max(1)).clamp(1, n_out.max(1));
-    let (mut y, mut var) = (
-        Array2::zeros((a.nrows(), n_out)),
-        Array2::zeros((a.nrows(), n_out)),
-    );
-    let blocks: Vec<_> = (0..n_out)
-        .step_by(rows)
-        .collect::<Vec<_>>()
-        .into_par_iter()
-        .map(|r0| {
-            let r1 = (r0 + rows).min(n_out);
-            let mut b32 = w.slice(s![r0..r1, ..]).as_standard_layout().into_owned();
-            if let Some(dt) = round {
-                dt.round_slice(b32.as_slice_mut().expect("standard layout"));
-            }
-            (r0..r1, linear_var(a, &b32.mapv(|v| v as f64), var_a))
-        })
-        .collect();
-    for (r, (yb, vb)) in blocks {
-        y.slice_mut(s![.., r.clone()]).assign(&yb);
-        var.slice_mut(s![.., r]).assign(&vb);
-    }
-    (y, var)
+    let (t, n) = a.dim();
+    let sq_in = squares_in(a, var_a);
+    let l = crate::linalg::linear_f32(a, Some(sq_in.view()), w, round);
+    let sq = l.sq.expect("asked for");
+    let var = variance(n, t, &l.y, &sq, var_a.is_some());
+    (l.y, var)
 }
 
 /// RMSNorm per row with f32 statistics: values, and variance from the input's (`vx`) and the
@@ -1240,7 +1236,10 @@ mod tests {
         let a = Array2::from_shape_fn((t, n_in), |_| rng.random_range(-2.0..2.0));
         let va = Array2::from_shape_fn((t, n_in), |_| rng.random_range(0.0..1e-6));
         let w = Array2::from_shape_fn((n_out, n_in), |_| rng.random_range(-1.0f32..1.0));
-        assert!(BLOCK_BYTES / 8 / n_in < n_out, "more than one block");
+        assert!(
+            crate::linalg::BLOCK_BYTES / 8 / n_in < n_out,
+            "more than one block"
+        );
         for dt in [Dtype::Bf16, Dtype::F32] {
             let whole = w.mapv(|v| dt.round(v) as f64);
             let (y, v) = linear(a.view(), &whole);

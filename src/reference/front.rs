@@ -36,32 +36,10 @@ pub fn rms_norm(x: ArrayView2<f64>, w: &Array1<f32>, eps: f64) -> Array2<f64> {
     y
 }
 
-/// Bytes of f64 weight rows converted at a time by `linear`: large enough for an efficient GEMM, small
-/// enough that no f64 copy of a whole weight is ever made (memory and page faults dominate otherwise).
-const LINEAR_BLOCK_BYTES: usize = 16 << 20;
-
-/// `x · Wᵀ` for a torch-orientation `W [out, in]`, in f64: `W` is converted block by block of rows,
-/// the blocks in parallel (each output column is the same dot product whichever block holds it).
+/// `x · Wᵀ` for a torch-orientation `W [out, in]`, in f64 (`linalg::linear_f32`: on the host, or on the
+/// GPU a run installed).
 pub fn linear(x: ArrayView2<f64>, w: ArrayView2<f32>) -> Array2<f64> {
-    use rayon::prelude::*;
-    let (n_out, n_in) = w.dim();
-    let mut y = Array2::zeros((x.nrows(), n_out));
-    let rows = (LINEAR_BLOCK_BYTES / 8 / n_in.max(1)).clamp(1, n_out.max(1));
-    let blocks: Vec<(usize, Array2<f64>)> = (0..n_out)
-        .step_by(rows)
-        .collect::<Vec<_>>()
-        .into_par_iter()
-        .map(|r0| {
-            let r1 = (r0 + rows).min(n_out);
-            let b = w.slice(s![r0..r1, ..]).mapv(|v| v as f64);
-            (r0, crate::linalg::mat_mul_t(x, b.view()))
-        })
-        .collect();
-    for (r0, yb) in blocks {
-        let r1 = r0 + yb.ncols();
-        y.slice_mut(s![.., r0..r1]).assign(&yb);
-    }
-    y
+    crate::linalg::linear_f32(x, None, w, None).y
 }
 
 pub fn attn_in(cfg: &MlaConfig, w: &LayerWeights, x: ArrayView2<f64>) -> Array2<f64> {

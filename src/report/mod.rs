@@ -61,6 +61,10 @@ pub struct Environment {
     pub crate_version: String,
     pub os: String,
     pub arch: String,
+    /// Where the reference's and the stage-local view's fp64 products ran when not on the host
+    /// ("cuBLAS DGEMM on NVIDIA H200"); absent: the host's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp64_products: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

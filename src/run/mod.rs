@@ -314,6 +314,8 @@ pub fn run_from(
                        out: &mut (Vec<LayerResult>, Vec<LayerResult>, Vec<PathBuf>)|
          -> Result<()> {
             let j = j.join().unwrap_or_else(|e| std::panic::resume_unwind(e))?;
+            // A device error in the fp64 products ends the run (exit 2), not a report of host sums.
+            crate::linalg::check_engine()?;
             out.0.extend(j.shadow);
             out.1.extend(j.free);
             out.2.extend(j.dump);
@@ -488,6 +490,7 @@ pub fn run_from(
         }
         Ok(())
     })?;
+    crate::linalg::check_engine()?;
     let (shadow, free, dumped) = results;
     bar.finish_and_clear();
     prof.print();
@@ -562,6 +565,7 @@ pub fn run_from(
             crate_version: env!("CARGO_PKG_VERSION").into(),
             os: std::env::consts::OS.into(),
             arch: std::env::consts::ARCH.into(),
+            fp64_products: crate::linalg::engine(),
         },
         modes,
         verdict,

@@ -24,6 +24,7 @@ pub mod buffers;
 pub mod check;
 pub mod decode;
 pub mod device;
+pub mod dgemm;
 pub mod front;
 pub mod indexer;
 pub mod kernels;

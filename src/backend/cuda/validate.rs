@@ -533,15 +533,21 @@ pub fn run(a: &Options) -> Result<i32> {
             out.push(res);
         }
     }
-    let n_fail = out.iter().filter(|r| !r.pass).count();
+    // The fp64 products a CUDA run sends to the GPU (`dgemm`): against the host's.
+    let (lines, dgemm_failures) = super::dgemm::validate()?;
+    for l in &lines {
+        writeln!(text, "{}{l}", if l.starts_with(' ') { "" } else { "\n== " }).unwrap();
+    }
+    let n_fail = out.iter().filter(|r| !r.pass).count() + dgemm_failures.len();
     print!("{text}");
     for e in &errors {
         println!("ERROR {e}");
     }
     println!(
-        "\ngpu-validate: {} of {} case runs pass, {} errors (rel-L2 per stage: CUDA vs mirror / vs fp64 reference)",
-        out.len() - n_fail,
+        "\ngpu-validate: {} of {} case runs pass, fp64 products {}, {} errors (rel-L2 per stage: CUDA vs mirror / vs fp64 reference)",
+        out.iter().filter(|r| r.pass).count(),
         out.len(),
+        if dgemm_failures.is_empty() { "OK" } else { "FAIL" },
         errors.len()
     );
     if !errors.is_empty() {

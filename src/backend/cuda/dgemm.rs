@@ -1,0 +1,348 @@
+//! The fp64 products of the reference and the stage-local view on the GPU (`linalg::Engine`): cuBLAS
+//! DGEMM (the H200's fp64 tensor cores: IEEE fp64 fused multiply-adds, summed in another order than the
+//! host's) against each weight widened to f64 on the device, exactly as the host widens it. A layer's
+//! weights are hundreds of millions of values: on the host their products are most of the run's CPU
+//! time, on the GPU milliseconds plus one f32 copy over PCIe.
+//!
+//! One engine per process, shared by the run's threads (the reference, the judges) under a mutex: the
+//! device work per call is short and one context and cuBLAS handle serve them all.
+
+use super::device::{drv_err, DevBuf, Gpu};
+use super::kernels::{launch, Kernels, Module};
+use super::nvrtc::Sources;
+use crate::backend::Dtype;
+use crate::error::{Error, Result};
+use crate::linalg::{Engine, Linear};
+use cudarc::cublas::sys as blas;
+use cudarc::driver::result as drv;
+use ndarray::{Array2, ArrayView2};
+use std::ffi::c_void;
+use std::rc::Rc;
+use std::sync::Mutex;
+
+/// f32 weight elements moved and widened at a time: 64 MiB of f32 staging, 128 MiB per f64 copy.
+const CHUNK: usize = 16 << 20;
+
+pub struct DeviceProducts {
+    name: String,
+    state: Mutex<State>,
+}
+
+struct State {
+    gpu: Gpu,
+    blas: blas::cublasHandle_t,
+    widen: cudarc::driver::sys::CUfunction,
+    _module: Rc<Module>,
+    /// Pinned host staging for a chunk of f32 rows (DMA at the bus's speed, not the driver's bounce).
+    pinned: *mut f32,
+    w32: DevBuf,
+    w64: DevBuf,
+    w2: DevBuf,
+    /// Activations and results, grown as needed.
+    bufs: [Option<DevBuf>; 4],
+}
+
+// SAFETY: the raw handles and the pinned pointer are used only under the mutex, by one thread at a
+// time, each binding the context first; the Rc'd module is never cloned out of the state.
+unsafe impl Send for State {}
+
+impl Drop for State {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        let _ = unsafe { drv::free_host(self.pinned as *mut c_void) };
+        let _ = unsafe { cudarc::cublas::result::destroy_handle(self.blas) };
+    }
+}
+
+fn blas_err(what: &str) -> impl Fn(cudarc::cublas::result::CublasError) -> Error + '_ {
+    move |e| Error::Environment(format!("cuBLAS {what} failed: {:?}", e.0))
+}
+
+impl DeviceProducts {
+    /// On GPU 0: compiles the widening kernel (kernels/fill.cu, the embedded copy: harness code, not
+    /// the kernels under test), makes a cuBLAS handle, pinned staging and the chunk buffers.
+    pub fn new() -> Result<DeviceProducts> {
+        let gpu = Gpu::open()?;
+        super::nvrtc::nvrtc_present()?;
+        let mut k = Kernels::new(Sources::embedded(), &gpu);
+        let module = k.module("fill.cu", vec![("MLA_DTYPE".into(), "2".into())])?;
+        let widen = module.func("widen_f32_f64")?;
+        // SAFETY: only tries to dlopen the library.
+        if !unsafe { blas::is_culib_present() } {
+            return Err(Error::Environment(
+                "cuBLAS (libcublas.so.13) was not found: add /usr/local/cuda/lib64 to LD_LIBRARY_PATH".into(),
+            ));
+        }
+        let h = cudarc::cublas::result::create_handle().map_err(blas_err("cublasCreate"))?;
+        // Native fp64 (never the fixed-point emulation CUDA 13 offers as a math mode).
+        unsafe { blas::cublasSetMathMode(h, blas::cublasMath_t::CUBLAS_DEFAULT_MATH) }
+            .result()
+            .map_err(blas_err("cublasSetMathMode"))?;
+        let pinned = unsafe { drv::malloc_host(CHUNK * 4, 0) }
+            .map_err(drv_err("allocating pinned host memory"))? as *mut f32;
+        let name = format!("cuBLAS DGEMM on {}", gpu.info.name);
+        let state = State {
+            w32: DevBuf::alloc(CHUNK * 4)?,
+            w64: DevBuf::alloc(CHUNK * 8)?,
+            w2: DevBuf::alloc(CHUNK * 8)?,
+            gpu,
+            blas: h,
+            widen,
+            _module: module,
+            pinned,
+            bufs: [None, None, None, None],
+        };
+        Ok(DeviceProducts {
+            name,
+            state: Mutex::new(state),
+        })
+    }
+}
+
+/// Send the process's fp64 products (`linalg::linear_f32`) to GPU 0, once.
+pub fn install() -> Result<()> {
+    if crate::linalg::engine().is_none() {
+        crate::linalg::install(Box::new(DeviceProducts::new()?));
+    }
+    Ok(())
+}
+
+/// `bufs[i]` with room for `bytes`.
+fn room(bufs: &mut [Option<DevBuf>; 4], i: usize, bytes: usize) -> Result<u64> {
+    if bufs[i].as_ref().is_none_or(|b| b.bytes < bytes) {
+        bufs[i] = None;
+        bufs[i] = Some(DevBuf::alloc(bytes.next_power_of_two())?);
+    }
+    Ok(bufs[i].as_ref().expect("allocated").ptr)
+}
+
+/// Upload a row-major f64 matrix (any strides) to `bufs[i]`.
+fn put(bufs: &mut [Option<DevBuf>; 4], i: usize, a: ArrayView2<f64>) -> Result<u64> {
+    let ptr = room(bufs, i, a.len() * 8)?;
+    let a = a.as_standard_layout();
+    unsafe { drv::memcpy_htod_sync(ptr, a.as_slice().expect("standard layout")) }
+        .map_err(drv_err("host-to-device copy"))?;
+    Ok(ptr)
+}
+
+/// `[rows, cols]` f64 back from the device (row-major).
+fn get(ptr: u64, rows: usize, cols: usize) -> Result<Array2<f64>> {
+    let mut v = vec![0f64; rows * cols];
+    unsafe { drv::memcpy_dtoh_sync(&mut v, ptr) }.map_err(drv_err("device-to-host copy"))?;
+    Ok(Array2::from_shape_vec((rows, cols), v).expect("sized"))
+}
+
+impl State {
+    /// `C[m, n] (row-major, ldc = ld) = X[m, k] · W[n, k]ᵀ` for the chunk's rows of W: column-major
+    /// that is `Cᵀ = W · Xᵀ`, i.e. `op(A) = Wᵀ` read as `[k, n]` transposed.
+    fn dgemm(&self, [n, m, k]: [usize; 3], w: u64, x: u64, c: u64, ld: usize) -> Result<()> {
+        let (one, zero) = (1.0f64, 0.0f64);
+        unsafe {
+            cudarc::cublas::result::dgemm(
+                self.blas,
+                blas::cublasOperation_t::CUBLAS_OP_T,
+                blas::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                &one,
+                w as *const f64,
+                k as i32,
+                x as *const f64,
+                k as i32,
+                &zero,
+                c as *mut f64,
+                ld as i32,
+            )
+        }
+        .map_err(blas_err("DGEMM"))
+    }
+
+    fn linear(
+        &mut self,
+        a: ArrayView2<f64>,
+        sq_in: Option<ArrayView2<f64>>,
+        w: ArrayView2<f32>,
+        round: Option<Dtype>,
+    ) -> Result<Linear> {
+        use rayon::prelude::*;
+        self.gpu.bind()?;
+        let ((m, k), (n, kw)) = (a.dim(), w.dim());
+        let m2 = sq_in.map_or(0, |s| s.nrows());
+        if k != kw || sq_in.is_some_and(|s| s.ncols() != k) {
+            return Err(Error::Usage(format!(
+                "fp64 product of [{m}, {k}] by [{n}, {kw}]ᵀ"
+            )));
+        }
+        if m == 0 || n == 0 || k == 0 || k > CHUNK {
+            // Nothing to do, or a row longer than a chunk (no real weight): the host's.
+            return Ok(crate::linalg::linear_f32_host(a, sq_in, w, round));
+        }
+        let xa = put(&mut self.bufs, 0, a)?;
+        let ya = room(&mut self.bufs, 1, m * n * 8)?;
+        let (xs, ys) = match sq_in {
+            Some(s) => (
+                put(&mut self.bufs, 2, s)?,
+                room(&mut self.bufs, 3, m2 * n * 8)?,
+            ),
+            None => (0, 0),
+        };
+        let rows = CHUNK / k;
+        for r0 in (0..n).step_by(rows) {
+            let r1 = (r0 + rows).min(n);
+            let len = (r1 - r0) * k;
+            // SAFETY: `pinned` holds CHUNK ≥ len f32s, written here only, under the mutex.
+            let stage = unsafe { std::slice::from_raw_parts_mut(self.pinned, len) };
+            stage.par_chunks_mut(k).enumerate().for_each(|(i, dst)| {
+                let row = w.row(r0 + i);
+                dst.iter_mut().zip(row.iter()).for_each(|(d, &v)| *d = v);
+                if let Some(dt) = round {
+                    dt.round_slice(dst);
+                }
+            });
+            unsafe { drv::memcpy_htod_sync(self.w32.ptr, &stage[..]) }
+                .map_err(drv_err("host-to-device copy of weights"))?;
+            let mut src = self.w32.ptr;
+            let mut dst = self.w64.ptr;
+            let mut dst2 = if sq_in.is_some() { self.w2.ptr } else { 0 };
+            let mut cnt = len as u64;
+            let mut params = [
+                &mut src as *mut u64 as *mut c_void,
+                &mut dst as *mut u64 as *mut c_void,
+                &mut dst2 as *mut u64 as *mut c_void,
+                &mut cnt as *mut u64 as *mut c_void,
+            ];
+            let blocks = len.div_ceil(256).min(8192) as u32;
+            launch(
+                self.widen,
+                "widen_f32_f64",
+                (blocks, 1, 1),
+                256,
+                0,
+                &mut params,
+            )?;
+            let r = r1 - r0;
+            self.dgemm([r, m, k], self.w64.ptr, xa, ya + (r0 * 8) as u64, n)?;
+            if sq_in.is_some() {
+                self.dgemm([r, m2, k], self.w2.ptr, xs, ys + (r0 * 8) as u64, n)?;
+            }
+        }
+        let y = get(ya, m, n)?;
+        let sq = match sq_in {
+            Some(_) => Some(get(ys, m2, n)?),
+            None => None,
+        };
+        Ok(Linear { y, sq })
+    }
+}
+
+impl Engine for DeviceProducts {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+    fn linear(
+        &self,
+        a: ArrayView2<f64>,
+        sq_in: Option<ArrayView2<f64>>,
+        w: ArrayView2<f32>,
+        round: Option<Dtype>,
+    ) -> Result<Linear> {
+        self.state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .linear(a, sq_in, w, round)
+    }
+}
+
+/// `gpu-validate`'s check of the engine: its products against the host's at a layer's shapes (GLM-5's
+/// projections at 64 tokens, DeepSeek-V3's q_a at the default schedule, the local view's rounded weights
+/// with their squares), each element within `1e-12` of the sum of absolute products (`|a|·|w|ᵀ`: the
+/// scale of a GEMM's rounding error; fp64 summed in two orders differs by ~1e-16 of it). Returns the
+/// report lines and the failures.
+pub fn validate() -> Result<(Vec<String>, Vec<String>)> {
+    use rand::{Rng, SeedableRng};
+    let e = DeviceProducts::new()?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+    let mut lines = vec![format!(
+        "fp64 products: {} vs the host (gemm crate)",
+        e.name
+    )];
+    let mut failures = Vec::new();
+    // (what, rows, k, n, squares, round)
+    let shapes = [
+        ("GLM-5 q_a, 64 tokens", 64, 6144, 2048, false, None),
+        (
+            "GLM-5 q_b, 64 tokens, bf16 + squares",
+            64,
+            2048,
+            16384,
+            true,
+            Some(Dtype::Bf16),
+        ),
+        (
+            "GLM-5 o_proj, 64 tokens, bf16 + squares",
+            64,
+            16384,
+            6144,
+            true,
+            Some(Dtype::Bf16),
+        ),
+        (
+            "DeepSeek-V3 q_a, 395 tokens, fp16 + squares",
+            395,
+            7168,
+            1536,
+            true,
+            Some(Dtype::F16),
+        ),
+    ];
+    for (what, m, k, n, squares, round) in shapes {
+        let a = Array2::from_shape_fn((m, k), |_| rng.random_range(-3.0..3.0));
+        let w = Array2::from_shape_fn((n, k), |_| rng.random_range(-0.05f32..0.05));
+        let sq_in = squares.then(|| a.mapv(|v| v * v));
+        let t = std::time::Instant::now();
+        let host = crate::linalg::linear_f32_host(
+            a.view(),
+            sq_in.as_ref().map(|s| s.view()),
+            w.view(),
+            round,
+        );
+        let host_s = t.elapsed().as_secs_f64();
+        let t = std::time::Instant::now();
+        let dev = e.linear(a.view(), sq_in.as_ref().map(|s| s.view()), w.view(), round)?;
+        let dev_s = t.elapsed().as_secs_f64();
+        let wa = w.mapv(|v| round.map_or(v, |d| d.round(v)).abs() as f64);
+        let scale = crate::linalg::mat_mul_t(a.mapv(f64::abs).view(), wa.view());
+        let worst = |x: &Array2<f64>, y: &Array2<f64>, s: &Array2<f64>| {
+            ndarray::Zip::from(x)
+                .and(y)
+                .and(s)
+                .fold(0f64, |m, &p, &q, &s| {
+                    let r = (p - q).abs() / s.max(f64::MIN_POSITIVE);
+                    if r.is_nan() {
+                        f64::INFINITY
+                    } else {
+                        m.max(r)
+                    }
+                })
+        };
+        let mut err = worst(&host.y, &dev.y, &scale);
+        if let (Some(hs), Some(ds)) = (&host.sq, &dev.sq) {
+            // Every term of the squares' product is non-negative: it is its own scale.
+            err = err.max(worst(hs, ds, hs));
+        }
+        let gflop = 2.0 * (m * k * n) as f64 * if squares { 2.0 } else { 1.0 } / 1e9;
+        let ok = err <= 1e-12;
+        lines.push(format!(
+            "   {:<46} [{m}, {k}] x [{n}, {k}]T: worst |diff| / (|a||w|) {err:.1e} {}  host {:.1} ms, GPU {:.1} ms (with copies; {gflop:.1} GFLOP)",
+            what,
+            if ok { "OK" } else { "FAIL (> 1e-12)" },
+            host_s * 1e3,
+            dev_s * 1e3
+        ));
+        if !ok {
+            failures.push(format!("fp64 products {what}: {err:.1e} > 1e-12"));
+        }
+    }
+    Ok((lines, failures))
+}
