@@ -128,6 +128,9 @@ pub struct CudaBackend {
     pub last_score_sum: crate::compare::noise::ScoreSum,
     /// Notices for the report (a kernel choice the host did not predict), without repeats.
     pub notices: Vec<String>,
+    /// Seconds in `run_layer`: weights converted and uploaded, the layer's launches (to the trace's
+    /// download), the trace read back. Printed on drop with `MLA_DIFF_PROFILE=1`.
+    pub spent: [f64; 3],
 }
 
 impl CudaBackend {
@@ -148,6 +151,7 @@ impl CudaBackend {
             last_kernels: Vec::new(),
             last_score_sum: crate::compare::noise::ScoreSum::Sequential,
             notices: Vec::new(),
+            spent: [0.0; 3],
         })
     }
 }
@@ -341,7 +345,9 @@ impl Backend for CudaBackend {
             )?),
             None => None,
         };
+        let t0 = std::time::Instant::now();
         let w = Weights::upload(ctx, dt)?;
+        let t1 = std::time::Instant::now();
         let a = Acts::alloc(ctx, &z, x, w.lq)?;
         let layer = Layer {
             gpu: &self.gpu,
@@ -357,6 +363,23 @@ impl Backend for CudaBackend {
         layer.prefill(sched)?;
         layer.decode(sched)?;
         layer.finish()?;
-        layer.trace(ctx.layer)
+        let t2 = std::time::Instant::now();
+        let trace = layer.trace(ctx.layer);
+        let t3 = std::time::Instant::now();
+        for (s, d) in self.spent.iter_mut().zip([t1 - t0, t2 - t1, t3 - t2]) {
+            *s += d.as_secs_f64();
+        }
+        trace
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if std::env::var("MLA_DIFF_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0") {
+            let [w, l, t] = self.spent;
+            eprintln!(
+                "mla-diff: profile (CUDA passes, seconds): weights converted + uploaded {w:.2}, activations + launches queued {l:.2}, trace read back (waiting for the GPU) {t:.2}"
+            );
+        }
     }
 }
