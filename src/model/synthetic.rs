@@ -163,6 +163,7 @@ pub fn weights(cfg: &MlaConfig, seed: u64) -> LayerWeights {
         o,
         kv_b_layout: KvBLayout::Split,
         stored: Default::default(),
+        id: Default::default(),
     }
 }
 

@@ -56,6 +56,25 @@ pub struct LayerWeights {
     pub kv_b_layout: KvBLayout,
     /// The same weights rounded to bf16 and fp16 ([`LayerWeights::stored`]), made on first use.
     pub(crate) stored: [OnceLock<Box<LayerWeights>>; 2],
+    /// Tells these weights from any others of the process ([`LayerWeights::id`]).
+    pub(crate) id: WeightsId,
+}
+
+/// A process-unique number, new for every `LayerWeights` made or cloned (a clone may be edited).
+#[derive(Debug)]
+pub struct WeightsId(u64);
+
+impl Default for WeightsId {
+    fn default() -> WeightsId {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        WeightsId(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+impl Clone for WeightsId {
+    fn clone(&self) -> WeightsId {
+        WeightsId::default()
+    }
 }
 
 /// Tensor names of one layer's attention.
@@ -187,6 +206,7 @@ impl LayerWeights {
             o,
             kv_b_layout,
             stored: Default::default(),
+            id: Default::default(),
         })
     }
 
@@ -219,8 +239,16 @@ impl LayerWeights {
                 o: rounded(&self.o, dt),
                 kv_b_layout: self.kv_b_layout,
                 stored: Default::default(),
+                id: Default::default(),
             })
         })
+    }
+
+    /// Which weights these are, for a backend that keeps what it made of them (the CUDA backend's
+    /// uploaded copy, shared by a layer's shadow, free and repeated passes). Edit the weights before a
+    /// pass, never after, as for [`LayerWeights::stored`].
+    pub fn id(&self) -> u64 {
+        self.id.0
     }
 
     /// [`LayerWeights::stored`] if it was made already (`self` for f32), without making it.
