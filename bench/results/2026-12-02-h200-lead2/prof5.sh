@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Lead's #15 call 2 (session l): 55aad61 = DGEMM engine + mimalloc + one weights upload per layer.
+set -uo pipefail
+export NO_COLOR=1 LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+C=/tmp/lead; mkdir -p $C; tar xJf .carry/lead/bins.tar.xz -C $C; B=$C/mla-diff-new
+R=$OUT/m; mkdir -p $R; F=/tmp/g5-78.gguf
+S64="--prompt-len 48 --chunk 32 --decode-steps 16 --page-size 16 --num-splits 4"
+echo "commit $(cat .carry/lead/COMMIT-new)"; nproc
+/usr/bin/time -f "fixture wall %e s" $B fixture --preset glm-5 --quant q4_k -o $F 2>&1 | tail -1 &
+FX=$!
+timeout 90 $B selftest --backend cuda > $R/selftest.txt 2>&1; echo "== selftest exit $?: $(tail -1 $R/selftest.txt)"
+timeout 90 $B gpu-validate --quick > $R/gpu-validate.txt 2>&1; echo "== gpu-validate exit $?"; grep -E "fp64 products|\]T:|gpu-validate:" $R/gpu-validate.txt
+wait $FX
+export MLA_DIFF_PROFILE=1
+run() { local n=$1; shift; /usr/bin/time -v $B run $F --backend cuda -q --json $R/$n.json "$@" > $R/$n.txt 2>&1; echo "== $n exit $?"; grep -A9 "^mla-diff: profile" $R/$n.txt | tail -n +2; grep -E "^\[shadow\]|CUDA passes" $R/$n.txt; grep -E "Elapsed|Maximum resident|User time|System time" $R/$n.txt | sed 's/^\s*//' | tr '\n' ';'; echo; gzip -9 $R/$n.json; }
+run whole-64 $S64
+run l4-default --layers 0..4
