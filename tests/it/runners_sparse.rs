@@ -6,7 +6,9 @@
 //!
 //! Needs MLA_DIFF_PYTHON with numpy (skipped without it, except under CI).
 
-use crate::common::{assert_clean_error, bin, fixture, python, runner, stderr};
+use crate::common::{
+    assert_clean_error, bin, fixture, python, report_validator, runner, schema_errors, stderr,
+};
 use serde_json::Value as J;
 use std::path::PathBuf;
 use std::process::Output;
@@ -111,6 +113,9 @@ fn sparse_prefill_runner_passes_past_top_k_with_its_own_checks() {
     // The DSA section is there, and passes (the runner does not change the indexer's selection).
     let dsa = &rep["dsa"];
     assert!(!dsa.is_null(), "no dsa section");
+    assert_eq!(dsa["pass"], true, "{dsa}");
+    let errs = schema_errors(&report_validator(), &rep);
+    assert!(errs.is_empty(), "{errs:?}");
 }
 
 #[test]
