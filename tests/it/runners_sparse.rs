@@ -169,3 +169,35 @@ fn what_the_sparse_runner_cannot_take_is_a_clean_error() {
         "has only sparse_prefill",
     );
 }
+
+/// `runners/selfcheck.py` drives the runner alone (no mla-diff) through sparse_prefill requests at
+/// DeepSeek's 128 and GLM-5's 64 heads (top_k not a multiple of 128, pages shuffled, NaN slots) against
+/// float64: the stand-in passes, the planted padding bug fails, fp16 is ruled out by its describe.
+#[test]
+fn selfcheck_drives_the_sparse_runner() {
+    let Some(py) = python("the sparse runner's selfcheck", "numpy") else {
+        return;
+    };
+    let sc = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("runners/selfcheck.py");
+    let go = |rel: &str| {
+        std::process::Command::new(&py)
+            .arg(&sc)
+            .args(["--runner", &runner(&py, rel)])
+            .args(["--dtypes", "bf16,fp16", "--cases", "deepseek,glm5"])
+            .env(STANDIN, "numpy")
+            .output()
+            .unwrap()
+    };
+    let o = go("flashmla_sparse.py");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}{}", stderr(&o));
+    assert!(out.contains("6 checks passed, 0 failed"), "{out}");
+    assert!(out.contains("dtypes fp16 not in ['bf16']"), "{out}");
+    let o = go("bugs/sparse/minus_one_wraps.py");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(
+        out.contains("failing: sparse_prefill.attn_latent sparse_prefill.lse"),
+        "{out}"
+    );
+}
