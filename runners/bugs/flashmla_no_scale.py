@@ -5,6 +5,7 @@ uses its default q.shape[-1]^-0.5 = 576^-0.5 (DeepSeek needs 192^-0.5 * mscale^2
 mla-diff must catch it at the runner's stage: attn_latent and lse[decode], end to end and @runner.
 Needs what runners/flashmla.py needs (an SM90 GPU, torch, FlashMLA's dense decode).
 """
+# selfcheck-expect: decode.attn_latent decode.lse
 import os
 import sys
 

@@ -605,6 +605,10 @@ pub fn lint(cmd: &str, cfg: Option<&MlaConfig>, opts: &Options, out: &mut Findin
     let ops: Vec<&str> = [
         desc.ops.decode.as_ref().map(|_| "decode"),
         desc.ops.prefill.as_ref().map(|_| "prefill"),
+        desc.ops
+            .sparse_prefill
+            .as_ref()
+            .map(|_| "sparse_prefill (not probed)"),
     ]
     .into_iter()
     .flatten()

@@ -31,6 +31,7 @@ mod rope;
 mod run_options;
 mod run_report;
 mod runners;
+mod runners_sparse;
 mod schedule_invariance;
 mod selftest;
 mod shard;

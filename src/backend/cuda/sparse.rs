@@ -69,6 +69,10 @@ pub fn kernel_uses() -> Vec<crate::coverage::KernelUse> {
         .collect()
 }
 
+fn profiling() -> bool {
+    std::env::var("MLA_DIFF_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
 /// Index rows of queries `queries` and, per query, where each split's keys start in its row.
 #[derive(Debug, Clone, PartialEq)]
 pub struct IndexRows {
@@ -147,6 +151,15 @@ impl Layer<'_> {
             l.splits as u32,
             1,
         );
+        // MLA_DIFF_PROFILE: the kernel's wall time between two syncs (what a peer's sparse kernel is
+        // timed against, bench/h200-dsa5.sh).
+        let t0 = match profiling() {
+            true => {
+                self.gpu.sync("sparse attention (profile)")?;
+                Some(std::time::Instant::now())
+            }
+            false => None,
+        };
         launch(
             sp.f,
             "sparse_attn",
@@ -173,7 +186,18 @@ impl Layer<'_> {
             ],
         )?;
         // The index buffers are freed on return: wait for the kernel that reads them.
-        self.gpu.sync("sparse attention")
+        self.gpu.sync("sparse attention")?;
+        if let Some(t0) = t0 {
+            eprintln!(
+                "mla-diff: profile: sparse_attn {} queries x {} heads, topk {}, {} split(s): {:.3} ms",
+                l.n_q,
+                z.h,
+                rows.topk,
+                l.splits,
+                t0.elapsed().as_secs_f64() * 1e3
+            );
+        }
+        Ok(())
     }
 
     /// `q_out[t, h, :] = [W_UK[h]ᵀ q_nope[t, h, :] | q_pe[t, h, :]]` for tokens `[t0, t0+n)`.

@@ -10,6 +10,7 @@ mod decode;
 pub mod local;
 mod prefill;
 pub mod protocol;
+mod sparse;
 pub mod tensors;
 
 use super::cpu::front::{o_proj, MirrorWeights};
@@ -28,6 +29,8 @@ pub struct RunnerBackend {
     dtype: Dtype,
     /// Output dtypes seen, per output: `lse[decode] -> bf16`.
     out_dtypes: std::collections::BTreeMap<String, &'static str>,
+    /// Layer runs that went through the runner's `sparse_prefill` (DSA past top_k).
+    sparse_runs: usize,
 }
 
 impl RunnerBackend {
@@ -41,6 +44,7 @@ impl RunnerBackend {
             proc,
             dtype,
             out_dtypes: Default::default(),
+            sparse_runs: 0,
         })
     }
 
@@ -199,10 +203,14 @@ fn set(tr: &mut LayerTrace, st: Stage, data: Vec<f64>) -> Result<()> {
 impl Backend for RunnerBackend {
     fn describe(&self) -> String {
         let d = &self.desc;
-        let ops: Vec<String> = [("decode", &d.ops.decode), ("prefill", &d.ops.prefill)]
-            .iter()
-            .filter_map(|(n, s)| s.as_ref().map(|s| format!("{n}: {}", s.outputs.join(", "))))
-            .collect();
+        let ops: Vec<String> = [
+            ("decode", &d.ops.decode),
+            ("prefill", &d.ops.prefill),
+            ("sparse_prefill", &d.ops.sparse_prefill),
+        ]
+        .iter()
+        .filter_map(|(n, s)| s.as_ref().map(|s| format!("{n}: {}", s.outputs.join(", "))))
+        .collect();
         format!(
             "runner {} {} ({}) over {}",
             d.name,
@@ -227,7 +235,7 @@ impl Backend for RunnerBackend {
         if self.desc.ops.decode.is_some() {
             t.decode.clear();
         }
-        if self.desc.ops.prefill.is_some() {
+        if self.desc.ops.prefill.is_some() || self.desc.ops.sparse_prefill.is_some() {
             t.prefill.clear();
         }
         t
@@ -256,10 +264,41 @@ impl Backend for RunnerBackend {
                 ));
             }
         }
+        if self.sparse_runs > 0 {
+            v.push(format!(
+                "runner {} ran sparse_prefill on the DSA layers past top_k ({} layer runs: each layer with the reference's selection and with the optimized side's own); their decode steps, and the indexer, are {}'s",
+                self.desc.name,
+                self.sparse_runs,
+                self.inner.describe()
+            ));
+        }
         if self.out_dtypes.is_empty() {
             v.clear();
         }
         v
+    }
+
+    /// DSA: the runner's sparse_prefill over an inner path that attends over the selection itself
+    /// (its decode steps); a runner without the op is refused past top_k, as before.
+    fn sparse(&self) -> bool {
+        self.desc.ops.sparse_prefill.is_some() && self.inner.sparse()
+    }
+    fn sparse_prefill_absorbed(&self) -> bool {
+        self.desc.ops.sparse_prefill.is_some() || self.inner.sparse_prefill_absorbed()
+    }
+    /// The indexer is the inner path's (the runner computes attention only).
+    fn indexer(
+        &mut self,
+        ctx: &LayerCtx,
+        ic: &crate::model::IndexerConfig,
+        iw: &crate::model::IndexerWeights,
+        x: &Array2<f64>,
+        keys: crate::backend::cpu::indexer::KeyPrecision,
+    ) -> Result<Option<crate::reference::sparse::Selection>> {
+        self.inner.indexer(ctx, ic, iw, x, keys)
+    }
+    fn has_indexer(&self) -> bool {
+        self.inner.has_indexer()
     }
 
     fn kernels(
@@ -273,7 +312,9 @@ impl Backend for RunnerBackend {
         for u in k.iter_mut() {
             let runs = match u.phase {
                 Phase::Decode => self.desc.ops.decode.is_some(),
-                Phase::Prefill => self.desc.ops.prefill.is_some(),
+                Phase::Prefill => {
+                    self.desc.ops.prefill.is_some() || self.desc.ops.sparse_prefill.is_some()
+                }
             };
             if runs {
                 u.family = Family::External;
@@ -307,11 +348,35 @@ impl Backend for RunnerBackend {
             self.dtype,
             crate::faults::Active::NONE,
         );
-        if self.desc.ops.prefill.is_some() && ctx.sched.prompt_len > 0 {
-            self.prefill(ctx, &mw, &mut tr, &mut at)?;
-        }
-        if self.desc.ops.decode.is_some() && ctx.sched.decode_steps > 0 {
-            self.decode(ctx, &mw, &mut tr, &mut at)?;
+        match ctx.selection {
+            // A DSA layer past top_k: only the sparse op (a dense op would attend over every key);
+            // the decode steps stay the inner path's, which attends over the selection.
+            Some(sel) => {
+                if self.desc.ops.sparse_prefill.is_none() {
+                    return Err(Error::Unsupported(format!(
+                        "runner {} has no sparse_prefill op, and layer {} is a DSA layer past top_k",
+                        self.desc.name, ctx.layer
+                    )));
+                }
+                if ctx.sched.prompt_len > 0 {
+                    self.sparse_prefill(ctx, sel, &mw, &mut tr, &mut at)?;
+                    self.sparse_runs += 1;
+                }
+            }
+            None => {
+                if self.desc.ops.decode.is_none() && self.desc.ops.prefill.is_none() {
+                    return Err(Error::Unsupported(format!(
+                        "runner {} has only sparse_prefill, which runs on DSA layers past top_k; layer {} is dense (a dense model, or no query sees more than the indexer's top_k keys)",
+                        self.desc.name, ctx.layer
+                    )));
+                }
+                if self.desc.ops.prefill.is_some() && ctx.sched.prompt_len > 0 {
+                    self.prefill(ctx, &mw, &mut tr, &mut at)?;
+                }
+                if self.desc.ops.decode.is_some() && ctx.sched.decode_steps > 0 {
+                    self.decode(ctx, &mw, &mut tr, &mut at)?;
+                }
+            }
         }
         // attn_out from the heads as they now stand (the runner's rows included).
         let (t, h, dv) = (ctx.sched.total_tokens(), ctx.cfg.n_head, ctx.cfg.v_head_dim);

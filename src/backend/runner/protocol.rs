@@ -33,6 +33,10 @@ pub struct Ops {
     pub decode: Option<OpSpec>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill: Option<OpSpec>,
+    /// DSA: absorbed attention of a prefill chunk over each query's selected cache slots (FlashMLA's
+    /// `flash_mla_sparse_fwd`); used on layers past the indexer's top_k only (docs/dsa.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sparse_prefill: Option<OpSpec>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -178,9 +182,9 @@ pub fn describe(cmd: &str) -> Result<Describe> {
             d.name, d.protocol
         )));
     }
-    if d.ops.decode.is_none() && d.ops.prefill.is_none() {
+    if d.ops.decode.is_none() && d.ops.prefill.is_none() && d.ops.sparse_prefill.is_none() {
         return Err(Error::Usage(format!(
-            "runner {} describes no op (decode or prefill)",
+            "runner {} describes no op (decode, prefill or sparse_prefill)",
             d.name
         )));
     }
@@ -191,6 +195,11 @@ pub fn describe(cmd: &str) -> Result<Describe> {
             &["attn_latent", "lse", "split_out", "split_lse"][..],
         ),
         ("prefill", &d.ops.prefill, &["attn_heads", "lse"][..]),
+        (
+            "sparse_prefill",
+            &d.ops.sparse_prefill,
+            &["attn_latent", "lse"][..],
+        ),
     ] {
         if let Some(s) = spec {
             if let Some(bad) = s.outputs.iter().find(|o| !allowed.contains(&o.as_str())) {
