@@ -371,11 +371,14 @@ pub fn run_from(
                 let r = sc.spawn(move || {
                     let t0 = std::time::Instant::now();
                     let r = crate::reference::run_layer_sel(c, w, rope, h, sched, ref_sel);
-                    (r, t0.elapsed())
+                    let took = t0.elapsed();
+                    // Only after a good reference: a failing layer stops the run before the next is read.
+                    let next = match (&r, next) {
+                        (Ok(_), Some(n)) => Some(load_layer(file, c, n)),
+                        _ => None,
+                    };
+                    (r, took, next)
                 });
-                // The next layer is read and dequantized beside the reference (both were the reference
-                // thread's, in turn, and that thread set the pace); kept only if this layer's is good.
-                let load = next.map(|n| sc.spawn(move || load_layer(file, c, n)));
                 let optimized = (|| -> Result<OptTraces> {
                     let mut shadow_opt = None;
                     if opts.modes.shadow {
@@ -407,11 +410,9 @@ pub fn run_from(
                     };
                     Ok((shadow_opt, free_opt))
                 })();
-                let (r, took) = r.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
-                let next = load.map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)));
+                let (r, took, next) = r.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
                 prof.add("reference (fp64)", took);
-                // A failing layer stops the run: the next one's weights (or its error) are not used.
-                preloaded = next.filter(|_| r.is_ok());
+                preloaded = next;
                 (r, optimized)
             });
             let reference = reference?;

@@ -1,8 +1,8 @@
 //! `MLA_DIFF_PROFILE=1`: where a run's time goes, per phase, summed over its layers (stderr), and how
 //! far the process's peak resident set (`VmHWM`, Linux) rose while each phase ran on the run's thread.
 //!
-//! The reference and the next layer's load run on their own threads next to the optimized path, and
-//! each layer's local view and comparison on its judge's, so their time overlaps: the phases add up to more than the wall time when
+//! The reference, then the next layer's load, run on their own thread next to the optimized path and
+//! the local view, so their time overlaps theirs: the phases add up to more than the wall time when
 //! that overlap works, and a peak reached during that overlap is counted to the phase on the run's
 //! thread. Each phase also shows the process's CPU time (user + system, every thread) while it ran,
 //! and so how many cores it kept busy on average: what layers in flight could still use.
