@@ -88,10 +88,15 @@ pub fn engine() -> Option<String> {
     ENGINE.get().map(|e| e.name())
 }
 
+/// The engine's failure, if any (a panicked holder leaves it readable).
+fn failed() -> std::sync::MutexGuard<'static, Option<String>> {
+    FAILED.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// `Err` once the installed engine has failed (a device error): the products since were the host's,
 /// so the run is not what it says it is.
 pub fn check_engine() -> Result<()> {
-    match FAILED.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+    match failed().as_ref() {
         Some(e) => Err(Error::Environment(format!(
             "the fp64 products on the GPU failed: {e}"
         ))),
@@ -99,23 +104,18 @@ pub fn check_engine() -> Result<()> {
     }
 }
 
-/// [`Linear`] through the installed engine, or on the host.
+/// [`Linear`] through the installed engine, or on the host (also once the engine has failed).
 pub fn linear_f32(
     a: ArrayView2<f64>,
     sq_in: Option<ArrayView2<f64>>,
     w: ArrayView2<f32>,
     round: Option<Dtype>,
 ) -> Linear {
-    if let Some(e) = ENGINE.get() {
-        let mut failed = FAILED.lock().unwrap_or_else(|p| p.into_inner());
-        if failed.is_none() {
-            drop(failed);
-            match e.linear(a, sq_in, w, round) {
-                Ok(l) => return l,
-                Err(err) => {
-                    failed = FAILED.lock().unwrap_or_else(|p| p.into_inner());
-                    failed.get_or_insert(err.to_string());
-                }
+    if let Some(e) = ENGINE.get().filter(|_| failed().is_none()) {
+        match e.linear(a, sq_in, w, round) {
+            Ok(l) => return l,
+            Err(err) => {
+                failed().get_or_insert(err.to_string());
             }
         }
     }

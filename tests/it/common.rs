@@ -386,3 +386,25 @@ pub fn runner(py: &str, rel: &str) -> String {
         .join(rel);
     format!("{py} {}", p.display())
 }
+
+/// The selftest's `glm-5-dsa` fixture (GLM-5's 512 + 64 latent, indexer heads of 128, top_k 16),
+/// written once per test process.
+pub fn selftest_dsa_fixture() -> PathBuf {
+    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("mla-diff-dsa-{}", std::process::id()));
+        let o = bin()
+            .args([
+                "selftest",
+                "--fault",
+                "indexer_topk_off_by_one",
+                "--fixtures",
+            ])
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        dir.join("selftest-glm-5-dsa.gguf")
+    })
+    .clone()
+}

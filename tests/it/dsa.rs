@@ -4,6 +4,7 @@
 //! indexer passes the tie-aware selection check; each planted indexer bug fails the selection check
 //! while the kernel checks stay clean, and a planted kernel bug does the reverse.
 
+use crate::common::selftest_dsa_fixture;
 use mla_diff::backend::cpu::indexer::{self as mirror_indexer, KeyPrecision, Plan};
 use mla_diff::backend::cpu::CpuMirror;
 use mla_diff::backend::{Dtype, RunTables};
@@ -226,27 +227,6 @@ fn mirror_score_error_is_within_its_predicted_noise() {
         println!("glm-5-dsa selftest fixture, bf16, {keys:?} keys: score error rms {rms:.3} σ, worst {worst:.2} σ");
         assert!(rms < 1.0 && worst < MARGIN_SIGMAS, "{keys:?}");
     }
-}
-
-/// The selftest's `glm-5-dsa` fixture (GLM-5's indexer heads of 128, top_k 16), written once.
-fn selftest_dsa_fixture() -> std::path::PathBuf {
-    static PATH: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
-    PATH.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("mla-diff-dsa-{}", std::process::id()));
-        let o = std::process::Command::new(env!("CARGO_BIN_EXE_mla-diff"))
-            .args([
-                "selftest",
-                "--fault",
-                "indexer_topk_off_by_one",
-                "--fixtures",
-            ])
-            .arg(&dir)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        dir.join("selftest-glm-5-dsa.gguf")
-    })
-    .clone()
 }
 
 /// `--indexer-keys fp8` on GLM-5's indexer dims: a clean run passes the selection check at fp8's

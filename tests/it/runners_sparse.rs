@@ -7,35 +7,13 @@
 //! Needs MLA_DIFF_PYTHON with numpy (skipped without it, except under CI).
 
 use crate::common::{
-    assert_clean_error, bin, fixture, python, report_validator, runner, schema_errors, stderr,
+    assert_clean_error, bin, fixture, python, report_validator, runner, schema_errors,
+    selftest_dsa_fixture, stderr,
 };
 use serde_json::Value as J;
-use std::path::PathBuf;
 use std::process::Output;
 
 const STANDIN: &str = "MLA_DIFF_FLASHMLA_STANDIN";
-
-/// The selftest's `glm-5-dsa` fixture (GLM-5's 512 + 64 latent, top_k 16), written once.
-fn dsa_fixture() -> PathBuf {
-    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    PATH.get_or_init(|| {
-        let dir =
-            std::env::temp_dir().join(format!("mla-diff-sparse-runner-{}", std::process::id()));
-        let o = bin()
-            .args([
-                "selftest",
-                "--fault",
-                "indexer_topk_off_by_one",
-                "--fixtures",
-            ])
-            .arg(&dir)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", stderr(&o));
-        dir.join("selftest-glm-5-dsa.gguf")
-    })
-    .clone()
-}
 
 /// `run FILE --backend cpu --mode shadow --runner CMD --json -` on 40 prompt tokens in chunks of 16
 /// (24 queries past top_k 16) and 3 decode steps, with the stand-in on unless `standin` is false.
@@ -84,7 +62,7 @@ fn sparse_prefill_runner_passes_past_top_k_with_its_own_checks() {
     let Some(py) = python("the sparse runner", "numpy") else {
         return;
     };
-    let f = dsa_fixture();
+    let f = selftest_dsa_fixture();
     let o = go(
         f.to_str().unwrap(),
         &runner(&py, "flashmla_sparse.py"),
@@ -123,7 +101,7 @@ fn a_sparse_kernel_that_reads_the_padding_is_caught_at_the_runner() {
     let Some(py) = python("the sparse runner", "numpy") else {
         return;
     };
-    let f = dsa_fixture();
+    let f = selftest_dsa_fixture();
     let o = go(
         f.to_str().unwrap(),
         &runner(&py, "bugs/sparse/minus_one_wraps.py"),
@@ -152,7 +130,7 @@ fn what_the_sparse_runner_cannot_take_is_a_clean_error() {
     let Some(py) = python("the sparse runner", "numpy") else {
         return;
     };
-    let f = dsa_fixture();
+    let f = selftest_dsa_fixture();
     let f = f.to_str().unwrap();
     let cmd = runner(&py, "flashmla_sparse.py");
     // Without the stand-in it needs torch, an SM90 GPU and flash_mla: none of them here (exit 3).

@@ -29,8 +29,23 @@ pub fn attend<'a>(
     (out, m + l.ln())
 }
 
+/// An fp64 dot product in four interleaved sums (vectorizes; a GLM-5 layer's yardstick is ~10¹¹ of
+/// these products). Its rounding, ~10⁻¹⁶ relative, is far below every bound it serves.
 pub fn dot(a: &[f64], b: &[f64]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+    let mut acc = [0.0f64; 4];
+    let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
+    let tail: f64 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for k in 0..4 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    acc[0] + acc[1] + acc[2] + acc[3] + tail
 }
 
 /// Unit roundoff of a storage type by name.
@@ -53,5 +68,16 @@ pub fn tolerance(run_dtype: &str, out_dtype: &str, terms: usize) -> Tolerance {
         rel_l2: 4.0 * u,
         atol_rms: 16.0 * u,
         rtol: 4.0 * u,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn dot_is_the_dot_product() {
+        let a: Vec<f64> = (0..579).map(|i| (i as f64 * 0.37).sin()).collect();
+        let b: Vec<f64> = (0..579).map(|i| (i as f64 * 0.11).cos()).collect();
+        let plain: f64 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+        assert!((super::dot(&a, &b) - plain).abs() < 1e-12 * plain.abs().max(1.0));
     }
 }
