@@ -16,6 +16,7 @@ pub mod faults;
 pub mod fixture;
 pub mod fuzz;
 pub mod gguf;
+pub mod gpus;
 pub mod input;
 pub mod inspect;
 pub mod linalg;

@@ -3,8 +3,7 @@
 //! exactly the report one run would have written.
 //!
 //! The slice is contiguous and balanced: of L items, shard i gets `i·L/n .. (i+1)·L/n` (sizes differ by
-//! at most one, every item in exactly one shard, shard 0 first). For `run` the items are the selected
-//! layers; for `sweep` its cases.
+//! at most one, every item in exactly one shard, shard 0 first); the items are the selected layers.
 //!
 //! Layers are not independent: layer l's input is the residual stream after the earlier selected layers
 //! (the reference's in shadow mode, each side's own in free mode). A shard therefore recomputes the

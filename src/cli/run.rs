@@ -63,6 +63,11 @@ pub struct Args {
     /// reports into the whole run's (docs/scale.md).
     #[arg(long, value_name = "i/n", conflicts_with_all = ["baseline", "write_baseline"])]
     shard: Option<String>,
+    /// Spread the layers over this host's GPUs: `all`, a count N, or device indices (`0,1`; `0,0` puts
+    /// two workers on one GPU). One worker process per GPU runs its --shard; the report is the one-GPU
+    /// report (docs/scale.md). Needs the CUDA backend.
+    #[arg(long, value_name = "all|N|LIST", conflicts_with = "shard")]
+    gpus: Option<String>,
     /// Tensor parallel: run each layer as N ranks, each on its heads of q_b, k_b/v_b and its columns of
     /// o_proj, the partial outputs summed (all-reduce) as the engine does; report each rank against the
     /// fp64 reference of its heads, and the merged layer against the whole reference (docs/scale.md).
@@ -101,6 +106,62 @@ impl Args {
         Ok(s)
     }
 
+    /// A `--gpus` worker (`gpus::Worker`): its shard, its JSON report where the parent reads it, and
+    /// nothing else written or gated (the parent does that with the joined report).
+    fn become_worker(&mut self, w: &mla_diff::gpus::Worker) {
+        self.shard = Some(w.shard.to_string());
+        self.gpus = None;
+        self.report = ReportArgs {
+            formats: FormatArgs {
+                json: Some(w.json.clone()),
+                junit: None,
+                markdown: None,
+                color: report::table::ColorChoice::Never,
+                quiet: true,
+            },
+            plot: None,
+            dump_dir: None,
+            dump_layers: "first".into(),
+            baseline: None,
+            baseline_factor: self.report.baseline_factor,
+            allow_baseline_mismatch: false,
+            write_baseline: None,
+        };
+    }
+
+    /// `--gpus`: this run's layers over the GPUs, one worker process each (`gpus::fan_out`), then the
+    /// joined report written and gated as a one-GPU run's.
+    fn spread(
+        &self,
+        spec: &str,
+        cfg: &MlaConfig,
+        opts: &RunOptions,
+        ready: Prepared,
+    ) -> Result<i32, Error> {
+        use mla_diff::backend::open::Choice;
+        if self.backend.backend == Choice::Cpu {
+            return Err(Error::Usage(
+                "--gpus spreads a run over GPUs: it needs --backend cuda (or auto on a GPU machine)"
+                    .into(),
+            ));
+        }
+        if self.report.dump_dir.is_some() {
+            return Err(Error::Usage(
+                "--gpus does not dump tensors (each worker sees only its layers): dump from a one-GPU run, e.g. with --layers".into(),
+            ));
+        }
+        let count = mla_diff::backend::cuda::device::device_count()?;
+        let devices = mla_diff::gpus::devices(spec, &mla_diff::gpus::visible(count))?;
+        let layers = opts.layers.as_ref().map_or(cfg.n_layer, Vec::len);
+        let exe = std::env::current_exe()
+            .map_err(|e| Error::io("--gpus: cannot find this program to start its workers", e))?;
+        let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+        let started = std::time::Instant::now();
+        let quiet = self.report.formats.quiet;
+        let rep = mla_diff::gpus::fan_out(&exe, &args, &devices, layers, !quiet)?;
+        finish(rep, ready, &self.report, started)
+    }
+
     /// The planted faults; unknown names are usage errors before anything is read.
     fn faults(&self) -> Result<FaultSet, Error> {
         Ok(FaultSet(
@@ -127,9 +188,9 @@ impl Args {
         // A file with an indexer runs the sparse model past top_k (`run::dsa`); only a DSA file without
         // one would run dense there.
         let sparse = mla_diff::run::dsa::sparse_for(file, cfg, &sched)?.is_some();
-        if sparse && (self.shard.is_some() || self.tp.is_some()) {
+        if sparse && (self.shard.is_some() || self.gpus.is_some() || self.tp.is_some()) {
             return Err(Error::Usage(
-                "--shard and --tp do not run the DSA sparse model yet: use at most top_k tokens on this file, or run without them".into(),
+                "--shard, --gpus and --tp do not run the DSA sparse model yet: use at most top_k tokens on this file, or run without them".into(),
             ));
         }
         if !sparse {
@@ -188,7 +249,11 @@ pub fn check_dense_beyond_top_k(
     Ok(())
 }
 
-pub fn exec(a: Args) -> Result<i32, Error> {
+pub fn exec(mut a: Args) -> Result<i32, Error> {
+    let worker = mla_diff::gpus::Worker::from_env()?;
+    if let Some(w) = &worker {
+        a.become_worker(w);
+    }
     let faults = a.faults()?;
     let file = GgufFile::open(&a.file)?;
     let cfg = MlaConfig::from_gguf(&file)?;
@@ -211,6 +276,9 @@ pub fn exec(a: Args) -> Result<i32, Error> {
         t.check(&cfg)?;
     }
     let ready = Prepared::check(&file, &cfg, &opts, &a.report)?;
+    if let Some(spec) = &a.gpus {
+        return a.spread(spec, &cfg, &opts, ready);
+    }
     let how = How { shard, tp };
     execute_with(&file, &cfg, &opts, ready, &a.backend, &a.report, &[], how)
 }
@@ -299,6 +367,17 @@ pub fn execute_with(
         rep.set_tp(t.result(cfg, &layers));
     }
     rep.run.notices.extend(notices.iter().cloned());
+    finish(rep, Prepared { outputs, baseline }, r, started)
+}
+
+/// A run's report gated against its --baseline and written; the exit code.
+fn finish(
+    mut rep: Report,
+    ready: Prepared,
+    r: &ReportArgs,
+    started: std::time::Instant,
+) -> Result<i32, Error> {
+    let Prepared { outputs, baseline } = ready;
     if let (Some((b, diffs)), Some(p)) = (baseline, &r.baseline) {
         let mut g = report::baseline::gate(&rep, &b, &p.display().to_string(), r.baseline_factor);
         g.across = diffs;

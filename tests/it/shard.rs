@@ -170,3 +170,49 @@ fn merge_refuses_what_is_not_one_complete_run() {
     common::assert_clean_error(&run(&model, &["--shard", "3/3"]), "--shard");
     common::assert_clean_error(&run(&model, &["--shard", "0/6"]), "only 5 layers");
 }
+
+/// `run --gpus`: the workers and the join as the CLI drives them (`gpus::fan_out` with this program and
+/// the run's own arguments), here on the CPU mirror. What a GPU-less machine cannot try is the
+/// `CUDA_VISIBLE_DEVICES` pinning (checked on the GPU: docs/scale.md). The joined report is the whole
+/// run's byte for byte, a failing layer included; a worker's error is the run's.
+#[test]
+fn gpu_workers_join_into_the_whole_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = five_layers(dir.path());
+    let wj = dir.path().join("whole.json");
+    let extra = ["--mode", "both", "--inject", "rope_neox@layer=3"];
+    let mut a = extra.to_vec();
+    a.extend(["--json", wj.to_str().unwrap()]);
+    assert_eq!(run(&model, &a).status.code(), Some(1));
+    let mut args: Vec<std::ffi::OsString> = vec!["run".into(), model.clone().into(), "-q".into()];
+    args.extend(ARGS.iter().chain(&extra).map(Into::into));
+    let exe = Path::new(env!("CARGO_BIN_EXE_mla-diff"));
+    let devices = ["0", "0", "0"].map(String::from);
+    let joined = mla_diff::gpus::fan_out(exe, &args, &devices, 5, false).unwrap();
+    assert!(joined.to_json() == read(&wj), "joined report differs");
+    assert_eq!(joined.verdict.first_layer, Some(3));
+    // More workers than layers: one per layer.
+    let two = ["--layers".into(), "1,3".into()];
+    let six = ["0"; 6].map(String::from);
+    let r = mla_diff::gpus::fan_out(exe, &[args.clone(), two.to_vec()].concat(), &six, 2, false);
+    assert_eq!(r.unwrap().run.layers, vec![1, 3]);
+    // A worker's usage error ends the run with an error, not a partial report.
+    let bad = [args, vec!["--chunk".into(), "0".into()]].concat();
+    let e = mla_diff::gpus::fan_out(exe, &bad, &devices, 5, false).unwrap_err();
+    assert!(e.to_string().contains("GPU worker"), "{e}");
+}
+
+#[test]
+fn gpus_is_refused_where_it_cannot_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = five_layers(dir.path());
+    let m = model.to_str().unwrap();
+    let o = common::run(&["run", m, "--backend", "cpu", "--gpus", "2"]);
+    common::assert_clean_error(&o, "needs --backend cuda");
+    let o = common::run(&["run", m, "--gpus", "2", "--shard", "0/2"]);
+    assert_eq!(o.status.code(), Some(2), "{}", common::stderr(&o));
+    // No GPU here: an environment error; a GPU machine has fewer than 99 (a usage error). Exit 2 both.
+    let o = common::run(&["run", m, "--gpus", "99"]);
+    assert_eq!(o.status.code(), Some(2), "{}", common::stderr(&o));
+    assert!(common::stderr(&o).contains("mla-diff: error:"));
+}

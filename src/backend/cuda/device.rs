@@ -49,6 +49,24 @@ pub fn gpu_present() -> bool {
     lib && drv::init().is_ok() && drv::device::get_count().map(|n| n > 0).unwrap_or(false)
 }
 
+/// How many CUDA devices this process sees (after `CUDA_VISIBLE_DEVICES`); no driver or no device is
+/// `Error::Environment`.
+pub fn device_count() -> Result<usize> {
+    // SAFETY: only tries to dlopen the driver library.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::Environment(
+            "--gpus needs an NVIDIA driver: libcuda.so.1 was not found (no GPU on this machine?)"
+                .into(),
+        ));
+    }
+    drv::init().map_err(drv_err("cuInit (is a GPU visible?)"))?;
+    let n = drv::device::get_count().map_err(drv_err("cuDeviceGetCount"))?;
+    if n < 1 {
+        return Err(Error::Environment("no CUDA device found".into()));
+    }
+    Ok(n as usize)
+}
+
 /// An initialised device with its primary context current on this thread.
 pub struct Gpu {
     pub dev: sys::CUdevice,
