@@ -6,6 +6,10 @@
 //! that overlap works, and a peak reached during that overlap is counted to the phase on the run's
 //! thread. Each phase also shows the process's CPU time (user + system, every thread) while it ran,
 //! and so how many cores it kept busy on average: what layers in flight could still use.
+//!
+//! A sampler thread reads the resident set every 10 ms while the run loop runs, so the peak is also
+//! split into anonymous memory (the heap: weights, traces) and file-backed pages (the mapped GGUF, the
+//! CUDA libraries' code), and the resident set at the loop's start (libraries, CUDA context) is known.
 
 use std::time::{Duration, Instant};
 
@@ -14,6 +18,60 @@ pub struct Profile {
     start: Instant,
     /// Per phase: time, the peak RSS growth (kB) seen across it, and the process's CPU time across it.
     phases: Vec<(&'static str, Duration, u64, Duration)>,
+    sampler: Option<Sampler>,
+}
+
+/// The resident set's parts, kB, from `/proc/self/status`.
+#[derive(Debug, Clone, Copy, Default)]
+struct Rss {
+    total: u64,
+    anon: u64,
+    file: u64,
+    shmem: u64,
+}
+
+fn rss_now() -> Option<Rss> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb = |key: &str| -> Option<u64> {
+        let l = s.lines().find(|l| l.starts_with(key))?;
+        l.split_whitespace().nth(1)?.parse().ok()
+    };
+    Some(Rss {
+        total: kb("VmRSS:")?,
+        anon: kb("RssAnon:")?,
+        file: kb("RssFile:")?,
+        shmem: kb("RssShmem:")?,
+    })
+}
+
+/// The sampler thread: the resident set at its start and at its largest sample.
+struct Sampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<(Rss, Rss)>,
+}
+
+impl Sampler {
+    fn start() -> Option<Sampler> {
+        let first = rss_now()?;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut peak = first;
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Some(r) = rss_now().filter(|r| r.total > peak.total) {
+                    peak = r;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            (first, peak)
+        });
+        Some(Sampler { stop, thread })
+    }
+
+    fn finish(self) -> (Rss, Rss) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap_or_default()
+    }
 }
 
 /// The process's CPU time so far, user + system, all threads (zero where unreadable).
@@ -42,6 +100,7 @@ impl Profile {
             on,
             start: Instant::now(),
             phases: Vec::new(),
+            sampler: on.then(Sampler::start).flatten(),
         }
     }
 
@@ -80,10 +139,11 @@ impl Profile {
     }
 
     /// The table on stderr, when on.
-    pub fn print(&self) {
+    pub fn print(&mut self) {
         if !self.on {
             return;
         }
+        let sampled = self.sampler.take().map(Sampler::finish);
         let wall = self.start.elapsed().as_secs_f64();
         eprintln!(
             "mla-diff: profile (seconds, summed over layers; the reference overlaps the rest; process CPU seconds and cores busy while the phase ran; peak RSS growth)"
@@ -114,5 +174,28 @@ impl Profile {
             "wall (run loop)",
             cpu / wall.max(1e-9)
         );
+        if let Some((first, peak)) = sampled {
+            let mb = |kb: u64| kb / 1024;
+            eprintln!(
+                "  resident set, MB (sampled every 10 ms): at the loop's start {} (anon {}, file {}, shmem {}); largest sample {} (anon {}, file {}, shmem {})",
+                mb(first.total),
+                mb(first.anon),
+                mb(first.file),
+                mb(first.shmem),
+                mb(peak.total),
+                mb(peak.anon),
+                mb(peak.file),
+                mb(peak.shmem)
+            );
+        }
+    }
+}
+
+impl Drop for Profile {
+    /// A run that ends early (an error) stops its sampler too.
+    fn drop(&mut self) {
+        if let Some(s) = &self.sampler {
+            s.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 }
