@@ -84,10 +84,16 @@ impl Local {
     }
 }
 
-/// What the local view needs besides the optimized trace.
+/// What the local view needs besides the optimized trace: the layer's weights and the rest.
 pub struct Inputs<'a> {
-    pub cfg: &'a MlaConfig,
     pub weights: &'a LayerWeights,
+    pub frame: Frame<'a>,
+}
+
+/// What the local view needs besides the optimized trace and the layer's weights.
+#[derive(Clone, Copy)]
+pub struct Frame<'a> {
+    pub cfg: &'a MlaConfig,
     pub rope: &'a RopeTables,
     pub sched: &'a Schedule,
     /// The layer input `[T, hidden]` before attn_norm (the path rounds it to `dtype`).
@@ -782,21 +788,35 @@ fn opt2(tr: &LayerTrace, s: Stage) -> Option<Array2<f64>> {
 
 /// Compute the local view of every stage whose inputs the optimized trace holds.
 pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
-    compute_with(inp, opt, None)
+    finish(inp.frame, opt, prepare(inp, opt), None)
 }
 
 /// The local view of a DSA layer (`sparse::Sparse`): every attention over the keys the path attended
 /// over, in the path's form of sparse prefill.
 pub fn compute_sparse(inp: &Inputs, opt: &LayerTrace, sp: sparse::Sparse) -> Local {
-    compute_with(inp, opt, Some(sp))
+    finish(inp.frame, opt, prepare(inp, opt), Some(sp))
 }
 
-fn compute_with(inp: &Inputs, opt: &LayerTrace, sp: Option<sparse::Sparse>) -> Local {
-    // DSA: the keys query t attends to (all visible ones on a dense layer).
-    let keep = |t: usize, j: usize| sp.is_none_or(|sp| sp.selection.allows(t, j));
-    let (cfg, dt, sched) = (inp.cfg, inp.dtype, inp.sched);
-    // The weights as the path stores them: the vectors rounded here, the matrices block by block.
-    // The weights as the path stores them (made once per layer, shared with the CPU mirror).
+/// What of the layer's weights the view uses, made first ([`prepare`]): its products against the
+/// large matrices (q, kv_a, o) and the rest as the path stores them, widened. A run frees the layer's
+/// weights between [`prepare`] and [`finish`], so that a judge in flight holds no copy of them.
+pub struct Prepared {
+    attn_norm: Array1<f64>,
+    kv_a_norm: Array1<f64>,
+    /// q and its variance `[T, H·(P+R)]`, from the stored attn_in (`None`: not in the trace).
+    q: Option<(Array2<f64>, Array2<f64>)>,
+    /// kv_a's product and variance `[T, Lkv+R]` from the stored attn_in, before it is stored.
+    kv: Option<(Array2<f64>, Array2<f64>)>,
+    /// `[H·P, Lkv]` and `[H·Dv, Lkv]`.
+    w_uk: Array2<f64>,
+    w_uv: Array2<f64>,
+    /// attn_out and its variance from the stored heads.
+    o: Option<(Array2<f64>, Array2<f64>)>,
+}
+
+/// The view's uses of the layer's weights ([`Prepared`]).
+pub fn prepare(inp: &Inputs, opt: &LayerTrace) -> Prepared {
+    let (cfg, dt) = (inp.frame.cfg, inp.frame.dtype);
     // The weights as the path stores them: the layer's rounded copy where the CPU mirror made one
     // (`LayerWeights::stored`), else the file's values rounded as they are read (a GPU run then holds
     // no second copy of the layer).
@@ -804,37 +824,9 @@ fn compute_with(inp: &Inputs, opt: &LayerTrace, sp: Option<sparse::Sparse>) -> L
         Some(s) => (s, None),
         None => (inp.weights, Some(dt)),
     };
-    let rope = RopeF32::new(inp.rope, Active::NONE);
-    let (h, p, r, dv, lkv) = (
-        cfg.n_head,
-        cfg.qk_nope,
-        cfg.qk_rope,
-        cfg.v_head_dim,
-        cfg.kv_lora_rank,
-    );
-    let t_all = sched.total_tokens();
-    let mut out = Local::default();
-
-    // attn_in ← the layer input, as the path stores it.
-    let x = inp.x.mapv(|v| dt.round(v as f32) as f64);
-    let zero = Array2::<f64>::zeros(x.dim());
-    let (ai, vai) = rms_norm(
-        x.view(),
-        zero.view(),
-        &f64s(&w.attn_norm, round),
-        cfg.rms_eps,
-    );
-    out.push(
-        Stage::AttnIn,
-        ai.into_raw_vec_and_offset().0,
-        vai.into_raw_vec_and_offset().0,
-    );
-
-    let Some(attn_in) = opt2(opt, Stage::AttnIn) else {
-        return out;
-    };
+    let attn_in = opt2(opt, Stage::AttnIn);
     // q ← attn_in (q-LoRA's latent stored and normed on the way).
-    let (q, vq) = match &w.q {
+    let q = attn_in.as_ref().map(|attn_in| match &w.q {
         QProj::Lora { a, a_norm, b } => {
             let (qa, mut vqa) = linear_stored(attn_in.view(), a.view(), round, None);
             Zip::from(&mut vqa)
@@ -848,6 +840,56 @@ fn compute_with(inp: &Inputs, opt: &LayerTrace, sp: Option<sparse::Sparse>) -> L
             linear_stored(qn.view(), b.view(), round, Some(&vqn))
         }
         QProj::Plain { q } => linear_stored(attn_in.view(), q.view(), round, None),
+    });
+    let kv = attn_in.map(|a| linear_stored(a.view(), w.kv_a.view(), round, None));
+    let (h, lkv) = (cfg.n_head, cfg.kv_lora_rank);
+    let flat = |m: &ndarray::Array3<f32>, d: usize| {
+        f64s(m, round)
+            .into_shape_with_order((h * d, lkv))
+            .expect("[H, d, Lkv]")
+    };
+    // attn_out ← the stored heads.
+    let o = opt2(opt, Stage::AttnHeads)
+        .map(|o_heads| linear_stored(o_heads.view(), w.o.view(), round, None));
+    Prepared {
+        attn_norm: f64s(&w.attn_norm, round),
+        kv_a_norm: f64s(&w.kv_a_norm, round),
+        q,
+        kv,
+        w_uk: flat(&w.w_uk, cfg.qk_nope),
+        w_uv: flat(&w.w_uv, cfg.v_head_dim),
+        o,
+    }
+}
+
+/// The view from what [`prepare`] made of the weights.
+pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Sparse>) -> Local {
+    // DSA: the keys query t attends to (all visible ones on a dense layer).
+    let keep = |t: usize, j: usize| sp.is_none_or(|sp| sp.selection.allows(t, j));
+    let (cfg, dt, sched) = (f.cfg, f.dtype, f.sched);
+    let rope = RopeF32::new(f.rope, Active::NONE);
+    let (h, p, r, dv, lkv) = (
+        cfg.n_head,
+        cfg.qk_nope,
+        cfg.qk_rope,
+        cfg.v_head_dim,
+        cfg.kv_lora_rank,
+    );
+    let t_all = sched.total_tokens();
+    let mut out = Local::default();
+
+    // attn_in ← the layer input, as the path stores it.
+    let x = f.x.mapv(|v| dt.round(v as f32) as f64);
+    let zero = Array2::<f64>::zeros(x.dim());
+    let (ai, vai) = rms_norm(x.view(), zero.view(), &pre.attn_norm, cfg.rms_eps);
+    out.push(
+        Stage::AttnIn,
+        ai.into_raw_vec_and_offset().0,
+        vai.into_raw_vec_and_offset().0,
+    );
+
+    let (Some((q, vq)), Some((mut kv, mut vkv))) = (pre.q, pre.kv) else {
+        return out;
     };
     // Per head rows `[T·H, P+R]`.
     let dk = p + r;
@@ -873,14 +915,13 @@ fn compute_with(inp: &Inputs, opt: &LayerTrace, sp: Option<sparse::Sparse>) -> L
     );
 
     // kv ← attn_in: stored, then the latent normed and k_pe roped.
-    let (mut kv, mut vkv) = linear_stored(attn_in.view(), w.kv_a.view(), round, None);
     Zip::from(&mut vkv)
         .and(&kv)
         .for_each(|v, &y| *v += hidden_round(dt, y));
     let (lat, vlat) = rms_norm(
         kv.slice(s![.., ..lkv]),
         vkv.slice(s![.., ..lkv]),
-        &f64s(&w.kv_a_norm, round),
+        &pre.kv_a_norm,
         cfg.lora_norm_eps,
     );
     out.push(
@@ -922,22 +963,16 @@ fn compute_with(inp: &Inputs, opt: &LayerTrace, sp: Option<sparse::Sparse>) -> L
         .into_shape_with_order((t_all * h, r))
         .expect("[T, H, R]");
     let scale = cfg.softmax_scale;
-    let flat = |m: &ndarray::Array3<f32>, d: usize| {
-        f64s(m, round)
-            .into_shape_with_order((h * d, lkv))
-            .expect("[H, d, Lkv]")
-    };
-    let w_uk = flat(&w.w_uk, p); // [H·P, Lkv]
-    let w_uv = flat(&w.w_uv, dv); // [H·Dv, Lkv]
+    let (w_uk, w_uv) = (&pre.w_uk, &pre.w_uv);
     let mut heads = Rows::new(t_all * h, dv);
     let mut lse = vec![0.0; t_all * h];
     let mut vlse = vec![0.0; t_all * h];
     let mut blse = vec![0.0; t_all * h];
-    let sum = inp.score_sum;
+    let sum = f.score_sum;
     let tc = sum.truncates();
     let path = Path {
         dt,
-        online: inp.known_attention,
+        online: f.known_attention,
         sum,
     };
     // attn_heads[decode] needs the stored attn_latent.
@@ -1051,7 +1086,7 @@ fn compute_with(inp: &Inputs, opt: &LayerTrace, sp: Option<sparse::Sparse>) -> L
     let nd = sched.decode_tokens();
     if nd > 0 {
         let o_qabs = opt2(opt, Stage::QAbsorbed)
-            .filter(|_| inp.provided.contains(Stage::QAbsorbed))
+            .filter(|_| f.provided.contains(Stage::QAbsorbed))
             .map(|a| a.into_shape_with_order((nd * h, lkv)).expect("[D, H, Lkv]"));
         let mut qabs = Array2::<f64>::zeros((nd * h, lkv));
         let mut vqabs = Array2::<f64>::zeros((nd * h, lkv));
@@ -1092,8 +1127,7 @@ fn compute_with(inp: &Inputs, opt: &LayerTrace, sp: Option<sparse::Sparse>) -> L
         let mut latent = Rows::new(nd * h, lkv);
         let o_split = match (opt.get(Stage::SplitOut), opt.get(Stage::SplitLse)) {
             (Some(o), Some(l))
-                if inp.provided.contains(Stage::SplitOut)
-                    && inp.provided.contains(Stage::SplitLse) =>
+                if f.provided.contains(Stage::SplitOut) && f.provided.contains(Stage::SplitLse) =>
             {
                 Some((o, l))
             }
@@ -1144,7 +1178,7 @@ fn compute_with(inp: &Inputs, opt: &LayerTrace, sp: Option<sparse::Sparse>) -> L
                                     let out = o.data[(qi * ns + k) * lkv..(qi * ns + k + 1) * lkv]
                                         .to_vec();
                                     let lse = l.data[qi * ns + k];
-                                    match inp.known_attention {
+                                    match f.known_attention {
                                         true => Attn {
                                             out,
                                             lse,
@@ -1210,9 +1244,7 @@ fn compute_with(inp: &Inputs, opt: &LayerTrace, sp: Option<sparse::Sparse>) -> L
         heads.push_to(&mut out, Stage::AttnHeads, tc);
     }
 
-    // attn_out ← the stored heads.
-    if let Some(o_heads) = opt2(opt, Stage::AttnHeads) {
-        let (y, v) = linear_stored(o_heads.view(), w.o.view(), round, None);
+    if let Some((y, v)) = pre.o {
         out.push(
             Stage::AttnOut,
             y.into_raw_vec_and_offset().0,

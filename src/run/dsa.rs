@@ -371,15 +371,17 @@ fn own_local_view(
         return local::Local::default();
     }
     let inp = local::Inputs {
-        cfg: ctx.cfg,
         weights: ctx.weights,
-        rope: ctx.rope,
-        sched: ctx.sched,
-        x,
-        dtype,
-        provided: cmp.provided,
-        known_attention: backend.known_attention(),
-        score_sum: backend.score_sum(),
+        frame: local::Frame {
+            cfg: ctx.cfg,
+            rope: ctx.rope,
+            sched: ctx.sched,
+            x,
+            dtype,
+            provided: cmp.provided,
+            known_attention: backend.known_attention(),
+            score_sum: backend.score_sum(),
+        },
     };
     let sp = local::Sparse { selection: own };
     let mut l = local::compute_sparse(&inp, opt, sp);

@@ -642,14 +642,14 @@ struct Judged {
     took: std::time::Duration,
 }
 
-/// The stage-local view of shadow mode's trace.
+/// The stage-local view of shadow mode's trace. The layer's weights are let go once the view's products
+/// against them are made: the rest of the judge (most of its time) then holds no copy of the layer.
 fn local_view(env: &JudgeEnv, opt: &LayerTrace, v: Option<View>) -> compare::local::Local {
     let Some(v) = v else {
         return Default::default();
     };
-    let inp = compare::local::Inputs {
+    let frame = compare::local::Frame {
         cfg: env.cfg,
-        weights: &v.weights,
         rope: env.rope,
         sched: &env.opts.sched,
         x: &v.x,
@@ -658,12 +658,17 @@ fn local_view(env: &JudgeEnv, opt: &LayerTrace, v: Option<View>) -> compare::loc
         known_attention: v.known_attention,
         score_sum: v.score_sum,
     };
-    let mut local = match &v.selection {
-        Some(selection) => {
-            compare::local::compute_sparse(&inp, opt, compare::local::Sparse { selection })
-        }
-        None => compare::local::compute(&inp, opt),
+    let inp = compare::local::Inputs {
+        weights: &v.weights,
+        frame,
     };
+    let pre = compare::local::prepare(&inp, opt);
+    drop(v.weights);
+    let sp = v
+        .selection
+        .as_ref()
+        .map(|selection| compare::local::Sparse { selection });
+    let mut local = compare::local::finish(frame, opt, pre, sp);
     local.stages.retain(|s| !v.outside.contains(s.stage));
     local
 }

@@ -79,15 +79,17 @@ pub fn measure(
     };
     let local = compare::local::compute(
         &compare::local::Inputs {
-            cfg: &cfg,
             weights: &w,
-            rope: &tables.rope,
-            sched,
-            x: &x,
-            dtype,
-            provided: ctx.provided,
-            known_attention: backend.known_attention(),
-            score_sum: backend.score_sum(),
+            frame: compare::local::Frame {
+                cfg: &cfg,
+                rope: &tables.rope,
+                sched,
+                x: &x,
+                dtype,
+                provided: ctx.provided,
+                known_attention: backend.known_attention(),
+                score_sum: backend.score_sum(),
+            },
         },
         &opt,
     );

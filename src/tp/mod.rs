@@ -245,15 +245,17 @@ impl Backend for TpBackend<'_> {
                 // Judged as shadow mode judges a layer: with the stage-local view of the rank's slice.
                 let local = compare::local::compute(
                     &compare::local::Inputs {
-                        cfg: &cfg_r,
                         weights: &w,
-                        rope: ctx.rope,
-                        sched: ctx.sched,
-                        x,
-                        dtype: self.dtype,
-                        provided: self.inner.provides(),
-                        known_attention: self.inner.known_attention(),
-                        score_sum: self.inner.score_sum(),
+                        frame: compare::local::Frame {
+                            cfg: &cfg_r,
+                            rope: ctx.rope,
+                            sched: ctx.sched,
+                            x,
+                            dtype: self.dtype,
+                            provided: self.inner.provides(),
+                            known_attention: self.inner.known_attention(),
+                            score_sum: self.inner.score_sum(),
+                        },
                     },
                     &opt,
                 );

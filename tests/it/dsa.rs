@@ -89,15 +89,17 @@ impl Case {
         sel: Option<&Selection>,
     ) -> compare::local::Local {
         let inp = compare::local::Inputs {
-            cfg: &self.cfg,
             weights: &self.w,
-            rope: &self.tables.rope,
-            sched: &self.sched,
-            x: &self.x,
-            dtype: dt,
-            provided: mla_diff::trace::StageSet::ALL,
-            known_attention: true,
-            score_sum: compare::noise::ScoreSum::Lanes8,
+            frame: compare::local::Frame {
+                cfg: &self.cfg,
+                rope: &self.tables.rope,
+                sched: &self.sched,
+                x: &self.x,
+                dtype: dt,
+                provided: mla_diff::trace::StageSet::ALL,
+                known_attention: true,
+                score_sum: compare::noise::ScoreSum::Lanes8,
+            },
         };
         match sel {
             Some(selection) => {
