@@ -295,8 +295,6 @@ pub fn run_from(
     let mut results = (Vec::<LayerResult>::new(), Vec::new(), Vec::new());
     let mut repeats = Vec::new();
     let mut prof = profile::Profile::from_env();
-    // The next layer's weights, loaded by the reference's thread once the reference is done.
-    let mut preloaded: Option<(Result<LayerWeights>, std::time::Duration)> = None;
     // Each layer's stage-local view and comparison (its "judge") run on their own thread next to the
     // next layer's reference and optimized path (they need nothing of them, nor they of it), collected
     // in layer order, so that results and dumps come out as a sequential run's. Two judges at a time
@@ -331,13 +329,13 @@ pub fn run_from(
                     h_ref = inputs.layer(l)?;
                 }
             }
-            let (w, t_load) = preloaded
-                .take()
-                .unwrap_or_else(|| load_layer(file, &cfg, l));
+            // Loaded here, not ahead beside the reference: one layer's weights alive at a time (a
+            // preloaded next layer cost 0.5 GB of peak RSS at GLM-5 dims for ~10 % of the time:
+            // docs/scale.md).
+            let (w, t_load) = load_layer(file, &cfg, l);
             prof.add("load + dequantize", t_load);
             // Shared with the layer's comparison thread (its stage-local view reads the weights).
             let w = std::sync::Arc::new(w?);
-            let next = layers.get(i + 1).copied();
             let dense_ctx = tables.ctx(&cfg, &w, &opts.sched, opts.faults.active(l));
             let sel = match &sparse {
                 Some(sp) => {
@@ -371,13 +369,7 @@ pub fn run_from(
                 let r = sc.spawn(move || {
                     let t0 = std::time::Instant::now();
                     let r = crate::reference::run_layer_sel(c, w, rope, h, sched, ref_sel);
-                    let took = t0.elapsed();
-                    // Only after a good reference: a failing layer stops the run before the next is read.
-                    let next = match (&r, next) {
-                        (Ok(_), Some(n)) => Some(load_layer(file, c, n)),
-                        _ => None,
-                    };
-                    (r, took, next)
+                    (r, t0.elapsed())
                 });
                 let optimized = (|| -> Result<OptTraces> {
                     let mut shadow_opt = None;
@@ -410,9 +402,8 @@ pub fn run_from(
                     };
                     Ok((shadow_opt, free_opt))
                 })();
-                let (r, took, next) = r.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+                let (r, took) = r.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
                 prof.add("reference (fp64)", took);
-                preloaded = next;
                 (r, optimized)
             });
             let reference = reference?;
@@ -483,6 +474,7 @@ pub fn run_from(
                 judge(layer, &env, &ctx, &free_ctx, dumped_before)
             }));
             h_ref = next_ref;
+            release_memory();
             bar.inc(1);
         }
         while let Some(j) = judging.pop_front() {
@@ -601,6 +593,15 @@ fn load_layer(
             .filter_map(|n| file.tensor(n)),
     );
     (w, t0.elapsed())
+}
+
+/// Hand the memory freed during the layer back to the system. The binary's allocator (mimalloc) keeps
+/// freed pages for reuse, those of the layer's ended threads (reference, judges) too, until it collects
+/// them: 0.2–0.3 GB of a GLM-5 run's peak resident set. Once per layer, not at every free
+/// (`MIMALLOC_PURGE_DELAY=0` cost 5× the system time). A no-op where mimalloc holds nothing.
+fn release_memory() {
+    // SAFETY: mi_collect only walks mimalloc's own heaps and returns unused pages to the system.
+    unsafe { libmimalloc_sys::mi_collect(true) }
 }
 
 /// A layer's optimized traces computed next to its reference: shadow mode's and free mode's.

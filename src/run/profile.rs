@@ -1,11 +1,11 @@
 //! `MLA_DIFF_PROFILE=1`: where a run's time goes, per phase, summed over its layers (stderr), and how
 //! far the process's peak resident set (`VmHWM`, Linux) rose while each phase ran on the run's thread.
 //!
-//! The reference, then the next layer's load, run on their own thread next to the optimized path and
-//! the local view, so their time overlaps theirs: the phases add up to more than the wall time when
-//! that overlap works, and a peak reached during that overlap is counted to the phase on the run's
-//! thread. Each phase also shows the process's CPU time (user + system, every thread) while it ran,
-//! and so how many cores it kept busy on average: what layers in flight could still use.
+//! The reference runs on its own thread next to the optimized path, and the judges (local view and
+//! comparison) on theirs next to the next layers, so their time overlaps the rest: the phases add up
+//! to more than the wall time when that overlap works, and a peak reached during that overlap is
+//! counted to the phase on the run's thread. Each phase also shows the process's CPU time (user +
+//! system, every thread) while it ran, and so how many cores it kept busy on average.
 //!
 //! A sampler thread reads the resident set every 10 ms while the run loop runs, so the peak is also
 //! split into anonymous memory (the heap: weights, traces) and file-backed pages (the mapped GGUF, the
@@ -47,7 +47,7 @@ fn rss_now() -> Option<Rss> {
 /// The sampler thread: the resident set at its start and at its largest sample.
 struct Sampler {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: std::thread::JoinHandle<(Rss, Rss)>,
+    thread: std::thread::JoinHandle<(Rss, Rss, Duration)>,
 }
 
 impl Sampler {
@@ -56,19 +56,19 @@ impl Sampler {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flag = stop.clone();
         let thread = std::thread::spawn(move || {
-            let mut peak = first;
+            let (t0, mut peak, mut at) = (Instant::now(), first, Duration::ZERO);
             while !flag.load(std::sync::atomic::Ordering::Relaxed) {
                 if let Some(r) = rss_now().filter(|r| r.total > peak.total) {
-                    peak = r;
+                    (peak, at) = (r, t0.elapsed());
                 }
                 std::thread::sleep(Duration::from_millis(10));
             }
-            (first, peak)
+            (first, peak, at)
         });
         Some(Sampler { stop, thread })
     }
 
-    fn finish(self) -> (Rss, Rss) {
+    fn finish(self) -> (Rss, Rss, Duration) {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         self.thread.join().unwrap_or_default()
     }
@@ -174,10 +174,10 @@ impl Profile {
             "wall (run loop)",
             cpu / wall.max(1e-9)
         );
-        if let Some((first, peak)) = sampled {
+        if let Some((first, peak, at)) = sampled {
             let mb = |kb: u64| kb / 1024;
             eprintln!(
-                "  resident set, MB (sampled every 10 ms): at the loop's start {} (anon {}, file {}, shmem {}); largest sample {} (anon {}, file {}, shmem {})",
+                "  resident set, MB (sampled every 10 ms): at the loop's start {} (anon {}, file {}, shmem {}); largest sample {} (anon {}, file {}, shmem {}) at {:.1} s",
                 mb(first.total),
                 mb(first.anon),
                 mb(first.file),
@@ -185,7 +185,8 @@ impl Profile {
                 mb(peak.total),
                 mb(peak.anon),
                 mb(peak.file),
-                mb(peak.shmem)
+                mb(peak.shmem),
+                at.as_secs_f64()
             );
         }
     }
