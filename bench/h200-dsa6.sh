@@ -9,7 +9,7 @@
 #      a. 64 heads, 3072 prompt tokens in chunks of 1024 + 4 decode steps, --backend cuda with the runner
 #         (sparse prefill and sparse decode; MLA_DIFF_RUNNER_TIME: FlashMLA's time per request);
 #      b. 128 heads (fixture --heads 128: DeepSeek-V3.2's head count on GLM-5's dims; there is no V3.2
-#         preset), 2560 prompt tokens in chunks of 1280 + 2 decode steps, the same runner;
+#         preset), 2304 prompt tokens in chunks of 1152 + 2 decode steps, the same runner;
 #      c. b's run on our CUDA sparse path alone (MLA_DIFF_PROFILE: sparse_attn's time per launch).
 # Prepare here: the release binary, runners/, bench/probe/flashmla_sparse_decode.py and this script in
 # .carry/dsa6 (git-ignored), .carry/peers from runners/fetch_peers.sh. On the device, from the repository
@@ -25,7 +25,7 @@ B=/tmp/mla-diff
 OUT=${OUT:?set OUT}
 R=/tmp/dsa6-results
 mkdir -p "$R"
-RUN_T=${RUN_T:-170}
+RUN_T=${RUN_T:-165}
 S=$(date +%s)
 t() { echo "   [$(( $(date +%s) - S )) s] $*" | tee -a "$R/log.txt"; }
 xz -dc "$D/mla-diff.xz" > "$B" && chmod +x "$B"
@@ -38,7 +38,7 @@ echo "cores $(nproc)" >> "$R/gpu.txt"
 "$B" fixture --preset glm-5 --layers 1 --quant bf16 -o /tmp/glm5.gguf > /dev/null
 "$B" fixture --preset glm-5 --heads 128 --layers 1 --quant bf16 -o /tmp/glm5-h128.gguf > /dev/null
 t fixtures
-RUNNERS=$D/runners timeout ${PROBE_T:-35} python3 "$D/flashmla_sparse_decode_probe.py" > "$R/probe.txt" 2>&1
+RUNNERS=$D/runners timeout ${PROBE_T:-30} python3 "$D/flashmla_sparse_decode_probe.py" > "$R/probe.txt" 2>&1
 echo "probe exit $?" >> "$R/probe.txt"; t probe
 run() {  # name gguf prompt chunk decode-steps [extra args]
   local n=$1 f=$2 p=$3 c=$4 d=$5; shift 5
@@ -49,8 +49,8 @@ run() {  # name gguf prompt chunk decode-steps [extra args]
 }
 FM="python3 $D/runners/flashmla_sparse.py"
 MLA_DIFF_RUNNER_TIME=$R/flashmla-times-h64.txt run h64-flashmla /tmp/glm5.gguf 3072 1024 4 --backend cuda --runner "$FM" &
-MLA_DIFF_RUNNER_TIME=$R/flashmla-times-h128.txt run h128-flashmla /tmp/glm5-h128.gguf 2560 1280 2 --backend cuda --runner "$FM" &
-MLA_DIFF_PROFILE=1 run h128-cuda /tmp/glm5-h128.gguf 2560 1280 2 --backend cuda &
+MLA_DIFF_RUNNER_TIME=$R/flashmla-times-h128.txt run h128-flashmla /tmp/glm5-h128.gguf 2304 1152 2 --backend cuda --runner "$FM" &
+MLA_DIFF_PROFILE=1 run h128-cuda /tmp/glm5-h128.gguf 2304 1152 2 --backend cuda &
 wait; t runs
 {
   cat "$R/gpu.txt" "$R/probe.txt"

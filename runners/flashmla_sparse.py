@@ -94,6 +94,7 @@ class FlashMLASparse(protocol.NumpyRunner):
         self.standin = os.environ.get(STANDIN_ENV, "") == "numpy"
         self.fm = None
         self.kw = {}
+        self.decode_kw = {}
 
     def environment_problem(self):
         if self.standin:
@@ -250,8 +251,18 @@ class FlashMLASparse(protocol.NumpyRunner):
             meta, _ = self.fm.get_mla_metadata()
             res["out"], res["lse"] = self.fm.flash_mla_with_kvcache(
                 tq, tk, None, None, KV_LORA, meta, None, softmax_scale=scale, causal=False,
-                is_fp8_kvcache=True, indices=ti, **self.kw,
+                is_fp8_kvcache=True, indices=ti, **self.kw, **self.decode_kw,
             )
+
+        try:
+            run()
+        except RuntimeError as e:
+            # The legacy extension infers the format from the bytes per token; should a build want it
+            # named, name it (its accepted values: V32, V32_NO_ROPE, V4, V41, V41_FP4).
+            if "kv_format" not in str(e) or self.decode_kw or "use_legacy" not in self.kw:
+                raise
+            self.decode_kw = {"kv_format": "V32"}
+            protocol.log(f"flashmla_sparse: retrying the decode with kv_format='V32' after: {e}")
 
         self.timed(run, f"decode b {b} s_q {s_q} h_q {hp} pages {cache.shape[0]} topk {indices.shape[-1]}")
         # FlashMLA's LSE is [b, h_q, s_q]: to this runner's token_head.
