@@ -301,7 +301,15 @@ impl Prober<'_> {
             ),
         };
         let extra = serde_json::json!({ "context_len": keys - 1, "top_k": topk, "d_v": lkv });
-        self.call(op, &inputs, extra, "attn_latent", &out_shape, lse_shape, out)
+        self.call(
+            op,
+            &inputs,
+            extra,
+            "attn_latent",
+            &out_shape,
+            lse_shape,
+            out,
+        )
     }
 
     /// `n` tokens of equal rows, all `A`, on the first physical pages in order (one NaN page after).

@@ -215,15 +215,24 @@ fn sparse_decode_runner_reads_the_fp8_cache_and_says_so() {
             let fx = e["cache_effect"]["rel_l2"].as_f64().unwrap_or(f64::NAN);
             assert_eq!(e["cache_effect"]["cache"], "fp8_v32", "{e}");
             assert!(own > 0.0 && own < 1e-2, "{name}@runner: rel_l2 {own}");
-            assert!(fx > own, "{name}: the fp8 effect {fx} vs the kernel's own {own}");
+            assert!(
+                fx > own,
+                "{name}: the fp8 effect {fx} vs the kernel's own {own}"
+            );
             // The widened tolerance is the table's plus the effect, not more.
             let tol = e["tolerance"]["rel_l2"].as_f64().unwrap();
-            assert!(tol - fx > 0.0 && tol - fx < 0.1, "{name}: tolerance {tol}, effect {fx}");
+            assert!(
+                tol - fx > 0.0 && tol - fx < 0.1,
+                "{name}: tolerance {tol}, effect {fx}"
+            );
         }
     }
     for name in ["attn_heads[decode]", "attn_out[decode]"] {
         for e in check(&cs, name) {
-            assert!(e["cache_effect"]["rel_l2"].as_f64().unwrap_or(0.0) > 0.0, "{e}");
+            assert!(
+                e["cache_effect"]["rel_l2"].as_f64().unwrap_or(0.0) > 0.0,
+                "{e}"
+            );
         }
     }
     // FlashMLA returns no split partials; prefill checks carry no cache effect.
@@ -232,7 +241,10 @@ fn sparse_decode_runner_reads_the_fp8_cache_and_says_so() {
         .iter()
         .all(|c| c["cache_effect"].is_null()));
     let text = rep.to_string();
-    assert!(text.contains("sparse_prefill and sparse_decode"), "{text:.3000}");
+    assert!(
+        text.contains("sparse_prefill and sparse_decode"),
+        "{text:.3000}"
+    );
     assert!(text.contains("reads a fp8_v32 cache"), "{text:.3000}");
     let errs = schema_errors(&report_validator(), &rep);
     assert!(errs.is_empty(), "{errs:?}");
@@ -261,14 +273,20 @@ fn fp8_cache_scale_bugs_are_caught_at_the_runner() {
             .filter(|c| c["pass"] == false)
             .filter_map(|c| c["check"].as_str())
             .collect();
-        assert!(failing.contains(&"attn_latent@runner"), "{bug}: {failing:?}");
+        assert!(
+            failing.contains(&"attn_latent@runner"),
+            "{bug}: {failing:?}"
+        );
         for clean in [
             "cache_rows",
             "q_absorbed",
             "lse[prefill]@runner",
             "attn_heads[prefill]@runner",
         ] {
-            assert!(!failing.contains(&clean), "{bug}: {clean} failed: {failing:?}");
+            assert!(
+                !failing.contains(&clean),
+                "{bug}: {clean} failed: {failing:?}"
+            );
         }
         let worst = check(&cs, "attn_latent@runner")
             .iter()

@@ -99,7 +99,10 @@ mod tests {
     #[test]
     fn a_dequantized_row_is_within_half_a_step_of_its_tile() {
         let row: Vec<f64> = (0..576)
-            .map(|i| half::bf16::from_f64(((i * 37 % 101) as f64 - 50.0) * 0.013 * (1 + i / 128) as f64).to_f64())
+            .map(|i| {
+                half::bf16::from_f64(((i * 37 % 101) as f64 - 50.0) * 0.013 * (1 + i / 128) as f64)
+                    .to_f64()
+            })
             .collect();
         let d = dequantize_row(&row, 512);
         for (t, tile) in row[..512].chunks(128).enumerate() {
@@ -108,7 +111,11 @@ mod tests {
                 let e = (d[t * 128 + k] - v).abs();
                 // Half the spacing at v/s (≤ 2⁻⁴ of it, or 2⁻¹⁰ below the normal range), times s.
                 let bound = (v.abs() / s * 2f64.powi(-4)).max(2f64.powi(-10)) * s;
-                assert!(e <= bound, "tile {t} [{k}]: {v} → {} (bound {bound})", d[t * 128 + k]);
+                assert!(
+                    e <= bound,
+                    "tile {t} [{k}]: {v} → {} (bound {bound})",
+                    d[t * 128 + k]
+                );
             }
         }
         assert_eq!(&d[512..], &row[512..]);

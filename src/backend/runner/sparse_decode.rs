@@ -44,7 +44,12 @@ impl RunnerBackend {
                 sel.n_queries()
             )));
         }
-        let spec = self.desc.ops.sparse_decode.clone().expect("sparse_decode op");
+        let spec = self
+            .desc
+            .ops
+            .sparse_decode
+            .clone()
+            .expect("sparse_decode op");
         let fp8 = spec.kv_cache.as_deref() == Some(fp8_cache::FP8_V32);
         let get = |st: Stage| {
             tr.get(st)
@@ -243,7 +248,12 @@ impl RunnerBackend {
             let effects = [
                 ("attn_latent", Stage::AttnLatent, vec![d_n, h, lkv], e_lat),
                 ("lse[decode]", Stage::Lse, vec![t_all, h], full(&e_lse).data),
-                ("attn_heads[decode]", Stage::AttnHeads, vec![t_all, h, dv], e_heads),
+                (
+                    "attn_heads[decode]",
+                    Stage::AttnHeads,
+                    vec![t_all, h, dv],
+                    e_heads,
+                ),
                 (
                     "attn_out[decode]",
                     Stage::AttnOut,
