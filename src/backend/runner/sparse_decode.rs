@@ -101,15 +101,10 @@ impl RunnerBackend {
             .max(1);
         let mut idx = Vec::with_capacity(d_n * topk);
         let mut q = vec![0f32; d_n * h * row];
-        for b in 0..b_n {
+        for (b, table) in tables.iter().enumerate() {
             for i in 0..s_q {
                 let d = b * s_q + i;
-                idx.extend(flashmla_indices(
-                    &sel.keys[prompt + d],
-                    topk,
-                    &tables[b],
-                    page,
-                ));
+                idx.extend(flashmla_indices(&sel.keys[prompt + d], topk, table, page));
                 for hh in 0..h {
                     let dst = (d * h + hh) * row;
                     for (o, &v) in q[dst..dst + lkv]
@@ -160,7 +155,8 @@ impl RunnerBackend {
                 |n| &k(n)[..lkv],
             )
         };
-        let both: Vec<((Vec<f64>, f64), Option<(Vec<f64>, f64)>)> = (0..d_n * h)
+        type Attn = (Vec<f64>, f64);
+        let both: Vec<(Attn, Option<Attn>)> = (0..d_n * h)
             .into_par_iter()
             .map(|dh| {
                 let (d, hh) = (dh / h, dh % h);
