@@ -307,8 +307,8 @@ impl Backend for RunnerBackend {
         v
     }
 
-    /// DSA: the runner's sparse_prefill over an inner path that attends over the selection itself
-    /// (its decode steps); a runner without the op is refused past top_k, as before.
+    /// DSA: the runner's sparse ops over an inner path that attends over the selection itself (the
+    /// phase the runner leaves to it); a runner with neither op is refused past top_k, as before.
     fn sparse(&self) -> bool {
         let o = &self.desc.ops;
         (o.sparse_prefill.is_some() || o.sparse_decode.is_some()) && self.inner.sparse()
@@ -403,8 +403,9 @@ impl Backend for RunnerBackend {
             crate::faults::Active::NONE,
         );
         match ctx.selection {
-            // A DSA layer past top_k: only the sparse op (a dense op would attend over every key);
-            // the decode steps stay the inner path's, which attends over the selection.
+            // A DSA layer past top_k: only the sparse ops (a dense op would attend over every key);
+            // a phase the runner has no sparse op for stays the inner path's, which attends over the
+            // selection.
             Some(sel) => {
                 let o = &self.desc.ops;
                 let (pre, dec) = (o.sparse_prefill.is_some(), o.sparse_decode.is_some());
