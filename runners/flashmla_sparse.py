@@ -1,12 +1,19 @@
 #!/usr/bin/env python3
-"""flashmla_sparse: FlashMLA's sparse MLA prefill (DSA: DeepSeek-V3.2, GLM-5) as a mla-diff runner
-(protocol 1, op `sparse_prefill`, docs/runners.md and docs/dsa.md).
+"""flashmla_sparse: FlashMLA's sparse MLA prefill and decode (DSA: DeepSeek-V3.2, GLM-5) as a mla-diff
+runner (protocol 1, ops `sparse_prefill` and `sparse_decode`, docs/runners.md and docs/dsa.md).
 
 What it runs: `flash_mla.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512)` as SGLang and vLLM
 call it for DSA prefill: the absorbed query q = [W_UKᵀ·q_nope | q_pe] `[s_q, h_q, 576]` bf16, the
 latent cache viewed flat `[s_kv, 1, 576]` (a slot is `page·page_size + offset`), the selected keys'
 slots `[s_q, 1, topk]` int32 (−1: none), `sm_scale` = meta softmax_scale (YaRN mscale² included).
 It returns the latent attention output `[s_q, h_q, 512]` and the LSE `[s_q, h_q]` (natural log).
+
+Decode (`sparse_decode`): `flash_mla.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, None,
+softmax_scale, causal=False, is_fp8_kvcache=True, indices=...)` as SGLang and vLLM call it for DSA decode:
+q `[b, s_q, h_q, 576]` bf16, the cache in FlashMLA's fp8 format (`[pages, page, 1, 656]`, flashmla_fp8.py:
+the runner writes it from the rows it is sent, as an engine's cache writer would; the describe says so,
+`kv_cache: fp8_v32`), the selected slots `[b, s_q, topk]` (−1: none). It returns the latent output and
+the LSE (FlashMLA's `[b, h_q, s_q]`, sent as token_head). Heads and topk are padded as for prefill.
 
 Constraints of the kernel (sgl-flash-mla 1.0.0; SM90 through its legacy extension, `use_legacy=True`;
 the kernel's features HEAD_64 / HEAD_128 and HEAD_DIM_576, `topk % B_TOPK == 0`), and how they are met
@@ -19,10 +26,10 @@ as engines meet them:
 Unsupported at start (exit 3): no torch / safetensors, no CUDA GPU, not SM90, no importable flash_mla,
 or a flash_mla without the legacy (SM90) extension.
 
-Stand-in: with `MLA_DIFF_FLASHMLA_STANDIN=numpy` the kernel call is replaced by a numpy float32
-implementation of flash_mla_sparse_fwd's definition (FlashMLA's tests/ref.py: invalid indices masked,
-a max-subtracted softmax over the valid ones, the bf16 output); everything else (padding, shapes,
-the protocol) is this runner's own code. That is what CI runs (no GPU); describe's version says so.
+Stand-in: with `MLA_DIFF_FLASHMLA_STANDIN=numpy` the kernel calls are replaced by a numpy float32
+implementation of their definition (FlashMLA's tests/ref.py: invalid indices masked, a max-subtracted
+softmax over the valid ones, the bf16 output; decode over the fp8 cache's bytes read back); everything
+else (padding, shapes, the fp8 cache's bytes, the protocol) is this runner's own code. That is what CI runs (no GPU); describe's version says so.
 `MLA_DIFF_RUNNER_TIME=1` (GPU only) also times each request's kernel call: one warm-up, then the
 median of 5 launches between CUDA events, logged on stderr (`flashmla_sparse: time …`); any other
 value but 0 is a file the line is appended to (mla-diff shows a runner's stderr only when it fails).
@@ -39,6 +46,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import flashmla_fp8  # noqa: E402
 import protocol  # noqa: E402
 
 KV_LORA, ROPE = 512, 64
@@ -86,6 +94,7 @@ class FlashMLASparse(protocol.NumpyRunner):
         self.standin = os.environ.get(STANDIN_ENV, "") == "numpy"
         self.fm = None
         self.kw = {}
+        self.decode_kw = {}
 
     def environment_problem(self):
         if self.standin:
@@ -147,7 +156,12 @@ class FlashMLASparse(protocol.NumpyRunner):
             "protocol": protocol.PROTOCOL,
             "name": self.name,
             "version": version,
-            "ops": {"sparse_prefill": {"outputs": ["attn_latent", "lse"]}},
+            "ops": {
+                "sparse_prefill": {"outputs": ["attn_latent", "lse"]},
+                # The decode kernel reads FlashMLA's fp8 cache only: the runner writes it from the rows
+                # it is sent, and says so, so that mla-diff's yardsticks model it (docs/dsa.md).
+                "sparse_decode": {"outputs": ["attn_latent", "lse"], "kv_cache": "fp8_v32"},
+            },
             "supports": {
                 "dtypes": ["bf16"],
                 "page_sizes": None,
@@ -160,6 +174,32 @@ class FlashMLASparse(protocol.NumpyRunner):
             },
             "conventions": {"lse_base": "e", "lse_layout": "token_head"},
         }
+
+    def timed(self, run, label):
+        """Run `run()` once (synchronised); with MLA_DIFF_RUNNER_TIME, time 5 more launches."""
+        import torch
+
+        with torch.no_grad():
+            run()
+            torch.cuda.synchronize()
+            dest = os.environ.get(TIME_ENV, "")
+            if dest in ("", "0"):
+                return
+            times = []
+            for _ in range(5):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                run()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            times.sort()
+            line = f"flashmla_sparse: time {label}: median {times[2]:.3f} ms, min {times[0]:.3f} ms (5 launches)"
+            if dest == "1":
+                protocol.log(line)
+            else:  # a file to append to (mla-diff shows a runner's stderr only when it fails)
+                with open(dest, "a") as f:
+                    f.write(line + "\n")
 
     # -- the kernel call (a hook: runners/bugs/sparse/ overrides it) --------------------------------
 
@@ -179,30 +219,54 @@ class FlashMLASparse(protocol.NumpyRunner):
         def run():
             res["out"], _, res["lse"] = self.fm.flash_mla_sparse_fwd(tq, tkv, ti, scale, d_v=KV_LORA, **self.kw)
 
-        with torch.no_grad():
-            run()
-            torch.cuda.synchronize()
-            if os.environ.get(TIME_ENV, "") not in ("", "0"):
-                times = []
-                for _ in range(5):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    run()
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b))
-                times.sort()
-                line = (
-                    f"flashmla_sparse: time s_q {q.shape[0]} h_q {q.shape[1]} s_kv {kv.shape[0]} topk {indices.shape[-1]}: "
-                    f"median {times[2]:.3f} ms, min {times[0]:.3f} ms (5 launches)"
-                )
-                dest = os.environ.get(TIME_ENV, "")
-                if dest == "1":
-                    protocol.log(line)
-                else:  # a file to append to (mla-diff shows a runner's stderr only when it fails)
-                    with open(dest, "a") as f:
-                        f.write(line + "\n")
+        self.timed(run, f"s_q {q.shape[0]} h_q {q.shape[1]} s_kv {kv.shape[0]} topk {indices.shape[-1]}")
         return res["out"].float().cpu().numpy(), res["lse"].float().cpu().numpy()
+
+    def dequantize(self, cache):
+        """The stand-in's read of the fp8 cache [pages, page, 656] → rows [pages·page, 576] float32 (a
+        hook: runners/bugs/sparse/ plants scale bugs here)."""
+        return flashmla_fp8.unpack(cache).reshape(-1, KV_LORA + ROPE)
+
+    def decode_kernel(self, q, cache, indices, scale):
+        """q [b, s_q, hp, 576] float32 (bf16 values), cache [pages, page, 656] uint8 (flashmla_fp8),
+        indices [b, s_q, topk_p] int32 -> (out [b, s_q, hp, 512] float32, lse [b, s_q, hp] float32)."""
+        b, s_q, hp, d_qk = q.shape
+        if self.standin:
+            # flash_mla_with_kvcache's sparse definition (FlashMLA's tests/ref.py): attention over the
+            # dequantized rows the indices name, −1 skipped; bf16 output.
+            kv = self.dequantize(cache)[:, None, :]
+            out, lse = numpy_sparse_fwd(
+                q.reshape(b * s_q, hp, d_qk), kv, indices.reshape(b * s_q, 1, -1), scale, KV_LORA
+            )
+            return out.reshape(b, s_q, hp, KV_LORA), lse.reshape(b, s_q, hp)
+        import torch
+
+        dev = torch.device("cuda")
+        tq = torch.from_numpy(q).to(dev).to(torch.bfloat16).contiguous()
+        tk = torch.from_numpy(cache[:, :, None, :]).to(dev).view(torch.float8_e4m3fn).contiguous()
+        ti = torch.from_numpy(indices).to(dev).contiguous()
+        res = {}
+
+        def run():
+            meta, _ = self.fm.get_mla_metadata()
+            res["out"], res["lse"] = self.fm.flash_mla_with_kvcache(
+                tq, tk, None, None, KV_LORA, meta, None, softmax_scale=scale, causal=False,
+                is_fp8_kvcache=True, indices=ti, **self.kw, **self.decode_kw,
+            )
+
+        try:
+            run()
+        except RuntimeError as e:
+            # The legacy extension infers the format from the bytes per token; should a build want it
+            # named, name it (its accepted values: V32, V32_NO_ROPE, V4, V41, V41_FP4).
+            if "kv_format" not in str(e) or self.decode_kw or "use_legacy" not in self.kw:
+                raise
+            self.decode_kw = {"kv_format": "V32"}
+            protocol.log(f"flashmla_sparse: retrying the decode with kv_format='V32' after: {e}")
+
+        self.timed(run, f"decode b {b} s_q {s_q} h_q {hp} pages {cache.shape[0]} topk {indices.shape[-1]}")
+        # FlashMLA's LSE is [b, h_q, s_q]: to this runner's token_head.
+        return res["out"].float().cpu().numpy(), res["lse"].float().cpu().numpy().transpose(0, 2, 1)
 
     # -- the op ---------------------------------------------------------------------------------------
 
@@ -233,6 +297,35 @@ class FlashMLASparse(protocol.NumpyRunner):
         return {
             "attn_latent": protocol.storage(out[:, :heads], "bf16"),
             "lse": np.ascontiguousarray(lse[:, :heads], np.float32),
+        }
+
+    def sparse_decode(self, x, meta):
+        """FlashMLA's sparse decode over its fp8 cache, written here from the rows sent (flashmla_fp8)."""
+        q, kv, indices = x["q"], x["kv_cache"], x["indices"]
+        if meta.get("dtype") != "bf16":
+            raise protocol.Unsupported(f"dtype {meta.get('dtype')}: FlashMLA's sparse decode takes bf16 queries only")
+        if q.ndim != 4 or kv.ndim != 3 or indices.ndim != 3:
+            raise ValueError(f"q {q.shape}, kv_cache {kv.shape}, indices {indices.shape}: expected 4, 3 and 3 dims")
+        b, s_q, heads, d_qk = q.shape
+        lkv, rope = int(meta["kv_lora_rank"]), int(meta["qk_rope"])
+        if (lkv, rope) != (KV_LORA, ROPE) or d_qk != KV_LORA + ROPE or kv.shape[2] != d_qk:
+            raise protocol.Unsupported(f"latent {lkv} + rope {rope}: the fp8 cache (656 bytes) holds 512 + 64 only")
+        if indices.shape[:2] != (b, s_q):
+            raise ValueError(f"q {q.shape}, indices {indices.shape} do not fit together")
+        hp = padded_heads(heads)
+        if hp is None:
+            raise protocol.Unsupported(f"{heads} query heads: the kernel runs 64 or 128 (fewer are padded), not more")
+        topk = indices.shape[-1]
+        tp = -(-max(topk, 1) // TOPK_ALIGN) * TOPK_ALIGN
+        qp = np.zeros((b, s_q, hp, d_qk), np.float32)
+        qp[:, :, :heads] = q
+        ip = np.full((b, s_q, tp), -1, np.int32)
+        ip[:, :, :topk] = indices
+        cache = flashmla_fp8.pack(kv)
+        out, lse = self.decode_kernel(qp, cache, ip, float(meta["softmax_scale"]))
+        return {
+            "attn_latent": protocol.storage(out[:, :, :heads], "bf16"),
+            "lse": np.ascontiguousarray(lse[:, :, :heads], np.float32),
         }
 
 

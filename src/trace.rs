@@ -199,6 +199,20 @@ pub struct AtRunner {
     pub out_dtype: &'static str,
 }
 
+/// The exact effect of a cache precision the reference does not model, on one check: fp64 attention
+/// over the cache a runner's kernel reads (FlashMLA's fp8 cache, `runner::fp8_cache`) minus fp64 over
+/// the rows as sent, carried to the check's stage. The check's end-to-end tolerance is widened by it
+/// (triangle inequality: the kernel's own error is the `@runner` check's, upstream rounding the
+/// calibrated tolerance's); `compare::compare_layer`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheEffect {
+    pub check: String,
+    /// The cache's name (`fp8_v32`).
+    pub cache: &'static str,
+    /// In the stage's shape (zero on rows the runner did not compute).
+    pub effect: StageTensor,
+}
+
 /// All stage tensors of one layer, in dataflow order.
 #[derive(Debug, Clone, Default)]
 pub struct LayerTrace {
@@ -206,6 +220,8 @@ pub struct LayerTrace {
     pub stages: Vec<StageTensor>,
     /// The stages an external runner produced, with their yardstick; empty for other backends.
     pub at_runner: Vec<AtRunner>,
+    /// Where a runner's kernel reads a cache of lower precision than the rows it was sent.
+    pub cache_effect: Vec<CacheEffect>,
 }
 
 impl LayerTrace {
@@ -214,6 +230,7 @@ impl LayerTrace {
             layer,
             stages: Vec::new(),
             at_runner: Vec::new(),
+            cache_effect: Vec::new(),
         }
     }
     pub fn push(&mut self, t: StageTensor) {

@@ -123,6 +123,9 @@ pub struct CheckResult {
     /// The end-to-end tolerance was given by the user (`--tol`, `--tol-file`): it decides too.
     #[serde(default, skip_serializing_if = "is_false")]
     pub end_to_end_decides: bool,
+    /// `tolerance` includes the exact effect of the runner's cache precision (fp8) on this check.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_effect: Option<CacheEffectResult>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -348,6 +351,7 @@ pub fn compare_check(
         local: None,
         end_to_end_reasons: Vec::new(),
         end_to_end_decides: false,
+        cache_effect: None,
     })
 }
 
@@ -394,6 +398,52 @@ pub fn apply_local(
     c.local = Some(l);
 }
 
+/// Widen `tol` by the exact effect of a runner's cache precision on this check (`trace::CacheEffect`):
+/// rel-L2 by ‖effect‖/‖ref‖, the elementwise bound by max|effect|/rms(ref) — the triangle inequality
+/// over the calibrated tolerance (upstream rounding) and the cache's rounding; the kernel's own error is
+/// its `@runner` check's, against fp64 over the cache it reads.
+fn cache_effect(
+    ctx: &Ctx,
+    check: Check,
+    r: &StageTensor,
+    e: &crate::trace::CacheEffect,
+    tol: &mut Tolerance,
+) -> CacheEffectResult {
+    let rows = check.rows(ctx.sched);
+    let (rv, _) = rows_of(r, &rows);
+    let ev = match e.effect.shape == r.shape {
+        true => rows_of(&e.effect, &rows).0,
+        false => &[][..],
+    };
+    let (l2, rms) = (metrics::l2_norm(rv), metrics::rms(rv));
+    let rel_l2 = match l2 > 0.0 {
+        true => metrics::l2_norm(ev) / l2,
+        false => 0.0,
+    };
+    let max_abs = ev.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let atol_rms = match rms > 0.0 {
+        true => max_abs / rms,
+        false => 0.0,
+    };
+    tol.rel_l2 += rel_l2;
+    tol.atol_rms += atol_rms;
+    CacheEffectResult {
+        cache: e.cache.to_string(),
+        rel_l2,
+        atol_rms,
+    }
+}
+
+/// A check's tolerance widened by a runner's cache precision (`CheckResult::cache_effect`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CacheEffectResult {
+    /// The cache the runner's kernel reads (`fp8_v32`: FlashMLA's fp8 cache).
+    pub cache: String,
+    /// What was added to the tolerance's rel_l2 (‖effect‖/‖ref‖) and atol_rms (max|effect|/rms).
+    pub rel_l2: f64,
+    pub atol_rms: f64,
+}
+
 /// The suffix of a runner's own-error check (`attn_latent@runner`).
 pub const AT_RUNNER: &str = "@runner";
 
@@ -430,7 +480,14 @@ pub fn compare_layer(
             let o = optimized
                 .get(check.stage)
                 .ok_or_else(|| missing("optimized backend, which claims to provide it,"))?;
-            let mut c = compare_check(ctx, check, r, o, tols.get(dtype, &check)?)?;
+            let mut tol = tols.get(dtype, &check)?;
+            let effect = optimized
+                .cache_effect
+                .iter()
+                .find(|e| e.check == check.name());
+            let widened = effect.map(|e| cache_effect(ctx, check, r, e, &mut tol));
+            let mut c = compare_check(ctx, check, r, o, tol)?;
+            c.cache_effect = widened;
             if let Some(l) = local.and_then(|l| l.get(check.stage)) {
                 if l.values.len() == o.data.len() {
                     apply_local(ctx, check, &mut c, o, l, tols.is_overridden(dtype, &check));

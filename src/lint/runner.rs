@@ -15,7 +15,10 @@
 //!    if every token was read through the block table. Probes 1–3 keep their keys on the first physical
 //!    pages in order, so a page-size slip does not disturb them.
 //!
-//! The prefill op gets probes 1 and 2. Each comparison allows `8u`, `u` the unit roundoff of the dtype
+//! The prefill op gets probes 1 and 2, and so do the DSA ops (`sparse_prefill`, `sparse_decode`): one
+//! query whose index row names one key, then two equal keys (then −1 padding; every other cache slot
+//! NaN). All entries 1/8 stay exact through FlashMLA's fp8 cache (tile scale 2⁻¹¹, 1/8 = 256·2⁻¹¹),
+//! so the same answers hold for a runner that reads one. Each comparison allows `8u`, `u` the unit roundoff of the dtype
 //! the runner returned: far inside the factors the mistakes make (576^-0.5 vs 192^-0.5·mscale²: 3.25×;
 //! base 2 vs e: 1.44× on the LSE, 1 vs ln 2 on the difference).
 
@@ -259,6 +262,52 @@ impl Prober<'_> {
             "attn_heads",
             &[2, h, dv],
             vec![2, h],
+            out,
+        )
+    }
+
+    /// A DSA request (`sparse_prefill` or `sparse_decode`) of one query whose index row names the
+    /// first `keys` cache slots (all entries `A`), padded with −1 to 4 entries; every other slot NaN.
+    fn sparse(&mut self, op: &str, keys: usize, out: &mut Findings) -> Result<Option<Answer>> {
+        let c = self.cfg;
+        let (h, lkv, row, page) = (c.n_head, c.kv_lora_rank, c.cache_row(), self.page);
+        let dt = self.dt;
+        let slots = 2 * page.max(keys);
+        let mut kv = vec![f32::NAN; slots * row];
+        kv[..keys * row].fill(A);
+        let topk = keys.max(4);
+        let idx: Vec<i32> = (0..topk)
+            .map(|k| if k < keys { k as i32 } else { -1 })
+            .collect();
+        let q = vec![A; h * row];
+        let (inputs, lse_shape, out_shape) = match op {
+            "sparse_prefill" => (
+                [
+                    floats("q", vec![1, h, row], &q, dt),
+                    floats("kv", vec![slots, 1, row], &kv, dt),
+                    ints("indices", vec![1, 1, topk], &idx),
+                ],
+                vec![1, h],
+                vec![1, h, lkv],
+            ),
+            _ => (
+                [
+                    floats("q", vec![1, 1, h, row], &q, dt),
+                    floats("kv_cache", vec![slots / page, page, row], &kv, dt),
+                    ints("indices", vec![1, 1, topk], &idx),
+                ],
+                vec![1, 1, h],
+                vec![1, 1, h, lkv],
+            ),
+        };
+        let extra = serde_json::json!({ "context_len": keys - 1, "top_k": topk, "d_v": lkv });
+        self.call(
+            op,
+            &inputs,
+            extra,
+            "attn_latent",
+            &out_shape,
+            lse_shape,
             out,
         )
     }
@@ -605,10 +654,8 @@ pub fn lint(cmd: &str, cfg: Option<&MlaConfig>, opts: &Options, out: &mut Findin
     let ops: Vec<&str> = [
         desc.ops.decode.as_ref().map(|_| "decode"),
         desc.ops.prefill.as_ref().map(|_| "prefill"),
-        desc.ops
-            .sparse_prefill
-            .as_ref()
-            .map(|_| "sparse_prefill (not probed)"),
+        desc.ops.sparse_prefill.as_ref().map(|_| "sparse_prefill"),
+        desc.ops.sparse_decode.as_ref().map(|_| "sparse_decode"),
     ]
     .into_iter()
     .flatten()
@@ -749,6 +796,19 @@ pub fn lint(cmd: &str, cfg: Option<&MlaConfig>, opts: &Options, out: &mut Findin
                     None => {}
                 }
             }
+        }
+    }
+    for (op, on) in [
+        ("sparse_prefill", desc.ops.sparse_prefill.is_some()),
+        ("sparse_decode", desc.ops.sparse_decode.is_some()),
+    ] {
+        if !on {
+            continue;
+        }
+        let dot = c.cache_row() as f64 * (A as f64) * (A as f64);
+        if let (Some(a1), Some(a2)) = (p.sparse(op, 1, out)?, p.sparse(op, 2, out)?) {
+            judge_scale_base(op, &desc, c, dot, &a1, &a2, out);
+            judge_value(op, &a1, A as f64, "the one key's latent", out);
         }
     }
     if prefill_ok {

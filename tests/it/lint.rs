@@ -603,3 +603,54 @@ if __name__ == '__main__':\n    protocol.main(R)\n",
     );
     assert_eq!(finding(&j, "note", "runner.probes")["found"], "not run");
 }
+
+/// The DSA ops are probed too (scale, LSE base, the one key's latent): FlashMLA's sparse runner with
+/// its numpy stand-in is clean on both, including its sparse_decode over the fp8 cache (the probe's
+/// entries are exact in it); its planted bugs give their own op's errors (the −1 padding read as the
+/// last, NaN, slot; the fp8 scale applied twice).
+#[test]
+fn the_sparse_runners_ops_are_probed() {
+    let Some(py) = python("lint runner probes", "numpy and safetensors") else {
+        return;
+    };
+    let f = fixture("glm-5-q4_0.gguf");
+    let clean = format!(
+        "env MLA_DIFF_FLASHMLA_STANDIN=numpy {}",
+        runner(&py, "flashmla_sparse.py")
+    );
+    let (code, j, err) = lint(&f, &["--runner", &clean]);
+    consistent(code, &j);
+    assert_eq!(code, Some(0), "{err}");
+    let notes = checks(&j, "note");
+    for op in ["sparse_prefill", "sparse_decode"] {
+        for p in ["softmax_scale", "lse_base"] {
+            let want = format!("runner.{op}.{p}");
+            assert!(notes.contains(&want), "no {want} in {notes:?}");
+        }
+    }
+    for (bug, errors) in [
+        (
+            "minus_one_wraps.py",
+            &[
+                "runner.sparse_prefill.lse_base",
+                "runner.sparse_prefill.softmax_scale",
+                "runner.sparse_prefill.value",
+            ][..],
+        ),
+        (
+            "fp8_scale_twice.py",
+            &[
+                "runner.sparse_decode.softmax_scale",
+                "runner.sparse_decode.value",
+            ],
+        ),
+    ] {
+        let (code, j, err) = lint(
+            &f,
+            &["--runner", &runner(&py, &format!("bugs/sparse/{bug}"))],
+        );
+        consistent(code, &j);
+        assert_eq!(code, Some(1), "{bug}: {err}");
+        assert_eq!(checks(&j, "error"), errors, "{bug}: {j:#}");
+    }
+}

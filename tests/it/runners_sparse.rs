@@ -1,8 +1,9 @@
-//! FlashMLA's sparse prefill runner (`runners/flashmla_sparse.py`, op `sparse_prefill`; docs/dsa.md) on a
-//! DSA file past top_k, through the real protocol, with its numpy stand-in for `flash_mla_sparse_fwd`
-//! (`MLA_DIFF_FLASHMLA_STANDIN=numpy`: no GPU here): a clean run passes with the runner's checks, a
-//! planted kernel bug (the −1 padding read as the last cache row) is caught at the runner's stages, and
-//! what the runner cannot take (no flash_mla, fp16, a dense layer) is a clean exit-2 error.
+//! FlashMLA's sparse runner (`runners/flashmla_sparse.py`, ops `sparse_prefill` and `sparse_decode` over
+//! FlashMLA's fp8 cache; docs/dsa.md) on a DSA file past top_k, through the real protocol, with its numpy
+//! stand-in for the kernels (`MLA_DIFF_FLASHMLA_STANDIN=numpy`: no GPU here): a clean run passes with
+//! the runner's checks, planted kernel bugs (the −1 padding read as the last cache row; the fp8 scale
+//! applied twice, or the next tile's) are caught at the runner's stages, and what the runner cannot
+//! take (no flash_mla, fp16, a dense layer) is a clean exit-2 error.
 //!
 //! Needs MLA_DIFF_PYTHON with numpy (skipped without it, except under CI).
 
@@ -144,7 +145,7 @@ fn what_the_sparse_runner_cannot_take_is_a_clean_error() {
     let dense = fixture("deepseek-v3-yarn-q4_k.gguf");
     assert_clean_error(
         &go(dense.to_str().unwrap(), &cmd, true, &[]),
-        "has only sparse_prefill",
+        "has only sparse ops",
     );
 }
 
@@ -178,4 +179,156 @@ fn selfcheck_drives_the_sparse_runner() {
         out.contains("failing: sparse_prefill.attn_latent sparse_prefill.lse"),
         "{out}"
     );
+}
+
+fn check<'a>(cs: &[&'a J], name: &str) -> Vec<&'a J> {
+    cs.iter().copied().filter(|c| c["check"] == name).collect()
+}
+
+/// The decode steps go through `sparse_decode` over FlashMLA's fp8 cache: the `@runner` checks judge
+/// the kernel against fp64 over that cache at bf16's bound, and the end-to-end decode checks carry the
+/// cache's exact effect — larger than the kernel's own error, so the `@runner` yardstick is the fp8
+/// cache's (against the bf16 rows it would see the fp8 rounding as the kernel's error).
+#[test]
+fn sparse_decode_runner_reads_the_fp8_cache_and_says_so() {
+    let Some(py) = python("the sparse runner", "numpy") else {
+        return;
+    };
+    let f = selftest_dsa_fixture();
+    let o = go(
+        f.to_str().unwrap(),
+        &runner(&py, "flashmla_sparse.py"),
+        true,
+        &[],
+    );
+    let rep: J = serde_json::from_slice(&o.stdout).unwrap_or(J::Null);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let cs = checks(&rep);
+    for name in ["attn_latent", "lse[decode]"] {
+        let at = check(&cs, &format!("{name}@runner"));
+        let e2e = check(&cs, name);
+        assert!(!at.is_empty() && at.len() == e2e.len(), "{name}: {at:?}");
+        for (a, e) in at.iter().zip(&e2e) {
+            assert_eq!(a["pass"], true, "{a}");
+            assert_eq!(e["pass"], true, "{e}");
+            let own = a["metrics"]["rel_l2"].as_f64().unwrap_or(f64::NAN);
+            let fx = e["cache_effect"]["rel_l2"].as_f64().unwrap_or(f64::NAN);
+            assert_eq!(e["cache_effect"]["cache"], "fp8_v32", "{e}");
+            assert!(own > 0.0 && own < 1e-2, "{name}@runner: rel_l2 {own}");
+            assert!(
+                fx > own,
+                "{name}: the fp8 effect {fx} vs the kernel's own {own}"
+            );
+            // The widened tolerance is the table's plus the effect, not more.
+            let tol = e["tolerance"]["rel_l2"].as_f64().unwrap();
+            assert!(
+                tol - fx > 0.0 && tol - fx < 0.1,
+                "{name}: tolerance {tol}, effect {fx}"
+            );
+        }
+    }
+    for name in ["attn_heads[decode]", "attn_out[decode]"] {
+        for e in check(&cs, name) {
+            assert!(
+                e["cache_effect"]["rel_l2"].as_f64().unwrap_or(0.0) > 0.0,
+                "{e}"
+            );
+        }
+    }
+    // FlashMLA returns no split partials; prefill checks carry no cache effect.
+    assert!(check(&cs, "split_out").is_empty());
+    assert!(check(&cs, "lse[prefill]")
+        .iter()
+        .all(|c| c["cache_effect"].is_null()));
+    let text = rep.to_string();
+    assert!(
+        text.contains("sparse_prefill and sparse_decode"),
+        "{text:.3000}"
+    );
+    assert!(text.contains("reads a fp8_v32 cache"), "{text:.3000}");
+    let errs = schema_errors(&report_validator(), &rep);
+    assert!(errs.is_empty(), "{errs:?}");
+}
+
+/// fp8 scale bugs in the decode kernel (its stand-in's read of the cache): caught at the runner, the
+/// prefill and everything upstream clean.
+#[test]
+fn fp8_cache_scale_bugs_are_caught_at_the_runner() {
+    let Some(py) = python("the sparse runner", "numpy") else {
+        return;
+    };
+    let f = selftest_dsa_fixture();
+    for bug in ["fp8_scale_twice.py", "fp8_wrong_tile.py"] {
+        let o = go(
+            f.to_str().unwrap(),
+            &runner(&py, &format!("bugs/sparse/{bug}")),
+            true,
+            &[],
+        );
+        assert_eq!(o.status.code(), Some(1), "{bug}: {}", stderr(&o));
+        let rep: J = serde_json::from_slice(&o.stdout).unwrap();
+        let cs = checks(&rep);
+        let failing: Vec<&str> = cs
+            .iter()
+            .filter(|c| c["pass"] == false)
+            .filter_map(|c| c["check"].as_str())
+            .collect();
+        assert!(
+            failing.contains(&"attn_latent@runner"),
+            "{bug}: {failing:?}"
+        );
+        for clean in [
+            "cache_rows",
+            "q_absorbed",
+            "lse[prefill]@runner",
+            "attn_heads[prefill]@runner",
+        ] {
+            assert!(
+                !failing.contains(&clean),
+                "{bug}: {clean} failed: {failing:?}"
+            );
+        }
+        let worst = check(&cs, "attn_latent@runner")
+            .iter()
+            .map(|c| c["metrics"]["rel_l2"].as_f64().unwrap_or(f64::INFINITY))
+            .fold(0f64, f64::max);
+        eprintln!("{bug}: attn_latent@runner worst rel-L2 {worst:.3e}; failing {failing:?}");
+    }
+}
+
+/// runners/flashmla_fp8.py (what the runner writes) rounds, encodes and decodes e4m3 as the known
+/// values say, and agrees with mla-diff's own model of the cache (`fp8_cache`, unit-tested on the same
+/// values) on those values.
+#[test]
+fn the_runners_fp8_cache_writer_matches_the_known_values() {
+    let Some(py) = python("the fp8 cache writer", "numpy") else {
+        return;
+    };
+    let code = r#"
+import sys, numpy as np
+sys.path.insert(0, sys.argv[1])
+import flashmla_fp8 as f
+cases = [(448, 448, 0x7E), (1.0, 1.0, 0x38), (-1.75, -1.75, 0xBE), (2**-9, 2**-9, 0x01), (0.875 * 2**-6, 0.875 * 2**-6, 0x07),
+         (1.0625, 1.0, 0x38), (1.1875, 1.25, 0x3A), (17.0, 16.0, 0x58), (19.0, 20.0, 0x5A), (2**-10, 0.0, 0x00),
+         (3 * 2**-11, 2**-9, 0x01), (300.0, 288.0, 0x79), (-0.3, -0.3125, 0xAA)]
+bad = [(x, want, b) for x, want, b in cases if f.e4m3_round(x) != want or int(f.e4m3_bits(f.e4m3_round(x))) != b or f.e4m3_value(b) != want]
+allb = np.arange(256); v = f.e4m3_value(allb); ok = ~np.isnan(v)
+assert (f.e4m3_bits(v[ok]) == allb[ok]).all(), "byte round trip"
+assert np.isnan(v).sum() == 2, "e4m3fn: two NaN bytes, no inf"
+assert f.tile_scales(np.array([[3.5] + [0.0] * 511], np.float32))[0, 0] == 2.0**-7
+assert f.tile_scales(np.zeros((1, 512), np.float32))[0, 0] == 2.0**-13
+x = np.random.default_rng(0).standard_normal((8, 576)).astype(np.float32); x[3] = np.nan
+p = f.pack(x); assert p.shape == (8, 656)
+d = f.unpack(p); assert np.isnan(d[3]).all() and np.isfinite(np.delete(d, 3, 0)).all()
+assert (f.unpack(f.pack(d[:3])) == d[:3]).all(), "a dequantized row is a fixed point"
+print("bad", bad)
+"#;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("runners");
+    let o = std::process::Command::new(&py)
+        .args(["-c", code, dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}{}", stderr(&o));
+    assert!(out.contains("bad []"), "{out}");
 }

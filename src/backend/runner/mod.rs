@@ -7,10 +7,12 @@
 //! runner's own inputs (`LayerTrace::at_runner`), which the comparator checks as `STAGE@runner`.
 
 mod decode;
+pub mod fp8_cache;
 pub mod local;
 mod prefill;
 pub mod protocol;
 mod sparse;
+mod sparse_decode;
 pub mod tensors;
 
 use super::cpu::front::{o_proj, MirrorWeights};
@@ -29,7 +31,7 @@ pub struct RunnerBackend {
     dtype: Dtype,
     /// Output dtypes seen, per output: `lse[decode] -> bf16`.
     out_dtypes: std::collections::BTreeMap<String, &'static str>,
-    /// Layer runs that went through the runner's `sparse_prefill` (DSA past top_k).
+    /// Layer runs that went through the runner's sparse ops (DSA past top_k).
     sparse_runs: usize,
 }
 
@@ -207,6 +209,7 @@ impl Backend for RunnerBackend {
             ("decode", &d.ops.decode),
             ("prefill", &d.ops.prefill),
             ("sparse_prefill", &d.ops.sparse_prefill),
+            ("sparse_decode", &d.ops.sparse_decode),
         ]
         .iter()
         .filter_map(|(n, s)| s.as_ref().map(|s| format!("{n}: {}", s.outputs.join(", "))))
@@ -232,7 +235,7 @@ impl Backend for RunnerBackend {
         // The runner's kernel tiles are its own (unknown here): only the phases it leaves to the inner
         // backend keep that backend's tiles.
         let mut t = self.inner.key_tiles();
-        if self.desc.ops.decode.is_some() {
+        if self.desc.ops.decode.is_some() || self.desc.ops.sparse_decode.is_some() {
             t.decode.clear();
         }
         if self.desc.ops.prefill.is_some() || self.desc.ops.sparse_prefill.is_some() {
@@ -265,11 +268,37 @@ impl Backend for RunnerBackend {
             }
         }
         if self.sparse_runs > 0 {
+            let o = &self.desc.ops;
+            let ran: Vec<&str> = [
+                ("sparse_prefill", o.sparse_prefill.is_some()),
+                ("sparse_decode", o.sparse_decode.is_some()),
+            ]
+            .iter()
+            .filter_map(|(n, on)| on.then_some(*n))
+            .collect();
+            let rest = match (o.sparse_prefill.is_some(), o.sparse_decode.is_some()) {
+                (true, false) => "their decode steps, and the indexer, are",
+                (false, true) => "their prefill, and the indexer, are",
+                _ => "the indexer is",
+            };
             v.push(format!(
-                "runner {} ran sparse_prefill on the DSA layers past top_k ({} layer runs: each layer with the reference's selection and with the optimized side's own); their decode steps, and the indexer, are {}'s",
+                "runner {} ran {} on the DSA layers past top_k ({} layer runs: each layer with the reference's selection and with the optimized side's own); {rest} {}'s",
                 self.desc.name,
+                ran.join(" and "),
                 self.sparse_runs,
                 self.inner.describe()
+            ));
+        }
+        if let Some(c) = self
+            .desc
+            .ops
+            .sparse_decode
+            .as_ref()
+            .and_then(|s| s.kv_cache.as_ref())
+        {
+            v.push(format!(
+                "runner {}'s sparse_decode reads a {c} cache (FlashMLA's fp8: e4m3, a power-of-two scale per 128 latent columns, bf16 rope), written by the runner from the rows sent: its @runner checks are against fp64 over that cache, and the end-to-end decode checks' tolerances include the cache's exact effect (cache_effect)",
+                self.desc.name
             ));
         }
         if self.out_dtypes.is_empty() {
@@ -278,10 +307,29 @@ impl Backend for RunnerBackend {
         v
     }
 
-    /// DSA: the runner's sparse_prefill over an inner path that attends over the selection itself
-    /// (its decode steps); a runner without the op is refused past top_k, as before.
+    /// DSA: the runner's sparse ops over an inner path that attends over the selection itself (the
+    /// phase the runner leaves to it); a runner with neither op is refused past top_k, as before.
     fn sparse(&self) -> bool {
-        self.desc.ops.sparse_prefill.is_some() && self.inner.sparse()
+        let o = &self.desc.ops;
+        (o.sparse_prefill.is_some() || o.sparse_decode.is_some()) && self.inner.sparse()
+    }
+    /// An fp8 cache under the sparse decode is not the stage-local view's model (it models the rows
+    /// as stored): its decode stages are judged end to end, with the cache's effect (`CacheEffect`).
+    fn outside_local_view(&self) -> StageSet {
+        let mut s = self.inner.outside_local_view();
+        if self.desc.ops.sparse_decode.is_some() {
+            for st in [
+                Stage::AttnLatent,
+                Stage::Lse,
+                Stage::SplitOut,
+                Stage::SplitLse,
+                Stage::AttnHeads,
+                Stage::AttnOut,
+            ] {
+                s = s.with(st);
+            }
+        }
+        s
     }
     fn sparse_prefill_absorbed(&self) -> bool {
         self.desc.ops.sparse_prefill.is_some() || self.inner.sparse_prefill_absorbed()
@@ -311,7 +359,9 @@ impl Backend for RunnerBackend {
         let mut k = self.inner.kernels(cfg, sched);
         for u in k.iter_mut() {
             let runs = match u.phase {
-                Phase::Decode => self.desc.ops.decode.is_some(),
+                Phase::Decode => {
+                    self.desc.ops.decode.is_some() || self.desc.ops.sparse_decode.is_some()
+                }
                 Phase::Prefill => {
                     self.desc.ops.prefill.is_some() || self.desc.ops.sparse_prefill.is_some()
                 }
@@ -333,6 +383,10 @@ impl Backend for RunnerBackend {
                 s = s.without(Stage::SplitOut).without(Stage::SplitLse);
             }
         }
+        // FlashMLA's sparse decode returns the merged result only.
+        if self.desc.ops.sparse_decode.is_some() {
+            s = s.without(Stage::SplitOut).without(Stage::SplitLse);
+        }
         s
     }
 
@@ -349,24 +403,33 @@ impl Backend for RunnerBackend {
             crate::faults::Active::NONE,
         );
         match ctx.selection {
-            // A DSA layer past top_k: only the sparse op (a dense op would attend over every key);
-            // the decode steps stay the inner path's, which attends over the selection.
+            // A DSA layer past top_k: only the sparse ops (a dense op would attend over every key);
+            // a phase the runner has no sparse op for stays the inner path's, which attends over the
+            // selection.
             Some(sel) => {
-                if self.desc.ops.sparse_prefill.is_none() {
+                let o = &self.desc.ops;
+                let (pre, dec) = (o.sparse_prefill.is_some(), o.sparse_decode.is_some());
+                if !pre && !dec {
                     return Err(Error::Unsupported(format!(
-                        "runner {} has no sparse_prefill op, and layer {} is a DSA layer past top_k",
+                        "runner {} has no sparse_prefill or sparse_decode op, and layer {} is a DSA layer past top_k",
                         self.desc.name, ctx.layer
                     )));
                 }
-                if ctx.sched.prompt_len > 0 {
+                let mut ran = false;
+                if pre && ctx.sched.prompt_len > 0 {
                     self.sparse_prefill(ctx, sel, &mw, &mut tr, &mut at)?;
-                    self.sparse_runs += 1;
+                    ran = true;
                 }
+                if dec && ctx.sched.decode_steps > 0 {
+                    self.sparse_decode(ctx, sel, &mw, &mut tr, &mut at)?;
+                    ran = true;
+                }
+                self.sparse_runs += ran as usize;
             }
             None => {
                 if self.desc.ops.decode.is_none() && self.desc.ops.prefill.is_none() {
                     return Err(Error::Unsupported(format!(
-                        "runner {} has only sparse_prefill, which runs on DSA layers past top_k; layer {} is dense (a dense model, or no query sees more than the indexer's top_k keys)",
+                        "runner {} has only sparse ops, which run on DSA layers past top_k; layer {} is dense (a dense model, or no query sees more than the indexer's top_k keys)",
                         self.desc.name, ctx.layer
                     )));
                 }

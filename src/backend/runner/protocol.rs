@@ -37,12 +37,21 @@ pub struct Ops {
     /// `flash_mla_sparse_fwd`); used on layers past the indexer's top_k only (docs/dsa.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sparse_prefill: Option<OpSpec>,
+    /// DSA: absorbed attention of the decode steps over each query's selected cache slots (FlashMLA's
+    /// `flash_mla_with_kvcache(..., indices=...)`); on layers past top_k only. Its `kv_cache` says the
+    /// cache precision the kernel reads (docs/dsa.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sparse_decode: Option<OpSpec>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OpSpec {
     /// Stage names it returns.
     pub outputs: Vec<String>,
+    /// The cache the kernel reads, when it is not the rows as sent: `fp8_v32` (FlashMLA's 656-byte
+    /// fp8 cache, written by the runner from them; `super::fp8_cache`). Absent: as sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache: Option<String>,
 }
 
 impl OpSpec {
@@ -182,9 +191,13 @@ pub fn describe(cmd: &str) -> Result<Describe> {
             d.name, d.protocol
         )));
     }
-    if d.ops.decode.is_none() && d.ops.prefill.is_none() && d.ops.sparse_prefill.is_none() {
+    if d.ops.decode.is_none()
+        && d.ops.prefill.is_none()
+        && d.ops.sparse_prefill.is_none()
+        && d.ops.sparse_decode.is_none()
+    {
         return Err(Error::Usage(format!(
-            "runner {} describes no op (decode, prefill or sparse_prefill)",
+            "runner {} describes no op (decode, prefill, sparse_prefill or sparse_decode)",
             d.name
         )));
     }
@@ -200,8 +213,23 @@ pub fn describe(cmd: &str) -> Result<Describe> {
             &d.ops.sparse_prefill,
             &["attn_latent", "lse"][..],
         ),
+        (
+            "sparse_decode",
+            &d.ops.sparse_decode,
+            &["attn_latent", "lse"][..],
+        ),
     ] {
         if let Some(s) = spec {
+            let caches: &[&str] = match op {
+                "sparse_decode" => &[super::fp8_cache::FP8_V32],
+                _ => &[],
+            };
+            if let Some(c) = s.kv_cache.as_deref().filter(|c| !caches.contains(c)) {
+                return Err(Error::Usage(format!(
+                    "runner {}: op {op} reads a kv_cache '{c}' this mla-diff does not model (it knows {caches:?} for this op)",
+                    d.name
+                )));
+            }
             if let Some(bad) = s.outputs.iter().find(|o| !allowed.contains(&o.as_str())) {
                 return Err(Error::Usage(format!(
                     "runner {}: op {op} lists output '{bad}'; it may return {allowed:?}",

@@ -1,0 +1,124 @@
+//! FlashMLA's fp8 cache for sparse decode (`V32_FP8Sparse`, 656 bytes per token), as the values a kernel
+//! reads: the 512 latent values in e4m3fn, 4 tiles of 128 columns each with a float32 scale, the 64 rope
+//! values in bf16. The convention is FlashMLA's tests/quant.py (`quantize_k_cache`): a tile's scale is
+//! amax/448 rounded up to a power of two (floor 1e-4), its values round(x/scale) to e4m3 (nearest, ties to
+//! even), read back as value·scale. mla-diff applies it to the rows it sent a runner that declares
+//! `kv_cache: fp8_v32` (runners/flashmla_fp8.py writes the bytes the same way), for the fp64 yardstick
+//! over the cache the kernel reads.
+
+/// The `kv_cache` name a runner's op declares for this format.
+pub const FP8_V32: &str = "fp8_v32";
+
+const TILE: usize = 128;
+const E4M3_MAX: f32 = 448.0;
+
+/// Nearest float8 e4m3fn value of `y` (|y| ≤ 448; ties to even): 3 mantissa bits, so the spacing in
+/// the binade [2^e, 2^(e+1)) is 2^(e−3); below 2^−6 (subnormal) 2^−9.
+pub fn e4m3_round(y: f64) -> f64 {
+    let a = y.abs();
+    if a == 0.0 || !a.is_finite() {
+        return y;
+    }
+    let e = a.log2().floor() as i32;
+    // log2 may land on the wrong side of a power of two: fix e so that 2^e ≤ a < 2^(e+1).
+    let e = if 2f64.powi(e) > a {
+        e - 1
+    } else if 2f64.powi(e + 1) <= a {
+        e + 1
+    } else {
+        e
+    };
+    let step = 2f64.powi((e - 3).max(-9));
+    ((a / step).round_ties_even() * step).copysign(y)
+}
+
+/// A tile's scale from its values (bf16 values, as the runner holds them in float32): 2^⌈log2
+/// max(amax/448, 1e-4)⌉, the division in float32 as FlashMLA's quantizer does it.
+pub fn tile_scale(tile: &[f64]) -> f32 {
+    let amax = tile.iter().fold(0f32, |m, &v| m.max((v as f32).abs()));
+    let s = (amax / E4M3_MAX).max(1e-4f32);
+    // ⌈log2 s⌉ exactly: s = m·2^e with m in [1, 2); an exact power of two is its own ceiling.
+    let bits = s.to_bits();
+    let e = ((bits >> 23) & 0xff) as i32 - 127;
+    let e = if bits & 0x7f_ffff == 0 { e } else { e + 1 };
+    2f32.powi(e)
+}
+
+/// One cache row `[latent (4·128) | rope]` as the kernel reads it from the fp8 cache: the latent through
+/// e4m3 with its tile's scale, the rope rounded to bf16. A row with a non-finite value stays as it is
+/// (an unwritten slot: the runner writes NaN there).
+pub fn dequantize_row(row: &[f64], lkv: usize) -> Vec<f64> {
+    if row.iter().any(|v| !v.is_finite()) {
+        return row.to_vec();
+    }
+    let mut out = Vec::with_capacity(row.len());
+    for tile in row[..lkv].chunks(TILE) {
+        let s = tile_scale(tile) as f64;
+        out.extend(tile.iter().map(|&v| e4m3_round(v as f32 as f64 / s) * s));
+    }
+    out.extend(row[lkv..].iter().map(|&v| half::bf16::from_f64(v).to_f64()));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e4m3_rounds_to_the_known_values() {
+        // (input, nearest e4m3fn): the largest finite value, a normal and a subnormal, ties to even in
+        // a normal binade (1.0625 between 1 and 1.125 → 1; 1.1875 → 1.25; 17 → 16; 19 → 20) and at
+        // the subnormal floor (2⁻¹⁰ between 0 and 2⁻⁹ → 0), and a value in the top binade (step 32).
+        for (x, want) in [
+            (448.0, 448.0),
+            (1.0, 1.0),
+            (-1.75, -1.75),
+            (2f64.powi(-9), 2f64.powi(-9)),
+            (0.875 * 2f64.powi(-6), 0.875 * 2f64.powi(-6)),
+            (1.0625, 1.0),
+            (1.1875, 1.25),
+            (17.0, 16.0),
+            (19.0, 20.0),
+            (2f64.powi(-10), 0.0),
+            (3.0 * 2f64.powi(-11), 2f64.powi(-9)),
+            (300.0, 288.0),
+            (-0.3, -0.3125),
+        ] {
+            assert_eq!(e4m3_round(x), want, "e4m3({x})");
+        }
+    }
+
+    #[test]
+    fn a_tile_scale_is_amax_over_448_rounded_up_to_a_power_of_two() {
+        assert_eq!(tile_scale(&[3.5, -1.0]), 2f32.powi(-7)); // 3.5/448 = 2⁻⁷ exactly
+        assert_eq!(tile_scale(&[-3.0, 1.0]), 2f32.powi(-7)); // 3/448 = 0.0067 → 2⁻⁷
+        assert_eq!(tile_scale(&[4.0]), 2f32.powi(-6));
+        assert_eq!(tile_scale(&[0.0; 4]), 2f32.powi(-13)); // the 1e-4 floor → 2⁻¹³
+    }
+
+    #[test]
+    fn a_dequantized_row_is_within_half_a_step_of_its_tile() {
+        let row: Vec<f64> = (0..576)
+            .map(|i| {
+                half::bf16::from_f64(((i * 37 % 101) as f64 - 50.0) * 0.013 * (1 + i / 128) as f64)
+                    .to_f64()
+            })
+            .collect();
+        let d = dequantize_row(&row, 512);
+        for (t, tile) in row[..512].chunks(128).enumerate() {
+            let s = tile_scale(tile) as f64;
+            for (k, &v) in tile.iter().enumerate() {
+                let e = (d[t * 128 + k] - v).abs();
+                // Half the spacing at v/s (≤ 2⁻⁴ of it, or 2⁻¹⁰ below the normal range), times s.
+                let bound = (v.abs() / s * 2f64.powi(-4)).max(2f64.powi(-10)) * s;
+                assert!(
+                    e <= bound,
+                    "tile {t} [{k}]: {v} → {} (bound {bound})",
+                    d[t * 128 + k]
+                );
+            }
+        }
+        assert_eq!(&d[512..], &row[512..]);
+        assert!(d != row, "the round trip changes a row of such values");
+    }
+}
