@@ -44,20 +44,13 @@ pub const FP8_BLOCK: usize = 128;
 /// Largest finite e4m3 value.
 pub const FP8_MAX: f32 = 448.0;
 
-/// Round to fp8 e4m3 (saturating at ±448; 3 mantissa bits, subnormals below 2^-6).
+/// Round to fp8 e4m3 (saturating at ±448 as `__NV_SATFINITE`; 3 mantissa bits, subnormals below 2^-6),
+/// through the `float8` crate (cuda_fp8.hpp's conversion); infinities and NaN pass unchanged.
 pub fn fp8_e4m3(x: f32) -> f32 {
     if !x.is_finite() {
         return x;
     }
-    let a = x.abs().min(FP8_MAX);
-    if a == 0.0 {
-        return 0.0 * x.signum();
-    }
-    let e = a.log2().floor().max(-6.0);
-    let step = (e - 3.0).exp2();
-    ((a / step).round_ties_even() * step)
-        .min(FP8_MAX)
-        .copysign(x)
+    float8::F8E4M3::from_f32(x).to_f32()
 }
 
 /// A float the Hadamard rotation runs in: f32 here, f64 for the selection check's noise model

@@ -12,24 +12,13 @@ pub const FP8_V32: &str = "fp8_v32";
 const TILE: usize = 128;
 const E4M3_MAX: f32 = 448.0;
 
-/// Nearest float8 e4m3fn value of `y` (|y| ≤ 448; ties to even): 3 mantissa bits, so the spacing in
-/// the binade [2^e, 2^(e+1)) is 2^(e−3); below 2^−6 (subnormal) 2^−9.
+/// Nearest float8 e4m3fn value of `y` (|y| ≤ 448; ties to even), through the `float8` crate
+/// (cuda_fp8.hpp's conversion, from the f64 itself); non-finite values pass unchanged.
 pub fn e4m3_round(y: f64) -> f64 {
-    let a = y.abs();
-    if a == 0.0 || !a.is_finite() {
+    if !y.is_finite() {
         return y;
     }
-    let e = a.log2().floor() as i32;
-    // log2 may land on the wrong side of a power of two: fix e so that 2^e ≤ a < 2^(e+1).
-    let e = if 2f64.powi(e) > a {
-        e - 1
-    } else if 2f64.powi(e + 1) <= a {
-        e + 1
-    } else {
-        e
-    };
-    let step = 2f64.powi((e - 3).max(-9));
-    ((a / step).round_ties_even() * step).copysign(y)
+    float8::F8E4M3::from_f64(y).to_f64()
 }
 
 /// A tile's scale from its values (bf16 values, as the runner holds them in float32): 2^⌈log2
