@@ -7,7 +7,7 @@ use super::tensors::{floats, ints, Output};
 use super::{missing, set, RunnerBackend};
 use crate::backend::cpu::front::MirrorWeights;
 use crate::backend::cpu::ops::round_all;
-use crate::backend::LayerCtx;
+use crate::backend::{Dtype, LayerCtx};
 use crate::error::Result;
 use crate::trace::{AtRunner, LayerTrace, Stage, StageTensor};
 use ndarray::{s, Array3};
@@ -183,28 +183,47 @@ impl RunnerBackend {
                 .retain(|t| !matches!(t.stage, Stage::SplitOut | Stage::SplitLse));
         }
 
-        // The runner's outputs replace the inner path's; W_UV turns them into the decode heads as the
-        // engine would (output stored in the dtype first).
-        set(tr, Stage::AttnLatent, lat.data.clone())?;
-        let lse_stage = tr.get_mut(Stage::Lse).ok_or_else(|| missing(Stage::Lse))?;
-        lse_stage.data[prompt * h..].copy_from_slice(&lse);
-        let lat32 = Array3::from_shape_vec(
-            (d_n, h, lkv),
-            lat.data.iter().map(|&v| dt.round(v as f32)).collect(),
-        )
-        .expect("shape checked");
-        let dv = cfg.v_head_dim;
-        let heads = tr
-            .get_mut(Stage::AttnHeads)
-            .ok_or_else(|| missing(Stage::AttnHeads))?;
-        for hh in 0..h {
-            let o = round_all(lat32.slice(s![.., hh, ..]).dot(&mw.uv(cfg, hh).t()), dt);
-            for d in 0..d_n {
-                let at = ((prompt + d) * h + hh) * dv;
-                heads.data[at..at + dv]
-                    .copy_from_slice(&o.row(d).iter().map(|&v| v as f64).collect::<Vec<_>>());
-            }
-        }
-        Ok(())
+        put_decode_outputs(tr, ctx, mw, dt, &lat.data, &lse)
     }
+}
+
+/// The runner's decode outputs in place of the inner path's: `attn_latent` `[D, H, Lkv]`, the decode
+/// rows of `lse`, and the decode heads W_UV makes of the latent as the engine would (the latent stored
+/// in the dtype first).
+pub(super) fn put_decode_outputs(
+    tr: &mut LayerTrace,
+    ctx: &LayerCtx,
+    mw: &MirrorWeights,
+    dt: Dtype,
+    lat: &[f64],
+    lse: &[f64],
+) -> Result<()> {
+    let (cfg, sched) = (ctx.cfg, ctx.sched);
+    let (h, lkv, dv, prompt) = (
+        cfg.n_head,
+        cfg.kv_lora_rank,
+        cfg.v_head_dim,
+        sched.prompt_len,
+    );
+    let d_n = lat.len() / (h * lkv);
+    set(tr, Stage::AttnLatent, lat.to_vec())?;
+    let lse_stage = tr.get_mut(Stage::Lse).ok_or_else(|| missing(Stage::Lse))?;
+    lse_stage.data[prompt * h..].copy_from_slice(lse);
+    let lat32 = Array3::from_shape_vec(
+        (d_n, h, lkv),
+        lat.iter().map(|&v| dt.round(v as f32)).collect(),
+    )
+    .expect("shape checked");
+    let heads = tr
+        .get_mut(Stage::AttnHeads)
+        .ok_or_else(|| missing(Stage::AttnHeads))?;
+    for hh in 0..h {
+        let o = round_all(lat32.slice(s![.., hh, ..]).dot(&mw.uv(cfg, hh).t()), dt);
+        for d in 0..d_n {
+            let at = ((prompt + d) * h + hh) * dv;
+            heads.data[at..at + dv]
+                .copy_from_slice(&o.row(d).iter().map(|&v| v as f64).collect::<Vec<_>>());
+        }
+    }
+    Ok(())
 }

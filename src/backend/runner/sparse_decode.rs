@@ -12,14 +12,13 @@
 //! end-to-end checks it reaches (`trace::CacheEffect`).
 
 use super::tensors::{floats, ints};
-use super::{fp8_cache, local, missing, set, RunnerBackend};
+use super::{fp8_cache, local, missing, RunnerBackend};
 use crate::backend::cpu::front::MirrorWeights;
-use crate::backend::cpu::ops::round_all;
 use crate::backend::LayerCtx;
 use crate::error::{Error, Result};
 use crate::reference::sparse::{flashmla_indices, Selection};
 use crate::trace::{AtRunner, CacheEffect, LayerTrace, Stage, StageTensor};
-use ndarray::{s, Array2, Array3};
+use ndarray::Array2;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rayon::prelude::*;
@@ -198,30 +197,12 @@ impl RunnerBackend {
         // splits the index list its own way and returns only the merged result.
         tr.stages
             .retain(|t| !matches!(t.stage, Stage::SplitOut | Stage::SplitLse));
-        set(tr, Stage::AttnLatent, lat.data.clone())?;
-        let lse_stage = tr.get_mut(Stage::Lse).ok_or_else(|| missing(Stage::Lse))?;
-        lse_stage.data[prompt * h..].copy_from_slice(&lse);
-        let lat32 = Array3::from_shape_vec(
-            (d_n, h, lkv),
-            lat.data.iter().map(|&v| dt.round(v as f32)).collect(),
-        )
-        .expect("shape checked");
-        let dv = cfg.v_head_dim;
-        let heads = tr
-            .get_mut(Stage::AttnHeads)
-            .ok_or_else(|| missing(Stage::AttnHeads))?;
-        for hh in 0..h {
-            let o = round_all(lat32.slice(s![.., hh, ..]).dot(&mw.uv(cfg, hh).t()), dt);
-            for d in 0..d_n {
-                let at = ((prompt + d) * h + hh) * dv;
-                heads.data[at..at + dv]
-                    .copy_from_slice(&o.row(d).iter().map(|&v| v as f64).collect::<Vec<_>>());
-            }
-        }
+        super::decode::put_decode_outputs(tr, ctx, mw, dt, &lat.data, &lse)?;
 
         // The fp8 cache's exact effect (read − sent), carried through W_UV and o_proj in fp64 (both
         // linear): what the end-to-end decode checks are widened by.
         if fp8 {
+            let dv = cfg.v_head_dim;
             let e_lat: Vec<f64> = read_out.iter().zip(&sent_out).map(|(a, b)| a - b).collect();
             let e_lse: Vec<f64> = read_lse.iter().zip(&sent_lse).map(|(a, b)| a - b).collect();
             let mut e_heads = vec![0.0; t_all * h * dv];
