@@ -82,7 +82,7 @@ fn sparse_prefill_runner_passes_past_top_k_with_its_own_checks() {
     };
     let (rep, code, err) = clean_run(&py);
     assert_eq!(*code, Some(0), "{err}");
-    let cs = checks(&rep);
+    let cs = checks(rep);
     for name in ["lse[prefill]@runner", "attn_heads[prefill]@runner"] {
         let at: Vec<&&J> = cs.iter().filter(|c| c["check"] == name).collect();
         assert!(!at.is_empty(), "no {name} check");
@@ -103,7 +103,7 @@ fn sparse_prefill_runner_passes_past_top_k_with_its_own_checks() {
     let dsa = &rep["dsa"];
     assert!(!dsa.is_null(), "no dsa section");
     assert_eq!(dsa["pass"], true, "{dsa}");
-    let errs = schema_errors(&report_validator(), &rep);
+    let errs = schema_errors(&report_validator(), rep);
     assert!(errs.is_empty(), "{errs:?}");
 }
 
@@ -206,7 +206,7 @@ fn sparse_decode_runner_reads_the_fp8_cache_and_says_so() {
     };
     let (rep, code, err) = clean_run(&py);
     assert_eq!(*code, Some(0), "{err}");
-    let cs = checks(&rep);
+    let cs = checks(rep);
     for name in ["attn_latent", "lse[decode]"] {
         let at = check(&cs, &format!("{name}@runner"));
         let e2e = check(&cs, name);
@@ -249,7 +249,7 @@ fn sparse_decode_runner_reads_the_fp8_cache_and_says_so() {
         "{text:.3000}"
     );
     assert!(text.contains("reads a fp8_v32 cache"), "{text:.3000}");
-    let errs = schema_errors(&report_validator(), &rep);
+    let errs = schema_errors(&report_validator(), rep);
     assert!(errs.is_empty(), "{errs:?}");
 }
 
