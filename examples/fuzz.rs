@@ -5,11 +5,12 @@
 //! Exit status: 0 with no findings, 1 with findings (reproducers under --crash-dir), 2 on a usage error.
 
 use clap::Parser;
-use mla_diff::fuzz::{self, alloc::CountingAlloc, Options};
+use mla_diff::alloc::CountingAlloc;
+use mla_diff::fuzz::{self, Options};
 use std::path::PathBuf;
 
 #[global_allocator]
-static ALLOC: CountingAlloc = CountingAlloc;
+static ALLOC: CountingAlloc = CountingAlloc(std::alloc::System);
 
 #[derive(Parser)]
 struct Args {

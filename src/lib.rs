@@ -5,6 +5,7 @@
 //! `backend` (CPU mirror of the fused path, CUDA kernels) → `trace` (named stage tensors) → `compare` →
 //! `report`. `fixture` writes synthetic GGUF files in llama.cpp's conventions.
 
+pub mod alloc;
 pub mod backend;
 pub mod bench;
 pub mod calibrate;

@@ -6,8 +6,10 @@ use mla_diff::error::EXIT_ERROR;
 
 mod cli;
 
+// mimalloc, counted: `MLA_DIFF_PROFILE` reports the live heap next to the resident set.
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: mla_diff::alloc::CountingAlloc<mimalloc::MiMalloc> =
+    mla_diff::alloc::CountingAlloc(mimalloc::MiMalloc);
 
 fn main() {
     // Die quietly on a closed pipe (`mla-diff ... | head`) like other Unix tools, instead of panicking in println!.

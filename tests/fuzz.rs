@@ -1,10 +1,11 @@
 //! The bounded CI fuzz pass: a fixed seed and execution count, so a failure reproduces exactly.
 //! MLA_DIFF_FUZZ_SEED / MLA_DIFF_FUZZ_EXECS vary them; longer runs: `examples/fuzz.rs`, docs/fuzzing.md.
 
-use mla_diff::fuzz::{self, alloc::CountingAlloc, Options};
+use mla_diff::alloc::CountingAlloc;
+use mla_diff::fuzz::{self, Options};
 
 #[global_allocator]
-static ALLOC: CountingAlloc = CountingAlloc;
+static ALLOC: CountingAlloc = CountingAlloc(std::alloc::System);
 
 /// Not a test: the worker process the supervisor starts (this binary, re-run with the worker env var).
 #[test]

@@ -8,11 +8,11 @@
 //! lines; when the worker dies it saves the current input as a reproducer and restarts it at `i + 1`.
 //! Every finding is reproducible with `--seed S --start I --execs 1`.
 
-pub mod alloc;
 pub mod doc;
 pub mod mutate;
 pub mod target;
 
+use crate::alloc;
 use crate::error::{Error, Result};
 use mutate::Seed;
 use rand::rngs::StdRng;
@@ -251,7 +251,7 @@ pub fn worker_from_env() -> Option<i32> {
 fn worker(o: &Options) -> Result<()> {
     if !alloc::installed() {
         return Err(Error::Usage(
-            "the fuzz driver must install mla_diff::fuzz::alloc::CountingAlloc as its global allocator"
+            "the fuzz driver must install mla_diff::alloc::CountingAlloc as its global allocator"
                 .into(),
         ));
     }

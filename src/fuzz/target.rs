@@ -3,7 +3,7 @@
 //! factors → token rows → layer-0 weights → dequantization of each attention tensor), plus the memory
 //! bound it must keep.
 
-use super::alloc;
+use crate::alloc;
 use crate::gguf::{dequantize_f32, GgmlType, GgufFile};
 use crate::model::rope_factors::RopeFactors;
 use crate::model::MlaConfig;

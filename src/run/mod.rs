@@ -334,8 +334,7 @@ pub fn run_from(
             // docs/scale.md).
             let (w, t_load) = load_layer(file, &cfg, l);
             prof.add("load + dequantize", t_load);
-            // Shared with the layer's comparison thread (its stage-local view reads the weights).
-            let w = std::sync::Arc::new(w?);
+            let w = w?;
             let dense_ctx = tables.ctx(&cfg, &w, &opts.sched, opts.faults.active(l));
             let sel = match &sparse {
                 Some(sp) => {
@@ -364,6 +363,8 @@ pub fn run_from(
             // The fp64 reference on its own thread, next to what of the layer does not need it: shadow
             // mode's optimized path, its repeats and its stage-local view (or, without shadow mode, free
             // mode's). Each side computes what it did alone, so the results are the same.
+            // No view for an absorbed sparse prefill (not modelled: docs/dsa.md).
+            let view_wanted = !(sel.is_some() && backend.sparse_prefill_absorbed());
             let (reference, optimized) = std::thread::scope(|sc| {
                 let (c, w, rope, h, sched) = (&cfg, &w, &tables.rope, &h_ref, &opts.sched);
                 let r = sc.spawn(move || {
@@ -388,19 +389,45 @@ pub fn run_from(
                         }
                         shadow_opt = Some(opt);
                     }
-                    let free_opt = match opts.modes.free {
-                        true => Some(free_layer(
-                            backend,
-                            &layer_ctx,
-                            &h_opt,
-                            opts,
-                            &free_ctx,
-                            &mut repeats,
-                            &mut prof,
-                        )?),
-                        false => None,
-                    };
-                    Ok((shadow_opt, free_opt))
+                    // The stage-local view's products against the weights: made here, on their own
+                    // thread next to free mode's pass (and the reference), not in the judge, so the
+                    // layer's weights are let go before the next layer loads (two layers alive at
+                    // once cost 0.66 GB of peak at GLM-5 dims: docs/scale.md).
+                    let frame = (
+                        backend.provides(),
+                        backend.known_attention(),
+                        backend.score_sum(),
+                    );
+                    let (pre, free_opt) = std::thread::scope(|ps| -> Result<_> {
+                        let pre = shadow_opt.as_ref().filter(|_| view_wanted).map(|opt| {
+                            let w = &w;
+                            ps.spawn(move || {
+                                let t0 = std::time::Instant::now();
+                                let p = prepare_view(c, rope, w, h, sched, opts.dtype, frame, opt);
+                                (p, t0.elapsed())
+                            })
+                        });
+                        let free_opt = match opts.modes.free {
+                            true => Some(free_layer(
+                                backend,
+                                &layer_ctx,
+                                &h_opt,
+                                opts,
+                                &free_ctx,
+                                &mut repeats,
+                                &mut prof,
+                            )?),
+                            false => None,
+                        };
+                        let pre = pre.map(|j| {
+                            let (p, took) =
+                                j.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+                            prof.add("stage-local view (weights)", took);
+                            p
+                        });
+                        Ok((pre, free_opt))
+                    })?;
+                    Ok((shadow_opt.map(|o| (o, pre)), free_opt))
                 })();
                 let (r, took) = r.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
                 prof.add("reference (fp64)", took);
@@ -425,18 +452,15 @@ pub fn run_from(
             // What shadow mode's stage-local view needs, taken before the DSA check takes the selection:
             // the selection the path attended over (the reference's); no view for an absorbed sparse
             // prefill (not modelled: docs/dsa.md).
-            let shadow = shadow_opt.map(|opt| {
-                let view = match &sel {
-                    Some(_) if backend.sparse_prefill_absorbed() => None,
-                    s => Some(View {
-                        weights: w.clone(),
-                        x: h_ref.clone(),
-                        known_attention: backend.known_attention(),
-                        score_sum: backend.score_sum(),
-                        outside: backend.outside_local_view(),
-                        selection: s.as_ref().map(|s| s.reference.clone()),
-                    }),
-                };
+            let shadow = shadow_opt.map(|(opt, pre)| {
+                let view = pre.map(|pre| View {
+                    pre,
+                    x: h_ref.clone(),
+                    known_attention: backend.known_attention(),
+                    score_sum: backend.score_sum(),
+                    outside: backend.outside_local_view(),
+                    selection: sel.as_ref().map(|s| s.reference.clone()),
+                });
                 (opt, view)
             });
             if let (Some(sp), Some(sel)) = (sparse.as_mut(), sel) {
@@ -604,8 +628,39 @@ fn release_memory() {
     unsafe { libmimalloc_sys::mi_collect(true) }
 }
 
-/// A layer's optimized traces computed next to its reference: shadow mode's and free mode's.
-type OptTraces = (Option<LayerTrace>, Option<LayerTrace>);
+/// A layer's optimized traces computed next to its reference: shadow mode's, with its stage-local
+/// view's products against the weights where it has a view, and free mode's.
+type OptTraces = (
+    Option<(LayerTrace, Option<compare::local::Prepared>)>,
+    Option<LayerTrace>,
+);
+
+/// The stage-local view's products against a layer's weights ([`compare::local::prepare`]); `frame`:
+/// the backend's `provides`, `known_attention` and `score_sum`.
+#[allow(clippy::too_many_arguments)]
+fn prepare_view(
+    cfg: &MlaConfig,
+    rope: &crate::rope::RopeTables,
+    w: &LayerWeights,
+    x: &Array2<f64>,
+    sched: &Schedule,
+    dtype: crate::backend::Dtype,
+    frame: (crate::trace::StageSet, bool, compare::noise::ScoreSum),
+    opt: &LayerTrace,
+) -> compare::local::Prepared {
+    let (provided, known_attention, score_sum) = frame;
+    let frame = compare::local::Frame {
+        cfg,
+        rope,
+        sched,
+        x,
+        dtype,
+        provided,
+        known_attention,
+        score_sum,
+    };
+    compare::local::prepare(&compare::local::Inputs { weights: w, frame }, opt)
+}
 
 /// A layer's traces, computed, for [`judge`]: the reference, shadow mode's optimized trace with what
 /// its stage-local view needs (none where it is not modelled), free mode's with its drift.
@@ -618,7 +673,9 @@ struct Computed {
 /// What a layer's stage-local view needs besides the run's tables: the layer's weights and input, the
 /// backend's answers about its path, and (DSA) the selection the path attended over.
 struct View {
-    weights: std::sync::Arc<LayerWeights>,
+    /// The view's products against the layer's weights, made next to the reference
+    /// ([`prepare_view`]): a judge holds no copy of the layer.
+    pre: compare::local::Prepared,
     x: Array2<f64>,
     known_attention: bool,
     score_sum: compare::noise::ScoreSum,
@@ -643,8 +700,7 @@ struct Judged {
     took: std::time::Duration,
 }
 
-/// The stage-local view of shadow mode's trace. The layer's weights are let go once the view's products
-/// against them are made: the rest of the judge (most of its time) then holds no copy of the layer.
+/// The stage-local view of shadow mode's trace, from its products against the weights made already.
 fn local_view(env: &JudgeEnv, opt: &LayerTrace, v: Option<View>) -> compare::local::Local {
     let Some(v) = v else {
         return Default::default();
@@ -659,17 +715,11 @@ fn local_view(env: &JudgeEnv, opt: &LayerTrace, v: Option<View>) -> compare::loc
         known_attention: v.known_attention,
         score_sum: v.score_sum,
     };
-    let inp = compare::local::Inputs {
-        weights: &v.weights,
-        frame,
-    };
-    let pre = compare::local::prepare(&inp, opt);
-    drop(v.weights);
     let sp = v
         .selection
         .as_ref()
         .map(|selection| compare::local::Sparse { selection });
-    let mut local = compare::local::finish(frame, opt, pre, sp);
+    let mut local = compare::local::finish(frame, opt, v.pre, sp);
     local.stages.retain(|s| !v.outside.contains(s.stage));
     local
 }

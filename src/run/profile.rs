@@ -10,6 +10,9 @@
 //! A sampler thread reads the resident set every 10 ms while the run loop runs, so the peak is also
 //! split into anonymous memory (the heap: weights, traces) and file-backed pages (the mapped GGUF, the
 //! CUDA libraries' code), and the resident set at the loop's start (libraries, CUDA context) is known.
+//! Where the binary counts its allocations (`crate::alloc`), the live heap is sampled too, and its exact
+//! peak reported: the resident set above it is the allocator's slack and memory allocated outside Rust
+//! (the CUDA driver's).
 
 use std::time::{Duration, Instant};
 
@@ -44,10 +47,20 @@ fn rss_now() -> Option<Rss> {
     })
 }
 
-/// The sampler thread: the resident set at its start and at its largest sample.
+/// The sampler thread: the resident set at its start and at its largest sample, and the live heap at
+/// both (bytes; zero where the allocator is not counted).
 struct Sampler {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: std::thread::JoinHandle<(Rss, Rss, Duration)>,
+    thread: std::thread::JoinHandle<Sampled>,
+}
+
+#[derive(Default)]
+struct Sampled {
+    first: Rss,
+    peak: Rss,
+    at: Duration,
+    heap_first: usize,
+    heap_at_peak: usize,
 }
 
 impl Sampler {
@@ -56,19 +69,27 @@ impl Sampler {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flag = stop.clone();
         let thread = std::thread::spawn(move || {
-            let (t0, mut peak, mut at) = (Instant::now(), first, Duration::ZERO);
+            let t0 = Instant::now();
+            let heap_first = crate::alloc::live();
+            let mut s = Sampled {
+                first,
+                peak: first,
+                heap_first,
+                heap_at_peak: heap_first,
+                ..Default::default()
+            };
             while !flag.load(std::sync::atomic::Ordering::Relaxed) {
-                if let Some(r) = rss_now().filter(|r| r.total > peak.total) {
-                    (peak, at) = (r, t0.elapsed());
+                if let Some(r) = rss_now().filter(|r| r.total > s.peak.total) {
+                    (s.peak, s.at, s.heap_at_peak) = (r, t0.elapsed(), crate::alloc::live());
                 }
                 std::thread::sleep(Duration::from_millis(10));
             }
-            (first, peak, at)
+            s
         });
         Some(Sampler { stop, thread })
     }
 
-    fn finish(self) -> (Rss, Rss, Duration) {
+    fn finish(self) -> Sampled {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         self.thread.join().unwrap_or_default()
     }
@@ -174,20 +195,29 @@ impl Profile {
             "wall (run loop)",
             cpu / wall.max(1e-9)
         );
-        if let Some((first, peak, at)) = sampled {
+        if let Some(s) = sampled {
             let mb = |kb: u64| kb / 1024;
             eprintln!(
                 "  resident set, MB (sampled every 10 ms): at the loop's start {} (anon {}, file {}, shmem {}); largest sample {} (anon {}, file {}, shmem {}) at {:.1} s",
-                mb(first.total),
-                mb(first.anon),
-                mb(first.file),
-                mb(first.shmem),
-                mb(peak.total),
-                mb(peak.anon),
-                mb(peak.file),
-                mb(peak.shmem),
-                at.as_secs_f64()
+                mb(s.first.total),
+                mb(s.first.anon),
+                mb(s.first.file),
+                mb(s.first.shmem),
+                mb(s.peak.total),
+                mb(s.peak.anon),
+                mb(s.peak.file),
+                mb(s.peak.shmem),
+                s.at.as_secs_f64()
             );
+            if crate::alloc::installed() {
+                let mb = |b: usize| b >> 20;
+                eprintln!(
+                    "  live heap, MB (counted): at the loop's start {}; at the largest resident sample {}; peak {}",
+                    mb(s.heap_first),
+                    mb(s.heap_at_peak),
+                    mb(crate::alloc::peak())
+                );
+            }
         }
     }
 }

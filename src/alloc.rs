@@ -1,14 +1,16 @@
-//! A counting global allocator for the fuzz driver: live bytes, the peak since the last `arm`, and a hard
-//! per-execution limit. A request past the limit is refused (null), so the process aborts with the
+//! A counting global allocator over another one: live bytes and their peak, for `MLA_DIFF_PROFILE`'s
+//! heap figures (the `mla-diff` binary counts over mimalloc) and for the fuzz driver, which also sets a
+//! hard per-execution limit. A request past the limit is refused (null), so the process aborts with the
 //! standard "memory allocation failed" message right at the offending call site, after one stderr line
 //! from us naming the sizes; the supervisor records that as an over-allocation finding.
 //!
-//! The driver binary installs it: `#[global_allocator] static A: CountingAlloc = CountingAlloc;`.
+//! A binary installs it: `#[global_allocator] static A: CountingAlloc = CountingAlloc(System);`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 
-pub struct CountingAlloc;
+/// Counts what goes through the allocator `A`.
+pub struct CountingAlloc<A: GlobalAlloc = System>(pub A);
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
@@ -16,7 +18,7 @@ static PEAK: AtomicUsize = AtomicUsize::new(0);
 static CAP: AtomicUsize = AtomicUsize::new(usize::MAX);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 
-impl CountingAlloc {
+impl<A: GlobalAlloc> CountingAlloc<A> {
     fn admit(n: usize) -> bool {
         INSTALLED.store(true, Relaxed);
         let live = LIVE.fetch_add(n, Relaxed).saturating_add(n);
@@ -66,12 +68,12 @@ fn report(request: usize, live: usize, cap: usize) {
     unsafe { libc::write(2, buf.as_ptr().cast(), len) };
 }
 
-unsafe impl GlobalAlloc for CountingAlloc {
+unsafe impl<A: GlobalAlloc> GlobalAlloc for CountingAlloc<A> {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         if !Self::admit(l.size()) {
             return std::ptr::null_mut();
         }
-        let p = System.alloc(l);
+        let p = self.0.alloc(l);
         if p.is_null() {
             LIVE.fetch_sub(l.size(), Relaxed);
         }
@@ -81,14 +83,14 @@ unsafe impl GlobalAlloc for CountingAlloc {
         if !Self::admit(l.size()) {
             return std::ptr::null_mut();
         }
-        let p = System.alloc_zeroed(l);
+        let p = self.0.alloc_zeroed(l);
         if p.is_null() {
             LIVE.fetch_sub(l.size(), Relaxed);
         }
         p
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        System.dealloc(p, l);
+        self.0.dealloc(p, l);
         LIVE.fetch_sub(l.size(), Relaxed);
     }
     // Counted as the size change: the system realloc may grow in place (mremap for large blocks).
@@ -97,7 +99,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
         if new > old && !Self::admit(new - old) {
             return std::ptr::null_mut();
         }
-        let q = System.realloc(p, l, new);
+        let q = self.0.realloc(p, l, new);
         if q.is_null() {
             if new > old {
                 LIVE.fetch_sub(new - old, Relaxed);
@@ -118,6 +120,11 @@ pub fn installed() -> bool {
 /// Bytes live now (all threads).
 pub fn live() -> usize {
     LIVE.load(Relaxed)
+}
+
+/// The largest live bytes since the start (or the last [`arm`]).
+pub fn peak() -> usize {
+    PEAK.load(Relaxed)
 }
 
 /// Start an execution: the peak restarts at the current live bytes, and at most `extra` more may be live.
