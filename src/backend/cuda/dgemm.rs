@@ -5,10 +5,12 @@
 //! time, on the GPU milliseconds plus one f32 copy over PCIe.
 //!
 //! One engine per process, shared by the run's threads (the reference, the judges) under a mutex: the
-//! device work per call is short and one context and cuBLAS handle serve them all.
+//! device work per call is short and one context and cuBLAS handle serve them all. Its work goes on its
+//! own non-blocking stream: on the legacy default stream, where the kernels under test are queued, each
+//! product waited for the optimized pass's queued kernels and they for it.
 
 use super::device::{drv_err, DevBuf, Gpu};
-use super::kernels::{launch, Kernels, Module};
+use super::kernels::{Kernels, Module};
 use super::nvrtc::Sources;
 use crate::backend::Dtype;
 use crate::error::{Error, Result};
@@ -30,6 +32,8 @@ pub struct DeviceProducts {
 
 struct State {
     gpu: Gpu,
+    /// The engine's stream (non-blocking: no implicit order with the default stream).
+    stream: cudarc::driver::sys::CUstream,
     blas: blas::cublasHandle_t,
     widen: cudarc::driver::sys::CUfunction,
     _module: Rc<Module>,
@@ -51,6 +55,7 @@ impl Drop for State {
         let _ = self.gpu.bind();
         let _ = unsafe { drv::free_host(self.pinned as *mut c_void) };
         let _ = unsafe { cudarc::cublas::result::destroy_handle(self.blas) };
+        let _ = unsafe { drv::stream::destroy(self.stream) };
     }
 }
 
@@ -78,6 +83,11 @@ impl DeviceProducts {
         unsafe { blas::cublasSetMathMode(h, blas::cublasMath_t::CUBLAS_DEFAULT_MATH) }
             .result()
             .map_err(blas_err("cublasSetMathMode"))?;
+        let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking)
+            .map_err(drv_err("creating the fp64 products' stream"))?;
+        unsafe { blas::cublasSetStream_v2(h, stream as blas::cudaStream_t) }
+            .result()
+            .map_err(blas_err("cublasSetStream"))?;
         let pinned = unsafe { drv::malloc_host(CHUNK * 4, 0) }
             .map_err(drv_err("allocating pinned host memory"))? as *mut f32;
         let name = format!("cuBLAS DGEMM on {}", gpu.info.name);
@@ -86,6 +96,7 @@ impl DeviceProducts {
             w64: DevBuf::alloc(CHUNK * 8)?,
             w2: DevBuf::alloc(CHUNK * 8)?,
             gpu,
+            stream,
             blas: h,
             widen,
             _module: module,
@@ -116,19 +127,32 @@ fn room(bufs: &mut [Option<DevBuf>; 4], i: usize, bytes: usize) -> Result<u64> {
     Ok(bufs[i].as_ref().expect("allocated").ptr)
 }
 
-/// Upload a row-major f64 matrix (any strides) to `bufs[i]`.
-fn put(bufs: &mut [Option<DevBuf>; 4], i: usize, a: ArrayView2<f64>) -> Result<u64> {
+/// Upload a row-major f64 matrix (any strides) to `bufs[i]`, on `stream` (from pageable memory: staged
+/// by the driver before the call returns, so `a` may go at once).
+fn put(
+    bufs: &mut [Option<DevBuf>; 4],
+    i: usize,
+    a: ArrayView2<f64>,
+    stream: cudarc::driver::sys::CUstream,
+) -> Result<u64> {
     let ptr = room(bufs, i, a.len() * 8)?;
     let a = a.as_standard_layout();
-    unsafe { drv::memcpy_htod_sync(ptr, a.as_slice().expect("standard layout")) }
+    unsafe { drv::memcpy_htod_async(ptr, a.as_slice().expect("standard layout"), stream) }
         .map_err(drv_err("host-to-device copy"))?;
     Ok(ptr)
 }
 
-/// `[rows, cols]` f64 back from the device (row-major).
-fn get(ptr: u64, rows: usize, cols: usize) -> Result<Array2<f64>> {
+/// `[rows, cols]` f64 back from the device (row-major), once `stream`'s work is done.
+fn get(
+    ptr: u64,
+    rows: usize,
+    cols: usize,
+    stream: cudarc::driver::sys::CUstream,
+) -> Result<Array2<f64>> {
     let mut v = vec![0f64; rows * cols];
-    unsafe { drv::memcpy_dtoh_sync(&mut v, ptr) }.map_err(drv_err("device-to-host copy"))?;
+    unsafe { drv::memcpy_dtoh_async(&mut v, ptr, stream) }
+        .map_err(drv_err("device-to-host copy"))?;
+    unsafe { drv::stream::synchronize(stream) }.map_err(drv_err("the fp64 products"))?;
     Ok(Array2::from_shape_vec((rows, cols), v).expect("sized"))
 }
 
@@ -178,11 +202,12 @@ impl State {
             // Nothing to do, or a row longer than a chunk (no real weight): the host's.
             return Ok(crate::linalg::linear_f32_host(a, sq_in, w, round));
         }
-        let xa = put(&mut self.bufs, 0, a)?;
+        let s = self.stream;
+        let xa = put(&mut self.bufs, 0, a, s)?;
         let ya = room(&mut self.bufs, 1, m * n * 8)?;
         let (xs, ys) = match sq_in {
-            Some(s) => (
-                put(&mut self.bufs, 2, s)?,
+            Some(sq) => (
+                put(&mut self.bufs, 2, sq, s)?,
                 room(&mut self.bufs, 3, m2 * n * 8)?,
             ),
             None => (0, 0),
@@ -200,7 +225,10 @@ impl State {
                     dt.round_slice(dst);
                 }
             });
-            unsafe { drv::memcpy_htod_sync(self.w32.ptr, &stage[..]) }
+            // Waited for: the next chunk refills the pinned stage.
+            unsafe { drv::memcpy_htod_async(self.w32.ptr, &stage[..], s) }
+                .map_err(drv_err("host-to-device copy of weights"))?;
+            unsafe { drv::stream::synchronize(s) }
                 .map_err(drv_err("host-to-device copy of weights"))?;
             let mut src = self.w32.ptr;
             let mut dst = self.w64.ptr;
@@ -213,23 +241,26 @@ impl State {
                 &mut cnt as *mut u64 as *mut c_void,
             ];
             let blocks = len.div_ceil(256).min(8192) as u32;
-            launch(
-                self.widen,
-                "widen_f32_f64",
-                (blocks, 1, 1),
-                256,
-                0,
-                &mut params,
-            )?;
+            unsafe {
+                drv::launch_kernel(
+                    self.widen,
+                    (blocks, 1, 1),
+                    (256, 1, 1),
+                    0,
+                    s,
+                    &mut params,
+                )
+            }
+            .map_err(drv_err("launching widen_f32_f64"))?;
             let r = r1 - r0;
             self.dgemm([r, m, k], self.w64.ptr, xa, ya + (r0 * 8) as u64, n)?;
             if sq_in.is_some() {
                 self.dgemm([r, m2, k], self.w2.ptr, xs, ys + (r0 * 8) as u64, n)?;
             }
         }
-        let y = get(ya, m, n)?;
+        let y = get(ya, m, n, s)?;
         let sq = match sq_in {
-            Some(_) => Some(get(ys, m2, n)?),
+            Some(_) => Some(get(ys, m2, n, s)?),
             None => None,
         };
         Ok(Linear { y, sq })
