@@ -242,14 +242,7 @@ impl State {
             ];
             let blocks = len.div_ceil(256).min(8192) as u32;
             unsafe {
-                drv::launch_kernel(
-                    self.widen,
-                    (blocks, 1, 1),
-                    (256, 1, 1),
-                    0,
-                    s,
-                    &mut params,
-                )
+                drv::launch_kernel(self.widen, (blocks, 1, 1), (256, 1, 1), 0, s, &mut params)
             }
             .map_err(drv_err("launching widen_f32_f64"))?;
             let r = r1 - r0;
