@@ -32,6 +32,15 @@ fn layer_tensors(f: &GgufFile, layer: usize) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// One layer's DSA indexer tensors, as stored (none on a dense file or a GLM-5.2 shared layer).
+fn indexer_tensors(f: &GgufFile, layer: usize) -> Vec<serde_json::Value> {
+    crate::model::indexer::tensor_names(layer)
+        .iter()
+        .filter_map(|n| f.tensor(n))
+        .map(|t| json!({ "name": t.name, "type": t.ty.to_string(), "ne": t.ne, "bytes": t.n_bytes() }))
+        .collect()
+}
+
 /// The files the model was read from (one unless it is split).
 fn shards_json(f: &GgufFile) -> serde_json::Value {
     f.shards
@@ -44,7 +53,7 @@ fn shards_json(f: &GgufFile) -> serde_json::Value {
 pub fn inspect_json(f: &GgufFile) -> Result<serde_json::Value> {
     let cfg = MlaConfig::from_gguf(f)?;
     let layers: Vec<_> = (0..cfg.n_layer)
-        .map(|l| json!({ "layer": l, "tensors": layer_tensors(f, l) }))
+        .map(|l| json!({ "layer": l, "tensors": layer_tensors(f, l), "indexer_tensors": indexer_tensors(f, l) }))
         .collect();
     let attn_bytes: u64 = layers
         .iter()
@@ -60,6 +69,8 @@ pub fn inspect_json(f: &GgufFile) -> Result<serde_json::Value> {
         "tensor_count": f.tensors.len(),
         "shards": shards_json(f),
         "config": cfg,
+        // The DSA indexer (GLM-5, DeepSeek-V3.2; null for a dense file): heads, head_dim, top_k, rope pairing.
+        "indexer": crate::model::indexer::IndexerConfig::from_gguf(f, &cfg)?,
         "qk_head_dim": cfg.qk_head_dim(),
         "cache_row": cfg.cache_row(),
         "attention_bytes": attn_bytes,
@@ -171,6 +182,14 @@ pub fn inspect_text(f: &GgufFile) -> Result<String> {
         c.qk_head_dim()
     )
     .ok();
+    if let Some(ic) = crate::model::indexer::IndexerConfig::from_gguf(f, &c)? {
+        writeln!(
+            s,
+            "dsa indexer   {} heads x {} (rope on the first {}, {:?} pairing), top_k {}",
+            ic.heads, ic.head_dim, ic.rope_dim, ic.rope, ic.top_k
+        )
+        .ok();
+    }
     writeln!(s).ok();
     writeln!(
         s,
@@ -180,11 +199,16 @@ pub fn inspect_text(f: &GgufFile) -> Result<String> {
     .ok();
     let mut total = 0u64;
     for l in 0..c.n_layer {
-        for n in crate::model::weights::tensor_names(l) {
+        // The indexer's tensors are listed but not counted in the total (as in the JSON's attention_bytes).
+        let mla = crate::model::weights::tensor_names(l).map(|n| (n, true));
+        let idx = crate::model::indexer::tensor_names(l).map(|n| (n, false));
+        for (n, counted) in mla.into_iter().chain(idx) {
             if let Some(t) = f.tensor(&n) {
                 let ne = format!("{:?}", t.ne);
                 let b = t.n_bytes();
-                total += b.unwrap_or(0);
+                if counted {
+                    total += b.unwrap_or(0);
+                }
                 writeln!(
                     s,
                     "{:<32} {:>8} {:>22} {:>14}",

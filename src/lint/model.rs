@@ -997,7 +997,7 @@ fn dsa(m: &Meta, arch: Arch, out: &mut Findings) {
         Some(k) => out.note(
             &m.key("attention.indexer.top_k"),
             k.to_string(),
-            format!("dense MLA (what mla-diff and llama.cpp before PR #25407 compute) equals the model's DSA only while a query sees at most {k} keys; `run` refuses longer schedules unless --allow-dense-beyond-topk"),
+            format!("dense MLA (what mla-diff and llama.cpp before PR #25407 compute) equals the model's DSA only while a query sees at most {k} keys; past it `run` checks the sparse model (indexer + attention over the selection, docs/dsa.md) where the file has the `blk.N.indexer.*` tensors, and refuses a file without them unless --allow-dense-beyond-topk"),
         ),
         None if !m.present("attention.indexer.top_k") => out.warning(
             &m.key("attention.indexer.top_k"),

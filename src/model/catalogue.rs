@@ -16,6 +16,7 @@ pub enum Preset {
     KimiK2,
     Glm47Flash,
     Glm5,
+    DeepseekV32,
     Minicpm3,
     Tiny,
 }
@@ -31,7 +32,9 @@ pub struct YarnSpec {
     pub beta_slow: Option<f32>,
 }
 
-/// The DSA indexer of GLM-5 (keys and `blk.N.indexer.*` tensors; docs/dsa.md).
+/// The DSA indexer of GLM-5 and DeepSeek-V3.2 (keys and `blk.N.indexer.*` tensors; docs/dsa.md). Its
+/// rope pairing is the architecture's (`IndexerConfig::rope_for`: interleaved for `glm-dsa`, NeoX for
+/// `deepseek32`), so the entry does not state it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Indexer {
     pub heads: u32,
@@ -86,7 +89,7 @@ const DEEPSEEK_YARN: YarnSpec = YarnSpec {
 };
 
 /// Every model, in `Preset` order.
-pub const CATALOGUE: [Entry; 7] = [
+pub const CATALOGUE: [Entry; 8] = [
     Entry {
         preset: Preset::DeepseekV3,
         name: "deepseek-v3",
@@ -216,6 +219,42 @@ pub const CATALOGUE: [Entry; 7] = [
         }),
         note: "",
     },
+    // DeepSeek-V3.2(-Exp), values from DeepSeek's own config (huggingface.co/deepseek-ai/DeepSeek-V3.2-Exp,
+    // inference/config_671B_v3.2.json: dim 7168, n_layers 61, n_heads 128, q_lora_rank 1536, kv_lora_rank
+    // 512, qk 128/64, v 128, index_n_heads 64, index_head_dim 128, index_topk 2048), which transformers'
+    // `DeepseekV32Config` (5.24) has as its defaults (with max_position_embeddings 163840, rms_norm_eps
+    // 1e-6). It is V3.1-Terminus plus the indexer: V3's rope (θ 10000, the YaRN above). llama.cpp's
+    // `DeepseekV32Model` converter writes arch `deepseek32`, the split attn_k_b/attn_v_b of DeepseekV2Model,
+    // the indexer keys and `blk.N.indexer.*` tensors as for GLM-5, and appends the MTP block (block_count
+    // 62, nextn_predict_layers 1), which the fixture does not write. The indexer's rope is NeoX
+    // (transformers: "NON-interleaved (half-split)"; llama.cpp's deepseek32 graph: LLAMA_ROPE_TYPE_NEOX).
+    Entry {
+        preset: Preset::DeepseekV32,
+        name: "deepseek-v3.2",
+        model_name: "DeepSeek-V3.2",
+        arch: Arch::Deepseek32,
+        layers: 61,
+        hidden: 7168,
+        heads: 128,
+        q_lora: Some(1536),
+        kv_lora: 512,
+        qk_nope: 128,
+        qk_rope: 64,
+        v_head: 128,
+        rope: RopePairing::Norm,
+        rope_base: Some(10000.0),
+        yarn: Some(DEEPSEEK_YARN),
+        longrope: false,
+        rms_eps: 1e-6,
+        context_length: 163840,
+        unsplit_kv_b: false,
+        indexer: Some(Indexer {
+            heads: 64,
+            key_length: 128,
+            top_k: 2048,
+        }),
+        note: "",
+    },
     Entry {
         preset: Preset::Minicpm3,
         name: "minicpm3",
@@ -269,12 +308,13 @@ pub const CATALOGUE: [Entry; 7] = [
 ];
 
 impl Preset {
-    pub const ALL: [Preset; 7] = [
+    pub const ALL: [Preset; 8] = [
         Preset::DeepseekV3,
         Preset::DeepseekV2Lite,
         Preset::KimiK2,
         Preset::Glm47Flash,
         Preset::Glm5,
+        Preset::DeepseekV32,
         Preset::Minicpm3,
         Preset::Tiny,
     ];
@@ -384,8 +424,34 @@ mod tests {
             .unwrap();
             let path = dir.path().join(format!("{}.gguf", e.name));
             crate::fixture::write(&spec, &path).unwrap();
-            let cfg = MlaConfig::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+            let f = GgufFile::open(&path).unwrap();
+            let cfg = MlaConfig::from_gguf(&f).unwrap();
             check(e, &cfg, 128, 2, e.q_lora);
+            // The indexer: its keys, and the rope pairing its architecture implies (NeoX for DeepSeek-V3.2,
+            // interleaved for GLM-5), while the MLA rope stays interleaved.
+            let ic = crate::model::indexer::IndexerConfig::from_gguf(&f, &cfg).unwrap();
+            match (ic, e.indexer) {
+                (None, None) => {}
+                (Some(ic), Some(i)) => {
+                    assert_eq!(
+                        (ic.heads, ic.head_dim, ic.top_k, ic.rope_dim),
+                        (
+                            i.heads as usize,
+                            i.key_length as usize,
+                            i.top_k as usize,
+                            e.qk_rope
+                        ),
+                        "{}",
+                        e.name
+                    );
+                    let want = match e.arch {
+                        Arch::Deepseek32 => RopePairing::Neox,
+                        _ => RopePairing::Norm,
+                    };
+                    assert_eq!(ic.rope, want, "{}", e.name);
+                }
+                (a, b) => panic!("{}: indexer {a:?} vs {b:?}", e.name),
+            }
         }
     }
 

@@ -16,6 +16,7 @@ mod detection;
 mod dsa;
 mod dsa_golden;
 mod dsa_run;
+mod dsa_v32;
 mod fixture_roundtrip;
 mod fixtures;
 mod flash;
