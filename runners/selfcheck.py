@@ -13,8 +13,12 @@ not holding a token of its entry is NaN, pages are shuffled and unused block-tab
 a NaN page; deepseek also has a 2-token (MTP) decode, and each prefill chunk has cached context
 (minicpm3 also one chunk with none); deepseek and glm5 also have sparse_prefill requests (DSA: the
 absorbed query, the flat NaN-poisoned cache with shuffled pages, index rows of random visible keys −1
-padded to a top_k that is not a multiple of 128). Cases a runner's describe rules out (dtype, page size, dims,
-q_len) are listed as unsupported without being sent, as mla-diff does.
+padded to a top_k that is not a multiple of 128) and sparse_decode requests (the absorbed decode query of
+several entries, 1 or 2 tokens each, their own shuffled pages with NaN where no token is, index rows of
+random visible keys as page·page_size + offset, −1 padded; a runner whose describe says `kv_cache:
+fp8_v32` is judged against float64 over FlashMLA's fp8 cache as its format stores the rows, quantized here
+independently of the runner). Cases a runner's describe rules out (dtype, page size, dims, q_len) are
+listed as unsupported without being sent, as mla-diff does.
 
 Comparison (the `@runner` check of docs/runners.md): each output, after converting a base-2 LSE
 (`·ln 2`) and a `head_token` layout, against the float64 result on the stored inputs:
@@ -69,12 +73,14 @@ CASES = {
         decode=[dict(page=64, splits=4, s_q=1, seqlens=[1, 70, 200, 129]), dict(page=64, splits=4, s_q=2, seqlens=[65, 130])],
         prefill=[dict(n=24, context=40)],
         sparse=[dict(n=20, context=90, topk=48, page=64)],
+        sparse_decode=[dict(page=64, s_q=1, topk=40, seqlens=[1, 70, 200]), dict(page=64, s_q=2, topk=130, seqlens=[131, 300])],
     ),
     "glm5": dict(
         heads=64, kv_lora_rank=512, qk_rope=64, qk_nope=192, v_head_dim=256, scale=0.0625,
         decode=[dict(page=64, splits=3, s_q=1, seqlens=[1, 100, 257])],
         prefill=[dict(n=16, context=33)],
         sparse=[dict(n=12, context=0, topk=8, page=64), dict(n=16, context=150, topk=130, page=16)],
+        sparse_decode=[dict(page=64, s_q=1, topk=16, seqlens=[9, 100, 257])],
     ),
     "minicpm3": dict(
         heads=4, kv_lora_rank=256, qk_rope=32, qk_nope=64, v_head_dim=64, scale=0.10206207261596575,
@@ -197,6 +203,74 @@ def make_sparse(rng, c, sp, dtype):
     return {"q": q_w, "kv": kv_w, "indices": idx}, meta, (qv, kvv, idx)
 
 
+def make_sparse_decode(rng, c, sd, dtype):
+    """A sparse_decode request (docs/runners.md): one batch entry per sequence, `s_q` query tokens each
+    (the last ones of the sequence), the paged latent cache as the decode op sends it (pages shuffled, NaN
+    where no token is, a NaN page spare) and each query's selected keys as page·page_size + offset through
+    its entry's block table, in key order, −1 padded to `topk` (query t keeps itself and at most topk − 1
+    of its visible keys, drawn at random)."""
+    heads, r, rope = c["heads"], c["kv_lora_rank"], c["qk_rope"]
+    page, s_q, topk, seqlens = sd["page"], sd["s_q"], sd["topk"], sd["seqlens"]
+    b_n = len(seqlens)
+    pages = [-(-L // page) for L in seqlens]
+    pool = sum(pages) + 1
+    perm = rng.permutation(pool)
+    cache = np.full((pool, page, r + rope), np.nan)
+    idx = np.full((b_n, s_q, topk), -1, np.int32)
+    nxt = 0
+    for b, L in enumerate(seqlens):
+        table = [int(p) for p in perm[nxt:nxt + pages[b]]]
+        nxt += pages[b]
+        for i, phys in enumerate(table):
+            rows = min(page, L - i * page)
+            cache[phys, :rows] = rng.standard_normal((rows, r + rope))
+            # a few large-magnitude latent channels, as real latents have (tile 0 of an fp8 cache)
+            cache[phys, :rows, :4] *= 8.0
+        for j in range(s_q):
+            t = max(L - s_q + j, 0)
+            others = rng.permutation(t)[: min(topk, t + 1) - 1]
+            keys = np.sort(np.concatenate([others, [t]])).astype(np.int64)
+            idx[b, j, : keys.size] = [table[k // page] * page + k % page for k in keys]
+    sigma = 2.0 / (c["scale"] * math.sqrt(r + rope))
+    q = rng.standard_normal((b_n, s_q, heads, r + rope)) * sigma
+    qv, q_w = stored(q, dtype)
+    kvv, kv_w = stored(cache, dtype)
+    meta = dict(common_meta(c, dtype), page_size=page, num_splits=1, q_len=s_q, top_k=topk, d_v=r)
+    return {"q": q_w, "kv_cache": kv_w, "indices": idx}, meta, (qv, kvv, idx)
+
+
+# ----------------------------------------------------------------------------------------------
+# FlashMLA's fp8 cache (`kv_cache: fp8_v32`), written independently of runners/flashmla_fp8.py: the
+# float64 yardstick for a kernel that reads it is attention over the rows as that format stores them.
+
+# The non-negative float8 e4m3fn values, ascending: position k has mantissa field k % 8 (exponent field
+# 0 subnormal, bias 7; S.1111.111 is NaN, so 448 is the largest).
+_E4M3 = np.array([m * 2.0**-9 for m in range(8)]
+                 + [(1 + m / 8) * 2.0 ** (e - 7) for e in range(1, 16) for m in range(8)][:-1])
+
+
+def e4m3_nearest(x):
+    """Each |x| ≤ 448 to its nearest e4m3fn value, ties to the even mantissa field."""
+    x = np.asarray(x, np.float64)
+    a = np.abs(x)
+    i = np.clip(np.searchsorted(_E4M3, a), 1, _E4M3.size - 1)
+    lo, hi = _E4M3[i - 1], _E4M3[i]
+    up = (hi - a < a - lo) | ((hi - a == a - lo) & (i % 2 == 0))
+    return np.copysign(np.where(up, hi, lo), x)
+
+
+def fp8_v32_rows(rows):
+    """Cache rows [..., 512 + 64] (float64, the stored values) as FlashMLA's V32 fp8 cache gives them
+    back: per tile of 128 latent columns a power-of-two scale 2^ceil(log2(max(amax/448, 1e-4))), the
+    values round(x / scale) in e4m3 times the scale, the 64 rope values in bf16 (as stored)."""
+    out = np.array(rows, np.float64)
+    lat = out[..., :512].reshape(rows.shape[:-1] + (4, 128))
+    amax = np.abs(lat).max(axis=-1, keepdims=True)
+    scale = np.exp2(np.ceil(np.log2(np.maximum(amax.astype(np.float32) / np.float32(448.0), np.float32(1e-4)).astype(np.float64))))
+    out[..., :512] = (e4m3_nearest(lat / scale) * scale).reshape(rows.shape[:-1] + (512,))
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # float64 reference
 
@@ -263,6 +337,25 @@ def ref_sparse(c, data):
         assert np.isfinite(rows).all()
         p, lse[i] = softmax64(q[i] @ rows.T * c["scale"])
         out[i] = p @ rows[:, :r]
+    return {"attn_latent": out, "lse": lse}
+
+
+def ref_sparse_decode(c, data, fp8):
+    """Attention of each decode query over the slots its index row names; over the fp8 cache's rows
+    when the runner's describe says its kernel reads one."""
+    q, kv, idx = data
+    r = c["kv_lora_rank"]
+    b_n, s_q, heads, _ = q.shape
+    flat = kv.reshape(-1, kv.shape[-1])
+    out, lse = np.zeros((b_n, s_q, heads, r)), np.zeros((b_n, s_q, heads))
+    for b in range(b_n):
+        for j in range(s_q):
+            rows = flat[idx[b, j][idx[b, j] >= 0]]
+            assert np.isfinite(rows).all()
+            if fp8:
+                rows = fp8_v32_rows(rows)
+            p, lse[b, j] = softmax64(q[b, j] @ rows.T * c["scale"])
+            out[b, j] = p @ rows[:, :r]
     return {"attn_latent": out, "lse": lse}
 
 
@@ -441,9 +534,12 @@ def check_runner(cmd, cases, dtypes, workdir, timeout=600, seed=0, verbose=True,
         for dtype in dtypes:
             jobs = [("decode", d) for d in c["decode"]] + [("prefill", p) for p in c["prefill"]]
             jobs += [("sparse_prefill", sp) for sp in c.get("sparse", [])]
+            jobs += [("sparse_decode", sd) for sd in c.get("sparse_decode", [])]
             for op, sched in jobs:
                 if op == "decode":
                     label = f"s_q {sched['s_q']} page {sched['page']} L {sched['seqlens']}"
+                elif op == "sparse_decode":
+                    label = f"s_q {sched['s_q']} L {sched['seqlens']} topk {sched['topk']}"
                 elif op == "sparse_prefill":
                     label = f"n {sched['n']} context {sched['context']} topk {sched['topk']}"
                 else:
@@ -462,6 +558,9 @@ def check_runner(cmd, cases, dtypes, workdir, timeout=600, seed=0, verbose=True,
                 elif op == "sparse_prefill":
                     inputs, meta, data = make_sparse(rng, c, sched, dtype)
                     ref = ref_sparse(c, data)
+                elif op == "sparse_decode":
+                    inputs, meta, data = make_sparse_decode(rng, c, sched, dtype)
+                    ref = ref_sparse_decode(c, data, desc["ops"][op].get("kv_cache") == "fp8_v32")
                 else:
                     inputs, meta, data = make_prefill(rng, c, sched, dtype)
                     ref = ref_prefill(c, data)

@@ -159,9 +159,11 @@ fn what_the_sparse_runner_cannot_take_is_a_clean_error() {
     );
 }
 
-/// `runners/selfcheck.py` drives the runner alone (no mla-diff) through sparse_prefill requests at
-/// DeepSeek's 128 and GLM-5's 64 heads (top_k not a multiple of 128, pages shuffled, NaN slots) against
-/// float64: the stand-in passes, the planted padding bug fails, fp16 is ruled out by its describe.
+/// `runners/selfcheck.py` drives the runner alone (no mla-diff) through sparse_prefill and sparse_decode
+/// requests at DeepSeek's 128 and GLM-5's 64 heads (top_k not a multiple of 128, pages shuffled, NaN
+/// slots) against float64 — for sparse_decode over FlashMLA's fp8 cache as its format stores the rows,
+/// quantized by selfcheck itself: the stand-in passes, the planted padding bug fails at sparse_prefill
+/// and the two fp8 read bugs at sparse_decode only, fp16 is ruled out by its describe.
 #[test]
 fn selfcheck_drives_the_sparse_runner() {
     let Some(py) = python("the sparse runner's selfcheck", "numpy") else {
@@ -180,15 +182,21 @@ fn selfcheck_drives_the_sparse_runner() {
     let o = go("flashmla_sparse.py");
     let out = String::from_utf8_lossy(&o.stdout);
     assert_eq!(o.status.code(), Some(0), "{out}{}", stderr(&o));
-    assert!(out.contains("6 checks passed, 0 failed"), "{out}");
+    assert!(out.contains("12 checks passed, 0 failed"), "{out}");
     assert!(out.contains("dtypes fp16 not in ['bf16']"), "{out}");
-    let o = go("bugs/sparse/minus_one_wraps.py");
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert_eq!(o.status.code(), Some(1), "{out}");
-    assert!(
-        out.contains("failing: sparse_prefill.attn_latent sparse_prefill.lse"),
-        "{out}"
-    );
+    for (bug, op) in [
+        ("minus_one_wraps", "sparse_prefill"),
+        ("fp8_scale_twice", "sparse_decode"),
+        ("fp8_wrong_tile", "sparse_decode"),
+    ] {
+        let o = go(&format!("bugs/sparse/{bug}.py"));
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert_eq!(o.status.code(), Some(1), "{bug}: {out}");
+        assert!(
+            out.contains(&format!("failing: {op}.attn_latent {op}.lse\n")),
+            "{bug}: {out}"
+        );
+    }
 }
 
 fn check<'a>(cs: &[&'a J], name: &str) -> Vec<&'a J> {
