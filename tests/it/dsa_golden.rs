@@ -21,9 +21,10 @@ const TOL: f64 = 1e-6;
 /// A misreading must move the output by at least this much.
 const DETECT: f64 = 100.0 * TOL;
 
-// DeepSeek-V3.2 is not here yet: its converter class asserts `add_bos_token`, which transformers 5.24
-// does not surface for the rebuilt GPT-2 tokenizer (docs/dsa.md).
-const FAMILIES: [&str; 1] = ["glm-5-dsa"];
+/// GLM-5 (interleaved indexer rope) and DeepSeek-V3.2 (NeoX indexer rope, DeepSeek's YaRN); the latter
+/// converted under transformers 4.57 (its converter class asserts `add_bos_token`, which transformers 5
+/// drops: fixtures/golden/README.md).
+const FAMILIES: [&str; 2] = ["glm-5-dsa", "deepseek-v3.2-dsa"];
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/golden")
@@ -201,9 +202,22 @@ fn present() -> Vec<Golden> {
 #[test]
 fn goldens_are_sparse_and_present() {
     let gs = present();
-    assert!(
-        gs.iter().any(|g| g.name == "glm-5-dsa"),
-        "fixtures/golden/glm-5-dsa.* missing"
+    for name in FAMILIES {
+        assert!(
+            gs.iter().any(|g| g.name == name),
+            "fixtures/golden/{name}.* missing"
+        );
+    }
+    // The two families differ in the indexer's rope pairing, each as its architecture says.
+    let pairing = |n: &str| gs.iter().find(|g| g.name == n).map(|g| (g.cfg.arch, g.ic.rope));
+    use mla_diff::model::{Arch, RopePairing};
+    assert_eq!(
+        pairing("glm-5-dsa"),
+        Some((Arch::GlmDsa, RopePairing::Norm))
+    );
+    assert_eq!(
+        pairing("deepseek-v3.2-dsa"),
+        Some((Arch::Deepseek32, RopePairing::Neox))
     );
     for g in &gs {
         assert!(g.ic.top_k < g.tokens(), "{}: top_k must bite", g.name);

@@ -62,7 +62,8 @@ fn spec_for(g: &Golden) -> Spec {
         "kimi-k2" => Preset::KimiK2,
         "glm-4.7-flash" => Preset::Glm47Flash,
         "deepseek-v2-lite" => Preset::DeepseekV2Lite,
-        "glm-5" => Preset::Glm5,
+        "glm-5" | "glm-5-dsa" => Preset::Glm5,
+        "deepseek-v3.2-dsa" => Preset::DeepseekV32,
         "minicpm3" | "minicpm3-long" => Preset::Minicpm3,
         other => panic!("no preset for {other}"),
     };
@@ -122,12 +123,14 @@ fn ty_name(t: &TensorType) -> String {
 }
 
 /// Same config as the converter's file ⇒ `mla-diff fixture` writes the same attention keys (types and
-/// values), the same tensor names, types and ne shapes, and the same kv_b convention (checked by
-/// decompression against each file's own source kv_b_proj); the two files give identical `MlaConfig`s.
+/// values), the same tensor names, types and ne shapes (the DSA indexer's too, on the DSA goldens:
+/// GLM-5's and DeepSeek-V3.2's, whose `deepseek32` file is the converter's `DeepseekV32Model` output),
+/// and the same kv_b convention (checked by decompression against each file's own source kv_b_proj);
+/// the two files give identical `MlaConfig`s.
 #[test]
 fn fixture_writes_what_the_converter_writes() {
     let tmp = tempfile::tempdir().unwrap();
-    for name in FAMILIES {
+    for name in FAMILIES.into_iter().chain(["glm-5-dsa", "deepseek-v3.2-dsa"]) {
         let g = load(name);
         let spec = spec_for(&g);
         let path = tmp.path().join(format!("{name}.gguf"));
@@ -186,6 +189,7 @@ fn fixture_writes_what_the_converter_writes() {
 
         // Tensors: every attention tensor (and the rope factors) with the same type and ne.
         let mut names: Vec<String> = (0..spec.layers).flat_map(tensor_names).collect();
+        names.extend((0..spec.layers).flat_map(mla_diff::model::indexer::tensor_names));
         names.extend(["rope_factors_long.weight", "rope_factors_short.weight"].map(String::from));
         for n in &names {
             match (ours.tensor(n), conv.tensor(n)) {
