@@ -219,11 +219,13 @@ pub const CATALOGUE: [Entry; 8] = [
         }),
         note: "",
     },
-    // DeepSeek-V3.2(-Exp), values from DeepSeek's own config (huggingface.co/deepseek-ai/DeepSeek-V3.2-Exp,
-    // inference/config_671B_v3.2.json: dim 7168, n_layers 61, n_heads 128, q_lora_rank 1536, kv_lora_rank
-    // 512, qk 128/64, v 128, index_n_heads 64, index_head_dim 128, index_topk 2048), which transformers'
-    // `DeepseekV32Config` (5.24) has as its defaults (with max_position_embeddings 163840, rms_norm_eps
-    // 1e-6). It is V3.1-Terminus plus the indexer: V3's rope (θ 10000, the YaRN above). llama.cpp's
+    // DeepSeek-V3.2(-Exp), from its HF config.json (as copied into huggingface/transformers at
+    // src/transformers/models/deepseek_v32/deepseek_files/config.json; DeepSeek's inference/
+    // config_671B_v3.2.json agrees): hidden_size 7168, num_hidden_layers 61 (+ num_nextn_predict_layers
+    // 1), num_attention_heads 128, q_lora_rank 1536, kv_lora_rank 512, qk 128/64, v 128, rope_theta
+    // 10000, rope_scaling yarn factor 40 / original 4096 / beta 32, 1 / mscale = mscale_all_dim = 1.0 (V3's),
+    // rms_norm_eps 1e-6, max_position_embeddings 163840, index_n_heads 64, index_head_dim 128,
+    // index_topk 2048 (transformers 5.24's `DeepseekV32Config` defaults are the same). llama.cpp's
     // `DeepseekV32Model` converter writes arch `deepseek32`, the split attn_k_b/attn_v_b of DeepseekV2Model,
     // the indexer keys and `blk.N.indexer.*` tensors as for GLM-5, and appends the MTP block (block_count
     // 62, nextn_predict_layers 1), which the fixture does not write. The indexer's rope is NeoX
