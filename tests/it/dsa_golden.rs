@@ -209,7 +209,11 @@ fn goldens_are_sparse_and_present() {
         );
     }
     // The two families differ in the indexer's rope pairing, each as its architecture says.
-    let pairing = |n: &str| gs.iter().find(|g| g.name == n).map(|g| (g.cfg.arch, g.ic.rope));
+    let pairing = |n: &str| {
+        gs.iter()
+            .find(|g| g.name == n)
+            .map(|g| (g.cfg.arch, g.ic.rope))
+    };
     use mla_diff::model::{Arch, RopePairing};
     assert_eq!(
         pairing("glm-5-dsa"),

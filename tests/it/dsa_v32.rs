@@ -80,7 +80,12 @@ fn inspect_shows_the_v32_indexer() {
     let c = &j["config"];
     assert_eq!(c["arch"], "deepseek32");
     assert_eq!(
-        (&c["qk_nope"], &c["qk_rope"], &c["v_head_dim"], &c["kv_lora_rank"]),
+        (
+            &c["qk_nope"],
+            &c["qk_rope"],
+            &c["v_head_dim"],
+            &c["kv_lora_rank"]
+        ),
         (
             &serde_json::json!(128),
             &serde_json::json!(64),
@@ -116,13 +121,18 @@ fn inspect_shows_the_v32_indexer() {
     let o = run(&["inspect", v32().to_str().unwrap()]);
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(
-        text.contains("dsa indexer   64 heads x 128 (rope on the first 64, Neox pairing), top_k 2048"),
+        text.contains(
+            "dsa indexer   64 heads x 128 (rope on the first 64, Neox pairing), top_k 2048"
+        ),
         "{text}"
     );
     // A dense file has no indexer.
     let d = inspect_json(&crate::common::fixture("deepseek-v3-yarn-q4_k.gguf"));
     assert!(d["indexer"].is_null());
-    assert!(d["layers"][0]["indexer_tensors"].as_array().unwrap().is_empty());
+    assert!(d["layers"][0]["indexer_tensors"]
+        .as_array()
+        .unwrap()
+        .is_empty());
 }
 
 #[test]
@@ -132,7 +142,10 @@ fn lint_reads_the_v32_file() {
         .unwrap_or_else(|e| panic!("no JSON ({e}): {}", stderr(&o)));
     assert_eq!(o.status.code(), Some(0), "{j}");
     let text = j.to_string();
-    assert!(text.contains("deepseek32.attention.indexer.top_k"), "{text}");
+    assert!(
+        text.contains("deepseek32.attention.indexer.top_k"),
+        "{text}"
+    );
     // DeepSeek-V3.2's own dims: the catalogue entry is recognised, with no warning.
     assert!(text.contains("DeepSeek-V3.2"), "{text}");
 }
@@ -159,7 +172,10 @@ fn v32_past_top_k_passes_sparse() {
     assert_eq!(dsa["layers"].as_array().unwrap().len(), 2);
     for l in dsa["layers"].as_array().unwrap() {
         assert_eq!(l["selection"]["pass"], true, "{l}");
-        assert!(l["selection"]["sparse_queries"].as_u64().unwrap() > 0, "{l}");
+        assert!(
+            l["selection"]["sparse_queries"].as_u64().unwrap() > 0,
+            "{l}"
+        );
     }
     assert!(r["coverage"]["dsa"]["sparse_queries"].as_u64().unwrap() > 0);
 }

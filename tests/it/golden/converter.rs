@@ -130,7 +130,10 @@ fn ty_name(t: &TensorType) -> String {
 #[test]
 fn fixture_writes_what_the_converter_writes() {
     let tmp = tempfile::tempdir().unwrap();
-    for name in FAMILIES.into_iter().chain(["glm-5-dsa", "deepseek-v3.2-dsa"]) {
+    for name in FAMILIES
+        .into_iter()
+        .chain(["glm-5-dsa", "deepseek-v3.2-dsa"])
+    {
         let g = load(name);
         let spec = spec_for(&g);
         let path = tmp.path().join(format!("{name}.gguf"));
