@@ -96,6 +96,10 @@ pub struct Attn {
     combine: Option<sys::CUfunction>,
     pub mqa: bool,
     pub tile: Option<Tile>,
+    /// `attn_wgmma` takes its key tiles by TMA (the module exports `attn_wgmma_tma`): (key columns,
+    /// element bytes) of the tensor map `run` passes, and the last one encoded.
+    tma: Option<(usize, usize)>,
+    maps: super::tma::MapCache,
 }
 
 impl Attn {
@@ -148,6 +152,8 @@ impl Attn {
                 }
                 .map_err(drv_err("raising the kernel's shared-memory limit"))?;
                 let scalar = m.func("attn_scalar")?;
+                let tma = (t.wgmma && m.has_global("attn_wgmma_tma"))
+                    .then(|| (dims.lkv + dims.r, super::device::elem_bytes(dims.dtype)));
                 return Ok(Attn {
                     combine: combine(&m)?,
                     _m: m,
@@ -156,6 +162,8 @@ impl Attn {
                     scalar,
                     mqa,
                     tile: Some(*t),
+                    tma,
+                    maps: Default::default(),
                 });
             }
         }
@@ -171,6 +179,8 @@ impl Attn {
             scalar,
             mqa,
             tile: None,
+            tma: None,
+            maps: Default::default(),
         })
     }
 
@@ -219,9 +229,14 @@ impl Attn {
         };
         let mut p = [a as *const AttnArgs as *mut c_void];
         match self.mma {
-            Some((f, smem, threads, bm, _)) => {
-                launch(f, self.name, rows(bm), threads, smem, &mut p)
-            }
+            Some((f, smem, threads, bm, _)) => match self.tma {
+                Some((cols, elem)) => {
+                    let map = self.maps.get(a, cols, elem)?;
+                    let mut p2 = [p[0], &map as *const sys::CUtensorMap as *mut c_void];
+                    launch(f, self.name, rows(bm), threads, smem, &mut p2)
+                }
+                None => launch(f, self.name, rows(bm), threads, smem, &mut p),
+            },
             None => launch(self.scalar, "attn_scalar", rows(4), 128, 0, &mut p),
         }
     }
