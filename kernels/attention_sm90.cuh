@@ -56,9 +56,10 @@ extern "C" __device__ const int attn_wgmma_config[4] = {WG_SMEM, WG_NT, WG_BM, W
 #ifndef WG_TMA
 #define WG_TMA (MLA_PAGE % WG_BN == 0)
 #endif
+// The host reads this to know whether attn_wgmma takes the tensor map (src/backend/cuda/attn.rs).
+extern "C" __device__ const int attn_wgmma_tma = WG_TMA;
 #if WG_TMA
 #include "tma.cuh"
-extern "C" __device__ const int attn_wgmma_tma = 1;
 #define WG_MAP_PARAM , const __grid_constant__ TmaMap km
 
 // Key rows [j0, j0 + 64) (j0 a multiple of 64: one page), 64-column blocks [B0, B1), into a K stage by
@@ -185,14 +186,6 @@ __device__ __forceinline__ void wg_load_k(const AttnArgs& a, int b, const int* t
     }
 }
 
-// At DeepSeek / GLM-5 dims (key rows of 9 blocks, latent 512) WG_PAIRS 1 selects attention_sm90_pairs.cuh's
-// kernel: the warpgroups on alternate tiles (FlashMLA's schedule; RESULTS.md (o), (r)).
-#ifndef WG_PAIRS
-#define WG_PAIRS 0
-#endif
-#if WG_PAIRS && WG_KB == 9 && ATT_DV == 512
-#include "attention_sm90_pairs.cuh"
-#else
 extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs a WG_MAP_PARAM) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const unsigned raw = smem_u32(smem), base = (raw + 1023) & ~1023u;
@@ -387,5 +380,4 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs
                       L > 0.f ? o[4 * n + 2 * e + 1] * inv : 0.f, 1);  // o is unset when no tile ran
     }
 }
-#endif  // WG_PAIRS
 #endif  // wgmma path

@@ -96,7 +96,7 @@ pub struct Attn {
     combine: Option<sys::CUfunction>,
     pub mqa: bool,
     pub tile: Option<Tile>,
-    /// `attn_wgmma` takes its key tiles by TMA (the module exports `attn_wgmma_tma`): (key columns,
+    /// `attn_wgmma` takes its key tiles by TMA (the module's `attn_wgmma_tma` is 1): (key columns,
     /// element bytes) of the tensor map `run` passes, and the last one encoded.
     tma: Option<(usize, usize)>,
     maps: super::tma::MapCache,
@@ -152,7 +152,9 @@ impl Attn {
                 }
                 .map_err(drv_err("raising the kernel's shared-memory limit"))?;
                 let scalar = m.func("attn_scalar")?;
-                let tma = (t.wgmma && m.has_global("attn_wgmma_tma"))
+                // Decode's attn_wgmma states whether it takes the tensor map (not looked up elsewhere:
+                // a missing symbol is an API error to compute-sanitizer).
+                let tma = (t.wgmma && mqa && m.global_i32s("attn_wgmma_tma", 1)?[0] == 1)
                     .then(|| (dims.lkv + dims.r, super::device::elem_bytes(dims.dtype)));
                 return Ok(Attn {
                     combine: combine(&m)?,

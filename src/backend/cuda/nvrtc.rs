@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 /// Every kernel file, headers first. The `.cu` files are compiled; the `.cuh` files are passed to NVRTC
 /// as named headers.
-pub const KERNEL_FILES: [(&str, &str); 14] = [
+pub const KERNEL_FILES: [(&str, &str); 13] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "attention.cuh",
@@ -21,10 +21,6 @@ pub const KERNEL_FILES: [(&str, &str); 14] = [
     ),
     ("wgmma.cuh", include_str!("../../../kernels/wgmma.cuh")),
     ("tma.cuh", include_str!("../../../kernels/tma.cuh")),
-    (
-        "attention_sm90_pairs.cuh",
-        include_str!("../../../kernels/attention_sm90_pairs.cuh"),
-    ),
     (
         "prefill_sm90.cuh",
         include_str!("../../../kernels/prefill_sm90.cuh"),
