@@ -199,7 +199,9 @@ impl Attn {
             (Some(_), Some(t)) if t.wgmma && !self.mqa => {
                 vec![KeyTile::new("wgmma tile", t.bn as usize)]
             }
-            // kernels/attention_sm90.cuh: 64-key tiles, warpgroup g takes keys [32g, 32g + 32).
+            // kernels/attention_sm90.cuh: 64-key tiles, warpgroup g takes keys [32g, 32g + 32). With the
+            // TMA loads (page a multiple of 64) the tiles sit on page boundaries: a split starting inside a
+            // page begins with a partial tile (its keys below the split masked).
             (Some(_), Some(t)) if t.wgmma => vec![
                 KeyTile::new("wgmma tile", 64),
                 KeyTile::new("warpgroup key slice", 32),

@@ -39,24 +39,29 @@ impl MapCache {
     }
 }
 
-fn encode(a: &AttnArgs, cols: usize, elem: usize, end: u64) -> Result<sys::CUtensorMap> {
-    let row_bytes = a.ka_rs as u64 * elem as u64;
-    // TMA's rules: global address and row stride multiples of 16 bytes; the kernel adds the request's
-    // offset (ka_bs) in whole rows.
-    if a.ka % 16 != 0 || row_bytes % 16 != 0 || a.ka_rs <= 0 || a.ka_bs % a.ka_rs != 0 {
-        return Err(Error::Environment(format!(
-            "attn_wgmma's TMA key loads need a 16-byte aligned cache with 16-byte rows and whole-row request offsets (cache at {:#x}, row {} bytes, request stride {} elements)",
-            a.ka, row_bytes, a.ka_bs
-        )));
-    }
-    // Rows: up to the end of the cache's allocation, so a bad page index reads zeros, not other memory.
-    let rows = (end - a.ka) / row_bytes;
-    // The copy moves bytes: bf16 and fp16 are both 16-bit words to it.
+/// The cache's row in bytes, when TMA can address it: 16-bit elements, global address and row stride
+/// multiples of 16 bytes, the request's offset (ka_bs) whole rows (the kernel adds it in rows).
+fn row_bytes(a: &AttnArgs, elem: usize) -> Result<u64> {
     if elem != 2 {
         return Err(Error::Environment(format!(
             "attn_wgmma's TMA key loads: {elem}-byte elements (16-bit only)"
         )));
     }
+    let row_bytes = a.ka_rs as u64 * elem as u64;
+    if a.ka % 16 != 0 || a.ka_rs <= 0 || row_bytes % 16 != 0 || a.ka_bs % a.ka_rs != 0 {
+        return Err(Error::Environment(format!(
+            "attn_wgmma's TMA key loads need a 16-byte aligned cache with 16-byte rows and whole-row request offsets (cache at {:#x}, row {} elements, request stride {} elements)",
+            a.ka, a.ka_rs, a.ka_bs
+        )));
+    }
+    Ok(row_bytes)
+}
+
+fn encode(a: &AttnArgs, cols: usize, elem: usize, end: u64) -> Result<sys::CUtensorMap> {
+    let row_bytes = row_bytes(a, elem)?;
+    // Rows: up to the end of the cache's allocation, so a bad page index reads zeros, not other memory.
+    let rows = (end - a.ka) / row_bytes;
+    // The copy moves bytes: bf16 and fp16 are both 16-bit words to it (UINT16 below).
     let dims = [cols as u64, rows];
     let strides = [row_bytes];
     let boxes = [BOX, BOX];
@@ -81,4 +86,32 @@ fn encode(a: &AttnArgs, cols: usize, elem: usize, end: u64) -> Result<sys::CUten
     }
     .map_err(drv_err("encoding the cache's tensor map (cuTensorMapEncodeTiled)"))?;
     Ok(map)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tma_takes_only_aligned_16_bit_caches() {
+        // DeepSeek / GLM-5 rows (576) and MiniCPM3's (288), bf16: 1152 and 576 bytes.
+        for row in [576, 288] {
+            let a = AttnArgs {
+                ka: 0x7f00_0000_0000,
+                ..AttnArgs::decode_layout(16, row - 64, 64)
+            };
+            assert_eq!(row_bytes(&a, 2).unwrap(), 2 * row as u64);
+            assert!(row_bytes(&a, 4).is_err(), "f32 cache");
+            let odd = AttnArgs { ka: a.ka + 8, ..a };
+            assert!(row_bytes(&odd, 2).is_err(), "cache not 16-byte aligned");
+            let part = AttnArgs { ka_bs: a.ka_rs / 2, ..a };
+            assert!(row_bytes(&part, 2).is_err(), "request offset not whole rows");
+        }
+        // Rows of 100 elements are 200 bytes: not a multiple of 16.
+        let a = AttnArgs {
+            ka: 0x7f00_0000_0000,
+            ..AttnArgs::decode_layout(16, 36, 64)
+        };
+        assert!(row_bytes(&a, 2).is_err());
+    }
 }
