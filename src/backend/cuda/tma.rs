@@ -25,8 +25,9 @@ impl MapCache {
     /// The map over the cache `a.ka` (rows of `a.ka_rs` elements, `cols` of them read) for 16-bit `elem`.
     pub fn get(&self, a: &AttnArgs, cols: usize, elem: usize) -> Result<sys::CUtensorMap> {
         let (mut base, mut size) = (0u64, 0usize);
-        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, a.ka).result() }
-            .map_err(drv_err("finding the cache's allocation (cuMemGetAddressRange)"))?;
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, a.ka).result() }.map_err(
+            drv_err("finding the cache's allocation (cuMemGetAddressRange)"),
+        )?;
         let key = (a.ka, a.ka_rs, base, size);
         if let Some((k, m)) = self.last.get() {
             if k == key {
@@ -84,7 +85,9 @@ fn encode(a: &AttnArgs, cols: usize, elem: usize, end: u64) -> Result<sys::CUten
         )
         .result()
     }
-    .map_err(drv_err("encoding the cache's tensor map (cuTensorMapEncodeTiled)"))?;
+    .map_err(drv_err(
+        "encoding the cache's tensor map (cuTensorMapEncodeTiled)",
+    ))?;
     Ok(map)
 }
 
@@ -104,8 +107,14 @@ mod tests {
             assert!(row_bytes(&a, 4).is_err(), "f32 cache");
             let odd = AttnArgs { ka: a.ka + 8, ..a };
             assert!(row_bytes(&odd, 2).is_err(), "cache not 16-byte aligned");
-            let part = AttnArgs { ka_bs: a.ka_rs / 2, ..a };
-            assert!(row_bytes(&part, 2).is_err(), "request offset not whole rows");
+            let part = AttnArgs {
+                ka_bs: a.ka_rs / 2,
+                ..a
+            };
+            assert!(
+                row_bytes(&part, 2).is_err(),
+                "request offset not whole rows"
+            );
         }
         // Rows of 100 elements are 200 bytes: not a multiple of 16.
         let a = AttnArgs {
