@@ -49,7 +49,11 @@ fn row_bytes(a: &AttnArgs, elem: usize) -> Result<u64> {
         )));
     }
     let row_bytes = a.ka_rs as u64 * elem as u64;
-    if a.ka % 16 != 0 || a.ka_rs <= 0 || row_bytes % 16 != 0 || a.ka_bs % a.ka_rs != 0 {
+    if !a.ka.is_multiple_of(16)
+        || a.ka_rs <= 0
+        || !row_bytes.is_multiple_of(16)
+        || a.ka_bs % a.ka_rs != 0
+    {
         return Err(Error::Environment(format!(
             "attn_wgmma's TMA key loads need a 16-byte aligned cache with 16-byte rows and whole-row request offsets (cache at {:#x}, row {} elements, request stride {} elements)",
             a.ka, a.ka_rs, a.ka_bs
