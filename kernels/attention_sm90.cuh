@@ -13,8 +13,11 @@
 //   P·V  warpgroup g accumulates O[:, g·Dv/2, (g+1)·Dv/2) += P·V (wgmma m64n(Dv/2)k16), V being the latent
 //        columns of the same K tile read transposed (no second copy). P·V is left in flight while the next
 //        tile's S is issued, so the tensor cores see S(i+1) right behind P·V(i).
-// K tiles are double-buffered with cp.async; the load of tile i+1 starts once both warpgroups are done
-// with tile i-1 (after the row-max exchange of tile i).
+// K tiles are double-buffered; the load of tile i+1 starts once both warpgroups are done with tile i-1
+// (after the row-max exchange of tile i). With WG_TMA (a 64-key tile inside one cache page) one thread
+// loads a tile by TMA (tma.cuh; nine 64-column boxes completing on the stage's mbarrier) and the tiles are
+// aligned to 64 keys (pages): the first one starts at lo rounded down and masks the keys below lo. Without
+// it, 256 threads load each tile with cp.async, one block-table lookup per row.
 //
 // Shared layout (what wgmma reads with the 128-byte swizzle): a tile of 64 rows is stored as 64-column
 // blocks of 8 KB; in a block, row r is 128 bytes at r·128 and its 16-byte chunk c sits at chunk c ^ (r % 8).
@@ -48,6 +51,41 @@
 extern "C" __device__ const int attn_wgmma_config[4] = {WG_SMEM, WG_NT, WG_BM, WG_BN};
 
 #include "wgmma.cuh"
+
+// Key tiles by TMA where a tile lies in one page; the host passes the tensor map when the module says so.
+#ifndef WG_TMA
+#define WG_TMA (MLA_PAGE % WG_BN == 0)
+#endif
+// The host reads this to know whether attn_wgmma takes the tensor map (src/backend/cuda/attn.rs).
+extern "C" __device__ const int attn_wgmma_tma = WG_TMA;
+#if WG_TMA
+#include "tma.cuh"
+#define WG_MAP_PARAM , const __grid_constant__ TmaMap km
+
+// Key rows [j0, j0 + 64) (j0 a multiple of 64: one page), 64-column blocks [B0, B1), into a K stage by
+// TMA, completing on `bar`; one thread. `rb`: the request's first pool row (its ka_bs in rows).
+template <int B0, int B1>
+__device__ __forceinline__ void wg_tma_k(const TmaMap* km, const AttnArgs& a, const int* table, long long rb, int j0,
+                                         unsigned dst, unsigned bar) {
+    const int row = (int)(rb + key_slot(a, table, j0));
+    mbar_expect_tx(bar, (B1 - B0) * WG_BLK);
+#pragma unroll
+    for (int k = B0; k < B1; ++k) tma_load_2d(dst + k * WG_BLK, km, 64 * k, row, bar);
+}
+
+// Rows [r0, 64) of a landed K stage set to zero: on a range's last tile the rows past `hi` may lie past the
+// sequence, where the cache holds NaN poison, and P·V would multiply them by P = 0 (TMA copies whole pages;
+// the cp.async loader zero-fills those rows instead). Threads `tid` of `nt`.
+__device__ __forceinline__ void wg_zero_rows(unsigned char* gK, int r0, int tid, int nt) {
+    const int per_blk = (WG_BN - r0) * 8;  // 16-byte chunks per block
+    for (int i = tid; i < per_blk * WG_KB; i += nt) {
+        const int k = i / per_blk, c = i % per_blk;
+        *reinterpret_cast<uint4*>(gK + k * WG_BLK + (r0 + c / 8) * 128 + (c % 8) * 16) = make_uint4(0, 0, 0, 0);
+    }
+}
+#else
+#define WG_MAP_PARAM
+#endif
 
 // D (+)= A·B for one warpgroup; A and B by descriptor; `acc` = 0 overwrites D. `_bt`: B is N-major.
 __device__ __forceinline__ void wg_m64n32k16(float (&d)[16], unsigned long long da, unsigned long long db, int acc) {
@@ -148,7 +186,7 @@ __device__ __forceinline__ void wg_load_k(const AttnArgs& a, int b, const int* t
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs a) {
+extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs a WG_MAP_PARAM) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const unsigned raw = smem_u32(smem), base = (raw + 1023) & ~1023u;
     unsigned char* gbase = smem + (base - raw);
@@ -165,16 +203,38 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs
     int lo, hi;
     att_key_range(a, n_keys, tile, &lo, &hi);
     att_fault_tail(lo, &hi, WG_BN);
-    const int n_tiles = hi > lo ? (hi - lo + WG_BN - 1) / WG_BN : 0;
+#if WG_TMA
+    const int jb = lo - lo % WG_BN;  // tiles start on a page boundary
+    const long long rb = b * a.ka_bs / a.ka_rs;
+    // The stages' "landed" mbarriers, in the row-sum exchange (used only after the key loop).
+    const unsigned full = smem_u32(sSum);
+    if (tid == 0) {
+        tma_prefetch_map(&km);
+        mbar_init(full, 1);
+        mbar_init(full + 8, 1);
+        mbar_init_fence();
+    }
+#else
+    const int jb = lo;
+#endif
+    const int n_tiles = hi > lo ? (hi - jb + WG_BN - 1) / WG_BN : 0;
 
-    // Q (rows past the end are zero) and the first key tile: one cp.async group.
+    // Q (rows past the end are zero) and the first key tile: one cp.async group (TMA: its own barrier).
     for (int r = tid >> 3; r < WG_BM; r += WG_NT / 8) {
         const RowInfo ri = att_row(a, tile, r, n_keys);
         const dt* src = a.q + b * a.q_bs + (long long)ri.i * a.q_rs + (long long)ri.h * a.q_hs;
         wg_load_row(sQ, r, ri.valid ? src : nullptr, a.q);
     }
+#if WG_TMA
+    if (tid == 0 && n_tiles > 0) wg_tma_k<0, WG_KB>(&km, a, table, rb, jb, sK0, full);
+    cp_async_commit();
+    cp_async_wait<0>();
+    wg_fence_smem();
+    __syncthreads();  // Q landed, the barriers initialised
+#else
     if (n_tiles > 0) wg_load_k(a, b, table, lo, hi, sK0);
     cp_async_commit();
+#endif
 
     // This thread's rows: wr + g + 8e.
     int lim[2];
@@ -192,10 +252,19 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs
 
     for (int it = 0; it < n_tiles; ++it) {
         const unsigned sK = sK0 + (it & 1) * WG_TILE;
-        const int j0 = lo + it * WG_BN;
+        const int j0 = jb + it * WG_BN;
+#if WG_TMA
+        mbar_wait(full + 8 * (it & 1), (it >> 1) & 1);  // tile `it` landed (async proxy, as wgmma reads it)
+        if (hi - j0 < WG_BN) {  // the range's last tile: rows past hi to zero, for everyone
+            wg_zero_rows(gbase + (sK - base), hi - j0, tid, WG_NT);
+            wg_fence_smem();
+            __syncthreads();
+        }
+#else
         cp_async_wait<0>();
         wg_fence_smem();
         __syncthreads();  // tile `it` is in shared memory for everyone
+#endif
 
         // S = Q·Kᵀ for this warpgroup's 32 keys (also completes this warpgroup's P·V of the previous tile).
         float s[16];
@@ -218,7 +287,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs
             for (int e = 0; e < 4; ++e) {
                 const int key = j0 + wg * 32 + n * 8 + 2 * t + (e & 1);
                 float v = s[4 * n + e] * a.scale_log2;
-                if (key >= hi || key > lim[e >> 1] || WG_FAULT_DROP(wg)) v = MLA_NEG_INF;
+                if (key < lo || key >= hi || key > lim[e >> 1] || WG_FAULT_DROP(wg)) v = MLA_NEG_INF;
                 s[4 * n + e] = v;
                 tm[e >> 1] = fmaxf(tm[e >> 1], v);
             }
@@ -230,8 +299,13 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs
         }
         __syncthreads();  // both halves' maxima are in; both warpgroups are done with tile it-1 and P
 
+#if WG_TMA
+        if (tid == 0 && it + 1 < n_tiles)
+            wg_tma_k<0, WG_KB>(&km, a, table, rb, j0 + WG_BN, sK0 + ((it + 1) & 1) * WG_TILE, full + 8 * ((it + 1) & 1));
+#else
         if (it + 1 < n_tiles) wg_load_k(a, b, table, j0 + WG_BN, hi, sK0 + ((it + 1) & 1) * WG_TILE);
         cp_async_commit();
+#endif
 
         float al[2], mu[2], rs[2] = {0.f, 0.f};
 #pragma unroll
@@ -273,7 +347,16 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs
     }
     wg_wait<0>();
     wg_pin(o);
+#if WG_TMA
+    __syncthreads();  // every wait on the barriers is done: their memory becomes the row-sum exchange
+    if (tid == 0) {
+        mbar_inval(full);
+        mbar_inval(full + 8);
+    }
+    __syncthreads();
+#else
     cp_async_wait<0>();
+#endif
 
     // Row sums: over the quad, then over the two warpgroups.
 #pragma unroll

@@ -96,6 +96,10 @@ pub struct Attn {
     combine: Option<sys::CUfunction>,
     pub mqa: bool,
     pub tile: Option<Tile>,
+    /// `attn_wgmma` takes its key tiles by TMA (the module's `attn_wgmma_tma` is 1): (key columns,
+    /// element bytes) of the tensor map `run` passes, and the last one encoded.
+    tma: Option<(usize, usize)>,
+    maps: super::tma::MapCache,
 }
 
 impl Attn {
@@ -148,6 +152,10 @@ impl Attn {
                 }
                 .map_err(drv_err("raising the kernel's shared-memory limit"))?;
                 let scalar = m.func("attn_scalar")?;
+                // Decode's attn_wgmma states whether it takes the tensor map (not looked up elsewhere:
+                // a missing symbol is an API error to compute-sanitizer).
+                let tma = (t.wgmma && mqa && m.global_i32s("attn_wgmma_tma", 1)?[0] == 1)
+                    .then(|| (dims.lkv + dims.r, super::device::elem_bytes(dims.dtype)));
                 return Ok(Attn {
                     combine: combine(&m)?,
                     _m: m,
@@ -156,6 +164,8 @@ impl Attn {
                     scalar,
                     mqa,
                     tile: Some(*t),
+                    tma,
+                    maps: Default::default(),
                 });
             }
         }
@@ -171,6 +181,8 @@ impl Attn {
             scalar,
             mqa,
             tile: None,
+            tma: None,
+            maps: Default::default(),
         })
     }
 
@@ -187,7 +199,9 @@ impl Attn {
             (Some(_), Some(t)) if t.wgmma && !self.mqa => {
                 vec![KeyTile::new("wgmma tile", t.bn as usize)]
             }
-            // kernels/attention_sm90.cuh: 64-key tiles, warpgroup g takes keys [32g, 32g + 32).
+            // kernels/attention_sm90.cuh: 64-key tiles, warpgroup g takes keys [32g, 32g + 32). With the
+            // TMA loads (page a multiple of 64) the tiles sit on page boundaries: a split starting inside a
+            // page begins with a partial tile (its keys below the split masked).
             (Some(_), Some(t)) if t.wgmma => vec![
                 KeyTile::new("wgmma tile", 64),
                 KeyTile::new("warpgroup key slice", 32),
@@ -219,9 +233,14 @@ impl Attn {
         };
         let mut p = [a as *const AttnArgs as *mut c_void];
         match self.mma {
-            Some((f, smem, threads, bm, _)) => {
-                launch(f, self.name, rows(bm), threads, smem, &mut p)
-            }
+            Some((f, smem, threads, bm, _)) => match self.tma {
+                Some((cols, elem)) => {
+                    let map = self.maps.get(a, cols, elem)?;
+                    let mut p2 = [p[0], &map as *const sys::CUtensorMap as *mut c_void];
+                    launch(f, self.name, rows(bm), threads, smem, &mut p2)
+                }
+                None => launch(f, self.name, rows(bm), threads, smem, &mut p),
+            },
             None => launch(self.scalar, "attn_scalar", rows(4), 128, 0, &mut p),
         }
     }

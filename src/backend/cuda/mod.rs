@@ -40,6 +40,7 @@ pub mod shared;
 pub mod sparse;
 pub mod table;
 pub mod tile_model;
+pub mod tma;
 pub mod trace;
 pub mod validate;
 

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 /// Every kernel file, headers first. The `.cu` files are compiled; the `.cuh` files are passed to NVRTC
 /// as named headers.
-pub const KERNEL_FILES: [(&str, &str); 12] = [
+pub const KERNEL_FILES: [(&str, &str); 13] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "attention.cuh",
@@ -20,6 +20,7 @@ pub const KERNEL_FILES: [(&str, &str); 12] = [
         include_str!("../../../kernels/attention_sm90.cuh"),
     ),
     ("wgmma.cuh", include_str!("../../../kernels/wgmma.cuh")),
+    ("tma.cuh", include_str!("../../../kernels/tma.cuh")),
     (
         "prefill_sm90.cuh",
         include_str!("../../../kernels/prefill_sm90.cuh"),

@@ -44,6 +44,7 @@ pub const CASES: [CaseSpec; 9] = [
         quick: true,
     },
     CaseSpec {
+        // page 64: the quick sweep's run of the TMA key loads (kernels/tma.cuh), splits not page-aligned.
         name: "glm-5 full dims, MTP q_len 2",
         preset: Preset::Glm5,
         hidden: None,
@@ -53,7 +54,7 @@ pub const CASES: [CaseSpec; 9] = [
         chunk: 16,
         decode: 64,
         q_len: 2,
-        page: 16,
+        page: 64,
         splits: 3,
         quick: true,
     },
@@ -128,7 +129,8 @@ pub const CASES: [CaseSpec; 9] = [
         quick: false,
     },
     // 40 heads x q_len 2 = 80 rows: Hopper's wgmma decode (64-row tiles, the second one partly empty)
-    // with MiniCPM3's 256-wide latent and 288-wide key rows.
+    // with MiniCPM3's 256-wide latent and 288-wide key rows; page 64: its key tiles by TMA (the last of
+    // the five 64-column boxes half past the row, zero-filled by the copy).
     CaseSpec {
         name: "minicpm3 dims, MTP q_len 2, prompt 700",
         preset: Preset::Minicpm3,
@@ -139,7 +141,7 @@ pub const CASES: [CaseSpec; 9] = [
         chunk: 256,
         decode: 64,
         q_len: 2,
-        page: 32,
+        page: 64,
         splits: 3,
         quick: false,
     },
