@@ -224,6 +224,17 @@ pub fn run(args: &[&str]) -> Output {
     bin().args(args).output().expect("run mla-diff")
 }
 
+/// `mla-diff run FILE --backend cpu --json - EXTRA…`: its output and its JSON report (panics without one).
+pub fn cpu_run_json(file: &Path, extra: &[&str]) -> (Output, serde_json::Value) {
+    let f = file.to_str().expect("a UTF-8 path");
+    let mut a = vec!["run", f, "--backend", "cpu", "--json", "-"];
+    a.extend(extra);
+    let o = run(&a);
+    let j = serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("no JSON ({e}): {}", stderr(&o)));
+    (o, j)
+}
+
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }

@@ -11,13 +11,7 @@ fn golden() -> String {
 }
 
 fn run_json(extra: &[&str]) -> (Output, serde_json::Value) {
-    let g = golden();
-    let mut a = vec!["run", g.as_str(), "--backend", "cpu", "--json", "-"];
-    a.extend(extra);
-    let o = run(&a);
-    let j = serde_json::from_slice(&o.stdout)
-        .unwrap_or_else(|e| panic!("no JSON ({e}): {}", stderr(&o)));
-    (o, j)
+    common::cpu_run_json(&fixture("golden/glm-5-dsa.gguf"), extra)
 }
 
 #[test]

@@ -5,7 +5,7 @@
 //! bites at a few dozen tokens). The indexer's rope style of this architecture (NeoX) is pinned by the
 //! catalogue's `indexer_rope_swap` fault, which is caught in the layer it is planted in.
 
-use crate::common::{inspect_json, make_fixture, rewrite, run, stderr};
+use crate::common::{self, inspect_json, make_fixture, rewrite, run, stderr};
 use mla_diff::gguf::Value;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -62,16 +62,6 @@ fn v32_small_top_k() -> &'static Path {
         (d, dst)
     })
     .1
-}
-
-fn run_json(file: &Path, extra: &[&str]) -> (std::process::Output, serde_json::Value) {
-    let f = file.to_str().unwrap();
-    let mut a = vec!["run", f, "--backend", "cpu", "--json", "-"];
-    a.extend(extra);
-    let o = run(&a);
-    let j = serde_json::from_slice(&o.stdout)
-        .unwrap_or_else(|e| panic!("no JSON ({e}): {}", stderr(&o)));
-    (o, j)
 }
 
 #[test]
@@ -153,7 +143,7 @@ fn lint_reads_the_v32_file() {
 /// Within top_k the sparse model is dense attention: the default schedule passes with no `dsa` section.
 #[test]
 fn v32_within_top_k_passes_dense() {
-    let (o, r) = run_json(v32(), &[]);
+    let (o, r) = common::cpu_run_json(v32(), &[]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_eq!(r["verdict"]["pass"], true);
     assert!(r.get("dsa").is_none(), "{}", r["dsa"]);
@@ -163,7 +153,7 @@ fn v32_within_top_k_passes_dense() {
 /// Past top_k (16): the sparse model, both modes and the selection check pass on the CPU mirror.
 #[test]
 fn v32_past_top_k_passes_sparse() {
-    let (o, r) = run_json(v32_small_top_k(), &["--prompt-len", "48"]);
+    let (o, r) = common::cpu_run_json(v32_small_top_k(), &["--prompt-len", "48"]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_eq!(r["verdict"]["pass"], true);
     let dsa = &r["dsa"];
@@ -185,7 +175,7 @@ fn v32_past_top_k_passes_sparse() {
 /// is caught by the selection check in its layer, every stage check clean.
 #[test]
 fn v32_interleaved_indexer_rope_is_caught() {
-    let (o, r) = run_json(
+    let (o, r) = common::cpu_run_json(
         v32_small_top_k(),
         &[
             "--prompt-len",
