@@ -68,26 +68,26 @@ fn report(request: usize, live: usize, cap: usize) {
     unsafe { libc::write(2, buf.as_ptr().cast(), len) };
 }
 
-unsafe impl<A: GlobalAlloc> GlobalAlloc for CountingAlloc<A> {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        if !Self::admit(l.size()) {
+impl<A: GlobalAlloc> CountingAlloc<A> {
+    /// `get` (the inner allocation) counted: refused past the cap, uncounted again when it fails.
+    fn counted(n: usize, get: impl FnOnce() -> *mut u8) -> *mut u8 {
+        if !Self::admit(n) {
             return std::ptr::null_mut();
         }
-        let p = self.0.alloc(l);
+        let p = get();
         if p.is_null() {
-            LIVE.fetch_sub(l.size(), Relaxed);
+            LIVE.fetch_sub(n, Relaxed);
         }
         p
     }
+}
+
+unsafe impl<A: GlobalAlloc> GlobalAlloc for CountingAlloc<A> {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        Self::counted(l.size(), || self.0.alloc(l))
+    }
     unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        if !Self::admit(l.size()) {
-            return std::ptr::null_mut();
-        }
-        let p = self.0.alloc_zeroed(l);
-        if p.is_null() {
-            LIVE.fetch_sub(l.size(), Relaxed);
-        }
-        p
+        Self::counted(l.size(), || self.0.alloc_zeroed(l))
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
         self.0.dealloc(p, l);
