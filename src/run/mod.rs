@@ -619,15 +619,17 @@ fn load_layer(
     (w, t0.elapsed())
 }
 
-/// Hand the memory freed during the layer back to the system. The binary's allocator (mimalloc) keeps
-/// freed pages for reuse, per thread, until the owning thread collects them: the run loop's and the
-/// ended threads' (reference, judges) here, every rayon worker's by a broadcast — 0.1–0.3 GB of a GLM-5
-/// run's peak resident set each. Once per layer, not at every free (`MIMALLOC_PURGE_DELAY=0` cost 5×
-/// the system time). A no-op where mimalloc holds nothing.
+/// Hand the memory freed during the layer back to the system, through the hook the binary installs
+/// ([`crate::alloc::set_release`]). The binary's allocator (mimalloc) keeps freed pages for reuse, per
+/// thread, until the owning thread collects them: the run loop's and the ended threads' (reference,
+/// judges) here, every rayon worker's by a broadcast — 0.1–0.3 GB of a GLM-5 run's peak resident set
+/// each. Once per layer, not at every free (`MIMALLOC_PURGE_DELAY=0` cost 5× the system time). A no-op
+/// without a hook.
 fn release_memory() {
-    // SAFETY: mi_collect only walks mimalloc's own heaps and returns unused pages to the system.
-    unsafe { libmimalloc_sys::mi_collect(true) }
-    rayon::broadcast(|_| unsafe { libmimalloc_sys::mi_collect(true) });
+    if let Some(release) = crate::alloc::release_hook() {
+        release();
+        rayon::broadcast(|_| release());
+    }
 }
 
 /// A layer's optimized traces computed next to its reference: shadow mode's, with its stage-local
