@@ -393,17 +393,12 @@ pub fn run_from(
                     // thread next to free mode's pass (and the reference), not in the judge, so the
                     // layer's weights are let go before the next layer loads (two layers alive at
                     // once cost 0.66 GB of peak at GLM-5 dims: docs/scale.md).
-                    let frame = (
-                        backend.provides(),
-                        backend.known_attention(),
-                        backend.score_sum(),
-                    );
                     let (pre, free_opt) = std::thread::scope(|ps| -> Result<_> {
                         let pre = shadow_opt.as_ref().filter(|_| view_wanted).map(|opt| {
                             let w = &w;
                             ps.spawn(move || {
                                 let t0 = std::time::Instant::now();
-                                let p = prepare_view(c, rope, w, h, sched, opts.dtype, frame, opt);
+                                let p = compare::local::prepare(c, w, opts.dtype, opt);
                                 (p, t0.elapsed())
                             })
                         });
@@ -639,33 +634,6 @@ type OptTraces = (
     Option<LayerTrace>,
 );
 
-/// The stage-local view's products against a layer's weights ([`compare::local::prepare`]); `frame`:
-/// the backend's `provides`, `known_attention` and `score_sum`.
-#[allow(clippy::too_many_arguments)]
-fn prepare_view(
-    cfg: &MlaConfig,
-    rope: &crate::rope::RopeTables,
-    w: &LayerWeights,
-    x: &Array2<f64>,
-    sched: &Schedule,
-    dtype: crate::backend::Dtype,
-    frame: (crate::trace::StageSet, bool, compare::noise::ScoreSum),
-    opt: &LayerTrace,
-) -> compare::local::Prepared {
-    let (provided, known_attention, score_sum) = frame;
-    let frame = compare::local::Frame {
-        cfg,
-        rope,
-        sched,
-        x,
-        dtype,
-        provided,
-        known_attention,
-        score_sum,
-    };
-    compare::local::prepare(&compare::local::Inputs { weights: w, frame }, opt)
-}
-
 /// A layer's traces, computed, for [`judge`]: the reference, shadow mode's optimized trace with what
 /// its stage-local view needs (none where it is not modelled), free mode's with its drift.
 struct Computed {
@@ -678,7 +646,7 @@ struct Computed {
 /// backend's answers about its path, and (DSA) the selection the path attended over.
 struct View {
     /// The view's products against the layer's weights, made next to the reference
-    /// ([`prepare_view`]): a judge holds no copy of the layer.
+    /// ([`compare::local::prepare`]): a judge holds no copy of the layer.
     pre: compare::local::Prepared,
     x: Array2<f64>,
     known_attention: bool,
