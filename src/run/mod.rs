@@ -504,7 +504,7 @@ pub fn run_from(
     crate::linalg::check_engine()?;
     let (shadow, free, dumped) = results;
     bar.finish_and_clear();
-    prof.print();
+    prof.finish();
 
     let mut modes = Vec::new();
     if opts.modes.shadow {
