@@ -10,21 +10,10 @@
 #      probes checks check_dirs sanitize table; that one by default).
 set -uo pipefail
 cd "${ROOT:-$(dirname "$0")/..}"  # ROOT=. when run from a copy under .carry/
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-B=${B:-.carry/kern4/mla-diff}
-OUT=${OUT:?set OUT}
-D="$OUT/kern4"
 BUDGET=${BUDGET:-280}
-mkdir -p "$D"
-export NO_COLOR=1
-fail=0
-step() { echo "$1: exit $2"; [ "$2" -eq 0 ] || fail=1; }
-left() { echo $((BUDGET - SECONDS)); }
-{
-  date -u
-  echo "commit $(cat .carry/kern4/COMMIT 2>/dev/null || echo unknown)"
-  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-} | tee "$D/env.txt"
+NAME=kern4
+# B, OUT, D, fail, step, left, tmo, ncu_one; $D/env.txt.
+source bench/lib.sh
 prefill() { # prefill NAME [--kernels DIR]
   local t0=$SECONDS
   timeout 90 "$B" bench prefill --wgmma-only "${@:2}" > "$D/prefill-$1.txt" 2>&1

@@ -12,29 +12,10 @@
 #      RACE_T (racecheck's timeout, s; default 50), BUDGET (seconds: later steps are skipped once it is spent; default 270), ORDER (of the sections).
 set -uo pipefail
 cd "${ROOT:-.}"
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-B=${B:-.carry/kern6/mla-diff}
-OUT=${OUT:?set OUT}
-D="$OUT/kern6"
 BUDGET=${BUDGET:-270}
-mkdir -p "$D"
-export NO_COLOR=1
-fail=0
-step() { echo "$1: exit $2"; [ "$2" -eq 0 ] || fail=1; }
-left() { echo $((BUDGET - SECONDS)); }
-{
-  date -u
-  echo "commit $(cat .carry/kern6/COMMIT 2>/dev/null || echo unknown)"
-  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-} | tee "$D/env.txt"
-ncu_one() { # ncu_one NAME KERNEL-REGEX HEADS
-  local t0=$SECONDS
-  timeout 75 ncu --clock-control none -k "regex:$2" -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section ComputeWorkloadAnalysis --section WarpStateStats --section LaunchStats --section Occupancy \
-    "$B" bench decode --heads "$3" --best-only --launches 1 > "$D/ncu-$1.txt" 2>&1
-  echo "ncu $1: exit $? ($((SECONDS - t0)) s)"
-  grep -E "attn_|Duration|DRAM Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Compute \(SM\)|Executed Ipc A|Registers Per|Achieved Occ|Stall|Shared Memory|Pipe|One or More|No Eligible|Issued Warp" "$D/ncu-$1.txt" | grep -v '^ *-' | head -40
-}
+NAME=kern6
+# B, OUT, D, fail, step, left, tmo, ncu_one; $D/env.txt.
+source bench/lib.sh
 ncu_all() {
   [ "${NCU:-0}" = 1 ] || return 0
   ncu_one h128 'attn_wgmma' 128

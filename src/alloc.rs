@@ -5,9 +5,12 @@
 //! from us naming the sizes; the supervisor records that as an over-allocation finding.
 //!
 //! A binary installs it: `#[global_allocator] static A: CountingAlloc = CountingAlloc(System);`.
+//! The binary also installs the allocator's release hook ([`set_release`]): the library does not know
+//! which allocator it runs over.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::OnceLock;
 
 /// Counts what goes through the allocator `A`.
 pub struct CountingAlloc<A: GlobalAlloc = System>(pub A);
@@ -144,4 +147,17 @@ pub fn set_allowance(base: usize, extra: usize) {
 pub fn disarm(base: usize) -> usize {
     CAP.store(usize::MAX, Relaxed);
     PEAK.load(Relaxed).saturating_sub(base)
+}
+
+/// The binary's "hand this thread's freed memory back to the system" (mimalloc's `mi_collect`).
+static RELEASE: OnceLock<fn()> = OnceLock::new();
+
+/// Install the allocator's release hook, once at start-up; a later call is ignored.
+pub fn set_release(f: fn()) {
+    let _ = RELEASE.set(f);
+}
+
+/// The installed release hook, if any.
+pub fn release_hook() -> Option<fn()> {
+    RELEASE.get().copied()
 }

@@ -4,7 +4,7 @@
 //! `ne` = reversed torch shape, `kv_b_proj` split per head into `[k_nope | v]` with `k_b` transposed
 //! (`attn_k_b` ne `{P, Lkv, H}`, `attn_v_b` ne `{Lkv, Dv, H}`) — or, for legacy files and MiniCPM3,
 //! one unsplit `attn_kv_b`. Metadata keys and values follow `conversion/deepseek.py`, `glm.py` and
-//! `minicpm.py` (see the README's "Conventions"). Only attention tensors and `token_embd` are written:
+//! `minicpm.py` (see docs/conventions.md). Only attention tensors and `token_embd` are written:
 //! no FFN/MoE, output or tokenizer, so the files are small and not runnable by llama.cpp itself.
 //!
 //! Values are a pure function of (seed, tensor name, row): each torch row has its own RNG stream, so

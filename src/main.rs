@@ -11,7 +11,15 @@ mod cli;
 static GLOBAL: mla_diff::alloc::CountingAlloc<mimalloc::MiMalloc> =
     mla_diff::alloc::CountingAlloc(mimalloc::MiMalloc);
 
+/// mimalloc's release hook for the run (`mla_diff::alloc::set_release`): the calling thread's freed
+/// pages back to the system.
+fn mi_collect() {
+    // SAFETY: mi_collect only walks mimalloc's own heaps and returns unused pages to the system.
+    unsafe { libmimalloc_sys::mi_collect(true) }
+}
+
 fn main() {
+    mla_diff::alloc::set_release(mi_collect);
     // Die quietly on a closed pipe (`mla-diff ... | head`) like other Unix tools, instead of panicking in println!.
     #[cfg(unix)]
     unsafe {

@@ -1,7 +1,7 @@
 //! `mla-diff replay`: run a capsule written by `export` through the ordinary run pipeline and write the
 //! same reports as `run`.
 
-use super::run::{execute, BackendArgs, Prepared, ReportArgs, TolArgs};
+use super::run::{execute, BackendArgs, How, Job, Prepared, ReportArgs, TolArgs};
 use mla_diff::capsule::Capsule;
 use mla_diff::error::Error;
 use mla_diff::gguf::GgufFile;
@@ -49,13 +49,11 @@ pub fn exec(a: Args) -> Result<i32, Error> {
             m.dtype.name()
         );
     }
-    execute(
-        &file,
-        &cfg,
-        &opts,
-        ready,
-        &a.backend,
-        &a.report,
-        &cap.notices(),
-    )
+    let job = Job {
+        file: &file,
+        cfg: &cfg,
+        opts: &opts,
+    };
+    let how = How::default();
+    execute(job, ready, &a.backend, &a.report, &cap.notices(), how)
 }

@@ -279,11 +279,24 @@ pub fn exec(mut a: Args) -> Result<i32, Error> {
     if let Some(spec) = &a.gpus {
         return a.spread(spec, &cfg, &opts, ready);
     }
+    let job = Job {
+        file: &file,
+        cfg: &cfg,
+        opts: &opts,
+    };
     let how = How { shard, tp };
-    execute_with(&file, &cfg, &opts, ready, &a.backend, &a.report, &[], how)
+    execute(job, ready, &a.backend, &a.report, &[], how)
 }
 
-/// How `run` splits its work (`--shard`); nothing for `replay`.
+/// What a run runs: the file, its config and the run's options, made by `run` or `replay`.
+#[derive(Clone, Copy)]
+pub struct Job<'a> {
+    pub file: &'a GgufFile,
+    pub cfg: &'a MlaConfig,
+    pub opts: &'a RunOptions,
+}
+
+/// How `run` splits its work (`--shard`, `--tp`); `How::default()` for `replay`.
 #[derive(Default)]
 pub struct How {
     pub shard: Option<mla_diff::shard::Shard>,
@@ -312,31 +325,17 @@ impl Prepared {
 }
 
 /// The run once its options are made and its outputs checked, shared by `run` and `replay`: open the
-/// backend, run, gate, write the reports; the exit code. `notices` are added to the report's.
+/// backend, run (split as `how` says), gate, write the reports; the exit code. `notices` are added to
+/// the report's.
 pub fn execute(
-    file: &GgufFile,
-    cfg: &MlaConfig,
-    opts: &RunOptions,
-    ready: Prepared,
-    backend: &BackendArgs,
-    r: &ReportArgs,
-    notices: &[String],
-) -> Result<i32, Error> {
-    execute_with(file, cfg, opts, ready, backend, r, notices, How::default())
-}
-
-/// [`execute`], split as `how` says.
-#[allow(clippy::too_many_arguments)]
-pub fn execute_with(
-    file: &GgufFile,
-    cfg: &MlaConfig,
-    opts: &RunOptions,
+    job: Job,
     ready: Prepared,
     backend: &BackendArgs,
     r: &ReportArgs,
     notices: &[String],
     how: How,
 ) -> Result<i32, Error> {
+    let Job { file, cfg, opts } = job;
     let Prepared { outputs, baseline } = ready;
     if !r.formats.quiet {
         for b in opts.faults.blind_spots(cfg, &opts.sched) {

@@ -788,13 +788,15 @@ fn opt2(tr: &LayerTrace, s: Stage) -> Option<Array2<f64>> {
 
 /// Compute the local view of every stage whose inputs the optimized trace holds.
 pub fn compute(inp: &Inputs, opt: &LayerTrace) -> Local {
-    finish(inp.frame, opt, prepare(inp, opt), None)
+    let pre = prepare(inp.frame.cfg, inp.weights, inp.frame.dtype, opt);
+    finish(inp.frame, opt, pre, None)
 }
 
 /// The local view of a DSA layer (`sparse::Sparse`): every attention over the keys the path attended
 /// over, in the path's form of sparse prefill.
 pub fn compute_sparse(inp: &Inputs, opt: &LayerTrace, sp: sparse::Sparse) -> Local {
-    finish(inp.frame, opt, prepare(inp, opt), Some(sp))
+    let pre = prepare(inp.frame.cfg, inp.weights, inp.frame.dtype, opt);
+    finish(inp.frame, opt, pre, Some(sp))
 }
 
 /// What of the layer's weights the view uses, made first ([`prepare`]): its products against the
@@ -814,15 +816,15 @@ pub struct Prepared {
     o: Option<(Array2<f64>, Array2<f64>)>,
 }
 
-/// The view's uses of the layer's weights ([`Prepared`]).
-pub fn prepare(inp: &Inputs, opt: &LayerTrace) -> Prepared {
-    let (cfg, dt) = (inp.frame.cfg, inp.frame.dtype);
+/// The view's uses of the layer's weights ([`Prepared`]), from the path's storage `dt` and the stored
+/// attn_in and heads of its trace `opt`.
+pub fn prepare(cfg: &MlaConfig, weights: &LayerWeights, dt: Dtype, opt: &LayerTrace) -> Prepared {
     // The weights as the path stores them: the layer's rounded copy where the CPU mirror made one
     // (`LayerWeights::stored`), else the file's values rounded as they are read (a GPU run then holds
     // no second copy of the layer).
-    let (w, round) = match inp.weights.stored_made(dt) {
+    let (w, round) = match weights.stored_made(dt) {
         Some(s) => (s, None),
-        None => (inp.weights, Some(dt)),
+        None => (weights, Some(dt)),
     };
     let attn_in = opt2(opt, Stage::AttnIn);
     // q ← attn_in (q-LoRA's latent stored and normed on the way).

@@ -393,17 +393,12 @@ pub fn run_from(
                     // thread next to free mode's pass (and the reference), not in the judge, so the
                     // layer's weights are let go before the next layer loads (two layers alive at
                     // once cost 0.66 GB of peak at GLM-5 dims: docs/scale.md).
-                    let frame = (
-                        backend.provides(),
-                        backend.known_attention(),
-                        backend.score_sum(),
-                    );
                     let (pre, free_opt) = std::thread::scope(|ps| -> Result<_> {
                         let pre = shadow_opt.as_ref().filter(|_| view_wanted).map(|opt| {
                             let w = &w;
                             ps.spawn(move || {
                                 let t0 = std::time::Instant::now();
-                                let p = prepare_view(c, rope, w, h, sched, opts.dtype, frame, opt);
+                                let p = compare::local::prepare(c, w, opts.dtype, opt);
                                 (p, t0.elapsed())
                             })
                         });
@@ -509,7 +504,7 @@ pub fn run_from(
     crate::linalg::check_engine()?;
     let (shadow, free, dumped) = results;
     bar.finish_and_clear();
-    prof.print();
+    prof.finish();
 
     let mut modes = Vec::new();
     if opts.modes.shadow {
@@ -619,15 +614,17 @@ fn load_layer(
     (w, t0.elapsed())
 }
 
-/// Hand the memory freed during the layer back to the system. The binary's allocator (mimalloc) keeps
-/// freed pages for reuse, per thread, until the owning thread collects them: the run loop's and the
-/// ended threads' (reference, judges) here, every rayon worker's by a broadcast — 0.1–0.3 GB of a GLM-5
-/// run's peak resident set each. Once per layer, not at every free (`MIMALLOC_PURGE_DELAY=0` cost 5×
-/// the system time). A no-op where mimalloc holds nothing.
+/// Hand the memory freed during the layer back to the system, through the hook the binary installs
+/// ([`crate::alloc::set_release`]). The binary's allocator (mimalloc) keeps freed pages for reuse, per
+/// thread, until the owning thread collects them: the run loop's and the ended threads' (reference,
+/// judges) here, every rayon worker's by a broadcast — 0.1–0.3 GB of a GLM-5 run's peak resident set
+/// each. Once per layer, not at every free (`MIMALLOC_PURGE_DELAY=0` cost 5× the system time). A no-op
+/// without a hook.
 fn release_memory() {
-    // SAFETY: mi_collect only walks mimalloc's own heaps and returns unused pages to the system.
-    unsafe { libmimalloc_sys::mi_collect(true) }
-    rayon::broadcast(|_| unsafe { libmimalloc_sys::mi_collect(true) });
+    if let Some(release) = crate::alloc::release_hook() {
+        release();
+        rayon::broadcast(|_| release());
+    }
 }
 
 /// A layer's optimized traces computed next to its reference: shadow mode's, with its stage-local
@@ -636,33 +633,6 @@ type OptTraces = (
     Option<(LayerTrace, Option<compare::local::Prepared>)>,
     Option<LayerTrace>,
 );
-
-/// The stage-local view's products against a layer's weights ([`compare::local::prepare`]); `frame`:
-/// the backend's `provides`, `known_attention` and `score_sum`.
-#[allow(clippy::too_many_arguments)]
-fn prepare_view(
-    cfg: &MlaConfig,
-    rope: &crate::rope::RopeTables,
-    w: &LayerWeights,
-    x: &Array2<f64>,
-    sched: &Schedule,
-    dtype: crate::backend::Dtype,
-    frame: (crate::trace::StageSet, bool, compare::noise::ScoreSum),
-    opt: &LayerTrace,
-) -> compare::local::Prepared {
-    let (provided, known_attention, score_sum) = frame;
-    let frame = compare::local::Frame {
-        cfg,
-        rope,
-        sched,
-        x,
-        dtype,
-        provided,
-        known_attention,
-        score_sum,
-    };
-    compare::local::prepare(&compare::local::Inputs { weights: w, frame }, opt)
-}
 
 /// A layer's traces, computed, for [`judge`]: the reference, shadow mode's optimized trace with what
 /// its stage-local view needs (none where it is not modelled), free mode's with its drift.
@@ -676,7 +646,7 @@ struct Computed {
 /// backend's answers about its path, and (DSA) the selection the path attended over.
 struct View {
     /// The view's products against the layer's weights, made next to the reference
-    /// ([`prepare_view`]): a judge holds no copy of the layer.
+    /// ([`compare::local::prepare`]): a judge holds no copy of the layer.
     pre: compare::local::Prepared,
     x: Array2<f64>,
     known_attention: bool,

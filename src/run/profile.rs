@@ -159,8 +159,10 @@ impl Profile {
         r
     }
 
-    /// The table on stderr, when on.
-    pub fn print(&mut self) {
+    /// The end of the run: the table on stderr, when on. Called once the run loop is through, so that
+    /// a run ending early (an error, a panic) prints no partial table; [`Drop`] then only stops the
+    /// sampler.
+    pub fn finish(mut self) {
         if !self.on {
             return;
         }

@@ -419,3 +419,52 @@ pub fn selftest_dsa_fixture() -> PathBuf {
     })
     .clone()
 }
+
+// ---- DSA files and the transformers goldens (dsa.rs, dsa_golden.rs, golden/) ----
+
+/// A DSA file read for the tests: its config, its indexer's config and its rope factors.
+pub struct DsaFile {
+    pub file: mla_diff::gguf::GgufFile,
+    pub cfg: MlaConfig,
+    pub ic: mla_diff::model::IndexerConfig,
+    pub factors: Option<RopeFactors>,
+}
+
+impl DsaFile {
+    pub fn open(path: &Path) -> DsaFile {
+        let file = mla_diff::gguf::GgufFile::open(path).unwrap();
+        let cfg = MlaConfig::from_gguf(&file).unwrap();
+        let ic = mla_diff::model::IndexerConfig::from_gguf(&file, &cfg)
+            .unwrap()
+            .expect("indexer keys");
+        let factors = RopeFactors::load(&file, &cfg).unwrap();
+        DsaFile {
+            file,
+            cfg,
+            ic,
+            factors,
+        }
+    }
+
+    /// Layer `l`'s weights and its indexer's.
+    pub fn layer(&self, l: usize) -> (LayerWeights, mla_diff::model::IndexerWeights) {
+        let w = LayerWeights::load(&self.file, &self.cfg, l).unwrap();
+        let iw = mla_diff::model::IndexerWeights::load(&self.file, &self.cfg, &self.ic, l)
+            .unwrap()
+            .expect("a full indexer layer");
+        (w, iw)
+    }
+}
+
+/// A golden's per-layer array (`fixtures/golden/*.npy`, `[layers, T, hidden]`, one row block per layer
+/// of the file).
+pub fn golden_per_layer(path: &Path, cfg: &MlaConfig, t: usize) -> ndarray::Array3<f64> {
+    use mla_diff::input::{load_npy, LayerInputs};
+    match load_npy(path, cfg.hidden, t).unwrap_or_else(|e| panic!("{}: {e}", path.display())) {
+        LayerInputs::PerLayer(a) => {
+            assert_eq!(a.dim().0, cfg.n_layer, "{}", path.display());
+            a
+        }
+        LayerInputs::Shared(_) => panic!("{}: expected [layers, T, hidden]", path.display()),
+    }
+}

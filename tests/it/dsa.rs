@@ -4,15 +4,14 @@
 //! indexer passes the tie-aware selection check; each planted indexer bug fails the selection check
 //! while the kernel checks stay clean, and a planted kernel bug does the reverse.
 
-use crate::common::selftest_dsa_fixture;
+use crate::common::{fixture, selftest_dsa_fixture, DsaFile};
 use mla_diff::backend::cpu::indexer::{self as mirror_indexer, KeyPrecision, Plan};
 use mla_diff::backend::cpu::CpuMirror;
 use mla_diff::backend::{Dtype, RunTables};
 use mla_diff::compare::selection::{ScoreNoise, FLIP_P, MARGIN_SIGMAS};
 use mla_diff::compare::{self, ToleranceTable};
 use mla_diff::faults::{Active, Fault};
-use mla_diff::gguf::GgufFile;
-use mla_diff::model::{IndexerConfig, IndexerWeights, LayerWeights, MlaConfig, RopeFactors};
+use mla_diff::model::{IndexerConfig, IndexerWeights, LayerWeights, MlaConfig};
 use mla_diff::reference::indexer::Reading;
 use mla_diff::reference::sparse::{flashmla_indices, Selection};
 use mla_diff::run::dsa::{self, DsaLayer};
@@ -31,8 +30,7 @@ struct Case {
 }
 
 fn case(layer: usize) -> Case {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/golden/glm-5-dsa.gguf");
-    case_of(&path, layer)
+    case_of(&fixture("golden/glm-5-dsa.gguf"), layer)
 }
 
 fn case_of(path: &Path, layer: usize) -> Case {
@@ -40,27 +38,21 @@ fn case_of(path: &Path, layer: usize) -> Case {
 }
 
 fn case_sched(path: &Path, layer: usize, sched: Schedule) -> Case {
-    let file = GgufFile::open(path).unwrap();
-    let cfg = MlaConfig::from_gguf(&file).unwrap();
-    let ic = IndexerConfig::from_gguf(&file, &cfg).unwrap().unwrap();
-    let w = LayerWeights::load(&file, &cfg, layer).unwrap();
-    let iw = IndexerWeights::load(&file, &cfg, &ic, layer)
-        .unwrap()
-        .unwrap();
-    let factors = RopeFactors::load(&file, &cfg).unwrap();
-    let tables = RunTables::new(&cfg, factors.as_ref(), &sched).unwrap();
+    let d = DsaFile::open(path);
+    let (w, iw) = d.layer(layer);
+    let tables = RunTables::new(&d.cfg, d.factors.as_ref(), &sched).unwrap();
     let t = sched.total_tokens();
     // Deterministic O(1) inputs (an xorshift, centred), like the goldens' embeddings.
     let mut s = 0x9e3779b97f4a7c15u64 + layer as u64;
-    let x = Array2::from_shape_fn((t, cfg.hidden), |_| {
+    let x = Array2::from_shape_fn((t, d.cfg.hidden), |_| {
         s ^= s << 13;
         s ^= s >> 7;
         s ^= s << 17;
         (s >> 11) as f64 / (1u64 << 53) as f64 * 3.4 - 1.7
     });
     Case {
-        cfg,
-        ic,
+        cfg: d.cfg,
+        ic: d.ic,
         w,
         iw,
         tables,
@@ -277,7 +269,7 @@ fn fp8_indexer_keys_pass_clean_and_catch_a_misreading() {
 /// fp8 keys on the golden's 40-dim indexer heads: refused (exit 2, one line), not a panic.
 #[test]
 fn fp8_indexer_keys_on_a_non_power_of_two_dim_exit_2() {
-    let g = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/golden/glm-5-dsa.gguf");
+    let g = fixture("golden/glm-5-dsa.gguf");
     let o = crate::common::run(&[
         "run",
         g.to_str().unwrap(),

@@ -4,10 +4,9 @@
 //! selected and the sparse reference must give transformers' attention output within 1e-6; every
 //! deliberate misreading of the indexer must move that output by far more.
 
+use crate::common::{fixture, golden_per_layer, DsaFile};
 use mla_diff::compare::metrics::rel_l2;
-use mla_diff::gguf::GgufFile;
-use mla_diff::input::{load_npy, LayerInputs};
-use mla_diff::model::{IndexerConfig, IndexerWeights, LayerWeights, MlaConfig, RopeFactors};
+use mla_diff::model::LayerWeights;
 use mla_diff::reference::indexer::{self, Reading};
 use mla_diff::reference::sparse::Selection;
 use mla_diff::rope::RopeTables;
@@ -27,27 +26,17 @@ const DETECT: f64 = 100.0 * TOL;
 const FAMILIES: [&str; 2] = ["glm-5-dsa", "deepseek-v3.2-dsa"];
 
 fn dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/golden")
+    fixture("golden")
 }
 
 struct Golden {
     name: &'static str,
-    file: GgufFile,
-    cfg: MlaConfig,
-    ic: IndexerConfig,
-    factors: Option<RopeFactors>,
+    dsa: DsaFile,
     x: Array3<f64>,
     /// transformers with llama.cpp's eps convention (q_a/kv_a RMSNorm at rms_norm_eps).
     out: Array3<f64>,
     /// `[layers, T, top_k]`: transformers' selection (rows past the causal end pick masked keys).
     topk: Vec<Vec<Vec<u32>>>,
-}
-
-fn per_layer(path: &Path, cfg: &MlaConfig, t: usize) -> Array3<f64> {
-    match load_npy(path, cfg.hidden, t).unwrap_or_else(|e| panic!("{}: {e}", path.display())) {
-        LayerInputs::PerLayer(a) => a,
-        LayerInputs::Shared(_) => panic!("{}: expected [layers, T, hidden]", path.display()),
-    }
 }
 
 /// An int32 `[L, T, K]` .npy (the only integer array the goldens hold).
@@ -83,28 +72,21 @@ fn load_topk(path: &Path) -> Vec<Vec<Vec<u32>>> {
 
 fn load(name: &'static str) -> Golden {
     let d = dir();
-    let file = GgufFile::open(d.join(format!("{name}.gguf"))).unwrap();
-    let cfg = MlaConfig::from_gguf(&file).unwrap();
-    let ic = IndexerConfig::from_gguf(&file, &cfg)
-        .unwrap()
-        .expect("indexer keys");
-    let factors = RopeFactors::load(&file, &cfg).unwrap();
+    let dsa = DsaFile::open(&d.join(format!("{name}.gguf")));
+    let cfg = &dsa.cfg;
     let t = 24;
-    let x = per_layer(&d.join(format!("{name}.attn_in.npy")), &cfg, t);
+    let x = golden_per_layer(&d.join(format!("{name}.attn_in.npy")), cfg, t);
     let unified = d.join(format!("{name}.attn_out.eps_unified.npy"));
     let out_path = if unified.exists() {
         unified
     } else {
         d.join(format!("{name}.attn_out.npy"))
     };
-    let out = per_layer(&out_path, &cfg, t);
+    let out = golden_per_layer(&out_path, cfg, t);
     let topk = load_topk(&d.join(format!("{name}.topk.npy")));
     Golden {
         name,
-        file,
-        cfg,
-        ic,
-        factors,
+        dsa,
         x,
         out,
         topk,
@@ -132,16 +114,21 @@ impl Golden {
             decode_steps: 0,
             ..Schedule::default()
         };
-        let rope = RopeTables::for_run(&self.cfg, self.factors.as_ref(), 0, t).unwrap();
-        let w = LayerWeights::load(&self.file, &self.cfg, l).unwrap();
-        let iw = IndexerWeights::load(&self.file, &self.cfg, &self.ic, l)
-            .unwrap()
-            .expect("a full indexer layer");
+        let rope = RopeTables::for_run(&self.dsa.cfg, self.dsa.factors.as_ref(), 0, t).unwrap();
+        let (w, iw) = self.dsa.layer(l);
         let x = self.x.index_axis(Axis(0), l).to_owned();
-        let attn_in = mla_diff::reference::front::attn_in(&self.cfg, &w, x.view());
-        let idx = indexer::run(&self.cfg, &self.ic, &iw, &w, &rope, attn_in.view(), r);
+        let attn_in = mla_diff::reference::front::attn_in(&self.dsa.cfg, &w, x.view());
+        let idx = indexer::run(
+            &self.dsa.cfg,
+            &self.dsa.ic,
+            &iw,
+            &w,
+            &rope,
+            attn_in.view(),
+            r,
+        );
         let tr = mla_diff::reference::run_layer_sel(
-            &self.cfg,
+            &self.dsa.cfg,
             &w,
             &rope,
             &x,
@@ -150,7 +137,7 @@ impl Golden {
         )
         .unwrap();
         let o = tr.get(Stage::AttnOut).unwrap();
-        let k = self.ic.top_k;
+        let k = self.dsa.ic.top_k;
         let min_gap = (k..t)
             .map(|q| {
                 let mut row: Vec<f64> = idx.scores.row(q).iter().take(q + 1).copied().collect();
@@ -212,7 +199,7 @@ fn goldens_are_sparse_and_present() {
     let pairing = |n: &str| {
         gs.iter()
             .find(|g| g.name == n)
-            .map(|g| (g.cfg.arch, g.ic.rope))
+            .map(|g| (g.dsa.cfg.arch, g.dsa.ic.rope))
     };
     use mla_diff::model::{Arch, RopePairing};
     assert_eq!(
@@ -224,7 +211,7 @@ fn goldens_are_sparse_and_present() {
         Some((Arch::Deepseek32, RopePairing::Neox))
     );
     for g in &gs {
-        assert!(g.ic.top_k < g.tokens(), "{}: top_k must bite", g.name);
+        assert!(g.dsa.ic.top_k < g.tokens(), "{}: top_k must bite", g.name);
     }
 }
 
@@ -233,7 +220,7 @@ fn goldens_are_sparse_and_present() {
 fn sparse_reference_matches_transformers() {
     let mut failures = Vec::new();
     for g in present() {
-        for l in 0..g.cfg.n_layer {
+        for l in 0..g.dsa.cfg.n_layer {
             let run = g.run(l, Reading::default());
             for q in 0..g.tokens() {
                 if run.selection.keys[q] != g.theirs(l, q) {
@@ -264,24 +251,24 @@ fn sparse_reference_matches_transformers() {
 #[test]
 fn dense_attention_is_not_the_model_past_top_k() {
     for g in present() {
-        for l in 0..g.cfg.n_layer {
+        for l in 0..g.dsa.cfg.n_layer {
             let t = g.tokens();
             let run = g.run(l, Reading::default());
-            let dense = Selection::dense(g.ic.top_k, t);
+            let dense = Selection::dense(g.dsa.ic.top_k, t);
             let sched = Schedule {
                 prompt_len: t,
                 chunk: t,
                 decode_steps: 0,
                 ..Schedule::default()
             };
-            let rope = RopeTables::for_run(&g.cfg, g.factors.as_ref(), 0, t).unwrap();
-            let w = LayerWeights::load(&g.file, &g.cfg, l).unwrap();
+            let rope = RopeTables::for_run(&g.dsa.cfg, g.dsa.factors.as_ref(), 0, t).unwrap();
+            let w = LayerWeights::load(&g.dsa.file, &g.dsa.cfg, l).unwrap();
             let x = g.x.index_axis(Axis(0), l).to_owned();
             let tr =
-                mla_diff::reference::run_layer_sel(&g.cfg, &w, &rope, &x, &sched, Some(&dense))
+                mla_diff::reference::run_layer_sel(&g.dsa.cfg, &w, &rope, &x, &sched, Some(&dense))
                     .unwrap();
             let o = tr.get(Stage::AttnOut).unwrap();
-            let o = Array2::from_shape_vec((t, g.cfg.hidden), o.data.clone()).unwrap();
+            let o = Array2::from_shape_vec((t, g.dsa.cfg.hidden), o.data.clone()).unwrap();
             let e = g.error(l, &o);
             println!("{} layer {l}: dense rel-L2 {e:.2e}", g.name);
             assert!(e > DETECT, "{} layer {l}: dense {e:.2e}", g.name);
@@ -334,7 +321,7 @@ fn indexer_misreadings_move_the_output() {
     let mut failures = Vec::new();
     for g in present() {
         for (what, r) in readings {
-            let e: Vec<f64> = (0..g.cfg.n_layer)
+            let e: Vec<f64> = (0..g.dsa.cfg.n_layer)
                 .map(|l| g.error(l, &g.run(l, r).out))
                 .collect();
             println!("{} {what}: {}", g.name, fmt(&e));
@@ -350,7 +337,7 @@ fn indexer_misreadings_move_the_output() {
             no_weight_scale: true,
             ..Reading::default()
         };
-        for l in 0..g.cfg.n_layer {
+        for l in 0..g.dsa.cfg.n_layer {
             assert_eq!(
                 g.run(l, unscaled).selection,
                 g.run(l, Reading::default()).selection,

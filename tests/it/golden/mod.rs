@@ -11,9 +11,9 @@
 mod convention_errors;
 mod converter;
 
+use crate::common::golden_per_layer;
 use mla_diff::compare::metrics::rel_l2;
 use mla_diff::gguf::GgufFile;
-use mla_diff::input::{load_npy, LayerInputs};
 use mla_diff::model::{LayerWeights, MlaConfig, RopeFactors, RopePairing};
 use mla_diff::rope::{theta, RopeTables};
 use mla_diff::schedule::Schedule;
@@ -58,16 +58,6 @@ struct Golden {
     out_eps_unified: Option<Array3<f64>>,
 }
 
-fn per_layer(path: &Path, cfg: &MlaConfig, t: usize) -> Array3<f64> {
-    match load_npy(path, cfg.hidden, t).unwrap_or_else(|e| panic!("{}: {e}", path.display())) {
-        LayerInputs::PerLayer(a) => {
-            assert_eq!(a.dim().0, cfg.n_layer, "{}", path.display());
-            a
-        }
-        LayerInputs::Shared(_) => panic!("{}: expected [layers, T, hidden]", path.display()),
-    }
-}
-
 fn load(name: &'static str) -> Golden {
     let d = dir();
     let file = GgufFile::open(d.join(format!("{name}.gguf"))).unwrap();
@@ -77,10 +67,12 @@ fn load(name: &'static str) -> Golden {
         serde_json::from_str(&std::fs::read_to_string(d.join(format!("{name}.json"))).unwrap())
             .unwrap();
     let t = manifest["tokens"].as_u64().unwrap() as usize;
-    let x = per_layer(&d.join(format!("{name}.attn_in.npy")), &cfg, t);
-    let out = per_layer(&d.join(format!("{name}.attn_out.npy")), &cfg, t);
+    let x = golden_per_layer(&d.join(format!("{name}.attn_in.npy")), &cfg, t);
+    let out = golden_per_layer(&d.join(format!("{name}.attn_out.npy")), &cfg, t);
     let unified = d.join(format!("{name}.attn_out.eps_unified.npy"));
-    let out_eps_unified = unified.exists().then(|| per_layer(&unified, &cfg, t));
+    let out_eps_unified = unified
+        .exists()
+        .then(|| golden_per_layer(&unified, &cfg, t));
     Golden {
         name,
         file,
