@@ -5,7 +5,8 @@
 # them are skipped. Carry the binary and the probe directories; run from the repository root:
 #   B=/tmp/mla-diff OUT=$OUT PROBES=".carry/pref8/base …" bash .carry/pref8/h200-pref8.sh
 # Env: PROBES (kernel dirs timed by `bench prefill --wgmma-only --kernels DIR`), QUICK=1 (embedded
-#      gpu-validate --quick), RUNS=1 (default-schedule runs on three fixtures), CHECKS=1 (selftest + full
+#      gpu-validate --quick), RUNS=1 (default-schedule runs on three fixtures; RUN_KERNELS: from this kernel
+#      dir, e.g. one that traps when a prefill launch does not take the TMA path), CHECKS=1 (selftest + full
 #      gpu-validate), SANITIZE=1 (memcheck / synccheck / racecheck, every kernel instrumented, on a small
 #      GLM-5 schedule that prefills several tiles and a context pass), TABLE=1 (`bench table --only 5,6`:
 #      cuDNN from torch), BUDGET (s; later steps are skipped once spent; default 270), ORDER.
@@ -67,7 +68,7 @@ runs() {
   for f in "glm-5-q4_0.gguf|" "deepseek-v3-yarn-q4_k.gguf|" "minicpm3-f32.gguf|--dtype bf16"; do
     [ "$(left)" -gt 30 ] || { echo "skip run $f: budget"; continue; }
     n=${f%%|*}; extra=${f#*|}; t0=$SECONDS
-    timeout $(tmo 40) "$B" run "fixtures/$n" --backend cuda $extra > "$D/run-$n.txt" 2>&1
+    timeout $(tmo 40) "$B" run "fixtures/$n" --backend cuda $extra ${RUN_KERNELS:+--kernels $RUN_KERNELS} > "$D/run-$n.txt" 2>&1
     step "run $n $extra ($((SECONDS - t0)) s)" $?
     grep -E "prefill: |verdict|PASS|FAIL" "$D/run-$n.txt" | head -3
   done
@@ -80,7 +81,7 @@ sanitize() {
   for tool in memcheck synccheck racecheck; do
     [ "$(left)" -gt 30 ] || { echo "skip $tool: budget"; continue; }
     t0=$SECONDS
-    timeout $(tmo $([ $tool = racecheck ] && echo "${RACE_T:-90}" || echo 45)) /usr/local/cuda/bin/compute-sanitizer --tool $tool "$B" run fixtures/glm-5-q4_0.gguf --backend cuda $SMALL > "$D/$tool.txt" 2>&1
+    timeout $(tmo $([ $tool = racecheck ] && echo "${RACE_T:-90}" || echo ${SAN_T:-45})) /usr/local/cuda/bin/compute-sanitizer --tool $tool "$B" run fixtures/glm-5-q4_0.gguf --backend cuda $SMALL > "$D/$tool.txt" 2>&1
     rc=$?
     ours=$(grep -E "Race reported|Invalid|Barrier error|Error:|Program hit|Sanitizer Error" "$D/$tool.txt" | grep -vc nvjet)
     step "$tool ($((SECONDS - t0)) s; sanitizer exit $rc; $ours outside cuBLAS)" $([ "$ours" -eq 0 ] && [ $rc -ne 124 ] && echo 0 || echo 1)
@@ -96,7 +97,14 @@ table() {
   step "bench table --only 5,6 ($((SECONDS - t0)) s)" $?
   cat "$D/table.md"
 }
-for s in ${ORDER:-probes quick runs checks sanitize table}; do "$s"; done
+# LATE_PROBES: kernel dirs timed after everything else, while budget is left.
+late() {
+  for k in ${LATE_PROBES:-}; do
+    [ "$(left)" -gt 35 ] || { echo "skip probe $k: budget"; continue; }
+    prefill "$(basename "$k")" --kernels "$k"
+  done
+}
+for s in ${ORDER:-probes quick runs checks sanitize table late}; do "$s"; done
 tar czf "$OUT/pref8-h200.tar.gz" -C "$OUT" pref8 && cp "$D"/prefill-*.txt "$D/table.md" "$D/table.json" "$OUT/" 2>/dev/null
 rm -rf "$D"
 echo "$([ $fail -eq 0 ] && echo PASS || echo FAIL): bench/h200-pref8.sh ($SECONDS s)"

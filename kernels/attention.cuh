@@ -103,30 +103,6 @@ __device__ __forceinline__ int att_causal_extra(const AttnArgs& a) {
 #define ATT_EMPTY_LSE MLA_NEG_INF
 #endif
 
-// Prefill (one head per CTA): launch order is blockIdx.x fastest, so the linear block id is relabelled
-// head-fastest — the first wave holds every head's longest causal tiles and the short ones fill the
-// tail (FlashAttention-3's causal order); tile-fastest mixed long and short tiles of a few heads.
-#ifndef ATT_HEAD_FIRST
-#define ATT_HEAD_FIRST 1
-#endif
-__device__ __forceinline__ int att_tile() {
-#if ATT_MQA
-    return blockIdx.y;
-#elif ATT_HEAD_FIRST
-    return gridDim.x - 1 - (int)((blockIdx.y * gridDim.x + blockIdx.x) / gridDim.y);
-#else
-    return gridDim.x - 1 - blockIdx.x;  // longest causal rows first
-#endif
-}
-// Prefill: this CTA's head (att_tile's relabelling).
-__device__ __forceinline__ int att_head() {
-#if ATT_HEAD_FIRST && !ATT_MQA
-    return (int)((blockIdx.y * gridDim.x + blockIdx.x) % gridDim.y);
-#else
-    return blockIdx.y;
-#endif
-}
-
 struct RowInfo {
     int i, h;     // query index, head
     int valid;    // row exists
@@ -143,13 +119,20 @@ __device__ __forceinline__ RowInfo att_row(const AttnArgs& a, int tile, int r, i
     ri.valid = gr < a.n_q * a.n_heads;
 #else
     ri.i = tile * ATT_BM + r;
-    ri.h = att_head();
+    ri.h = blockIdx.y;
     ri.valid = ri.i < a.n_q;
 #endif
     ri.lim = a.causal ? ri.i + (n_keys - a.n_q) + att_causal_extra(a) : ATT_NO_LIMIT;
     return ri;
 }
 
+__device__ __forceinline__ int att_tile() {
+#if ATT_MQA
+    return blockIdx.y;
+#else
+    return gridDim.x - 1 - blockIdx.x;  // longest causal rows first
+#endif
+}
 
 // Offset (in elements) of key row j of segment A / B / V for head h.
 __device__ __forceinline__ long long key_slot(const AttnArgs& a, const int* table, long long j) {
@@ -476,7 +459,7 @@ extern "C" __global__ void __launch_bounds__(ATT_NT, 1) attn_mma(const AttnArgs 
 #if ATT_MQA
     const int kh = 0;  // every head reads the same key rows
 #else
-    const int kh = att_head();
+    const int kh = blockIdx.y;
 #endif
 
     int lo, hi;

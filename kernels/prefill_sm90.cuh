@@ -10,7 +10,12 @@
 // CTA: ATT_BM = 64 or 128 query rows of one head (the module's fallback tile: 4 or 8 warp rows) and
 // FlashAttention-3's warp specialization: one consumer warpgroup per 64 rows, which owns rows
 // [64g, 64g + 64) over every key (no row statistics cross warpgroups), and one producer warpgroup that
-// loads Q and the K / V tiles with cp.async (setmaxnreg moves registers from it to the consumers). Per
+// loads Q and the K / V tiles (setmaxnreg moves registers from it to the consumers): by TMA where the
+// host wrote the launch's tensor maps (`attn_wgmma_maps`: one elected thread issues 64-column boxes on
+// the stage's full barrier with expect-tx, the copy engine doing the 128-byte swizzle and zero-filling
+// rows past the sequence and columns past the head width; 20–24 % less time than cp.async on the H200,
+// bench/RESULTS.md (v)), else by its 128 threads' cp.async (rows past `hi` zeroed). Rows in [hi, n_keys)
+// that TMA brings in are real, finite keys: S masks them and their P is 0. Per
 // ATT_BN-key tile a consumer computes:
 //   S    S = Q·Kᵀ (wgmma m64n{BN}k16, Q and K from shared memory);
 //   P    online softmax in registers; P rounded to the storage type stays in registers: the accumulator
@@ -20,7 +25,8 @@
 // waits for S(j) only and runs tile j's softmax while P(j-1)·V(j-1) is on the tensor cores; across the
 // two consumers, named barriers make them take turns issuing (ping-pong), so one's softmax runs under
 // the other's MMAs. No CTA-wide barrier in the loop: K and V have two stages each, with a "full"
-// mbarrier (the producer arrives once its copies landed, after the proxy fence) and an "empty" one
+// mbarrier (cp.async: the producer arrives once its copies landed, after the proxy fence; TMA: the
+// copies complete it) and an "empty" one
 // (consumer warps arrive once the MMAs that read the stage are done). K runs a tile ahead of V.
 //
 // Shared layout (128-byte swizzle, as attention_sm90.cuh): a tile of n rows is stored as 64-column blocks
@@ -345,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(PW_NT, 1) attn_wgmma(const AttnArgs
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wr = 64 * wg + (warp & 3) * 16;  // warpgroup; first of this warp's 16 rows
     const int g = lane >> 2, t = lane & 3;
-    const int b = blockIdx.z, h = att_head(), tile = att_tile();
+    const int b = blockIdx.z, h = blockIdx.y, tile = att_tile();
     const int n_keys = a.seq_lens ? a.seq_lens[b] : a.n_keys;
     int lo, hi;
     att_key_range(a, n_keys, tile, &lo, &hi);
