@@ -24,10 +24,11 @@
 // Overlap (measured, bench/RESULTS.md (j)): within a warpgroup, tile j issues S(j) and then P(j-1)·V(j-1),
 // waits for S(j) only and runs tile j's softmax while P(j-1)·V(j-1) is on the tensor cores; across the
 // two consumers, named barriers make them take turns issuing (ping-pong), so one's softmax runs under
-// the other's MMAs. No CTA-wide barrier in the loop: K and V have two stages each, with a "full"
+// the other's MMAs. No CTA-wide barrier in the loop: K and V have PW_ST (2) stages each, with a "full"
 // mbarrier (cp.async: the producer arrives once its copies landed, after the proxy fence; TMA: the
-// copies complete it) and an "empty" one
-// (consumer warps arrive once the MMAs that read the stage are done). K runs a tile ahead of V.
+// copies complete it) and an "empty" one (consumer warps arrive once the MMAs that read the stage are
+// done). K runs a tile ahead of V. (A third stage and a head-first CTA order were measured, not faster:
+// bench/RESULTS.md (v).)
 //
 // Shared layout (128-byte swizzle, as attention_sm90.cuh): a tile of n rows is stored as 64-column blocks
 // of n·128 bytes; in a block, row r is 128 bytes at r·128 and its 16-byte chunk c sits at chunk c ^ (r % 8).

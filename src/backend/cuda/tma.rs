@@ -95,6 +95,16 @@ fn encode(a: &AttnArgs, cols: usize, elem: usize, end: u64) -> Result<sys::CUten
     Ok(map)
 }
 
+/// cuTensorMapEncodeTiled's own limits: a 16-byte aligned base, byte strides multiples of 16 below
+/// 2^40, no empty dimension.
+fn tma_addressable(ptr: u64, dims: &[u64], strides: &[u64]) -> bool {
+    ptr.is_multiple_of(16)
+        && !dims.contains(&0)
+        && strides
+            .iter()
+            .all(|s| *s != 0 && s.is_multiple_of(16) && *s < 1 << 40)
+}
+
 /// One tiled tensor map over 16-bit elements: `dims` (innermost first), byte `strides` of the outer
 /// dimensions, `boxes`, 128-byte swizzle; None where TMA cannot address it (a base or stride not a
 /// multiple of 16 bytes, an empty dimension).
@@ -104,12 +114,7 @@ fn encode_tiled(
     strides: &[u64],
     boxes: &[u32],
 ) -> Result<Option<sys::CUtensorMap>> {
-    if !ptr.is_multiple_of(16)
-        || dims.contains(&0)
-        || strides
-            .iter()
-            .any(|s| *s == 0 || !s.is_multiple_of(16) || *s >= 1 << 40)
-    {
+    if !tma_addressable(ptr, dims, strides) {
         return Ok(None);
     }
     let elem_strides = [1u32; 3];
@@ -271,5 +276,22 @@ mod tests {
             ..AttnArgs::decode_layout(16, 36, 64)
         };
         assert!(row_bytes(&a, 2).is_err());
+    }
+
+    #[test]
+    fn prefill_maps_fall_back_where_tma_cannot_address() {
+        let p = 0x7f00_0000_0000u64;
+        // DeepSeek's k_nope at 128 heads: 256-byte heads, 32 KB rows; k_pe inside 1152-byte cache rows.
+        assert!(tma_addressable(p, &[128, 128, 4096], &[256, 32768]));
+        assert!(tma_addressable(p + 1024, &[64, 4096], &[1152]));
+        assert!(
+            !tma_addressable(p + 8, &[128, 128, 4096], &[256, 32768]),
+            "base"
+        );
+        assert!(!tma_addressable(p, &[100, 4, 64], &[200, 800]), "stride");
+        assert!(
+            !tma_addressable(p, &[64, 0], &[128]),
+            "no keys (an empty context pass)"
+        );
     }
 }
