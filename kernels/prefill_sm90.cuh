@@ -10,7 +10,12 @@
 // CTA: ATT_BM = 64 or 128 query rows of one head (the module's fallback tile: 4 or 8 warp rows) and
 // FlashAttention-3's warp specialization: one consumer warpgroup per 64 rows, which owns rows
 // [64g, 64g + 64) over every key (no row statistics cross warpgroups), and one producer warpgroup that
-// loads Q and the K / V tiles with cp.async (setmaxnreg moves registers from it to the consumers). Per
+// loads Q and the K / V tiles (setmaxnreg moves registers from it to the consumers): by TMA where the
+// host wrote the launch's tensor maps (`attn_wgmma_maps`: one elected thread issues 64-column boxes on
+// the stage's full barrier with expect-tx, the copy engine doing the 128-byte swizzle and zero-filling
+// rows past the sequence and columns past the head width; 20–24 % less time than cp.async on the H200,
+// bench/RESULTS.md (v)), else by its 128 threads' cp.async (rows past `hi` zeroed). Rows in [hi, n_keys)
+// that TMA brings in are real, finite keys: S masks them and their P is 0. Per
 // ATT_BN-key tile a consumer computes:
 //   S    S = Q·Kᵀ (wgmma m64n{BN}k16, Q and K from shared memory);
 //   P    online softmax in registers; P rounded to the storage type stays in registers: the accumulator
@@ -19,9 +24,11 @@
 // Overlap (measured, bench/RESULTS.md (j)): within a warpgroup, tile j issues S(j) and then P(j-1)·V(j-1),
 // waits for S(j) only and runs tile j's softmax while P(j-1)·V(j-1) is on the tensor cores; across the
 // two consumers, named barriers make them take turns issuing (ping-pong), so one's softmax runs under
-// the other's MMAs. No CTA-wide barrier in the loop: K and V have two stages each, with a "full"
-// mbarrier (the producer arrives once its copies landed, after the proxy fence) and an "empty" one
-// (consumer warps arrive once the MMAs that read the stage are done). K runs a tile ahead of V.
+// the other's MMAs. No CTA-wide barrier in the loop: K and V have PW_ST (2) stages each, with a "full"
+// mbarrier (cp.async: the producer arrives once its copies landed, after the proxy fence; TMA: the
+// copies complete it) and an "empty" one (consumer warps arrive once the MMAs that read the stage are
+// done). K runs a tile ahead of V. (A third stage and a head-first CTA order were measured, not faster:
+// bench/RESULTS.md (v).)
 //
 // Shared layout (128-byte swizzle, as attention_sm90.cuh): a tile of n rows is stored as 64-column blocks
 // of n·128 bytes; in a block, row r is 128 bytes at r·128 and its 16-byte chunk c sits at chunk c ^ (r % 8).
@@ -35,6 +42,7 @@
     (ATT_BN == 64 || ATT_BN == 128)
 
 #include "wgmma.cuh"
+#include "tma.cuh"
 
 #define PW_NC (ATT_BM / 64)   // consumer warpgroups, one per 64 rows
 #define PW_PP (PW_NC == 2)  // the two consumers take turns issuing their MMAs
@@ -47,10 +55,59 @@
 #define PW_SQ (PW_KB * PW_QBLK)
 #define PW_SK (PW_KB * PW_KBLK)
 #define PW_SV (PW_VB * PW_KBLK)
-#define PW_SMEM (1024 + PW_SQ + 2 * (PW_SK + PW_SV))
+#ifndef PW_ST
+#define PW_ST 2  // K / V stages
+#endif
+#define PW_SMEM (1024 + PW_SQ + PW_ST * (PW_SK + PW_SV))
+// TMA loads (tma.cuh) need k_nope's width in whole 64-column blocks (a K block is from k_nope or k_pe);
+// 0 forces cp.async everywhere.
+#ifndef PW_TMA
+#define PW_TMA 1
+#endif
+#define PW_TMA_OK (PW_TMA && ATT_DA % 64 == 0)
 
 // {dynamic shared bytes, threads per CTA, rows per CTA, keys per tile}
 extern "C" __device__ const int attn_wgmma_config[4] = {PW_SMEM, PW_NT, ATT_BM, ATT_BN};
+
+// 1: the module has attn_wgmma_maps (the host writes them only then).
+extern "C" __device__ const int attn_wgmma_tma_maps = PW_TMA_OK;
+#if PW_TMA_OK
+// The tensor maps of one launch's operands (src/backend/cuda/tma.rs `PrefillMaps`): q (columns × heads ×
+// tokens, 64 × 1 × BM boxes), k_nope and v (columns × heads × keys, 64 × 1 × BN), the k_pe rows
+// (columns × keys, 64 × BN); all 128-byte swizzled, rows and columns past the tensor read as zeros.
+// `key` names the arguments they were encoded for: the host writes them here before a launch (the
+// launch's argument struct has no room for them); a launch whose arguments differ, or a host that never
+// wrote them, loads by cp.async. Constant memory: the TMA reads a map there by its generic address.
+struct PwMaps {
+    TmaMap q, ka, kb, v;
+    long long key[8];  // q, ka, kb, v, n_keys · 2^32 + n_q, ka_rs, kb_rs, v_rs; key[0] = 0: none written
+};
+extern "C" {
+__constant__ PwMaps attn_wgmma_maps;
+}
+__device__ __forceinline__ bool pw_tma_on(const AttnArgs& a) {
+    const long long* k = attn_wgmma_maps.key;
+    return gridDim.z == 1 && !a.seq_lens && k[0] != 0 && k[0] == (long long)a.q && k[1] == (long long)a.ka &&
+           k[2] == (long long)a.kb && k[3] == (long long)a.v &&
+           k[4] == (((long long)a.n_keys << 32) | (unsigned)a.n_q) && k[5] == a.ka_rs && k[6] == a.kb_rs &&
+           k[7] == a.v_rs;
+}
+// One elected thread: keys [j0, j0 + BN) of head h into K stage sk (k_nope blocks, then k_pe's), the
+// stage's full barrier expecting every box's bytes (out-of-bounds fill included).
+__device__ __forceinline__ void pw_tma_k(int h, int j0, unsigned sk, unsigned bar) {
+#pragma unroll
+    for (int k = 0; k < PW_KB; ++k) {
+        if (k < ATT_DA / 64)
+            tma_load_3d(sk + k * PW_KBLK, &attn_wgmma_maps.ka, 64 * k, h, j0, bar);
+        else
+            tma_load_2d(sk + k * PW_KBLK, &attn_wgmma_maps.kb, 64 * (k - ATT_DA / 64), j0, bar);
+    }
+}
+__device__ __forceinline__ void pw_tma_v(int h, int j0, unsigned sv, unsigned bar) {
+#pragma unroll
+    for (int k = 0; k < PW_VB; ++k) tma_load_3d(sv + k * PW_KBLK, &attn_wgmma_maps.v, 64 * k, h, j0, bar);
+}
+#endif
 
 // D (+)= A·B for one warpgroup; `acc` = 0 overwrites D. `ss`: A and B by descriptor, both K-major;
 // `rs`: A (16 rows x 16 k per warp, the mma.sync A fragment) from registers, B N-major by descriptor.
@@ -278,29 +335,19 @@ __device__ __forceinline__ void pw_pack(unsigned (&pa)[ATT_BN / 16][4], const fl
 
 // mbarriers of the K / V stages (the producer's 128 threads fill, consumer warps empty) and the named
 // barriers 1 and 2 of the consumers' ping-pong.
-__device__ __forceinline__ void mbar_init(unsigned bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, int parity) {
-    asm volatile(
-        "{\n.reg .pred p;\nPW_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra PW_WAIT;\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
 }
 __device__ __forceinline__ void pp_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void pp_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 
 extern "C" __global__ void __launch_bounds__(PW_NT, 1) attn_wgmma(const AttnArgs a) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    __shared__ __align__(8) unsigned long long bars[8];  // K full 0/1, V full 0/1, K empty 0/1, V empty 0/1
+    __shared__ __align__(8) unsigned long long bars[4 * PW_ST];  // K full, V full, K empty, V empty: a stage each
     const unsigned raw = smem_u32(smem), base = (raw + 1023) & ~1023u;
-    const unsigned sQ = base, sK0 = base + PW_SQ, sV0 = sK0 + 2 * PW_SK;
-    const unsigned kfull = smem_u32(bars), vfull = kfull + 16, kempty = kfull + 32, vempty = kfull + 48;
+    const unsigned sQ = base, sK0 = base + PW_SQ, sV0 = sK0 + PW_ST * PW_SK;
+    const unsigned kfull = smem_u32(bars), vfull = kfull + 8 * PW_ST, kempty = vfull + 8 * PW_ST,
+                   vempty = kempty + 8 * PW_ST;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wr = 64 * wg + (warp & 3) * 16;  // warpgroup; first of this warp's 16 rows
@@ -311,11 +358,18 @@ extern "C" __global__ void __launch_bounds__(PW_NT, 1) attn_wgmma(const AttnArgs
     att_key_range(a, n_keys, tile, &lo, &hi);
     const int n_tiles = hi > lo ? (hi - lo + ATT_BN - 1) / ATT_BN : 0;
 
-    if (tid < 2) {
-        mbar_init(kfull + 8 * tid, 128);
-        mbar_init(vfull + 8 * tid, 128);
+#if PW_TMA_OK
+    const bool tma = pw_tma_on(a);  // the same in every thread
+#else
+    const bool tma = false;
+#endif
+    if (tid < PW_ST) {
+        // Full: the producer's 128 threads (cp.async) or its one elected thread's expect-tx (TMA).
+        mbar_init(kfull + 8 * tid, tma ? 1 : 128);
+        mbar_init(vfull + 8 * tid, tma ? 1 : 128);
         mbar_init(kempty + 8 * tid, 4 * PW_NC);
         mbar_init(vempty + 8 * tid, 4 * PW_NC);
+        mbar_init_fence();
     }
     __syncthreads();
 
@@ -324,6 +378,36 @@ extern "C" __global__ void __launch_bounds__(PW_NT, 1) attn_wgmma(const AttnArgs
         // full barrier is signalled once item i+1 is issued and item i has landed.
 #if PW_NC == 2
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+#endif
+#if PW_TMA_OK
+        if (tma) {
+            // One thread issues every copy, K running a tile ahead of V: K(j), then V(j-1); a stage is
+            // refilled once the consumers' MMAs that read it are done (its empty barrier).
+            if (tid == 128 * PW_NC) {
+                for (int j = 0; j <= n_tiles; ++j) {
+                    if (j < n_tiles) {
+                        const int st = j % PW_ST;
+                        const unsigned bar = kfull + 8 * st, sk = sK0 + st * PW_SK;
+                        if (j >= PW_ST) mbar_wait(kempty + 8 * st, (j / PW_ST - 1) & 1);  // S(j-ST) done
+                        mbar_expect_tx(bar, PW_SK + (j == 0 ? PW_SQ : 0));
+                        if (j == 0) {
+                            // Q's rows past the chunk's queries read as zeros (out of the map's bounds).
+#pragma unroll
+                            for (int k = 0; k < PW_KB; ++k)
+                                tma_load_3d(sQ + k * PW_QBLK, &attn_wgmma_maps.q, 64 * k, h, tile * ATT_BM, bar);
+                        }
+                        pw_tma_k(h, lo + j * ATT_BN, sk, bar);
+                    }
+                    if (j >= 1) {
+                        const int jv = j - 1, st = jv % PW_ST;
+                        if (jv >= PW_ST) mbar_wait(vempty + 8 * st, (jv / PW_ST - 1) & 1);  // P·V(jv-ST) done
+                        mbar_expect_tx(vfull + 8 * st, PW_SV);
+                        pw_tma_v(h, lo + jv * ATT_BN, sV0 + st * PW_SV, vfull + 8 * st);
+                    }
+                }
+            }
+            return;
+        }
 #endif
         for (int r = (tid - 128 * PW_NC) >> 3; r < ATT_BM; r += 16) {
             const RowInfo ri = att_row(a, tile, r, n_keys);
@@ -334,25 +418,25 @@ extern "C" __global__ void __launch_bounds__(PW_NT, 1) attn_wgmma(const AttnArgs
         if (n_tiles > 0) pw_load_k(a, b, h, lo, hi, sK0);
         cp_async_commit();
         for (int i = 1; i < 2 * n_tiles; ++i) {
-            const int j = i >> 1, st = j & 1;
+            const int j = i >> 1, st = j % PW_ST;
             if (i & 1) {
-                if (j >= 2) mbar_wait(vempty + 8 * st, ((j >> 1) - 1) & 1);  // P(j-2)·V(j-2) done
+                if (j >= PW_ST) mbar_wait(vempty + 8 * st, (j / PW_ST - 1) & 1);  // P(j-ST)·V(j-ST) done
                 pw_load_v(a, b, h, lo + j * ATT_BN, hi, sV0 + st * PW_SV);
             } else {
-                if (j >= 2) mbar_wait(kempty + 8 * st, ((j >> 1) - 1) & 1);  // S(j-2) done
+                if (j >= PW_ST) mbar_wait(kempty + 8 * st, (j / PW_ST - 1) & 1);  // S(j-ST) done
                 pw_load_k(a, b, h, lo + j * ATT_BN, hi, sK0 + st * PW_SK);
             }
             cp_async_commit();
             cp_async_wait<1>();
             wg_fence_smem();
             const int p = i - 1;  // the item that has landed
-            mbar_arrive(((p & 1) ? vfull : kfull) + 8 * ((p >> 1) & 1));
+            mbar_arrive(((p & 1) ? vfull : kfull) + 8 * ((p >> 1) % PW_ST));
         }
         cp_async_wait<0>();  // with no key tile, Q's copies (unread) still finish before the exit
         if (n_tiles > 0) {
             wg_fence_smem();
             const int p = 2 * n_tiles - 1;
-            mbar_arrive(vfull + 8 * ((p >> 1) & 1));
+            mbar_arrive(vfull + 8 * ((p >> 1) % PW_ST));
         }
         return;
     }
@@ -402,9 +486,9 @@ extern "C" __global__ void __launch_bounds__(PW_NT, 1) attn_wgmma(const AttnArgs
         pw_pack(pa, s);
     }
     for (int it = 1; it < n_tiles; ++it) {
-        const int j0 = lo + it * ATT_BN, sk = it & 1, sv = (it - 1) & 1;
-        mbar_wait(kfull + 8 * sk, (it >> 1) & 1);
-        mbar_wait(vfull + 8 * sv, ((it - 1) >> 1) & 1);
+        const int j0 = lo + it * ATT_BN, sk = it % PW_ST, sv = (it - 1) % PW_ST;
+        mbar_wait(kfull + 8 * sk, (it / PW_ST) & 1);
+        mbar_wait(vfull + 8 * sv, ((it - 1) / PW_ST) & 1);
 #if PW_PP
         pp_sync(my_bar);
 #endif
@@ -431,8 +515,8 @@ extern "C" __global__ void __launch_bounds__(PW_NT, 1) attn_wgmma(const AttnArgs
         pw_pack(pa, s);
     }
     if (n_tiles > 0) {
-        const int sv = (n_tiles - 1) & 1;
-        mbar_wait(vfull + 8 * sv, ((n_tiles - 1) >> 1) & 1);
+        const int sv = (n_tiles - 1) % PW_ST;
+        mbar_wait(vfull + 8 * sv, ((n_tiles - 1) / PW_ST) & 1);
 #if PW_PP
         pp_sync(my_bar);
 #endif

@@ -47,3 +47,12 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaMap* map, int
 __device__ __forceinline__ void tma_prefetch_map(const TmaMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 }
+
+// Prefill (kernels/prefill_sm90.cuh): the box at (column c, y, z) of a 3-D `map` (columns × heads × rows)
+// into shared memory at `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_3d(unsigned dst, const TmaMap* map, int c, int y, int z, unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(c), "r"(y), "r"(z), "r"(bar)
+        : "memory");
+}

@@ -701,6 +701,15 @@ impl Session {
                     continue;
                 }
             };
+            // The Hopper kernel's TMA loads, where its module takes them (cp.async otherwise).
+            let tma = match super::prefill::PrefillTma::find(&mut self.k, &att, &dims)? {
+                Some(t) => t.set(&a)?,
+                None => false,
+            };
+            if tma {
+                c.notes
+                    .push(format!("prefill H={h}: tile {}: TMA loads", tile.label()));
+            }
             o.write(&vec![0xffffu16; t * h * dv])?;
             att.run(&a, 1)?;
             self.gpu.sync("prefill (tensor cores)")?;

@@ -209,6 +209,10 @@ impl Module {
             .map_err(drv_err(&format!("reading {name} from {}", self.unit)))?;
         Ok((ptr, bytes))
     }
+    /// Device address of the module's global `name`.
+    pub fn global_ptr(&self, name: &str) -> Result<u64> {
+        self.global(name).map(|g| g.0)
+    }
     /// Whether the module defines a global named `name`.
     pub fn has_global(&self, name: &str) -> bool {
         self.global(name).is_ok()

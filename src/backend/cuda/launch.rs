@@ -212,6 +212,8 @@ pub struct LayerKernels {
     pub copy_heads: CUfunction,
     pub merge_states: CUfunction,
     pub prefill: Attn,
+    /// Where the Hopper prefill kernel takes its tensor maps (TMA loads); None: it loads by cp.async.
+    pub prefill_tma: Option<super::prefill::PrefillTma>,
     pub decode: Attn,
 }
 
@@ -233,6 +235,7 @@ impl LayerKernels {
         let cache_gather = m_cw.func("cache_gather")?;
         let copy_heads = m_cw.func("copy_heads")?;
         let pre = Attn::load(k, gpu, "prefill.cu", dims, &prefill_tiles(), force_scalar)?;
+        let prefill_tma = super::prefill::PrefillTma::find(k, &pre, dims)?;
         let dec = Attn::load(
             k,
             gpu,
@@ -271,6 +274,7 @@ impl LayerKernels {
             copy_heads,
             merge_states,
             prefill: pre,
+            prefill_tma,
             decode: dec,
         })
     }

@@ -2,13 +2,60 @@
 //! (with cached context) non-causal attention over the context gathered from the cache and the LSE
 //! merge of the two parts; then o_proj of the chunk.
 
-use super::attn::AttnArgs;
+use super::attn::{Attn, AttnArgs};
 use super::buffers::head_stride_qk;
+use super::kernels::{Dims, Kernels};
 use super::launch::MergeStates;
 use super::layer::Layer;
+use super::tma::PrefillMaps;
 use crate::error::Result;
 use crate::faults::Fault;
 use crate::schedule::Schedule;
+
+/// The Hopper prefill kernel's tensor maps (kernels/prefill_sm90.cuh `attn_wgmma_maps`): where they
+/// live in its module and the tile they are encoded for. Written before a launch, the kernel loads by
+/// TMA; a launch without them (other arguments) loads by cp.async.
+pub struct PrefillTma {
+    addr: u64,
+    dims: (usize, usize, usize),
+    tile: (u32, u32),
+}
+
+impl PrefillTma {
+    /// The maps' address in `att`'s module (compiled with `dims`), when it is the wgmma kernel and
+    /// states it takes them.
+    pub fn find(k: &mut Kernels, att: &Attn, dims: &Dims) -> Result<Option<PrefillTma>> {
+        let (Some(tile), Some((bm, bn))) = (att.tile, att.rows_keys()) else {
+            return Ok(None);
+        };
+        if !tile.wgmma || att.mqa || super::device::elem_bytes(dims.dtype) != 2 {
+            return Ok(None);
+        }
+        let mut d = dims.defines();
+        d.extend(tile.defines());
+        let m = k.module("prefill.cu", d)?; // Attn::load's module, from the cache
+                                            // (Probe sources older than the maps lack the flag.)
+        if !m.has_global("attn_wgmma_tma_maps") || m.global_i32s("attn_wgmma_tma_maps", 1)?[0] != 1
+        {
+            return Ok(None);
+        }
+        Ok(Some(PrefillTma {
+            addr: m.global_ptr("attn_wgmma_maps")?,
+            dims: (dims.p, dims.r, dims.dv),
+            tile: (bm as u32, bn as u32),
+        }))
+    }
+
+    /// Encode and write the maps of `a`'s operands (ordered before the next launch); false where TMA
+    /// cannot address them.
+    pub fn set(&self, a: &AttnArgs) -> Result<bool> {
+        let (p, r, dv) = self.dims;
+        match PrefillMaps::encode(a, p, r, dv, self.tile.0, self.tile.1)? {
+            Some(m) => m.write(self.addr).map(|_| true),
+            None => Ok(false),
+        }
+    }
+}
 
 /// Where one prefill attention pass reads its keys and writes its result.
 struct Pass {
@@ -41,11 +88,19 @@ impl Layer<'_> {
         }
     }
 
+    /// One attention pass; the Hopper kernel gets its operands' tensor maps first (TMA loads).
+    fn prefill_pass(&self, a: &AttnArgs) -> Result<()> {
+        if let Some(t) = &self.k.prefill_tma {
+            t.set(a)?;
+        }
+        self.k.prefill.run(a, 1)
+    }
+
     pub fn prefill(&self, sched: &Schedule) -> Result<()> {
         if let Some(sp) = self.sparse {
             return self.prefill_sparse(sched, sp);
         }
-        let (z, a, pre) = (&self.z, self.a, &self.k.prefill);
+        let (z, a) = (&self.z, self.a);
         let (es, h, dv, row) = (z.es, z.h, z.dv, z.row);
         // Host part of fault empty_ctx_lse_inf: the context pass and the merge run for the first chunk
         // too, over 0 keys (the kernel part makes such a row report lse +inf and the merge keep it).
@@ -70,7 +125,7 @@ impl Layer<'_> {
                 out,
                 lse,
             };
-            pre.run(&self.prefill_args(c0, n, &own), 1)?;
+            self.prefill_pass(&self.prefill_args(c0, n, &own))?;
             self.sync_if_debug("prefill attention (own chunk)")?;
             if ctx_pass {
                 if c0 > 0 {
@@ -86,7 +141,7 @@ impl Layer<'_> {
                     out: a.ctx_out.ptr,
                     lse: a.ctx_lse.ptr,
                 };
-                pre.run(&self.prefill_args(c0, n, &context), 1)?;
+                self.prefill_pass(&self.prefill_args(c0, n, &context))?;
                 self.sync_if_debug("prefill attention (cached context)")?;
                 MergeStates {
                     queries: n,

@@ -95,6 +95,156 @@ fn encode(a: &AttnArgs, cols: usize, elem: usize, end: u64) -> Result<sys::CUten
     Ok(map)
 }
 
+/// cuTensorMapEncodeTiled's own limits: a 16-byte aligned base, byte strides multiples of 16 below
+/// 2^40, no empty dimension.
+fn tma_addressable(ptr: u64, dims: &[u64], strides: &[u64]) -> bool {
+    ptr.is_multiple_of(16)
+        && !dims.contains(&0)
+        && strides
+            .iter()
+            .all(|s| *s != 0 && s.is_multiple_of(16) && *s < 1 << 40)
+}
+
+/// One tiled tensor map over 16-bit elements: `dims` (innermost first), byte `strides` of the outer
+/// dimensions, `boxes`, 128-byte swizzle; None where TMA cannot address it (a base or stride not a
+/// multiple of 16 bytes, an empty dimension).
+fn encode_tiled(
+    ptr: u64,
+    dims: &[u64],
+    strides: &[u64],
+    boxes: &[u32],
+) -> Result<Option<sys::CUtensorMap>> {
+    if !tma_addressable(ptr, dims, strides) {
+        return Ok(None);
+    }
+    let elem_strides = [1u32; 3];
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16,
+            dims.len() as u32,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()
+    }
+    .map_err(drv_err(
+        "encoding a prefill tensor map (cuTensorMapEncodeTiled)",
+    ))?;
+    Ok(Some(map))
+}
+
+/// `attn_wgmma_maps` of kernels/prefill_sm90.cuh (the Hopper prefill kernel's TMA loads): the maps of
+/// q, k_nope, the k_pe rows and v for one launch's arguments, and the key the kernel matches them by.
+pub struct PrefillMaps {
+    maps: [sys::CUtensorMap; 4],
+    key: [i64; 8],
+}
+
+impl PrefillMaps {
+    /// The maps for `a` (one request, no per-request lengths) at head dims `p` + `r` / `dv`, a tile of
+    /// `bm` query rows and `bn` keys, 16-bit elements; None where TMA cannot address an operand (the
+    /// kernel then loads by cp.async).
+    pub fn encode(
+        a: &AttnArgs,
+        p: usize,
+        r: usize,
+        dv: usize,
+        bm: u32,
+        bn: u32,
+    ) -> Result<Option<PrefillMaps>> {
+        const E: u64 = 2;
+        let (h, nq, nk) = (a.n_heads as u64, a.n_q as u64, a.n_keys as u64);
+        if a.seq_lens != 0
+            || a.q_hs < 0
+            || a.q_rs < 0
+            || a.ka_hs < 0
+            || a.ka_rs < 0
+            || a.v_hs < 0
+            || a.v_rs < 0
+            || a.kb_rs < 0
+        {
+            return Ok(None);
+        }
+        let st = |x: i64| x as u64 * E;
+        let ops = [
+            encode_tiled(
+                a.q,
+                &[(p + r) as u64, h, nq],
+                &[st(a.q_hs), st(a.q_rs)],
+                &[64, 1, bm],
+            )?,
+            encode_tiled(
+                a.ka,
+                &[p as u64, h, nk],
+                &[st(a.ka_hs), st(a.ka_rs)],
+                &[64, 1, bn],
+            )?,
+            encode_tiled(a.kb, &[r as u64, nk], &[st(a.kb_rs)], &[64, bn])?,
+            encode_tiled(
+                a.v,
+                &[dv as u64, h, nk],
+                &[st(a.v_hs), st(a.v_rs)],
+                &[64, 1, bn],
+            )?,
+        ];
+        let [Some(q), Some(ka), Some(kb), Some(v)] = ops else {
+            return Ok(None);
+        };
+        Ok(Some(PrefillMaps {
+            maps: [q, ka, kb, v],
+            key: [
+                a.q as i64,
+                a.ka as i64,
+                a.kb as i64,
+                a.v as i64,
+                ((a.n_keys as i64) << 32) | (a.n_q as u32 as i64),
+                a.ka_rs,
+                a.kb_rs,
+                a.v_rs,
+            ],
+        }))
+    }
+
+    /// The struct's bytes, as the kernel lays it out (four 128-byte maps, then the key).
+    fn bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(4 * 128 + 64);
+        for m in &self.maps {
+            for w in m.opaque {
+                b.extend_from_slice(&w.to_le_bytes());
+            }
+        }
+        for k in self.key {
+            b.extend_from_slice(&k.to_le_bytes());
+        }
+        b
+    }
+
+    /// Write them to the module's `attn_wgmma_maps` at `addr`, ordered before the next launch on the
+    /// default stream (the kernels' stream).
+    pub fn write(&self, addr: u64) -> Result<()> {
+        let b = self.bytes();
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                addr,
+                b.as_ptr() as *const std::ffi::c_void,
+                b.len(),
+                std::ptr::null_mut(),
+            )
+            .result()
+        }
+        .map_err(drv_err("writing the prefill tensor maps"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,5 +276,22 @@ mod tests {
             ..AttnArgs::decode_layout(16, 36, 64)
         };
         assert!(row_bytes(&a, 2).is_err());
+    }
+
+    #[test]
+    fn prefill_maps_fall_back_where_tma_cannot_address() {
+        let p = 0x7f00_0000_0000u64;
+        // DeepSeek's k_nope at 128 heads: 256-byte heads, 32 KB rows; k_pe inside 1152-byte cache rows.
+        assert!(tma_addressable(p, &[128, 128, 4096], &[256, 32768]));
+        assert!(tma_addressable(p + 1024, &[64, 4096], &[1152]));
+        assert!(
+            !tma_addressable(p + 8, &[128, 128, 4096], &[256, 32768]),
+            "base"
+        );
+        assert!(!tma_addressable(p, &[100, 4, 64], &[200, 800]), "stride");
+        assert!(
+            !tma_addressable(p, &[64, 0], &[128]),
+            "no keys (an empty context pass)"
+        );
     }
 }
