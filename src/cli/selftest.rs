@@ -10,6 +10,10 @@ use std::path::PathBuf;
 pub struct Args {
     #[arg(long, value_enum, default_value_t = Kind::Cpu)]
     backend: Kind,
+    /// Read the kernel sources from this directory instead of the embedded copy (CUDA backend): the
+    /// catalogue planted into edited kernels, with no rebuild.
+    #[arg(long)]
+    kernels: Option<PathBuf>,
     /// Write the selftest's fixtures into this directory and keep them (default: a temporary one).
     #[arg(long)]
     fixtures: Option<PathBuf>,
@@ -66,7 +70,7 @@ pub fn exec(a: Args) -> Result<i32, Error> {
     let factory: &mut selftest::BackendFactory = &mut |dtype, _faults| {
         let o = mla_diff::backend::Options {
             dtype,
-            kernels_dir: None,
+            kernels_dir: a.kernels.clone(),
             runner: None,
         };
         backends.open(Choice::from(a.backend), &o)
@@ -110,7 +114,7 @@ fn sensitivity(a: &Args) -> Result<i32, Error> {
         Choice::from(a.backend),
         &mla_diff::backend::Options {
             dtype,
-            kernels_dir: None,
+            kernels_dir: a.kernels.clone(),
             runner: None,
         },
     )?;
