@@ -6,7 +6,9 @@
 # Env: NCU=1 (ncu: embedded attn_wgmma at H=128 splits 1, PAIRS_DIR's kernel, FlashMLA's splitkv kernel),
 #      PROBES (kernel dirs for `bench decode --heads $HEADS --best-only --kernels DIR`),
 #      TDIRS (kernel dirs, "embedded" = none, for `bench table --only 3,4 --dtypes bf16 --peers ''`),
-#      CHECKS=1, RUNS=1, SANITIZE=1 (memcheck/synccheck/racecheck, no kernel filter), TABLE=1 (+TABLE_ONLY),
+#      CHECKS=1, RUNS=1, SANITIZE=1 (memcheck/synccheck/racecheck, no kernel filter), TABLE=1 (+TABLE_ONLY,
+#      TABLE_PEERS), RDV (dir: racecheck again with it when the embedded pairs kernel has hazards),
+#      RACE_DIRS (section `races`: racecheck of RACE_ARGS per kernel dir),
 #      BUDGET (s, default 170), ORDER (sections).
 set -uo pipefail
 cd "${ROOT:-.}"
@@ -133,6 +135,10 @@ sanitize() {
   if [ -n "${RDV:-}" ] && grep -A4 "Race reported" "$D/racecheck-s1.txt" | grep -q attn_wgmma_pairs; then
     san1 racecheck-s1-rdv racecheck 80 $RACE_ARGS --kernels "$RDV"
   fi
+}
+races() { # racecheck of the RACE_ARGS schedule with each RACE_DIRS kernel directory (--kernels)
+  local k
+  for k in ${RACE_DIRS:-}; do san1 "racecheck-$(basename "$k")" racecheck 80 $RACE_ARGS --kernels "$k"; done
 }
 table() {
   [ "$BROKEN" = 0 ] && [ "${TABLE:-0}" = 1 ] || return 0
