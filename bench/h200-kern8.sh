@@ -139,7 +139,7 @@ table() {
   [ "$(left)" -gt 50 ] || { echo "skip table: budget"; return 0; }
   peers_env
   local t0=$SECONDS
-  timeout $(($(left) - 5)) "$B" bench table ${TABLE_ONLY:+--only $TABLE_ONLY} --json "$D/table.json" --markdown "$D/table.md" > "$D/table.txt" 2>&1
+  timeout $(($(left) - 5)) "$B" bench table ${TABLE_ONLY:+--only $TABLE_ONLY} ${TABLE_PEERS:+--peers $TABLE_PEERS} --json "$D/table.json" --markdown "$D/table.md" > "$D/table.txt" 2>&1
   step "bench table ($((SECONDS - t0)) s)" $?
   cat "$D/table.md"
 }
