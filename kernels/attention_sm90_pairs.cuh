@@ -24,13 +24,13 @@
 // µs at H=128, RESULTS.md (u)). S starts on the left half before the right one lands. Tiles start on page
 // boundaries as in attention_sm90.cuh.
 // Shared memory (the same WG_SMEM): Q's rope block is read into registers once (the last four k-steps of
-// S take A from registers), which frees it for P_B; P_A sits after the stages; m_A, m_B and the four
-// mbarriers in the exchange area. The named barriers (ids 1–4) order the hand-overs; see each comment.
+// S take A from registers), which frees it for P_B; P_A sits after the stages; m_A, m_B and the eight
+// mbarriers in the exchange area: four "landed" (stage × half), READY_A (wg0's 128 threads arrive once P_A
+// and m_A are written), READY_B (wg1's, once P_B and m_B are written and its P_A·V_A is done) and one per
+// warpgroup (its four warps' MMAs done, before one thread refills a stage half). No named barrier: with
+// 128-thread named barriers compute-sanitizer's racecheck reported hazards across them (RESULTS.md (u));
+// on mbarriers it reports none (RESULTS.md (w)).
 #pragma once
-
-#define WA_READY_A 1  // wg0 → wg1: P_A and m_A written
-#define WA_READY_B 2  // wg1 → wg0: P_B and m_B written; wg1's P_A·V_A done (P_A may be overwritten)
-#define WA_OWN 3      // + warpgroup: its four warps' MMAs are done (a stage half may be refilled)
 
 __device__ __forceinline__ void wa_m64n64k16(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
     asm volatile(
@@ -71,8 +71,18 @@ __device__ __forceinline__ void wa_mbar_wait(unsigned bar, int parity) {
         "r"(parity)
         : "memory");
 }
-__device__ __forceinline__ void wa_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
-__device__ __forceinline__ void wa_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
+// This thread's arrival on a hand-over mbarrier (128 arrivals: one warpgroup).
+__device__ __forceinline__ void wa_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// The warpgroup-wide barrier before a refill (and after wa_fix's zeros), on the warpgroup's mbarrier of
+// 128 arrivals. `ph`: this thread's parity of that barrier, flipped per use.
+__device__ __forceinline__ void wa_own(unsigned bar, int& ph) {
+    wa_arrive(bar);
+    mbar_wait(bar, ph);
+    ph ^= 1;
+}
 
 // Key rows [j0, j0 + 64), 64-column blocks [B0, B1), into a stage half by TMA, one thread of the warpgroup
 // (rows past hi are zeroed by wa_fix once landed).
@@ -83,13 +93,13 @@ __device__ __forceinline__ void wa_arrive(int id) { asm volatile("bar.arrive %0,
 
 // Before S on a range's last tile: wait for both halves, zero the rows past hi, and make that
 // visible to this warpgroup's wgmma (and, through the hand-overs, to the other's P·V).
-__device__ __forceinline__ void wa_fix(unsigned char* gK, unsigned bar, int ph, int j0, int hi, int wg) {
+__device__ __forceinline__ void wa_fix(unsigned char* gK, unsigned bar, int ph, int j0, int hi, unsigned own, int& oph) {
     if (hi - j0 < WG_BN) {
         mbar_wait(bar, ph);
         mbar_wait(bar + 8, ph);
         wg_zero_rows(gK, hi - j0, threadIdx.x & 127, 128);
         wg_fence_smem();
-        wa_sync(WA_OWN + wg, 128);
+        wa_own(own, oph);
     }
 }
 
@@ -189,10 +199,16 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
     if (tid == 0) tma_prefetch_map(&km);
     if (tid < 4) {
         mbar_init(full + 8 * tid, 1);  // the loading thread's arrival + the bytes
+        mbar_init(full + 32 + 8 * tid, 128);  // warpgroup 0's and 1's own barriers, READY_A, READY_B
         mbar_init_fence();
     }
     const int n_tiles = hi > lo ? (hi - jb + WG_BN - 1) / WG_BN : 0;
     const int n_pairs = (n_tiles + 1) / 2;
+    const unsigned own = full + 32 + 8 * wg;  // this warpgroup's barrier
+    // The hand-overs: 128 arrivals (the producing warpgroup's threads) complete one phase per pair; the
+    // consumer waits on parity k & 1.
+    const unsigned readyA = full + 48, readyB = full + 56;
+    int oph = 0;
 
     // Q (rows past the end are zero), then its rope block into registers.
     for (int r = tid >> 3; r < WG_BM; r += WG_NT / 8) {
@@ -233,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
 
     if (wg == 0) {
         if (n_pairs > 0) {
-            wa_fix(gbase + WG_TILE, full + 0, 0, jb, hi, 0);
+            wa_fix(gbase + WG_TILE, full + 0, 0, jb, hi, own, oph);
             wa_mbar_wait(full + 0, 0);
             wg_fence_smem();
             wg_fence();
@@ -267,7 +283,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
             l[1] = l[1] * al[1] + rs[1];
             wa_scale_o(o, al);
             wg_fence_smem();
-            wa_arrive(WA_READY_A);  // P_A, m_A → wg1
+            wa_arrive(readyA);  // P_A, m_A → wg1
 
             wg_fence();
             wa_pv(o, sPA, sK0, 0, k > 0);
@@ -276,9 +292,9 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
             // now, under wg1's softmax of B, not after the hand-over below.
             wg_wait<0>();  // P_A·V_A (left)
             wg_pin(o);
-            wa_sync(WA_OWN + 0, 128);
+            wa_own(own, oph);
             if (next_a) wa_load(0, 4, jA + 2 * WG_BN, sK0, full + 0);
-            wa_sync(WA_READY_B, 256);  // P_B, m_B in; wg1 is done reading P_A
+            mbar_wait(readyB, k & 1);  // P_B, m_B in; wg1 is done reading P_A
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const float mn = sMB[wr + g + 8 * e];
@@ -296,7 +312,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
                 wg_commit();
             }
             if (next_a) {  // S_A of the next pair: left half under P_B·V_B
-                wa_fix(gbase + WG_TILE, full + 0, ph ^ 1, jA + 2 * WG_BN, hi, 0);
+                wa_fix(gbase + WG_TILE, full + 0, ph ^ 1, jA + 2 * WG_BN, hi, own, oph);
                 wa_mbar_wait(full + 0, ph ^ 1);
                 wg_fence_smem();
                 wg_fence();
@@ -307,7 +323,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
                 if (next_a) wg_wait<1>();
                 else wg_wait<0>();
                 wg_pin(o);
-                wa_sync(WA_OWN + 0, 128);
+                wa_own(own, oph);
                 if (next_b) wa_load(0, 4, jA + 3 * WG_BN, sK1, full + 16);
             }
             if (next_a) {
@@ -326,7 +342,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
             const int jB = jb + (2 * k + 1) * WG_BN, ph = k & 1;
             const bool has_b = 2 * k + 1 < n_tiles, next_a = 2 * k + 2 < n_tiles, next_b = 2 * k + 3 < n_tiles;
             if (has_b) {  // S_B
-                wa_fix(gbase + 2 * WG_TILE, full + 16, ph, jB, hi, 1);
+                wa_fix(gbase + 2 * WG_TILE, full + 16, ph, jB, hi, own, oph);
                 wa_mbar_wait(full + 16, ph);
                 wg_fence_smem();
                 wg_fence();
@@ -340,7 +356,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
                 wg_pin(s);
                 wg_pin(o);
             }
-            wa_sync(WA_READY_A, 256);  // P_A, m_A in
+            mbar_wait(readyA, k & 1);  // P_A, m_A in
             float al[2], mu[2], rs[2] = {0.f, 0.f}, tm[2];
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
@@ -372,14 +388,14 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
             }
             wg_wait<0>();  // P_A·V_A (right)
             wg_pin(o);
-            wa_sync(WA_OWN + 1, 128);
+            wa_own(own, oph);
             if (next_a) wa_load(4, 9, jB + WG_BN, sK0, full + 8);
             if (has_b) wa_store_p(gPB, s, wr, g, t);
 #pragma unroll
             for (int e = 0; e < 2; ++e)
                 if (t == 0) sMB[wr + g + 8 * e] = m[e];
             wg_fence_smem();
-            wa_arrive(WA_READY_B);  // P_B, m_B → wg0; P_A is free
+            wa_arrive(readyB);  // P_B, m_B → wg0; P_A is free
             l[0] = l[0] * al[0] + rs[0];
             l[1] = l[1] * al[1] + rs[1];
             if (has_b) {
@@ -389,7 +405,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
                 wg_commit();
                 wg_wait<0>();  // P_B·V_B (right)
                 wg_pin(o);
-                wa_sync(WA_OWN + 1, 128);
+                wa_own(own, oph);
                 if (next_b) wa_load(4, 9, jB + 2 * WG_BN, sK1, full + 24);
             }
         }
