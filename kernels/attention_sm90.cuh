@@ -19,6 +19,10 @@
 // aligned to 64 keys (pages): the first one starts at lo rounded down and masks the keys below lo. Without
 // it, 256 threads load each tile with cp.async, one block-table lookup per row.
 //
+// At DeepSeek / GLM-5 dims with TMA the module also holds attn_wgmma_pairs (attention_sm90_pairs.cuh:
+// the warpgroups on alternate whole tiles, no CTA barrier in the key loop), which the host launches when a
+// launch has at most two splits; this kernel runs the rest (more splits, MiniCPM3's 288/256, cp.async pages).
+//
 // Shared layout (what wgmma reads with the 128-byte swizzle): a tile of 64 rows is stored as 64-column
 // blocks of 8 KB; in a block, row r is 128 bytes at r·128 and its 16-byte chunk c sits at chunk c ^ (r % 8).
 // Columns past the key width (MiniCPM3's 288 → 320) are zero. At DeepSeek dims Q + 2 K stages + P = 224 KB.
@@ -58,6 +62,10 @@ extern "C" __device__ const int attn_wgmma_config[4] = {WG_SMEM, WG_NT, WG_BM, W
 #endif
 // The host reads this to know whether attn_wgmma takes the tensor map (src/backend/cuda/attn.rs).
 extern "C" __device__ const int attn_wgmma_tma = WG_TMA;
+// attention_sm90_pairs.cuh's attn_wgmma_pairs (warpgroups on alternate tiles) exists at 576/512 with TMA;
+// the host reads this before looking it up (a missing symbol is an API error to compute-sanitizer).
+#define WG_PAIRS (WG_TMA && WG_KB == 9 && ATT_DV == 512)
+extern "C" __device__ const int attn_wgmma_pairs_on = WG_PAIRS;
 #if WG_TMA
 #include "tma.cuh"
 #define WG_MAP_PARAM , const __grid_constant__ TmaMap km
@@ -380,4 +388,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs
                       L > 0.f ? o[4 * n + 2 * e + 1] * inv : 0.f, 1);  // o is unset when no tile ran
     }
 }
+#if WG_PAIRS
+#include "attention_sm90_pairs.cuh"
+#endif
 #endif  // wgmma path

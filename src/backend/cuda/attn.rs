@@ -99,8 +99,17 @@ pub struct Attn {
     /// `attn_wgmma` takes its key tiles by TMA (the module's `attn_wgmma_tma` is 1): (key columns,
     /// element bytes) of the tensor map `run` passes, and the last one encoded.
     tma: Option<(usize, usize)>,
+    /// Decode's `attn_wgmma_pairs` (kernels/attention_sm90_pairs.cuh: the warpgroups on alternate tiles),
+    /// present at 576/512 with the TMA loads; `run` takes it for launches of at most `PAIRS_MAX_SPLITS`.
+    pairs: Option<sys::CUfunction>,
     maps: super::tma::MapCache,
 }
+
+/// The most splits a launch may have for `run` to take `attn_wgmma_pairs` over `attn_wgmma`. Measured on
+/// the H200 (bench/RESULTS.md (u)): pairs is 13–15 % faster at one split and 1–3 % at two (B=64 H=64 and
+/// H=128, B=128 H=64, s_k 4k), slower at four and eight splits of B=128 H=64 (1,024 and 512 keys per
+/// split: +5 %, +16 %), faster again at B=16 s_k=32k (8,192 and 4,096 keys per split).
+pub const PAIRS_MAX_SPLITS: i32 = 2;
 
 impl Attn {
     /// Load `unit` with `dims`; use the first tile in `tiles` whose shared memory fits the device
@@ -156,6 +165,20 @@ impl Attn {
                 // a missing symbol is an API error to compute-sanitizer).
                 let tma = (t.wgmma && mqa && m.global_i32s("attn_wgmma_tma", 1)?[0] == 1)
                     .then(|| (dims.lkv + dims.r, super::device::elem_bytes(dims.dtype)));
+                let pairs = if tma.is_some() && m.global_i32s("attn_wgmma_pairs_on", 1)?[0] == 1 {
+                    let f = m.func("attn_wgmma_pairs")?;
+                    unsafe {
+                        drv::function::set_function_attribute(
+                            f,
+                            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            smem as i32,
+                        )
+                    }
+                    .map_err(drv_err("raising the kernel's shared-memory limit"))?;
+                    Some(f)
+                } else {
+                    None
+                };
                 return Ok(Attn {
                     combine: combine(&m)?,
                     _m: m,
@@ -165,6 +188,7 @@ impl Attn {
                     mqa,
                     tile: Some(*t),
                     tma,
+                    pairs,
                     maps: Default::default(),
                 });
             }
@@ -182,6 +206,7 @@ impl Attn {
             mqa,
             tile: None,
             tma: None,
+            pairs: None,
             maps: Default::default(),
         })
     }
@@ -221,8 +246,24 @@ impl Attn {
         self.mma.map(|m| (m.3 as usize, m.4 as usize))
     }
 
+    /// Whether the module has `attn_wgmma_pairs` (decode at 576/512 with TMA key loads).
+    pub fn has_pairs(&self) -> bool {
+        self.pairs.is_some()
+    }
+
+    /// Whether `run` launches `attn_wgmma_pairs` for a launch of `splits` splits.
+    pub fn runs_pairs(&self, splits: i32) -> bool {
+        self.pairs.is_some() && splits <= PAIRS_MAX_SPLITS
+    }
+
     /// Launch over `batch` independent problems; heads `a.n_heads`, queries `a.n_q`.
     pub fn run(&self, a: &AttnArgs, batch: u32) -> Result<()> {
+        self.run_on(a, batch, self.runs_pairs(a.num_splits))
+    }
+
+    /// `run` with the decode schedule chosen: `pairs` launches `attn_wgmma_pairs` (ignored where the
+    /// module has none), else `attn_wgmma`. `bench decode` times both.
+    pub fn run_on(&self, a: &AttnArgs, batch: u32, pairs: bool) -> Result<()> {
         let rows = |bm: u32| -> (u32, u32, u32) {
             if self.mqa {
                 let r = (a.n_q * a.n_heads) as u32;
@@ -237,7 +278,11 @@ impl Attn {
                 Some((cols, elem)) => {
                     let map = self.maps.get(a, cols, elem)?;
                     let mut p2 = [p[0], &map as *const sys::CUtensorMap as *mut c_void];
-                    launch(f, self.name, rows(bm), threads, smem, &mut p2)
+                    let (f, name) = match self.pairs {
+                        Some(fp) if pairs => (fp, "attn_wgmma_pairs"),
+                        _ => (f, self.name),
+                    };
+                    launch(f, name, rows(bm), threads, smem, &mut p2)
                 }
                 None => launch(f, self.name, rows(bm), threads, smem, &mut p),
             },

@@ -157,6 +157,17 @@ fn check_faults(
                         dt.name()
                     )));
                 }
+                // And both decode schedules where the module has the alternating-tile one.
+                let has_pairs = after.iter().any(|(k, _)| *k == "attn_wgmma_pairs");
+                if has_pairs
+                    && kernels.contains(&"attn_wgmma")
+                    && !kernels.contains(&"attn_wgmma_pairs")
+                {
+                    return Err(Error::Environment(format!(
+                        "{define}=1 changes attn_wgmma but not attn_wgmma_pairs ({name} {} {unit}): the alternating-tile kernel misses the fault's switch",
+                        dt.name()
+                    )));
+                }
                 changed.push(format!(
                     "{name} {} {label} [{}]",
                     dt.name(),

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 /// Every kernel file, headers first. The `.cu` files are compiled; the `.cuh` files are passed to NVRTC
 /// as named headers.
-pub const KERNEL_FILES: [(&str, &str); 13] = [
+pub const KERNEL_FILES: [(&str, &str); 14] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "attention.cuh",
@@ -18,6 +18,10 @@ pub const KERNEL_FILES: [(&str, &str); 13] = [
     (
         "attention_sm90.cuh",
         include_str!("../../../kernels/attention_sm90.cuh"),
+    ),
+    (
+        "attention_sm90_pairs.cuh",
+        include_str!("../../../kernels/attention_sm90_pairs.cuh"),
     ),
     ("wgmma.cuh", include_str!("../../../kernels/wgmma.cuh")),
     ("tma.cuh", include_str!("../../../kernels/tma.cuh")),
