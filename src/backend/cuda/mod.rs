@@ -169,7 +169,7 @@ impl CudaBackend {
 impl CudaBackend {
     /// Record the layer's kernels for coverage, and check them against the host's prediction
     /// (`plan`: what the coverage tests and the default schedule assume without a GPU).
-    fn record_kernels(&mut self, k: &LayerKernels, dims: &Dims, q_rows: usize) {
+    fn record_kernels(&mut self, k: &LayerKernels, dims: &Dims, q_rows: usize, splits: usize) {
         use crate::coverage::Phase;
         let i = &self.gpu.info;
         let caps = tile_model::Caps {
@@ -208,7 +208,13 @@ impl CudaBackend {
                 }
             }
             let prod = tile_model::production(dims, phase, ran, q_rows, &caps, force);
-            uses.push(tile_model::kernel_use(phase, ran, prod));
+            let mut u = tile_model::kernel_use(phase, ran, prod);
+            // Same tile and classes, another kernel (kernels/attention_sm90_pairs.cuh): the report says
+            // which of the two ran.
+            if phase == Phase::Decode && attn.runs_pairs(splits as i32) {
+                u.label.push_str(", alternating tiles (attn_wgmma_pairs)");
+            }
+            uses.push(u);
         }
         self.last_kernels = uses;
         // Tensor cores in both phases, or the scalar kernels' lane sums (modelled as sequential).
@@ -339,7 +345,7 @@ impl Backend for CudaBackend {
             prefill: k.prefill.key_tiles(),
             decode: k.decode.key_tiles(),
         };
-        self.record_kernels(&k, &dims, sched.q_len * z.h);
+        self.record_kernels(&k, &dims, sched.q_len * z.h, sched.num_splits);
         if ctx.selection.is_some() {
             // The dense kernels are loaded but attention runs in sparse_attn: say so, tile classes unknown.
             (self.last_kernels, self.last_tiles) = (sparse::kernel_uses(), Default::default());
