@@ -108,6 +108,13 @@ impl Factory {
     }
     pub fn open(&mut self, choice: Choice, o: &Options) -> Result<(Box<dyn Backend>, BackendInfo)> {
         let kind = choice.resolve(o);
+        // Kernel sources are CUDA's: on the mirror they would be ignored, and the run would not test them.
+        if let (Kind::Cpu, Some(d)) = (kind, &o.kernels_dir) {
+            return Err(crate::error::Error::Usage(format!(
+                "--kernels {}: the CPU mirror compiles no kernels; use --backend cuda (or drop --kernels)",
+                d.display()
+            )));
+        }
         let mut b: Box<dyn Backend> = match kind {
             Kind::Cpu => Box::new(CpuMirror::new(o.dtype)),
             Kind::Cuda => {

@@ -38,6 +38,15 @@ fn counts_near_2_64_are_usage_errors() {
 }
 
 #[test]
+fn kernel_sources_on_the_cpu_mirror_are_a_usage_error() {
+    // The mirror compiles no kernels: `--kernels` there would be ignored and the edited kernels untested.
+    let o = run_on("deepseek-v2-lite-bf16.gguf", &["--kernels", "kernels"]);
+    assert_clean_error(&o, "--kernels kernels: the CPU mirror compiles no kernels");
+    let o = run(&["selftest", "--kernels", "kernels", "--fault", "rope_neox"]);
+    assert_clean_error(&o, "the CPU mirror compiles no kernels");
+}
+
+#[test]
 fn layer_ranges_are_checked_before_expanding() {
     let f = "deepseek-v2-lite-bf16.gguf";
     for spec in [
