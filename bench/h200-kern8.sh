@@ -12,22 +12,11 @@
 #      BUDGET (s, default 170), ORDER (sections).
 set -uo pipefail
 cd "${ROOT:-.}"
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+NAME=kern8
 B=${B:-/tmp/mla-diff}
-OUT=${OUT:?set OUT}
-D="$OUT/kern8"
 BUDGET=${BUDGET:-170}
-mkdir -p "$D"
-export NO_COLOR=1
-fail=0
-step() { echo "$1: exit $2"; [ "$2" -eq 0 ] || fail=1; }
-left() { echo $((BUDGET - SECONDS)); }
-tmo() { local l=$(($(left) - 8)); echo $(($1 < l ? $1 : l)); }
-{
-  date -u
-  echo "commit $(cat .carry/kern8/COMMIT 2>/dev/null || echo unknown)"
-  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-} | tee "$D/env.txt"
+# B, OUT, D, fail, step, left, tmo, ncu_one (redefined below where it differs); $D/env.txt.
+source bench/lib.sh
 peers_env() {
   [ -d /tmp/peers-site/flash_mla ] || { mkdir -p /tmp/peers-site && tar xJf .carry/peers/sgl_flash_mla.tar.xz -C /tmp/peers-site; }
   export PYTHONPATH="$PWD/.carry/peers:/tmp/peers-site${PYTHONPATH:+:$PYTHONPATH}" MLA_DIFF_PYTHON=python3

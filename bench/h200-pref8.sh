@@ -12,23 +12,12 @@
 #      cuDNN from torch), BUDGET (s; later steps are skipped once spent; default 270), ORDER.
 set -uo pipefail
 cd "${ROOT:-.}"
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+NAME=pref8
 B=${B:-/tmp/mla-diff}
-OUT=${OUT:?set OUT}
-D="$OUT/pref8"
 BUDGET=${BUDGET:-270}
-mkdir -p "$D"
-export NO_COLOR=1
-fail=0
 BROKEN=0
-step() { echo "$1: exit $2"; [ "$2" -eq 0 ] || fail=1; }
-left() { echo $((BUDGET - SECONDS)); }
-tmo() { local l=$(($(left) - 8)); echo $(($1 < l ? $1 : l)); }
-{
-  date -u
-  echo "commit $(cat .carry/pref8/COMMIT 2>/dev/null || echo unknown)"
-  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-} | tee "$D/env.txt"
+# B, OUT, D, fail, step, left, tmo, ncu_one (redefined below where it differs); $D/env.txt.
+source bench/lib.sh
 prefill() { # prefill NAME [--kernels DIR]
   local t0=$SECONDS
   timeout $(tmo ${PRE_T:-60}) "$B" bench prefill --wgmma-only "${@:2}" > "$D/prefill-$1.txt" 2>&1
