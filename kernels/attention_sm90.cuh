@@ -194,6 +194,34 @@ __device__ __forceinline__ void wg_load_k(const AttnArgs& a, int b, const int* t
     }
 }
 
+// The epilogue both decode kernels share: this thread's row sums over the quad, then over the two
+// warpgroups through `sSum` ([warpgroup][row]); lse and this warpgroup's half of O, normalised, stored.
+// `wg`, `wr`, `g`, `t`: the kernels' thread coordinates (warpgroup, its warp's first row, lane / 4, lane % 4).
+__device__ __forceinline__ void wg_finish(const AttnArgs& a, int b, int tile, int n_keys, const float (&o)[WG_NV / 2],
+                                          float (&l)[2], const float (&m)[2], float* sSum, int wg, int wr, int g,
+                                          int t) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        l[e] += __shfl_xor_sync(0xffffffffu, l[e], 1);
+        l[e] += __shfl_xor_sync(0xffffffffu, l[e], 2);
+        if (t == 0) sSum[wg * WG_BM + wr + g + 8 * e] = l[e];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int row = wr + g + 8 * e;
+        const RowInfo ri = att_row(a, tile, row, n_keys);
+        if (!ri.valid) continue;
+        const float L = sSum[row] + sSum[WG_BM + row];
+        if (wg == 0 && t == 0) att_store_lse(a, b, ri, L > 0.f ? (m[e] + log2f(L)) * MLA_LN2 : ATT_EMPTY_LSE);
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+#pragma unroll
+        for (int n = 0; n < WG_NV / 8; ++n)
+            att_store(a, b, ri, wg * WG_NV + n * 8 + 2 * t, L > 0.f ? o[4 * n + 2 * e] * inv : 0.f,
+                      L > 0.f ? o[4 * n + 2 * e + 1] * inv : 0.f, 1);  // o is unset when no tile ran
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs a WG_MAP_PARAM) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const unsigned raw = smem_u32(smem), base = (raw + 1023) & ~1023u;
@@ -366,27 +394,8 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs
     cp_async_wait<0>();
 #endif
 
-    // Row sums: over the quad, then over the two warpgroups.
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-        l[e] += __shfl_xor_sync(0xffffffffu, l[e], 1);
-        l[e] += __shfl_xor_sync(0xffffffffu, l[e], 2);
-        if (t == 0) sSum[wg * WG_BM + wr + g + 8 * e] = l[e];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-        const int row = wr + g + 8 * e;
-        const RowInfo ri = att_row(a, tile, row, n_keys);
-        if (!ri.valid) continue;
-        const float L = sSum[row] + sSum[WG_BM + row];
-        if (wg == 0 && t == 0) att_store_lse(a, b, ri, L > 0.f ? (m[e] + log2f(L)) * MLA_LN2 : ATT_EMPTY_LSE);
-        const float inv = L > 0.f ? 1.f / L : 0.f;
-#pragma unroll
-        for (int n = 0; n < WG_NV / 8; ++n)
-            att_store(a, b, ri, wg * WG_NV + n * 8 + 2 * t, L > 0.f ? o[4 * n + 2 * e] * inv : 0.f,
-                      L > 0.f ? o[4 * n + 2 * e + 1] * inv : 0.f, 1);  // o is unset when no tile ran
-    }
+    // Row sums: over the quad, then over the two warpgroups; the stores.
+    wg_finish(a, b, tile, n_keys, o, l, m, sSum, wg, wr, g, t);
 }
 #if WG_PAIRS
 #include "attention_sm90_pairs.cuh"
