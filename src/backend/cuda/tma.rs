@@ -66,33 +66,12 @@ fn encode(a: &AttnArgs, cols: usize, elem: usize, end: u64) -> Result<sys::CUten
     let row_bytes = row_bytes(a, elem)?;
     // Rows: up to the end of the cache's allocation, so a bad page index reads zeros, not other memory.
     let rows = (end - a.ka) / row_bytes;
-    // The copy moves bytes: bf16 and fp16 are both 16-bit words to it (UINT16 below).
-    let dims = [cols as u64, rows];
-    let strides = [row_bytes];
-    let boxes = [BOX, BOX];
-    let elem_strides = [1u32, 1];
-    let mut map = sys::CUtensorMap { opaque: [0; 16] };
-    unsafe {
-        sys::cuTensorMapEncodeTiled(
-            &mut map,
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16,
-            2,
-            a.ka as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            elem_strides.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-        .result()
-    }
-    .map_err(drv_err(
-        "encoding the cache's tensor map (cuTensorMapEncodeTiled)",
-    ))?;
-    Ok(map)
+    encode_tiled(a.ka, &[cols as u64, rows], &[row_bytes], &[BOX, BOX])?.ok_or_else(|| {
+        Error::Environment(format!(
+            "attn_wgmma's TMA key loads: the cache at {:#x} ({rows} rows of {row_bytes} bytes) is not addressable by TMA",
+            a.ka
+        ))
+    })
 }
 
 /// cuTensorMapEncodeTiled's own limits: a 16-byte aligned base, byte strides multiples of 16 below
@@ -105,8 +84,8 @@ fn tma_addressable(ptr: u64, dims: &[u64], strides: &[u64]) -> bool {
             .all(|s| *s != 0 && s.is_multiple_of(16) && *s < 1 << 40)
 }
 
-/// One tiled tensor map over 16-bit elements: `dims` (innermost first), byte `strides` of the outer
-/// dimensions, `boxes`, 128-byte swizzle; None where TMA cannot address it (a base or stride not a
+/// One tiled tensor map over 16-bit elements (bf16 and fp16 alike: the copy moves 16-bit words):
+/// `dims` (innermost first), byte `strides` of the outer dimensions, `boxes`, 128-byte swizzle; None where TMA cannot address it (a base or stride not a
 /// multiple of 16 bytes, an empty dimension).
 fn encode_tiled(
     ptr: u64,
@@ -136,9 +115,7 @@ fn encode_tiled(
         )
         .result()
     }
-    .map_err(drv_err(
-        "encoding a prefill tensor map (cuTensorMapEncodeTiled)",
-    ))?;
+    .map_err(drv_err("encoding a tensor map (cuTensorMapEncodeTiled)"))?;
     Ok(Some(map))
 }
 
