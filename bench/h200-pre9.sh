@@ -6,7 +6,9 @@
 # the TMA path), memcheck / synccheck / racecheck, gpu-validate, `bench table --only 5,6`; LATE probes last.
 # Carry .carry/pre9 (main-mla-diff.xz, mla-diff.xz, COMMIT, kernel dirs); run from the repository root:
 #   OUT=$OUT bash .carry/pre9/h200-pre9.sh
-# Env: BUDGET (s; later steps are skipped once spent; default 225), ORDER, LATE (kernel dirs).
+# Env: BUDGET (s; later steps are skipped once spent; default 225), ORDER, LATE (kernel dirs), W.
+# (Call 1, 2026-12-02 (z): its gpu-validate was cut by the budget, and its step line said "exit 0" — the
+# status of the line's $(tail), fixed since.)
 set -uo pipefail
 cd "${ROOT:-.}"
 NAME=pre9
@@ -31,7 +33,8 @@ score() {
   awk '/^prefill / && /non-finite 0/ { h = ($0 ~ /H=128/) ? 1 : 2; if (match($0, /st2 +[0-9.]+/)) { v = substr($0, RSTART + 3, RLENGTH - 3) + 0; if (!(h in b) || v < b[h]) b[h] = v } }
        END { if ((1 in b) && (2 in b)) printf "%.1f\n", b[1] + b[2]; else print 999999 }' "$D/prefill-$1.txt" 2>/dev/null || echo 999999
 }
-W=
+# W: the kernel dir the checks take; set it (e.g. W=fold ORDER="validate table") to skip the probes.
+W=${W:-}
 probes() {
   pre main /tmp/main-mla-diff
   pre fold $B --kernels $C/fold --peers torch
@@ -47,14 +50,16 @@ checks() {
   [ -n "$W" ] && [ "$(left)" -gt 45 ] || { echo "skip selftest"; return 0; }
   local t0=$SECONDS
   timeout $(tmo 80) $B selftest --backend cuda --kernels $C/$W > "$D/selftest-cuda.txt" 2>&1
-  step "selftest --backend cuda --kernels $W ($((SECONDS - t0)) s): $(tail -1 "$D/selftest-cuda.txt")" $?
+  local rc=$?  # before the step line's $(tail): a command substitution resets $?
+  step "selftest --backend cuda --kernels $W ($((SECONDS - t0)) s): $(tail -1 "$D/selftest-cuda.txt")" $rc
   grep -E "FAIL|MISSED|ERROR" "$D/selftest-cuda.txt" | head -5
 }
 validate() {
   [ -n "$W" ] && [ "$(left)" -gt 45 ] || { echo "skip gpu-validate"; return 0; }
   local t0=$SECONDS
   timeout $(tmo 110) $B gpu-validate --kernels $C/$W --json "$D/gpu-validate.json" > "$D/gpu-validate.txt" 2>&1
-  step "gpu-validate --kernels $W ($((SECONDS - t0)) s): $(tail -1 "$D/gpu-validate.txt")" $?
+  local rc=$?
+  step "gpu-validate --kernels $W ($((SECONDS - t0)) s): $(tail -1 "$D/gpu-validate.txt")" $rc
 }
 # The default (kernel-aware) schedule on three fixtures, with the strict copy of W.
 runs() {
