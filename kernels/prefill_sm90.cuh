@@ -11,7 +11,7 @@
 // FlashAttention-3's warp specialization: one consumer warpgroup per 64 rows, which owns rows
 // [64g, 64g + 64) over every key (no row statistics cross warpgroups), and one producer warpgroup that
 // loads Q and the K / V tiles (setmaxnreg moves registers from it to the consumers): by TMA where the
-// host wrote the launch's tensor maps (`attn_wgmma_maps`: one elected thread issues 64-column boxes on
+// host encoded the launch's tensor maps (parameter `mp`: one elected thread issues 64-column boxes on
 // the stage's full barrier with expect-tx, the copy engine doing the 128-byte swizzle and zero-filling
 // rows past the sequence and columns past the head width; 20–24 % less time than cp.async on the H200,
 // bench/RESULTS.md (v)), else by its 128 threads' cp.async (rows past `hi` zeroed). Rows in [hi, n_keys)
@@ -34,12 +34,13 @@
 // of n·128 bytes; in a block, row r is 128 bytes at r·128 and its 16-byte chunk c sits at chunk c ^ (r % 8).
 // Columns past the key / value width (MiniCPM3's 96 → 128) are zero. DeepSeek's 192 / 128 at 64-key
 // tiles (`run`'s): Q 48 KB + 2 × (K 24 KB + V 16 KB) + 1 KB alignment slack = 129 KB; at 128-key tiles
-// (`bench`'s alternative) 209 KB.
+// (`bench`'s alternative) 209 KB. GLM-5's 256 / 256: 193 KB at 64 keys, 225 KB at 80 (`bench`'s
+// alternative; 128 keys would need 321 KB).
 #pragma once
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !ATT_MQA && !ATT_V_IN_K && MLA_DTYPE != 2 && ATT_DA % 8 == 0 && \
     ATT_DB % 8 == 0 && ATT_DV % 8 == 0 && ATT_DV <= 256 && (ATT_BM == 64 || ATT_BM == 128) &&             \
-    (ATT_BN == 64 || ATT_BN == 128)
+    (ATT_BN == 64 || ATT_BN == 80 || ATT_BN == 128)
 
 #include "wgmma.cuh"
 #include "tma.cuh"
@@ -69,43 +70,33 @@
 // {dynamic shared bytes, threads per CTA, rows per CTA, keys per tile}
 extern "C" __device__ const int attn_wgmma_config[4] = {PW_SMEM, PW_NT, ATT_BM, ATT_BN};
 
-// 1: the module has attn_wgmma_maps (the host writes them only then).
-extern "C" __device__ const int attn_wgmma_tma_maps = PW_TMA_OK;
-#if PW_TMA_OK
-// The tensor maps of one launch's operands (src/backend/cuda/tma.rs `PrefillMaps`): q (columns × heads ×
-// tokens, 64 × 1 × BM boxes), k_nope and v (columns × heads × keys, 64 × 1 × BN), the k_pe rows
-// (columns × keys, 64 × BN); all 128-byte swizzled, rows and columns past the tensor read as zeros.
-// `key` names the arguments they were encoded for: the host writes them here before a launch (the
-// launch's argument struct has no room for them); a launch whose arguments differ, or a host that never
-// wrote them, loads by cp.async. Constant memory: the TMA reads a map there by its generic address.
+// 1: attn_wgmma can load by TMA (the host encodes the maps); its second parameter is there either way
+// (the symbol tells the host it has one).
+extern "C" __device__ const int attn_wgmma_tma_param = PW_TMA_OK;
+// attn_wgmma's second parameter (src/backend/cuda/prefill.rs `PrefillLaunch`): the tensor maps of the
+// launch's operands — q (columns × heads × tokens, 64 × 1 × BM boxes), k_nope and v (columns × heads ×
+// keys, 64 × 1 × BN), the k_pe rows (columns × keys, 64 × BN); 128-byte swizzled, rows and columns past
+// the tensor read as zeros — and `on`: 0 where the host could not encode them (the kernel then loads by
+// cp.async). A __grid_constant__ parameter, as decode's map: encoded for this launch, so nothing to match.
 struct PwMaps {
     TmaMap q, ka, kb, v;
-    long long key[8];  // q, ka, kb, v, n_keys · 2^32 + n_q, ka_rs, kb_rs, v_rs; key[0] = 0: none written
+    int on;
 };
-extern "C" {
-__constant__ PwMaps attn_wgmma_maps;
-}
-__device__ __forceinline__ bool pw_tma_on(const AttnArgs& a) {
-    const long long* k = attn_wgmma_maps.key;
-    return gridDim.z == 1 && !a.seq_lens && k[0] != 0 && k[0] == (long long)a.q && k[1] == (long long)a.ka &&
-           k[2] == (long long)a.kb && k[3] == (long long)a.v &&
-           k[4] == (((long long)a.n_keys << 32) | (unsigned)a.n_q) && k[5] == a.ka_rs && k[6] == a.kb_rs &&
-           k[7] == a.v_rs;
-}
+#if PW_TMA_OK
 // One elected thread: keys [j0, j0 + BN) of head h into K stage sk (k_nope blocks, then k_pe's), the
 // stage's full barrier expecting every box's bytes (out-of-bounds fill included).
-__device__ __forceinline__ void pw_tma_k(int h, int j0, unsigned sk, unsigned bar) {
+__device__ __forceinline__ void pw_tma_k(const PwMaps& mp, int h, int j0, unsigned sk, unsigned bar) {
 #pragma unroll
     for (int k = 0; k < PW_KB; ++k) {
         if (k < ATT_DA / 64)
-            tma_load_3d(sk + k * PW_KBLK, &attn_wgmma_maps.ka, 64 * k, h, j0, bar);
+            tma_load_3d(sk + k * PW_KBLK, &mp.ka, 64 * k, h, j0, bar);
         else
-            tma_load_2d(sk + k * PW_KBLK, &attn_wgmma_maps.kb, 64 * (k - ATT_DA / 64), j0, bar);
+            tma_load_2d(sk + k * PW_KBLK, &mp.kb, 64 * (k - ATT_DA / 64), j0, bar);
     }
 }
-__device__ __forceinline__ void pw_tma_v(int h, int j0, unsigned sv, unsigned bar) {
+__device__ __forceinline__ void pw_tma_v(const PwMaps& mp, int h, int j0, unsigned sv, unsigned bar) {
 #pragma unroll
-    for (int k = 0; k < PW_VB; ++k) tma_load_3d(sv + k * PW_KBLK, &attn_wgmma_maps.v, 64 * k, h, j0, bar);
+    for (int k = 0; k < PW_VB; ++k) tma_load_3d(sv + k * PW_KBLK, &mp.v, 64 * k, h, j0, bar);
 }
 #endif
 
@@ -121,6 +112,20 @@ __device__ __forceinline__ void pw_ss_n64(float (&d)[32], unsigned long long da,
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(acc));
+}
+// 80-key tiles (256/256: Q 64 KB + two stages of 80-key K and V, 225 KB, fit where 128 keys do not).
+__device__ __forceinline__ void pw_ss_n80(float (&d)[40], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k16.f32." MMA_TYPE "." MMA_TYPE " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39"
+        "}, %40, %41, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
         : "l"(da), "l"(db), "r"(acc));
 }
 __device__ __forceinline__ void pw_ss_n128(float (&d)[64], unsigned long long da, unsigned long long db, int acc) {
@@ -214,6 +219,8 @@ __device__ __forceinline__ void pw_rs_n256(float (&d)[128], const unsigned (&a)[
 
 #if ATT_BN == 64
 #define pw_s pw_ss_n64
+#elif ATT_BN == 80
+#define pw_s pw_ss_n80
 #else
 #define pw_s pw_ss_n128
 #endif
@@ -289,10 +296,15 @@ __device__ __forceinline__ void pw_issue_pv(float (&o)[PW_DVP / 2], const unsign
         pw_pv(o, pa[kk], wg_desc(sV + kk * 16 * 128, PW_KBLK, 1024), !first || kk > 0);
 }
 // Online softmax of one tile's scores, in place: s becomes P = exp2(S·scale - m) (unrounded); m moves to
-// the new row maxima; al gets each row's rescale factor for O and l, rs the rows' partial sums of P.
-__device__ __forceinline__ void pw_softmax(float (&s)[ATT_BN / 2], float (&m)[2], float (&al)[2], float (&rs)[2],
-                                           const int (&lim)[2], int j0, int hi, bool mask, float scale_log2,
-                                           int t) {
+// the new row maxima (in the scaled, log2 domain); al gets each row's rescale factor for O and l, rs the
+// rows' partial sums of P. MASK: the tile holds keys past a row's causal limit or past `hi` (a CTA's
+// last tiles); the others skip the per-score compares. The scale goes into the exponent's FFMA: as
+// scale > 0 the scaled row maximum equals the maximum of the scaled scores (rounding is monotone).
+// Both together: 6–12 % less time at T = 4096 on the H200 (bench/RESULTS.md (z)).
+template <bool MASK>
+__device__ __forceinline__ void pw_softmax_t(float (&s)[ATT_BN / 2], float (&m)[2], float (&al)[2],
+                                             float (&rs)[2], const int (&lim)[2], int j0, int hi,
+                                             float scale_log2, int t) {
     float mu[2];
 #pragma unroll
     for (int e2 = 0; e2 < 2; ++e2) {
@@ -302,14 +314,12 @@ __device__ __forceinline__ void pw_softmax(float (&s)[ATT_BN / 2], float (&m)[2]
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int i = 4 * n + 2 * e2 + c, key = j0 + n * 8 + 2 * t + c;
-                float v = s[i] * scale_log2;
-                if (mask && (key >= hi || key > lim[e2])) v = MLA_NEG_INF;
-                s[i] = v;
-                tm = fmaxf(tm, v);
+                if (MASK && (key >= hi || key > lim[e2])) s[i] = MLA_NEG_INF;
+                tm = fmaxf(tm, s[i]);
             }
         tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
         tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
-        const float mn = fmaxf(m[e2], tm);
+        const float mn = tm == MLA_NEG_INF ? m[e2] : fmaxf(m[e2], tm * scale_log2);
         mu[e2] = mn == MLA_NEG_INF ? 0.f : mn;
         al[e2] = exp2f(m[e2] - mu[e2]);
         m[e2] = mn;
@@ -319,9 +329,17 @@ __device__ __forceinline__ void pw_softmax(float (&s)[ATT_BN / 2], float (&m)[2]
     for (int n = 0; n < ATT_BN / 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            s[4 * n + e] = exp2f(s[4 * n + e] - mu[e >> 1]);
+            s[4 * n + e] = exp2f(fmaf(s[4 * n + e], scale_log2, -mu[e >> 1]));
             rs[e >> 1] += s[4 * n + e];
         }
+}
+__device__ __forceinline__ void pw_softmax(float (&s)[ATT_BN / 2], float (&m)[2], float (&al)[2], float (&rs)[2],
+                                           const int (&lim)[2], int j0, int hi, bool mask, float scale_log2,
+                                           int t) {
+    if (mask)
+        pw_softmax_t<true>(s, m, al, rs, lim, j0, hi, scale_log2, t);
+    else
+        pw_softmax_t<false>(s, m, al, rs, lim, j0, hi, scale_log2, t);
 }
 // P rounded to the storage type: the A fragments of P·V's k-steps (two adjacent 8-key column groups of
 // the accumulator layout are one 16-key k-step's A layout).
@@ -341,7 +359,7 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
 __device__ __forceinline__ void pp_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void pp_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 
-extern "C" __global__ void __launch_bounds__(PW_NT, 1) attn_wgmma(const AttnArgs a) {
+extern "C" __global__ void __launch_bounds__(PW_NT, 1) attn_wgmma(const AttnArgs a, const __grid_constant__ PwMaps mp) {
     extern __shared__ __align__(1024) unsigned char smem[];
     __shared__ __align__(8) unsigned long long bars[4 * PW_ST];  // K full, V full, K empty, V empty: a stage each
     const unsigned raw = smem_u32(smem), base = (raw + 1023) & ~1023u;
@@ -359,7 +377,8 @@ extern "C" __global__ void __launch_bounds__(PW_NT, 1) attn_wgmma(const AttnArgs
     const int n_tiles = hi > lo ? (hi - lo + ATT_BN - 1) / ATT_BN : 0;
 
 #if PW_TMA_OK
-    const bool tma = pw_tma_on(a);  // the same in every thread
+    // One request (the maps cover one); the same in every thread.
+    const bool tma = mp.on && gridDim.z == 1 && !a.seq_lens;
 #else
     const bool tma = false;
 #endif
@@ -394,15 +413,15 @@ extern "C" __global__ void __launch_bounds__(PW_NT, 1) attn_wgmma(const AttnArgs
                             // Q's rows past the chunk's queries read as zeros (out of the map's bounds).
 #pragma unroll
                             for (int k = 0; k < PW_KB; ++k)
-                                tma_load_3d(sQ + k * PW_QBLK, &attn_wgmma_maps.q, 64 * k, h, tile * ATT_BM, bar);
+                                tma_load_3d(sQ + k * PW_QBLK, &mp.q, 64 * k, h, tile * ATT_BM, bar);
                         }
-                        pw_tma_k(h, lo + j * ATT_BN, sk, bar);
+                        pw_tma_k(mp, h, lo + j * ATT_BN, sk, bar);
                     }
                     if (j >= 1) {
                         const int jv = j - 1, st = jv % PW_ST;
                         if (jv >= PW_ST) mbar_wait(vempty + 8 * st, (jv / PW_ST - 1) & 1);  // P·V(jv-ST) done
                         mbar_expect_tx(vfull + 8 * st, PW_SV);
-                        pw_tma_v(h, lo + jv * ATT_BN, sV0 + st * PW_SV, vfull + 8 * st);
+                        pw_tma_v(mp, h, lo + jv * ATT_BN, sV0 + st * PW_SV, vfull + 8 * st);
                     }
                 }
             }

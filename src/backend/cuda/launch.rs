@@ -212,8 +212,9 @@ pub struct LayerKernels {
     pub copy_heads: CUfunction,
     pub merge_states: CUfunction,
     pub prefill: Attn,
-    /// Where the Hopper prefill kernel takes its tensor maps (TMA loads); None: it loads by cp.async.
-    pub prefill_tma: Option<super::prefill::PrefillTma>,
+    /// The launch of `prefill`'s kernel when it is the Hopper one (`attn_wgmma`: its tensor maps are a
+    /// second parameter); None: `prefill.run`.
+    pub prefill_wgmma: Option<super::prefill::PrefillLaunch>,
     pub decode: Attn,
 }
 
@@ -235,7 +236,7 @@ impl LayerKernels {
         let cache_gather = m_cw.func("cache_gather")?;
         let copy_heads = m_cw.func("copy_heads")?;
         let pre = Attn::load(k, gpu, "prefill.cu", dims, &prefill_tiles(), force_scalar)?;
-        let prefill_tma = super::prefill::PrefillTma::find(k, &pre, dims)?;
+        let prefill_wgmma = super::prefill::PrefillLaunch::find(k, &pre, dims)?;
         let dec = Attn::load(
             k,
             gpu,
@@ -274,7 +275,7 @@ impl LayerKernels {
             copy_heads,
             merge_states,
             prefill: pre,
-            prefill_tma,
+            prefill_wgmma,
             decode: dec,
         })
     }

@@ -98,7 +98,7 @@ pub fn mma_smem(w: &Widths, t: &Tile) -> usize {
 /// does. Decode: attention_sm90.cuh's guard (sm_90a, absorbed decode, 16-bit storage, a latent of 512
 /// or 256, a key row that is a multiple of 8, and a fallback tile of 64 rows); prefill:
 /// prefill_sm90.cuh's (sm_90a, 16-bit storage, values at most 256 wide, a fallback tile of 64 or 128
-/// rows and 64 or 128 keys; widths multiples of 8, as `mma_blocker` already requires).
+/// rows and 64, 80 or 128 keys; widths multiples of 8, as `mma_blocker` already requires).
 pub fn wgmma_blocker(arch: &str, dtype: Dtype, w: &Widths, fallback: &Tile) -> Option<String> {
     let mut why = Vec::new();
     if arch != "sm_90a" {
@@ -114,8 +114,8 @@ pub fn wgmma_blocker(arch: &str, dtype: Dtype, w: &Widths, fallback: &Tile) -> O
                 w.dv
             ));
         }
-        if !(fallback.wm == 4 || fallback.wm == 8) || !(fallback.bn == 64 || fallback.bn == 128) {
-            why.push("a tile of other than 64 or 128 rows and 64 or 128 keys".to_string());
+        if !(fallback.wm == 4 || fallback.wm == 8) || ![64, 80, 128].contains(&fallback.bn) {
+            why.push("a tile of other than 64 or 128 rows and 64, 80 or 128 keys".to_string());
         }
         return (!why.is_empty()).then(|| why.join(", "));
     }

@@ -95,16 +95,18 @@ pub const CASES: [(Shape, Floor); 6] = {
     ]
 };
 
-/// Our candidates per shape: decode, the tile `run` chooses at every split count; prefill, five tiles.
+/// Our candidates per shape: decode, the tile `run` chooses at every split count; prefill, six tiles.
 fn our_tiles(shape: Shape) -> Vec<Tile> {
     match shape {
         Shape::Decode { h, .. } => decode_tiles(h).into_iter().take(1).collect(),
         // The first prefill tile (Hopper's wgmma, 128 rows by 64 keys), the same at 128 keys (too big
-        // for 256-wide rows: skipped there) and at 64 rows by one warpgroup, and off Hopper the mma tile
-        // with its P·V on 32-row tiles (the faster one at 256-wide values).
+        // for 256-wide rows: skipped there), at 80 keys (256-wide rows' widest that fits) and at 64 rows by
+        // one warpgroup, and off Hopper the mma tile with its P·V on 32-row tiles (the faster one at
+        // 256-wide values).
         Shape::Prefill(_) => vec![
             prefill_tiles()[0],
             Tile::wgmma(Tile::new(8, 1, 128, 2, 1)),
+            Tile::wgmma(Tile::new(8, 1, 80, 2, 1)),
             Tile::wgmma(Tile::new(4, 1, 64, 2, 1)),
             prefill_tiles()[1],
             Tile::new(8, 1, 64, 2, 2),

@@ -119,14 +119,24 @@ fn encode_tiled(
     Ok(Some(map))
 }
 
-/// `attn_wgmma_maps` of kernels/prefill_sm90.cuh (the Hopper prefill kernel's TMA loads): the maps of
-/// q, k_nope, the k_pe rows and v for one launch's arguments, and the key the kernel matches them by.
+/// The second parameter of kernels/prefill_sm90.cuh's `attn_wgmma` (`PwMaps`, same layout: four
+/// 128-byte maps, then `on`; 64-byte aligned, 576 bytes): the maps of q, k_nope, the k_pe rows and v
+/// for one launch's arguments, passed by value as a `__grid_constant__` parameter (as decode's map).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
 pub struct PrefillMaps {
-    maps: [sys::CUtensorMap; 4],
-    key: [i64; 8],
+    maps: [[u64; 16]; 4],
+    /// 0: no maps (the kernel loads by cp.async).
+    on: i32,
 }
 
 impl PrefillMaps {
+    /// The parameter of a launch that loads by cp.async.
+    pub const OFF: PrefillMaps = PrefillMaps {
+        maps: [[0; 16]; 4],
+        on: 0,
+    };
+
     /// The maps for `a` (one request, no per-request lengths) at head dims `p` + `r` / `dv`, a tile of
     /// `bm` query rows and `bn` keys, 16-bit elements; None where TMA cannot address an operand (the
     /// kernel then loads by cp.async).
@@ -177,48 +187,14 @@ impl PrefillMaps {
             return Ok(None);
         };
         Ok(Some(PrefillMaps {
-            maps: [q, ka, kb, v],
-            key: [
-                a.q as i64,
-                a.ka as i64,
-                a.kb as i64,
-                a.v as i64,
-                ((a.n_keys as i64) << 32) | (a.n_q as u32 as i64),
-                a.ka_rs,
-                a.kb_rs,
-                a.v_rs,
-            ],
+            maps: [q.opaque, ka.opaque, kb.opaque, v.opaque],
+            on: 1,
         }))
     }
 
-    /// The struct's bytes, as the kernel lays it out (four 128-byte maps, then the key).
-    fn bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(4 * 128 + 64);
-        for m in &self.maps {
-            for w in m.opaque {
-                b.extend_from_slice(&w.to_le_bytes());
-            }
-        }
-        for k in self.key {
-            b.extend_from_slice(&k.to_le_bytes());
-        }
-        b
-    }
-
-    /// Write them to the module's `attn_wgmma_maps` at `addr`, ordered before the next launch on the
-    /// default stream (the kernels' stream).
-    pub fn write(&self, addr: u64) -> Result<()> {
-        let b = self.bytes();
-        unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                addr,
-                b.as_ptr() as *const std::ffi::c_void,
-                b.len(),
-                std::ptr::null_mut(),
-            )
-            .result()
-        }
-        .map_err(drv_err("writing the prefill tensor maps"))
+    /// Whether the kernel loads by TMA with this parameter.
+    pub fn on(&self) -> bool {
+        self.on != 0
     }
 }
 
@@ -253,6 +229,15 @@ mod tests {
             ..AttnArgs::decode_layout(16, 36, 64)
         };
         assert!(row_bytes(&a, 2).is_err());
+    }
+
+    #[test]
+    fn prefill_maps_have_the_kernel_parameters_layout() {
+        // prefill_sm90.cuh `PwMaps`: four 64-byte aligned 128-byte TmaMaps, `on` at 512, 576 bytes.
+        assert_eq!(std::mem::size_of::<PrefillMaps>(), 576);
+        assert_eq!(std::mem::align_of::<PrefillMaps>(), 64);
+        assert_eq!(std::mem::offset_of!(PrefillMaps, on), 512);
+        assert!(!PrefillMaps::OFF.on());
     }
 
     #[test]
