@@ -69,7 +69,19 @@ extern "C" __device__ const int attn_small_config[4] = {SM_SMEM, SM_NT, 16, 32};
 __device__ __forceinline__ void sm_mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ void sm_bar(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+// Named barrier ID over N threads (an immediate ID: ptxas then reserves only the IDs used).
+template <int ID, int N>
+__device__ __forceinline__ void sm_bar() {
+    asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "n"(N) : "memory");
+}
+// Group g's barrier of kind ID (2: the zeroed tail rows; 4: the partial S), the 128 threads of the group.
+template <int ID>
+__device__ __forceinline__ void sm_group_bar(int g) {
+    if (g == 0)
+        sm_bar<ID, 128>();
+    else
+        sm_bar<ID + 1, 128>();
+}
 // Byte offset of (key row, 16-byte chunk) in a stage: 64-column blocks of 32 rows, the 128-byte swizzle.
 __device__ __forceinline__ unsigned sm_swz(int row, int chunk) {
     return (unsigned)((chunk >> 3) * SM_BOX + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
@@ -99,14 +111,32 @@ extern "C" __global__ void __launch_bounds__(SM_NT, 1)
     const int jb = lo / 32 * 32;  // tiles on 32-key boundaries, i.e. inside one page
     const int n_tiles = hi > lo ? (hi - jb + 31) / 32 : 0;
 
+    // The pool row of tile it's first key (the request's first pool row + its page's slot).
+    const long long rb = a.ka_rs > 0 ? b * a.ka_bs / a.ka_rs : 0;
+    auto tile_row = [&](int it) {
+        const int j = jb + it * 32;
+        return (int)(rb + (long long)table[j / MLA_PAGE] * MLA_PAGE + j % MLA_PAGE);
+    };
+    // Tile it into stage it % SM_NS, once the group that read that stage last released it.
+    auto issue = [&](int it, int row) {
+        const int st = it % SM_NS;
+        mbar_wait(empty + 8 * st, ((it / SM_NS) & 1) ^ 1);
+        mbar_expect_tx(full + 8 * st, SM_STAGE);
+#pragma unroll
+        for (int kb = 0; kb < SM_KB; ++kb) tma_load_2d(ring + st * SM_STAGE + kb * SM_BOX, &km, 64 * kb, row, full + 8 * st);
+    };
+    const int first = min(SM_NS, n_tiles);  // tiles issued before the CTA barrier: every stage is free
+
     if (warp == 4 * SM_NG) {
         if (lane == 0) {
             for (int s = 0; s < SM_NS; ++s) {
-                mbar_init(full + 8 * s, 1);       // the producer's arrival + the bytes
-                mbar_init(empty + 8 * s, 4);      // the consuming group's four warps
+                mbar_init(full + 8 * s, 1);   // the producer's arrival + the bytes
+                mbar_init(empty + 8 * s, 4);  // the consuming group's four warps
             }
             mbar_init_fence();
             tma_prefetch_map(&km);
+            // The first stages load while the consumers load Q.
+            for (int it = 0; it < first; ++it) issue(it, tile_row(it));
         }
     } else {
         // Q tile (rows past the end are zero), as attn_mma lays it out.
@@ -124,17 +154,15 @@ extern "C" __global__ void __launch_bounds__(SM_NT, 1)
     __syncthreads();
 
     if (warp == 4 * SM_NG) {
-        // Producer: tile it into stage it % SM_NS once the group that read that stage last released it.
-        if (lane == 0) {
-            const long long rb = a.ka_rs > 0 ? b * a.ka_bs / a.ka_rs : 0;  // the request's first pool row
-            for (int it = 0; it < n_tiles; ++it) {
-                const int st = it % SM_NS;
-                mbar_wait(empty + 8 * st, ((it / SM_NS) & 1) ^ 1);
-                const int j0 = jb + it * 32;
-                const int row = (int)(rb + (long long)table[j0 / MLA_PAGE] * MLA_PAGE + j0 % MLA_PAGE);
-                mbar_expect_tx(full + 8 * st, SM_STAGE);
-#pragma unroll
-                for (int kb = 0; kb < SM_KB; ++kb) tma_load_2d(ring + st * SM_STAGE + kb * SM_BOX, &km, 64 * kb, row, full + 8 * st);
+        // The rest: the warp looks up the pool rows of 32 tiles at a time (one block-table read per
+        // lane), so the issuing lane does not wait on a dependent global load between copies.
+        for (int c = first; c < n_tiles; c += 32) {
+            const int rowl = c + lane < n_tiles ? tile_row(c + lane) : 0;
+            const int nc = min(32, n_tiles - c);
+            for (int i = 0; i < nc; ++i) {
+                const int row = __shfl_sync(0xffffffffu, rowl, i);
+                if (lane == 0) issue(c + i, row);
+                __syncwarp();
             }
         }
         return;
@@ -159,7 +187,7 @@ extern "C" __global__ void __launch_bounds__(SM_NT, 1)
 #pragma unroll
     for (int n = 0; n < SM_NTO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     // Every consumer has its Q fragments before the partial S overwrite the Q tile.
-    sm_bar(1, 4 * SM_NG * 32);
+    sm_bar<1, 4 * SM_NG * 32>();
 
     int k = 0;  // this group's tile count
     for (int it = grp; it < n_tiles; it += SM_NG, ++k) {
@@ -174,7 +202,7 @@ extern "C" __global__ void __launch_bounds__(SM_NT, 1)
                 const int r = z0 + i / (SM_KB * 8), c = i % (SM_KB * 8);
                 *reinterpret_cast<uint4*>(sbase + st * SM_STAGE + sm_swz(r, c)) = make_uint4(0, 0, 0, 0);
             }
-            sm_bar(2 + grp, 128);
+            sm_group_bar<2>(grp);
         }
         // Partial S over this warp's quarter of the key width: 4 n-tiles of 8 keys.
         float s[4][4];
@@ -198,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(SM_NT, 1)
         for (int n = 0; n < 4; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) sp[((wq * 4 + n) * 4 + e) * 32 + lane] = s[n][e];
-        sm_bar(4 + grp, 128);
+        sm_group_bar<4>(grp);
 #pragma unroll
         for (int n = 0; n < 4; ++n)
 #pragma unroll
@@ -280,7 +308,7 @@ extern "C" __global__ void __launch_bounds__(SM_NT, 1)
 #if SM_NG == 2
     // Merge group 1's (m, l, O) into group 0's, the split-KV combine's rule within the CTA. The merge
     // area reuses the ring: every tile has been read once both groups pass this barrier.
-    sm_bar(1, 256);
+    sm_bar<1, 256>();
     float* mo = reinterpret_cast<float*>(sbase);
     float* ml = mo + 4 * SM_NTO * 4 * 32;  // [row][m, l]
     if (grp == 1) {
@@ -295,7 +323,7 @@ extern "C" __global__ void __launch_bounds__(SM_NT, 1)
             ml[2 * (g + 8) + 1] = l[1];
         }
     }
-    sm_bar(1, 256);
+    sm_bar<1, 256>();
     if (grp == 1) return;
     float f0[2], f1[2];
 #pragma unroll

@@ -187,7 +187,12 @@ impl Attn {
                 } else {
                     None
                 };
-                let small = if !t.wgmma && mqa && m.global_i32s("attn_small_on", 1)?[0] == 1 {
+                // A kernel directory from before attn_small has no `attn_small_on`: attn_mma alone.
+                let small = if !t.wgmma
+                    && mqa
+                    && m.has_global("attn_small_on")
+                    && m.global_i32s("attn_small_on", 1)?[0] == 1
+                {
                     let c = m.global_i32s("attn_small_config", 4)?;
                     let f = m.func("attn_small")?;
                     unsafe {
