@@ -8,18 +8,21 @@
 // the 1x4w bn32 tile the host picks for fewer than 64 rows), so the planted faults reach it too.
 //
 // Why (bench/RESULTS.md (y)): at 16 heads decode is a stream of the cache (1,152 bytes a key, 16 rows
-// of work each); attn_mma's cp.async loader keeps one 36 KB tile per CTA in flight and its loads alone
-// reached ~78 % of copy bandwidth. Here one thread keeps up to SM_NS 32-key tiles in flight per CTA
-// (TMA: nine 64-column boxes of 32 rows each, 128-byte swizzle, one "full" mbarrier per stage), and a
-// stage goes back to the producer as soon as its group's four warps arrive on its "empty" mbarrier.
+// of work each); attn_mma's cp.async loader keeps one 36 KB tile per CTA in flight. Here one thread keeps
+// up to SM_NS - 1 32-key tiles in flight per CTA (TMA: nine 64-column boxes of 32 rows each, 128-byte
+// swizzle, one "full" mbarrier per stage), and a stage goes back to the producer as soon as the four
+// consumer warps arrive on its "empty" mbarrier.
 //
-// CTA: SM_NG groups of 4 consumer warps (groups take alternate tiles, each with its own running max, sum
-// and O, merged at the end as the split-KV combine merges splits) + 1 producer warp. Per tile, a group:
+// CTA: 4 consumer warps (SM_NG = 1; two CTAs per SM at SM_NS = 2) + 1 producer warp. Per tile:
 //   S    warp w computes the partial S over its quarter of the key width (Q's fragments of that quarter
 //        held in registers for the whole split; 4 independent n-tile chains of 9 k-steps);
 //   sum  the four partials through shared memory (one named barrier), added in the same order by every
 //        warp, so every warp holds the whole 16 x 32 S and its softmax without a row-max exchange;
 //   P·V  P from registers; warp w accumulates O over value columns [w·Dv/4, (w+1)·Dv/4).
+// SM_NG = 2 (two groups of 4 warps on alternate tiles, merged at the end as the split-KV combine merges
+// splits) is kept for measurement only: with an odd SM_NS it crashed on the H200 (a group waits on the
+// parity of a stage two phases ahead, which the parity cannot tell from the finished one), so SM_NS must
+// be a multiple of SM_NG (each stage then has one consumer group); that case is not measured yet.
 // Tiles are aligned to 32 keys (inside one page: MLA_PAGE % 32 == 0): the first starts at lo rounded
 // down and masks the keys below lo; rows past hi of the last tile are zeroed after landing (a page past
 // the sequence holds NaN poison, and P = 0 times NaN is NaN).
@@ -32,10 +35,10 @@
 #include "tma.cuh"
 
 #ifndef SM_NG
-#define SM_NG 2  // consumer groups (alternate tiles)
+#define SM_NG 1  // consumer groups (alternate tiles)
 #endif
 #ifndef SM_NS
-#define SM_NS 5  // key stages in the ring
+#define SM_NS 2  // key stages in the ring (2: two CTAs per SM, the fastest measured)
 #endif
 #define SM_NT (32 * (4 * SM_NG + 1))  // 4 warps per group + the producer warp
 #define SM_KB (ATT_DQKP / 64)          // 64-column blocks per key row
@@ -51,6 +54,9 @@
 #define SM_SMEM (1024 + SM_NS * SM_STAGE + SM_QS + 2 * SM_NS * 8)
 
 static_assert(SM_NG == 1 || SM_NG == 2, "one or two consumer groups");
+// A stage must have one consumer group: a group skipping the other's tiles could otherwise wait on a
+// stage whose parity has come round twice (crashes on the H200 with SM_NG 2, SM_NS 3 or 5).
+static_assert(SM_NS % SM_NG == 0, "each stage consumed by one group");
 static_assert(SM_NG == 1 || SM_MB >= 4 * SM_NTO * 4 * 32 * 4 + 16 * 2 * 4, "the merge area fits the ring");
 static_assert(ATT_DQKP % 64 == 0, "whole 64-column blocks");
 
