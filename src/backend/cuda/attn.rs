@@ -103,6 +103,11 @@ pub struct Attn {
     /// present at 576/512 with the TMA loads; `run` takes it for launches of at most `PAIRS_MAX_SPLITS`.
     pairs: Option<sys::CUfunction>,
     maps: super::tma::MapCache,
+    /// Decode's `attn_small` (kernels/attention_sm90_small.cuh: 16-row tiles, key tiles by TMA into a
+    /// ring of stages), present on sm_90a where the module's tile is attn_mma's 16 x 32 and the page a
+    /// multiple of 32: (function, dynamic smem bytes, threads, key columns). `run` takes it over `attn_mma`.
+    small: Option<(sys::CUfunction, u32, u32, usize)>,
+    small_maps: super::tma::MapCache,
 }
 
 /// The most splits a launch may have for `run` to take `attn_wgmma_pairs` over `attn_wgmma`. Measured on
@@ -110,6 +115,9 @@ pub struct Attn {
 /// H=128, B=128 H=64, s_k 4k), slower at four and eight splits of B=128 H=64 (1,024 and 512 keys per
 /// split: +5 %, +16 %), faster again at B=16 s_k=32k (8,192 and 4,096 keys per split).
 pub const PAIRS_MAX_SPLITS: i32 = 2;
+
+/// Rows of `attn_small`'s TMA boxes: one 32-key tile (kernels/attention_sm90_small.cuh).
+const SMALL_BOX_ROWS: u32 = 32;
 
 impl Attn {
     /// Load `unit` with `dims`; use the first tile in `tiles` whose shared memory fits the device
@@ -179,6 +187,31 @@ impl Attn {
                 } else {
                     None
                 };
+                // A kernel directory from before attn_small has no `attn_small_on`: attn_mma alone.
+                let small = if !t.wgmma
+                    && mqa
+                    && m.has_global("attn_small_on")
+                    && m.global_i32s("attn_small_on", 1)?[0] == 1
+                {
+                    let c = m.global_i32s("attn_small_config", 4)?;
+                    let f = m.func("attn_small")?;
+                    unsafe {
+                        drv::function::set_function_attribute(
+                            f,
+                            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            c[0],
+                        )
+                    }
+                    .map_err(drv_err("raising the kernel's shared-memory limit"))?;
+                    (c[0] as usize <= gpu.info.smem_optin).then_some((
+                        f,
+                        c[0] as u32,
+                        c[1] as u32,
+                        dims.lkv + dims.r,
+                    ))
+                } else {
+                    None
+                };
                 return Ok(Attn {
                     combine: combine(&m)?,
                     _m: m,
@@ -190,6 +223,8 @@ impl Attn {
                     tma,
                     pairs,
                     maps: Default::default(),
+                    small,
+                    small_maps: Default::default(),
                 });
             }
         }
@@ -208,6 +243,8 @@ impl Attn {
             tma: None,
             pairs: None,
             maps: Default::default(),
+            small: None,
+            small_maps: Default::default(),
         })
     }
 
@@ -256,9 +293,39 @@ impl Attn {
         self.pairs.is_some() && splits <= PAIRS_MAX_SPLITS
     }
 
+    /// Whether the module has `attn_small` (and `run` launches it instead of `attn_mma`).
+    pub fn runs_small(&self) -> bool {
+        self.small.is_some()
+    }
+
     /// Launch over `batch` independent problems; heads `a.n_heads`, queries `a.n_q`.
     pub fn run(&self, a: &AttnArgs, batch: u32) -> Result<()> {
+        if self.small.is_some() {
+            return self.run_small(a, batch);
+        }
         self.run_on(a, batch, self.runs_pairs(a.num_splits))
+    }
+
+    /// Decode on `attn_small` (none in the module: an Environment error); grid as `attn_mma`'s.
+    pub fn run_small(&self, a: &AttnArgs, batch: u32) -> Result<()> {
+        let (f, smem, threads, cols) = self
+            .small
+            .ok_or_else(|| Error::Environment("attn_small is not in this decode module".into()))?;
+        // 16-bit elements only (the kernel exists only for bf16 / fp16).
+        let map = self.small_maps.get_box(a, cols, 2, SMALL_BOX_ROWS)?;
+        let rows = (a.n_q * a.n_heads) as u32;
+        let mut p = [
+            a as *const AttnArgs as *mut c_void,
+            &map as *const sys::CUtensorMap as *mut c_void,
+        ];
+        launch(
+            f,
+            "attn_small",
+            (a.num_splits as u32, rows.div_ceil(16), batch),
+            threads,
+            smem,
+            &mut p,
+        )
     }
 
     /// `run` with the decode schedule chosen: `pairs` launches `attn_wgmma_pairs` (ignored where the

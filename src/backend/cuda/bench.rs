@@ -567,17 +567,31 @@ impl Session {
                 }
             };
             // Where the module has both decode schedules, each split count runs on both (`run` picks
-            // by split count: attn::PAIRS_MAX_SPLITS); the label names the kernel.
-            let schedules: &[bool] = if att.has_pairs() {
-                &[true, false]
+            // by split count: attn::PAIRS_MAX_SPLITS); where it has attn_small (few heads, TMA key ring),
+            // on it and on attn_mma (`run` takes attn_small). The label names the kernel.
+            #[derive(Clone, Copy, PartialEq)]
+            enum Sched {
+                Plain,
+                Pairs,
+                OneTile,
+                Small,
+                Mma,
+            }
+            let schedules: &[Sched] = if att.has_pairs() {
+                &[Sched::Pairs, Sched::OneTile]
+            } else if att.runs_small() {
+                &[Sched::Small, Sched::Mma]
             } else {
-                &[false]
+                &[Sched::Plain]
             };
             for &splits in splits_list {
-                for &pairs in schedules {
+                for &sched in schedules {
                     let a = args(splits);
                     let run = || -> Result<()> {
-                        att.run_on(&a, bsz as u32, pairs)?;
+                        match sched {
+                            Sched::Small => att.run_small(&a, bsz as u32)?,
+                            _ => att.run_on(&a, bsz as u32, sched == Sched::Pairs)?,
+                        }
                         if splits > 1 {
                             att.combine(&a, bsz * h)?;
                         }
@@ -587,10 +601,12 @@ impl Session {
                     run()?;
                     self.gpu.sync("decode (tensor cores)")?;
                     let got: Vec<u16> = o.read(0, bsz * h * lkv)?;
-                    let kernel = match (att.has_pairs(), pairs) {
-                        (false, _) => String::new(),
-                        (true, true) => " pairs".into(),
-                        (true, false) => " one-tile".into(),
+                    let kernel = match sched {
+                        Sched::Plain => "",
+                        Sched::Pairs => " pairs",
+                        Sched::OneTile => " one-tile",
+                        Sched::Small => " attn_small (TMA ring)",
+                        Sched::Mma => " attn_mma",
                     };
                     let t = Self::timed(
                         format!("{}{kernel}; splits {splits}", tile.label()),

@@ -168,6 +168,14 @@ fn check_faults(
                         dt.name()
                     )));
                 }
+                // And the few-heads TMA kernel where the module has it.
+                let has_small = after.iter().any(|(k, _)| *k == "attn_small");
+                if has_small && kernels.contains(&"attn_mma") && !kernels.contains(&"attn_small") {
+                    return Err(Error::Environment(format!(
+                        "{define}=1 changes attn_mma but not attn_small ({name} {} {unit}): the few-heads TMA kernel misses the fault's switch",
+                        dt.name()
+                    )));
+                }
                 changed.push(format!(
                     "{name} {} {label} [{}]",
                     dt.name(),

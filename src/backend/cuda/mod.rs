@@ -214,6 +214,11 @@ impl CudaBackend {
             if phase == Phase::Decode && attn.runs_pairs(splits as i32) {
                 u.label.push_str(", alternating tiles (attn_wgmma_pairs)");
             }
+            // Same tile and rows, the few-heads kernel (kernels/attention_sm90_small.cuh): its 32-key
+            // tiles start at the split's start rounded down to 32 keys.
+            if phase == Phase::Decode && attn.runs_small() {
+                u.label.push_str(", TMA key ring (attn_small)");
+            }
             uses.push(u);
         }
         self.last_kernels = uses;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 /// Every kernel file, headers first. The `.cu` files are compiled; the `.cuh` files are passed to NVRTC
 /// as named headers.
-pub const KERNEL_FILES: [(&str, &str); 14] = [
+pub const KERNEL_FILES: [(&str, &str); 15] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "attention.cuh",
@@ -22,6 +22,10 @@ pub const KERNEL_FILES: [(&str, &str); 14] = [
     (
         "attention_sm90_pairs.cuh",
         include_str!("../../../kernels/attention_sm90_pairs.cuh"),
+    ),
+    (
+        "attention_sm90_small.cuh",
+        include_str!("../../../kernels/attention_sm90_small.cuh"),
     ),
     ("wgmma.cuh", include_str!("../../../kernels/wgmma.cuh")),
     ("tma.cuh", include_str!("../../../kernels/tma.cuh")),

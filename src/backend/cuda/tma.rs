@@ -40,6 +40,40 @@ impl MapCache {
     }
 }
 
+impl MapCache {
+    /// `get` with boxes of `box_rows` rows: `attn_small`'s 32-key tiles (kernels/attention_sm90_small.cuh).
+    /// One cache per box shape (the key does not hold it).
+    pub fn get_box(
+        &self,
+        a: &AttnArgs,
+        cols: usize,
+        elem: usize,
+        box_rows: u32,
+    ) -> Result<sys::CUtensorMap> {
+        let (mut base, mut size) = (0u64, 0usize);
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, a.ka).result() }.map_err(
+            drv_err("finding the cache's allocation (cuMemGetAddressRange)"),
+        )?;
+        let key = (a.ka, a.ka_rs, base, size);
+        if let Some((k, m)) = self.last.get() {
+            if k == key {
+                return Ok(m);
+            }
+        }
+        let row_bytes = row_bytes(a, elem)?;
+        let rows = (base + size as u64 - a.ka) / row_bytes;
+        let m = encode_tiled(a.ka, &[cols as u64, rows], &[row_bytes], &[BOX, box_rows])?
+            .ok_or_else(|| {
+                Error::Environment(format!(
+                    "attn_small's TMA key loads: the cache at {:#x} ({rows} rows of {row_bytes} bytes) is not addressable by TMA",
+                    a.ka
+                ))
+            })?;
+        self.last.set(Some((key, m)));
+        Ok(m)
+    }
+}
+
 /// The cache's row in bytes, when TMA can address it: 16-bit elements, global address and row stride
 /// multiples of 16 bytes, the request's offset (ka_bs) whole rows (the kernel adds it in rows).
 fn row_bytes(a: &AttnArgs, elem: usize) -> Result<u64> {
