@@ -100,16 +100,32 @@ pub struct Attn {
     /// element bytes) of the tensor map `run` passes, and the last one encoded.
     tma: Option<(usize, usize)>,
     /// Decode's `attn_wgmma_pairs` (kernels/attention_sm90_pairs.cuh: the warpgroups on alternate tiles),
-    /// present at 576/512 with the TMA loads; `run` takes it for launches of at most `PAIRS_MAX_SPLITS`.
+    /// present at 576/512 with the TMA loads; `run` takes it by `runs_pairs` (keys per split).
     pairs: Option<sys::CUfunction>,
     maps: super::tma::MapCache,
 }
 
-/// The most splits a launch may have for `run` to take `attn_wgmma_pairs` over `attn_wgmma`. Measured on
-/// the H200 (bench/RESULTS.md (u)): pairs is 13–15 % faster at one split and 1–3 % at two (B=64 H=64 and
-/// H=128, B=128 H=64, s_k 4k), slower at four and eight splits of B=128 H=64 (1,024 and 512 keys per
-/// split: +5 %, +16 %), faster again at B=16 s_k=32k (8,192 and 4,096 keys per split).
+/// `run` takes `attn_wgmma_pairs` over `attn_wgmma` unless a launch has more than
+/// `PAIRS_MAX_SPLITS` splits of fewer than `PAIRS_MIN_SPLIT_KEYS` keys each (`runs_pairs`). Measured on
+/// the H200 (bench/RESULTS.md (u), (w), (x)): pairs is faster at 4,096 and 2,048 keys per split (s_k 4k at
+/// one and two splits: B=64 H=64 and H=128, B=128 H=64) and at 8,192 and 4,096 (B=16 H=128 s_k=32k at four
+/// and eight splits, where the old rule by split count launched `attn_wgmma`), slower at 1,024 and 512
+/// (B=128 H=64 s_k=4k at four and eight splits). Shorter launches of one or two splits (a few hundred keys:
+/// the fixtures' runs) are unmeasured for speed and stay on pairs, so `run`'s checks keep exercising it.
 pub const PAIRS_MAX_SPLITS: i32 = 2;
+/// See `PAIRS_MAX_SPLITS`: the fewest keys per split at which pairs won.
+pub const PAIRS_MIN_SPLIT_KEYS: i32 = 2048;
+
+/// `runs_pairs` without the module: pairs unless more than `PAIRS_MAX_SPLITS` splits of fewer than
+/// `PAIRS_MIN_SPLIT_KEYS` keys.
+pub fn pairs_rule(n_keys: i32, splits: i32) -> bool {
+    let per = if splits > 0 {
+        (n_keys.max(0) as i64 + splits as i64 - 1) / splits as i64
+    } else {
+        0
+    };
+    splits <= PAIRS_MAX_SPLITS || per >= PAIRS_MIN_SPLIT_KEYS as i64
+}
 
 impl Attn {
     /// Load `unit` with `dims`; use the first tile in `tiles` whose shared memory fits the device
@@ -251,14 +267,15 @@ impl Attn {
         self.pairs.is_some()
     }
 
-    /// Whether `run` launches `attn_wgmma_pairs` for a launch of `splits` splits.
-    pub fn runs_pairs(&self, splits: i32) -> bool {
-        self.pairs.is_some() && splits <= PAIRS_MAX_SPLITS
+    /// Whether `run` launches `attn_wgmma_pairs` for a launch of `n_keys` keys (the launch's `a.n_keys`)
+    /// in `splits` splits (vLLM's partition: ceil(n_keys / splits) keys per split).
+    pub fn runs_pairs(&self, n_keys: i32, splits: i32) -> bool {
+        self.pairs.is_some() && pairs_rule(n_keys, splits)
     }
 
     /// Launch over `batch` independent problems; heads `a.n_heads`, queries `a.n_q`.
     pub fn run(&self, a: &AttnArgs, batch: u32) -> Result<()> {
-        self.run_on(a, batch, self.runs_pairs(a.num_splits))
+        self.run_on(a, batch, self.runs_pairs(a.n_keys, a.num_splits))
     }
 
     /// `run` with the decode schedule chosen: `pairs` launches `attn_wgmma_pairs` (ignored where the
@@ -328,5 +345,17 @@ mod tests {
         // against the module's `attn_args_size`).
         assert_eq!(std::mem::size_of::<AttnArgs>(), 10 * 8 + 15 * 8 + 6 * 4);
         assert_eq!(std::mem::align_of::<AttnArgs>(), 8);
+    }
+
+    #[test]
+    fn pairs_rule_by_keys_per_split() {
+        // The measured points (bench/RESULTS.md (u), (x)): s_k 4k at 1, 2, 4, 8 splits; 32k at 4 and 8.
+        assert!(pairs_rule(4096, 1) && pairs_rule(4096, 2));
+        assert!(!pairs_rule(4096, 4) && !pairs_rule(4096, 8));
+        assert!(pairs_rule(32768, 4) && pairs_rule(32768, 8));
+        // The fixtures' short runs at one or two splits stay on pairs; more splits of them do not.
+        assert!(pairs_rule(77, 1) && pairs_rule(330, 2) && !pairs_rule(77, 3));
+        // Keys per split round up (vLLM's partition): 8,190 keys in 4 splits is 2,048 per split.
+        assert!(pairs_rule(8190, 4) && !pairs_rule(8188, 4));
     }
 }

@@ -567,7 +567,7 @@ impl Session {
                 }
             };
             // Where the module has both decode schedules, each split count runs on both (`run` picks
-            // by split count: attn::PAIRS_MAX_SPLITS); the label names the kernel.
+            // by keys per split: attn::pairs_rule); the label names the kernel.
             let schedules: &[bool] = if att.has_pairs() {
                 &[true, false]
             } else {
