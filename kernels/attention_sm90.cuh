@@ -21,7 +21,7 @@
 //
 // At DeepSeek / GLM-5 dims with TMA the module also holds attn_wgmma_pairs (attention_sm90_pairs.cuh:
 // the warpgroups on alternate whole tiles, no CTA barrier in the key loop), which the host launches unless a
-// launch has more than two splits of fewer than 2,048 keys (attn.rs `pairs_rule`); this kernel runs the rest
+// launch has more than two splits of fewer than 512 keys (attn.rs `pairs_rule`); this kernel runs the rest
 // (those launches, MiniCPM3's 288/256, cp.async pages).
 //
 // Shared layout (what wgmma reads with the 128-byte swizzle): a tile of 64 rows is stored as 64-column

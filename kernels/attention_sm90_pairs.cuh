@@ -2,17 +2,19 @@
 // latent 512) with TMA key tiles (page a multiple of 64), the two warpgroups on alternate 64-key tiles so
 // one's softmax runs under the other's MMAs (FlashMLA's schedule). Included by attention_sm90.cuh, whose
 // helpers, contract, numerics and fault switches it shares; the host launches it unless a launch has more
-// than two splits of fewer than 2,048 keys, attn_wgmma then (src/backend/cuda/attn.rs `pairs_rule`;
+// than two splits of fewer than 512 keys, attn_wgmma then (src/backend/cuda/attn.rs `pairs_rule`;
 // measured in bench/RESULTS.md (u), (x)).
 //
 // Why: the one-tile-at-a-time kernel (RESULTS.md (l)) is bound by its serial per-tile chain (S, a CTA
 // barrier for the row maxima, P, a barrier, P·V) with nothing else resident; here no CTA-wide barrier is
 // in the key loop and the warpgroups hand each other the running max per tile.
 //
-// Per tile, fewer instructions than the first version (~1,700 per warp and pair; FlashMLA executes about
-// half ours, RESULTS.md (u)): descriptors as base + constant, the key compares only on a range's edge
+// Per tile, fewer instructions than the first version (~1,700 per warp and pair in SASS; FlashMLA executes
+// about half ours, RESULTS.md (u)): descriptors as base + constant, the key compares only on a range's edge
 // tiles, O's rescale skipped by a warp whose maxima all held, the scale inside exp2's FFMA, exp2 without
-// its denormal path (the WA_* switches below; RESULTS.md (x)).
+// its denormal path (the WA_* switches below). Together 5–9 % faster at B=64 s_k=4k; one lever off at a time
+// (H=128, one run each) was slower by 0.6–15 µs, most for the descriptors, except the rescale skip: neutral
+// on the bench's random data (RESULTS.md (x)).
 //
 // Pair k = tiles A = 2k (stage 0) and B = 2k+1 (stage 1). Warpgroup 0 computes S_A over all 64 keys and
 // the max m_A = max(m, rowmax S_A), writes P_A; warpgroup 1 computes S_B, takes m_A and writes P_B with

@@ -107,14 +107,15 @@ pub struct Attn {
 
 /// `run` takes `attn_wgmma_pairs` over `attn_wgmma` unless a launch has more than
 /// `PAIRS_MAX_SPLITS` splits of fewer than `PAIRS_MIN_SPLIT_KEYS` keys each (`runs_pairs`). Measured on
-/// the H200 (bench/RESULTS.md (u), (w), (x)): pairs is faster at 4,096 and 2,048 keys per split (s_k 4k at
-/// one and two splits: B=64 H=64 and H=128, B=128 H=64) and at 8,192 and 4,096 (B=16 H=128 s_k=32k at four
-/// and eight splits, where the old rule by split count launched `attn_wgmma`), slower at 1,024 and 512
-/// (B=128 H=64 s_k=4k at four and eight splits). Shorter launches of one or two splits (a few hundred keys:
-/// the fixtures' runs) are unmeasured for speed and stay on pairs, so `run`'s checks keep exercising it.
+/// the H200 with the kernel of bench/RESULTS.md (x), both schedules in one run: pairs is faster at every
+/// split count timed — 4,096 down to 512 keys per split (s_k 4k at 1, 2, 4 and 8 splits, B=64 H=128 and
+/// B=128 H=64, bf16 and fp16) and 32,768 down to 4,096 (B=16 H=128 s_k=32k, 1–8 splits), by 3 % (8 splits)
+/// to 28 % (one split of 32k); the kernel of (u) lost at 1,024 and 512, the per-tile cuts of (x) turned
+/// that. Fewer keys per split at more than two splits are unmeasured and stay on `attn_wgmma`; one or two
+/// splits of a few hundred keys (the fixtures' runs) stay on pairs, so `run`'s checks keep exercising it.
 pub const PAIRS_MAX_SPLITS: i32 = 2;
-/// See `PAIRS_MAX_SPLITS`: the fewest keys per split at which pairs won.
-pub const PAIRS_MIN_SPLIT_KEYS: i32 = 2048;
+/// See `PAIRS_MAX_SPLITS`: the fewest keys per split measured (pairs won there).
+pub const PAIRS_MIN_SPLIT_KEYS: i32 = 512;
 
 /// `runs_pairs` without the module: pairs unless more than `PAIRS_MAX_SPLITS` splits of fewer than
 /// `PAIRS_MIN_SPLIT_KEYS` keys.
@@ -349,13 +350,13 @@ mod tests {
 
     #[test]
     fn pairs_rule_by_keys_per_split() {
-        // The measured points (bench/RESULTS.md (u), (x)): s_k 4k at 1, 2, 4, 8 splits; 32k at 4 and 8.
-        assert!(pairs_rule(4096, 1) && pairs_rule(4096, 2));
-        assert!(!pairs_rule(4096, 4) && !pairs_rule(4096, 8));
-        assert!(pairs_rule(32768, 4) && pairs_rule(32768, 8));
+        // The measured points (bench/RESULTS.md (x)): s_k 4k at 1, 2, 4, 8 splits; 32k at 1 to 8.
+        for splits in [1, 2, 4, 8] {
+            assert!(pairs_rule(4096, splits) && pairs_rule(32768, splits));
+        }
         // The fixtures' short runs at one or two splits stay on pairs; more splits of them do not.
         assert!(pairs_rule(77, 1) && pairs_rule(330, 2) && !pairs_rule(77, 3));
-        // Keys per split round up (vLLM's partition): 8,190 keys in 4 splits is 2,048 per split.
-        assert!(pairs_rule(8190, 4) && !pairs_rule(8188, 4));
+        // Keys per split round up (vLLM's partition): 2,046 keys in 4 splits is 512 per split.
+        assert!(pairs_rule(2046, 4) && !pairs_rule(2044, 4));
     }
 }
