@@ -20,8 +20,9 @@
 // it, 256 threads load each tile with cp.async, one block-table lookup per row.
 //
 // At DeepSeek / GLM-5 dims with TMA the module also holds attn_wgmma_pairs (attention_sm90_pairs.cuh:
-// the warpgroups on alternate whole tiles, no CTA barrier in the key loop), which the host launches when a
-// launch has at most two splits; this kernel runs the rest (more splits, MiniCPM3's 288/256, cp.async pages).
+// the warpgroups on alternate whole tiles, no CTA barrier in the key loop), which the host launches unless a
+// launch has more than two splits of fewer than 512 keys (attn.rs `pairs_rule`); this kernel runs the rest
+// (those launches, MiniCPM3's 288/256, cp.async pages).
 //
 // Shared layout (what wgmma reads with the 128-byte swizzle): a tile of 64 rows is stored as 64-column
 // blocks of 8 KB; in a block, row r is 128 bytes at r·128 and its 16-byte chunk c sits at chunk c ^ (r % 8).

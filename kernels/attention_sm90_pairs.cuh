@@ -1,12 +1,20 @@
 // attention_sm90_pairs.cuh — attn_wgmma_pairs: decode at DeepSeek / GLM-5 dims (key rows 576 = 9 blocks,
 // latent 512) with TMA key tiles (page a multiple of 64), the two warpgroups on alternate 64-key tiles so
 // one's softmax runs under the other's MMAs (FlashMLA's schedule). Included by attention_sm90.cuh, whose
-// helpers, contract, numerics and fault switches it shares; the host launches it when a launch has at most
-// two splits, attn_wgmma otherwise (src/backend/cuda/attn.rs; measured in bench/RESULTS.md (u)).
+// helpers, contract, numerics and fault switches it shares; the host launches it unless a launch has more
+// than two splits of fewer than 512 keys, attn_wgmma then (src/backend/cuda/attn.rs `pairs_rule`;
+// measured in bench/RESULTS.md (u), (x)).
 //
 // Why: the one-tile-at-a-time kernel (RESULTS.md (l)) is bound by its serial per-tile chain (S, a CTA
 // barrier for the row maxima, P, a barrier, P·V) with nothing else resident; here no CTA-wide barrier is
 // in the key loop and the warpgroups hand each other the running max per tile.
+//
+// Per tile, fewer instructions than the first version (~1,700 per warp and pair in SASS; FlashMLA executes
+// about half ours, RESULTS.md (u)): descriptors as base + constant, the key compares only on a range's edge
+// tiles, O's rescale skipped by a warp whose maxima all held, the scale inside exp2's FFMA, exp2 without
+// its denormal path (the WA_* switches below). Together 5–9 % faster at B=64 s_k=4k; one lever off at a time
+// (H=128, one run each) was slower by 0.6–15 µs, most for the descriptors, except the rescale skip: neutral
+// on the bench's random data (RESULTS.md (x)).
 //
 // Pair k = tiles A = 2k (stage 0) and B = 2k+1 (stage 1). Warpgroup 0 computes S_A over all 64 keys and
 // the max m_A = max(m, rowmax S_A), writes P_A; warpgroup 1 computes S_B, takes m_A and writes P_B with
@@ -103,54 +111,142 @@ __device__ __forceinline__ void wa_fix(unsigned char* gK, unsigned bar, int ph, 
     }
 }
 
-// S (+)= Q·Kᵀ over blocks [B0, B1) of a stage; block 8 (rope) takes Q from registers.
+// Probe switches of RESULTS.md (x) (each 1 in the landed kernel; a probe directory sets one to 0):
+// WA_NOMASK: interior tiles skip the per-key compares; WA_SKIPSCALE: O's rescale skipped by a warp whose
+// α are all 1; WA_FFMA: the softmax scale folded into exp2's argument; WA_FTZ: exp2 without the
+// denormal-result path; WA_DESC: descriptors as a base plus a constant.
+#ifndef WA_NOMASK
+#define WA_NOMASK 1
+#endif
+#ifndef WA_SKIPSCALE
+#define WA_SKIPSCALE 1
+#endif
+#ifndef WA_FFMA
+#define WA_FFMA 1
+#endif
+#ifndef WA_FTZ
+#define WA_FTZ 1
+#endif
+#ifndef WA_DESC
+#define WA_DESC 1
+#endif
+
+// Descriptors (wgmma.cuh's wg_desc) as the low word of a base plus off / 16: the address field is the
+// low word's bits 0–13 and no offset inside the CTA's 227 KB carries out of it, so each MMA's descriptor
+// is one add instead of a rebuild (the rebuilds were ~470 of the ~1,700 instructions per pair).
+// `lo`: wa_desc_lo of the base; the high word (stride 1024 B, 128-byte swizzle) is the same for all.
+__device__ __forceinline__ unsigned wa_desc_lo(unsigned addr, unsigned lbo) {
+    return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16);
+}
+__device__ __forceinline__ unsigned long long wa_desc(unsigned lo, unsigned off) {
+    return ((unsigned long long)((1024 >> 4) | (1u << 30)) << 32) | (lo + (off >> 4));
+}
+#if WA_DESC
+#define WA_DQ(addr, off) wa_desc(addr, off)
+#define WA_DV(addr, off) wa_desc(addr, off)
+#define WA_LO(addr, lbo) wa_desc_lo(addr, lbo)
+#else
+#define WA_DQ(addr, off) wg_desc((addr) + (off), 16, 1024)
+#define WA_DV(addr, off) wg_desc((addr) + (off), WG_BLK, 1024)
+#define WA_LO(addr, lbo) (addr)
+#endif
+
+// S (+)= Q·Kᵀ over blocks [B0, B1) of a stage; block 8 (rope) takes Q from registers. dQ, dK: WA_LO of
+// sQ and the stage (lbo 16).
 template <int B0, int B1>
-__device__ __forceinline__ void wa_s(float (&s)[32], unsigned sQ, unsigned sK, const unsigned (&qr)[4][4]) {
+__device__ __forceinline__ void wa_s(float (&s)[32], unsigned dQ, unsigned dK, const unsigned (&qr)[4][4]) {
 #pragma unroll
     for (int kk = 4 * B0; kk < 4 * B1; ++kk) {
         const unsigned off = (kk >> 2) * WG_BLK + (kk & 3) * 32;
         if (kk < 32)
-            wa_m64n64k16(s, wg_desc(sQ + off, 16, 1024), wg_desc(sK + off, 16, 1024), kk > 0);
+            wa_m64n64k16(s, WA_DQ(dQ, off), WA_DQ(dK, off), kk > 0);
         else
-            wa_m64n64k16_rs(s, qr[kk & 3], wg_desc(sK + off, 16, 1024));
+            wa_m64n64k16_rs(s, qr[kk & 3], WA_DQ(dK, off));
     }
 }
 
-// O (+)= P·V over 64 keys for value columns [256·half, 256·half + 256).
-__device__ __forceinline__ void wa_pv(float (&o)[128], unsigned sP, unsigned sK, int half, int acc) {
+// O (+)= P·V over 64 keys for value columns [256·half, 256·half + 256). dP: WA_LO of the P tile (lbo 16);
+// dV: of the stage with lbo WG_BLK (V is read N-major).
+__device__ __forceinline__ void wa_pv(float (&o)[128], unsigned dP, unsigned dV, int half, int acc) {
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-        wg_pv(o, wg_desc(sP + kk * 32, 16, 1024), wg_desc(sK + half * 4 * WG_BLK + kk * 16 * 128, WG_BLK, 1024),
-              acc || kk > 0);
+        wg_pv(o, WA_DQ(dP, kk * 32), WA_DV(dV, half * 4 * WG_BLK + kk * 16 * 128), acc || kk > 0);
 }
 
-// Scale, mask (keys ≥ hi, past a row's limit; the fault's upper 32 of each tile), row max of S.
+// Mask (keys below lo, at or past hi, past a row's limit; the fault's upper 32 of each tile) and row max
+// of S. With WA_FFMA S stays unscaled (the scale is positive, so the max of the scaled S is the scaled max,
+// rounding included) and only the two maxima are scaled; wa_exp folds the scale into its FFMA. With
+// WA_NOMASK a tile inside [lo, hi) and below every row's limit of the warp (warp-uniform vote) takes the
+// path without compares.
 __device__ __forceinline__ void wa_mask_max(float (&s)[32], int lo, int j0, int hi, const int (&lim)[2], int t,
                                             float (&tm)[2], float scale_log2) {
     tm[0] = tm[1] = MLA_NEG_INF;
+#if WA_FFMA
+    const float sc = 1.f;
+#else
+    const float sc = scale_log2;
+#endif
+#if WA_NOMASK
+    const bool inside =
+        __all_sync(0xffffffffu, j0 >= lo && j0 + WG_BN <= hi && j0 + WG_BN - 1 <= min(lim[0], lim[1]));
+#else
+    const bool inside = false;
+#endif
+    if (inside) {
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
+        for (int n = 0; n < 8; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int c = n * 8 + 2 * t + (e & 1), key = j0 + c;
-            float v = s[4 * n + e] * scale_log2;
-            if (key < lo || key >= hi || key > lim[e >> 1] || WG_FAULT_DROP(c >= 32)) v = MLA_NEG_INF;
-            s[4 * n + e] = v;
-            tm[e >> 1] = fmaxf(tm[e >> 1], v);
-        }
+            for (int e = 0; e < 4; ++e) {
+                float v = s[4 * n + e] * sc;
+                if (WG_FAULT_DROP(n * 8 + 2 * t + (e & 1) >= 32)) v = MLA_NEG_INF;
+                s[4 * n + e] = v;
+                tm[e >> 1] = fmaxf(tm[e >> 1], v);
+            }
+    } else {
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = n * 8 + 2 * t + (e & 1), key = j0 + c;
+                float v = s[4 * n + e] * sc;
+                if (key < lo || key >= hi || key > lim[e >> 1] || WG_FAULT_DROP(c >= 32)) v = MLA_NEG_INF;
+                s[4 * n + e] = v;
+                tm[e >> 1] = fmaxf(tm[e >> 1], v);
+            }
+    }
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
         tm[e] = fmaxf(tm[e], __shfl_xor_sync(0xffffffffu, tm[e], 1));
         tm[e] = fmaxf(tm[e], __shfl_xor_sync(0xffffffffu, tm[e], 2));
+#if WA_FFMA
+        tm[e] *= scale_log2;
+#endif
     }
 }
 
-// P = exp2(S - mu) in place; row sums into rs.
-__device__ __forceinline__ void wa_exp(float (&s)[32], const float (&mu)[2], float (&rs)[2]) {
+// 2^x. With WA_FTZ a result below 2^-126 is 0 (ex2.approx.ftz: one MUFU; exp2f adds a compare and two
+// multiplies for denormal results). Harmless here: every P row holds a 1 (its max), so such terms are
+// far below l's last bit, and P rounds them to 0 or a bf16/fp16 denormal that P·V cannot see next to 1.
+__device__ __forceinline__ float wa_ex2(float x) {
+#if WA_FTZ
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return exp2f(x);
+#endif
+}
+
+// P = exp2(S·scale - mu) in place (WA_FFMA; else S is scaled already); row sums into rs.
+__device__ __forceinline__ void wa_exp(float (&s)[32], const float (&mu)[2], float (&rs)[2], float scale_log2) {
     rs[0] = rs[1] = 0.f;
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-        s[i] = exp2f(s[i] - mu[(i >> 1) & 1]);
+#if WA_FFMA
+        s[i] = wa_ex2(fmaf(s[i], scale_log2, -mu[(i >> 1) & 1]));
+#else
+        s[i] = wa_ex2(s[i] - mu[(i >> 1) & 1]);
+#endif
         rs[(i >> 1) & 1] += s[i];
     }
 }
@@ -165,7 +261,12 @@ __device__ __forceinline__ void wa_store_p(unsigned char* gP, const float (&s)[3
                 pack2(s[4 * n + 2 * e], s[4 * n + 2 * e + 1]);
 }
 
+// O *= α per row. With WA_SKIPSCALE a warp whose 16 rows all kept their max (α = 1: the multiply would be
+// exact) skips the 128 multiplies; the vote keeps the branch warp-uniform.
 __device__ __forceinline__ void wa_scale_o(float (&o)[128], const float (&al)[2]) {
+#if WA_SKIPSCALE
+    if (__all_sync(0xffffffffu, al[0] == 1.f && al[1] == 1.f)) return;
+#endif
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] *= al[(i >> 1) & 1];
 }
@@ -209,6 +310,9 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
     // consumer waits on parity k & 1.
     const unsigned readyA = full + 48, readyB = full + 56;
     int oph = 0;
+    // The descriptors' bases (WA_DESC: low words; else the addresses).
+    const unsigned dQ = WA_LO(sQ, 16), dK0 = WA_LO(sK0, 16), dK1 = WA_LO(sK1, 16), dPA = WA_LO(sPA, 16),
+                   dPB = WA_LO(sPB, 16), dV0 = WA_LO(sK0, WG_BLK), dV1 = WA_LO(sK1, WG_BLK);
 
     // Q (rows past the end are zero), then its rope block into registers.
     for (int r = tid >> 3; r < WG_BM; r += WG_NT / 8) {
@@ -253,11 +357,11 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
             wa_mbar_wait(full + 0, 0);
             wg_fence_smem();
             wg_fence();
-            wa_s<0, 4>(s, sQ, sK0, qr);
+            wa_s<0, 4>(s, dQ, dK0, qr);
             wa_mbar_wait(full + 8, 0);
             wg_fence_smem();
             wg_fence();
-            wa_s<4, 9>(s, sQ, sK0, qr);
+            wa_s<4, 9>(s, dQ, dK0, qr);
             wg_commit();
         }
         // Every S is waited for in the iteration that issues it: a wait at the loop's top would leave the
@@ -277,7 +381,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
                 m[e] = mn;
                 if (t == 0) sMA[wr + g + 8 * e] = mn;
             }
-            wa_exp(s, mu, rs);
+            wa_exp(s, mu, rs, a.scale_log2);
             wa_store_p(gPA, s, wr, g, t);
             l[0] = l[0] * al[0] + rs[0];
             l[1] = l[1] * al[1] + rs[1];
@@ -286,7 +390,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
             wa_arrive(readyA);  // P_A, m_A → wg1
 
             wg_fence();
-            wa_pv(o, sPA, sK0, 0, k > 0);
+            wa_pv(o, dPA, dV0, 0, k > 0);
             wg_commit();
             // Stage 0's left half is free once this P_A·V_A is done (S_A was its other reader): refill it
             // now, under wg1's softmax of B, not after the hand-over below.
@@ -308,7 +412,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
                 wa_mbar_wait(full + 16, ph);  // stage 1's left half (landed before S_B)
                 wg_fence_smem();
                 wg_fence();
-                wa_pv(o, sPB, sK1, 0, 1);
+                wa_pv(o, dPB, dV1, 0, 1);
                 wg_commit();
             }
             if (next_a) {  // S_A of the next pair: left half under P_B·V_B
@@ -316,7 +420,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
                 wa_mbar_wait(full + 0, ph ^ 1);
                 wg_fence_smem();
                 wg_fence();
-                wa_s<0, 4>(s, sQ, sK0, qr);
+                wa_s<0, 4>(s, dQ, dK0, qr);
                 wg_commit();
             }
             if (has_b) {
@@ -330,7 +434,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
                 wa_mbar_wait(full + 8, ph ^ 1);
                 wg_fence_smem();
                 wg_fence();
-                wa_s<4, 9>(s, sQ, sK0, qr);
+                wa_s<4, 9>(s, dQ, dK0, qr);
                 wg_commit();
             }
             wg_wait<0>();  // the next S_A (and P_B·V_B)
@@ -346,11 +450,11 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
                 wa_mbar_wait(full + 16, ph);
                 wg_fence_smem();
                 wg_fence();
-                wa_s<0, 4>(s, sQ, sK1, qr);
+                wa_s<0, 4>(s, dQ, dK1, qr);
                 wa_mbar_wait(full + 24, ph);
                 wg_fence_smem();
                 wg_fence();
-                wa_s<4, 9>(s, sQ, sK1, qr);
+                wa_s<4, 9>(s, dQ, dK1, qr);
                 wg_commit();
                 wg_wait<0>();
                 wg_pin(s);
@@ -370,7 +474,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
             wa_mbar_wait(full + 8, ph);  // stage 0's right half (landed before S_A)
             wg_fence_smem();
             wg_fence();
-            wa_pv(o, sPA, sK0, 1, k > 0);
+            wa_pv(o, dPA, dV0, 1, k > 0);
             wg_commit();
             // Softmax of B under P_A·V_A.
             if (has_b) {
@@ -382,7 +486,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
                     al[e] = exp2f(m[e] - mu[e]);
                     m[e] = mn;
                 }
-                wa_exp(s, mu, rs);
+                wa_exp(s, mu, rs, a.scale_log2);
             } else {
                 al[0] = al[1] = 1.f;
             }
@@ -401,7 +505,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
             if (has_b) {
                 wa_scale_o(o, al);
                 wg_fence();
-                wa_pv(o, sPB, sK1, 1, 1);
+                wa_pv(o, dPB, dV1, 1, 1);
                 wg_commit();
                 wg_wait<0>();  // P_B·V_B (right)
                 wg_pin(o);

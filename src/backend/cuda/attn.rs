@@ -100,7 +100,7 @@ pub struct Attn {
     /// element bytes) of the tensor map `run` passes, and the last one encoded.
     tma: Option<(usize, usize)>,
     /// Decode's `attn_wgmma_pairs` (kernels/attention_sm90_pairs.cuh: the warpgroups on alternate tiles),
-    /// present at 576/512 with the TMA loads; `run` takes it for launches of at most `PAIRS_MAX_SPLITS`.
+    /// present at 576/512 with the TMA loads; `run` takes it by `runs_pairs` (keys per split).
     pairs: Option<sys::CUfunction>,
     maps: super::tma::MapCache,
     /// Decode's `attn_small` (kernels/attention_sm90_small.cuh: 16-row tiles, key tiles by TMA into a
@@ -110,11 +110,28 @@ pub struct Attn {
     small_maps: super::tma::MapCache,
 }
 
-/// The most splits a launch may have for `run` to take `attn_wgmma_pairs` over `attn_wgmma`. Measured on
-/// the H200 (bench/RESULTS.md (u)): pairs is 13–15 % faster at one split and 1–3 % at two (B=64 H=64 and
-/// H=128, B=128 H=64, s_k 4k), slower at four and eight splits of B=128 H=64 (1,024 and 512 keys per
-/// split: +5 %, +16 %), faster again at B=16 s_k=32k (8,192 and 4,096 keys per split).
+/// `run` takes `attn_wgmma_pairs` over `attn_wgmma` unless a launch has more than
+/// `PAIRS_MAX_SPLITS` splits of fewer than `PAIRS_MIN_SPLIT_KEYS` keys each (`runs_pairs`). Measured on
+/// the H200 with the kernel of bench/RESULTS.md (x), both schedules in one run: pairs is faster at every
+/// split count timed — 4,096 down to 512 keys per split (s_k 4k at 1, 2, 4 and 8 splits, B=64 H=128 and
+/// B=128 H=64, bf16 and fp16) and 32,768 down to 4,096 (B=16 H=128 s_k=32k, 1–8 splits), by 3 % (8 splits)
+/// to 28 % (one split of 32k); the kernel of (u) lost at 1,024 and 512, the per-tile cuts of (x) turned
+/// that. Fewer keys per split at more than two splits are unmeasured and stay on `attn_wgmma`; one or two
+/// splits of a few hundred keys (the fixtures' runs) stay on pairs, so `run`'s checks keep exercising it.
 pub const PAIRS_MAX_SPLITS: i32 = 2;
+/// See `PAIRS_MAX_SPLITS`: the fewest keys per split measured (pairs won there).
+pub const PAIRS_MIN_SPLIT_KEYS: i32 = 512;
+
+/// `runs_pairs` without the module: pairs unless more than `PAIRS_MAX_SPLITS` splits of fewer than
+/// `PAIRS_MIN_SPLIT_KEYS` keys.
+pub fn pairs_rule(n_keys: i32, splits: i32) -> bool {
+    let per = if splits > 0 {
+        (n_keys.max(0) as i64 + splits as i64 - 1) / splits as i64
+    } else {
+        0
+    };
+    splits <= PAIRS_MAX_SPLITS || per >= PAIRS_MIN_SPLIT_KEYS as i64
+}
 
 /// Rows of `attn_small`'s TMA boxes: one 32-key tile (kernels/attention_sm90_small.cuh).
 const SMALL_BOX_ROWS: u32 = 32;
@@ -288,9 +305,10 @@ impl Attn {
         self.pairs.is_some()
     }
 
-    /// Whether `run` launches `attn_wgmma_pairs` for a launch of `splits` splits.
-    pub fn runs_pairs(&self, splits: i32) -> bool {
-        self.pairs.is_some() && splits <= PAIRS_MAX_SPLITS
+    /// Whether `run` launches `attn_wgmma_pairs` for a launch of `n_keys` keys (the launch's `a.n_keys`)
+    /// in `splits` splits (vLLM's partition: ceil(n_keys / splits) keys per split).
+    pub fn runs_pairs(&self, n_keys: i32, splits: i32) -> bool {
+        self.pairs.is_some() && pairs_rule(n_keys, splits)
     }
 
     /// Whether the module has `attn_small` (and `run` launches it instead of `attn_mma`).
@@ -303,7 +321,7 @@ impl Attn {
         if self.small.is_some() {
             return self.run_small(a, batch);
         }
-        self.run_on(a, batch, self.runs_pairs(a.num_splits))
+        self.run_on(a, batch, self.runs_pairs(a.n_keys, a.num_splits))
     }
 
     /// Decode on `attn_small` (none in the module: an Environment error); grid as `attn_mma`'s.
@@ -395,5 +413,17 @@ mod tests {
         // against the module's `attn_args_size`).
         assert_eq!(std::mem::size_of::<AttnArgs>(), 10 * 8 + 15 * 8 + 6 * 4);
         assert_eq!(std::mem::align_of::<AttnArgs>(), 8);
+    }
+
+    #[test]
+    fn pairs_rule_by_keys_per_split() {
+        // The measured points (bench/RESULTS.md (x)): s_k 4k at 1, 2, 4, 8 splits; 32k at 1 to 8.
+        for splits in [1, 2, 4, 8] {
+            assert!(pairs_rule(4096, splits) && pairs_rule(32768, splits));
+        }
+        // The fixtures' short runs at one or two splits stay on pairs; more splits of them do not.
+        assert!(pairs_rule(77, 1) && pairs_rule(330, 2) && !pairs_rule(77, 3));
+        // Keys per split round up (vLLM's partition): 2,046 keys in 4 splits is 512 per split.
+        assert!(pairs_rule(2046, 4) && !pairs_rule(2044, 4));
     }
 }

@@ -567,7 +567,7 @@ impl Session {
                 }
             };
             // Where the module has both decode schedules, each split count runs on both (`run` picks
-            // by split count: attn::PAIRS_MAX_SPLITS); where it has attn_small (few heads, TMA key ring),
+            // by keys per split: attn::pairs_rule); where it has attn_small (few heads, TMA key ring),
             // on it and on attn_mma (`run` takes attn_small). The label names the kernel.
             #[derive(Clone, Copy, PartialEq)]
             enum Sched {

@@ -169,7 +169,14 @@ impl CudaBackend {
 impl CudaBackend {
     /// Record the layer's kernels for coverage, and check them against the host's prediction
     /// (`plan`: what the coverage tests and the default schedule assume without a GPU).
-    fn record_kernels(&mut self, k: &LayerKernels, dims: &Dims, q_rows: usize, splits: usize) {
+    fn record_kernels(
+        &mut self,
+        k: &LayerKernels,
+        dims: &Dims,
+        q_rows: usize,
+        splits: usize,
+        n_keys: usize,
+    ) {
         use crate::coverage::Phase;
         let i = &self.gpu.info;
         let caps = tile_model::Caps {
@@ -210,8 +217,8 @@ impl CudaBackend {
             let prod = tile_model::production(dims, phase, ran, q_rows, &caps, force);
             let mut u = tile_model::kernel_use(phase, ran, prod);
             // Same tile and classes, another kernel (kernels/attention_sm90_pairs.cuh): the report says
-            // which of the two ran.
-            if phase == Phase::Decode && attn.runs_pairs(splits as i32) {
+            // which of the two ran (at `n_keys`, the last decode step's: the most keys per split).
+            if phase == Phase::Decode && attn.runs_pairs(n_keys as i32, splits as i32) {
                 u.label.push_str(", alternating tiles (attn_wgmma_pairs)");
             }
             // Same tile and rows, the few-heads kernel (kernels/attention_sm90_small.cuh): its 32-key
@@ -350,7 +357,13 @@ impl Backend for CudaBackend {
             prefill: k.prefill.key_tiles(),
             decode: k.decode.key_tiles(),
         };
-        self.record_kernels(&k, &dims, sched.q_len * z.h, sched.num_splits);
+        self.record_kernels(
+            &k,
+            &dims,
+            sched.q_len * z.h,
+            sched.num_splits,
+            sched.total_tokens(),
+        );
         if ctx.selection.is_some() {
             // The dense kernels are loaded but attention runs in sparse_attn: say so, tile classes unknown.
             (self.last_kernels, self.last_tiles) = (sparse::kernel_uses(), Default::default());
