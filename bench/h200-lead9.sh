@@ -4,12 +4,13 @@
 #   checks:   selftest --backend cuda, gpu-validate (all kernels at once);
 #   runs:     fixture runs taking attn_small (DeepSeek-V3 8 heads at q_len 2 / page 32, MiniCPM3 q_len 4, fp16),
 #             with three planted decode faults that must fail them (exit 1);
-#   sanitize: compute-sanitizer (no kernel filter) memcheck / synccheck on attn_small's schedule, racecheck on
-#             GLM-5 with two splits starting mid-page (pairs decode + TMA prefill with its maps as a parameter),
-#             on DeepSeek-V3 q_len 8 (pairs at 64 rows) and on attn_small's schedule;
+#   sanitize: compute-sanitizer (no kernel filter) memcheck / synccheck on GLM-5 with two splits starting
+#             mid-page (pairs decode + TMA prefill with its maps as a parameter) and on attn_small's schedule;
+#             racecheck on DeepSeek-V3 q_len 8 (pairs at 64 rows) and on attn_small's schedule (dec9 and pre9
+#             racechecked GLM-5's two mid-page splits and its prefill on their own calls);
 #   table:    `bench table` (every row, FlashMLA + vLLM TRITON_MLA + cuDNN SDPA), bf16 and fp16.
 # Carry .carry/lead9 (mla-diff.xz, COMMIT) and .carry/peers; from the repository root:
-#   OUT=$OUT BUDGET=… ORDER="checks table runs sanitize" bash bench/h200-lead9.sh
+#   OUT=$OUT BUDGET=… ORDER="checks runs table sanitize" bash bench/h200-lead9.sh
 set -uo pipefail
 NAME=lead9
 B=/tmp/mla-diff
@@ -65,11 +66,14 @@ san1() { # san1 NAME TOOL T FIXTURE ARGS… (no kernel filter: it breaks raceche
   gzip -9 "$D/$n.txt"
 }
 sanitize() {
-  san1 memcheck-small memcheck 40 deepseek-v3-yarn-q4_k.gguf $S3 --q-len 2
-  san1 synccheck-small synccheck 40 deepseek-v3-yarn-q4_k.gguf $S3 --q-len 2
-  san1 race-glm5-2split racecheck 90 glm-5-q4_0.gguf --page-size 64 --prompt-len 330 --chunk 330 --decode-steps 2 --num-splits 2
-  san1 race-v3-q8 racecheck 80 deepseek-v3-yarn-q4_k.gguf --q-len 8 --page-size 64 --prompt-len 200 --decode-steps 2 --num-splits 1
-  san1 race-small racecheck 80 deepseek-v3-yarn-q4_k.gguf --page-size 64 --prompt-len 96 --decode-steps 2 --num-splits 2 --q-len 2
+  # One layer each (the kernels are the same in every layer): the sanitizers slow the fp64 side 10-50x.
+  local G="--layers 0 --page-size 64 --prompt-len 330 --chunk 330 --decode-steps 2 --num-splits 2"
+  san1 memcheck-glm5-2split memcheck 60 glm-5-q4_0.gguf $G
+  san1 synccheck-glm5-2split synccheck 60 glm-5-q4_0.gguf $G
+  san1 memcheck-small memcheck 40 deepseek-v3-yarn-q4_k.gguf --layers 0 $S3 --q-len 2
+  san1 synccheck-small synccheck 40 deepseek-v3-yarn-q4_k.gguf --layers 0 $S3 --q-len 2
+  san1 race-v3-q8 racecheck 100 deepseek-v3-yarn-q4_k.gguf --layers 0 --q-len 8 --page-size 64 --prompt-len 200 --decode-steps 2 --num-splits 1
+  san1 race-small racecheck 90 deepseek-v3-yarn-q4_k.gguf --layers 0 --page-size 64 --prompt-len 96 --decode-steps 2 --num-splits 2 --q-len 2
 }
 table() {
   [ "$(left)" -gt 120 ] || { echo "skip table: budget"; fail=1; return 0; }
@@ -81,7 +85,7 @@ table() {
   step "bench table ($((SECONDS - t0)) s)" $rc
   cat "$D/table.md"
 }
-for s in ${ORDER:-checks table runs sanitize}; do "$s"; done
+for s in ${ORDER:-checks runs table sanitize}; do "$s"; done
 echo "left: $(left) s"
 cp "$D/table.md" "$D/table.json" "$OUT/" 2>/dev/null
 tar czf "$OUT/lead9-h200.tar.gz" -C "$OUT" lead9 && rm -rf "$D"
