@@ -85,6 +85,24 @@ table() {
   step "bench table ($((SECONDS - t0)) s)" $rc
   cat "$D/table.md"
 }
+# Call 2 (ORDER="race2 profile", no peers): racecheck where call 1's schedules were thin — attn_small over a ring
+# that wraps (one split of 200 keys: 7 tiles through 2 stages) and GLM-5's two mid-page splits on the merged
+# kernels — and ncu of the pairs kernel at B=64 H=128 one split, beside (u)'s 46.0 M instructions.
+race2() {
+  san1 race-small-wrap racecheck 60 deepseek-v3-yarn-q4_k.gguf --layers 0 --page-size 64 --prompt-len 200 --decode-steps 2 --num-splits 1 --q-len 2
+  san1 race-glm5-2split racecheck 90 glm-5-q4_0.gguf --layers 0 --page-size 64 --prompt-len 330 --chunk 330 --decode-steps 2 --num-splits 2
+}
+profile() {
+  local t0=$SECONDS rc
+  [ "$(left)" -gt 50 ] || { echo "skip profile: budget"; return 0; }
+  timeout "$(tmo 70)" ncu --clock-control none -k "regex:attn_wgmma_pairs" -c 1 --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+    --section InstructionStats --section LaunchStats --section Occupancy \
+    "$B" bench decode --heads 128 --best-only --launches 1 > "$D/ncu-pairs.txt" 2>&1
+  rc=$?
+  step "ncu attn_wgmma_pairs H=128 ($((SECONDS - t0)) s)" $rc
+  grep -E "attn_|Duration|Elapsed Cycles|DRAM Throughput|Compute \(SM\)|Executed Ipc A|Issue Slots Busy|Executed Instructions |Registers Per|No Eligible|One or More|Shared Memory Throughput|Warp Cycles Per Issued|SM Frequency" "$D/ncu-pairs.txt" | grep -v '^ *-' | head -24
+}
 for s in ${ORDER:-checks runs table sanitize}; do "$s"; done
 echo "left: $(left) s"
 cp "$D/table.md" "$D/table.json" "$OUT/" 2>/dev/null
