@@ -260,11 +260,12 @@ pub fn verdict(floor: Floor, ours: Option<&Speed>, peers: &[PeerSpeed]) -> Floor
                 return done(None, None, format!("not measured: no time against {peer}"));
             };
             let met = ratio >= min;
+            // Three decimals: at two, 0.8955 would read "0.90x" beside "missed" for a 0.9x floor.
             done(
                 Some(met),
                 Some(ratio),
                 format!(
-                    "{}: ours at {ratio:.2}x {peer}'s speed",
+                    "{}: ours at {ratio:.3}x {peer}'s speed",
                     if met { "met" } else { "missed" }
                 ),
             )
@@ -506,7 +507,19 @@ mod tests {
         );
         assert_eq!(v.met, Some(false));
         assert!(
-            v.verdict.starts_with("missed: ours at 0.85x"),
+            v.verdict.starts_with("missed: ours at 0.850x"),
+            "{}",
+            v.verdict
+        );
+        // Just under the floor: the text must not round up onto it.
+        let v = verdict(
+            FM,
+            Some(&ours),
+            &[peer("flashmla", "1.0", 89.6, 100.0, true)],
+        );
+        assert_eq!(v.met, Some(false));
+        assert!(
+            v.verdict.starts_with("missed: ours at 0.896x"),
             "{}",
             v.verdict
         );
