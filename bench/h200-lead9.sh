@@ -85,12 +85,18 @@ table() {
   step "bench table ($((SECONDS - t0)) s)" $rc
   cat "$D/table.md"
 }
-# Call 2 (ORDER="race2 profile", no peers): racecheck where call 1's schedules were thin — attn_small over a ring
+# Call 2 (ORDER="rule race2 profile", no peers; binary with attn_small's split rule): racecheck where call 1's schedules were thin — attn_small over a ring
 # that wraps (one split of 200 keys: 7 tiles through 2 stages) and GLM-5's two mid-page splits on the merged
 # kernels — and ncu of the pairs kernel at B=64 H=128 one split, beside (u)'s 46.0 M instructions.
 race2() {
   san1 race-small-wrap racecheck 60 deepseek-v3-yarn-q4_k.gguf --layers 0 --page-size 64 --prompt-len 200 --decode-steps 2 --num-splits 1 --q-len 2
   san1 race-glm5-2split racecheck 90 glm-5-q4_0.gguf --layers 0 --page-size 64 --prompt-len 330 --chunk 330 --decode-steps 2 --num-splits 2
+}
+# attn_small's split rule (host only, after call 1): 8 splits of ~25 keys must run on attn_mma (label
+# without "attn_small"), 3 splits on attn_small.
+rule() {
+  run1 v3-q2-s8 0 deepseek-v3-yarn-q4_k.gguf --page-size 64 --prompt-len 200 --decode-steps 2 --num-splits 8 --q-len 2
+  run1 v3-q2-s3b 0 deepseek-v3-yarn-q4_k.gguf $S3 --q-len 2
 }
 profile() {
   local t0=$SECONDS rc

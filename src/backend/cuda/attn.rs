@@ -125,12 +125,34 @@ pub const PAIRS_MIN_SPLIT_KEYS: i32 = 512;
 /// `runs_pairs` without the module: pairs unless more than `PAIRS_MAX_SPLITS` splits of fewer than
 /// `PAIRS_MIN_SPLIT_KEYS` keys.
 pub fn pairs_rule(n_keys: i32, splits: i32) -> bool {
+    split_rule(n_keys, splits, PAIRS_MAX_SPLITS, PAIRS_MIN_SPLIT_KEYS)
+}
+
+/// `run` takes `attn_small` over `attn_mma` unless a launch has more than `SMALL_MAX_SPLITS` splits of
+/// fewer than `SMALL_MIN_SPLIT_KEYS` keys each (`runs_small`). Measured on the H200, both kernels in one
+/// run (bench/RESULTS.md (aa), B=64 H=16 s_k=4k, bf16 and fp16): `attn_small` is 46 % faster at one split
+/// of 4,096 keys and 34 % at two of 2,048, level at four of 1,024 (99.2 vs 100.1 µs) and 4 % slower at
+/// eight of 512 (116.2 vs 111.7). The fixtures' runs (a few splits of a few hundred keys) stay on it.
+pub const SMALL_MAX_SPLITS: i32 = 4;
+/// See `SMALL_MAX_SPLITS`: the fewest keys per split where `attn_small` was measured not slower.
+pub const SMALL_MIN_SPLIT_KEYS: i32 = 1024;
+
+/// `runs_small` without the module.
+pub fn small_rule(n_keys: i32, splits: i32) -> bool {
+    split_rule(n_keys, splits, SMALL_MAX_SPLITS, SMALL_MIN_SPLIT_KEYS)
+}
+
+/// A launch of `splits` splits over `n_keys` keys (vLLM's partition: ceil(n_keys / splits) keys per
+/// split) stays on the faster-per-tile kernel unless it has more than `max_splits` splits of fewer than
+/// `min_keys` keys: where the split count is high and the splits short, the other kernel's shorter
+/// prologue wins.
+fn split_rule(n_keys: i32, splits: i32, max_splits: i32, min_keys: i32) -> bool {
     let per = if splits > 0 {
         (n_keys.max(0) as i64 + splits as i64 - 1) / splits as i64
     } else {
         0
     };
-    splits <= PAIRS_MAX_SPLITS || per >= PAIRS_MIN_SPLIT_KEYS as i64
+    splits <= max_splits || per >= min_keys as i64
 }
 
 /// Rows of `attn_small`'s TMA boxes: one 32-key tile (kernels/attention_sm90_small.cuh).
@@ -311,14 +333,20 @@ impl Attn {
         self.pairs.is_some() && pairs_rule(n_keys, splits)
     }
 
-    /// Whether the module has `attn_small` (and `run` launches it instead of `attn_mma`).
-    pub fn runs_small(&self) -> bool {
+    /// Whether the module has `attn_small` (few heads on sm_90a, TMA key ring).
+    pub fn has_small(&self) -> bool {
         self.small.is_some()
+    }
+
+    /// Whether `run` launches `attn_small` instead of `attn_mma` for a launch of `n_keys` keys in
+    /// `splits` splits.
+    pub fn runs_small(&self, n_keys: i32, splits: i32) -> bool {
+        self.small.is_some() && small_rule(n_keys, splits)
     }
 
     /// Launch over `batch` independent problems; heads `a.n_heads`, queries `a.n_q`.
     pub fn run(&self, a: &AttnArgs, batch: u32) -> Result<()> {
-        if self.small.is_some() {
+        if self.runs_small(a.n_keys, a.num_splits) {
             return self.run_small(a, batch);
         }
         self.run_on(a, batch, self.runs_pairs(a.n_keys, a.num_splits))
@@ -425,5 +453,14 @@ mod tests {
         assert!(pairs_rule(77, 1) && pairs_rule(330, 2) && !pairs_rule(77, 3));
         // Keys per split round up (vLLM's partition): 2,046 keys in 4 splits is 512 per split.
         assert!(pairs_rule(2046, 4) && !pairs_rule(2044, 4));
+    }
+
+    #[test]
+    fn small_rule_by_keys_per_split() {
+        // Measured: 1, 2 and 4 splits of s_k=4k on attn_small, 8 splits of 512 keys on attn_mma.
+        assert!(small_rule(4096, 1) && small_rule(4096, 2) && small_rule(4096, 4));
+        assert!(!small_rule(4096, 8) && small_rule(8192, 8));
+        // The fixtures' schedules (3 splits of ~67 keys) stay on it.
+        assert!(small_rule(200, 3) && small_rule(77, 1) && !small_rule(200, 5));
     }
 }

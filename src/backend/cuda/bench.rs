@@ -568,7 +568,7 @@ impl Session {
             };
             // Where the module has both decode schedules, each split count runs on both (`run` picks
             // by keys per split: attn::pairs_rule); where it has attn_small (few heads, TMA key ring),
-            // on it and on attn_mma (`run` takes attn_small). The label names the kernel.
+            // on it and on attn_mma (`run` picks by keys per split: attn::small_rule). The label names the kernel.
             #[derive(Clone, Copy, PartialEq)]
             enum Sched {
                 Plain,
@@ -579,7 +579,7 @@ impl Session {
             }
             let schedules: &[Sched] = if att.has_pairs() {
                 &[Sched::Pairs, Sched::OneTile]
-            } else if att.runs_small() {
+            } else if att.has_small() {
                 &[Sched::Small, Sched::Mma]
             } else {
                 &[Sched::Plain]

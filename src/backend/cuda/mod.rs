@@ -223,7 +223,7 @@ impl CudaBackend {
             }
             // Same tile and rows, the few-heads kernel (kernels/attention_sm90_small.cuh): its 32-key
             // tiles start at the split's start rounded down to 32 keys.
-            if phase == Phase::Decode && attn.runs_small() {
+            if phase == Phase::Decode && attn.runs_small(n_keys as i32, splits as i32) {
                 u.label.push_str(", TMA key ring (attn_small)");
             }
             uses.push(u);
