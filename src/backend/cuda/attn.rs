@@ -358,7 +358,9 @@ impl Attn {
             .small
             .ok_or_else(|| Error::Environment("attn_small is not in this decode module".into()))?;
         // 16-bit elements only (the kernel exists only for bf16 / fp16).
-        let map = self.small_maps.get_box(a, cols, 2, SMALL_BOX_ROWS)?;
+        let map = self
+            .small_maps
+            .get_box(a, cols, 2, SMALL_BOX_ROWS, "attn_small")?;
         let rows = (a.n_q * a.n_heads) as u32;
         let mut p = [
             a as *const AttnArgs as *mut c_void,

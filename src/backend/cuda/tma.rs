@@ -22,33 +22,21 @@ pub struct MapCache {
 type Key = (u64, i64, u64, usize);
 
 impl MapCache {
-    /// The map over the cache `a.ka` (rows of `a.ka_rs` elements, `cols` of them read) for 16-bit `elem`.
+    /// The map over the cache `a.ka` (rows of `a.ka_rs` elements, `cols` of them read) for 16-bit `elem`,
+    /// with `attn_wgmma`'s 64-row boxes (a tile).
     pub fn get(&self, a: &AttnArgs, cols: usize, elem: usize) -> Result<sys::CUtensorMap> {
-        let (mut base, mut size) = (0u64, 0usize);
-        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, a.ka).result() }.map_err(
-            drv_err("finding the cache's allocation (cuMemGetAddressRange)"),
-        )?;
-        let key = (a.ka, a.ka_rs, base, size);
-        if let Some((k, m)) = self.last.get() {
-            if k == key {
-                return Ok(m);
-            }
-        }
-        let m = encode(a, cols, elem, base + size as u64)?;
-        self.last.set(Some((key, m)));
-        Ok(m)
+        self.get_box(a, cols, elem, BOX, "attn_wgmma")
     }
-}
 
-impl MapCache {
-    /// `get` with boxes of `box_rows` rows: `attn_small`'s 32-key tiles (kernels/attention_sm90_small.cuh).
-    /// One cache per box shape (the key does not hold it).
+    /// `get` with boxes of `box_rows` rows (`attn_small`'s 32-key tiles) for `kernel`'s loads. One cache
+    /// per box shape (the key does not hold it).
     pub fn get_box(
         &self,
         a: &AttnArgs,
         cols: usize,
         elem: usize,
         box_rows: u32,
+        kernel: &str,
     ) -> Result<sys::CUtensorMap> {
         let (mut base, mut size) = (0u64, 0usize);
         unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, a.ka).result() }.map_err(
@@ -61,11 +49,12 @@ impl MapCache {
             }
         }
         let row_bytes = row_bytes(a, elem)?;
+        // Rows: up to the end of the cache's allocation, so a bad page index reads zeros, not other memory.
         let rows = (base + size as u64 - a.ka) / row_bytes;
         let m = encode_tiled(a.ka, &[cols as u64, rows], &[row_bytes], &[BOX, box_rows])?
             .ok_or_else(|| {
                 Error::Environment(format!(
-                    "attn_small's TMA key loads: the cache at {:#x} ({rows} rows of {row_bytes} bytes) is not addressable by TMA",
+                    "{kernel}'s TMA key loads: the cache at {:#x} ({rows} rows of {row_bytes} bytes) is not addressable by TMA",
                     a.ka
                 ))
             })?;
@@ -94,18 +83,6 @@ fn row_bytes(a: &AttnArgs, elem: usize) -> Result<u64> {
         )));
     }
     Ok(row_bytes)
-}
-
-fn encode(a: &AttnArgs, cols: usize, elem: usize, end: u64) -> Result<sys::CUtensorMap> {
-    let row_bytes = row_bytes(a, elem)?;
-    // Rows: up to the end of the cache's allocation, so a bad page index reads zeros, not other memory.
-    let rows = (end - a.ka) / row_bytes;
-    encode_tiled(a.ka, &[cols as u64, rows], &[row_bytes], &[BOX, BOX])?.ok_or_else(|| {
-        Error::Environment(format!(
-            "attn_wgmma's TMA key loads: the cache at {:#x} ({rows} rows of {row_bytes} bytes) is not addressable by TMA",
-            a.ka
-        ))
-    })
 }
 
 /// cuTensorMapEncodeTiled's own limits: a 16-byte aligned base, byte strides multiples of 16 below
