@@ -1,10 +1,10 @@
 //! The attention modules (prefill.cu, decode.cu): the argument struct they share with
 //! kernels/attention.cuh, tile selection, and their launches.
 
-use super::device::{arg, drv_err, Gpu};
+use super::device::{arg, Gpu};
 use super::kernels::{launch, Dims, Kernels, Module, Tile};
 use crate::error::{Error, Result};
-use cudarc::driver::{result as drv, sys};
+use cudarc::driver::sys;
 use std::ffi::c_void;
 use std::rc::Rc;
 
@@ -198,31 +198,14 @@ impl Attn {
                 if smem > gpu.info.smem_optin {
                     continue;
                 }
-                let f = m.func(name)?;
-                unsafe {
-                    drv::function::set_function_attribute(
-                        f,
-                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        smem as i32,
-                    )
-                }
-                .map_err(drv_err("raising the kernel's shared-memory limit"))?;
+                let f = m.func_smem(name, smem)?;
                 let scalar = m.func("attn_scalar")?;
                 // Decode's attn_wgmma states whether it takes the tensor map (not looked up elsewhere:
                 // a missing symbol is an API error to compute-sanitizer).
                 let tma = (t.wgmma && mqa && m.global_i32s("attn_wgmma_tma", 1)?[0] == 1)
                     .then(|| (dims.lkv + dims.r, super::device::elem_bytes(dims.dtype)));
                 let pairs = if tma.is_some() && m.global_i32s("attn_wgmma_pairs_on", 1)?[0] == 1 {
-                    let f = m.func("attn_wgmma_pairs")?;
-                    unsafe {
-                        drv::function::set_function_attribute(
-                            f,
-                            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            smem as i32,
-                        )
-                    }
-                    .map_err(drv_err("raising the kernel's shared-memory limit"))?;
-                    Some(f)
+                    Some(m.func_smem("attn_wgmma_pairs", smem)?)
                 } else {
                     None
                 };
@@ -232,22 +215,19 @@ impl Attn {
                     && m.has_global("attn_small_on")
                     && m.global_i32s("attn_small_on", 1)?[0] == 1
                 {
+                    // (smem, threads, rows, keys); a ring that does not fit the device: attn_mma alone
+                    // (checked before raising the limit, which the driver refuses past the device's).
                     let c = m.global_i32s("attn_small_config", 4)?;
-                    let f = m.func("attn_small")?;
-                    unsafe {
-                        drv::function::set_function_attribute(
-                            f,
-                            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            c[0],
-                        )
+                    let smem = c[0] as usize;
+                    match smem <= gpu.info.smem_optin {
+                        true => Some((
+                            m.func_smem("attn_small", smem)?,
+                            smem as u32,
+                            c[1] as u32,
+                            dims.lkv + dims.r,
+                        )),
+                        false => None,
                     }
-                    .map_err(drv_err("raising the kernel's shared-memory limit"))?;
-                    (c[0] as usize <= gpu.info.smem_optin).then_some((
-                        f,
-                        c[0] as u32,
-                        c[1] as u32,
-                        dims.lkv + dims.r,
-                    ))
                 } else {
                     None
                 };

@@ -10,7 +10,7 @@
 //! `MLA_DIFF_PROFILE=1` also times the CPU mirror's scores and top-k on the same operands (the stand-in
 //! CUDA used before) and counts the keys the two selections disagree on (stderr).
 
-use super::device::{arg, drv_err, DevBuf, Timer};
+use super::device::{arg, DevBuf, Timer};
 use super::kernels::{launch, KERNEL_FAULTS};
 use super::CudaBackend;
 use crate::backend::cpu::indexer::{self as mirror, KeyPrecision, Operands};
@@ -18,7 +18,6 @@ use crate::backend::LayerCtx;
 use crate::error::{Error, Result};
 use crate::model::{IndexerConfig, IndexerWeights};
 use crate::reference::sparse::Selection;
-use cudarc::driver::{result as drv, sys};
 use ndarray::Array2;
 
 /// Keys (warps) per CTA of `indexer_scores` (its IX_KEYS).
@@ -125,15 +124,10 @@ fn scores_topk(
     }
     let defs = defines(be, ctx, ops);
     let m = be.kernels.module("indexer.cu", defs)?;
-    let (f_scores, f_topk) = (m.func("indexer_scores")?, m.func("indexer_topk")?);
-    unsafe {
-        drv::function::set_function_attribute(
-            f_topk,
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-    }
-    .map_err(drv_err("raising the indexer top-k's shared-memory limit"))?;
+    let (f_scores, f_topk) = (
+        m.func("indexer_scores")?,
+        m.func_smem("indexer_topk", smem)?,
+    );
     let up = |a: ndarray::ArrayViewD<f32>| {
         DevBuf::upload(a.as_standard_layout().as_slice().expect("standard layout"))
     };

@@ -200,6 +200,21 @@ impl Module {
         unsafe { drv::module::get_function(self.m, c) }
             .map_err(drv_err(&format!("finding kernel {name} in {}", self.unit)))
     }
+    /// `func`, with its dynamic shared memory allowed up to `bytes` (above 48 KiB a launch needs it).
+    pub fn func_smem(&self, name: &str, bytes: usize) -> Result<sys::CUfunction> {
+        let f = self.func(name)?;
+        unsafe {
+            drv::function::set_function_attribute(
+                f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        }
+        .map_err(drv_err(&format!(
+            "raising {name}'s shared-memory limit to {bytes} bytes"
+        )))?;
+        Ok(f)
+    }
     /// Device address and size of the module's global `name`.
     fn global(&self, name: &str) -> Result<(u64, usize)> {
         let c = CString::new(name).unwrap();
