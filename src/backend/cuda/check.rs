@@ -85,6 +85,18 @@ fn job_label(unit: &str, tile: Option<Tile>) -> String {
     }
 }
 
+/// Kernels a module may hold beside another that does the same work, so a planted fault that changes
+/// the first must change the second: (first, second, what the second is).
+const SAME_WORK: [(&str, &str, &str); 3] = [
+    ("attn_mma", "attn_wgmma", "the Hopper kernel"),
+    (
+        "attn_wgmma",
+        "attn_wgmma_pairs",
+        "the alternating-tile kernel",
+    ),
+    ("attn_mma", "attn_small", "the few-heads TMA kernel"),
+];
+
 /// Compile every unit with each kernel fault's define (`-D MLA_FAULT_…=1`): each must compile, and
 /// must change the PTX of at least one unit (a misspelt switch changes nothing). `clean` holds the
 /// clean PTX of the same jobs, by (dim set, dtype, job label).
@@ -149,32 +161,16 @@ fn check_faults(
                 if kernels.is_empty() {
                     continue;
                 }
-                // A fault in the attention core must reach both tensor-core kernels of the module.
-                let has_wgmma = after.iter().any(|(k, _)| *k == "attn_wgmma");
-                if has_wgmma && kernels.contains(&"attn_mma") && !kernels.contains(&"attn_wgmma") {
-                    return Err(Error::Environment(format!(
-                        "{define}=1 changes attn_mma but not attn_wgmma ({name} {} {unit}): the Hopper kernel misses the fault's switch",
-                        dt.name()
-                    )));
-                }
-                // And both decode schedules where the module has the alternating-tile one.
-                let has_pairs = after.iter().any(|(k, _)| *k == "attn_wgmma_pairs");
-                if has_pairs
-                    && kernels.contains(&"attn_wgmma")
-                    && !kernels.contains(&"attn_wgmma_pairs")
-                {
-                    return Err(Error::Environment(format!(
-                        "{define}=1 changes attn_wgmma but not attn_wgmma_pairs ({name} {} {unit}): the alternating-tile kernel misses the fault's switch",
-                        dt.name()
-                    )));
-                }
-                // And the few-heads TMA kernel where the module has it.
-                let has_small = after.iter().any(|(k, _)| *k == "attn_small");
-                if has_small && kernels.contains(&"attn_mma") && !kernels.contains(&"attn_small") {
-                    return Err(Error::Environment(format!(
-                        "{define}=1 changes attn_mma but not attn_small ({name} {} {unit}): the few-heads TMA kernel misses the fault's switch",
-                        dt.name()
-                    )));
+                // A fault in the attention core must reach every kernel of the module that does the
+                // same work: where it changes `from`, it must change `to` too (when the module has it).
+                for (from, to, what) in SAME_WORK {
+                    let has = after.iter().any(|(k, _)| *k == to);
+                    if has && kernels.contains(&from) && !kernels.contains(&to) {
+                        return Err(Error::Environment(format!(
+                            "{define}=1 changes {from} but not {to} ({name} {} {unit}): {what} misses the fault's switch",
+                            dt.name()
+                        )));
+                    }
                 }
                 changed.push(format!(
                     "{name} {} {label} [{}]",
