@@ -880,14 +880,10 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
         }
     }
     if opts.prefill {
+        // The first three tiles with Hopper's other wgmma tiles after the first.
         let mut tiles = prefill_tiles();
         tiles.truncate(3);
-        // Hopper's wgmma prefill at 128-key tiles (only 192/128 fits: 209 KB), by one consumer
-        // warpgroup of 64 rows, and at 80-key tiles.
-        tiles.insert(1, Tile::wgmma(Tile::new(8, 1, 128, 2, 1)));
-        tiles.insert(2, Tile::wgmma(Tile::new(4, 1, 64, 2, 1)));
-        // 80-key tiles: 256/256's widest that fits (225 KB), 20 % fewer key tiles than 64 keys.
-        tiles.insert(3, Tile::wgmma(Tile::new(8, 1, 80, 2, 1)));
+        tiles.splice(1..1, super::prefill_wgmma_variants());
         if opts.best_only {
             tiles.retain(|t| t.wgmma);
         } else {

@@ -118,6 +118,17 @@ pub fn prefill_tiles() -> Vec<Tile> {
     ]
 }
 
+/// The Hopper prefill kernel's other tiles, timed by `bench prefill` and `bench table` beside
+/// `prefill_tiles()[0]`: 128-key tiles (only 192/128 fits: 209 KB), 80-key tiles (256/256's widest that
+/// fits: 225 KB, 20 % fewer key tiles than 64 keys) and one consumer warpgroup of 64 rows.
+pub fn prefill_wgmma_variants() -> [Tile; 3] {
+    [
+        Tile::wgmma(Tile::new(8, 1, 128, 2, 1)),
+        Tile::wgmma(Tile::new(8, 1, 80, 2, 1)),
+        Tile::wgmma(Tile::new(4, 1, 64, 2, 1)),
+    ]
+}
+
 pub struct CudaBackend {
     pub gpu: Gpu,
     pub kernels: Kernels,

@@ -4,7 +4,7 @@
 
 use super::bench::{BenchRow, CaseResult, DecodeCase, PeerTimed, Session, Timed};
 use super::kernels::Tile;
-use super::{decode_tiles, prefill_tiles};
+use super::{decode_tiles, prefill_tiles, prefill_wgmma_variants};
 use crate::backend::Dtype;
 use crate::error::Result;
 use crate::model::catalogue::Preset;
@@ -99,18 +99,15 @@ pub const CASES: [(Shape, Floor); 6] = {
 fn our_tiles(shape: Shape) -> Vec<Tile> {
     match shape {
         Shape::Decode { h, .. } => decode_tiles(h).into_iter().take(1).collect(),
-        // The first prefill tile (Hopper's wgmma, 128 rows by 64 keys), the same at 128 keys (too big
-        // for 256-wide rows: skipped there), at 80 keys (256-wide rows' widest that fits) and at 64 rows by
-        // one warpgroup, and off Hopper the mma tile with its P·V on 32-row tiles (the faster one at
-        // 256-wide values).
-        Shape::Prefill(_) => vec![
-            prefill_tiles()[0],
-            Tile::wgmma(Tile::new(8, 1, 128, 2, 1)),
-            Tile::wgmma(Tile::new(8, 1, 80, 2, 1)),
-            Tile::wgmma(Tile::new(4, 1, 64, 2, 1)),
-            prefill_tiles()[1],
-            Tile::new(8, 1, 64, 2, 2),
-        ],
+        // The first prefill tile (Hopper's wgmma, 128 rows by 64 keys) and its other wgmma tiles (a tile
+        // too big for the dims is skipped there), and off Hopper the mma tile with its P·V on 32-row
+        // tiles (the faster one at 256-wide values).
+        Shape::Prefill(_) => {
+            let mut t = vec![prefill_tiles()[0]];
+            t.extend(prefill_wgmma_variants());
+            t.extend([prefill_tiles()[1], Tile::new(8, 1, 64, 2, 2)]);
+            t
+        }
     }
 }
 
