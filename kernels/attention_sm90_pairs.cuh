@@ -79,15 +79,11 @@ __device__ __forceinline__ void wa_mbar_wait(unsigned bar, int parity) {
         "r"(parity)
         : "memory");
 }
-// This thread's arrival on a hand-over mbarrier (128 arrivals: one warpgroup).
-__device__ __forceinline__ void wa_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
 
 // The warpgroup-wide barrier before a refill (and after wa_fix's zeros), on the warpgroup's mbarrier of
 // 128 arrivals. `ph`: this thread's parity of that barrier, flipped per use.
 __device__ __forceinline__ void wa_own(unsigned bar, int& ph) {
-    wa_arrive(bar);
+    mbar_arrive(bar);
     mbar_wait(bar, ph);
     ph ^= 1;
 }
@@ -387,7 +383,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
             l[1] = l[1] * al[1] + rs[1];
             wa_scale_o(o, al);
             wg_fence_smem();
-            wa_arrive(readyA);  // P_A, m_A → wg1
+            mbar_arrive(readyA);  // P_A, m_A → wg1
 
             wg_fence();
             wa_pv(o, dPA, dV0, 0, k > 0);
@@ -499,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
             for (int e = 0; e < 2; ++e)
                 if (t == 0) sMB[wr + g + 8 * e] = m[e];
             wg_fence_smem();
-            wa_arrive(readyB);  // P_B, m_B → wg0; P_A is free
+            mbar_arrive(readyB);  // P_B, m_B → wg0; P_A is free
             l[0] = l[0] * al[0] + rs[0];
             l[1] = l[1] * al[1] + rs[1];
             if (has_b) {

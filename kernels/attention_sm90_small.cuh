@@ -72,9 +72,6 @@ static_assert(ATT_DQKP % 64 == 0, "whole 64-column blocks");
 // kernel and to launch it.
 extern "C" __device__ const int attn_small_config[4] = {SM_SMEM, SM_NT, 16, 32};
 
-__device__ __forceinline__ void sm_mbar_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
 // Named barrier ID over N threads (an immediate ID: ptxas then reserves only the IDs used).
 template <int ID, int N>
 __device__ __forceinline__ void sm_bar() {
@@ -303,7 +300,7 @@ extern "C" __global__ void __launch_bounds__(SM_NT, 1)
         }
         // The stage back to the producer once all four warps of the group are done reading it.
         __syncwarp();
-        if (lane == 0) sm_mbar_arrive(empty + 8 * st);
+        if (lane == 0) mbar_arrive(empty + 8 * st);
     }
 
 #pragma unroll

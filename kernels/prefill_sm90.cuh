@@ -351,11 +351,8 @@ __device__ __forceinline__ void pw_pack(unsigned (&pa)[ATT_BN / 16][4], const fl
     }
 }
 
-// mbarriers of the K / V stages (the producer's 128 threads fill, consumer warps empty) and the named
-// barriers 1 and 2 of the consumers' ping-pong.
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
+// The named barriers 1 and 2 of the consumers' ping-pong (the K / V stages' mbarriers: tma.cuh's
+// mbar_arrive / mbar_wait; the producer fills, consumer warps empty).
 __device__ __forceinline__ void pp_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void pp_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 
