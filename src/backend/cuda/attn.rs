@@ -143,9 +143,8 @@ pub fn small_rule(n_keys: i32, splits: i32) -> bool {
 }
 
 /// A launch of `splits` splits over `n_keys` keys (vLLM's partition: ceil(n_keys / splits) keys per
-/// split) stays on the faster-per-tile kernel unless it has more than `max_splits` splits of fewer than
-/// `min_keys` keys: where the split count is high and the splits short, the other kernel's shorter
-/// prologue wins.
+/// split) stays on the kernel measured faster on long splits unless it has more than `max_splits` splits
+/// of fewer than `min_keys` keys, where the other kernel measured level or faster (or was not measured).
 fn split_rule(n_keys: i32, splits: i32, max_splits: i32, min_keys: i32) -> bool {
     let per = if splits > 0 {
         (n_keys.max(0) as i64 + splits as i64 - 1) / splits as i64
