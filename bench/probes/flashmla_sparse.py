@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""FlashMLA's sparse prefill alone on the H200 (bench/h200-dsa5.sh, before the mla-diff runs): what the
+"""FlashMLA's sparse prefill alone on the H200 (`bash bench/gpu-check.sh dsa_flashmla`, before the mla-diff runs): what the
 runner relies on, checked directly against float64 numpy, and its time at GLM-5's shapes.
 
 1. A small case (s_q 96, 64 heads, s_kv 400 with NaN in every slot no index names, topk 128 with −1

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""FlashMLA's sparse decode over its fp8 cache alone on the H200 (bench/h200-dsa6.sh, before the mla-diff
+"""FlashMLA's sparse decode over its fp8 cache alone on the H200 (`bash bench/gpu-check.sh dsa_flashmla`, before the mla-diff
 runs): what runners/flashmla_sparse.py's `sparse_decode` relies on, checked directly.
 
 1. The cache bytes: runners/flashmla_fp8.py's numpy quantizer against torch's own e4m3fn cast of the
