@@ -41,7 +41,8 @@ pub struct RunnerBackend {
     batch_layers: std::collections::BTreeSet<usize>,
     /// Requests answered, and those whose inputs came back changed.
     requests: usize,
-    mutated: usize,
+    /// Inputs that came back changed: (layer, op, tensor) → (requests, most values changed in one).
+    mutations: std::collections::BTreeMap<(usize, String, &'static str), (usize, usize)>,
 }
 
 /// The kernels a runner declares a geometry for (`describe` `ops.OP.geometry.key_tile`), as coverage
@@ -92,7 +93,7 @@ impl RunnerBackend {
             checks: Vec::new(),
             batch_layers: Default::default(),
             requests: 0,
-            mutated: 0,
+            mutations: Default::default(),
         })
     }
 
@@ -190,18 +191,11 @@ impl RunnerBackend {
         // engine's next step: the files, as the runner left them, must hold what was sent.
         self.requests += 1;
         for (name, n) in tensors::changed(&input, inputs)? {
-            self.mutated += 1;
-            self.checks.push(checks::RunnerCheck {
-                layer: Some(layer),
-                check: "input_mutation".into(),
-                status: checks::Status::Fail,
-                what: name.into(),
-                value: None,
-                bound: None,
-                detail: format!(
-                    "the runner wrote into its input {name} of the layer's {op} request: {n} of its values changed"
-                ),
-            });
+            let m = self
+                .mutations
+                .entry((layer, op.to_string(), name))
+                .or_insert((0, 0));
+            *m = (m.0 + 1, m.1.max(n));
         }
         if !keep_io() {
             let _ = std::fs::remove_file(&input);
@@ -486,7 +480,20 @@ impl Backend for RunnerBackend {
             return None;
         }
         let mut c = self.checks.clone();
-        if self.mutated == 0 {
+        for ((layer, op, name), (reqs, n)) in &self.mutations {
+            c.push(checks::RunnerCheck {
+                layer: Some(*layer),
+                check: "input_mutation".into(),
+                status: checks::Status::Fail,
+                what: name.to_string(),
+                value: None,
+                bound: None,
+                detail: format!(
+                    "the runner wrote into its input {name} in {reqs} {op} request(s) of the layer: up to {n} of its values changed"
+                ),
+            });
+        }
+        if self.mutations.is_empty() {
             c.push(checks::RunnerCheck {
                 layer: None,
                 check: "input_mutation".into(),
