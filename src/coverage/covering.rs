@@ -160,7 +160,8 @@ pub fn covering_within(targets: &[KernelUse], heads: usize, limits: &Limits) -> 
         pos_offset: 0,
     };
     // q_len rises by one each time; the bound is far past what the shape needs (about the prompt).
-    let bound = (4 * (s.prompt_len + 2 * keys_d)).min(limits.max_q_len.unwrap_or(usize::MAX).max(1));
+    let bound =
+        (4 * (s.prompt_len + 2 * keys_d)).min(limits.max_q_len.unwrap_or(usize::MAX).max(1));
     for q in 1..=bound {
         s.q_len = q;
         // The row after the sequence end inside an owned page: what a stray read must hit (NaN poison).
@@ -169,4 +170,37 @@ pub fn covering_within(targets: &[KernelUse], heads: usize, limits: &Limits) -> 
         }
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_runners_limits_bound_the_covering_schedule() {
+        let t = crate::coverage::mirror_kernels();
+        let free = covering_within(&t, 8, &Limits::default());
+        assert_eq!(free, covering_for(&t, 8));
+        assert!(free.q_len > 1 && free.page_size == 32);
+        let capped = covering_within(
+            &t,
+            8,
+            &Limits {
+                max_q_len: Some(1),
+                page_sizes: Some(vec![64, 128]),
+            },
+        );
+        assert_eq!((capped.q_len, capped.page_size), (1, 64));
+        // The largest allowed page not above the covering one.
+        let p = covering_within(
+            &t,
+            8,
+            &Limits {
+                max_q_len: None,
+                page_sizes: Some(vec![1, 16, 64]),
+            },
+        );
+        assert_eq!(p.page_size, 16);
+        assert_eq!(p.prompt_len, free.prompt_len);
+    }
 }

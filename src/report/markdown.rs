@@ -50,12 +50,18 @@ pub fn render(r: &Report) -> String {
     }
     if let Some(rc) = &r.runner_checks {
         writeln!(s, "Runner checks: {}\n", rc.message).ok();
-        writeln!(s, "| layer | check | what | status | detail |\n|---|---|---|---|---|").ok();
+        writeln!(
+            s,
+            "| layer | check | what | status | detail |\n|---|---|---|---|---|"
+        )
+        .ok();
         for c in &rc.checks {
             writeln!(
                 s,
                 "| {} | {} | {} | {} | {} |",
-                c.layer.map(|l| l.to_string()).unwrap_or_else(|| "all".into()),
+                c.layer
+                    .map(|l| l.to_string())
+                    .unwrap_or_else(|| "all".into()),
                 c.check,
                 c.what,
                 c.status.name(),

@@ -529,7 +529,9 @@ pub fn run_from(
         &opts.sched,
         &backend.decode_extra(&opts.sched),
     );
-    coverage.warnings.extend(backend.coverage_notes(&opts.sched));
+    coverage
+        .warnings
+        .extend(backend.coverage_notes(&opts.sched));
     coverage.dsa = dsa_coverage(
         file,
         &cfg,

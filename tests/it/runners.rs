@@ -103,7 +103,11 @@ fn numpy_runner_passes_on_every_shipped_fixture() {
             .to_string()
             .contains("unknown tile geometry"));
         assert_eq!(rep["run"]["schedule"]["prompt_len"], 131, "{}", f.display());
-        assert_eq!(rep["runner_checks"]["pass"], true, "{}", rep["runner_checks"]);
+        assert_eq!(
+            rep["runner_checks"]["pass"], true,
+            "{}",
+            rep["runner_checks"]
+        );
     }
     // Other dtypes and MTP queries (q_len 2: causal within the step) on one file.
     let f = fixture("deepseek-v3-yarn-q4_k.gguf");
@@ -130,8 +134,23 @@ fn planted_runner_bugs_are_caught_at_the_runners_stage() {
         "prefill_noncausal.py",
     ] {
         for file in ["deepseek-v3-yarn-q4_k.gguf", "glm-5-q4_0.gguf"] {
-            let (code, rep, err) =
-                run_json(&fixture(file), &runner(&py, &format!("bugs/{bug}")), &[]);
+            // The classic schedule: these bugs need no long split (CI time; the default schedule's
+            // reach is tests/it/runners_reach.rs's).
+            let classic = [
+                "--prompt-len",
+                "48",
+                "--chunk",
+                "32",
+                "--decode-steps",
+                "16",
+                "--num-splits",
+                "4",
+            ];
+            let (code, rep, err) = run_json(
+                &fixture(file),
+                &runner(&py, &format!("bugs/{bug}")),
+                &classic,
+            );
             assert_eq!(code, Some(1), "{bug} on {file} was not caught: {err}");
             let layer = &rep["modes"][0]["layers"][0];
             let first = layer["first_failure"].as_str().unwrap();

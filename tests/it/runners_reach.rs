@@ -78,7 +78,13 @@ fn a_rescale_bug_past_one_tile_fails_the_default_runner_schedule_only() {
         assert_eq!(code, Some(1), "{file}: the default schedule: {err}");
         let first = rep["verdict"]["first_check"].as_str().unwrap_or("");
         assert!(
-            ["split_out", "split_out@runner", "attn_latent", "attn_latent@runner"].contains(&first),
+            [
+                "split_out",
+                "split_out@runner",
+                "attn_latent",
+                "attn_latent@runner"
+            ]
+            .contains(&first),
             "{file}: first failure {first}"
         );
         // The default runner schedule: MTP steps, 2 splits, chunked prefill with context.
@@ -87,7 +93,11 @@ fn a_rescale_bug_past_one_tile_fails_the_default_runner_schedule_only() {
         assert!(s["prompt_len"].as_u64().unwrap() > s["chunk"].as_u64().unwrap());
         assert_eq!(s["num_splits"], 2);
         // Its serving batch (splits of many tiles) fails it too.
-        assert!(!with_status(&rep, "serving_batch", "fail").is_empty(), "{}", rep["runner_checks"]);
+        assert!(
+            !with_status(&rep, "serving_batch", "fail").is_empty(),
+            "{}",
+            rep["runner_checks"]
+        );
     }
 }
 
@@ -113,7 +123,11 @@ fn a_limited_runner_gets_a_schedule_it_supports_and_coverage_says_what_it_misses
     let (code, rep, err) = go("deepseek-v3-yarn-q4_k.gguf", &cmd, &[], &[]);
     assert_eq!(code, Some(0), "{err}");
     let sc = &rep["run"]["schedule"];
-    assert_eq!((sc["q_len"].as_u64(), sc["page_size"].as_u64()), (Some(1), Some(64)), "{sc}");
+    assert_eq!(
+        (sc["q_len"].as_u64(), sc["page_size"].as_u64()),
+        (Some(1), Some(64)),
+        "{sc}"
+    );
     let cov = &rep["coverage"];
     assert!(
         cov["warnings"].to_string().contains("max_q_len"),
@@ -139,7 +153,12 @@ fn padded_entries_must_not_change_real_rows() {
     let file = "deepseek-v3-legacy-kv-b-q8_0.gguf";
     let (code, rep, err) = go(file, &runner(&py, "numpy_mla.py"), &[], &[]);
     assert_eq!(code, Some(0), "{err}");
-    assert_eq!(with_status(&rep, "padding", "pass").len(), 1, "{}", rep["runner_checks"]);
+    assert_eq!(
+        with_status(&rep, "padding", "pass").len(),
+        1,
+        "{}",
+        rep["runner_checks"]
+    );
     assert_eq!(rep["runner_checks"]["pass"], true);
 
     let leak = runner(&py, "bugs/serving/padding_leak.py");
@@ -161,12 +180,20 @@ fn padded_entries_must_not_change_real_rows() {
     let (code, _, _) = go(
         file,
         &leak,
-        &["--junit", junit.to_str().unwrap(), "--markdown", md.to_str().unwrap()],
+        &[
+            "--junit",
+            junit.to_str().unwrap(),
+            "--markdown",
+            md.to_str().unwrap(),
+        ],
         &[],
     );
     assert_eq!(code, Some(1));
     let j = std::fs::read_to_string(&junit).unwrap();
-    assert!(j.contains("runner checks") && j.contains("layer 0 padding attn_latent: fail"), "{j}");
+    assert!(
+        j.contains("runner checks") && j.contains("layer 0 padding attn_latent: fail"),
+        "{j}"
+    );
     let m = std::fs::read_to_string(&md).unwrap();
     assert!(m.contains("| 0 | padding | attn_latent | fail |"), "{m}");
 }
@@ -183,7 +210,12 @@ fn batch_invariance_is_a_verdict_only_where_the_runner_declares_it() {
     let reported = with_status(&rep, "batch_invariance", "report");
     assert_eq!(reported.len(), 2, "{err} {}", rep["runner_checks"]);
     assert!(with_status(&rep, "batch_invariance", "fail").is_empty());
-    let (code, rep, _) = go(file, &leak, &[], &[("MLA_DIFF_TEST_DECLARE_INVARIANT", "1")]);
+    let (code, rep, _) = go(
+        file,
+        &leak,
+        &[],
+        &[("MLA_DIFF_TEST_DECLARE_INVARIANT", "1")],
+    );
     assert_eq!(code, Some(1));
     assert!(
         !with_status(&rep, "batch_invariance", "fail").is_empty(),
@@ -214,7 +246,10 @@ fn a_runner_writing_into_its_inputs_fails_naming_the_tensor() {
             .iter()
             .map(|c| c["what"].as_str().unwrap())
             .collect();
-        assert!(bad.contains(&"q_nope") && bad.contains(&"q_pe"), "{dtype}: {bad:?}");
+        assert!(
+            bad.contains(&"q_nope") && bad.contains(&"q_pe"),
+            "{dtype}: {bad:?}"
+        );
         assert!(!bad.contains(&"kv_cache"), "{bad:?}");
         // Every output is right: the stage checks pass.
         assert_eq!(rep["modes"][0]["verdict"]["pass"], true, "{dtype}");

@@ -32,7 +32,7 @@ impl RunnerBackend {
             check: check.into(),
             status,
             what: what.into(),
-            value: value.filter(|v| !v.is_nan()),
+            value: value.filter(|v| v.is_finite()),
             bound,
             detail,
         }
@@ -281,7 +281,13 @@ impl RunnerBackend {
             let diff = inside
                 .iter()
                 .zip(&a.lat.data)
-                .map(|(x, y)| if same_bits(*x, *y) { 0.0 } else { (x - y).abs() })
+                .map(|(x, y)| {
+                    if same_bits(*x, *y) {
+                        0.0
+                    } else {
+                        (x - y).abs()
+                    }
+                })
                 .fold(0.0f64, |m, d| if d.is_nan() { f64::NAN } else { m.max(d) });
             let lse_same = ret.lse[i * h..(i + 1) * h]
                 .iter()
@@ -436,7 +442,12 @@ fn differing(a: &Returned, b: &Returned, real: usize) -> Vec<(&'static str, usiz
     };
     // Values per entry, from the unpadded reply's sizes (the padded one has more entries after them).
     let per = |total: usize| total / real.max(1);
-    cmp("attn_latent", &a.lat.data, &b.lat.data, per(a.lat.data.len()));
+    cmp(
+        "attn_latent",
+        &a.lat.data,
+        &b.lat.data,
+        per(a.lat.data.len()),
+    );
     cmp("lse", &a.lse, &b.lse, per(a.lse.len()));
     if let (Some(x), Some(y)) = (&a.split, &b.split) {
         cmp("split_out", &x.0.data, &y.0.data, per(x.0.data.len()));

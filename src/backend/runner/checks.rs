@@ -37,7 +37,7 @@ pub struct RunnerCheck {
     /// What was compared: an output (`attn_latent`), a request, an input tensor.
     pub what: String,
     /// The measured figure (rel-L2, or the largest difference relative to the output's rms), where
-    /// there is one; `null` for NaN.
+    /// there is one and it is finite.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub value: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
@@ -48,7 +48,10 @@ pub struct RunnerCheck {
 impl RunnerCheck {
     /// `layer L check what: status (detail)`, as every format prints it.
     pub fn line(&self) -> String {
-        let at = self.layer.map(|l| format!("layer {l} ")).unwrap_or_default();
+        let at = self
+            .layer
+            .map(|l| format!("layer {l} "))
+            .unwrap_or_default();
         format!(
             "{at}{} {}: {} ({})",
             self.check,
@@ -70,18 +73,13 @@ pub struct RunnerChecks {
 
 impl RunnerChecks {
     pub fn new(checks: Vec<RunnerCheck>) -> RunnerChecks {
-        let failed: Vec<&RunnerCheck> = checks
-            .iter()
-            .filter(|c| c.status == Status::Fail)
-            .collect();
+        let failed: Vec<&RunnerCheck> =
+            checks.iter().filter(|c| c.status == Status::Fail).collect();
         let message = match failed.first() {
             None => format!(
                 "runner checks: {} passed, {} reported",
                 checks.iter().filter(|c| c.status == Status::Pass).count(),
-                checks
-                    .iter()
-                    .filter(|c| c.status == Status::Report)
-                    .count()
+                checks.iter().filter(|c| c.status == Status::Report).count()
             ),
             Some(f) => format!(
                 "RUNNER CHECK FAILED: {} of {} (first: {})",
@@ -172,9 +170,13 @@ mod tests {
             rtol: 1e-3,
         };
         let r = [1.0, 2.0, f64::NEG_INFINITY, 3.0];
-        let j = judge(&r, &[1.0, 2.0, f64::NEG_INFINITY, f64::NAN], &tol, |_| false);
+        let j = judge(&r, &[1.0, 2.0, f64::NEG_INFINITY, f64::NAN], &tol, |_| {
+            false
+        });
         assert_eq!(j.bad, 1);
-        let j = judge(&r, &[1.0, 2.0, f64::NEG_INFINITY, f64::NAN], &tol, |i| i == 3);
+        let j = judge(&r, &[1.0, 2.0, f64::NEG_INFINITY, f64::NAN], &tol, |i| {
+            i == 3
+        });
         assert_eq!((j.bad, j.rel_l2), (0, 0.0));
         let j = judge(&r, &[1.0, 2.5, f64::NEG_INFINITY, 3.0], &tol, |_| false);
         assert!(j.rel_l2 > 0.1 && j.worst > 1.0);

@@ -55,7 +55,10 @@ impl RunnerBackend {
         let (h, lkv, r, page) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_rope, sched.page_size);
         let row = lkv + r;
         let b_n = entries.len();
-        let pages: Vec<usize> = entries.iter().map(|e| e.keys.len().div_ceil(page)).collect();
+        let pages: Vec<usize> = entries
+            .iter()
+            .map(|e| e.keys.len().div_ceil(page))
+            .collect();
         let total = pages.iter().sum::<usize>() + 1;
         let mut phys: Vec<usize> = (0..total).collect();
         if let Some(seed) = sched.shuffle_seed {
@@ -251,11 +254,7 @@ impl RunnerBackend {
             Some((so, sl_nat, sl_dtype, _)) if !own => {
                 at.push(AtRunner {
                     check: "split_out".into(),
-                    reference: StageTensor::new(
-                        Stage::SplitOut,
-                        vec![d_n, h, splits, lkv],
-                        l_sout,
-                    ),
+                    reference: StageTensor::new(Stage::SplitOut, vec![d_n, h, splits, lkv], l_sout),
                     optimized: StageTensor::new(
                         Stage::SplitOut,
                         vec![d_n, h, splits, lkv],

@@ -297,7 +297,9 @@ impl Backend for RunnerBackend {
         let declared = |ops: [&Option<protocol::OpSpec>; 2]| -> Vec<crate::backend::KeyTile> {
             ops.iter()
                 .filter_map(|op| op.as_ref()?.geometry?.key_tile)
-                .map(|k| crate::backend::KeyTile::new(format!("runner {} key tile", self.desc.name), k))
+                .map(|k| {
+                    crate::backend::KeyTile::new(format!("runner {} key tile", self.desc.name), k)
+                })
                 .collect()
         };
         if o.decode.is_some() || o.sparse_decode.is_some() {
@@ -515,7 +517,9 @@ impl Backend for RunnerBackend {
         if let Some(dec) = &self.desc.ops.decode {
             // Partials of the kernel's own partition have no reference of the run's: they are
             // checked by merge consistency (`runner_checks`), not as stages.
-            if !dec.has("split_out") || self.desc.decode_partition() == protocol::SplitPartition::Own {
+            if !dec.has("split_out")
+                || self.desc.decode_partition() == protocol::SplitPartition::Own
+            {
                 s = s.without(Stage::SplitOut).without(Stage::SplitLse);
             }
         }

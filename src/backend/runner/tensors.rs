@@ -164,7 +164,11 @@ impl Outputs {
 /// The inputs of `path` (as the runner left it) whose bytes differ from what was sent, with how many of
 /// their values changed; a file the runner removed or truncated changes every input.
 pub fn changed(path: &Path, sent: &[Named]) -> Result<Vec<(&'static str, usize)>> {
-    let all = || sent.iter().map(|t| (t.name, t.bytes.len() / width(t.dtype))).collect();
+    let all = || {
+        sent.iter()
+            .map(|t| (t.name, t.bytes.len() / width(t.dtype)))
+            .collect()
+    };
     let Ok(bytes) = std::fs::read(path) else {
         return Ok(all());
     };
