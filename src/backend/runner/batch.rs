@@ -16,28 +16,27 @@ fn e(v: f64) -> String {
     format!("{v:.1e}")
 }
 
-impl RunnerBackend {
-    fn check(
-        &self,
-        layer: usize,
-        check: &str,
-        status: Status,
-        what: &str,
-        value: Option<f64>,
-        bound: Option<f64>,
-        detail: String,
-    ) -> RunnerCheck {
-        RunnerCheck {
-            layer: Some(layer),
-            check: check.into(),
-            status,
-            what: what.into(),
-            value: value.filter(|v| v.is_finite()),
-            bound,
-            detail,
-        }
+/// One check's record; `figures`: its value (finite only) and bound.
+fn record(
+    layer: usize,
+    check: &str,
+    status: Status,
+    what: &str,
+    figures: (Option<f64>, Option<f64>),
+    detail: String,
+) -> RunnerCheck {
+    RunnerCheck {
+        layer: Some(layer),
+        check: check.into(),
+        status,
+        what: what.into(),
+        value: figures.0.filter(|v| v.is_finite()),
+        bound: figures.1,
+        detail,
     }
+}
 
+impl RunnerBackend {
     /// Judge `o` against fp64 `r` at the `@runner` bound of `dtype` over `terms` products.
     #[allow(clippy::too_many_arguments)]
     fn against_fp64(
@@ -66,13 +65,12 @@ impl RunnerBackend {
             }
         );
         let status = if pass { Status::Pass } else { Status::Fail };
-        self.check(
+        record(
             layer,
             check,
             status,
             what,
-            Some(j.rel_l2),
-            Some(tol.rel_l2),
+            (Some(j.rel_l2), Some(tol.rel_l2)),
             detail,
         )
     }
@@ -252,16 +250,15 @@ impl RunnerBackend {
                     ),
                 };
                 let what = diffs.first().map(|d| d.0).unwrap_or("real rows");
-                out.push(self.check(layer, "padding", status, what, None, None, detail));
+                out.push(record(layer, "padding", status, what, (None, None), detail));
             }
             // A runner that cannot take a padded entry says why; its real rows are then not checked.
-            Err(Error::Environment(m)) | Err(Error::Unsupported(m)) => out.push(self.check(
+            Err(Error::Environment(m)) | Err(Error::Unsupported(m)) => out.push(record(
                 layer,
                 "padding",
                 Status::Report,
                 "real rows",
-                None,
-                None,
+                (None, None),
                 format!("not checked: the runner did not take padded entries: {m}"),
             )),
             Err(e) => return Err(e),
@@ -319,13 +316,12 @@ impl RunnerBackend {
                     " (no verdict: the runner does not declare batch_invariant)"
                 }
             );
-            out.push(self.check(
+            out.push(record(
                 layer,
                 "batch_invariance",
                 status,
                 &format!("request {i}"),
-                Some(rel),
-                None,
+                (Some(rel), None),
                 detail,
             ));
         }
