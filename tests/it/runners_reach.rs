@@ -6,7 +6,7 @@
 //!
 //! Needs MLA_DIFF_PYTHON with numpy and safetensors, as tests/it/runners.rs.
 
-use crate::common::{bin, fixture, python, runner, stderr};
+use crate::common::{bin, fixture, python, report_validator, runner, schema_errors, stderr};
 use serde_json::Value as J;
 
 /// `run FILE --backend cpu --mode shadow --runner CMD --json - -q EXTRA…` with `env`: exit code, report.
@@ -166,6 +166,8 @@ fn padded_entries_must_not_change_real_rows() {
     assert_eq!(code, Some(1), "{err}");
     let fails = with_status(&rep, "padding", "fail");
     assert_eq!(fails.len(), 1, "{}", rep["runner_checks"]);
+    let errs = schema_errors(&report_validator(), &rep);
+    assert!(errs.is_empty(), "{errs:?}");
     assert_eq!(fails[0]["what"], "attn_latent");
     assert_eq!(rep["verdict"]["pass"], false);
     assert!(rep["verdict"]["message"]
@@ -291,4 +293,6 @@ fn a_declared_geometry_drives_coverage_and_own_splits_are_checked_by_merge() {
     assert_eq!(code, Some(1));
     let f = with_status(&rep, "merge_consistency", "fail");
     assert!(!f.is_empty(), "{}", rep["runner_checks"]);
+    let errs = schema_errors(&report_validator(), &rep);
+    assert!(errs.is_empty(), "{errs:?}");
 }
