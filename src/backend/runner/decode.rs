@@ -13,6 +13,7 @@ use crate::trace::{AtRunner, LayerTrace, Stage, StageTensor};
 use ndarray::{s, Array3};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
+use rayon::prelude::*;
 
 /// One batch entry of a decode request: its `s_q × H` query rows (absorbed and rope parts, as stored)
 /// and its keys as rows of the run's cache (`None`: a row of NaN, a padded entry's).
@@ -31,6 +32,9 @@ pub(super) struct Returned {
     /// (the run's `num_splits`, or the kernel's own count with `split_partition: own`).
     pub split: Option<(Output, Vec<f64>, &'static str, usize)>,
 }
+
+/// One (query, head) row of [`Local`]: out, lse, and each split's (out, lse).
+type LocalRow = (Vec<f64>, f64, Vec<(Vec<f64>, f64)>);
 
 /// fp64 attention of one entry from exactly its rows: out `[s_q, H, Lkv]`, lse `[s_q, H]` and, over
 /// `splits` (vLLM's partition of its keys), the partials `[s_q, H, S, Lkv]` and `[s_q, H, S]`.
@@ -145,16 +149,13 @@ impl RunnerBackend {
         let (row, splits, scale) = (lkv + r, sched.num_splits, cfg.softmax_scale);
         let seq_len = e.keys.len();
         let key = |j: usize| e.keys[j].expect("a real entry's keys are rows");
-        let mut l = Local {
-            out: vec![0.0; s_q * h * lkv],
-            lse: vec![0.0; s_q * h],
-            sout: vec![0.0; s_q * h * splits * lkv],
-            slse: vec![0.0; s_q * h * splits],
-        };
-        for i in 0..s_q {
-            let visible = (seq_len + i + 1).saturating_sub(s_q);
-            for hh in 0..h {
-                let d = i * h + hh;
+        let split_ranges = sched.split_ranges(seq_len);
+        // Rows (query, head) in parallel: a GLM-5 layer's yardstick is ~10¹⁰ products.
+        let rows_out: Vec<LocalRow> = (0..s_q * h)
+            .into_par_iter()
+            .map(|d| {
+                let i = d / h;
+                let visible = (seq_len + i + 1).saturating_sub(s_q);
                 let qa = &e.q_nope[d * lkv..(d + 1) * lkv];
                 let qp = &e.q_pe[d * r..(d + 1) * r];
                 let score = |j: usize| {
@@ -163,16 +164,29 @@ impl RunnerBackend {
                 };
                 let value = |j: usize| &rows[key(j) * row..key(j) * row + lkv];
                 let (o, ls) = local::attend(0..visible, lkv, score, value);
-                l.out[d * lkv..(d + 1) * lkv].copy_from_slice(&o);
-                l.lse[d] = ls;
-                for (k, kr) in sched.split_ranges(seq_len).into_iter().enumerate() {
-                    let keys = kr.start..kr.end.min(visible);
-                    let keys = keys.start..keys.end.max(keys.start);
-                    let (o, ls) = local::attend(keys, lkv, score, value);
-                    let at = d * splits + k;
-                    l.sout[at * lkv..(at + 1) * lkv].copy_from_slice(&o);
-                    l.slse[at] = ls;
-                }
+                let parts = split_ranges
+                    .iter()
+                    .map(|kr| {
+                        let keys = kr.start..kr.end.min(visible);
+                        let keys = keys.start..keys.end.max(keys.start);
+                        local::attend(keys, lkv, score, value)
+                    })
+                    .collect();
+                (o, ls, parts)
+            })
+            .collect();
+        let mut l = Local {
+            out: Vec::with_capacity(s_q * h * lkv),
+            lse: Vec::with_capacity(s_q * h),
+            sout: Vec::with_capacity(s_q * h * splits * lkv),
+            slse: Vec::with_capacity(s_q * h * splits),
+        };
+        for (o, ls, parts) in rows_out {
+            l.out.extend(o);
+            l.lse.push(ls);
+            for (so, sl) in parts {
+                l.sout.extend(so);
+                l.slse.push(sl);
             }
         }
         l
