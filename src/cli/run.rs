@@ -90,18 +90,28 @@ pub struct Args {
 }
 
 impl Args {
-    /// The run's schedule: the options given over the classic default, or, given none (and inputs and a
-    /// kernel the schedule is free to fit: random inputs, no runner), the kernel-aware schedule that
-    /// crosses every coverage class of the kernels this model's dims may run on (docs/coverage.md).
+    /// The run's schedule: the options given over the classic default, or, given none (and random
+    /// inputs, which the schedule is free to fit), the kernel-aware schedule that crosses every coverage
+    /// class of the kernels this model's dims may run on (docs/coverage.md); with a runner, also of the
+    /// tiles it declares, within what its `supports` allows (docs/runners.md).
     fn default_schedule(&self, cfg: &MlaConfig) -> Result<mla_diff::schedule::Schedule, Error> {
-        let fixed = self.schedule.given()
-            || self.input.tokens.is_some()
-            || self.input.hidden.is_some()
-            || self.backend.runner.is_some();
+        let fixed =
+            self.schedule.given() || self.input.tokens.is_some() || self.input.hidden.is_some();
         if fixed {
             return self.schedule.schedule();
         }
-        let s = mla_diff::coverage::covering::covering(cfg);
+        let s = match &self.backend.runner {
+            Some(cmd) => {
+                use mla_diff::backend::runner as r;
+                let d = r::protocol::describe(cmd)?;
+                mla_diff::coverage::covering::for_runner(
+                    cfg,
+                    &r::declared_kernels(&d),
+                    &r::limits(&d),
+                )
+            }
+            None => mla_diff::coverage::covering::covering(cfg),
+        };
         s.validate()?;
         Ok(s)
     }

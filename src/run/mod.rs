@@ -523,8 +523,15 @@ pub fn run_from(
     }
     let verdict = Report::overall_verdict(&modes);
     // After the run: a backend may choose its kernels per layer (CUDA compiles them for the layer's dims).
-    let mut coverage =
-        crate::coverage::compute(&backend.kernels(&cfg, &opts.sched), &cfg, &opts.sched);
+    let mut coverage = crate::coverage::compute_with(
+        &backend.kernels(&cfg, &opts.sched),
+        &cfg,
+        &opts.sched,
+        &backend.decode_extra(&opts.sched),
+    );
+    coverage
+        .warnings
+        .extend(backend.coverage_notes(&opts.sched));
     coverage.dsa = dsa_coverage(
         file,
         &cfg,
@@ -585,10 +592,14 @@ pub fn run_from(
         coverage: Some(coverage),
         tp: None,
         dsa: None,
+        runner_checks: None,
         dumps: dumped,
     };
     if let Some(sp) = sparse {
         report.set_dsa(sp.result(opts.dtype, info.kind.name()));
+    }
+    if let Some(rc) = backend.runner_checks() {
+        report.set_runner_checks(rc);
     }
     if opts.repeat > 1 {
         let mode = if opts.modes.shadow { "shadow" } else { "free" };

@@ -32,6 +32,7 @@ mod rope;
 mod run_options;
 mod run_report;
 mod runners;
+mod runners_reach;
 mod runners_sparse;
 mod schedule_invariance;
 mod selftest;
