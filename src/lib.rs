@@ -11,6 +11,7 @@ pub mod batch;
 pub mod bench;
 pub mod calibrate;
 pub mod capsule;
+pub mod capture;
 pub mod compare;
 pub mod coverage;
 pub mod error;

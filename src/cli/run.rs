@@ -13,6 +13,7 @@ use outputs::Outputs;
 use std::path::PathBuf;
 
 pub mod args;
+mod capture;
 mod outputs;
 
 pub use args::{BackendArgs, FormatArgs, InputArgs, ReportArgs, ScheduleArgs, TolArgs};
@@ -76,6 +77,22 @@ pub struct Args {
     /// With --tp: plant the --inject faults in rank r only.
     #[arg(long, value_name = "r", requires_all = ["tp", "inject"])]
     inject_rank: Option<usize>,
+    /// Check what a serving engine computed: a capture folder (docs/captures.md) takes the optimized
+    /// path's place, each layer's fp64 reference starting from the captured layer input. Repeatable:
+    /// one folder per tensor-parallel rank. The capture's dtype and schedule are the run's.
+    #[arg(long, value_name = "DIR", conflicts_with_all = [
+        "runner", "tp", "gpus", "shard", "inject", "tokens", "hidden", "repeat", "write_capture",
+        "dtype", "prompt_len", "decode_steps", "q_len", "chunk", "page_size", "num_splits",
+        "no_shuffle", "pos_offset",
+    ])]
+    capture: Vec<PathBuf>,
+    /// With --capture: the request to compare, by its manifest id (needed when a capture holds several).
+    #[arg(long, value_name = "ID", requires = "capture")]
+    capture_request: Option<u64>,
+    /// Also write the optimized path's stages (with --inject: its planted bugs) as a capture into DIR
+    /// (absent or empty), for `run --capture` (docs/captures.md).
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["shard", "gpus"])]
+    write_capture: Option<PathBuf>,
     // The groups last: clap keeps a group's help heading for the arguments after it.
     #[command(flatten)]
     input: InputArgs,
@@ -267,6 +284,9 @@ pub fn exec(mut a: Args) -> Result<i32, Error> {
     let faults = a.faults()?;
     let file = GgufFile::open(&a.file)?;
     let cfg = MlaConfig::from_gguf(&file)?;
+    if !a.capture.is_empty() {
+        return capture::exec(&a, &file, &cfg);
+    }
     let shard = a
         .shard
         .as_deref()
@@ -294,7 +314,11 @@ pub fn exec(mut a: Args) -> Result<i32, Error> {
         cfg: &cfg,
         opts: &opts,
     };
-    let how = How { shard, tp };
+    let how = How {
+        shard,
+        tp,
+        write_capture: a.write_capture.clone(),
+    };
     execute(job, ready, &a.backend, &a.report, &[], how)
 }
 
@@ -311,6 +335,8 @@ pub struct Job<'a> {
 pub struct How {
     pub shard: Option<mla_diff::shard::Shard>,
     pub tp: Option<mla_diff::tp::TpSpec>,
+    /// `--write-capture DIR`.
+    pub write_capture: Option<PathBuf>,
 }
 
 /// What is checked before the (possibly long) run, so that an unusable output path or a mismatched
@@ -353,7 +379,20 @@ pub fn execute(
         }
     }
     let (mut backend, mut info) = backend.open(opts.dtype)?;
-    let inner: &mut dyn mla_diff::backend::Backend = backend.as_mut();
+    // --write-capture wraps the path the ranks run on (each rank's call is written as its own
+    // capture), --tp wraps that.
+    let mut writer = None;
+    let inner: &mut dyn mla_diff::backend::Backend = match &how.write_capture {
+        Some(dir) => writer.insert(mla_diff::capture::write::WriteCapture::new(
+            backend.as_mut(),
+            dir,
+            file,
+            opts.dtype,
+            &opts.sched,
+            how.tp.map_or(1, |t| t.size),
+        )?),
+        None => backend.as_mut(),
+    };
     let mut tp = None;
     let b: &mut dyn mla_diff::backend::Backend = match how.tp {
         Some(spec) => {
@@ -374,6 +413,18 @@ pub fn execute(
     if let Some(t) = tp {
         let layers = rep.run.layers.clone();
         rep.set_tp(t.result(cfg, &layers));
+    }
+    if let Some(w) = writer {
+        let tokens = match &opts.input {
+            mla_diff::run::InputSpec::Tokens(ids) => Some(ids.as_slice()),
+            _ => None,
+        };
+        let dirs = w.finish(tokens, rep.environment.backend.clone())?;
+        if !r.formats.quiet {
+            for d in dirs {
+                eprintln!("mla-diff: capture written to {}", d.display());
+            }
+        }
     }
     rep.run.notices.extend(notices.iter().cloned());
     finish(rep, Prepared { outputs, baseline }, r, started)
