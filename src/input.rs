@@ -71,6 +71,9 @@ pub enum LayerInputs {
     Shared(Array2<f64>),
     /// `[layers, T, hidden]`
     PerLayer(Array3<f64>),
+    /// A capture's layer inputs (`x`), by layer: both streams restart from them at every layer
+    /// (`crate::capture`).
+    Captured(std::sync::Arc<std::collections::BTreeMap<usize, Array2<f64>>>),
 }
 
 impl LayerInputs {
@@ -85,6 +88,10 @@ impl LayerInputs {
                 "the .npy inputs hold {} layers; layer {layer} has none",
                 x.dim().0
             ))),
+            LayerInputs::Captured(m) => m
+                .get(&layer)
+                .cloned()
+                .ok_or_else(|| Error::Usage(format!("the capture has no x for layer {layer}"))),
         }
     }
 }

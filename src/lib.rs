@@ -10,6 +10,7 @@ pub mod backend;
 pub mod bench;
 pub mod calibrate;
 pub mod capsule;
+pub mod capture;
 pub mod compare;
 pub mod coverage;
 pub mod error;

@@ -124,8 +124,8 @@ fn streams_before(
     first: usize,
 ) -> Result<(ndarray::Array2<f64>, ndarray::Array2<f64>)> {
     let inputs = run::load_inputs(file, cfg, &opts.input, &opts.sched)?;
-    if let LayerInputs::PerLayer(_) = inputs {
-        // Each layer has its own captured input (free mode is refused with these by the run itself).
+    if let LayerInputs::PerLayer(_) | LayerInputs::Captured(_) = inputs {
+        // Each layer has its own captured input (free mode is refused with .npy ones by the run itself).
         let h = inputs.layer(first)?;
         return Ok((h.clone(), h));
     }

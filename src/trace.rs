@@ -144,6 +144,14 @@ impl StageSet {
     pub fn contains(self, s: Stage) -> bool {
         self.0 & (1 << s.order()) != 0
     }
+    /// The stages in both.
+    pub fn intersect(self, o: StageSet) -> StageSet {
+        StageSet(self.0 & o.0)
+    }
+    /// The stages of `self` not in `o`.
+    pub fn minus(self, o: StageSet) -> StageSet {
+        StageSet(self.0 & !o.0)
+    }
 }
 
 /// One stage tensor: row-major data with the stage's axes.

@@ -17,6 +17,10 @@ pub enum Kind {
     Cpu,
     /// The CUDA kernels in kernels/ (needs an NVIDIA GPU and driver).
     Cuda,
+    /// What a serving engine computed, read from a capture (`run --capture`, `crate::capture`); not
+    /// made by the factory nor chosen on a command line.
+    #[value(skip)]
+    Capture,
 }
 
 impl Kind {
@@ -24,6 +28,7 @@ impl Kind {
         match self {
             Kind::Cpu => "cpu",
             Kind::Cuda => "cuda",
+            Kind::Capture => "capture",
         }
     }
 }
@@ -44,6 +49,9 @@ impl From<Kind> for Choice {
         match k {
             Kind::Cpu => Choice::Cpu,
             Kind::Cuda => Choice::Cuda,
+            // Not a command-line value (`value(skip)`): no command can pass it here; the CPU mirror
+            // is the path a capture's numbers are checked like.
+            Kind::Capture => Choice::Cpu,
         }
     }
 }
@@ -117,6 +125,11 @@ impl Factory {
         }
         let mut b: Box<dyn Backend> = match kind {
             Kind::Cpu => Box::new(CpuMirror::new(o.dtype)),
+            Kind::Capture => {
+                return Err(crate::error::Error::Usage(
+                    "a capture is opened by run --capture, not by a backend choice".into(),
+                ))
+            }
             Kind::Cuda => {
                 let b = SharedCuda::open(&mut self.gpu, o)?;
                 // The reference's and the local view's fp64 products on the same GPU.

@@ -218,7 +218,7 @@ fn select_tensors(file: &GgufFile, layer: usize) -> Result<Vec<Needed>> {
 fn layer_input(file: &GgufFile, cfg: &MlaConfig, opts: &ExportOptions) -> Result<Array2<f64>> {
     let inputs = crate::run::load_inputs(file, cfg, &opts.input, &opts.sched)?;
     let &layer = opts.layers.last().expect("checked");
-    if let LayerInputs::PerLayer(_) = inputs {
+    if let LayerInputs::PerLayer(_) | LayerInputs::Captured(_) = inputs {
         // Per-layer captures restart the reference at every layer (shadow mode).
         return inputs.layer(layer);
     }

@@ -92,7 +92,7 @@ impl Capsule {
         sched.check_memory(cfg)?;
         let x = match crate::input::load_npy(&self.input, cfg.hidden, sched.total_tokens())? {
             LayerInputs::Shared(x) => x,
-            LayerInputs::PerLayer(_) => {
+            LayerInputs::PerLayer(_) | LayerInputs::Captured(_) => {
                 return Err(Error::Usage(format!(
                     "{}: a capsule's input is one layer's [T, hidden], not [layers, T, hidden]",
                     self.input.display()

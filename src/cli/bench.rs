@@ -252,7 +252,7 @@ fn cuda_bench(opts: &BenchOptions, json: Option<&std::path::Path>) -> Result<i32
 fn only_cuda(k: Kind) -> Result<(), Error> {
     match k {
         Kind::Cuda => Ok(()),
-        Kind::Cpu => Err(Error::Usage(
+        Kind::Cpu | Kind::Capture => Err(Error::Usage(
             "bench times the CUDA kernels: --backend cuda (the CPU mirror is not timed)".into(),
         )),
     }

@@ -13,6 +13,7 @@ use outputs::Outputs;
 use std::path::PathBuf;
 
 pub mod args;
+mod capture;
 mod outputs;
 
 pub use args::{BackendArgs, FormatArgs, InputArgs, ReportArgs, ScheduleArgs, TolArgs};
@@ -76,6 +77,18 @@ pub struct Args {
     /// With --tp: plant the --inject faults in rank r only.
     #[arg(long, value_name = "r", requires_all = ["tp", "inject"])]
     inject_rank: Option<usize>,
+    /// Check what a serving engine computed: a capture folder (docs/captures.md) takes the optimized
+    /// path's place, each layer's fp64 reference starting from the captured layer input. Repeatable:
+    /// one folder per tensor-parallel rank. The capture's dtype and schedule are the run's.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["runner", "tp", "gpus", "shard", "inject", "tokens", "hidden", "repeat", "write_capture"])]
+    capture: Vec<PathBuf>,
+    /// With --capture: the request to compare, by its manifest id (needed when a capture holds several).
+    #[arg(long, value_name = "ID", requires = "capture")]
+    capture_request: Option<u64>,
+    /// Also write the optimized path's stages (with --inject: its planted bugs) as a capture into DIR
+    /// (absent or empty), for `run --capture` (docs/captures.md).
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["shard", "gpus"])]
+    write_capture: Option<PathBuf>,
     // The groups last: clap keeps a group's help heading for the arguments after it.
     #[command(flatten)]
     input: InputArgs,
@@ -257,6 +270,9 @@ pub fn exec(mut a: Args) -> Result<i32, Error> {
     let faults = a.faults()?;
     let file = GgufFile::open(&a.file)?;
     let cfg = MlaConfig::from_gguf(&file)?;
+    if !a.capture.is_empty() {
+        return capture::exec(&a, &file, &cfg);
+    }
     let shard = a
         .shard
         .as_deref()
@@ -284,7 +300,11 @@ pub fn exec(mut a: Args) -> Result<i32, Error> {
         cfg: &cfg,
         opts: &opts,
     };
-    let how = How { shard, tp };
+    let how = How {
+        shard,
+        tp,
+        write_capture: a.write_capture.clone(),
+    };
     execute(job, ready, &a.backend, &a.report, &[], how)
 }
 
@@ -301,6 +321,8 @@ pub struct Job<'a> {
 pub struct How {
     pub shard: Option<mla_diff::shard::Shard>,
     pub tp: Option<mla_diff::tp::TpSpec>,
+    /// `--write-capture DIR`.
+    pub write_capture: Option<PathBuf>,
 }
 
 /// What is checked before the (possibly long) run, so that an unusable output path or a mismatched
@@ -356,11 +378,32 @@ pub fn execute(
         }
         None => inner,
     };
+    let mut writer = None;
+    let b: &mut dyn mla_diff::backend::Backend = match &how.write_capture {
+        Some(dir) => writer.insert(mla_diff::capture::write::WriteCapture::new(
+            b,
+            dir,
+            file,
+            opts.dtype,
+            &opts.sched,
+        )?),
+        None => b,
+    };
     let started = std::time::Instant::now();
     let mut rep = match how.shard {
         Some(s) => mla_diff::shard::run(file, b, &info, opts, s)?,
         None => mla_diff::run::run(file, b, &info, opts)?,
     };
+    if let Some(w) = writer {
+        let tokens = match &opts.input {
+            mla_diff::run::InputSpec::Tokens(ids) => Some(ids.as_slice()),
+            _ => None,
+        };
+        let dir = w.finish(tokens, rep.environment.backend.clone())?;
+        if !r.formats.quiet {
+            eprintln!("mla-diff: capture written to {}", dir.display());
+        }
+    }
     if let Some(t) = tp {
         let layers = rep.run.layers.clone();
         rep.set_tp(t.result(cfg, &layers));

@@ -160,6 +160,18 @@ impl GgufFile {
         })
     }
 
+    /// The header's identity, as a capture's manifest records it (docs/captures.md): the byte count up
+    /// to the tensor data of the first shard and the SHA-256 of those bytes (lowercase hex). gguf-py's
+    /// `GGUFReader.data_offset` is the same count (`tests/it/capture.rs` holds them together).
+    pub fn header_sha256(&self) -> (u64, String) {
+        use sha2::{Digest, Sha256};
+        let s = &self.shards[0];
+        let end = (s.data_offset as usize).min(s.map.len());
+        let digest = Sha256::digest(&s.map[..end]);
+        let hex = digest.iter().map(|b| format!("{b:02x}")).collect();
+        (end as u64, hex)
+    }
+
     pub fn get(&self, key: &str) -> Option<&Value> {
         self.meta_index.get(key).map(|&i| &self.metadata[i].1)
     }

@@ -35,6 +35,13 @@ pub enum InputSpec {
     Tokens(Vec<u32>),
     /// Captured activations, `[T, hidden]` or `[layers, T, hidden]`.
     Npy(PathBuf),
+    /// A capture's layer inputs (`run --capture`, `crate::capture`): the folder, the request, and `x`
+    /// by layer.
+    Capture {
+        dir: PathBuf,
+        request: u64,
+        inputs: std::sync::Arc<std::collections::BTreeMap<usize, Array2<f64>>>,
+    },
 }
 
 /// Which layers get `.npy` dumps.
@@ -140,6 +147,11 @@ pub fn input_json(spec: &InputSpec) -> serde_json::Value {
         InputSpec::Random { seed } => serde_json::json!({ "kind": "random", "seed": seed }),
         InputSpec::Tokens(t) => serde_json::json!({ "kind": "tokens", "count": t.len(), "ids": t }),
         InputSpec::Npy(p) => serde_json::json!({ "kind": "npy", "path": p.display().to_string() }),
+        InputSpec::Capture { dir, request, .. } => serde_json::json!({
+            "kind": "capture",
+            "path": dir.display().to_string(),
+            "request": request,
+        }),
     }
 }
 
@@ -169,6 +181,7 @@ pub fn load_inputs(
             LayerInputs::Shared(crate::input::from_token_ids(file, cfg, ids)?)
         }
         InputSpec::Npy(p) => crate::input::load_npy(p, cfg.hidden, t)?,
+        InputSpec::Capture { inputs, .. } => LayerInputs::Captured(inputs.clone()),
     })
 }
 
@@ -323,10 +336,18 @@ pub fn run_from(
         };
         for (i, &l) in layers.iter().enumerate() {
             bar.set_message(format!("layer {l}"));
-            // Captured per-layer inputs replace the attention-only residual stream in shadow mode.
+            // Captured per-layer inputs replace the attention-only residual stream in shadow mode. A
+            // capture's replace both streams: the engine's own stream is the captured one (it ran the
+            // FFN, which is not modelled), so free mode's drift is each layer's attention error in the
+            // residual it adds to (`docs/captures.md`).
             if i > 0 {
-                if let LayerInputs::PerLayer(_) = inputs {
-                    h_ref = inputs.layer(l)?;
+                match inputs {
+                    LayerInputs::PerLayer(_) => h_ref = inputs.layer(l)?,
+                    LayerInputs::Captured(_) => {
+                        h_ref = inputs.layer(l)?;
+                        h_opt = h_ref.clone();
+                    }
+                    LayerInputs::Shared(_) => {}
                 }
             }
             // Loaded here, not ahead beside the reference: one layer's weights alive at a time (a

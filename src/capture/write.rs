@@ -1,0 +1,247 @@
+//! `run --write-capture DIR`: the run's optimized path written as a capture (docs/captures.md), one
+//! step file per layer and schedule step (each prefill chunk, each decode step), with the layer input
+//! it was given as `x`. A capture whose every value is known — and, with `--inject`, wrong in a known
+//! layer and stage — for testing `run --capture` and the tools that read captures.
+
+use super::manifest::{self, Manifest};
+use crate::backend::{Backend, Dtype, KeyTiles, LayerCtx};
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::model::MlaConfig;
+use crate::schedule::Schedule;
+use crate::trace::{LayerTrace, Stage, StageSet};
+use ndarray::Array2;
+use safetensors::tensor::{Dtype as St, TensorView};
+use std::path::{Path, PathBuf};
+
+/// Wraps the optimized path: each layer's first run (shadow mode's, or free mode's without shadow) is
+/// written as it passes.
+pub struct WriteCapture<'a> {
+    inner: &'a mut dyn Backend,
+    dir: PathBuf,
+    model: manifest::ModelId,
+    dtype: Dtype,
+    sched: Schedule,
+    files: Vec<manifest::LayerFile>,
+}
+
+impl<'a> WriteCapture<'a> {
+    /// Check that `dir` can take a capture (absent, or an empty folder) and make it.
+    pub fn new(
+        inner: &'a mut dyn Backend,
+        dir: &Path,
+        file: &GgufFile,
+        dtype: Dtype,
+        sched: &Schedule,
+    ) -> Result<WriteCapture<'a>> {
+        let bad = |m: String| Error::Usage(format!("--write-capture {}: {m}", dir.display()));
+        if let Ok(mut rd) = std::fs::read_dir(dir) {
+            if rd.next().is_some() {
+                return Err(bad("exists and is not empty".into()));
+            }
+        } else if dir.exists() {
+            return Err(bad("exists and is not a folder".into()));
+        }
+        std::fs::create_dir_all(dir).map_err(|e| bad(format!("cannot create it: {e}")))?;
+        Ok(WriteCapture {
+            inner,
+            dir: dir.to_path_buf(),
+            model: Manifest::identity_of(file),
+            dtype,
+            sched: sched.clone(),
+            files: Vec::new(),
+        })
+    }
+
+    /// The schedule's steps: `(positions, kind)` per prefill chunk and decode step, 0-based token
+    /// indices.
+    fn steps(&self) -> Vec<(std::ops::Range<usize>, manifest::StepKind)> {
+        let s = &self.sched;
+        let mut v = Vec::new();
+        let mut p = 0;
+        while p < s.prompt_len {
+            let e = (p + s.chunk).min(s.prompt_len);
+            v.push((p..e, manifest::StepKind::Prefill));
+            p = e;
+        }
+        for d in 0..s.decode_steps {
+            let a = s.prompt_len + d * s.q_len;
+            v.push((a..a + s.q_len, manifest::StepKind::Decode));
+        }
+        v
+    }
+
+    fn write_layer(&mut self, layer: usize, x: &Array2<f64>, trace: &LayerTrace) -> Result<()> {
+        let io = |p: &Path, e: String| {
+            Error::Environment(format!("--write-capture: writing {}: {e}", p.display()))
+        };
+        let sub = self.dir.join(format!("layer{layer}"));
+        std::fs::create_dir_all(&sub).map_err(|e| io(&sub, e.to_string()))?;
+        let pl = self.sched.prompt_len;
+        for (step, (toks, kind)) in self.steps().into_iter().enumerate() {
+            let mut named: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+            let mut put = |name: &str, shape: &[usize], vals: &[f64]| {
+                let mut s = vec![toks.len()];
+                s.extend_from_slice(&shape[1..]);
+                let bytes = vals
+                    .iter()
+                    .flat_map(|&v| (v as f32).to_le_bytes())
+                    .collect();
+                named.push((name.to_string(), s, bytes));
+            };
+            let w = x.ncols();
+            let xs = x.as_slice().expect("standard layout");
+            put("x", &[0, w], &xs[toks.start * w..toks.end * w]);
+            for t in &trace.stages {
+                if matches!(t.stage, Stage::SplitOut | Stage::SplitLse) {
+                    continue;
+                }
+                let decode_only = t.stage.axes()[0] == "decode_token";
+                let rows = if decode_only {
+                    if kind != manifest::StepKind::Decode {
+                        continue;
+                    }
+                    toks.start - pl..toks.end - pl
+                } else {
+                    toks.clone()
+                };
+                let per: usize = t.shape[1..].iter().product();
+                put(
+                    t.stage.name(),
+                    &t.shape,
+                    &t.data[rows.start * per..rows.end * per],
+                );
+            }
+            let rel = format!("layer{layer}/step{step}.safetensors");
+            let views = named
+                .iter()
+                .map(|(n, s, b)| {
+                    TensorView::new(St::F32, s.clone(), b)
+                        .map(|v| (n.clone(), v))
+                        .map_err(|e| io(&self.dir.join(&rel), e.to_string()))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let path = self.dir.join(&rel);
+            safetensors::tensor::serialize_to_file(views, None, &path)
+                .map_err(|e| io(&path, e.to_string()))?;
+            let mut stages: Vec<String> = named.iter().map(|(n, _, _)| n.clone()).collect();
+            stages.sort_by_key(|n| manifest::NAMES.iter().position(|m| m == n));
+            self.files.push(manifest::LayerFile {
+                layer,
+                step: step as u64,
+                file: rel,
+                stages,
+            });
+        }
+        Ok(())
+    }
+
+    /// Write `manifest.json` (last: a folder with a manifest is a complete capture). `tokens`: the
+    /// run's token ids when it had them.
+    pub fn finish(self, tokens: Option<&[u32]>, detail: String) -> Result<PathBuf> {
+        let t = self.sched.total_tokens();
+        let pos0 = self.sched.pos_offset as u64;
+        let positions: Vec<u64> = (0..t as u64).map(|i| pos0 + i).collect();
+        let steps = self
+            .steps()
+            .into_iter()
+            .enumerate()
+            .map(|(i, (toks, kind))| manifest::Step {
+                step: i as u64,
+                kind,
+                rows: toks.map(|p| Some([0, pos0 + p as u64])).collect(),
+            })
+            .collect();
+        let m = Manifest {
+            format: manifest::FORMAT.into(),
+            version: manifest::VERSION,
+            writer: Some(manifest::Writer {
+                name: "mla-diff".into(),
+                version: env!("CARGO_PKG_VERSION").into(),
+            }),
+            engine: manifest::Engine {
+                name: "mla-diff".into(),
+                version: Some(env!("CARGO_PKG_VERSION").into()),
+                detail: Some(detail),
+            },
+            model: self.model,
+            dtype: self.dtype,
+            conventions: Default::default(),
+            tp: Default::default(),
+            requests: vec![manifest::Request {
+                id: 0,
+                // Random or .npy inputs have no token ids: zeros stand in (the comparison reads `x`).
+                tokens: match tokens {
+                    Some(ids) => ids.iter().map(|&i| i as u64).collect(),
+                    None => vec![0; t],
+                },
+                positions,
+                prefill: self.sched.prompt_len,
+            }],
+            steps,
+            layers: self.files,
+            names: Default::default(),
+        };
+        let path = self.dir.join(manifest::MANIFEST);
+        std::fs::write(&path, m.to_json()).map_err(|e| {
+            Error::Environment(format!("--write-capture: writing {}: {e}", path.display()))
+        })?;
+        Ok(self.dir)
+    }
+}
+
+impl Backend for WriteCapture<'_> {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn device(&self) -> Option<String> {
+        self.inner.device()
+    }
+    fn provides(&self) -> StageSet {
+        self.inner.provides()
+    }
+    fn run_layer(&mut self, ctx: &LayerCtx, x: &Array2<f64>) -> Result<LayerTrace> {
+        let trace = self.inner.run_layer(ctx, x)?;
+        if !self.files.iter().any(|f| f.layer == ctx.layer) {
+            self.write_layer(ctx.layer, x, &trace)?;
+        }
+        Ok(trace)
+    }
+    fn sparse(&self) -> bool {
+        self.inner.sparse()
+    }
+    fn indexer(
+        &mut self,
+        ctx: &LayerCtx,
+        ic: &crate::model::IndexerConfig,
+        iw: &crate::model::IndexerWeights,
+        x: &Array2<f64>,
+        keys: crate::backend::cpu::indexer::KeyPrecision,
+    ) -> Result<Option<crate::reference::sparse::Selection>> {
+        self.inner.indexer(ctx, ic, iw, x, keys)
+    }
+    fn has_indexer(&self) -> bool {
+        self.inner.has_indexer()
+    }
+    fn sparse_prefill_absorbed(&self) -> bool {
+        self.inner.sparse_prefill_absorbed()
+    }
+    fn outside_local_view(&self) -> StageSet {
+        self.inner.outside_local_view()
+    }
+    fn known_attention(&self) -> bool {
+        self.inner.known_attention()
+    }
+    fn score_sum(&self) -> crate::compare::noise::ScoreSum {
+        self.inner.score_sum()
+    }
+    fn notices(&self) -> Vec<String> {
+        self.inner.notices()
+    }
+    fn key_tiles(&self) -> KeyTiles {
+        self.inner.key_tiles()
+    }
+    fn kernels(&self, cfg: &MlaConfig, sched: &Schedule) -> Vec<crate::coverage::KernelUse> {
+        self.inner.kernels(cfg, sched)
+    }
+}

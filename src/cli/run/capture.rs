@@ -1,0 +1,107 @@
+//! `run FILE --capture DIR…`: a capture of what a serving engine computed takes the optimized path's
+//! place (docs/captures.md, `mla_diff::capture`).
+
+use super::{finish, Args, ModeArg, Prepared};
+use mla_diff::backend::{Backend, BackendInfo, Kind};
+use mla_diff::capture::{Capture, CaptureBackend};
+use mla_diff::error::Error;
+use mla_diff::faults::FaultSet;
+use mla_diff::gguf::GgufFile;
+use mla_diff::model::MlaConfig;
+use mla_diff::run::{InputSpec, Modes, RunOptions};
+
+pub fn exec(a: &Args, file: &GgufFile, cfg: &MlaConfig) -> Result<i32, Error> {
+    let caps = a
+        .capture
+        .iter()
+        .map(|d| {
+            let c = Capture::open(d)?;
+            // Before any step file is read: a capture of another file is refused, naming the difference.
+            c.manifest.check_identity(file, d)?;
+            Ok(c)
+        })
+        .collect::<Result<Vec<_>, Error>>()?;
+    let dtype = caps[0].manifest.dtype;
+    if let Some(c) = caps.iter().find(|c| c.manifest.dtype != dtype) {
+        return Err(Error::Usage(format!(
+            "capture {} is {} but {} is {}: captures of one run share their dtype",
+            c.dir.display(),
+            c.manifest.dtype.name(),
+            caps[0].dir.display(),
+            dtype.name()
+        )));
+    }
+    // `--layers all` (the default): the layers the capture has.
+    let layers = match a.layers.as_str() {
+        "all" => {
+            let l = caps[0].layers();
+            if let Some(&bad) = l.iter().find(|&&l| l >= cfg.n_layer) {
+                return Err(Error::Usage(format!(
+                    "capture {} has layer {bad}, but the model has {} layers",
+                    caps[0].dir.display(),
+                    cfg.n_layer
+                )));
+            }
+            if l.is_empty() {
+                return Err(Error::Usage(format!(
+                    "capture {} has no layer files",
+                    caps[0].dir.display()
+                )));
+            }
+            l
+        }
+        spec => mla_diff::run::parse_layers(spec, cfg.n_layer)?,
+    };
+    let read = caps
+        .into_iter()
+        .map(|c| {
+            let r = c.read(cfg, a.capture_request, &layers)?;
+            Ok((c, r))
+        })
+        .collect::<Result<Vec<_>, Error>>()?;
+    let captured = &read[0].1;
+    let sched = captured.sched.clone();
+    sched.check_memory(cfg)?;
+    if mla_diff::run::dsa::sparse_for(file, cfg, &sched)?.is_some() {
+        return Err(Error::Unsupported(
+            "this DSA capture's queries see more keys than the indexer's top_k: a capture's sparse attention is not compared yet (docs/captures.md)".into(),
+        ));
+    }
+    super::check_dense_beyond_top_k(file, cfg, &sched, a.allow_dense_beyond_topk)?;
+    let (tolerances, tolerance_source) = a.tol.table(dtype)?;
+    let mode = a.mode.unwrap_or(ModeArg::Both);
+    let opts = RunOptions {
+        layers: Some(layers.clone()),
+        input: InputSpec::Capture {
+            dir: read[0].0.dir.clone(),
+            request: captured.request,
+            inputs: std::sync::Arc::new(captured.inputs.clone()),
+        },
+        sched,
+        dtype,
+        modes: Modes {
+            shadow: mode != ModeArg::Free,
+            free: mode != ModeArg::Shadow,
+        },
+        tolerances: tolerances.clone(),
+        tolerance_source,
+        dump: a.report.dump(cfg.n_layer)?,
+        faults: FaultSet::default(),
+        progress: !a.report.formats.quiet,
+        repeat: 1,
+        indexer_keys: a.indexer_keys,
+    };
+    let ready = Prepared::check(file, cfg, &opts, &a.report)?;
+    let mut backend = CaptureBackend::new(cfg, &read, dtype, tolerances)?;
+    let info = BackendInfo {
+        kind: Kind::Capture,
+        description: backend.describe(),
+        gpu: None,
+    };
+    let started = std::time::Instant::now();
+    let mut rep = mla_diff::run::run(file, &mut backend, &info, &opts)?;
+    if let Some(t) = backend.tp_result(cfg, &layers) {
+        rep.set_tp(t);
+    }
+    finish(rep, ready, &a.report, started)
+}
