@@ -41,8 +41,12 @@ def rope_wrong_pairs(model):
     """Rope on the wrong pairs: the NeoX rotation (x[i], x[i+R/2]) applied to a file whose pairs are
     interleaved (x[2i], x[2i+1]) — `apply_rotary_pos_emb` where `…_interleave` belongs."""
     mod = _module(model)
-    with _setattr(mod, "apply_rotary_pos_emb_interleave",
-                  lambda q, k, cos, sin, position_ids=None, unsqueeze_dim=1: mod.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)):
+    neox = mod.apply_rotary_pos_emb  # bound now: a capture wraps the module's names later
+
+    def wrong(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        return neox(q, k, cos, sin, unsqueeze_dim)
+
+    with _setattr(mod, "apply_rotary_pos_emb_interleave", wrong):
         yield
 
 

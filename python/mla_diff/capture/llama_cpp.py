@@ -34,9 +34,10 @@ Tensors of the `deepseek2` graph (src/models/deepseek2.cpp, per layer L) and the
 | the MUL_MAT of `attn_output.weight` with `kqv_out-L` | `attn_out` |
 
 Precision: llama.cpp computes the projections in f32; its K cache is f16 unless `type_k="f32"`, and its
-CPU flash attention converts Q, K and V to f16. The capture's `dtype` says so: `f32` for an f32 cache
-without flash attention, `fp16` otherwise (the attention's storage precision, the bound the comparison
-must allow for; see docs/captures.md).
+CPU flash attention converts Q, K and V to f16. The capture's `dtype` is `f32`; with an f16 cache or
+flash attention the stages computed from f16 storage (`F16_STAGES`) are named in the engine detail, and
+one capture-wide dtype cannot bound both them and the f32 projections: such a capture fails at
+`cache_rows` today (docs/captures.md, "llama.cpp"). `flash_attn=False, type_k="f32"` is f32 throughout.
 """
 
 from __future__ import annotations
@@ -146,6 +147,9 @@ WANT = {
     "kqv": None,
     "kqv_out": None,
 }
+
+#: Stages llama.cpp computes from f16 storage when its K cache is f16 or flash attention is on.
+F16_STAGES = ("cache_rows", "attn_latent", "attn_heads", "attn_out")
 
 NAMES = {
     "embd | l_out-{L-1}": "x",
@@ -262,7 +266,12 @@ def run(model_file, directory, *, prompt: Sequence[int], n_decode: int = 4, n_ub
         flash_attn: bool = True, type_k: str = "f16", n_threads: int = 2, overwrite: bool = False,
         quiet: bool = True) -> list:
     """Run llama.cpp on `model_file` (a GGUF): decode `prompt` (token ids; ubatches of `n_ubatch`), then
-    `n_decode` tokens greedily, capturing every step into `directory`. Returns the generated token ids."""
+    `n_decode` tokens greedily, capturing every step into `directory`. Returns the generated token ids.
+
+    The capture's dtype is f32 (llama.cpp's activations). With an f16 K cache or flash attention
+    (llama.cpp's defaults) the stages from `cache_rows` on are computed from f16 storage, which one
+    capture-wide dtype cannot bound: such a capture fails there today (docs/captures.md, "llama.cpp").
+    `flash_attn=False, type_k="f32"` runs llama.cpp in f32 throughout."""
     import llama_cpp
     from llama_cpp import llama_cpp as L
 
@@ -283,7 +292,9 @@ def run(model_file, directory, *, prompt: Sequence[int], n_decode: int = 4, n_ub
         n_layer = L.llama_model_n_layer(model)
         n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
         detail = f"llama-cpp-python {llama_cpp.__version__}, CPU, flash_attn={'on' if flash_attn else 'off'}, type_k={type_k}"
-        dtype = "f32" if (type_k == "f32" and not flash_attn) else "fp16"
+        dtype = "f32"
+        if type_k == "f16" or flash_attn:
+            detail += f"; computed from f16 storage: {', '.join(F16_STAGES)}"
         sess = _open_session(directory, model_file=model_file, engine="llama.cpp", engine_version=llama_cpp.__version__,
                              engine_detail=detail, dtype=dtype, rope_order="file", names=dict(NAMES), overwrite=overwrite)
         graph = _Graph(sess, Ggml(), n_layer)
