@@ -365,7 +365,20 @@ pub fn execute(
         }
     }
     let (mut backend, mut info) = backend.open(opts.dtype)?;
-    let inner: &mut dyn mla_diff::backend::Backend = backend.as_mut();
+    // --write-capture wraps the path the ranks run on (each rank's call is written as its own
+    // capture), --tp wraps that.
+    let mut writer = None;
+    let inner: &mut dyn mla_diff::backend::Backend = match &how.write_capture {
+        Some(dir) => writer.insert(mla_diff::capture::write::WriteCapture::new(
+            backend.as_mut(),
+            dir,
+            file,
+            opts.dtype,
+            &opts.sched,
+            how.tp.map_or(1, |t| t.size),
+        )?),
+        None => backend.as_mut(),
+    };
     let mut tp = None;
     let b: &mut dyn mla_diff::backend::Backend = match how.tp {
         Some(spec) => {
@@ -378,35 +391,26 @@ pub fn execute(
         }
         None => inner,
     };
-    let mut writer = None;
-    let b: &mut dyn mla_diff::backend::Backend = match &how.write_capture {
-        Some(dir) => writer.insert(mla_diff::capture::write::WriteCapture::new(
-            b,
-            dir,
-            file,
-            opts.dtype,
-            &opts.sched,
-        )?),
-        None => b,
-    };
     let started = std::time::Instant::now();
     let mut rep = match how.shard {
         Some(s) => mla_diff::shard::run(file, b, &info, opts, s)?,
         None => mla_diff::run::run(file, b, &info, opts)?,
     };
+    if let Some(t) = tp {
+        let layers = rep.run.layers.clone();
+        rep.set_tp(t.result(cfg, &layers));
+    }
     if let Some(w) = writer {
         let tokens = match &opts.input {
             mla_diff::run::InputSpec::Tokens(ids) => Some(ids.as_slice()),
             _ => None,
         };
-        let dir = w.finish(tokens, rep.environment.backend.clone())?;
+        let dirs = w.finish(tokens, rep.environment.backend.clone())?;
         if !r.formats.quiet {
-            eprintln!("mla-diff: capture written to {}", dir.display());
+            for d in dirs {
+                eprintln!("mla-diff: capture written to {}", d.display());
+            }
         }
-    }
-    if let Some(t) = tp {
-        let layers = rep.run.layers.clone();
-        rep.set_tp(t.result(cfg, &layers));
     }
     rep.run.notices.extend(notices.iter().cloned());
     finish(rep, Prepared { outputs, baseline }, r, started)

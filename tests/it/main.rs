@@ -7,6 +7,7 @@
 mod bad_input;
 mod bench_smoke;
 mod capsule;
+mod capture;
 mod ci_recipe;
 mod common;
 mod coverage;
