@@ -6,7 +6,7 @@
     scap.close()
 
 Written against SGLang 0.5.23; `TARGETS` lists what is wrapped, checked against the released wheel by
-python/tests/test_engine_targets.py. Taps:
+python/tests/engines/test_engine_targets.py. Taps:
 
 | SGLang function | stages |
 |---|---|

@@ -11,7 +11,7 @@
     mla-diff run model.gguf --capture cap/rank0
 
 Written against vLLM 0.33.0; `TARGETS` lists every function wrapped, with the parameters it is called
-with, and python/tests/test_engine_targets.py checks them against the released wheel's source (with
+with, and python/tests/engines/test_engine_targets.py checks them against the released wheel's source (with
 `ast`, without importing vLLM). What is wrapped, and what it gives:
 
 | vLLM function | stages |
