@@ -80,7 +80,11 @@ pub struct Args {
     /// Check what a serving engine computed: a capture folder (docs/captures.md) takes the optimized
     /// path's place, each layer's fp64 reference starting from the captured layer input. Repeatable:
     /// one folder per tensor-parallel rank. The capture's dtype and schedule are the run's.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["runner", "tp", "gpus", "shard", "inject", "tokens", "hidden", "repeat", "write_capture"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = [
+        "runner", "tp", "gpus", "shard", "inject", "tokens", "hidden", "repeat", "write_capture",
+        "dtype", "prompt_len", "decode_steps", "q_len", "chunk", "page_size", "num_splits",
+        "no_shuffle", "pos_offset",
+    ])]
     capture: Vec<PathBuf>,
     /// With --capture: the request to compare, by its manifest id (needed when a capture holds several).
     #[arg(long, value_name = "ID", requires = "capture")]

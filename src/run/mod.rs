@@ -41,6 +41,9 @@ pub enum InputSpec {
         dir: PathBuf,
         request: u64,
         inputs: std::sync::Arc<std::collections::BTreeMap<usize, Array2<f64>>>,
+        /// What the report's `run.input` says besides: the engine, the folders, the stages captured
+        /// and not (an object, merged in).
+        summary: serde_json::Value,
     },
 }
 
@@ -147,11 +150,22 @@ pub fn input_json(spec: &InputSpec) -> serde_json::Value {
         InputSpec::Random { seed } => serde_json::json!({ "kind": "random", "seed": seed }),
         InputSpec::Tokens(t) => serde_json::json!({ "kind": "tokens", "count": t.len(), "ids": t }),
         InputSpec::Npy(p) => serde_json::json!({ "kind": "npy", "path": p.display().to_string() }),
-        InputSpec::Capture { dir, request, .. } => serde_json::json!({
-            "kind": "capture",
-            "path": dir.display().to_string(),
-            "request": request,
-        }),
+        InputSpec::Capture {
+            dir,
+            request,
+            summary,
+            ..
+        } => {
+            let mut j = serde_json::json!({
+                "kind": "capture",
+                "path": dir.display().to_string(),
+                "request": request,
+            });
+            if let (Some(o), Some(extra)) = (j.as_object_mut(), summary.as_object()) {
+                o.extend(extra.clone());
+            }
+            j
+        }
     }
 }
 

@@ -91,6 +91,8 @@ fn a_clean_capture_passes_in_both_modes_and_says_what_it_had() {
     assert_manifest_valid(&cap);
     assert_eq!(rep["run"]["backend"], "capture");
     assert_eq!(rep["run"]["input"]["kind"], "capture");
+    assert_eq!(rep["run"]["input"]["not_captured"], serde_json::json!([]));
+    assert_eq!(rep["run"]["input"]["stages"][0], "x");
     assert_eq!(rep["run"]["modes"], serde_json::json!(["shadow", "free"]));
     // The capture's schedule: prompt 20 in chunks of 8, 4 decode steps.
     assert_eq!(rep["run"]["schedule"]["prompt_len"], 20);
@@ -182,6 +184,10 @@ fn a_stage_not_captured_is_not_provided_never_a_pass() {
         assert!(np.contains(&s.to_string()), "{s} not reported: {np:?}");
         assert!(!checked(&rep).contains(&s.to_string()));
     }
+    assert_eq!(
+        rep["run"]["input"]["not_captured"],
+        serde_json::json!(["q_pe", "attn_latent"])
+    );
     let notices = rep["run"]["notices"].to_string();
     assert!(notices.contains("not captured: q_pe, "), "{notices}");
     assert!(notices.contains("attn_latent"), "{notices}");
