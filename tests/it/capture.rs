@@ -229,6 +229,16 @@ fn map_f32(cap: &Path, name: &str, f: impl Fn(&mut [f32], usize)) {
     }
 }
 
+/// The rope dims of a capture (k_pe's last axis, from its first step file).
+fn rope_dim(cap: &Path) -> usize {
+    let m: J =
+        serde_json::from_str(&std::fs::read_to_string(cap.join("manifest.json")).unwrap()).unwrap();
+    let file = m["layers"][0]["file"].as_str().unwrap();
+    let bytes = std::fs::read(cap.join(file)).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    *st.tensor("k_pe").unwrap().shape().last().unwrap()
+}
+
 /// An engine's own conventions, declared in the manifest, are converted: rope dims de-interleaved
 /// `[even…, odd…]` (transformers' DeepSeek-V3) and a base-2 LSE (FlashInfer); undeclared, they fail.
 #[test]
@@ -246,6 +256,13 @@ fn declared_rope_order_and_lse_base_are_converted() {
     };
     map_f32(&cap, "q_pe", halves);
     map_f32(&cap, "k_pe", halves);
+    // The cache rows' k_pe is the same roped key: in the same order.
+    let rope = rope_dim(&cap);
+    map_f32(&cap, "cache_rows", |v, w| {
+        for row in v.chunks_exact_mut(w) {
+            halves(&mut row[w - rope..], rope);
+        }
+    });
     map_f32(&cap, "lse", |v, _| {
         v.iter_mut()
             .for_each(|x| *x = (*x as f64 / std::f64::consts::LN_2) as f32)
