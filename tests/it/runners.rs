@@ -337,3 +337,55 @@ fn a_capsule_replays_through_a_runner() {
         .unwrap();
     assert!(RUNNER_CHECKS.contains(&first), "{first}");
 }
+
+/// A correct runner may return each output in any dtype the protocol allows (bf16, fp16, f32): with
+/// exact values it passes, whatever the combination. The downstream recomputation and the stage-local
+/// view agree about rounding a wider `attn_latent` to the run's dtype, and partials returned in a
+/// 16-bit type are bounded by that type. Every output in every dtype, over rotations that pair them
+/// up, in bf16 and fp16 runs.
+#[test]
+fn every_output_dtype_combination_passes() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    const OUTS: [&str; 6] = [
+        "decode.attn_latent",
+        "decode.lse",
+        "decode.split_out",
+        "decode.split_lse",
+        "prefill.attn_heads",
+        "prefill.lse",
+    ];
+    const DT: [&str; 3] = ["bf16", "fp16", "f32"];
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("runners/numpy_mla.py");
+    let f = fixture("glm-5-q4_0.gguf");
+    let mut cases = Vec::new();
+    for run_dt in ["bf16", "fp16"] {
+        // Output i in DT[(a·i + k) % 3]: a = 0 all alike, a = 1, 2 mixed.
+        for a in 0..3 {
+            for k in 0..3 {
+                if run_dt == "fp16" && a != 1 {
+                    continue;
+                }
+                let combo: Vec<String> = OUTS
+                    .iter()
+                    .enumerate()
+                    .map(|(i, o)| format!("{o}={}", DT[(a * i + k) % 3]))
+                    .collect();
+                cases.push((run_dt, combo.join(",")));
+            }
+        }
+    }
+    for (run_dt, combo) in &cases {
+        let cmd = format!(
+            "env MLA_DIFF_NUMPY_DTYPES={combo} {py} {}",
+            script.display()
+        );
+        let (code, rep, err) = run_json(&f, &cmd, &["--dtype", run_dt]);
+        assert_eq!(code, Some(0), "{run_dt} run, {combo}: {err}");
+        // The report records the dtypes as returned.
+        let notes = rep["run"]["notices"].to_string();
+        let lat = combo.split(',').next().unwrap().split('=').nth(1).unwrap();
+        assert!(notes.contains(&format!("attn_latent {lat}")), "{notes}");
+    }
+}
