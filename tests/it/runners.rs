@@ -389,3 +389,30 @@ fn every_output_dtype_combination_passes() {
         assert!(notes.contains(&format!("attn_latent {lat}")), "{notes}");
     }
 }
+
+/// One error model decides the stage-local check and its `@runner` twin: P·V accumulated in fp16 (in
+/// k-steps of 8 keys) in an fp16 run fails `split_out` locally and `split_out@runner` alike (the flat
+/// storage bound let it pass, and the reading rule then blamed upstream), and the verdict line names
+/// the runner's kernel as the culprit.
+#[test]
+fn a_kernel_error_fails_at_the_runner_by_the_local_model() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let f = fixture("deepseek-v3-yarn-q4_k.gguf");
+    let cmd = runner(&py, "bugs/pv_fp16_accum.py");
+    let (code, rep, err) = run_json(&f, &cmd, &["--dtype", "fp16"]);
+    assert_eq!(code, Some(1), "{err}");
+    let layer = &rep["modes"][0]["layers"][0];
+    assert_eq!(layer["first_failure"], "split_out", "{err}");
+    let at = checks(&rep)
+        .into_iter()
+        .find(|c| c["check"] == "split_out@runner")
+        .unwrap();
+    assert_eq!(at["pass"], false, "{at}");
+    assert!(at["local"].is_object(), "judged by the local model: {at}");
+    assert!(
+        err.contains("culprit: the runner's kernel (split_out@runner fails too"),
+        "{err}"
+    );
+}
