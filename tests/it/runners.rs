@@ -416,3 +416,34 @@ fn a_kernel_error_fails_at_the_runner_by_the_local_model() {
         "{err}"
     );
 }
+
+/// Empty splits are judged by their LSE: a kernel that leaves their `split_out` unwritten (NaN, as a
+/// `torch.empty` buffer) with `split_lse` −inf and merges them out passes (the report says so); one
+/// whose merge multiplies the garbage by its zero weight (0·NaN) fails at `attn_latent`.
+#[test]
+fn empty_splits_are_judged_by_their_lse() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let f = fixture("deepseek-v3-yarn-q4_k.gguf");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("runners/numpy_mla.py");
+    let cmd = |mode: &str| {
+        format!(
+            "env MLA_DIFF_NUMPY_EMPTY_SPLITS={mode} {py} {}",
+            script.display()
+        )
+    };
+    // 49.. keys in 16 splits of ⌈L/16⌉: the last splits are empty.
+    let (code, rep, err) = run_json(&f, &cmd("nan"), &["--num-splits", "16"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        rep["run"]["notices"]
+            .to_string()
+            .contains("empty splits' split_out"),
+        "{}",
+        rep["run"]["notices"]
+    );
+    let (code, rep, err) = run_json(&f, &cmd("nan-naive-merge"), &["--num-splits", "16"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(rep["modes"][0]["layers"][0]["first_failure"], "attn_latent");
+}

@@ -86,7 +86,7 @@ impl RunnerBackend {
         let lse_o = out.take("lse", &self.lse_shape(Some(b_n), s_q, h), "decode")?;
         let lse = self.lse_rows(&lse_o, b_n, s_q, h);
         let splits = sched.num_splits;
-        let split = match spec.has("split_out") {
+        let mut split = match spec.has("split_out") {
             true => Some((
                 out.take("split_out", &[b_n, s_q, h, splits, lkv], "decode")?,
                 out.take("split_lse", &[b_n, s_q, h, splits], "decode")?,
@@ -150,14 +150,15 @@ impl RunnerBackend {
             tolerance: tol(&lse_o),
             out_dtype: lse_o.dtype,
         });
-        if let Some((so, sl)) = &split {
-            let sl_nat = {
+        if let Some((so, sl)) = &mut split {
+            let mut sl_nat = {
                 let k = match self.desc.conventions.lse_base {
                     LseBase::E => 1.0,
                     LseBase::Two => std::f64::consts::LN_2,
                 };
                 sl.data.iter().map(|v| v * k).collect::<Vec<_>>()
             };
+            self.unwritten_splits += empty_splits(&l_slse, &mut sl_nat, &mut so.data, splits, lkv);
             at.push(AtRunner {
                 check: "split_out".into(),
                 reference: StageTensor::new(Stage::SplitOut, vec![d_n, h, splits, lkv], l_sout),
@@ -185,6 +186,39 @@ impl RunnerBackend {
 
         put_decode_outputs(tr, ctx, mw, dt, &lat.data, &lse)
     }
+}
+
+/// Empty splits (no key the query sees falls in them, `reference_lse` −inf) are judged by their LSE
+/// alone: one the runner returned as −inf, or whose weight in an f32 merge is 0, is empty, and its
+/// `split_out` is don't-care (a kernel may leave a `torch.empty` buffer unwritten): set to the
+/// reference's 0 and its LSE to −inf. A finite weight on an empty split, or −inf on a split with keys,
+/// stays as returned and fails `split_lse`; a merge poisoned by the garbage (0·NaN) still fails at
+/// `attn_latent`. Returns how many such partials held something other than 0.
+fn empty_splits(
+    reference_lse: &[f64],
+    lse: &mut [f64],
+    out: &mut [f64],
+    splits: usize,
+    dim: usize,
+) -> usize {
+    let mut garbage = 0;
+    for (row, (lr, lo)) in reference_lse
+        .chunks(splits)
+        .zip(lse.chunks_mut(splits))
+        .enumerate()
+    {
+        let m = lo.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        for k in 0..splits {
+            let weightless = lo[k] == f64::NEG_INFINITY || ((lo[k] - m) as f32).exp() == 0.0;
+            if lr[k] == f64::NEG_INFINITY && weightless {
+                lo[k] = f64::NEG_INFINITY;
+                let o = &mut out[(row * splits + k) * dim..(row * splits + k + 1) * dim];
+                garbage += o.iter().any(|&v| v != 0.0) as usize;
+                o.fill(0.0);
+            }
+        }
+    }
+    garbage
 }
 
 /// The runner's decode outputs in place of the inner path's: `attn_latent` `[D, H, Lkv]`, the decode

@@ -33,6 +33,8 @@ pub struct RunnerBackend {
     out_dtypes: std::collections::BTreeMap<String, &'static str>,
     /// Layer runs that went through the runner's sparse ops (DSA past top_k).
     sparse_runs: usize,
+    /// Empty splits whose `split_out` the runner left holding something (don't-care, `decode`).
+    unwritten_splits: usize,
 }
 
 impl RunnerBackend {
@@ -47,6 +49,7 @@ impl RunnerBackend {
             dtype,
             out_dtypes: Default::default(),
             sparse_runs: 0,
+            unwritten_splits: 0,
         })
     }
 
@@ -266,6 +269,12 @@ impl Backend for RunnerBackend {
                     self.desc.name
                 ));
             }
+        }
+        if self.unwritten_splits > 0 {
+            v.push(format!(
+                "runner {} left {} empty splits' split_out holding non-zero values (NaN or garbage; their split_lse −inf or of weight 0): don't-care, compared as 0 — an empty split is judged by its LSE",
+                self.desc.name, self.unwritten_splits
+            ));
         }
         if self.sparse_runs > 0 {
             let o = &self.desc.ops;
