@@ -25,6 +25,9 @@ pub struct Args {
     /// softmax scale, LSE base, cache row order and page addressing, probed with tiny requests.
     #[arg(long, value_name = "CMD")]
     runner: Option<String>,
+    /// Seconds the runner may take to describe itself or answer one probe before it is killed (exit 2).
+    #[arg(long, value_name = "SECONDS", default_value_t = mla_diff::backend::runner::protocol::DEFAULT_TIMEOUT_S, value_parser = clap::value_parser!(u64).range(1..))]
+    runner_timeout: u64,
     /// The page size a run would use (the runner's supports and the paging probe).
     #[arg(long, default_value_t = Schedule::default().page_size)]
     page_size: usize,
@@ -49,6 +52,7 @@ pub struct Args {
 }
 
 pub fn exec(a: Args) -> Result<i32, Error> {
+    mla_diff::backend::runner::protocol::set_timeout(a.runner_timeout);
     let json = a
         .json
         .as_deref()

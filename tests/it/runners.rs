@@ -447,3 +447,61 @@ fn empty_splits_are_judged_by_their_lse() {
     assert_eq!(code, Some(1), "{err}");
     assert_eq!(rep["modes"][0]["layers"][0]["first_failure"], "attn_latent");
 }
+
+/// A runner that hangs does not hang `run` or `lint`: past `--runner-timeout` it is killed, and the
+/// run stops with one exit-2 line naming the runner, the op and the layer (or `--describe`).
+#[test]
+fn a_hung_runner_times_out() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let f = fixture("deepseek-v3-yarn-q4_k.gguf");
+    let f = f.to_str().unwrap();
+    let hang = script(
+        dir.path(),
+        "hang.py",
+        &format!("{DESCRIBE}\nimport time\nsys.stdin.readline()\ntime.sleep(600)\n"),
+    );
+    let cmd = format!("{py} {}", hang.display());
+    let t0 = std::time::Instant::now();
+    let o = run(&[
+        "run",
+        f,
+        "--backend",
+        "cpu",
+        "--runner",
+        &cmd,
+        "--page-size",
+        "64",
+        "--runner-timeout",
+        "2",
+        "-q",
+    ]);
+    assert_clean_error(&o, "runner test did not answer layer 0 decode within 2 s");
+    let o = run(&[
+        "lint",
+        f,
+        "--runner",
+        &cmd,
+        "--page-size",
+        "64",
+        "--runner-timeout",
+        "2",
+    ]);
+    assert_clean_error(&o, "runner test did not answer layer 0 decode within 2 s");
+    let slow = script(dir.path(), "slow.py", "import time\ntime.sleep(600)\n");
+    let o = run(&[
+        "run",
+        f,
+        "--backend",
+        "cpu",
+        "--runner",
+        &format!("{py} {}", slow.display()),
+        "--runner-timeout",
+        "2",
+        "-q",
+    ]);
+    assert_clean_error(&o, "did not answer --describe within 2 s");
+    assert!(t0.elapsed().as_secs() < 60, "{:?}", t0.elapsed());
+}

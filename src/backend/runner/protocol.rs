@@ -6,13 +6,31 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// The protocol version this build speaks (`describe.protocol`, the files' `__metadata__`).
 pub const PROTOCOL: u32 = 1;
 /// A runner that exits with this code cannot take the case (unsupported, not a failure).
 pub const EXIT_UNSUPPORTED: i32 = 3;
+
+/// How long a runner may take to answer `--describe` or one request before it is killed and the run
+/// stops (exit 2): `--runner-timeout`, default [`DEFAULT_TIMEOUT_S`].
+static TIMEOUT_S: AtomicU64 = AtomicU64::new(DEFAULT_TIMEOUT_S);
+/// Five minutes: a first request that JIT-compiles its kernel (Triton, FlashInfer) takes a minute or
+/// two on an H200; a runner silent for longer has hung.
+pub const DEFAULT_TIMEOUT_S: u64 = 300;
+
+/// Set the per-request timeout (`--runner-timeout SECONDS`, at least 1).
+pub fn set_timeout(seconds: u64) {
+    TIMEOUT_S.store(seconds.max(1), Ordering::Relaxed);
+}
+fn timeout() -> Duration {
+    Duration::from_secs(TIMEOUT_S.load(Ordering::Relaxed))
+}
 
 /// `RUNNER --describe`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -157,15 +175,54 @@ fn tail(s: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join(" | ")
 }
 
+/// `Command::output`, killed past the timeout (a runner that hangs while importing, say).
+fn output_within(c: &mut Command, cmd: &str) -> Result<std::process::Output> {
+    let mut child = c
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| spawn_error(cmd, e))?;
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = r.read_to_end(&mut v);
+            v
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().expect("piped")));
+    let err = drain(Box::new(child.stderr.take().expect("piped")));
+    let deadline = Instant::now() + timeout();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break s,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(Error::Environment(format!(
+                    "runner '{cmd}' did not answer --describe within {} s (--runner-timeout); killed",
+                    timeout().as_secs()
+                )));
+            }
+        }
+    };
+    Ok(std::process::Output {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    })
+}
+
 /// Run `CMD --describe` and parse its answer.
 pub fn describe(cmd: &str) -> Result<Describe> {
     let words = split_command(cmd)?;
-    let out = Command::new(&words[0])
-        .args(&words[1..])
-        .arg("--describe")
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| spawn_error(cmd, e))?;
+    let out = output_within(
+        Command::new(&words[0])
+            .args(&words[1..])
+            .arg("--describe")
+            .stdin(Stdio::null()),
+        cmd,
+    )?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     if out.status.code() == Some(EXIT_UNSUPPORTED) {
         return Err(Error::Unsupported(format!(
@@ -261,7 +318,8 @@ pub struct Process {
     name: String,
     child: Child,
     stdin: Option<ChildStdin>,
-    stdout: BufReader<ChildStdout>,
+    /// Reply lines, read on a thread so that a silent runner can be timed out.
+    replies: Receiver<std::io::Result<String>>,
     stderr: Arc<Mutex<String>>,
     pub scratch: PathBuf,
     keep_scratch: bool,
@@ -309,11 +367,21 @@ impl Process {
                 }
             }
         });
+        let (tx, replies) = channel();
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+        std::thread::spawn(move || loop {
+            let mut line = String::new();
+            let r = stdout.read_line(&mut line);
+            let end = !matches!(r, Ok(n) if n > 0);
+            if tx.send(r.map(|_| line)).is_err() || end {
+                break;
+            }
+        });
         Ok(Process {
             cmd: cmd.to_string(),
             name: name.to_string(),
             stdin: child.stdin.take(),
-            stdout: BufReader::new(child.stdout.take().expect("piped")),
+            replies,
             child,
             stderr,
             scratch,
@@ -370,11 +438,21 @@ impl Process {
         if sent.is_err() {
             return Err(self.died("stopped before a request"));
         }
-        let mut reply = String::new();
-        match self.stdout.read_line(&mut reply) {
-            Ok(0) | Err(_) => return Err(self.died("exited without replying")),
-            Ok(_) => {}
-        }
+        let reply = match self.replies.recv_timeout(timeout()) {
+            Ok(Ok(line)) if !line.is_empty() => line,
+            Err(RecvTimeoutError::Timeout) => {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return Err(Error::Environment(format!(
+                    "runner {} did not answer layer {} {} within {} s (--runner-timeout); killed",
+                    self.name,
+                    req.layer,
+                    req.op,
+                    timeout().as_secs()
+                )));
+            }
+            _ => return Err(self.died("exited without replying")),
+        };
         let r: Reply = serde_json::from_str(reply.trim()).map_err(|e| {
             Error::Environment(format!(
                 "runner {} printed a line that is not a reply ({e}): {} (stdout carries only replies; print logs to stderr)",
