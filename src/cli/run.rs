@@ -180,7 +180,12 @@ impl Args {
         cfg: &MlaConfig,
         faults: FaultSet,
     ) -> Result<RunOptions, Error> {
-        let sched = self.default_schedule(cfg)?;
+        let mut sched = self.default_schedule(cfg)?;
+        // A runner that does not take the default page gets one it does (the report says so).
+        if let (Some(cmd), None) = (&self.backend.runner, self.schedule.page_size) {
+            sched.page_size = mla_diff::backend::runner::protocol::page_for(cmd, sched.page_size)?;
+            sched.validate()?;
+        }
         let (tolerances, tolerance_source) = self.tol.table(self.dtype)?;
         let dump = self.report.dump(cfg.n_layer)?;
         let layers = mla_diff::run::parse_layers(&self.layers, cfg.n_layer)?;

@@ -210,14 +210,14 @@ fn a_case_the_runner_cannot_take_is_unsupported_not_a_verdict() {
         a.extend_from_slice(extra);
         run(&a)
     };
-    // Its description says page 64 only; the run's page is 16.
+    // Its description says page 64 only; the run's page is 16, asked for.
     let s = script(
         dir.path(),
         "page64.py",
         &format!("{DESCRIBE}\nsys.exit(1)\n"),
     );
     assert_clean_error(
-        &go(&s, &[]),
+        &go(&s, &["--page-size", "16"]),
         "does not support page_size 16 (it takes [64])",
     );
     // It says so itself when asked: exit code 3 from --describe, or an unsupported reply.
@@ -504,4 +504,51 @@ fn a_hung_runner_times_out() {
     ]);
     assert_clean_error(&o, "did not answer --describe within 2 s");
     assert!(t0.elapsed().as_secs() < 60, "{:?}", t0.elapsed());
+}
+
+/// `supports` keys mla-diff does not know are an error naming the near key (they read as "any"
+/// before); a runner whose `page_sizes` excludes the default page gets one it takes, and the report
+/// says so (an explicit --page-size it does not take is still refused).
+#[test]
+fn supports_are_read_strictly_and_the_page_fits_the_runner() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let f = fixture("deepseek-v3-yarn-q4_k.gguf");
+    let typo = script(
+        dir.path(),
+        "typo.py",
+        &DESCRIBE.replace("\"page_sizes\"", "\"page_size\""),
+    );
+    let o = run(&[
+        "run",
+        f.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--runner",
+        &format!("{py} {}", typo.display()),
+        "-q",
+    ]);
+    assert_clean_error(
+        &o,
+        "supports has an unknown key 'page_size' (did you mean 'page_sizes'?)",
+    );
+    let runners = Path::new(env!("CARGO_MANIFEST_DIR")).join("runners");
+    let p64 = script(
+        dir.path(),
+        "numpy64.py",
+        &format!(
+            "import sys\nsys.path.insert(0, {:?})\nimport numpy_mla, protocol\nclass R(numpy_mla.NumpyMLA):\n    def describe(self):\n        d = super().describe()\n        d['supports']['page_sizes'] = [64]\n        return d\nprotocol.main(R)\n",
+            runners.display().to_string()
+        ),
+    );
+    let (code, rep, err) = run_json(&f, &format!("{py} {}", p64.display()), &[]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(rep["run"]["schedule"]["page_size"], 64);
+    assert!(
+        rep["run"]["notices"].to_string().contains("page size 64"),
+        "{}",
+        rep["run"]["notices"]
+    );
 }

@@ -40,7 +40,7 @@ pub struct RunnerBackend {
 impl RunnerBackend {
     /// Ask `cmd --describe`, then start `cmd --serve`.
     pub fn open(cmd: &str, inner: Box<dyn Backend>, dtype: Dtype) -> Result<RunnerBackend> {
-        let desc = protocol::describe(cmd)?;
+        let desc = protocol::describe_once(cmd)?;
         let proc = Process::start(cmd, &desc.name, keep_io())?;
         Ok(RunnerBackend {
             inner,
@@ -269,6 +269,12 @@ impl Backend for RunnerBackend {
                     self.desc.name
                 ));
             }
+        }
+        if let Some((default, chosen)) = protocol::page_chosen() {
+            v.push(format!(
+                "page size {chosen}: runner {} does not take the default page {default} (its supports.page_sizes), so the run uses the first page it lists (--page-size picks another)",
+                self.desc.name
+            ));
         }
         if self.unwritten_splits > 0 {
             v.push(format!(

@@ -78,6 +78,18 @@ impl OpSpec {
     }
 }
 
+/// The keys of `supports`, every one of which [`Supports`] reads.
+pub const SUPPORTS_KEYS: [&str; 8] = [
+    "dtypes",
+    "page_sizes",
+    "heads",
+    "kv_lora_rank",
+    "qk_rope",
+    "qk_head_dim",
+    "v_head_dim",
+    "max_q_len",
+];
+
 /// What a runner accepts: each list `None` (JSON null or absent) for any value.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct Supports {
@@ -175,6 +187,47 @@ fn tail(s: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join(" | ")
 }
 
+/// [`describe`], asked once per command in this process (the schedule's page choice and the backend
+/// both need it; a torch runner's `--describe` imports torch).
+pub fn describe_once(cmd: &str) -> Result<Describe> {
+    static SEEN: Mutex<Option<(String, Describe)>> = Mutex::new(None);
+    if let Some((c, d)) = SEEN.lock().ok().and_then(|g| g.clone()) {
+        if c == cmd {
+            return Ok(d);
+        }
+    }
+    let d = describe(cmd)?;
+    if let Ok(mut g) = SEEN.lock() {
+        *g = Some((cmd.to_string(), d.clone()));
+    }
+    Ok(d)
+}
+
+/// The page size chosen for a runner whose `page_sizes` excludes the schedule's default (default,
+/// chosen), for the report's notice.
+static PAGE_CHOSEN: Mutex<Option<(usize, usize)>> = Mutex::new(None);
+
+/// `page` for a run through the runner `cmd` when --page-size was not given: the schedule's own if the
+/// runner takes it, else the first it lists (recorded for the report: [`page_chosen`]).
+pub fn page_for(cmd: &str, page: usize) -> Result<usize> {
+    let d = describe_once(cmd)?;
+    let want = d.ops.decode.is_some() || d.ops.sparse_decode.is_some();
+    match d.supports.page_sizes.as_deref() {
+        Some(l) if want && !l.contains(&page) && !l.is_empty() => {
+            if let Ok(mut g) = PAGE_CHOSEN.lock() {
+                *g = Some((page, l[0]));
+            }
+            Ok(l[0])
+        }
+        _ => Ok(page),
+    }
+}
+
+/// `(default, chosen)` when [`page_for`] moved the page.
+pub fn page_chosen() -> Option<(usize, usize)> {
+    PAGE_CHOSEN.lock().ok().and_then(|g| *g)
+}
+
 /// `Command::output`, killed past the timeout (a runner that hangs while importing, say).
 fn output_within(c: &mut Command, cmd: &str) -> Result<std::process::Output> {
     let mut child = c
@@ -237,11 +290,37 @@ pub fn describe(cmd: &str) -> Result<Describe> {
             tail(&stderr, 8)
         )));
     }
-    let d: Describe = serde_json::from_slice(&out.stdout).map_err(|e| {
+    let bad = |e: String| {
         Error::Usage(format!(
             "--runner '{cmd}' --describe did not print a valid description: {e}"
         ))
-    })?;
+    };
+    let raw: serde_json::Value =
+        serde_json::from_slice(&out.stdout).map_err(|e| bad(e.to_string()))?;
+    let d: Describe = serde_json::from_value(raw.clone()).map_err(|e| bad(e.to_string()))?;
+    // A key mla-diff does not know would otherwise read as "any" (supports) or the default
+    // (conventions): a typo that silently widens what the runner claims.
+    for (section, known) in [
+        ("supports", &SUPPORTS_KEYS[..]),
+        ("conventions", &["lse_base", "lse_layout"][..]),
+    ] {
+        if let Some(obj) = raw.get(section).and_then(|v| v.as_object()) {
+            if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
+                let near = known
+                    .iter()
+                    .map(|n| (strsim::levenshtein(k, n), n))
+                    .min()
+                    .filter(|(dist, _)| *dist <= 3)
+                    .map(|(_, n)| format!(" (did you mean '{n}'?)"))
+                    .unwrap_or_default();
+                return Err(Error::Usage(format!(
+                    "runner {}: describe's {section} has an unknown key '{k}'{near}; it knows {}",
+                    d.name,
+                    known.join(", ")
+                )));
+            }
+        }
+    }
     if d.protocol != PROTOCOL {
         return Err(Error::Usage(format!(
             "runner {} speaks protocol {}, this mla-diff speaks {PROTOCOL}",
