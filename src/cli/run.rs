@@ -186,6 +186,9 @@ impl Args {
             sched.page_size = mla_diff::backend::runner::protocol::page_for(cmd, sched.page_size)?;
             sched.validate()?;
         }
+        if let Some(cmd) = &self.backend.runner {
+            refuse_inject_under_runner(&faults, cmd)?;
+        }
         let (tolerances, tolerance_source) = self.tol.table(self.dtype)?;
         let dump = self.report.dump(cfg.n_layer)?;
         let layers = mla_diff::run::parse_layers(&self.layers, cfg.n_layer)?;
@@ -234,6 +237,28 @@ impl Args {
             indexer_keys: self.indexer_keys,
         })
     }
+}
+
+/// `--inject` of a fault whose first failing check is a stage the runner replaces: the bug would sit in
+/// code the runner stands in for and change nothing, and a pass would read as a fault mla-diff missed,
+/// so it is refused (docs/runners.md).
+fn refuse_inject_under_runner(faults: &FaultSet, cmd: &str) -> Result<(), Error> {
+    use mla_diff::backend::runner::{protocol, replaced_checks};
+    if faults.is_empty() {
+        return Ok(());
+    }
+    let d = protocol::describe_once(cmd)?;
+    let replaced = replaced_checks(&d);
+    for inj in &faults.0 {
+        let info = inj.name.info();
+        if replaced.contains(&info.expected) {
+            return Err(Error::Usage(format!(
+                "--inject {} plants its bug where it first shows, {}, which runner {} replaces: it would change nothing; inject a fault upstream of the runner (e.g. rope_neox) or run without --runner",
+                info.name, info.expected, d.name
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A DSA model on a schedule beyond its indexer's top_k is refused unless allowed (then a note).

@@ -552,3 +552,25 @@ fn supports_are_read_strictly_and_the_page_fits_the_runner() {
         rep["run"]["notices"]
     );
 }
+
+/// `--inject` of a fault that first shows in a stage the runner replaces would change nothing: refused,
+/// one exit-2 line (a fault upstream of the runner still runs: `an_upstream_error_passes_at_the_runner`).
+#[test]
+fn inject_into_a_replaced_stage_is_refused() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let f = fixture("deepseek-v3-yarn-q4_k.gguf");
+    let o = run(&[
+        "run",
+        f.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--runner",
+        &runner(&py, "numpy_mla.py"),
+        "--inject",
+        "split_drop_last",
+        "-q",
+    ]);
+    assert_clean_error(&o, "--inject split_drop_last plants its bug where it first shows, attn_latent, which runner numpy replaces");
+}

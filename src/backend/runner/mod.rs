@@ -185,6 +185,27 @@ impl RunnerBackend {
     }
 }
 
+/// The checks whose stage a runner's ops replace, on a dense layer: the stages it returns and what is
+/// recomputed from them by the CPU mirror's code (`attn_heads` of decode tokens, `attn_out`). A fault
+/// planted there (`--inject`) would change nothing.
+pub fn replaced_checks(d: &Describe) -> Vec<&'static str> {
+    let mut v = Vec::new();
+    if d.ops.decode.is_some() {
+        v.extend([
+            "attn_out[decode]",
+            "split_out",
+            "split_lse",
+            "attn_latent",
+            "lse[decode]",
+            "attn_heads[decode]",
+        ]);
+    }
+    if d.ops.prefill.is_some() {
+        v.extend(["lse[prefill]", "attn_heads[prefill]", "attn_out[prefill]"]);
+    }
+    v
+}
+
 /// With `MLA_DIFF_KEEP_RUNNER_IO` set, the request files stay in the scratch directory (printed on
 /// stderr): the exact tensors a runner was given, for its author.
 pub fn keep_io() -> bool {
