@@ -423,6 +423,12 @@ impl Process {
         ));
         std::fs::create_dir_all(&scratch)
             .map_err(|e| Error::io(format!("creating {}", scratch.display()), e))?;
+        if keep {
+            eprintln!(
+                "mla-diff: note: MLA_DIFF_KEEP_RUNNER_IO: runner {name}'s requests stay in {} (N.in.safetensors, N.out.safetensors)",
+                scratch.display()
+            );
+        }
         let mut child = Command::new(&words[0])
             .args(&words[1..])
             .arg("--serve")
