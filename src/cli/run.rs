@@ -180,6 +180,8 @@ impl Args {
         cfg: &MlaConfig,
         faults: FaultSet,
     ) -> Result<RunOptions, Error> {
+        // The runner is asked to describe itself from here on (page choice, --inject): timed already.
+        mla_diff::backend::runner::protocol::set_timeout(self.backend.runner_timeout);
         let mut sched = self.default_schedule(cfg)?;
         // A runner that does not take the default page gets one it does (the report says so).
         if let (Some(cmd), None) = (&self.backend.runner, self.schedule.page_size) {
