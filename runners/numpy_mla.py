@@ -17,11 +17,19 @@ natural-log LSE, `token_head` layout. Any dims, dtypes bf16/fp16/f32, any page s
 Only rows holding visible tokens are read, so the NaN-poisoned rest of the cache never matters.
 
 Hook methods (`softmax_scale`, `page_size`, `split_cache_rows`, `lse_out`, `split_count`,
-`split_bounds`, `prefill_visible`) are what the planted-bug copies in runners/bugs/ and
+`split_bounds`, `prefill_visible`, `pv`) are what the planted-bug copies in runners/bugs/ and
 numpy_own_splits.py override.
 
 Batch-invariant (each entry computed alone, the same way whatever its batch), and it says so
 (`batch_invariant`: mla-diff then fails a request whose output changes with its batch).
+
+Switches for tests (environment; a correct kernel either way, each a shape real kernels take):
+- `MLA_DIFF_NUMPY_DTYPES="decode.attn_latent=f32,decode.split_lse=bf16,…"`: the dtype each output is
+  returned in (`decode.attn_latent|lse|split_out|split_lse`, `prefill.attn_heads|lse`; `bf16`, `fp16`,
+  `f32`). Defaults: `attn_latent`/`attn_heads` in the run's dtype, the rest f32.
+- `MLA_DIFF_NUMPY_EMPTY_SPLITS=nan`: an empty split's `split_out` is left NaN (a `torch.empty` buffer a
+  kernel never writes), and `attn_latent` is the LSE merge of the partials with empty splits masked out;
+  `=nan-naive-merge` merges them as `Σ w·out` without the mask, so 0·NaN poisons the merge (a bug).
 
 Needs: Python 3.8+, numpy (no safetensors: protocol.py reads and writes the files itself).
 """
@@ -49,6 +57,12 @@ def softmax_rows(s):
         p = np.where(z > 0, e / z, np.float32(0))
         lse = np.where(empty, -np.inf, m + np.log(z))
     return p.astype(np.float32), lse[..., 0].astype(np.float32)
+
+
+def out_dtype(key, x, default):
+    """`x` to be written in the dtype `MLA_DIFF_NUMPY_DTYPES` names for `key`, else in `default`."""
+    pairs = [kv.split("=", 1) for kv in os.environ.get("MLA_DIFF_NUMPY_DTYPES", "").split(",") if kv]
+    return protocol.storage(x, dict(pairs).get(key, default))
 
 
 class NumpyMLA(protocol.NumpyRunner):
@@ -102,6 +116,10 @@ class NumpyMLA(protocol.NumpyRunner):
         per = -(-length // n_splits) if length else 0
         return [(min(k * per, length), min((k + 1) * per, length)) for k in range(n_splits)]
 
+    def pv(self, p, values):
+        """P·V: `p [..., L]` (float32, normalised) times `values [L, D]`, accumulated in float32."""
+        return np.matmul(p, values)
+
     def prefill_visible(self, n, s, context_len):
         """[n, S] bool: query i sees keys 0 .. context_len + i + 1."""
         return np.arange(s)[None, :] < (context_len + np.arange(n) + 1)[:, None]
@@ -142,19 +160,31 @@ class NumpyMLA(protocol.NumpyRunner):
             visible = np.arange(length)[None, :] < (length - s_q + np.arange(s_q) + 1)[:, None]
             scores = np.where(visible[:, None, :], scores, np.float32(-np.inf)).astype(np.float32)
             p, l = softmax_rows(scores)
-            out[b] = np.matmul(p, latent)
+            out[b] = self.pv(p, latent)
             lse[b] = l
             for k, (lo, hi) in enumerate(self.split_bounds(length, n_splits)):
                 if hi <= lo:
                     continue
                 ps, ls = softmax_rows(scores[:, :, lo:hi])
-                split_out[b, :, :, k] = np.matmul(ps, latent[lo:hi])
+                split_out[b, :, :, k] = self.pv(ps, latent[lo:hi])
                 split_lse[b, :, :, k] = ls
+        empty = os.environ.get("MLA_DIFF_NUMPY_EMPTY_SPLITS", "")
+        if empty:
+            # A split no visible key falls in: its partial is never written (NaN, as torch.empty
+            # leaves it); its lse is -inf, so its merge weight is 0.
+            split_out[~np.isfinite(split_lse)] = np.nan
+            m = np.max(split_lse, axis=-1, keepdims=True)
+            w = np.exp(split_lse - m)[..., None]  # [B, s_q, H, S, 1]
+            if empty == "nan-naive-merge":
+                num = np.sum(w * split_out, axis=-2)  # 0·NaN = NaN: the merge is poisoned
+            else:
+                num = np.sum(np.where(w > 0, w * split_out, np.float32(0)), axis=-2)
+            out = (num / np.sum(w, axis=-2)).astype(np.float32)
         return {
-            "attn_latent": protocol.storage(out, dtype),
-            "lse": self.lse_out(lse).astype(np.float32),
-            "split_out": split_out,
-            "split_lse": split_lse,
+            "attn_latent": out_dtype("decode.attn_latent", out, dtype),
+            "lse": out_dtype("decode.lse", self.lse_out(lse), "f32"),
+            "split_out": out_dtype("decode.split_out", split_out, "f32"),
+            "split_lse": out_dtype("decode.split_lse", split_lse, "f32"),
         }
 
     def prefill(self, x, meta):
@@ -180,8 +210,8 @@ class NumpyMLA(protocol.NumpyRunner):
             p, lse[hs] = softmax_rows(scores)
             out[hs] = np.matmul(p, vh)
         return {
-            "attn_heads": protocol.storage(np.transpose(out, (1, 0, 2)), dtype),
-            "lse": self.lse_out(np.ascontiguousarray(lse.T)).astype(np.float32),
+            "attn_heads": out_dtype("prefill.attn_heads", np.transpose(out, (1, 0, 2)), dtype),
+            "lse": out_dtype("prefill.lse", self.lse_out(np.ascontiguousarray(lse.T)), "f32"),
         }
 
 

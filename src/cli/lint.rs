@@ -25,9 +25,12 @@ pub struct Args {
     /// softmax scale, LSE base, cache row order and page addressing, probed with tiny requests.
     #[arg(long, value_name = "CMD")]
     runner: Option<String>,
+    /// Seconds the runner may take to describe itself or answer one probe before it is killed (exit 2).
+    #[arg(long, value_name = "SECONDS", default_value_t = mla_diff::backend::runner::protocol::DEFAULT_TIMEOUT_S, value_parser = clap::value_parser!(u64).range(1..))]
+    runner_timeout: u64,
     /// The page size a run would use (the runner's supports and the paging probe).
-    #[arg(long, default_value_t = Schedule::default().page_size)]
-    page_size: usize,
+    #[arg(long, value_name = "N")]
+    page_size: Option<usize>,
     /// Query tokens per decode step (the decode kernel's rows are q_len × heads).
     #[arg(long, default_value_t = Schedule::default().q_len)]
     q_len: usize,
@@ -49,6 +52,7 @@ pub struct Args {
 }
 
 pub fn exec(a: Args) -> Result<i32, Error> {
+    mla_diff::backend::runner::protocol::set_timeout(a.runner_timeout);
     let json = a
         .json
         .as_deref()
@@ -61,7 +65,8 @@ pub fn exec(a: Args) -> Result<i32, Error> {
         }),
         arch: a.arch,
         runner: a.runner,
-        page_size: a.page_size,
+        page_size: a.page_size.unwrap_or(Schedule::default().page_size),
+        page_size_given: a.page_size.is_some(),
         q_len: a.q_len,
         dtype: a.dtype,
     };

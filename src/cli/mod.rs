@@ -34,7 +34,7 @@ enum Cmd {
     Inspect(inspect::Args),
     /// Check an MLA GGUF's metadata against its own tensors, the conventions (softmax scale with YaRN
     /// mscale², rope, head dims, eps) and the known models; with --backend cuda, which kernels take its
-    /// dims; with --runner, an external kernel's supports and conventions, probed. Exit 1 on an error.
+    /// dims; with --runner, an external kernel's supports and conventions, probed. Exit 1 on an error; 2 when the runner cannot take the model (unsupported, as run).
     Lint(lint::Args),
     /// Write a synthetic MLA GGUF in llama.cpp's conventions (real models' attention dims, seeded random
     /// weights; attention tensors and token_embd only).

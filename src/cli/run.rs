@@ -207,7 +207,17 @@ impl Args {
         cfg: &MlaConfig,
         faults: FaultSet,
     ) -> Result<RunOptions, Error> {
-        let sched = self.default_schedule(cfg)?;
+        // The runner is asked to describe itself from here on (page choice, --inject): timed already.
+        mla_diff::backend::runner::protocol::set_timeout(self.backend.runner_timeout);
+        let mut sched = self.default_schedule(cfg)?;
+        // A runner that does not take the default page gets one it does (the report says so).
+        if let (Some(cmd), None) = (&self.backend.runner, self.schedule.page_size) {
+            sched.page_size = mla_diff::backend::runner::protocol::page_for(cmd, sched.page_size)?;
+            sched.validate()?;
+        }
+        if let Some(cmd) = &self.backend.runner {
+            refuse_inject_under_runner(&faults, cmd)?;
+        }
         let (tolerances, tolerance_source) = self.tol.table(self.dtype)?;
         let dump = self.report.dump(cfg.n_layer)?;
         let layers = mla_diff::run::parse_layers(&self.layers, cfg.n_layer)?;
@@ -256,6 +266,28 @@ impl Args {
             indexer_keys: self.indexer_keys,
         })
     }
+}
+
+/// `--inject` of a fault whose first failing check is a stage the runner replaces: the bug would sit in
+/// code the runner stands in for and change nothing, and a pass would read as a fault mla-diff missed,
+/// so it is refused (docs/runners.md).
+fn refuse_inject_under_runner(faults: &FaultSet, cmd: &str) -> Result<(), Error> {
+    use mla_diff::backend::runner::{protocol, replaced_checks};
+    if faults.is_empty() {
+        return Ok(());
+    }
+    let d = protocol::describe_once(cmd)?;
+    let replaced = replaced_checks(&d);
+    for inj in &faults.0 {
+        let info = inj.name.info();
+        if replaced.contains(&info.expected) {
+            return Err(Error::Usage(format!(
+                "--inject {} plants its bug where it first shows, {}, which runner {} replaces: it would change nothing; inject a fault upstream of the runner (e.g. rope_neox) or run without --runner",
+                info.name, info.expected, d.name
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A DSA model on a schedule beyond its indexer's top_k is refused unless allowed (then a note).

@@ -1135,6 +1135,11 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
             }
             _ => None,
         };
+        // The types the stored partials were returned in (inferred from their values, as the judge
+        // infers every stored type).
+        let stored_types = o_split
+            .filter(|_| !f.known_attention)
+            .map(|(o, l)| (Store::infer(&o.data), Store::infer(&l.data)));
         for d in 0..nd {
             let t = pl + d;
             let seq_len = pl + (d / sched.q_len + 1) * sched.q_len;
@@ -1186,13 +1191,25 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
                                             lse,
                                             ..Attn::empty(lkv)
                                         },
-                                        false => Attn {
-                                            out,
-                                            lse,
-                                            var: parts[k].var.clone(),
-                                            bias_out: parts[k].bias_out.clone(),
-                                            ..parts[k]
-                                        },
+                                        // An external kernel merges its own (unstored) partials:
+                                        // ours carry a fresh computation's noise plus the rounding
+                                        // of the type it returned them in (a bf16 split_lse moves
+                                        // the weights by up to 2⁻⁹·|lse|).
+                                        false => {
+                                            let (so, sl) = stored_types.expect("with splits");
+                                            let mut var = parts[k].var.clone();
+                                            var.iter_mut()
+                                                .zip(&out)
+                                                .for_each(|(v, &o)| *v += so.round_var(o));
+                                            Attn {
+                                                var_lse: parts[k].var_lse + sl.round_var(lse),
+                                                out,
+                                                lse,
+                                                var,
+                                                bias_out: parts[k].bias_out.clone(),
+                                                ..parts[k]
+                                            }
+                                        }
                                     }
                                 })
                                 .collect();
@@ -1221,9 +1238,12 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
         out.push(Stage::SplitLse, split_lse, vsplit_lse);
         out.with_truncation(tc, bsplit_lse);
         latent.push_to(&mut out, Stage::AttnLatent, tc);
-        // attn_heads[decode] ← the stored attn_latent.
+        // attn_heads[decode] ← the stored attn_latent, in the run's dtype: what W_UV multiplies (an
+        // engine stores the latent in it; a runner may return it wider, and is then rounded the same
+        // way, `runner::decode::put_decode_outputs`). A no-op for paths that store it in the dtype.
         if let Some(o_att) = opt2(opt, Stage::AttnLatent) {
             let o_att = o_att
+                .mapv(|v| dt.round(v as f32) as f64)
                 .into_shape_with_order((nd * h, lkv))
                 .expect("[D, H, Lkv]");
             for hh in 0..h {

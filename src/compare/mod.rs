@@ -365,6 +365,48 @@ pub fn apply_local(
     loc: &local::LocalStage,
     e2e_decides: bool,
 ) {
+    let l = judge_local(ctx, check, c, opt, loc, &loc.values);
+    let e2e = std::mem::take(&mut c.reasons);
+    c.reasons = l.reasons.iter().map(|r| format!("local: {r}")).collect();
+    if e2e_decides {
+        c.reasons.extend(e2e.iter().cloned());
+    }
+    c.pass = c.reasons.is_empty();
+    c.end_to_end_reasons = e2e;
+    c.end_to_end_decides = e2e_decides;
+    c.local = Some(l);
+}
+
+/// A runner's `@runner` check judged by the stage-local model: its yardstick (fp64 from the tensors the
+/// runner was given) with the noise the local view predicts for that stage, which is computed from the
+/// same inputs (docs/runners.md). One error model decides both views, so a kernel error that fails the
+/// stage locally fails `@runner` too, and an `@runner` pass means the runner computed within the noise.
+/// The storage-precision bound stays in the report (`tolerance`, and its reasons in
+/// `end_to_end_reasons`), not deciding.
+pub fn apply_local_at_runner(
+    ctx: &Ctx,
+    check: Check,
+    c: &mut CheckResult,
+    opt: &StageTensor,
+    reference: &StageTensor,
+    loc: &local::LocalStage,
+) {
+    let l = judge_local(ctx, check, c, opt, loc, &reference.data);
+    c.end_to_end_reasons = std::mem::take(&mut c.reasons);
+    c.reasons = l.reasons.clone();
+    c.pass = c.reasons.is_empty();
+    c.local = Some(l);
+}
+
+/// The local judge over `check`'s rows, `values` in the reference's place.
+fn judge_local(
+    ctx: &Ctx,
+    check: Check,
+    c: &CheckResult,
+    opt: &StageTensor,
+    loc: &local::LocalStage,
+    values: &[f64],
+) -> noise::LocalResult {
     let rows = check.rows(ctx.sched);
     let per: usize = opt.shape[1..].iter().product();
     let span = rows.start * per..rows.end * per;
@@ -386,16 +428,7 @@ pub fn apply_local(
         coherent,
         truncation: loc.truncation.as_ref().map(|b| &b[span.clone()]),
     };
-    let l = noise::judge(&opt.data[span.clone()], &loc.values[span], &pred, &pos);
-    let e2e = std::mem::take(&mut c.reasons);
-    c.reasons = l.reasons.iter().map(|r| format!("local: {r}")).collect();
-    if e2e_decides {
-        c.reasons.extend(e2e.iter().cloned());
-    }
-    c.pass = c.reasons.is_empty();
-    c.end_to_end_reasons = e2e;
-    c.end_to_end_decides = e2e_decides;
-    c.local = Some(l);
+    noise::judge(&opt.data[span.clone()], &values[span], &pred, &pos)
 }
 
 /// Widen `tol` by the exact effect of a runner's cache precision on this check (`trace::CacheEffect`):
@@ -497,6 +530,15 @@ pub fn compare_layer(
             // A runner's stage, against fp64 from the runner's own inputs: its kernel's error alone.
             if let Some(a) = optimized.at_runner.iter().find(|a| a.check == check.name()) {
                 let mut c = compare_check(ctx, check, &a.reference, &a.optimized, a.tolerance)?;
+                // In shadow mode by the local view's model of that stage (same inputs); elsewhere, or
+                // where the view does not model the runner's path (an fp8 cache), the storage bound.
+                if let Some(l) = local.and_then(|l| l.get(check.stage)) {
+                    if l.values.len() == a.optimized.data.len()
+                        && a.reference.data.len() == l.values.len()
+                    {
+                        apply_local_at_runner(ctx, check, &mut c, &a.optimized, &a.reference, l);
+                    }
+                }
                 c.check = format!("{}{AT_RUNNER}", check.name());
                 out.push(c);
             }
@@ -529,6 +571,26 @@ pub struct Verdict {
     pub message: String,
 }
 
+/// Who is at fault when the first failing check is a runner's stage: its `@runner` twin (fp64 from the
+/// runner's own inputs, judged by the same error model) fails with it — the runner's kernel — or
+/// passes — upstream of the runner, in the path that fed it. Empty for every other check (and so for
+/// every run without a runner).
+fn culprit(l: &LayerResult, first: &str) -> String {
+    if first.ends_with(AT_RUNNER) {
+        return " — culprit: the runner's kernel (against fp64 from its own inputs)".into();
+    }
+    let twin = format!("{first}{AT_RUNNER}");
+    match l.checks.iter().find(|c| c.check == twin) {
+        Some(t) if !t.pass => format!(
+            " — culprit: the runner's kernel ({twin} fails too, against fp64 from its own inputs)"
+        ),
+        Some(_) => format!(
+            " — culprit: upstream of the runner ({twin} passes: it computed within the noise from what it was given)"
+        ),
+        None => String::new(),
+    }
+}
+
 pub fn verdict(layers: &[LayerResult]) -> Verdict {
     match layers.iter().find(|l| !l.pass) {
         None => Verdict {
@@ -550,10 +612,11 @@ pub fn verdict(layers: &[LayerResult]) -> Verdict {
                 first_check: Some(c.check.clone()),
                 reasons: c.reasons.clone(),
                 message: format!(
-                    "DIVERGENCE: first at layer {}, stage {}: {}",
+                    "DIVERGENCE: first at layer {}, stage {}: {}{}",
                     l.layer,
                     c.check,
-                    c.reasons.join("; ")
+                    c.reasons.join("; "),
+                    culprit(l, &c.check)
                 ),
             }
         }

@@ -136,6 +136,8 @@ pub struct Options {
     pub runner: Option<String>,
     /// The page size a run would use (`--page-size`, else the default schedule's).
     pub page_size: usize,
+    /// Whether `--page-size` was given: if not, a run moves to a page the runner takes (not an error).
+    pub page_size_given: bool,
     /// Query tokens per decode step (rows of a decode request: q_len × heads).
     pub q_len: usize,
     pub dtype: Dtype,
@@ -152,9 +154,19 @@ pub struct LintReport {
 }
 
 impl LintReport {
-    /// 1 when any error was found, else 0.
+    /// The runner cannot take this model (a `runner.supports.*` error): what `run` refuses with exit 2.
+    pub fn unsupported(&self) -> bool {
+        self.findings
+            .iter()
+            .any(|f| f.severity == Severity::Error && f.check.starts_with("runner.supports."))
+    }
+
+    /// 2 when the runner cannot take the model (unsupported, as `run` exits: this kernel cannot take
+    /// this model), else 1 when any error was found (this kernel or file is wrong), else 0.
     pub fn exit_code(&self) -> i32 {
-        if self.errors > 0 {
+        if self.unsupported() {
+            crate::error::EXIT_ERROR
+        } else if self.errors > 0 {
             crate::error::EXIT_DIVERGENCE
         } else {
             crate::error::EXIT_PASS
@@ -188,7 +200,9 @@ impl LintReport {
             "lint: {}, {} ({})\n",
             plural(self.errors, "error"),
             plural(self.warnings, "warning"),
-            if self.errors > 0 {
+            if self.unsupported() {
+                "unsupported: the runner cannot take this model, exit 2 as in run"
+            } else if self.errors > 0 {
                 "diverges: see the errors"
             } else if self.warnings > 0 {
                 "no errors"

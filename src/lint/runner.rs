@@ -722,6 +722,17 @@ pub fn lint(cmd: &str, cfg: Option<&MlaConfig>, opts: &Options, out: &mut Findin
         if let Some(l) = s
             .page_sizes
             .as_ref()
+            .filter(|l| !l.contains(&opts.page_size) && !l.is_empty() && !opts.page_size_given)
+        {
+            page = l[0];
+            out.note(
+                "runner.supports.page_size",
+                format!("page size {page}"),
+                format!("{name} does not take the default page {} (it takes {l:?}): a run without --page-size uses {page}, and so do the probes", opts.page_size),
+            );
+        } else if let Some(l) = s
+            .page_sizes
+            .as_ref()
             .filter(|l| !l.contains(&opts.page_size))
         {
             out.error(

@@ -57,7 +57,17 @@ fn consistent(code: Option<i32>, j: &J) {
     let n = findings(j, "error").len();
     assert_eq!(j["errors"], n);
     assert_eq!(j["warnings"], findings(j, "warning").len());
-    assert_eq!(code, Some(if n > 0 { 1 } else { 0 }), "{j:#}");
+    // A runner that cannot take the model is unsupported (2, as `run` exits), distinct from a wrong
+    // kernel or file (1).
+    let unsupported = findings(j, "error")
+        .iter()
+        .any(|f| f["check"].as_str().unwrap().starts_with("runner.supports."));
+    let want = match (unsupported, n > 0) {
+        (true, _) => 2,
+        (false, true) => 1,
+        _ => 0,
+    };
+    assert_eq!(code, Some(want), "{j:#}");
 }
 
 fn gguf_files(dir: &Path) -> Vec<PathBuf> {
@@ -575,27 +585,35 @@ if __name__ == '__main__':\n    protocol.main(R)\n",
     )
     .unwrap();
     let cmd = format!("{py} {}", s.display());
-    // DeepSeek dims at the default page 16: refused by page size, probed at 64.
+    // DeepSeek dims, no --page-size: a run takes page 64 (the runner's), and so do the probes.
     let (code, j, err) = lint(&fixture("deepseek-v3-yarn-q4_k.gguf"), &["--runner", &cmd]);
     consistent(code, &j);
-    assert_eq!(code, Some(1), "{err}");
-    assert_eq!(checks(&j, "error"), ["runner.supports.page_size"], "{j:#}");
+    assert_eq!(code, Some(0), "{err}");
+    assert!(finding(&j, "note", "runner.supports.page_size")["found"] == "page size 64");
     assert!(finding(&j, "note", "runner.decode.paging")["found"]
         .as_str()
         .unwrap()
         .contains("of 64 rows"));
+    // --page-size 16 asked for: refused by page size (unsupported: exit 2, as run), probed at 64.
+    let (code, j, err) = lint(
+        &fixture("deepseek-v3-yarn-q4_k.gguf"),
+        &["--runner", &cmd, "--page-size", "16"],
+    );
+    consistent(code, &j);
+    assert_eq!(code, Some(2), "{err}");
+    assert_eq!(checks(&j, "error"), ["runner.supports.page_size"], "{j:#}");
     let (code, j, _) = lint(
         &fixture("deepseek-v3-yarn-q4_k.gguf"),
         &["--runner", &cmd, "--page-size", "64", "--dtype", "f32"],
     );
-    assert_eq!(code, Some(1));
+    assert_eq!(code, Some(2));
     assert_eq!(checks(&j, "error"), ["runner.supports.dtype"], "{j:#}");
     // MiniCPM3's latent of 256: no request at its dims can be answered.
     let (code, j, _) = lint(
         &fixture("minicpm3-f32.gguf"),
         &["--runner", &cmd, "--page-size", "64"],
     );
-    assert_eq!(code, Some(1));
+    assert_eq!(code, Some(2));
     assert_eq!(
         checks(&j, "error"),
         ["runner.supports.kv_lora_rank", "runner.supports.qk_rope"],

@@ -231,7 +231,7 @@ fn a_case_the_runner_cannot_take_is_unsupported_not_a_verdict() {
         a.extend_from_slice(extra);
         run(&a)
     };
-    // Its description says page 64 only; the run's page is 16.
+    // Its description says page 64 only; the run's page is 16, asked for.
     let s = script(
         dir.path(),
         "page64.py",
@@ -357,4 +357,241 @@ fn a_capsule_replays_through_a_runner() {
         .as_str()
         .unwrap();
     assert!(RUNNER_CHECKS.contains(&first), "{first}");
+}
+
+/// A correct runner may return each output in any dtype the protocol allows (bf16, fp16, f32): with
+/// exact values it passes, whatever the combination. The downstream recomputation and the stage-local
+/// view agree about rounding a wider `attn_latent` to the run's dtype, and partials returned in a
+/// 16-bit type are bounded by that type. Every output in every dtype, over rotations that pair them
+/// up, in bf16 and fp16 runs.
+#[test]
+fn every_output_dtype_combination_passes() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    const OUTS: [&str; 6] = [
+        "decode.attn_latent",
+        "decode.lse",
+        "decode.split_out",
+        "decode.split_lse",
+        "prefill.attn_heads",
+        "prefill.lse",
+    ];
+    const DT: [&str; 3] = ["bf16", "fp16", "f32"];
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("runners/numpy_mla.py");
+    let f = fixture("glm-5-q4_0.gguf");
+    let mut cases = Vec::new();
+    for run_dt in ["bf16", "fp16"] {
+        // Output i in DT[(a·i + k) % 3]: a = 0 all alike, a = 1, 2 mixed.
+        for a in 0..3 {
+            for k in 0..3 {
+                if run_dt == "fp16" && a != 1 {
+                    continue;
+                }
+                let combo: Vec<String> = OUTS
+                    .iter()
+                    .enumerate()
+                    .map(|(i, o)| format!("{o}={}", DT[(a * i + k) % 3]))
+                    .collect();
+                cases.push((run_dt, combo.join(",")));
+            }
+        }
+    }
+    for (run_dt, combo) in &cases {
+        let cmd = format!(
+            "env MLA_DIFF_NUMPY_DTYPES={combo} {py} {}",
+            script.display()
+        );
+        let (code, rep, err) = run_json(&f, &cmd, &["--dtype", run_dt]);
+        assert_eq!(code, Some(0), "{run_dt} run, {combo}: {err}");
+        // The report records the dtypes as returned.
+        let notes = rep["run"]["notices"].to_string();
+        let lat = combo.split(',').next().unwrap().split('=').nth(1).unwrap();
+        assert!(notes.contains(&format!("attn_latent {lat}")), "{notes}");
+    }
+}
+
+/// One error model decides the stage-local check and its `@runner` twin: P·V accumulated in fp16 (in
+/// k-steps of 8 keys) in an fp16 run fails `split_out` locally and `split_out@runner` alike (the flat
+/// storage bound let it pass, and the reading rule then blamed upstream), and the verdict line names
+/// the runner's kernel as the culprit.
+#[test]
+fn a_kernel_error_fails_at_the_runner_by_the_local_model() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let f = fixture("deepseek-v3-yarn-q4_k.gguf");
+    let cmd = runner(&py, "bugs/pv_fp16_accum.py");
+    let (code, rep, err) = run_json(&f, &cmd, &["--dtype", "fp16"]);
+    assert_eq!(code, Some(1), "{err}");
+    let layer = &rep["modes"][0]["layers"][0];
+    assert_eq!(layer["first_failure"], "split_out", "{err}");
+    let at = checks(&rep)
+        .into_iter()
+        .find(|c| c["check"] == "split_out@runner")
+        .unwrap();
+    assert_eq!(at["pass"], false, "{at}");
+    assert!(at["local"].is_object(), "judged by the local model: {at}");
+    assert!(
+        err.contains("culprit: the runner's kernel (split_out@runner fails too"),
+        "{err}"
+    );
+}
+
+/// Empty splits are judged by their LSE: a kernel that leaves their `split_out` unwritten (NaN, as a
+/// `torch.empty` buffer) with `split_lse` −inf and merges them out passes (the report says so); one
+/// whose merge multiplies the garbage by its zero weight (0·NaN) fails at `attn_latent`.
+#[test]
+fn empty_splits_are_judged_by_their_lse() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let f = fixture("deepseek-v3-yarn-q4_k.gguf");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("runners/numpy_mla.py");
+    let cmd = |mode: &str| {
+        format!(
+            "env MLA_DIFF_NUMPY_EMPTY_SPLITS={mode} {py} {}",
+            script.display()
+        )
+    };
+    // 49.. keys in 16 splits of ⌈L/16⌉: the last splits are empty.
+    let (code, rep, err) = run_json(&f, &cmd("nan"), &["--num-splits", "16"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        rep["run"]["notices"]
+            .to_string()
+            .contains("empty splits' split_out"),
+        "{}",
+        rep["run"]["notices"]
+    );
+    let (code, rep, err) = run_json(&f, &cmd("nan-naive-merge"), &["--num-splits", "16"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(rep["modes"][0]["layers"][0]["first_failure"], "attn_latent");
+}
+
+/// A runner that hangs does not hang `run` or `lint`: past `--runner-timeout` it is killed, and the
+/// run stops with one exit-2 line naming the runner, the op and the layer (or `--describe`).
+#[test]
+fn a_hung_runner_times_out() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let f = fixture("deepseek-v3-yarn-q4_k.gguf");
+    let f = f.to_str().unwrap();
+    let hang = script(
+        dir.path(),
+        "hang.py",
+        &format!("{DESCRIBE}\nimport time\nsys.stdin.readline()\ntime.sleep(600)\n"),
+    );
+    let cmd = format!("{py} {}", hang.display());
+    let t0 = std::time::Instant::now();
+    let o = run(&[
+        "run",
+        f,
+        "--backend",
+        "cpu",
+        "--runner",
+        &cmd,
+        "--page-size",
+        "64",
+        "--runner-timeout",
+        "2",
+        "-q",
+    ]);
+    assert_clean_error(&o, "runner test did not answer layer 0 decode within 2 s");
+    let o = run(&[
+        "lint",
+        f,
+        "--runner",
+        &cmd,
+        "--page-size",
+        "64",
+        "--runner-timeout",
+        "2",
+    ]);
+    assert_clean_error(&o, "runner test did not answer layer 0 decode within 2 s");
+    let slow = script(dir.path(), "slow.py", "import time\ntime.sleep(600)\n");
+    let o = run(&[
+        "run",
+        f,
+        "--backend",
+        "cpu",
+        "--runner",
+        &format!("{py} {}", slow.display()),
+        "--runner-timeout",
+        "2",
+        "-q",
+    ]);
+    assert_clean_error(&o, "did not answer --describe within 2 s");
+    assert!(t0.elapsed().as_secs() < 60, "{:?}", t0.elapsed());
+}
+
+/// `supports` keys mla-diff does not know are an error naming the near key (they read as "any"
+/// before); a runner whose `page_sizes` excludes the default page gets one it takes, and the report
+/// says so (an explicit --page-size it does not take is still refused).
+#[test]
+fn supports_are_read_strictly_and_the_page_fits_the_runner() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let f = fixture("deepseek-v3-yarn-q4_k.gguf");
+    let typo = script(
+        dir.path(),
+        "typo.py",
+        &DESCRIBE.replace("\"page_sizes\"", "\"page_size\""),
+    );
+    let o = run(&[
+        "run",
+        f.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--runner",
+        &format!("{py} {}", typo.display()),
+        "-q",
+    ]);
+    assert_clean_error(
+        &o,
+        "supports has an unknown key 'page_size' (did you mean 'page_sizes'?)",
+    );
+    let runners = Path::new(env!("CARGO_MANIFEST_DIR")).join("runners");
+    let p64 = script(
+        dir.path(),
+        "numpy64.py",
+        &format!(
+            "import sys\nsys.path.insert(0, {:?})\nimport numpy_mla, protocol\nclass R(numpy_mla.NumpyMLA):\n    def describe(self):\n        d = super().describe()\n        d['supports']['page_sizes'] = [64]\n        return d\nprotocol.main(R)\n",
+            runners.display().to_string()
+        ),
+    );
+    let (code, rep, err) = run_json(&f, &format!("{py} {}", p64.display()), &[]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(rep["run"]["schedule"]["page_size"], 64);
+    assert!(
+        rep["run"]["notices"].to_string().contains("page size 64"),
+        "{}",
+        rep["run"]["notices"]
+    );
+}
+
+/// `--inject` of a fault that first shows in a stage the runner replaces would change nothing: refused,
+/// one exit-2 line (a fault upstream of the runner still runs: `an_upstream_error_passes_at_the_runner`).
+#[test]
+fn inject_into_a_replaced_stage_is_refused() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let f = fixture("deepseek-v3-yarn-q4_k.gguf");
+    let o = run(&[
+        "run",
+        f.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--runner",
+        &runner(&py, "numpy_mla.py"),
+        "--inject",
+        "split_drop_last",
+        "-q",
+    ]);
+    assert_clean_error(&o, "--inject split_drop_last plants its bug where it first shows, attn_latent, which runner numpy replaces");
 }

@@ -266,13 +266,16 @@ impl RunnerBackend {
         });
         match &ret.split {
             Some((so, sl_nat, sl_dtype, _)) if !own => {
+                let (mut so_data, mut sl_nat, sl_dtype) = (so.data.clone(), sl_nat.clone(), *sl_dtype);
+                self.unwritten_splits +=
+                    empty_splits(&l_slse, &mut sl_nat, &mut so_data, splits, lkv);
                 at.push(AtRunner {
                     check: "split_out".into(),
                     reference: StageTensor::new(Stage::SplitOut, vec![d_n, h, splits, lkv], l_sout),
                     optimized: StageTensor::new(
                         Stage::SplitOut,
                         vec![d_n, h, splits, lkv],
-                        so.data.clone(),
+                        so_data.clone(),
                     ),
                     tolerance: tol(so.dtype),
                     out_dtype: so.dtype,
@@ -288,8 +291,8 @@ impl RunnerBackend {
                     tolerance: tol(sl_dtype),
                     out_dtype: sl_dtype,
                 });
-                set(tr, Stage::SplitOut, so.data.clone())?;
-                set(tr, Stage::SplitLse, sl_nat.clone())?;
+                set(tr, Stage::SplitOut, so_data)?;
+                set(tr, Stage::SplitLse, sl_nat)?;
             }
             _ => {
                 tr.stages
@@ -306,6 +309,80 @@ impl RunnerBackend {
         let (lat, lse) = (ret.lat.data, ret.lse);
         put_decode_outputs(tr, ctx, mw, dt, &lat, &lse)
     }
+}
+
+/// The runner's decode outputs in place of the inner path's: `attn_latent` `[D, H, Lkv]`, the decode
+/// rows of `lse`, and the decode heads W_UV makes of the latent as the engine would (the latent stored
+/// in the dtype first).
+pub(super) fn put_decode_outputs(
+    tr: &mut LayerTrace,
+    ctx: &LayerCtx,
+    mw: &MirrorWeights,
+    dt: Dtype,
+    lat: &[f64],
+    lse: &[f64],
+) -> Result<()> {
+    let (cfg, sched) = (ctx.cfg, ctx.sched);
+    let (h, lkv, dv, prompt) = (
+        cfg.n_head,
+        cfg.kv_lora_rank,
+        cfg.v_head_dim,
+        sched.prompt_len,
+    );
+    let d_n = lat.len() / (h * lkv);
+    set(tr, Stage::AttnLatent, lat.to_vec())?;
+    let lse_stage = tr.get_mut(Stage::Lse).ok_or_else(|| missing(Stage::Lse))?;
+    lse_stage.data[prompt * h..].copy_from_slice(lse);
+    let lat32 = Array3::from_shape_vec(
+        (d_n, h, lkv),
+        lat.iter().map(|&v| dt.round(v as f32)).collect(),
+    )
+    .expect("shape checked");
+    let heads = tr
+        .get_mut(Stage::AttnHeads)
+        .ok_or_else(|| missing(Stage::AttnHeads))?;
+    for hh in 0..h {
+        let o = round_all(lat32.slice(s![.., hh, ..]).dot(&mw.uv(cfg, hh).t()), dt);
+        for d in 0..d_n {
+            let at = ((prompt + d) * h + hh) * dv;
+            heads.data[at..at + dv]
+                .copy_from_slice(&o.row(d).iter().map(|&v| v as f64).collect::<Vec<_>>());
+        }
+    }
+    Ok(())
+}
+
+/// Empty splits (no key the query sees falls in them, `reference_lse` −inf) are judged by their LSE
+/// alone: one the runner returned as −inf, or whose weight in an f32 merge is 0, is empty, and its
+/// `split_out` is don't-care (a kernel may leave a `torch.empty` buffer unwritten): set to the
+/// reference's 0 and its LSE to −inf. A finite weight on an empty split, or −inf on a split with keys,
+/// stays as returned and fails `split_lse`; a merge poisoned by the garbage (0·NaN) still fails at
+/// `attn_latent`. Returns how many such partials held something other than 0.
+fn empty_splits(
+    reference_lse: &[f64],
+    lse: &mut [f64],
+    out: &mut [f64],
+    splits: usize,
+    dim: usize,
+) -> usize {
+    let mut garbage = 0;
+    for (row, (lr, lo)) in reference_lse
+        .chunks(splits)
+        .zip(lse.chunks_mut(splits))
+        .enumerate()
+    {
+        let m = lo.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        for k in 0..splits {
+            let weightless = lo[k] == f64::NEG_INFINITY || ((lo[k] - m) as f32).exp() == 0.0;
+            if lr[k] == f64::NEG_INFINITY && weightless {
+                lo[k] = f64::NEG_INFINITY;
+                let o = &mut out[(row * splits + k) * dim..(row * splits + k + 1) * dim];
+                garbage += o.iter().any(|&v| v != 0.0) as usize;
+                o.fill(0.0);
+            }
+        }
+    }
+    garbage
 }
 
 /// The runner's decode outputs in place of the inner path's: `attn_latent` `[D, H, Lkv]`, the decode

@@ -43,6 +43,8 @@ pub struct RunnerBackend {
     requests: usize,
     /// Inputs that came back changed: (layer, op, tensor) → (requests, most values changed in one).
     mutations: std::collections::BTreeMap<(usize, String, &'static str), (usize, usize)>,
+    /// Empty splits whose `split_out` the runner left holding something (don't-care, `decode`).
+    unwritten_splits: usize,
 }
 
 /// The kernels a runner declares a geometry for (`describe` `ops.OP.geometry.key_tile`), as coverage
@@ -81,7 +83,7 @@ pub fn limits(d: &Describe) -> crate::coverage::covering::Limits {
 impl RunnerBackend {
     /// Ask `cmd --describe`, then start `cmd --serve`.
     pub fn open(cmd: &str, inner: Box<dyn Backend>, dtype: Dtype) -> Result<RunnerBackend> {
-        let desc = protocol::describe(cmd)?;
+        let desc = protocol::describe_once(cmd)?;
         let proc = Process::start(cmd, &desc.name, keep_io())?;
         Ok(RunnerBackend {
             inner,
@@ -94,6 +96,7 @@ impl RunnerBackend {
             batch_layers: Default::default(),
             requests: 0,
             mutations: Default::default(),
+            unwritten_splits: 0,
         })
     }
 
@@ -239,6 +242,27 @@ impl RunnerBackend {
     }
 }
 
+/// The checks whose stage a runner's ops replace, on a dense layer: the stages it returns and what is
+/// recomputed from them by the CPU mirror's code (`attn_heads` of decode tokens, `attn_out`). A fault
+/// planted there (`--inject`) would change nothing.
+pub fn replaced_checks(d: &Describe) -> Vec<&'static str> {
+    let mut v = Vec::new();
+    if d.ops.decode.is_some() {
+        v.extend([
+            "attn_out[decode]",
+            "split_out",
+            "split_lse",
+            "attn_latent",
+            "lse[decode]",
+            "attn_heads[decode]",
+        ]);
+    }
+    if d.ops.prefill.is_some() {
+        v.extend(["lse[prefill]", "attn_heads[prefill]", "attn_out[prefill]"]);
+    }
+    v
+}
+
 /// With `MLA_DIFF_KEEP_RUNNER_IO` set, the request files stay in the scratch directory (printed on
 /// stderr): the exact tensors a runner was given, for its author.
 pub fn keep_io() -> bool {
@@ -333,6 +357,18 @@ impl Backend for RunnerBackend {
                     self.desc.name
                 ));
             }
+        }
+        if let Some((default, chosen)) = protocol::page_chosen() {
+            v.push(format!(
+                "page size {chosen}: runner {} does not take the default page {default} (its supports.page_sizes), so the run uses the first page it lists (--page-size picks another)",
+                self.desc.name
+            ));
+        }
+        if self.unwritten_splits > 0 {
+            v.push(format!(
+                "runner {} left {} empty splits' split_out holding non-zero values (NaN or garbage; their split_lse −inf or of weight 0): don't-care, compared as 0 — an empty split is judged by its LSE",
+                self.desc.name, self.unwritten_splits
+            ));
         }
         if self.sparse_runs > 0 {
             let o = &self.desc.ops;

@@ -6,13 +6,31 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// The protocol version this build speaks (`describe.protocol`, the files' `__metadata__`).
 pub const PROTOCOL: u32 = 1;
 /// A runner that exits with this code cannot take the case (unsupported, not a failure).
 pub const EXIT_UNSUPPORTED: i32 = 3;
+
+/// How long a runner may take to answer `--describe` or one request before it is killed and the run
+/// stops (exit 2): `--runner-timeout`, default [`DEFAULT_TIMEOUT_S`].
+static TIMEOUT_S: AtomicU64 = AtomicU64::new(DEFAULT_TIMEOUT_S);
+/// Five minutes: a first request that JIT-compiles its kernel (Triton, FlashInfer) takes a minute or
+/// two on an H200; a runner silent for longer has hung.
+pub const DEFAULT_TIMEOUT_S: u64 = 300;
+
+/// Set the per-request timeout (`--runner-timeout SECONDS`, at least 1).
+pub fn set_timeout(seconds: u64) {
+    TIMEOUT_S.store(seconds.max(1), Ordering::Relaxed);
+}
+fn timeout() -> Duration {
+    Duration::from_secs(TIMEOUT_S.load(Ordering::Relaxed))
+}
 
 /// `RUNNER --describe`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -121,6 +139,18 @@ impl OpSpec {
     }
 }
 
+/// The keys of `supports`, every one of which [`Supports`] reads.
+pub const SUPPORTS_KEYS: [&str; 8] = [
+    "dtypes",
+    "page_sizes",
+    "heads",
+    "kv_lora_rank",
+    "qk_rope",
+    "qk_head_dim",
+    "v_head_dim",
+    "max_q_len",
+];
+
 /// What a runner accepts: each list `None` (JSON null or absent) for any value.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct Supports {
@@ -218,6 +248,75 @@ fn tail(s: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join(" | ")
 }
 
+/// [`describe`], asked once per command in this process (the schedule's page choice and the backend
+/// both need it; a torch runner's `--describe` imports torch).
+pub fn describe_once(cmd: &str) -> Result<Describe> {
+    describe(cmd)
+}
+
+/// The page size chosen for a runner whose `page_sizes` excludes the schedule's default (default,
+/// chosen), for the report's notice.
+static PAGE_CHOSEN: Mutex<Option<(usize, usize)>> = Mutex::new(None);
+
+/// `page` for a run through the runner `cmd` when --page-size was not given: the schedule's own if the
+/// runner takes it, else the first it lists (recorded for the report: [`page_chosen`]).
+pub fn page_for(cmd: &str, page: usize) -> Result<usize> {
+    let d = describe_once(cmd)?;
+    let want = d.ops.decode.is_some() || d.ops.sparse_decode.is_some();
+    match d.supports.page_sizes.as_deref() {
+        Some(l) if want && !l.contains(&page) && !l.is_empty() => {
+            if let Ok(mut g) = PAGE_CHOSEN.lock() {
+                *g = Some((page, l[0]));
+            }
+            Ok(l[0])
+        }
+        _ => Ok(page),
+    }
+}
+
+/// `(default, chosen)` when [`page_for`] moved the page.
+pub fn page_chosen() -> Option<(usize, usize)> {
+    PAGE_CHOSEN.lock().ok().and_then(|g| *g)
+}
+
+/// `Command::output`, killed past the timeout (a runner that hangs while importing, say).
+fn output_within(c: &mut Command, cmd: &str) -> Result<std::process::Output> {
+    let mut child = c
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| spawn_error(cmd, e))?;
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = r.read_to_end(&mut v);
+            v
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().expect("piped")));
+    let err = drain(Box::new(child.stderr.take().expect("piped")));
+    let deadline = Instant::now() + timeout();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break s,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(Error::Environment(format!(
+                    "runner '{cmd}' did not answer --describe within {} s (--runner-timeout); killed",
+                    timeout().as_secs()
+                )));
+            }
+        }
+    };
+    Ok(std::process::Output {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    })
+}
+
 /// Run `CMD --describe` and parse its answer; once per command and process (the default schedule
 /// asks before the runner is started, and importing torch is seconds).
 pub fn describe(cmd: &str) -> Result<Describe> {
@@ -234,12 +333,13 @@ pub fn describe(cmd: &str) -> Result<Describe> {
 
 fn describe_uncached(cmd: &str) -> Result<Describe> {
     let words = split_command(cmd)?;
-    let out = Command::new(&words[0])
-        .args(&words[1..])
-        .arg("--describe")
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| spawn_error(cmd, e))?;
+    let out = output_within(
+        Command::new(&words[0])
+            .args(&words[1..])
+            .arg("--describe")
+            .stdin(Stdio::null()),
+        cmd,
+    )?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     if out.status.code() == Some(EXIT_UNSUPPORTED) {
         return Err(Error::Unsupported(format!(
@@ -254,11 +354,37 @@ fn describe_uncached(cmd: &str) -> Result<Describe> {
             tail(&stderr, 8)
         )));
     }
-    let d: Describe = serde_json::from_slice(&out.stdout).map_err(|e| {
+    let bad = |e: String| {
         Error::Usage(format!(
             "--runner '{cmd}' --describe did not print a valid description: {e}"
         ))
-    })?;
+    };
+    let raw: serde_json::Value =
+        serde_json::from_slice(&out.stdout).map_err(|e| bad(e.to_string()))?;
+    let d: Describe = serde_json::from_value(raw.clone()).map_err(|e| bad(e.to_string()))?;
+    // A key mla-diff does not know would otherwise read as "any" (supports) or the default
+    // (conventions): a typo that silently widens what the runner claims.
+    for (section, known) in [
+        ("supports", &SUPPORTS_KEYS[..]),
+        ("conventions", &["lse_base", "lse_layout"][..]),
+    ] {
+        if let Some(obj) = raw.get(section).and_then(|v| v.as_object()) {
+            if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
+                let near = known
+                    .iter()
+                    .map(|n| (strsim::levenshtein(k, n), n))
+                    .min()
+                    .filter(|(dist, _)| *dist <= 3)
+                    .map(|(_, n)| format!(" (did you mean '{n}'?)"))
+                    .unwrap_or_default();
+                return Err(Error::Usage(format!(
+                    "runner {}: describe's {section} has an unknown key '{k}'{near}; it knows {}",
+                    d.name,
+                    known.join(", ")
+                )));
+            }
+        }
+    }
     if d.protocol != PROTOCOL {
         return Err(Error::Usage(format!(
             "runner {} speaks protocol {}, this mla-diff speaks {PROTOCOL}",
@@ -349,7 +475,8 @@ pub struct Process {
     name: String,
     child: Child,
     stdin: Option<ChildStdin>,
-    stdout: BufReader<ChildStdout>,
+    /// Reply lines, read on a thread so that a silent runner can be timed out.
+    replies: Receiver<std::io::Result<String>>,
     stderr: Arc<Mutex<String>>,
     pub scratch: PathBuf,
     keep_scratch: bool,
@@ -374,6 +501,12 @@ impl Process {
         ));
         std::fs::create_dir_all(&scratch)
             .map_err(|e| Error::io(format!("creating {}", scratch.display()), e))?;
+        if keep {
+            eprintln!(
+                "mla-diff: note: MLA_DIFF_KEEP_RUNNER_IO: runner {name}'s requests stay in {} (N.in.safetensors, N.out.safetensors)",
+                scratch.display()
+            );
+        }
         let mut child = Command::new(&words[0])
             .args(&words[1..])
             .arg("--serve")
@@ -397,11 +530,21 @@ impl Process {
                 }
             }
         });
+        let (tx, replies) = channel();
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+        std::thread::spawn(move || loop {
+            let mut line = String::new();
+            let r = stdout.read_line(&mut line);
+            let end = !matches!(r, Ok(n) if n > 0);
+            if tx.send(r.map(|_| line)).is_err() || end {
+                break;
+            }
+        });
         Ok(Process {
             cmd: cmd.to_string(),
             name: name.to_string(),
             stdin: child.stdin.take(),
-            stdout: BufReader::new(child.stdout.take().expect("piped")),
+            replies,
             child,
             stderr,
             scratch,
@@ -458,11 +601,21 @@ impl Process {
         if sent.is_err() {
             return Err(self.died("stopped before a request"));
         }
-        let mut reply = String::new();
-        match self.stdout.read_line(&mut reply) {
-            Ok(0) | Err(_) => return Err(self.died("exited without replying")),
-            Ok(_) => {}
-        }
+        let reply = match self.replies.recv_timeout(timeout()) {
+            Ok(Ok(line)) if !line.is_empty() => line,
+            Err(RecvTimeoutError::Timeout) => {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return Err(Error::Environment(format!(
+                    "runner {} did not answer layer {} {} within {} s (--runner-timeout); killed",
+                    self.name,
+                    req.layer,
+                    req.op,
+                    timeout().as_secs()
+                )));
+            }
+            _ => return Err(self.died("exited without replying")),
+        };
         let r: Reply = serde_json::from_str(reply.trim()).map_err(|e| {
             Error::Environment(format!(
                 "runner {} printed a line that is not a reply ({e}): {} (stdout carries only replies; print logs to stderr)",

@@ -130,11 +130,16 @@ pub struct BackendArgs {
     /// stages; each of its stages is also checked against fp64 from its own inputs (`STAGE@runner`).
     #[arg(long, value_name = "CMD")]
     pub runner: Option<String>,
+    /// Seconds a runner may take to describe itself or answer one request before it is killed and the
+    /// run stops (exit 2) — a hung kernel must not hang the run.
+    #[arg(long, value_name = "SECONDS", default_value_t = mla_diff::backend::runner::protocol::DEFAULT_TIMEOUT_S, value_parser = clap::value_parser!(u64).range(1..))]
+    pub runner_timeout: u64,
 }
 
 impl BackendArgs {
     /// The backend for a run in `dtype`, with its facts for the report.
     pub fn open(&self, dtype: Dtype) -> Result<(Box<dyn Backend>, BackendInfo), Error> {
+        mla_diff::backend::runner::protocol::set_timeout(self.runner_timeout);
         mla_diff::backend::open(
             self.backend,
             &mla_diff::backend::Options {
