@@ -266,7 +266,8 @@ impl RunnerBackend {
         });
         match &ret.split {
             Some((so, sl_nat, sl_dtype, _)) if !own => {
-                let (mut so_data, mut sl_nat, sl_dtype) = (so.data.clone(), sl_nat.clone(), *sl_dtype);
+                let (mut so_data, mut sl_nat, sl_dtype) =
+                    (so.data.clone(), sl_nat.clone(), *sl_dtype);
                 self.unwritten_splits +=
                     empty_splits(&l_slse, &mut sl_nat, &mut so_data, splits, lkv);
                 at.push(AtRunner {
@@ -383,45 +384,4 @@ fn empty_splits(
         }
     }
     garbage
-}
-
-/// The runner's decode outputs in place of the inner path's: `attn_latent` `[D, H, Lkv]`, the decode
-/// rows of `lse`, and the decode heads W_UV makes of the latent as the engine would (the latent stored
-/// in the dtype first).
-pub(super) fn put_decode_outputs(
-    tr: &mut LayerTrace,
-    ctx: &LayerCtx,
-    mw: &MirrorWeights,
-    dt: Dtype,
-    lat: &[f64],
-    lse: &[f64],
-) -> Result<()> {
-    let (cfg, sched) = (ctx.cfg, ctx.sched);
-    let (h, lkv, dv, prompt) = (
-        cfg.n_head,
-        cfg.kv_lora_rank,
-        cfg.v_head_dim,
-        sched.prompt_len,
-    );
-    let d_n = lat.len() / (h * lkv);
-    set(tr, Stage::AttnLatent, lat.to_vec())?;
-    let lse_stage = tr.get_mut(Stage::Lse).ok_or_else(|| missing(Stage::Lse))?;
-    lse_stage.data[prompt * h..].copy_from_slice(lse);
-    let lat32 = Array3::from_shape_vec(
-        (d_n, h, lkv),
-        lat.iter().map(|&v| dt.round(v as f32)).collect(),
-    )
-    .expect("shape checked");
-    let heads = tr
-        .get_mut(Stage::AttnHeads)
-        .ok_or_else(|| missing(Stage::AttnHeads))?;
-    for hh in 0..h {
-        let o = round_all(lat32.slice(s![.., hh, ..]).dot(&mw.uv(cfg, hh).t()), dt);
-        for d in 0..d_n {
-            let at = ((prompt + d) * h + hh) * dv;
-            heads.data[at..at + dv]
-                .copy_from_slice(&o.row(d).iter().map(|&v| v as f64).collect::<Vec<_>>());
-        }
-    }
-    Ok(())
 }
