@@ -3,18 +3,18 @@
 // one's softmax runs under the other's MMAs (FlashMLA's schedule). Included by attention_sm90.cuh, whose
 // helpers, contract, numerics and fault switches it shares; the host launches it unless a launch has more
 // than two splits of fewer than 512 keys, attn_wgmma then (src/backend/cuda/attn.rs `pairs_rule`;
-// measured in bench/RESULTS.md (u), (x)).
+// measured on the H200 2026-12-02, bench/RESULTS.md).
 //
-// Why: the one-tile-at-a-time kernel (RESULTS.md (l)) is bound by its serial per-tile chain (S, a CTA
+// Why: the one-tile-at-a-time kernel (ncu, 2026-12-02) is bound by its serial per-tile chain (S, a CTA
 // barrier for the row maxima, P, a barrier, P·V) with nothing else resident; here no CTA-wide barrier is
 // in the key loop and the warpgroups hand each other the running max per tile.
 //
 // Per tile, fewer instructions than the first version (~1,700 per warp and pair in SASS; FlashMLA executes
-// about half ours, RESULTS.md (u)): descriptors as base + constant, the key compares only on a range's edge
+// about half ours then, by ncu): descriptors as base + constant, the key compares only on a range's edge
 // tiles, O's rescale skipped by a warp whose maxima all held, the scale inside exp2's FFMA, exp2 without
 // its denormal path (the WA_* switches below). Together 5–9 % faster at B=64 s_k=4k; one lever off at a time
 // (H=128, one run each) was slower by 0.6–15 µs, most for the descriptors, except the rescale skip: neutral
-// on the bench's random data (RESULTS.md (x)).
+// on the bench's random data (2026-12-02).
 //
 // Pair k = tiles A = 2k (stage 0) and B = 2k+1 (stage 1). Warpgroup 0 computes S_A over all 64 keys and
 // the max m_A = max(m, rowmax S_A), writes P_A; warpgroup 1 computes S_B, takes m_A and writes P_B with
@@ -29,15 +29,15 @@
 // P·V) is refilled by one thread of the warpgroup that last reads it, by TMA on the half's mbarrier (4 or
 // 5 boxes, one arrival + the bytes), as soon as that read is done: wg0 refills stage 0's left half right
 // after its P_A·V_A, before waiting for wg1's P_B (a wait there left the load latency exposed: 165 vs 178
-// µs at H=128, RESULTS.md (u)). S starts on the left half before the right one lands. Tiles start on page
+// µs at H=128, 2026-12-02). S starts on the left half before the right one lands. Tiles start on page
 // boundaries as in attention_sm90.cuh.
 // Shared memory (the same WG_SMEM): Q's rope block is read into registers once (the last four k-steps of
 // S take A from registers), which frees it for P_B; P_A sits after the stages; m_A, m_B and the eight
 // mbarriers in the exchange area: four "landed" (stage × half), READY_A (wg0's 128 threads arrive once P_A
 // and m_A are written), READY_B (wg1's, once P_B and m_B are written and its P_A·V_A is done) and one per
 // warpgroup (its four warps' MMAs done, before one thread refills a stage half). No named barrier: with
-// 128-thread named barriers compute-sanitizer's racecheck reported hazards across them (RESULTS.md (u));
-// on mbarriers it reports none (RESULTS.md (w)).
+// 128-thread named barriers compute-sanitizer's racecheck reported hazards across them; on mbarriers
+// it reports none (H200, 2026-12-02).
 #pragma once
 
 __device__ __forceinline__ void wa_m64n64k16(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
@@ -107,7 +107,7 @@ __device__ __forceinline__ void wa_fix(unsigned char* gK, unsigned bar, int ph, 
     }
 }
 
-// Probe switches of RESULTS.md (x) (each 1 in the landed kernel; a probe directory sets one to 0):
+// Probe switches (each 1 in the landed kernel; a probe directory sets one to 0; bench/probes/README.md):
 // WA_NOMASK: interior tiles skip the per-key compares; WA_SKIPSCALE: O's rescale skipped by a warp whose
 // α are all 1; WA_FFMA: the softmax scale folded into exp2's argument; WA_FTZ: exp2 without the
 // denormal-result path; WA_DESC: descriptors as a base plus a constant.

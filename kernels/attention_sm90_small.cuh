@@ -7,7 +7,7 @@
 // lse = -inf. It reuses that file's row, key-range and store helpers (its tile must be 16 rows, 32 keys:
 // the 1x4w bn32 tile the host picks for fewer than 64 rows), so the planted faults reach it too.
 //
-// Why (bench/RESULTS.md (y)): at 16 heads decode is a stream of the cache (1,152 bytes a key, 16 rows
+// Why (measured on the H200, 2026-12-02): at 16 heads decode is a stream of the cache (1,152 bytes a key, 16 rows
 // of work each); attn_mma's cp.async loader keeps one 36 KB tile per CTA in flight. Here one thread keeps
 // up to SM_NS - 1 32-key tiles in flight per CTA (TMA: nine 64-column boxes of 32 rows each, 128-byte
 // swizzle, one "full" mbarrier per stage), and a stage goes back to the producer as soon as the four

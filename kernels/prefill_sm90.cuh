@@ -14,21 +14,21 @@
 // host encoded the launch's tensor maps (parameter `mp`: one elected thread issues 64-column boxes on
 // the stage's full barrier with expect-tx, the copy engine doing the 128-byte swizzle and zero-filling
 // rows past the sequence and columns past the head width; 20–24 % less time than cp.async on the H200,
-// bench/RESULTS.md (v)), else by its 128 threads' cp.async (rows past `hi` zeroed). Rows in [hi, n_keys)
+// 2026-12-02, bench/RESULTS.md), else by its 128 threads' cp.async (rows past `hi` zeroed). Rows in [hi, n_keys)
 // that TMA brings in are real, finite keys: S masks them and their P is 0. Per
 // ATT_BN-key tile a consumer computes:
 //   S    S = Q·Kᵀ (wgmma m64n{BN}k16, Q and K from shared memory);
 //   P    online softmax in registers; P rounded to the storage type stays in registers: the accumulator
 //        layout of two adjacent 8-key column groups is the A-operand layout of one 16-key k-step;
 //   P·V  O += P·V (wgmma m64n{DVP}k16, A = P from registers, V from shared memory read N-major).
-// Overlap (measured, bench/RESULTS.md (j)): within a warpgroup, tile j issues S(j) and then P(j-1)·V(j-1),
+// Overlap (measured on the H200, 2026-12-01): within a warpgroup, tile j issues S(j) and then P(j-1)·V(j-1),
 // waits for S(j) only and runs tile j's softmax while P(j-1)·V(j-1) is on the tensor cores; across the
 // two consumers, named barriers make them take turns issuing (ping-pong), so one's softmax runs under
 // the other's MMAs. No CTA-wide barrier in the loop: K and V have PW_ST (2) stages each, with a "full"
 // mbarrier (cp.async: the producer arrives once its copies landed, after the proxy fence; TMA: the
 // copies complete it) and an "empty" one (consumer warps arrive once the MMAs that read the stage are
 // done). K runs a tile ahead of V. (A third stage and a head-first CTA order were measured, not faster:
-// bench/RESULTS.md (v).)
+// head-first 5–10 % slower, a third stage up to 14 % slower on the H200, 2026-12-02.)
 //
 // Shared layout (128-byte swizzle, as attention_sm90.cuh): a tile of n rows is stored as 64-column blocks
 // of n·128 bytes; in a block, row r is 128 bytes at r·128 and its 16-byte chunk c sits at chunk c ^ (r % 8).
@@ -300,7 +300,7 @@ __device__ __forceinline__ void pw_issue_pv(float (&o)[PW_DVP / 2], const unsign
 // rows' partial sums of P. MASK: the tile holds keys past a row's causal limit or past `hi` (a CTA's
 // last tiles); the others skip the per-score compares. The scale goes into the exponent's FFMA: as
 // scale > 0 the scaled row maximum equals the maximum of the scaled scores (rounding is monotone).
-// Both together: 6–12 % less time at T = 4096 on the H200 (bench/RESULTS.md (z)).
+// Both together: 6–12 % less time at T = 4096 on the H200 (2026-12-02, bench/RESULTS.md).
 template <bool MASK>
 __device__ __forceinline__ void pw_softmax_t(float (&s)[ATT_BN / 2], float (&m)[2], float (&al)[2],
                                              float (&rs)[2], const int (&lim)[2], int j0, int hi,

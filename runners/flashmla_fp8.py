@@ -10,7 +10,7 @@ amax/448, 1e-4)))), its stored values round(x / scale) to e4m3 (nearest, ties to
 so nothing saturates), and the kernel reads value·scale.
 
 numpy has no e4m3: the rounding, encoding and decoding are written out here (tested against known
-values: tests/it/runners_sparse.rs; on the GPU, bench/probe/flashmla_sparse_decode.py compares the
+values: tests/it/runners_sparse.rs; on the GPU, bench/probes/flashmla_sparse_decode.py compares the
 bytes with torch's own e4m3fn cast).
 The same convention is mla-diff's (`src/backend/runner/fp8_cache.rs`), which computes the fp64 yardstick
 over the dequantized cache from it.

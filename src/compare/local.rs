@@ -387,7 +387,7 @@ fn dot_var(x: &[f64], y: &[f64], w: &[f64], xr: &[f64], yr: &[f64], sum: ScoreSu
 /// accumulator that truncates toward zero after each 16-wide k-step: each step loses ~κ·u of its
 /// partial sum, so the score moves by −κ·u·Σ partial sums (Fasi et al., "Numerical behavior of NVIDIA
 /// tensor cores", 2021; on the H200 this direction explains 86 % of a GLM-5 split_lse's bias, with
-/// κ ≈ 0.5–0.6: `bench/probe/split_lse.py`). Zero where the backend rounds to nearest.
+/// κ ≈ 0.5–0.6: `bench/probes/split_lse.py`). Zero where the backend rounds to nearest.
 #[derive(Debug, Clone, Copy)]
 struct Score {
     s: f64,

@@ -228,7 +228,7 @@ pub struct Prediction<'a> {
     /// k-step puts into the scores, carried to this stage, at κ = 1 (`local.rs`). Fitted over the check
     /// with κ ∈ [0, KAPPA_MAX] and taken out before judging: one-signed and bounded, so it explains only
     /// what truncation can (on the H200 it was 58 % of a GLM-5 split_lse's error energy; its fit leaves
-    /// the CPU mirror's round-to-nearest noise: `bench/probe/split_lse.py`).
+    /// the CPU mirror's round-to-nearest noise: `bench/probes/split_lse.py`).
     pub truncation: Option<&'a [f64]>,
 }
 

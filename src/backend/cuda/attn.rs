@@ -112,10 +112,10 @@ pub struct Attn {
 
 /// `run` takes `attn_wgmma_pairs` over `attn_wgmma` unless a launch has more than
 /// `PAIRS_MAX_SPLITS` splits of fewer than `PAIRS_MIN_SPLIT_KEYS` keys each (`runs_pairs`). Measured on
-/// the H200 with the kernel of bench/RESULTS.md (x), both schedules in one run: pairs is faster at every
+/// the H200 (2026-12-02; bench/RESULTS.md, "Pairs vs one-tile"), both in one run: pairs is faster at every
 /// split count timed — 4,096 down to 512 keys per split (s_k 4k at 1, 2, 4 and 8 splits, B=64 H=128 and
 /// B=128 H=64, bf16 and fp16) and 32,768 down to 4,096 (B=16 H=128 s_k=32k, 1–8 splits), by 3 % (8 splits)
-/// to 28 % (one split of 32k); the kernel of (u) lost at 1,024 and 512, the per-tile cuts of (x) turned
+/// to 28 % (one split of 32k); the kernel before its per-tile cuts lost at 1,024 and 512, the cuts turned
 /// that. Fewer keys per split at more than two splits are unmeasured and stay on `attn_wgmma`; one or two
 /// splits of a few hundred keys (the fixtures' runs) stay on pairs, so `run`'s checks keep exercising it.
 pub const PAIRS_MAX_SPLITS: i32 = 2;
@@ -130,7 +130,7 @@ pub fn pairs_rule(n_keys: i32, splits: i32) -> bool {
 
 /// `run` takes `attn_small` over `attn_mma` unless a launch has more than `SMALL_MAX_SPLITS` splits of
 /// fewer than `SMALL_MIN_SPLIT_KEYS` keys each (`runs_small`). Measured on the H200, both kernels in one
-/// run (bench/RESULTS.md (aa), B=64 H=16 s_k=4k, bf16 and fp16): `attn_small` is 46 % faster at one split
+/// run (2026-12-02, B=64 H=16 s_k=4k, bf16 and fp16; bench/RESULTS.md): `attn_small` is 46 % faster at one split
 /// of 4,096 keys and 34 % at two of 2,048, level at four of 1,024 (99.2 vs 100.1 µs) and 4 % slower at
 /// eight of 512 (116.2 vs 111.7). The fixtures' runs (a few splits of a few hundred keys) stay on it.
 pub const SMALL_MAX_SPLITS: i32 = 4;
@@ -426,7 +426,7 @@ mod tests {
 
     #[test]
     fn pairs_rule_by_keys_per_split() {
-        // The measured points (bench/RESULTS.md (x)): s_k 4k at 1, 2, 4, 8 splits; 32k at 1 to 8.
+        // The measured points (H200, 2026-12-02): s_k 4k at 1, 2, 4, 8 splits; 32k at 1 to 8.
         for splits in [1, 2, 4, 8] {
             assert!(pairs_rule(4096, splits) && pairs_rule(32768, splits));
         }

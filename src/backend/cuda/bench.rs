@@ -856,7 +856,7 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
             if h < 64 && !opts.best_only {
                 // A deeper pipeline: 1.45x slower on the H200 (one CTA per SM instead of two), kept as
                 // the measured alternative; st4, 16-key 2-warp tiles (3-4 CTAs per SM) and 16 splits were
-                // slower too (bench/RESULTS.md, 2026-12-01 (d)).
+                // slower too (H200, 2026-12-01: 147 µs at st3 vs 100.7 at st2, bench/RESULTS.md history).
                 tiles.push(Tile::new(1, 4, 32, 3, 1));
             }
             // One split fills the GPU at 128 heads (2 CTAs per request); 16 heads needs more.

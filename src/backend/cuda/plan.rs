@@ -301,7 +301,7 @@ mod tests {
     #[test]
     fn the_plan_is_what_the_h200_launched() {
         let runs: serde_json::Value = serde_json::from_str(include_str!(
-            "../../../bench/results/2026-12-01-h200-kern3/call1/gpu-validate.json"
+            "../../../tests/data/h200-gpu-validate-2026-12-01.json"
         ))
         .unwrap();
         let runs = runs.as_array().unwrap();

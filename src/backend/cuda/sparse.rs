@@ -152,7 +152,7 @@ impl Layer<'_> {
             1,
         );
         // MLA_DIFF_PROFILE: the kernel's wall time between two syncs (what a peer's sparse kernel is
-        // timed against, bench/h200-dsa5.sh).
+        // timed against: `bench/gpu-check.sh dsa_flashmla`).
         let t0 = match profiling() {
             true => {
                 self.gpu.sync("sparse attention (profile)")?;

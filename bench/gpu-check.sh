@@ -1,0 +1,258 @@
+#!/usr/bin/env bash
+# Correctness checks of the CUDA backend on a GPU host (the H200 calls of bench/RESULTS.md): the gates
+# every kernel change passes before it lands (docs/gpu.md), one device call.
+#
+# Usage, from the repository root on the GPU host:
+#   [B=mla-diff] [OUT=dir] [BUDGET=s] [KERNELS=dir|probe.patch] bash bench/gpu-check.sh [STEP…]
+# STEPs (default: selftest validate runs sanitize), run in the order given, each under a timeout; a step
+# starting with less than ~30 s of BUDGET left is skipped (and the call fails):
+#   selftest   `selftest --backend cuda` (every planted fault caught, every clean run passing)
+#   validate   `gpu-validate` (18 case runs against the CPU mirror, the fp64 products, plan.rs's kernel choice)
+#   fixtures   `run --backend cuda` on every shipped fixture × bf16/fp16 × {default schedule; 777 prompt tokens in
+#              chunks of 256, 64 decode steps, page 64, 8 splits}: must pass
+#   runs       runs that take each decode kernel (attn_wgmma_pairs at page 64, attn_small at 16 rows, page 32,
+#              MiniCPM3's 288-wide rows), then the planted decode faults on attn_small, which must fail (exit 1)
+#   coverage   every fixture's plain run names the Hopper decode kernel without warnings; wg2_keys_dropped and
+#              split_tail_dropped must fail first at split_out (docs/coverage.md)
+#   sanitize   compute-sanitizer (no kernel filter: it breaks racecheck) memcheck / synccheck / racecheck, one
+#              layer each: GLM-5 with two splits starting mid-page (TMA prefill, pairs decode), attn_small's
+#              schedule and a ring that wraps, DeepSeek-V3 q_len 8 (pairs at 64 rows); passes when no error
+#              or hazard is reported outside cuBLAS's nvjet_* GEMMs
+#   localview  clean runs with the stage-local view deciding: every fixture × bf16/fp16 × SEEDS (default "0 1"),
+#              JOBS at a time (default 5); SENSITIVITY=1 adds `selftest --sensitivity --backend cuda`
+#   detect     `selftest --sensitivity`, `run --repeat 5` per fixture, `sweep --splits` and a length sweep
+#   lint       `kernels check` (plan.rs's shared memory vs the PTX) and `lint --runner` on the real runners
+#              (needs .carry/peers from runners/fetch_peers.sh)
+#   dsa        sparse GLM-5 layers past top_k 2048 (8 heads at 3072 + 16 tokens, bf16 / fp16 / fp8 indexer keys;
+#              64 heads at 2112 + 4) against the fp64 sparse reference, in parallel (docs/dsa.md)
+#   dsa_flashmla  FlashMLA's sparse prefill and decode through runners/flashmla_sparse.py on a GLM-5 layer
+#              (64 heads, 3072 + 4), beside our CUDA sparse path; the kernels alone first
+#              (bench/probes/flashmla_sparse*.py); needs .carry/peers
+# KERNELS: a kernel directory or a probe patch (bench/probes/*.patch, applied to a copy of kernels/)
+# passed to selftest / validate / runs / sanitize as `--kernels`, to check a kernel before it is embedded.
+# B defaults to target/release/mla-diff, or .carry/check/mla-diff.xz when carried. Outputs go to
+# $OUT/check/ (one file per step) and are packed into $OUT/check.tar.gz; the summary is on stdout.
+# Exit 0 when every step passed.
+set -uo pipefail
+NAME=check
+source bench/lib.sh
+KX=()
+[ -n "${KERNELS:-}" ] && { KX=(--kernels "$(kdir "$KERNELS")") || exit 2; }
+V3=fixtures/deepseek-v3-yarn-q4_k.gguf
+G5=fixtures/glm-5-q4_0.gguf
+MC=fixtures/minicpm3-f32.gguf
+
+selftest() {
+    timed "selftest --backend cuda" 120 "$D/selftest-cuda.txt" "$B" selftest --backend cuda "${KX[@]}"
+    grep -E "FAIL|MISSED|ERROR" "$D/selftest-cuda.txt" | head -5
+}
+validate() {
+    timed gpu-validate 150 "$D/gpu-validate.txt" "$B" gpu-validate "${KX[@]}" --json "$D/gpu-validate.json"
+    grep -iE "FAIL|mismatch|kernel plan" "$D/gpu-validate.txt" | head -5
+}
+fixtures() {
+    local f n dt s
+    for f in fixtures/*.gguf; do
+        n=$(basename "$f" .gguf)
+        for dt in bf16 fp16; do
+            for s in default long; do
+                local extra=()
+                [ $s = long ] && extra=(--prompt-len 777 --chunk 256 --decode-steps 64 --page-size 64 --num-splits 8)
+                timed "run $n $dt $s" 120 "$D/fixture-$n-$dt-$s.txt" "$B" run "$f" --backend cuda --dtype $dt \
+                    "${extra[@]}" --json "$D/fixture-$n-$dt-$s.json"
+            done
+        done
+    done
+}
+# run1 NAME WANT FIXTURE ARGS…: one run that must exit WANT.
+run1() {
+    local n=$1 want=$2 f=$3 t0=$SECONDS rc
+    shift 3
+    [ "$(left)" -gt 40 ] || { echo "skip run $n: budget"; fail=1; return 0; }
+    timeout "$(tmo 60)" "$B" run "$f" --backend cuda "${KX[@]}" "$@" > "$D/run-$n.txt" 2>&1
+    rc=$?
+    expect "$want" $rc "run $n ($(basename "$f") $*; $((SECONDS - t0)) s)"
+    grep -E "decode: |verdict|first diverg" "$D/run-$n.txt" | head -3
+}
+S3="--page-size 64 --prompt-len 200 --decode-steps 3 --num-splits 3"
+runs() {
+    run1 g5-pairs-s1 0 $G5 --page-size 64 --prompt-len 77 --decode-steps 3 --num-splits 1
+    run1 g5-pairs-s2 0 $G5 --page-size 64 --prompt-len 200 --decode-steps 3 --num-splits 2
+    run1 v3-q8-s3 0 $V3 --page-size 64 --prompt-len 77 --decode-steps 3 --num-splits 3 --q-len 8
+    run1 mc3-q16 0 $MC --page-size 64 --prompt-len 77 --decode-steps 3 --num-splits 3 --dtype bf16 --q-len 16
+    run1 v3-small-s3 0 $V3 $S3 --q-len 2
+    run1 v3-small-fp16 0 $V3 $S3 --q-len 2 --dtype fp16
+    run1 v3-small-p32 0 $V3 --page-size 32 --prompt-len 77 --decode-steps 3 --num-splits 1
+    run1 mc3-small-q4 0 $MC $S3 --dtype bf16 --q-len 4
+    run1 g5-default 0 $G5
+    local fault
+    for fault in wg2_keys_dropped split_tail_dropped read_past_end; do
+        run1 "v3-small-$fault" 1 $V3 $S3 --q-len 2 --inject $fault
+    done
+    run1 g5-pairs-wg2 1 $G5 --page-size 64 --prompt-len 77 --decode-steps 3 --num-splits 1 --inject wg2_keys_dropped
+}
+coverage() {
+    local f n fault
+    for f in fixtures/*.gguf; do
+        n=$(basename "$f" .gguf)
+        timed "run $n (coverage)" 120 "$D/cov-$n.txt" "$B" run "$f" --backend cuda --json "$D/cov-$n.json"
+        grep -q '"family": "wgmma"' "$D/cov-$n.json" 2>/dev/null || { echo "FAIL  $n: decode did not run a wgmma kernel"; fail=1; }
+        grep -A3 -iE "coverage.*warn|prediction" "$D/cov-$n.txt" | head -4
+        for fault in wg2_keys_dropped split_tail_dropped; do
+            timeout "$(tmo 120)" "$B" run "$f" --backend cuda --mode shadow --inject $fault --json "$D/cov-$n-$fault.json" > "$D/cov-$n-$fault.txt" 2>&1
+            expect 1 $? "run $n --inject $fault"
+            grep -q '"first_check": "split_out"' "$D/cov-$n-$fault.json" 2>/dev/null || { echo "FAIL  $n $fault: not first at split_out"; fail=1; }
+        done
+    done
+}
+# san1 NAME TOOL T FIXTURE ARGS…: compute-sanitizer on one run; hazards inside cuBLAS's nvjet_* are not ours.
+san1() {
+    local n=$1 tool=$2 tt=$3 f=$4 t0=$SECONDS rc ours
+    shift 4
+    [ "$(left)" -gt 45 ] || { echo "skip $n: budget"; fail=1; return 0; }
+    timeout "$(tmo "$tt")" /usr/local/cuda/bin/compute-sanitizer --tool "$tool" "$B" run "$f" --backend cuda --mode shadow \
+        "${KX[@]}" "$@" > "$D/$n.txt" 2>&1
+    rc=$?
+    ours=$(grep -E "Race reported|Invalid|Barrier error|Program hit|Sanitizer Error|Error: " "$D/$n.txt" | grep -vc nvjet)
+    step "$n ($(basename "$f") $*; $((SECONDS - t0)) s; sanitizer exit $rc; $ours outside cuBLAS)" \
+        "$([ "$ours" -eq 0 ] && [ $rc -eq 0 ] && echo 0 || echo 1)"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Sanitizer Error|decode: |prefill: " "$D/$n.txt" | sort | uniq -c | head -6
+    grep 'Race reported' "$D/$n.txt" | grep -v nvjet | sed 's/.*Race reported between //; s/+0x[0-9a-f]*//g' | sort | uniq -c | head -6
+    gzip -9f "$D/$n.txt"
+}
+sanitize() {
+    # One layer each (the kernels are the same in every layer): the sanitizers slow the fp64 side 10-50x.
+    local G="--layers 0 --page-size 64 --prompt-len 330 --chunk 330 --decode-steps 2 --num-splits 2"
+    local Q8="--layers 0 --q-len 8 --page-size 64 --prompt-len 200 --decode-steps 2 --num-splits 1"
+    san1 memcheck-g5-2split memcheck 60 $G5 $G
+    san1 synccheck-g5-2split synccheck 60 $G5 $G
+    san1 memcheck-small memcheck 40 $V3 --layers 0 $S3 --q-len 2
+    san1 synccheck-small synccheck 40 $V3 --layers 0 $S3 --q-len 2
+    san1 racecheck-g5-2split racecheck 90 $G5 $G
+    san1 racecheck-v3-q8 racecheck 100 $V3 $Q8
+    san1 racecheck-small-wrap racecheck 60 $V3 --layers 0 --page-size 64 --prompt-len 200 --decode-steps 2 --num-splits 1 --q-len 2
+}
+# The largest local ratio of a report, and where (≥ 1 fails).
+worst() {
+    python3 - "$1" << 'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+best = (0.0, "-")
+for m in r["modes"]:
+    for l in m["layers"]:
+        for c in l["checks"]:
+            lo = c.get("local")
+            if lo and lo["ratio"] > best[0]:
+                best = (lo["ratio"], f'layer {l["layer"]} {c["check"]}')
+print(f"worst local ratio {best[0]:.3f} at {best[1]}")
+PY
+}
+local1() { # local1 FIXTURE DTYPE SEED
+    local n j
+    n=$(basename "$1" .gguf)
+    j="$D/local/$n-$2-$3.json"
+    timeout 300 "$B" run "$1" --backend cuda --mode shadow --dtype "$2" --seed "$3" --json "$j" -q > "${j%.json}.txt" 2>&1
+    echo "$n $2 seed $3: exit $?; $(worst "$j" 2> /dev/null)"
+}
+localview() {
+    mkdir -p "$D/local"
+    export -f local1 worst
+    export B D
+    local f dt s
+    for f in fixtures/*.gguf; do for dt in bf16 fp16; do for s in ${SEEDS:-0 1}; do echo "$f $dt $s"; done; done; done |
+        timeout "$(tmo 400)" xargs -P "${JOBS:-5}" -L 1 bash -c 'local1 "$0" "$1" "$2"' | sort > "$D/local-runs.txt"
+    cat "$D/local-runs.txt"
+    local want ran bad
+    want=$(($(ls fixtures/*.gguf | wc -l) * 2 * $(echo ${SEEDS:-0 1} | wc -w)))
+    ran=$(wc -l < "$D/local-runs.txt")
+    bad=$(grep -vc ": exit 0;" "$D/local-runs.txt")
+    expect 0 $((bad + want - ran)) "clean runs with the local view deciding: $ran of $want ran, $bad failed (their sum as exit)"
+    [ -z "${SENSITIVITY:-}" ] || timed "selftest --sensitivity --backend cuda" 240 "$D/sensitivity-cuda.txt" \
+        "$B" selftest --sensitivity --backend cuda
+}
+detect() {
+    local f n
+    timed "selftest --sensitivity --backend cuda" 150 "$D/sensitivity-cuda.txt" "$B" selftest --sensitivity --backend cuda
+    for f in fixtures/*.gguf; do
+        n=$(basename "$f" .gguf)
+        timed "run --repeat 5 $n" 60 "$D/repeat-$n.txt" "$B" run "$f" --backend cuda --repeat 5 --mode shadow --json "$D/repeat-$n.json"
+    done
+    for n in deepseek-v3-yarn-q4_k glm-5-q4_0; do
+        timed "sweep --splits $n" 90 "$D/splits-$n.txt" "$B" sweep "fixtures/$n.gguf" --backend cuda --splits 1,2,4,8,16 --json "$D/splits-$n.json"
+    done
+    timed "sweep lengths deepseek-v3" 150 "$D/lengths-v3.txt" "$B" sweep $V3 --backend cuda --json "$D/lengths-v3.json"
+}
+# lint1 NAME WANT FILE ARGS…
+lint1() {
+    local n=$1 want=$2 rc
+    shift 2
+    timeout "$(tmo 120)" "$B" lint "$@" --backend cuda --json "$D/lint-$n.json" > "$D/lint-$n.txt" 2>&1
+    rc=$?
+    expect "$want" $rc "lint $n: $(grep -E '^(error|warning) ' "$D/lint-$n.txt" | cut -c1-120 | tr '\n' '|')"
+}
+lint() {
+    timed "kernels check" 240 "$D/kernels-check.txt" "$B" kernels check --arch sm_90a,sm_90,sm_80,sm_120
+    peers_env
+    local f n P="python3 runners"
+    "$B" fixture --preset deepseek-v3 --layers 1 --quant q4_k -o /tmp/ds3-full.gguf > /dev/null
+    "$B" fixture --preset glm-5 --layers 1 --quant q4_0 -o /tmp/glm5-full.gguf > /dev/null
+    for f in $V3 $G5 /tmp/ds3-full.gguf /tmp/glm5-full.gguf; do
+        n=$(basename "$f" .gguf)
+        lint1 "$n-flashmla" 0 "$f" --page-size 64 --runner "$P/flashmla.py"
+        lint1 "$n-flashmla-fp16" 0 "$f" --page-size 64 --dtype fp16 --runner "$P/flashmla.py"
+        lint1 "$n-noscale" 1 "$f" --page-size 64 --runner "$P/bugs/flashmla_no_scale.py"
+        lint1 "$n-vllm" 0 "$f" --page-size 64 --runner "$P/vllm_triton.py"
+        lint1 "$n-sdpa" 0 "$f" --runner "$P/torch_sdpa.py"
+    done
+    lint1 minicpm3-vllm 0 $MC --runner "$P/vllm_triton.py"
+    lint1 minicpm3-flashmla 1 $MC --page-size 64 --runner "$P/flashmla.py"
+    # 2 while FlashInfer is not installable on the device image; 0 once it is.
+    lint1 v2lite-flashinfer "${FLASHINFER_RC:-2}" fixtures/deepseek-v2-lite-bf16.gguf --runner "$P/flashinfer_mla.py"
+}
+# dsa1 NAME GGUF DTYPE PROMPT CHUNK DECODE SPLITS [ARGS…]: one sparse run in the background.
+dsa1() {
+    local n=$1 f=$2 dt=$3 p=$4 c=$5 dec=$6 s=$7
+    shift 7
+    /usr/bin/time -f "%e s wall, %M KB" timeout "$(tmo 300)" "$B" run "$f" --backend cuda --dtype "$dt" --mode shadow \
+        --prompt-len "$p" --chunk "$c" --decode-steps "$dec" --num-splits "$s" --page-size 64 \
+        --json "$D/dsa-$n.json" "$@" > "$D/dsa-$n.txt" 2>&1
+    echo "exit $?" >> "$D/dsa-$n.txt"
+}
+dsa() {
+    "$B" fixture --preset glm-5 --layers 1 --quant bf16 --heads 8 --hidden 2048 -o /tmp/glm5h8.gguf > /dev/null
+    "$B" fixture --preset glm-5 --layers 1 --quant bf16 -o /tmp/glm5.gguf > /dev/null
+    dsa1 h8-bf16-3072 /tmp/glm5h8.gguf bf16 3072 512 16 4 &
+    dsa1 h8-fp16-3072 /tmp/glm5h8.gguf fp16 3072 512 16 4 &
+    dsa1 h8-bf16-fp8keys-3072 /tmp/glm5h8.gguf bf16 3072 512 16 4 --indexer-keys fp8 &
+    MLA_DIFF_PROFILE=1 dsa1 h64-bf16-2112 /tmp/glm5.gguf bf16 2112 1024 4 2 &
+    wait
+    local f
+    for f in "$D"/dsa-*.txt; do
+        expect 0 "$(tail -1 "$f" | sed 's/exit //')" "$(basename "$f" .txt)"
+        grep -E "verdict|recall|far flips|PASS|FAIL" "$f" | head -4
+    done
+}
+dsa_flashmla() {
+    peers_env
+    "$B" fixture --preset glm-5 --layers 1 --quant bf16 -o /tmp/glm5.gguf > /dev/null
+    timed "FlashMLA sparse prefill alone" 30 "$D/probe-sparse-prefill.txt" env RUNNERS="$PWD/runners" python3 bench/probes/flashmla_sparse.py
+    timed "FlashMLA sparse decode alone" 30 "$D/probe-sparse-decode.txt" env RUNNERS="$PWD/runners" python3 bench/probes/flashmla_sparse_decode.py
+    MLA_DIFF_RUNNER_TIME=$D/flashmla-times.txt dsa1 h64-flashmla /tmp/glm5.gguf bf16 3072 1024 4 2 \
+        --runner "python3 runners/flashmla_sparse.py" &
+    MLA_DIFF_PROFILE=1 dsa1 h64-cuda /tmp/glm5.gguf bf16 3072 1024 4 2 &
+    wait
+    local f
+    for f in "$D"/dsa-h64-flashmla.txt "$D"/dsa-h64-cuda.txt; do
+        expect 0 "$(tail -1 "$f" | sed 's/exit //')" "$(basename "$f" .txt)"
+    done
+    head -12 "$D/flashmla-times.txt" 2> /dev/null
+}
+STEPS=${*:-selftest validate runs sanitize}
+for t in $STEPS; do
+    declare -F "$t" > /dev/null || { echo "mla-diff: error: bench/gpu-check.sh: unknown step '$t'" >&2; exit 2; }
+done
+for t in $STEPS; do "$t"; done
+echo "left: $(left) s"
+tar czf "$OUT/check.tar.gz" -C "$OUT" "$NAME" && rm -rf "$D"
+echo "$([ $fail -eq 0 ] && echo PASS || echo FAIL): bench/gpu-check.sh $STEPS ($SECONDS s)"
+exit $fail
