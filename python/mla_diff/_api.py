@@ -73,8 +73,8 @@ def _to_array(dt, shape, raw, device):
 
 def _from_tensor(name, t, dtype_hint=None):
     """An output (torch on any device — copied to host here —, numpy, or anything np.asarray takes) as
-    (safetensors dtype, shape, bytes). Floats keep their own dtype; numpy float32 holding a bf16 run's
-    values may be declared with `dtype_hint='bf16'` (rounded to nearest even, as the numpy runner does)."""
+    (safetensors dtype, shape, bytes). Floats keep their own dtype; a numpy float32 output is stored as
+    bf16 with `dtype_hint='bf16'` (rounded to nearest even, as the numpy runner stores it)."""
     np = _np()
     if hasattr(t, "detach") and hasattr(t, "dtype") and "torch" in type(t).__module__:
         import torch
@@ -90,6 +90,8 @@ def _from_tensor(name, t, dtype_hint=None):
         from mla_diff.runner import to_bf16_bits
 
         return "BF16", list(a.shape), to_bf16_bits(a).astype("<u2").tobytes()
+    if dtype_hint in ("fp16", "f16") and a.dtype == np.float32:
+        a = a.astype(np.float16)
     st = {"float16": "F16", "float32": "F32", "float64": "F64"}.get(a.dtype.name)
     if st is None:
         raise TypeError(f"output {name}: dtype {a.dtype} (outputs are bf16, fp16, f32 or f64)")
@@ -124,7 +126,7 @@ class Case:
     def id(self) -> str:
         """`glm5-L3-decode-q2-splits4-page64` (pytest's id for it)."""
         m = self.meta
-        name = os.path.basename(self.model).split(".")[0].split("-")[0].lower() or "model"
+        name = _model_name(self.model)
         if self.op == "decode":
             rest = f"q{m.get('q_len', 1)}-splits{m.get('num_splits', 1)}-page{m.get('page_size')}"
         else:
@@ -153,6 +155,16 @@ class Case:
     def tensors(self, device=None):
         """The inputs again, as torch tensors on `device` or numpy (device None)."""
         return {k: _to_array(*v, device) for k, v in self.raw.items()}
+
+
+def _model_name(path):
+    """`glm-5-q4_0.gguf` -> `glm5`: the file's base name without its weight type, dashes dropped."""
+    import re
+
+    words = os.path.basename(path).rsplit(".gguf", 1)[0].lower().split("-")
+    while len(words) > 1 and re.fullmatch(r"(i?q\d.*|t?q\d.*|bf16|f16|f32|fp8|mxfp4|nvfp4|\d+-of-\d+)", words[-1]):
+        words.pop()
+    return "".join(re.sub(r"[^a-z0-9.]", "", w) for w in words) or "model"
 
 
 def _softmax(s):
@@ -256,7 +268,7 @@ def _run(argv, runner, keep=None):
     folder = keep or tempfile.mkdtemp(prefix="mla-diff-")
     path = os.path.join(folder, "report.json")
     try:
-        code, err = nat.run_inproc(list(argv) + ["--json", path, "--runner", "inproc:py"], "py", runner)
+        code, err = nat.run_inproc(["mla-diff"] + list(argv) + ["--json", path, "--runner", "inproc:py"], "py", runner)
         report = None
         if os.path.exists(path):
             with open(path) as f:
@@ -291,20 +303,28 @@ def cases(model_file, layers=None, schedule=None, dtype="bf16", seed=0, ops=("de
     if layers is not None:
         layers = [int(l) for l in ([layers] if isinstance(layers, int) else layers)]
     for sched in scheds:
-        argv = _argv(model_file, layers, sched, dtype, seed, backend)
-        rec = _Recorder(ops)
-        code, report, err = _run(argv, rec)
-        if report is None:
-            raise RuntimeError(f"mla-diff {' '.join(argv)}: {err or f'exit {code}, no report'}")
-        arch = report.get("file", {}).get("architecture", "")
-        for op, layer, meta, raw in rec.requests:
+        # One run per layer: a case must be what `run --layers L` sends (a layer's shadow input depends on
+        # the layers run before it), so that check() reruns exactly it.
+        todo, n_layer, i = list(layers) if layers is not None else [0], None, 0
+        while i < len(todo):
+            layer = todo[i]
+            i += 1
+            argv = _argv(model_file, [layer], sched, dtype, seed, backend)
+            rec = _Recorder(ops)
+            code, report, err = _run(argv, rec)
+            if report is None:
+                raise RuntimeError(f"mla-diff {' '.join(argv)}: {err or f'exit {code}, no report'}")
+            if layers is None and n_layer is None:
+                n_layer = int(report["config"]["n_layer"])
+                todo += range(1, n_layer)
             lc = _layer_checks(report, layer) or {}
-            bounds = {c["check"]: c.get("tolerance", {}).get("rel_l2") for c in lc.get("checks", [])
-                      if c.get("check", "").split("@")[0].split("[")[0] in OUTPUTS[op]}
-            one = _argv(model_file, [layer], sched, dtype, seed, backend)
-            yield Case(model=model_file, layer=layer, op=op, dtype=dtype, seed=seed, schedule=dict(sched or {}),
-                       meta=meta, inputs={k: _to_array(*v, device) for k, v in raw.items()}, bounds=bounds,
-                       argv=one, raw=raw, arch=arch)
+            for op, _layer, meta, raw in rec.requests:
+                bounds = {c["check"]: c.get("tolerance", {}).get("rel_l2") for c in lc.get("checks", [])
+                          if c.get("check", "").split("@")[0].split("[")[0] in OUTPUTS[op]}
+                yield Case(model=model_file, layer=layer, op=op, dtype=dtype, seed=seed,
+                           schedule=dict(sched or {}), meta=meta,
+                           inputs={k: _to_array(*v, device) for k, v in raw.items()}, bounds=bounds,
+                           argv=argv, raw=raw, arch=report.get("file", {}).get("architecture", ""))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -419,12 +439,13 @@ def _where(c, pos):
 
 
 def check(case, out=None, lse=None, split_out=None, split_lse=None, lse_layout="token_head", keep=None,
-          dtype_hint=None):
+          out_dtype=None):
     """Run `case` through `mla-diff run --runner` with these outputs as the kernel's answer; returns the
     `Verdict` (truthy when it passes). `out` is attn_latent [B, s_q, H, Lkv] (decode) or attn_heads
     [n, H, Dv] (prefill); `lse` natural log, [B, s_q, H] / [n, H] (`lse_layout="head_token"`: [B, H,
     s_q] / [H, n]); split partials optional (decode). torch tensors on any device or numpy.
-    `keep=DIR` keeps the run's JSON report there."""
+    `out_dtype="bf16"` stores a numpy float32 `out` as bf16 (numpy has no bf16; torch tensors and
+    ml_dtypes arrays carry their own dtype). `keep=DIR` keeps the run's JSON report there."""
     if out is None or lse is None:
         raise TypeError("check(case, out=..., lse=...): both are needed")
     names = OUTPUTS[case.op]
@@ -433,7 +454,8 @@ def check(case, out=None, lse=None, split_out=None, split_lse=None, lse_layout="
         if case.op != "decode" or split_out is None or split_lse is None:
             raise TypeError("split_out and split_lse go together, with a decode case")
         given.update(split_out=split_out, split_lse=split_lse)
-    outputs = {k: _from_tensor(k, v, dtype_hint) for k, v in given.items()}
+    # out_dtype: numpy has no bf16, so a numpy kernel says how it stores its output (lse stays as given).
+    outputs = {k: _from_tensor(k, v, out_dtype if k == names[0] else None) for k, v in given.items()}
     code, report, err = _run(case.argv, _Answer(case, outputs, lse_layout), keep)
     if report is None:
         raise RuntimeError(f"mla-diff {' '.join(case.argv)}: {err or f'exit {code}, no report'}")

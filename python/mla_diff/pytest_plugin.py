@@ -31,7 +31,7 @@ def pytest_addoption(parser):
     g.addoption("--mla-diff-layers", default=os.environ.get("MLA_DIFF_LAYERS"), metavar="SPEC",
                 help="layers, as run --layers (env MLA_DIFF_LAYERS; default all)")
     g.addoption("--mla-diff-dtype", default=os.environ.get("MLA_DIFF_DTYPE", "bf16"), metavar="D",
-                help="storage dtype of the cases: bf16, f16, f32 (env MLA_DIFF_DTYPE)")
+                help="storage dtype of the cases: bf16, fp16, f32 (env MLA_DIFF_DTYPE)")
     g.addoption("--mla-diff-schedule", action="append", default=[], metavar="K=V,...",
                 help="a schedule (prompt_len, decode_steps, q_len, chunk, page_size, num_splits); repeatable")
     g.addoption("--mla-diff-device", default=os.environ.get("MLA_DIFF_DEVICE"), metavar="DEV",

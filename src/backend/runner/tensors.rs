@@ -110,7 +110,7 @@ impl Outputs {
     ) -> std::result::Result<Outputs, String> {
         let mut tensors = HashMap::new();
         for (name, st_dtype, shape, d) in raw {
-            let want = shape.iter().product::<usize>() * st_dtype.size();
+            let want = shape.iter().product::<usize>() * st_dtype.bitsize() / 8;
             if d.len() != want {
                 return Err(format!(
                     "output {name} has {} bytes, its shape {shape:?} and dtype {st_dtype:?} need {want}",

@@ -1,0 +1,94 @@
+"""The pytest plugin and the worked example of docs/pytest.md, run with pytester against the installed
+wheel (mla_diff._native): green on a real-dims model, and failing with the documented message when the
+example's kernels carry the planted bug (the softmax scale FlashMLA defaults to)."""
+
+import os
+import pathlib
+import re
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "pytest" / "test_mla_decode.py"
+MODEL = ROOT / "fixtures" / "deepseek-v3-yarn-q4_k.gguf"
+# Small, so the suite is quick; still MTP steps (q_len 2), splits past the visible keys, several pages.
+SCHEDULE = "prompt_len=8,decode_steps=3,q_len=2,chunk=8,page_size=4,num_splits=3"
+
+def plugin_args():
+    """`-p mla_diff.pytest_plugin` when the plugin is not installed through its entry point (a checkout
+    on PYTHONPATH with the native module built in place)."""
+    from importlib.metadata import entry_points
+
+    eps = entry_points()
+    group = eps.select(group="pytest11") if hasattr(eps, "select") else eps.get("pytest11", [])
+    return [] if any(e.value == "mla_diff.pytest_plugin" for e in group) else ["-p", "mla_diff.pytest_plugin"]
+
+
+native = pytest.importorskip("mla_diff._native", reason="the mla-diff wheel is not installed (docs/pytest.md)")
+
+
+def run_example(pytester, monkeypatch, bug=None):
+    pytester.makepyfile(test_mla_decode=EXAMPLE.read_text())
+    if bug:
+        monkeypatch.setenv("MLA_DIFF_EXAMPLE_BUG", bug)
+    else:
+        monkeypatch.delenv("MLA_DIFF_EXAMPLE_BUG", raising=False)
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *plugin_args(), "--mla-diff-model", str(MODEL),
+                                         "--mla-diff-layers", "1", "--mla-diff-schedule", SCHEDULE, "-v")
+
+
+def kernels():
+    try:
+        import torch  # noqa: F401
+        return 2
+    except ImportError:
+        return 1
+
+
+def test_example_green(pytester, monkeypatch):
+    r = run_example(pytester, monkeypatch)
+    r.assert_outcomes(passed=kernels(), skipped=2 - kernels())
+    r.stdout.fnmatch_lines(["*test_decode*deepseekv3yarn-L1-decode-q2-splits3-page4-bf16-numpy*PASSED*",
+                            "*mla-diff*", f"*{kernels()} cases checked against fp64: {kernels()} passed, 0 failed*"])
+
+
+def test_example_planted_bug(pytester, monkeypatch):
+    r = run_example(pytester, monkeypatch, bug="scale")
+    r.assert_outcomes(failed=kernels(), skipped=2 - kernels())
+    out = r.stdout.str()
+    assert "AssertionError: MLA decode output is not close: deepseekv3yarn-L1-decode-q2-splits3-page4-bf16" in out
+    # The kernel's own error, attributed to it, with the rel-L2 against its bound.
+    assert re.search(r"stage attn_latent@runner: rel-L2 \d\.\d{3}e[-+]\d\d vs bound \d\.\d{3}e[-+]\d\d "
+                     r"\(the kernel's own error", out), out
+    assert "Worst 5 elements" in out
+    assert re.search(r"token \(entry \d, query \d\), head \d+, col \d+: keys 0\.\.\d+ \(splits", out), out
+    assert f"Reproduce: mla-diff run {MODEL} --layers 1 --dtype bf16 --seed 0 --mode shadow" in out
+    assert "cases checked against fp64: 0 passed" in out
+
+
+def test_no_model_skips(pytester, monkeypatch):
+    monkeypatch.delenv("MLA_DIFF_MODEL", raising=False)
+    pytester.makepyfile(test_mla_decode=EXAMPLE.read_text())
+    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", *plugin_args(), "-rs")
+    r.assert_outcomes(skipped=2)
+    r.stdout.fnmatch_lines(["*no model: pass --mla-diff-model FILE or set MLA_DIFF_MODEL*"])
+
+
+def test_check_matches_run_runner(monkeypatch):
+    """check() and `mla-diff run --runner` (the numpy runner, through the subprocess protocol) agree."""
+    import mla_diff
+
+    sched = dict(prompt_len=8, decode_steps=3, q_len=2, chunk=8, page_size=4, num_splits=3)
+    case = next(c for c in mla_diff.cases(str(MODEL), layers=[1], schedule=sched) if c.op == "decode")
+    ref_out, ref_lse = case.reference()
+    import numpy as np
+
+    v = mla_diff.check(case, out=ref_out.astype(np.float32), lse=ref_lse.astype(np.float32))
+    assert v.passed, v.explain()
+    assert any(c["check"] == "attn_latent@runner" for c in v.checks)
+    bad = ref_out.astype(np.float32) * np.float32(1.01)
+    v = mla_diff.check(case, out=bad, lse=ref_lse.astype(np.float32))
+    assert not v.passed and v.exit_code == 1
+    assert "attn_latent@runner" in [c["check"] for c in v.failing()]
