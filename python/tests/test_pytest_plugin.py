@@ -76,19 +76,50 @@ def test_no_model_skips(pytester, monkeypatch):
     r.stdout.fnmatch_lines(["*no model: pass --mla-diff-model FILE or set MLA_DIFF_MODEL*"])
 
 
-def test_check_matches_run_runner(monkeypatch):
-    """check() and `mla-diff run --runner` (the numpy runner, through the subprocess protocol) agree."""
+def mla_diff_command():
+    import shutil
+
+    exe = shutil.which("mla-diff") or str(ROOT / "target" / "release" / "mla-diff")
+    if not os.access(exe, os.X_OK):
+        pytest.skip("no mla-diff binary (the wheel's command, or target/release/mla-diff)")
+    return exe
+
+
+def test_check_is_run_runner(tmp_path):
+    """check() with the numpy runner's outputs computed in this process gives the verdict and the
+    figures `mla-diff run --runner 'python3 runners/numpy_mla.py'` gives through the subprocess
+    protocol; and a 1 % error in attn_latent fails at the kernel (attn_latent@runner)."""
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+
     import mla_diff
+
+    sys.path.insert(0, str(ROOT / "runners"))
+    import numpy_mla
 
     sched = dict(prompt_len=8, decode_steps=3, q_len=2, chunk=8, page_size=4, num_splits=3)
     case = next(c for c in mla_diff.cases(str(MODEL), layers=[1], schedule=sched) if c.op == "decode")
-    ref_out, ref_lse = case.reference()
-    import numpy as np
+    o = numpy_mla.NumpyMLA().decode(case.tensors(), case.meta)
+    v = mla_diff.check(case, out=o["attn_latent"].array, lse=o["lse"], split_out=o["split_out"],
+                       split_lse=o["split_lse"], out_dtype="bf16")
+    report = tmp_path / "r.json"
+    cmd = [mla_diff_command()] + case.argv + ["--json", str(report), "--runner",
+                                              f"{sys.executable} {ROOT / 'runners' / 'numpy_mla.py'}"]
+    rc = subprocess.run(cmd, capture_output=True, text=True).returncode
+    r = json.loads(report.read_text())
+    theirs = {c["check"]: c for m in r["modes"] for l in m["layers"] for c in l["checks"]}
+    decode = [c for c in v.checks if c["check"].split("@")[0] in
+              ("attn_latent", "lse[decode]", "split_out", "split_lse", "attn_heads[decode]", "attn_out[decode]")]
+    assert len(decode) >= 6, decode
+    for c in decode:
+        t = theirs[c["check"]]
+        assert (c["pass"], c["rel_l2"], c["bound"]) == (t["pass"], t["metrics"]["rel_l2"], t["tolerance"]["rel_l2"]), c
+    assert v.passed == (rc == 0), (v.message, rc)
 
-    v = mla_diff.check(case, out=ref_out.astype(np.float32), lse=ref_lse.astype(np.float32))
-    assert v.passed, v.explain()
-    assert any(c["check"] == "attn_latent@runner" for c in v.checks)
-    bad = ref_out.astype(np.float32) * np.float32(1.01)
-    v = mla_diff.check(case, out=bad, lse=ref_lse.astype(np.float32))
+    bad = o["attn_latent"].array * np.float32(1.05)
+    v = mla_diff.check(case, out=bad, lse=o["lse"], out_dtype="bf16")
     assert not v.passed and v.exit_code == 1
     assert "attn_latent@runner" in [c["check"] for c in v.failing()]
