@@ -9,5 +9,6 @@ cargo build --release --bin mla-diff
 mkdir -p python/mla_diff/bin
 cp target/release/mla-diff python/mla_diff/bin/mla-diff
 strip python/mla_diff/bin/mla-diff
+rm -f .whl/mla_diff-*.whl
 "$maturin" build --release --strip -m crates/mla-diff-py/Cargo.toml -o .whl
 ls -la .whl/mla_diff-*.whl
