@@ -379,6 +379,9 @@ class Verdict:
         c = self.case
         lines = [f"MLA {c.op} output is not close: {c.id} (layer {c.layer}, {c.dtype}, seed {c.seed})"]
         lines.append(f"mla-diff: {self.message}")
+        at_kernel = [ch["check"] for ch in self.failing() if "@runner" in ch["check"]]
+        lines.append(f"Attribution: the kernel ({', '.join(at_kernel)} off fp64 from its own inputs)" if at_kernel
+                     else "Attribution: upstream of the kernel (its @runner checks pass)")
         for ch in self.failing():
             where = ("the kernel's own error: fp64 from the tensors it was given" if "@runner" in ch["check"]
                      else "end to end: fp64 from the layer input")
