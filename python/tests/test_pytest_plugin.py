@@ -5,6 +5,7 @@ example's kernels carry the planted bug (the softmax scale FlashMLA defaults to)
 import os
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -28,6 +29,20 @@ def plugin_args():
 
 native = pytest.importorskip("mla_diff._native", reason="the mla-diff wheel is not installed (docs/pytest.md)")
 
+# Imported here, at collection: pytester restores sys.modules after each test, and neither a pyo3 module
+# nor torch can be loaded twice in one process.
+import mla_diff  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "runners"))
+import numpy_mla  # noqa: E402
+
+try:
+    import torch  # noqa: F401
+
+    KERNELS = 2
+except ImportError:
+    KERNELS = 1
+
 
 def run_example(pytester, monkeypatch, bug=None):
     pytester.makepyfile(test_mla_decode=EXAMPLE.read_text())
@@ -40,11 +55,7 @@ def run_example(pytester, monkeypatch, bug=None):
 
 
 def kernels():
-    try:
-        import torch  # noqa: F401
-        return 2
-    except ImportError:
-        return 1
+    return KERNELS
 
 
 def test_example_green(pytester, monkeypatch):
@@ -91,14 +102,8 @@ def test_check_is_run_runner(tmp_path):
     protocol; and a 1 % error in attn_latent fails at the kernel (attn_latent@runner)."""
     import json
     import subprocess
-    import sys
 
     import numpy as np
-
-    import mla_diff
-
-    sys.path.insert(0, str(ROOT / "runners"))
-    import numpy_mla
 
     sched = dict(prompt_len=8, decode_steps=3, q_len=2, chunk=8, page_size=4, num_splits=3)
     case = next(c for c in mla_diff.cases(str(MODEL), layers=[1], schedule=sched) if c.op == "decode")
