@@ -10,5 +10,5 @@ mkdir -p python/mla_diff/bin
 cp target/release/mla-diff python/mla_diff/bin/mla-diff
 strip python/mla_diff/bin/mla-diff
 rm -f .whl/mla_diff-*.whl
-"$maturin" build --release --strip -m crates/mla-diff-py/Cargo.toml -o .whl
+"$maturin" build --release --strip -o .whl
 ls -la .whl/mla_diff-*.whl

@@ -465,6 +465,8 @@ pub fn golden_per_layer(path: &Path, cfg: &MlaConfig, t: usize) -> ndarray::Arra
             assert_eq!(a.dim().0, cfg.n_layer, "{}", path.display());
             a
         }
-        LayerInputs::Shared(_) => panic!("{}: expected [layers, T, hidden]", path.display()),
+        LayerInputs::Shared(_) | LayerInputs::Captured(_) => {
+            panic!("{}: expected [layers, T, hidden]", path.display())
+        }
     }
 }
