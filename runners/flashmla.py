@@ -95,7 +95,14 @@ class FlashMLA(protocol.TorchRunner):
                 f"{dist} {v or '?'} ({os.path.dirname(self.fm.__file__)}): flash_mla_with_kvcache{legacy}, {iface}; "
                 f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(self.device)}"
             ),
-            "ops": {"decode": {"outputs": ["attn_latent", "lse"]}},
+            # Its SM90 dense decode: 64 (query, head) rows by 64-key tiles per CTA, splits chosen by
+            # get_mla_metadata from the batch (not batch-invariant, and need not be).
+            "ops": {
+                "decode": {
+                    "outputs": ["attn_latent", "lse"],
+                    "geometry": {"key_tile": 64, "row_tile": 64, "split_partition": "own"},
+                }
+            },
             "supports": {
                 "dtypes": ["bf16", "fp16"],
                 "page_sizes": [PAGE],

@@ -16,8 +16,12 @@ Conventions: float32 arithmetic on the given inputs (BF16/FP16 widened exactly);
 natural-log LSE, `token_head` layout. Any dims, dtypes bf16/fp16/f32, any page size, any q_len.
 Only rows holding visible tokens are read, so the NaN-poisoned rest of the cache never matters.
 
-Hook methods (`softmax_scale`, `page_size`, `split_cache_rows`, `lse_out`, `prefill_visible`) are
-what the planted-bug copies in runners/bugs/ override.
+Hook methods (`softmax_scale`, `page_size`, `split_cache_rows`, `lse_out`, `split_count`,
+`split_bounds`, `prefill_visible`) are what the planted-bug copies in runners/bugs/ and
+numpy_own_splits.py override.
+
+Batch-invariant (each entry computed alone, the same way whatever its batch), and it says so
+(`batch_invariant`: mla-diff then fails a request whose output changes with its batch).
 
 Needs: Python 3.8+, numpy (no safetensors: protocol.py reads and writes the files itself).
 """
@@ -33,7 +37,9 @@ import protocol  # noqa: E402
 
 def softmax_rows(s):
     """Row softmax of float32 scores with -inf for masked keys. Returns (p normalised, lse); a row
-    with no finite score gets p 0 and lse -inf."""
+    with no finite score (or no key at all: a padded batch entry of length 0) gets p 0 and lse -inf."""
+    if s.shape[-1] == 0:
+        return np.zeros(s.shape, np.float32), np.full(s.shape[:-1], -np.inf, np.float32)
     m = np.max(s, axis=-1, keepdims=True)
     empty = ~np.isfinite(m)
     m = np.where(empty, np.float32(0), m)
@@ -68,6 +74,7 @@ class NumpyMLA(protocol.NumpyRunner):
                 "max_q_len": None,
             },
             "conventions": {"lse_base": "e", "lse_layout": "token_head"},
+            "batch_invariant": True,
         }
 
     # -- hooks -----------------------------------------------------------------------------------
@@ -85,6 +92,15 @@ class NumpyMLA(protocol.NumpyRunner):
     def lse_out(self, lse):
         """The LSE as returned (natural log)."""
         return lse
+
+    def split_count(self, meta):
+        """Splits per entry: the harness's `num_splits` (vLLM's partition)."""
+        return int(meta.get("num_splits") or 1)
+
+    def split_bounds(self, length, n_splits):
+        """Key ranges of the splits: `[k·⌈L/S⌉, (k+1)·⌈L/S⌉)` (vLLM's partition)."""
+        per = -(-length // n_splits) if length else 0
+        return [(min(k * per, length), min((k + 1) * per, length)) for k in range(n_splits)]
 
     def prefill_visible(self, n, s, context_len):
         """[n, S] bool: query i sees keys 0 .. context_len + i + 1."""
@@ -109,7 +125,7 @@ class NumpyMLA(protocol.NumpyRunner):
         dtype = meta["dtype"]
         scale = np.float32(self.softmax_scale(meta))
         page = self.page_size(meta, cache)
-        n_splits = int(meta.get("num_splits") or 1)
+        n_splits = self.split_count(meta)
 
         q = np.concatenate([q_nope, q_pe], axis=-1).astype(np.float32)  # [B, s_q, H, r+rope]
         out = np.zeros((b_n, s_q, heads, r), np.float32)
@@ -128,9 +144,7 @@ class NumpyMLA(protocol.NumpyRunner):
             p, l = softmax_rows(scores)
             out[b] = np.matmul(p, latent)
             lse[b] = l
-            per = -(-length // n_splits) if length else 0
-            for k in range(n_splits):
-                lo, hi = min(k * per, length), min((k + 1) * per, length)
+            for k, (lo, hi) in enumerate(self.split_bounds(length, n_splits)):
                 if hi <= lo:
                     continue
                 ps, ls = softmax_rows(scores[:, :, lo:hi])

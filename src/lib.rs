@@ -7,6 +7,7 @@
 
 pub mod alloc;
 pub mod backend;
+pub mod batch;
 pub mod bench;
 pub mod calibrate;
 pub mod capsule;

@@ -32,6 +32,11 @@ Conventions:
     Arrays of dtype `BF16` (a numpy-side marker class) are written as BF16.
   * torch (`read_torch` / `write_torch`): safetensors.torch.
   Both write `__metadata__ {"mla_diff_protocol": "1"}`.
+- Inputs stay observable: the numpy codec maps each input file read-write (its tensors, but for the
+  widened BF16 ones, are views of the file), and after every op the serve loop stores the inputs back
+  (`write_back`: the BF16 ones re-narrowed, torch tensors copied back from their device), so a kernel
+  that writes into q or the cache changes the file, and mla-diff, which compares the file with what it
+  sent, reports the tensor (docs/runners.md, "Input mutation").
 
 Needs: Python 3.8+, numpy (the numpy codec), safetensors + torch (the torch codec only). Pure
 Python: it runs from a plain checkout (runners/protocol.py puts python/ on sys.path) as well as from
@@ -139,20 +144,29 @@ def read_header(path):
     return header, 8 + n
 
 
-def read_numpy(path):
+def read_numpy(path, writable=False):
     """Read a safetensors file into numpy arrays. BF16 tensors come back as float32 (exact). Returns
-    (tensors, dtypes, metadata): dtypes maps each name to its safetensors dtype string."""
+    (tensors, dtypes, metadata): dtypes maps each name to its safetensors dtype string.
+
+    `writable`: the file is mapped read-write and every tensor numpy holds as stored (all but BF16) is a
+    view of the mapping, so a kernel that writes into its inputs writes into the file, where mla-diff
+    sees it after the reply (`write_back_numpy` stores the widened BF16 ones back)."""
     np = _np()
     header, start = read_header(path)
     meta = header.pop("__metadata__", {}) or {}
-    with open(path, "rb") as f:
-        data = f.read()
+    if writable and os.path.getsize(path) > start:
+        data = np.memmap(path, dtype=np.uint8, mode="r+")
+    else:
+        with open(path, "rb") as f:
+            data = f.read()
     out, dtypes = {}, {}
     for name, info in header.items():
         dt, shape, (a, b) = info["dtype"], info["shape"], info["data_offsets"]
         raw = data[start + a : start + b]
         if dt == "BF16":
             arr = bf16_bits_to_f32(np.frombuffer(raw, dtype="<u2"))
+        elif dt in _ST_TO_NP and isinstance(data, np.memmap):
+            arr = raw.view(_ST_TO_NP[dt])
         elif dt in _ST_TO_NP:
             arr = np.frombuffer(raw, dtype=_ST_TO_NP[dt]).copy()
         else:
@@ -160,6 +174,36 @@ def read_numpy(path):
         out[name] = arr.reshape(shape)
         dtypes[name] = dt
     return out, dtypes, meta
+
+
+def _write_back(path, name_to_bytes):
+    """Store each input's bytes (as the op left the tensor) at its place in the file."""
+    header, start = read_header(path)
+    with open(path, "r+b") as f:
+        for name, raw in name_to_bytes.items():
+            a, b = header[name]["data_offsets"]
+            if len(raw) != b - a:
+                raise ValueError(f"input {name} changed size in place ({b - a} -> {len(raw)} bytes)")
+            f.seek(start + a)
+            f.write(raw)
+
+
+def write_back_numpy(path, tensors):
+    """After an op: flush the mapped inputs and store the BF16 ones (widened copies) back in BF16, so
+    that the file holds the inputs as the op left them (mla-diff reports any change: a kernel must not
+    write into its inputs)."""
+    np = _np()
+    header, _ = read_header(path)
+    back = {}
+    for name, arr in tensors.items():
+        base = arr
+        while isinstance(base, np.ndarray) and base.base is not None and not isinstance(base, np.memmap):
+            base = base.base
+        if isinstance(base, np.memmap):
+            base.flush()
+        elif header.get(name, {}).get("dtype") == "BF16":
+            back[name] = to_bf16_bits(arr).tobytes()
+    _write_back(path, back)
 
 
 def write_numpy(path, tensors, metadata=None):
@@ -211,6 +255,19 @@ def read_torch(path, device="cpu"):
     return tensors, dtypes, meta
 
 
+def write_back_torch(path, tensors):
+    """After an op: store the inputs (on whatever device the op ran) back into the file, so that a
+    kernel that wrote into them in place changes the file (mla-diff reports it)."""
+    import torch
+
+    back = {}
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor):
+            c = t.detach().contiguous().cpu()
+            back[name] = c.view(torch.uint8).numpy().tobytes() if c.numel() else b""
+    _write_back(path, back)
+
+
 def write_torch(path, tensors, metadata=None):
     from safetensors.torch import save_file
 
@@ -233,12 +290,15 @@ class NumpyRunner:
     """Inputs as numpy arrays (BF16 widened to float32); outputs numpy arrays or `BF16` wrappers."""
 
     def read(self, path):
-        tensors, _, meta = read_numpy(path)
+        tensors, _, meta = read_numpy(path, writable=True)
         _check_meta(path, meta)
         return tensors
 
     def write(self, path, outputs):
         write_numpy(path, outputs)
+
+    def write_back(self, path, tensors):
+        write_back_numpy(path, tensors)
 
 
 class TorchRunner:
@@ -253,6 +313,9 @@ class TorchRunner:
 
     def write(self, path, outputs):
         write_torch(path, outputs)
+
+    def write_back(self, path, tensors):
+        write_back_torch(path, tensors)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,6 +365,8 @@ def _serve_loop(runner, stdin=None):
                 continue
             outputs = getattr(runner, op)(tensors, meta)
             runner.write(req["output"], outputs)
+            if hasattr(runner, "write_back"):
+                runner.write_back(req["input"], tensors)
             reply({"id": rid, "status": "ok"})
         except Unsupported as e:
             log(f"request {rid}: unsupported: {e}")
@@ -381,6 +446,11 @@ class _Served:
 
     def write(self, path, outputs):
         self._codec.write(path, outputs)
+
+    def write_back(self, path, tensors):
+        # The inputs as the op left them, back into the file (mla-diff reports a kernel that wrote into them).
+        if hasattr(self._codec, "write_back"):
+            self._codec.write_back(path, tensors)
 
 
 def serve(decode=None, prefill=None, describe=None, *, sparse_prefill=None, sparse_decode=None,

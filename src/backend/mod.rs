@@ -231,6 +231,22 @@ pub trait Backend {
     /// known: the report's coverage section is computed from them (`crate::coverage`). Asked after the
     /// run. The default is an optimized path of unknown inside, whose tile classes are then reported
     /// unknown.
+    /// Decode requests its decode kernel ran besides the schedule's steps (a runner's serving batch,
+    /// `crate::batch`): the coverage section counts them too.
+    fn decode_extra(&self, _sched: &Schedule) -> Vec<crate::batch::Request> {
+        Vec::new()
+    }
+
+    /// Coverage warnings of its own: what it kept the schedule from reaching (a runner's `supports`).
+    fn coverage_notes(&self, _sched: &Schedule) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// A runner's checks beyond the stages (`runner::checks`); `None` for every other backend.
+    fn runner_checks(&self) -> Option<runner::checks::RunnerChecks> {
+        None
+    }
+
     fn kernels(&self, _cfg: &MlaConfig, _sched: &Schedule) -> Vec<crate::coverage::KernelUse> {
         use crate::coverage::{Family, KernelUse, Phase};
         [Phase::Prefill, Phase::Decode]

@@ -175,6 +175,32 @@ impl CaptureBackend {
         })
     }
 
+    /// The report's `run.input` besides kind, path and request: the engine, every folder, the TP
+    /// ranks, the stages captured (in every rank) and those not.
+    pub fn summary(&self, dirs: &[String]) -> serde_json::Value {
+        let captured = self
+            .ranks
+            .iter()
+            .fold(StageSet::ALL, |s, (_, c)| s.intersect(c.provided));
+        let lacking: Vec<&str> = names(StageSet::ALL.minus(captured))
+            .into_iter()
+            .filter(|n| !matches!(*n, "split_out" | "split_lse"))
+            .collect();
+        let mut stages = vec!["x"];
+        stages.extend(names(captured));
+        serde_json::json!({
+            "paths": dirs,
+            "engine": self.engine,
+            "tp": {
+                "world_size": self.world,
+                "ranks": self.ranks.iter().map(|(r, _)| *r).collect::<Vec<_>>(),
+            },
+            "stages": stages,
+            "not_captured": lacking,
+            "uncompared": self.ranks[0].1.uncompared,
+        })
+    }
+
     /// The report's `tp` section (TP captures only).
     pub fn tp_result(self, cfg: &MlaConfig, layers: &[usize]) -> Option<crate::tp::TpResult> {
         if self.world == 1 {

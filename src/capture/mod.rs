@@ -314,10 +314,13 @@ impl Capture {
                         c.shape()
                     )));
                 }
-                Some((
-                    floats(&c).map_err(|e| bad(format!("kv_cache: {e}")))?,
-                    c.shape()[0],
-                ))
+                let mut vals = floats(&c).map_err(|e| bad(format!("kv_cache: {e}")))?;
+                if conv.rope_order == RopeOrder::Halves {
+                    for row in vals.chunks_exact_mut(w) {
+                        to_file_order(&mut row[w - dims.rope..], dims.rope, dims.pairing);
+                    }
+                }
+                Some((vals, c.shape()[0]))
             }
             (false, false) => None,
             _ => return Err(bad("kv_cache and slot_mapping come together".into())),
@@ -412,6 +415,12 @@ impl Capture {
                 if matches!(name.as_str(), "q_pe" | "k_pe") && conv.rope_order == RopeOrder::Halves
                 {
                     to_file_order(&mut vals, dims.rope, dims.pairing);
+                }
+                // A cache row's k_pe is the same roped key, in the same order as `k_pe`.
+                if name == "cache_rows" && conv.rope_order == RopeOrder::Halves {
+                    for row in vals.chunks_exact_mut(w) {
+                        to_file_order(&mut row[w - dims.rope..], dims.rope, dims.pairing);
+                    }
                 }
                 if name == "lse" && conv.lse_base == LseBase::Two {
                     vals.iter_mut().for_each(|v| *v *= std::f64::consts::LN_2);

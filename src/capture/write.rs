@@ -15,14 +15,22 @@ use safetensors::tensor::{Dtype as St, TensorView};
 use std::path::{Path, PathBuf};
 
 /// Wraps the optimized path: each layer's first run (shadow mode's, or free mode's without shadow) is
-/// written as it passes.
+/// written as it passes. Under `run --tp N` it wraps the path each rank runs on: a layer's first N
+/// calls are ranks 0..N, each written as its own capture, `DIR/rank{r}` (its heads, its partial
+/// attn_out), as N engine processes would write them.
 pub struct WriteCapture<'a> {
     inner: &'a mut dyn Backend,
     dir: PathBuf,
     model: manifest::ModelId,
     dtype: Dtype,
     sched: Schedule,
-    files: Vec<manifest::LayerFile>,
+    tp: usize,
+    /// Per rank: the files written.
+    files: Vec<Vec<manifest::LayerFile>>,
+    /// Per layer: the calls seen.
+    calls: std::collections::BTreeMap<usize, usize>,
+    /// Heads per rank (from the first call of each rank).
+    heads: Vec<Option<[usize; 2]>>,
 }
 
 impl<'a> WriteCapture<'a> {
@@ -33,6 +41,7 @@ impl<'a> WriteCapture<'a> {
         file: &GgufFile,
         dtype: Dtype,
         sched: &Schedule,
+        tp: usize,
     ) -> Result<WriteCapture<'a>> {
         let bad = |m: String| Error::Usage(format!("--write-capture {}: {m}", dir.display()));
         if let Ok(mut rd) = std::fs::read_dir(dir) {
@@ -49,7 +58,10 @@ impl<'a> WriteCapture<'a> {
             model: Manifest::identity_of(file),
             dtype,
             sched: sched.clone(),
-            files: Vec::new(),
+            tp,
+            files: vec![Vec::new(); tp],
+            calls: Default::default(),
+            heads: vec![None; tp],
         })
     }
 
@@ -71,11 +83,26 @@ impl<'a> WriteCapture<'a> {
         v
     }
 
-    fn write_layer(&mut self, layer: usize, x: &Array2<f64>, trace: &LayerTrace) -> Result<()> {
+    /// The folder of rank `rank`'s capture.
+    fn rank_dir(&self, rank: usize) -> PathBuf {
+        match self.tp {
+            1 => self.dir.clone(),
+            _ => self.dir.join(format!("rank{rank}")),
+        }
+    }
+
+    fn write_layer(
+        &mut self,
+        rank: usize,
+        layer: usize,
+        x: &Array2<f64>,
+        trace: &LayerTrace,
+    ) -> Result<()> {
         let io = |p: &Path, e: String| {
             Error::Environment(format!("--write-capture: writing {}: {e}", p.display()))
         };
-        let sub = self.dir.join(format!("layer{layer}"));
+        let dir = self.rank_dir(rank);
+        let sub = dir.join(format!("layer{layer}"));
         std::fs::create_dir_all(&sub).map_err(|e| io(&sub, e.to_string()))?;
         let pl = self.sched.prompt_len;
         for (step, (toks, kind)) in self.steps().into_iter().enumerate() {
@@ -118,15 +145,15 @@ impl<'a> WriteCapture<'a> {
                 .map(|(n, s, b)| {
                     TensorView::new(St::F32, s.clone(), b)
                         .map(|v| (n.clone(), v))
-                        .map_err(|e| io(&self.dir.join(&rel), e.to_string()))
+                        .map_err(|e| io(&dir.join(&rel), e.to_string()))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let path = self.dir.join(&rel);
+            let path = dir.join(&rel);
             safetensors::tensor::serialize_to_file(views, None, &path)
                 .map_err(|e| io(&path, e.to_string()))?;
             let mut stages: Vec<String> = named.iter().map(|(n, _, _)| n.clone()).collect();
             stages.sort_by_key(|n| manifest::NAMES.iter().position(|m| m == n));
-            self.files.push(manifest::LayerFile {
+            self.files[rank].push(manifest::LayerFile {
                 layer,
                 step: step as u64,
                 file: rel,
@@ -136,9 +163,17 @@ impl<'a> WriteCapture<'a> {
         Ok(())
     }
 
-    /// Write `manifest.json` (last: a folder with a manifest is a complete capture). `tokens`: the
-    /// run's token ids when it had them.
-    pub fn finish(self, tokens: Option<&[u32]>, detail: String) -> Result<PathBuf> {
+    /// Write each capture's `manifest.json` (last: a folder with a manifest is a complete capture);
+    /// the folders. `tokens`: the run's token ids when it had them.
+    pub fn finish(self, tokens: Option<&[u32]>, detail: String) -> Result<Vec<PathBuf>> {
+        let mut dirs = Vec::new();
+        for rank in 0..self.tp {
+            dirs.push(self.finish_rank(rank, tokens, &detail)?);
+        }
+        Ok(dirs)
+    }
+
+    fn finish_rank(&self, rank: usize, tokens: Option<&[u32]>, detail: &str) -> Result<PathBuf> {
         let t = self.sched.total_tokens();
         let pos0 = self.sched.pos_offset as u64;
         let positions: Vec<u64> = (0..t as u64).map(|i| pos0 + i).collect();
@@ -162,12 +197,16 @@ impl<'a> WriteCapture<'a> {
             engine: manifest::Engine {
                 name: "mla-diff".into(),
                 version: Some(env!("CARGO_PKG_VERSION").into()),
-                detail: Some(detail),
+                detail: Some(detail.to_string()),
             },
-            model: self.model,
+            model: self.model.clone(),
             dtype: self.dtype,
             conventions: Default::default(),
-            tp: Default::default(),
+            tp: manifest::Tp {
+                rank,
+                world_size: self.tp,
+                heads: if self.tp == 1 { None } else { self.heads[rank] },
+            },
             requests: vec![manifest::Request {
                 id: 0,
                 // Random or .npy inputs have no token ids: zeros stand in (the comparison reads `x`).
@@ -179,14 +218,15 @@ impl<'a> WriteCapture<'a> {
                 prefill: self.sched.prompt_len,
             }],
             steps,
-            layers: self.files,
+            layers: self.files[rank].clone(),
             names: Default::default(),
         };
-        let path = self.dir.join(manifest::MANIFEST);
+        let dir = self.rank_dir(rank);
+        let path = dir.join(manifest::MANIFEST);
         std::fs::write(&path, m.to_json()).map_err(|e| {
             Error::Environment(format!("--write-capture: writing {}: {e}", path.display()))
         })?;
-        Ok(self.dir)
+        Ok(dir)
     }
 }
 
@@ -202,8 +242,14 @@ impl Backend for WriteCapture<'_> {
     }
     fn run_layer(&mut self, ctx: &LayerCtx, x: &Array2<f64>) -> Result<LayerTrace> {
         let trace = self.inner.run_layer(ctx, x)?;
-        if !self.files.iter().any(|f| f.layer == ctx.layer) {
-            self.write_layer(ctx.layer, x, &trace)?;
+        let calls = self.calls.entry(ctx.layer).or_insert(0);
+        let rank = *calls;
+        *calls += 1;
+        if rank < self.tp {
+            // A rank's config holds its heads only (`tp::slice::rank_config`); ranks are even slices.
+            let per = ctx.cfg.n_head;
+            self.heads[rank] = Some([per * rank, per * (rank + 1)]);
+            self.write_layer(rank, ctx.layer, x, &trace)?;
         }
         Ok(trace)
     }

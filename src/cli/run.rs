@@ -80,7 +80,11 @@ pub struct Args {
     /// Check what a serving engine computed: a capture folder (docs/captures.md) takes the optimized
     /// path's place, each layer's fp64 reference starting from the captured layer input. Repeatable:
     /// one folder per tensor-parallel rank. The capture's dtype and schedule are the run's.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["runner", "tp", "gpus", "shard", "inject", "tokens", "hidden", "repeat", "write_capture"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = [
+        "runner", "tp", "gpus", "shard", "inject", "tokens", "hidden", "repeat", "write_capture",
+        "dtype", "prompt_len", "decode_steps", "q_len", "chunk", "page_size", "num_splits",
+        "no_shuffle", "pos_offset",
+    ])]
     capture: Vec<PathBuf>,
     /// With --capture: the request to compare, by its manifest id (needed when a capture holds several).
     #[arg(long, value_name = "ID", requires = "capture")]
@@ -103,18 +107,28 @@ pub struct Args {
 }
 
 impl Args {
-    /// The run's schedule: the options given over the classic default, or, given none (and inputs and a
-    /// kernel the schedule is free to fit: random inputs, no runner), the kernel-aware schedule that
-    /// crosses every coverage class of the kernels this model's dims may run on (docs/coverage.md).
+    /// The run's schedule: the options given over the classic default, or, given none (and random
+    /// inputs, which the schedule is free to fit), the kernel-aware schedule that crosses every coverage
+    /// class of the kernels this model's dims may run on (docs/coverage.md); with a runner, also of the
+    /// tiles it declares, within what its `supports` allows (docs/runners.md).
     fn default_schedule(&self, cfg: &MlaConfig) -> Result<mla_diff::schedule::Schedule, Error> {
-        let fixed = self.schedule.given()
-            || self.input.tokens.is_some()
-            || self.input.hidden.is_some()
-            || self.backend.runner.is_some();
+        let fixed =
+            self.schedule.given() || self.input.tokens.is_some() || self.input.hidden.is_some();
         if fixed {
             return self.schedule.schedule();
         }
-        let s = mla_diff::coverage::covering::covering(cfg);
+        let s = match &self.backend.runner {
+            Some(cmd) => {
+                use mla_diff::backend::runner as r;
+                let d = r::protocol::describe(cmd)?;
+                mla_diff::coverage::covering::for_runner(
+                    cfg,
+                    &r::declared_kernels(&d),
+                    &r::limits(&d),
+                )
+            }
+            None => mla_diff::coverage::covering::covering(cfg),
+        };
         s.validate()?;
         Ok(s)
     }
@@ -365,7 +379,20 @@ pub fn execute(
         }
     }
     let (mut backend, mut info) = backend.open(opts.dtype)?;
-    let inner: &mut dyn mla_diff::backend::Backend = backend.as_mut();
+    // --write-capture wraps the path the ranks run on (each rank's call is written as its own
+    // capture), --tp wraps that.
+    let mut writer = None;
+    let inner: &mut dyn mla_diff::backend::Backend = match &how.write_capture {
+        Some(dir) => writer.insert(mla_diff::capture::write::WriteCapture::new(
+            backend.as_mut(),
+            dir,
+            file,
+            opts.dtype,
+            &opts.sched,
+            how.tp.map_or(1, |t| t.size),
+        )?),
+        None => backend.as_mut(),
+    };
     let mut tp = None;
     let b: &mut dyn mla_diff::backend::Backend = match how.tp {
         Some(spec) => {
@@ -378,35 +405,26 @@ pub fn execute(
         }
         None => inner,
     };
-    let mut writer = None;
-    let b: &mut dyn mla_diff::backend::Backend = match &how.write_capture {
-        Some(dir) => writer.insert(mla_diff::capture::write::WriteCapture::new(
-            b,
-            dir,
-            file,
-            opts.dtype,
-            &opts.sched,
-        )?),
-        None => b,
-    };
     let started = std::time::Instant::now();
     let mut rep = match how.shard {
         Some(s) => mla_diff::shard::run(file, b, &info, opts, s)?,
         None => mla_diff::run::run(file, b, &info, opts)?,
     };
+    if let Some(t) = tp {
+        let layers = rep.run.layers.clone();
+        rep.set_tp(t.result(cfg, &layers));
+    }
     if let Some(w) = writer {
         let tokens = match &opts.input {
             mla_diff::run::InputSpec::Tokens(ids) => Some(ids.as_slice()),
             _ => None,
         };
-        let dir = w.finish(tokens, rep.environment.backend.clone())?;
+        let dirs = w.finish(tokens, rep.environment.backend.clone())?;
         if !r.formats.quiet {
-            eprintln!("mla-diff: capture written to {}", dir.display());
+            for d in dirs {
+                eprintln!("mla-diff: capture written to {}", d.display());
+            }
         }
-    }
-    if let Some(t) = tp {
-        let layers = rep.run.layers.clone();
-        rep.set_tp(t.result(cfg, &layers));
     }
     rep.run.notices.extend(notices.iter().cloned());
     finish(rep, Prepared { outputs, baseline }, r, started)

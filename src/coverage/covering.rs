@@ -91,10 +91,47 @@ pub fn covering(cfg: &MlaConfig) -> Schedule {
     covering_for(&targets(cfg), cfg.n_head)
 }
 
+/// What a runner's `supports` leaves of the schedule's freedom (docs/runners.md).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Limits {
+    /// The most queries per decode step (`supports.max_q_len`).
+    pub max_q_len: Option<usize>,
+    /// The page sizes it takes (`supports.page_sizes`).
+    pub page_sizes: Option<Vec<usize>>,
+}
+
+/// The default schedule of `run --runner` (issue #32): the covering schedule of our own kernels' targets
+/// and of the tiles the runner declares (`describe` `geometry.key_tile` / `row_tile` per op), within
+/// what its `supports` allows. What it then cannot reach (MTP steps past `max_q_len`, an empty split in a
+/// step) the serving batch (`crate::batch`) reaches where it can, and the coverage section lists the rest.
+pub fn for_runner(cfg: &MlaConfig, declared: &[KernelUse], limits: &Limits) -> Schedule {
+    let mut t = targets(cfg);
+    t.extend(declared.iter().cloned());
+    covering_within(&t, cfg.n_head, limits)
+}
+
 /// The covering schedule of the shape above for these targets; if none of its `q_len`s covers them all
 /// (tiles far larger than today's), the search's last candidate, which the coverage section then
 /// reports as incomplete.
 pub fn covering_for(targets: &[KernelUse], heads: usize) -> Schedule {
+    covering_within(targets, heads, &Limits::default())
+}
+
+/// A page of `pages` for a schedule that wanted `want`: the largest allowed one not above it (still
+/// inside a tile), else the smallest allowed.
+fn allowed_page(want: usize, pages: &[usize]) -> usize {
+    pages
+        .iter()
+        .copied()
+        .filter(|&p| p > 0 && p <= want)
+        .max()
+        .or_else(|| pages.iter().copied().filter(|&p| p > 0).min())
+        .unwrap_or(want)
+}
+
+/// [`covering_for`] within `limits`: the page an allowed one, `q_len` at most `max_q_len` (the search
+/// stops there; the coverage section says what that misses).
+pub fn covering_within(targets: &[KernelUse], heads: usize, limits: &Limits) -> Schedule {
     let keys_p = largest(targets, Phase::Prefill, |g| g.keys_per_tile);
     let rows_p = largest(targets, Phase::Prefill, |g| g.rows_per_cta);
     let keys_d = largest(targets, Phase::Decode, |g| g.keys_per_tile);
@@ -113,14 +150,19 @@ pub fn covering_for(targets: &[KernelUse], heads: usize) -> Schedule {
         // ranges are computed from a cache that already holds decode rows (per-step bugs show).
         decode_steps: 2,
         q_len: 1,
-        page_size: (smallest_tile / 2).max(1),
+        page_size: match &limits.page_sizes {
+            Some(p) => allowed_page((smallest_tile / 2).max(1), p),
+            None => (smallest_tile / 2).max(1),
+        },
         num_splits: 2,
         shuffle_seed: Schedule::default().shuffle_seed,
         spare_pages: Schedule::default().spare_pages,
         pos_offset: 0,
     };
     // q_len rises by one each time; the bound is far past what the shape needs (about the prompt).
-    for q in 1..=4 * (s.prompt_len + 2 * keys_d) {
+    let bound =
+        (4 * (s.prompt_len + 2 * keys_d)).min(limits.max_q_len.unwrap_or(usize::MAX).max(1));
+    for q in 1..=bound {
         s.q_len = q;
         // The row after the sequence end inside an owned page: what a stray read must hit (NaN poison).
         if covers(targets, heads, &s) && !s.total_tokens().is_multiple_of(s.page_size) {
@@ -128,4 +170,37 @@ pub fn covering_for(targets: &[KernelUse], heads: usize) -> Schedule {
         }
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_runners_limits_bound_the_covering_schedule() {
+        let t = crate::coverage::mirror_kernels();
+        let free = covering_within(&t, 8, &Limits::default());
+        assert_eq!(free, covering_for(&t, 8));
+        assert!(free.q_len > 1 && free.page_size == 32);
+        let capped = covering_within(
+            &t,
+            8,
+            &Limits {
+                max_q_len: Some(1),
+                page_sizes: Some(vec![64, 128]),
+            },
+        );
+        assert_eq!((capped.q_len, capped.page_size), (1, 64));
+        // The largest allowed page not above the covering one.
+        let p = covering_within(
+            &t,
+            8,
+            &Limits {
+                max_q_len: None,
+                page_sizes: Some(vec![1, 16, 64]),
+            },
+        );
+        assert_eq!(p.page_size, 16);
+        assert_eq!(p.prompt_len, free.prompt_len);
+    }
 }

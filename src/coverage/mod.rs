@@ -285,11 +285,28 @@ impl DsaCoverage {
     }
 }
 
+/// The decode requests of a run: each schedule step (its keys end at the step's end), then the extra
+/// requests of a serving batch (`crate::batch`), as (keys, queries).
+fn decode_requests(s: &Schedule, extra: &[crate::batch::Request]) -> Vec<(usize, usize)> {
+    s.decode_ranges()
+        .iter()
+        .map(|r| (r.end, r.len()))
+        .chain(extra.iter().map(|r| (r.seq_len, r.q_len)))
+        .collect()
+}
+
 /// The key ranges one phase's kernel loops over, for a kernel of geometry `g`.
-fn decode_ranges(g: &Geometry, heads: usize, s: &Schedule) -> Vec<Range<usize>> {
+fn decode_ranges(
+    g: &Geometry,
+    heads: usize,
+    s: &Schedule,
+    extra: &[crate::batch::Request],
+) -> Vec<Range<usize>> {
     let mut out = Vec::new();
-    for step in s.decode_ranges() {
-        let (seq, q) = (step.end, step.len());
+    for (seq, q) in decode_requests(s, extra) {
+        if seq < q {
+            continue;
+        }
         let splits = s.split_ranges(seq);
         // The last key a query of the step sees: query i (0-based in the step) sees keys < seq - q + i + 1.
         let end_of = |i: usize| seq - q + i + 1;
@@ -365,10 +382,12 @@ fn tile_counts(g: &Geometry, ranges: &[Range<usize>], page: Option<usize>) -> [(
 }
 
 /// Per query of every decode step: how many splits it sees nothing of, and whether it merges two or more.
-fn split_counts(s: &Schedule) -> (u64, u64) {
+fn split_counts(s: &Schedule, extra: &[crate::batch::Request]) -> (u64, u64) {
     let (mut empty, mut merge) = (0u64, 0u64);
-    for step in s.decode_ranges() {
-        let (seq, q) = (step.end, step.len());
+    for (seq, q) in decode_requests(s, extra) {
+        if seq < q {
+            continue;
+        }
         let splits = s.split_ranges(seq);
         for i in 0..q {
             let end = seq - q + i + 1;
@@ -387,14 +406,25 @@ pub fn count(
     heads: usize,
     s: &Schedule,
 ) -> Vec<(Class, Option<u64>)> {
+    count_with(phase, g, heads, s, &[])
+}
+
+/// [`count`] over the schedule's decode steps and `extra` decode requests (a serving batch).
+pub fn count_with(
+    phase: Phase,
+    g: Option<&Geometry>,
+    heads: usize,
+    s: &Schedule,
+    extra: &[crate::batch::Request],
+) -> Vec<(Class, Option<u64>)> {
     let classes = Class::of(phase, g);
     let tiles = g.map(|g| match phase {
-        Phase::Decode => tile_counts(g, &decode_ranges(g, heads, s), Some(s.page_size)),
+        Phase::Decode => tile_counts(g, &decode_ranges(g, heads, s, extra), Some(s.page_size)),
         Phase::Prefill => tile_counts(g, &prefill_ranges(g, s), None),
     });
     let chunks = s.prefill_chunks();
     let splits = match phase {
-        Phase::Decode => Some(split_counts(s)),
+        Phase::Decode => Some(split_counts(s, extra)),
         Phase::Prefill => None,
     };
     classes
@@ -408,10 +438,9 @@ pub fn count(
                 Class::RowTiles => g.map(|g| {
                     let m = g.rows_per_cta.max(1);
                     match phase {
-                        Phase::Decode => s
-                            .decode_ranges()
+                        Phase::Decode => decode_requests(s, extra)
                             .iter()
-                            .filter(|r| r.len() * heads > m)
+                            .filter(|(_, q)| q * heads > m)
                             .count() as u64,
                         Phase::Prefill => chunks.iter().filter(|c| c.len() > m).count() as u64,
                     }
@@ -434,12 +463,19 @@ pub fn phase_runs(phase: Phase, s: &Schedule) -> bool {
 }
 
 /// What would have exercised a class that was not, from the schedule and the geometry.
-fn hint(c: Class, phase: Phase, g: Option<&Geometry>, cfg: &MlaConfig, s: &Schedule) -> String {
+fn hint(
+    c: Class,
+    phase: Phase,
+    g: Option<&Geometry>,
+    cfg: &MlaConfig,
+    s: &Schedule,
+    extra: &[crate::batch::Request],
+) -> String {
     let longest = |ranges: Vec<Range<usize>>| ranges.iter().map(|r| r.len()).max().unwrap_or(0);
     match (c, g) {
         (Class::TwoFullTiles | Class::TailTile | Class::PipelineWrap, Some(g)) => {
             let n = match phase {
-                Phase::Decode => longest(decode_ranges(g, cfg.n_head, s)),
+                Phase::Decode => longest(decode_ranges(g, cfg.n_head, s, extra)),
                 Phase::Prefill => longest(prefill_ranges(g, s)),
             };
             format!(
@@ -478,6 +514,17 @@ fn hint(c: Class, phase: Phase, g: Option<&Geometry>, cfg: &MlaConfig, s: &Sched
 
 /// The coverage of a run: its kernels' classes counted, and the warnings.
 pub fn compute(kernels: &[KernelUse], cfg: &MlaConfig, s: &Schedule) -> Coverage {
+    compute_with(kernels, cfg, s, &[])
+}
+
+/// [`compute`] for a run whose decode kernel also ran the `extra` requests of a serving batch
+/// (`crate::batch`: a runner's decode op).
+pub fn compute_with(
+    kernels: &[KernelUse],
+    cfg: &MlaConfig,
+    s: &Schedule,
+    extra: &[crate::batch::Request],
+) -> Coverage {
     let mut classes = Vec::new();
     let mut warnings = Vec::new();
     let mut used = Vec::new();
@@ -501,7 +548,8 @@ pub fn compute(kernels: &[KernelUse], cfg: &MlaConfig, s: &Schedule) -> Coverage
         };
         used.push(k.clone());
         let g = k.geometry.as_ref();
-        let counts = count(phase, g, cfg.n_head, s);
+        let extra = if phase == Phase::Decode { extra } else { &[] };
+        let counts = count_with(phase, g, cfg.n_head, s, extra);
         let unknown: Vec<&str> = counts
             .iter()
             .filter(|(_, n)| n.is_none())
@@ -522,7 +570,7 @@ pub fn compute(kernels: &[KernelUse], cfg: &MlaConfig, s: &Schedule) -> Coverage
                     phase.name(),
                     k.describe(),
                     c.what(),
-                    hint(*c, phase, g, cfg, s)
+                    hint(*c, phase, g, cfg, s, extra)
                 ));
             }
             classes.push(ClassCount {

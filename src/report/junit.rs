@@ -118,6 +118,28 @@ pub fn render(r: &Report) -> String {
         }
         report.add_test_suite(suite);
     }
+    // A runner's batch and input checks: one case each, failing where the check failed; a reported
+    // figure (no verdict) passes with its line as output.
+    if let Some(rc) = &r.runner_checks {
+        use crate::backend::runner::checks::Status;
+        let mut suite = TestSuite::new(format!("{file} runner checks"));
+        for c in &rc.checks {
+            let status = match c.status {
+                Status::Fail => {
+                    let mut s = TestCaseStatus::non_success(NonSuccessKind::Failure);
+                    s.set_message(c.line());
+                    s
+                }
+                _ => TestCaseStatus::success(),
+            };
+            let at = c.layer.map(|l| format!("layer {l} ")).unwrap_or_default();
+            let mut tc = TestCase::new(format!("{at}{} {}", c.check, c.what), status);
+            tc.set_classname(format!("mla-diff.runner.{}", c.check));
+            tc.set_system_out(c.line());
+            suite.add_test_case(tc);
+        }
+        report.add_test_suite(suite);
+    }
     // --tp: one case per rank, failing where the rank diverges from the fp64 reference of its heads.
     if let Some(t) = &r.tp {
         let mut suite = TestSuite::new(format!("{file} tp {}", t.size));

@@ -48,6 +48,29 @@ pub fn render(r: &Report) -> String {
             writeln!(s).ok();
         }
     }
+    if let Some(rc) = &r.runner_checks {
+        writeln!(s, "Runner checks: {}\n", rc.message).ok();
+        writeln!(
+            s,
+            "| layer | check | what | status | detail |\n|---|---|---|---|---|"
+        )
+        .ok();
+        for c in &rc.checks {
+            writeln!(
+                s,
+                "| {} | {} | {} | {} | {} |",
+                c.layer
+                    .map(|l| l.to_string())
+                    .unwrap_or_else(|| "all".into()),
+                c.check,
+                c.what,
+                c.status.name(),
+                c.detail.replace('|', "\\|")
+            )
+            .ok();
+        }
+        writeln!(s).ok();
+    }
     if let Some(t) = &r.tp {
         writeln!(s, "Tensor parallel {}: {}\n", t.size, t.message).ok();
         for rk in &t.ranks {

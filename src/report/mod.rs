@@ -100,6 +100,10 @@ pub struct Report {
     /// A DSA file past top_k: the selection checks (`crate::run::dsa`); absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub dsa: Option<crate::run::dsa::DsaResult>,
+    /// `run --runner` with a decode or other op: the serving batch, padding, batch invariance, input
+    /// mutation and merge consistency checks (`backend::runner::checks`); absent without a runner.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub runner_checks: Option<crate::backend::runner::checks::RunnerChecks>,
     /// Directories the run wrote `.npy` dumps into (printed, not part of the JSON: paths are local).
     #[serde(skip)]
     pub dumps: Vec<std::path::PathBuf>,
@@ -148,6 +152,7 @@ impl Report {
             && self.repeat.as_ref().is_none_or(|r| r.pass)
             && self.tp.as_ref().is_none_or(|t| t.pass)
             && self.dsa.as_ref().is_none_or(|d| d.pass)
+            && self.runner_checks.as_ref().is_none_or(|r| r.pass)
     }
     /// Record the baseline gate's result and fold it into the top-level verdict, so that the exit
     /// code, `verdict.pass`, JUnit and Markdown all say the same.
@@ -180,6 +185,14 @@ impl Report {
             self.fail_with(&d.message);
         }
         self.dsa = Some(d);
+    }
+    /// Record a runner's batch and input checks and fold a failing one into the top-level verdict, as
+    /// the baseline gate is.
+    pub fn set_runner_checks(&mut self, r: crate::backend::runner::checks::RunnerChecks) {
+        if !r.pass {
+            self.fail_with(&r.message);
+        }
+        self.runner_checks = Some(r);
     }
     /// A failure beside the modes' verdict: first in the message when the modes passed, else after.
     fn fail_with(&mut self, message: &str) {

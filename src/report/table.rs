@@ -175,6 +175,16 @@ pub fn render(r: &Report, style: &Style) -> String {
             writeln!(s, "  {line}").ok();
         }
     }
+    // A runner's batch and input checks: the summary when they passed (a failure is in the verdict
+    // line), then every check that did not pass, and the reported batch-invariance figures.
+    if let Some(rc) = &r.runner_checks {
+        if rc.pass {
+            writeln!(s, "{}", style.green(&rc.message)).ok();
+        }
+        for line in runner_check_lines(rc).iter().take(12) {
+            writeln!(s, "  {line}").ok();
+        }
+    }
     // --tp: each rank against its own fp64 slice (a failing one is already in the verdict line).
     for rk in
         r.tp.iter()
@@ -183,6 +193,20 @@ pub fn render(r: &Report, style: &Style) -> String {
         writeln!(s, "  {rk}").ok();
     }
     s
+}
+
+/// The runner checks worth a line: failures first, then the reported (no-verdict) figures.
+pub fn runner_check_lines(rc: &crate::backend::runner::checks::RunnerChecks) -> Vec<String> {
+    use crate::backend::runner::checks::Status;
+    [Status::Fail, Status::Report]
+        .iter()
+        .flat_map(|st| {
+            rc.checks
+                .iter()
+                .filter(move |c| c.status == *st)
+                .map(|c| c.line())
+        })
+        .collect()
 }
 
 /// One line per stage that changed between identical runs (`--repeat`).

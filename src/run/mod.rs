@@ -41,6 +41,9 @@ pub enum InputSpec {
         dir: PathBuf,
         request: u64,
         inputs: std::sync::Arc<std::collections::BTreeMap<usize, Array2<f64>>>,
+        /// What the report's `run.input` says besides: the engine, the folders, the stages captured
+        /// and not (an object, merged in).
+        summary: serde_json::Value,
     },
 }
 
@@ -147,11 +150,22 @@ pub fn input_json(spec: &InputSpec) -> serde_json::Value {
         InputSpec::Random { seed } => serde_json::json!({ "kind": "random", "seed": seed }),
         InputSpec::Tokens(t) => serde_json::json!({ "kind": "tokens", "count": t.len(), "ids": t }),
         InputSpec::Npy(p) => serde_json::json!({ "kind": "npy", "path": p.display().to_string() }),
-        InputSpec::Capture { dir, request, .. } => serde_json::json!({
-            "kind": "capture",
-            "path": dir.display().to_string(),
-            "request": request,
-        }),
+        InputSpec::Capture {
+            dir,
+            request,
+            summary,
+            ..
+        } => {
+            let mut j = serde_json::json!({
+                "kind": "capture",
+                "path": dir.display().to_string(),
+                "request": request,
+            });
+            if let (Some(o), Some(extra)) = (j.as_object_mut(), summary.as_object()) {
+                o.extend(extra.clone());
+            }
+            j
+        }
     }
 }
 
@@ -544,8 +558,15 @@ pub fn run_from(
     }
     let verdict = Report::overall_verdict(&modes);
     // After the run: a backend may choose its kernels per layer (CUDA compiles them for the layer's dims).
-    let mut coverage =
-        crate::coverage::compute(&backend.kernels(&cfg, &opts.sched), &cfg, &opts.sched);
+    let mut coverage = crate::coverage::compute_with(
+        &backend.kernels(&cfg, &opts.sched),
+        &cfg,
+        &opts.sched,
+        &backend.decode_extra(&opts.sched),
+    );
+    coverage
+        .warnings
+        .extend(backend.coverage_notes(&opts.sched));
     coverage.dsa = dsa_coverage(
         file,
         &cfg,
@@ -606,10 +627,14 @@ pub fn run_from(
         coverage: Some(coverage),
         tp: None,
         dsa: None,
+        runner_checks: None,
         dumps: dumped,
     };
     if let Some(sp) = sparse {
         report.set_dsa(sp.result(opts.dtype, info.kind.name()));
+    }
+    if let Some(rc) = backend.runner_checks() {
+        report.set_runner_checks(rc);
     }
     if opts.repeat > 1 {
         let mode = if opts.modes.shadow { "shadow" } else { "free" };

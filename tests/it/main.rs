@@ -7,6 +7,7 @@
 mod bad_input;
 mod bench_smoke;
 mod capsule;
+mod capture;
 mod ci_recipe;
 mod common;
 mod coverage;
@@ -32,6 +33,7 @@ mod rope;
 mod run_options;
 mod run_report;
 mod runners;
+mod runners_reach;
 mod runners_sparse;
 mod schedule_invariance;
 mod selftest;

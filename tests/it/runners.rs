@@ -86,7 +86,8 @@ fn numpy_runner_passes_on_every_shipped_fixture() {
         let env = rep["environment"]["backend"].as_str().unwrap();
         assert!(env.starts_with("runner numpy"), "{env}");
         // Coverage: the runner's kernels are external, their tile classes unknown and said to be;
-        // a runner keeps the classic default schedule (its kernel's tiles are not known to fit one).
+        // a runner gets the covering default schedule too (#32: q_len > 1, an empty split, splits of
+        // two tiles), with its serving batch, padding and input checks passing.
         let cov = &rep["coverage"];
         assert!(cov["kernels"]
             .as_array()
@@ -101,7 +102,12 @@ fn numpy_runner_passes_on_every_shipped_fixture() {
         assert!(cov["warnings"]
             .to_string()
             .contains("unknown tile geometry"));
-        assert_eq!(rep["run"]["schedule"]["prompt_len"], 48);
+        assert_eq!(rep["run"]["schedule"]["prompt_len"], 131, "{}", f.display());
+        assert_eq!(
+            rep["runner_checks"]["pass"], true,
+            "{}",
+            rep["runner_checks"]
+        );
     }
     // Other dtypes and MTP queries (q_len 2: causal within the step) on one file.
     let f = fixture("deepseek-v3-yarn-q4_k.gguf");
@@ -128,8 +134,23 @@ fn planted_runner_bugs_are_caught_at_the_runners_stage() {
         "prefill_noncausal.py",
     ] {
         for file in ["deepseek-v3-yarn-q4_k.gguf", "glm-5-q4_0.gguf"] {
-            let (code, rep, err) =
-                run_json(&fixture(file), &runner(&py, &format!("bugs/{bug}")), &[]);
+            // The classic schedule: these bugs need no long split (CI time; the default schedule's
+            // reach is tests/it/runners_reach.rs's).
+            let classic = [
+                "--prompt-len",
+                "48",
+                "--chunk",
+                "32",
+                "--decode-steps",
+                "16",
+                "--num-splits",
+                "4",
+            ];
+            let (code, rep, err) = run_json(
+                &fixture(file),
+                &runner(&py, &format!("bugs/{bug}")),
+                &classic,
+            );
             assert_eq!(code, Some(1), "{bug} on {file} was not caught: {err}");
             let layer = &rep["modes"][0]["layers"][0];
             let first = layer["first_failure"].as_str().unwrap();
@@ -217,7 +238,7 @@ fn a_case_the_runner_cannot_take_is_unsupported_not_a_verdict() {
         &format!("{DESCRIBE}\nsys.exit(1)\n"),
     );
     assert_clean_error(
-        &go(&s, &[]),
+        &go(&s, &["--page-size", "16"]),
         "does not support page_size 16 (it takes [64])",
     );
     // It says so itself when asked: exit code 3 from --describe, or an unsupported reply.

@@ -2,7 +2,7 @@
 //! entry per decode step (each with its own pages, as an engine's batch of requests at different lengths).
 
 use super::local;
-use super::protocol::LseBase;
+use super::protocol::{LseBase, SplitPartition};
 use super::tensors::{floats, ints, Output};
 use super::{missing, set, RunnerBackend};
 use crate::backend::cpu::front::MirrorWeights;
@@ -13,9 +13,187 @@ use crate::trace::{AtRunner, LayerTrace, Stage, StageTensor};
 use ndarray::{s, Array3};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
+use rayon::prelude::*;
+
+/// One batch entry of a decode request: its `s_q × H` query rows (absorbed and rope parts, as stored)
+/// and its keys as rows of the run's cache (`None`: a row of NaN, a padded entry's).
+pub(super) struct Entry {
+    pub q_nope: Vec<f64>,
+    pub q_pe: Vec<f64>,
+    pub keys: Vec<Option<usize>>,
+}
+
+/// What the runner returned for a decode request: LSEs natural-log in `[B, s_q, H]` order.
+pub(super) struct Returned {
+    pub lat: Output,
+    pub lse: Vec<f64>,
+    pub lse_dtype: &'static str,
+    /// `split_out` `[B, s_q, H, S, Lkv]`, `split_lse` (natural log) `[B, s_q, H, S]`, its dtype, and `S`
+    /// (the run's `num_splits`, or the kernel's own count with `split_partition: own`).
+    pub split: Option<(Output, Vec<f64>, &'static str, usize)>,
+}
+
+/// One (query, head) row of [`Local`]: out, lse, and each split's (out, lse).
+type LocalRow = (Vec<f64>, f64, Vec<(Vec<f64>, f64)>);
+
+/// fp64 attention of one entry from exactly its rows: out `[s_q, H, Lkv]`, lse `[s_q, H]` and, over
+/// `splits` (vLLM's partition of its keys), the partials `[s_q, H, S, Lkv]` and `[s_q, H, S]`.
+pub(super) struct Local {
+    pub out: Vec<f64>,
+    pub lse: Vec<f64>,
+    pub sout: Vec<f64>,
+    pub slse: Vec<f64>,
+}
 
 impl RunnerBackend {
-    /// The decode op: one request per layer, one batch entry per decode step.
+    /// Send one decode request of `entries` (each `s_q` queries; keys in their own shuffled pages, one
+    /// spare page of NaN where unused table slots point) and read the reply.
+    pub(super) fn send_decode(
+        &mut self,
+        ctx: &LayerCtx,
+        entries: &[Entry],
+        s_q: usize,
+        rows: &[f64],
+    ) -> Result<Returned> {
+        let (cfg, sched, dt) = (ctx.cfg, ctx.sched, self.dtype);
+        let (h, lkv, r, page) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_rope, sched.page_size);
+        let row = lkv + r;
+        let b_n = entries.len();
+        let pages: Vec<usize> = entries
+            .iter()
+            .map(|e| e.keys.len().div_ceil(page))
+            .collect();
+        let total = pages.iter().sum::<usize>() + 1;
+        let mut phys: Vec<usize> = (0..total).collect();
+        if let Some(seed) = sched.shuffle_seed {
+            phys.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed ^ 0x52554e));
+        }
+        let poison = phys[total - 1];
+        let max_pages = pages.iter().copied().max().unwrap_or(0).max(1);
+        let mut table = vec![poison as i32; b_n * max_pages];
+        let mut pool = vec![f32::NAN; total * page * row];
+        let mut next = 0;
+        for (b, e) in entries.iter().enumerate() {
+            for p in 0..pages[b] {
+                let ph = phys[next];
+                next += 1;
+                table[b * max_pages + p] = ph as i32;
+                for j in p * page..((p + 1) * page).min(e.keys.len()) {
+                    let Some(k) = e.keys[j] else { continue };
+                    let dst = (ph * page + j % page) * row;
+                    for (d, &v) in pool[dst..dst + row]
+                        .iter_mut()
+                        .zip(&rows[k * row..(k + 1) * row])
+                    {
+                        *d = v as f32;
+                    }
+                }
+            }
+        }
+        let cat = |f: fn(&Entry) -> &Vec<f64>| -> Vec<f32> {
+            entries
+                .iter()
+                .flat_map(|e| f(e).iter().map(|&x| x as f32))
+                .collect()
+        };
+        let seqlens: Vec<i32> = entries.iter().map(|e| e.keys.len() as i32).collect();
+        let inputs = [
+            floats("q_nope", vec![b_n, s_q, h, lkv], &cat(|e| &e.q_nope), dt),
+            floats("q_pe", vec![b_n, s_q, h, r], &cat(|e| &e.q_pe), dt),
+            floats("kv_cache", vec![total, page, row], &pool, dt),
+            ints("block_table", vec![b_n, max_pages], &table),
+            ints("cache_seqlens", vec![b_n], &seqlens),
+        ];
+        let meta = self.meta(ctx, serde_json::json!({ "q_len": s_q }));
+        let mut out = self.call("decode", ctx.layer, &meta, &inputs)?;
+        let spec = self.desc.ops.decode.clone().expect("decode op");
+        let lat = out.take("attn_latent", &[b_n, s_q, h, lkv], "decode")?;
+        let lse_o = out.take("lse", &self.lse_shape(Some(b_n), s_q, h), "decode")?;
+        let lse = self.lse_rows(&lse_o, b_n, s_q, h);
+        let splits = match self.desc.decode_partition() {
+            SplitPartition::Vllm => sched.num_splits,
+            // The kernel's own count: whatever its split_lse holds (checked against split_out below).
+            SplitPartition::Own => out
+                .tensors
+                .get("split_lse")
+                .and_then(|t| t.shape.get(3).copied())
+                .unwrap_or(0)
+                .max(1),
+        };
+        let split = match spec.has("split_out") {
+            true => {
+                let so = out.take("split_out", &[b_n, s_q, h, splits, lkv], "decode")?;
+                let sl = out.take("split_lse", &[b_n, s_q, h, splits], "decode")?;
+                let k = match self.desc.conventions.lse_base {
+                    LseBase::E => 1.0,
+                    LseBase::Two => std::f64::consts::LN_2,
+                };
+                let nat = sl.data.iter().map(|v| v * k).collect();
+                Some((so, nat, sl.dtype, splits))
+            }
+            false => None,
+        };
+        Ok(Returned {
+            lat,
+            lse,
+            lse_dtype: lse_o.dtype,
+            split,
+        })
+    }
+
+    /// fp64 attention of `e` (all keys real) from its rows, split partials over vLLM's partition of
+    /// the run's `num_splits`.
+    pub(super) fn local_entry(ctx: &LayerCtx, e: &Entry, s_q: usize, rows: &[f64]) -> Local {
+        let (cfg, sched) = (ctx.cfg, ctx.sched);
+        let (h, lkv, r) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_rope);
+        let (row, splits, scale) = (lkv + r, sched.num_splits, cfg.softmax_scale);
+        let seq_len = e.keys.len();
+        let key = |j: usize| e.keys[j].expect("a real entry's keys are rows");
+        let split_ranges = sched.split_ranges(seq_len);
+        // Rows (query, head) in parallel: a GLM-5 layer's yardstick is ~10¹⁰ products.
+        let rows_out: Vec<LocalRow> = (0..s_q * h)
+            .into_par_iter()
+            .map(|d| {
+                let i = d / h;
+                let visible = (seq_len + i + 1).saturating_sub(s_q);
+                let qa = &e.q_nope[d * lkv..(d + 1) * lkv];
+                let qp = &e.q_pe[d * r..(d + 1) * r];
+                let score = |j: usize| {
+                    let k = &rows[key(j) * row..(key(j) + 1) * row];
+                    (local::dot(qa, &k[..lkv]) + local::dot(qp, &k[lkv..])) * scale
+                };
+                let value = |j: usize| &rows[key(j) * row..key(j) * row + lkv];
+                let (o, ls) = local::attend(0..visible, lkv, score, value);
+                let parts = split_ranges
+                    .iter()
+                    .map(|kr| {
+                        let keys = kr.start..kr.end.min(visible);
+                        let keys = keys.start..keys.end.max(keys.start);
+                        local::attend(keys, lkv, score, value)
+                    })
+                    .collect();
+                (o, ls, parts)
+            })
+            .collect();
+        let mut l = Local {
+            out: Vec::with_capacity(s_q * h * lkv),
+            lse: Vec::with_capacity(s_q * h),
+            sout: Vec::with_capacity(s_q * h * splits * lkv),
+            slse: Vec::with_capacity(s_q * h * splits),
+        };
+        for (o, ls, parts) in rows_out {
+            l.out.extend(o);
+            l.lse.push(ls);
+            for (so, sl) in parts {
+                l.sout.extend(so);
+                l.slse.push(sl);
+            }
+        }
+        l
+    }
+
+    /// The decode op: one request per layer, one batch entry per decode step; the first time a layer
+    /// is seen, also its serving batch, padded and alone (`batch_checks`).
     pub(super) fn decode(
         &mut self,
         ctx: &LayerCtx,
@@ -24,7 +202,7 @@ impl RunnerBackend {
         at: &mut Vec<AtRunner>,
     ) -> Result<()> {
         let (cfg, sched, dt) = (ctx.cfg, ctx.sched, self.dtype);
-        let (h, lkv, r, page) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_rope, sched.page_size);
+        let (h, lkv, r) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_rope);
         let (b_n, s_q, prompt) = (sched.decode_steps, sched.q_len, sched.prompt_len);
         let row = lkv + r;
         let get = |st: Stage| {
@@ -36,106 +214,42 @@ impl RunnerBackend {
         let q_pe_all = get(Stage::QPe)?;
         let rows = get(Stage::CacheRows)?;
         let q_pe = &q_pe_all[prompt * h * r..];
-        let f32s = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
 
-        // The pool: each entry owns the pages of its own cache (as it stood after its step), shuffled
-        // like the run's block table; one spare page of NaN is where unused table slots point.
+        // Entry b is step b, with the cache as it stood after that step's rows were written.
         let seqlens: Vec<usize> = (0..b_n).map(|b| prompt + (b + 1) * s_q).collect();
-        let pages: Vec<usize> = seqlens.iter().map(|l| l.div_ceil(page)).collect();
-        let total = pages.iter().sum::<usize>() + 1;
-        let mut phys: Vec<usize> = (0..total).collect();
-        if let Some(seed) = sched.shuffle_seed {
-            phys.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed ^ 0x52554e));
-        }
-        let poison = phys[total - 1];
-        let max_pages = *pages.iter().max().expect("decode steps > 0");
-        let mut table = vec![poison as i32; b_n * max_pages];
-        let mut pool = vec![f32::NAN; total * page * row];
-        let mut next = 0;
-        for b in 0..b_n {
-            for p in 0..pages[b] {
-                let ph = phys[next];
-                next += 1;
-                table[b * max_pages + p] = ph as i32;
-                for j in p * page..((p + 1) * page).min(seqlens[b]) {
-                    let dst = (ph * page + j % page) * row;
-                    for (d, &v) in pool[dst..dst + row]
-                        .iter_mut()
-                        .zip(&rows[j * row..(j + 1) * row])
-                    {
-                        *d = v as f32;
-                    }
-                }
-            }
-        }
-        let inputs = [
-            floats("q_nope", vec![b_n, s_q, h, lkv], &f32s(&q_abs), dt),
-            floats("q_pe", vec![b_n, s_q, h, r], &f32s(q_pe), dt),
-            floats("kv_cache", vec![total, page, row], &pool, dt),
-            ints("block_table", vec![b_n, max_pages], &table),
-            ints(
-                "cache_seqlens",
-                vec![b_n],
-                &seqlens.iter().map(|&l| l as i32).collect::<Vec<_>>(),
-            ),
-        ];
-        let meta = self.meta(ctx, serde_json::json!({}));
-        let mut out = self.call("decode", ctx.layer, &meta, &inputs)?;
-        let spec = self.desc.ops.decode.clone().expect("decode op");
-        let lat = out.take("attn_latent", &[b_n, s_q, h, lkv], "decode")?;
-        let lse_o = out.take("lse", &self.lse_shape(Some(b_n), s_q, h), "decode")?;
-        let lse = self.lse_rows(&lse_o, b_n, s_q, h);
-        let splits = sched.num_splits;
-        let split = match spec.has("split_out") {
-            true => Some((
-                out.take("split_out", &[b_n, s_q, h, splits, lkv], "decode")?,
-                out.take("split_lse", &[b_n, s_q, h, splits], "decode")?,
-            )),
-            false => None,
-        };
+        let entries: Vec<Entry> = seqlens
+            .iter()
+            .enumerate()
+            .map(|(b, &l)| Entry {
+                q_nope: q_abs[b * s_q * h * lkv..(b + 1) * s_q * h * lkv].to_vec(),
+                q_pe: q_pe[b * s_q * h * r..(b + 1) * s_q * h * r].to_vec(),
+                keys: (0..l).map(Some).collect(),
+            })
+            .collect();
+        let ret = self.send_decode(ctx, &entries, s_q, &rows)?;
+        let (lat, lse) = (&ret.lat, &ret.lse);
+        let own = self.desc.decode_partition() == SplitPartition::Own;
 
         // fp64 from the runner's inputs: q as sent, keys the cache rows of the entry (as sent).
         let d_n = b_n * s_q;
-        let scale = cfg.softmax_scale;
-        let (mut l_out, mut l_lse) = (vec![0.0; d_n * h * lkv], vec![0.0; d_n * h]);
-        let (mut l_sout, mut l_slse) = (
-            vec![0.0; d_n * h * splits * lkv],
-            vec![0.0; d_n * h * splits],
-        );
-        for (b, &seq_len) in seqlens.iter().enumerate() {
-            for i in 0..s_q {
-                let d = b * s_q + i;
-                let visible = seq_len - s_q + i + 1;
-                for hh in 0..h {
-                    let qa = &q_abs[(d * h + hh) * lkv..(d * h + hh + 1) * lkv];
-                    let qp = &q_pe[(d * h + hh) * r..(d * h + hh + 1) * r];
-                    let score = |j: usize| {
-                        let k = &rows[j * row..(j + 1) * row];
-                        (local::dot(qa, &k[..lkv]) + local::dot(qp, &k[lkv..])) * scale
-                    };
-                    let value = |j: usize| &rows[j * row..j * row + lkv];
-                    let (o, l) = local::attend(0..visible, lkv, score, value);
-                    l_out[(d * h + hh) * lkv..(d * h + hh + 1) * lkv].copy_from_slice(&o);
-                    l_lse[d * h + hh] = l;
-                    for (k, kr) in sched.split_ranges(seq_len).into_iter().enumerate() {
-                        let keys = kr.start..kr.end.min(visible);
-                        let keys = keys.start..keys.end.max(keys.start);
-                        let (o, l) = local::attend(keys, lkv, score, value);
-                        let at = (d * h + hh) * splits + k;
-                        l_sout[at * lkv..(at + 1) * lkv].copy_from_slice(&o);
-                        l_slse[at] = l;
-                    }
-                }
-            }
+        let splits = sched.num_splits;
+        let (mut l_out, mut l_lse) = (Vec::with_capacity(d_n * h * lkv), Vec::new());
+        let (mut l_sout, mut l_slse) = (Vec::new(), Vec::new());
+        for e in &entries {
+            let l = Self::local_entry(ctx, e, s_q, &rows);
+            l_out.extend(l.out);
+            l_lse.extend(l.lse);
+            l_sout.extend(l.sout);
+            l_slse.extend(l.slse);
         }
         let terms = (seqlens[b_n - 1]) * row;
         let t_all = sched.total_tokens();
-        let tol = |o: &Output| local::tolerance(dt.name(), o.dtype, terms);
+        let tol = |o: &str| local::tolerance(dt.name(), o, terms);
         at.push(AtRunner {
             check: "attn_latent".into(),
             reference: StageTensor::new(Stage::AttnLatent, vec![d_n, h, lkv], l_out),
             optimized: StageTensor::new(Stage::AttnLatent, vec![d_n, h, lkv], lat.data.clone()),
-            tolerance: tol(&lat),
+            tolerance: tol(lat.dtype),
             out_dtype: lat.dtype,
         });
         let full = |v: &[f64]| {
@@ -146,44 +260,51 @@ impl RunnerBackend {
         at.push(AtRunner {
             check: "lse[decode]".into(),
             reference: full(&l_lse),
-            optimized: full(&lse),
-            tolerance: tol(&lse_o),
-            out_dtype: lse_o.dtype,
+            optimized: full(lse),
+            tolerance: tol(ret.lse_dtype),
+            out_dtype: ret.lse_dtype,
         });
-        if let Some((so, sl)) = &split {
-            let sl_nat = {
-                let k = match self.desc.conventions.lse_base {
-                    LseBase::E => 1.0,
-                    LseBase::Two => std::f64::consts::LN_2,
-                };
-                sl.data.iter().map(|v| v * k).collect::<Vec<_>>()
-            };
-            at.push(AtRunner {
-                check: "split_out".into(),
-                reference: StageTensor::new(Stage::SplitOut, vec![d_n, h, splits, lkv], l_sout),
-                optimized: StageTensor::new(
-                    Stage::SplitOut,
-                    vec![d_n, h, splits, lkv],
-                    so.data.clone(),
-                ),
-                tolerance: tol(so),
-                out_dtype: so.dtype,
-            });
-            at.push(AtRunner {
-                check: "split_lse".into(),
-                reference: StageTensor::new(Stage::SplitLse, vec![d_n, h, splits], l_slse),
-                optimized: StageTensor::new(Stage::SplitLse, vec![d_n, h, splits], sl_nat.clone()),
-                tolerance: tol(sl),
-                out_dtype: sl.dtype,
-            });
-            set(tr, Stage::SplitOut, so.data.clone())?;
-            set(tr, Stage::SplitLse, sl_nat)?;
-        } else {
-            tr.stages
-                .retain(|t| !matches!(t.stage, Stage::SplitOut | Stage::SplitLse));
+        match &ret.split {
+            Some((so, sl_nat, sl_dtype, _)) if !own => {
+                at.push(AtRunner {
+                    check: "split_out".into(),
+                    reference: StageTensor::new(Stage::SplitOut, vec![d_n, h, splits, lkv], l_sout),
+                    optimized: StageTensor::new(
+                        Stage::SplitOut,
+                        vec![d_n, h, splits, lkv],
+                        so.data.clone(),
+                    ),
+                    tolerance: tol(so.dtype),
+                    out_dtype: so.dtype,
+                });
+                at.push(AtRunner {
+                    check: "split_lse".into(),
+                    reference: StageTensor::new(Stage::SplitLse, vec![d_n, h, splits], l_slse),
+                    optimized: StageTensor::new(
+                        Stage::SplitLse,
+                        vec![d_n, h, splits],
+                        sl_nat.clone(),
+                    ),
+                    tolerance: tol(sl_dtype),
+                    out_dtype: sl_dtype,
+                });
+                set(tr, Stage::SplitOut, so.data.clone())?;
+                set(tr, Stage::SplitLse, sl_nat.clone())?;
+            }
+            _ => {
+                tr.stages
+                    .retain(|t| !matches!(t.stage, Stage::SplitOut | Stage::SplitLse));
+            }
         }
-
-        put_decode_outputs(tr, ctx, mw, dt, &lat.data, &lse)
+        if own {
+            let checks = self.merge_consistency(ctx.layer, &ret, terms);
+            self.checks.extend(checks);
+        }
+        if self.batch_layers.insert(ctx.layer) {
+            self.batch_checks(ctx, &q_abs, q_pe, &rows)?;
+        }
+        let (lat, lse) = (ret.lat.data, ret.lse);
+        put_decode_outputs(tr, ctx, mw, dt, &lat, &lse)
     }
 }
 

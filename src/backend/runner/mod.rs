@@ -6,6 +6,8 @@
 //! from them by the CPU mirror's code. Each replaced stage also carries fp64 attention computed from the
 //! runner's own inputs (`LayerTrace::at_runner`), which the comparator checks as `STAGE@runner`.
 
+mod batch;
+pub mod checks;
 mod decode;
 pub mod fp8_cache;
 pub mod local;
@@ -33,6 +35,47 @@ pub struct RunnerBackend {
     out_dtypes: std::collections::BTreeMap<String, &'static str>,
     /// Layer runs that went through the runner's sparse ops (DSA past top_k).
     sparse_runs: usize,
+    /// The batch, padding, invariance, merge and input checks so far (`checks`).
+    checks: Vec<checks::RunnerCheck>,
+    /// Layers whose serving batch ran (once per layer, whatever the modes and repeats).
+    batch_layers: std::collections::BTreeSet<usize>,
+    /// Requests answered, and those whose inputs came back changed.
+    requests: usize,
+    /// Inputs that came back changed: (layer, op, tensor) → (requests, most values changed in one).
+    mutations: std::collections::BTreeMap<(usize, String, &'static str), (usize, usize)>,
+}
+
+/// The kernels a runner declares a geometry for (`describe` `ops.OP.geometry.key_tile`), as coverage
+/// targets: what the default schedule also covers.
+pub fn declared_kernels(d: &Describe) -> Vec<crate::coverage::KernelUse> {
+    use crate::coverage::{Family, KernelUse, Phase};
+    [
+        (Phase::Decode, &d.ops.decode),
+        (Phase::Decode, &d.ops.sparse_decode),
+        (Phase::Prefill, &d.ops.prefill),
+        (Phase::Prefill, &d.ops.sparse_prefill),
+    ]
+    .into_iter()
+    .filter_map(|(phase, op)| {
+        let g = op.as_ref()?.geometry?.coverage()?;
+        Some(KernelUse {
+            phase,
+            family: Family::External,
+            label: format!("runner {} {}", d.name, d.version),
+            geometry: Some(g),
+            production: None,
+        })
+    })
+    .collect()
+}
+
+/// What a runner's `supports` leaves of the default schedule's freedom.
+pub fn limits(d: &Describe) -> crate::coverage::covering::Limits {
+    let decodes = d.ops.decode.is_some() || d.ops.sparse_decode.is_some();
+    crate::coverage::covering::Limits {
+        max_q_len: d.supports.max_q_len.filter(|_| decodes),
+        page_sizes: d.supports.page_sizes.clone().filter(|_| decodes),
+    }
 }
 
 /// How requests reach the runner: a `--serve` process through files, or an in-process runner
@@ -63,6 +106,10 @@ impl RunnerBackend {
             dtype,
             out_dtypes: Default::default(),
             sparse_runs: 0,
+            checks: Vec::new(),
+            batch_layers: Default::default(),
+            requests: 0,
+            mutations: Default::default(),
         })
     }
 
@@ -171,6 +218,16 @@ impl RunnerBackend {
             }
         }
         let out = Outputs::read(&output, &self.desc.name)?;
+        // A kernel that writes into its inputs (q scaled in place, the cache overwritten) corrupts an
+        // engine's next step: the files, as the runner left them, must hold what was sent.
+        self.requests += 1;
+        for (name, n) in tensors::changed(&input, inputs)? {
+            let m = self
+                .mutations
+                .entry((layer, op.to_string(), name))
+                .or_insert((0, 0));
+            *m = (m.0 + 1, m.1.max(n));
+        }
         if !keep_io() {
             let _ = std::fs::remove_file(&input);
             let _ = std::fs::remove_file(&output);
@@ -265,12 +322,22 @@ impl Backend for RunnerBackend {
     fn key_tiles(&self) -> crate::backend::KeyTiles {
         // The runner's kernel tiles are its own (unknown here): only the phases it leaves to the inner
         // backend keep that backend's tiles.
+        // A tile the runner declares is what `sweep` aims at.
         let mut t = self.inner.key_tiles();
-        if self.desc.ops.decode.is_some() || self.desc.ops.sparse_decode.is_some() {
-            t.decode.clear();
+        let o = &self.desc.ops;
+        let declared = |ops: [&Option<protocol::OpSpec>; 2]| -> Vec<crate::backend::KeyTile> {
+            ops.iter()
+                .filter_map(|op| op.as_ref()?.geometry?.key_tile)
+                .map(|k| {
+                    crate::backend::KeyTile::new(format!("runner {} key tile", self.desc.name), k)
+                })
+                .collect()
+        };
+        if o.decode.is_some() || o.sparse_decode.is_some() {
+            t.decode = declared([&o.decode, &o.sparse_decode]);
         }
-        if self.desc.ops.prefill.is_some() || self.desc.ops.sparse_prefill.is_some() {
-            t.prefill.clear();
+        if o.prefill.is_some() || o.sparse_prefill.is_some() {
+            t.prefill = declared([&o.prefill, &o.sparse_prefill]);
         }
         t
     }
@@ -400,17 +467,90 @@ impl Backend for RunnerBackend {
             if runs {
                 u.family = Family::External;
                 u.label = format!("runner {} {}", self.desc.name, self.desc.version);
-                u.geometry = None;
+                u.geometry = declared_kernels(&self.desc)
+                    .into_iter()
+                    .find(|d| d.phase == u.phase)
+                    .and_then(|d| d.geometry);
                 u.production = None;
             }
         }
         k
     }
 
+    /// The serving batch its decode op also ran (`batch`): counted in the coverage section.
+    fn decode_extra(&self, sched: &crate::schedule::Schedule) -> Vec<crate::batch::Request> {
+        match self.desc.ops.decode.is_some() && self.batch_layers.iter().next().is_some() {
+            true => crate::batch::serving(sched),
+            false => Vec::new(),
+        }
+    }
+
+    /// What `supports` kept the schedule from reaching (coverage warnings in every format).
+    fn coverage_notes(&self, sched: &crate::schedule::Schedule) -> Vec<String> {
+        let mut v = Vec::new();
+        let (d, s) = (&self.desc, &self.desc.supports);
+        if d.ops.decode.is_some() && sched.q_len == 1 {
+            if let Some(m) = s.max_q_len {
+                v.push(format!(
+                    "coverage: runner {} takes at most {m} query per decode step (supports.max_q_len): no MTP step (causality within a step) was run",
+                    d.name
+                ));
+            }
+        }
+        if let Some(dec) = &d.ops.decode {
+            if !dec.has("split_out") {
+                v.push(format!(
+                    "coverage: runner {} returns no split partials: its split-KV partials and combine are checked only through the merged output",
+                    d.name
+                ));
+            }
+        }
+        v
+    }
+
+    fn runner_checks(&self) -> Option<checks::RunnerChecks> {
+        if self.requests == 0 {
+            return None;
+        }
+        let mut c = self.checks.clone();
+        for ((layer, op, name), (reqs, n)) in &self.mutations {
+            c.push(checks::RunnerCheck {
+                layer: Some(*layer),
+                check: "input_mutation".into(),
+                status: checks::Status::Fail,
+                what: name.to_string(),
+                value: None,
+                bound: None,
+                detail: format!(
+                    "the runner wrote into its input {name} in {reqs} {op} request(s) of the layer: up to {n} of its values changed"
+                ),
+            });
+        }
+        if self.mutations.is_empty() {
+            c.push(checks::RunnerCheck {
+                layer: None,
+                check: "input_mutation".into(),
+                status: checks::Status::Pass,
+                what: "every input".into(),
+                value: None,
+                bound: None,
+                detail: format!(
+                    "every input file of the {} requests held what was sent after the reply",
+                    self.requests
+                ),
+            });
+        }
+        Some(checks::RunnerChecks::new(c))
+    }
+
     fn provides(&self) -> StageSet {
         let mut s = self.inner.provides();
         if let Some(dec) = &self.desc.ops.decode {
-            if !dec.has("split_out") {
+            // Partials of the kernel's own partition have no reference of the run's: they are
+            // checked by merge consistency (`runner_checks`), not as stages.
+            if !dec.has("split_out")
+                || self.desc.decode_partition() == protocol::SplitPartition::Own
+            {
                 s = s.without(Stage::SplitOut).without(Stage::SplitLse);
             }
         }

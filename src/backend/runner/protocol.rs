@@ -25,6 +25,11 @@ pub struct Describe {
     pub supports: Supports,
     #[serde(default)]
     pub conventions: Conventions,
+    /// The runner declares its kernels batch-invariant: a request's output is the same, bit for bit,
+    /// alone or in any batch. Only then does a difference fail the run (issue #32 item 8); without it
+    /// the difference is reported.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub batch_invariant: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -52,6 +57,62 @@ pub struct OpSpec {
     /// fp8 cache, written by the runner from them; `super::fp8_cache`). Absent: as sent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_cache: Option<String>,
+    /// How the kernel cuts the work, when the runner says (issue #32 item 10): coverage, the default
+    /// schedule and `sweep` then aim at its boundaries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub geometry: Option<OpGeometry>,
+}
+
+/// A runner kernel's tile geometry (`describe` `ops.OP.geometry`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpGeometry {
+    /// Keys per tile of its online softmax.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_tile: Option<usize>,
+    /// Rows one CTA takes (decode: (query, head) rows of a request; prefill: queries of a head); absent:
+    /// 1, each row its own key range.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub row_tile: Option<usize>,
+    /// `vllm` (the default): split partials over the harness's `num_splits` with vLLM's partition;
+    /// `own`: the kernel chooses its split count and partition (FlashMLA), and its partials are checked
+    /// by merge consistency.
+    #[serde(default)]
+    pub split_partition: SplitPartition,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SplitPartition {
+    #[default]
+    Vllm,
+    Own,
+}
+
+impl OpGeometry {
+    /// The coverage geometry, when a key tile is declared.
+    pub fn coverage(&self) -> Option<crate::coverage::Geometry> {
+        let rows = self.row_tile.unwrap_or(1);
+        self.key_tile.map(|k| crate::coverage::Geometry {
+            rows_per_cta: rows,
+            keys_per_tile: k,
+            key_slices: 1,
+            stages: 1,
+            per_row_ranges: rows == 1,
+        })
+    }
+}
+
+impl Describe {
+    /// The decode op's split partition (`vllm` when it says nothing).
+    pub fn decode_partition(&self) -> SplitPartition {
+        self.ops
+            .decode
+            .as_ref()
+            .and_then(|d| d.geometry)
+            .map(|g| g.split_partition)
+            .unwrap_or_default()
+    }
 }
 
 impl OpSpec {
@@ -157,8 +218,21 @@ fn tail(s: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join(" | ")
 }
 
-/// Run `CMD --describe` and parse its answer.
+/// Run `CMD --describe` and parse its answer; once per command and process (the default schedule
+/// asks before the runner is started, and importing torch is seconds).
 pub fn describe(cmd: &str) -> Result<Describe> {
+    static SEEN: Mutex<BTreeMap<String, Describe>> = Mutex::new(BTreeMap::new());
+    if let Some(d) = SEEN.lock().ok().and_then(|m| m.get(cmd).cloned()) {
+        return Ok(d);
+    }
+    let d = describe_uncached(cmd)?;
+    if let Ok(mut m) = SEEN.lock() {
+        m.insert(cmd.to_string(), d.clone());
+    }
+    Ok(d)
+}
+
+fn describe_uncached(cmd: &str) -> Result<Describe> {
     let words = split_command(cmd)?;
     let out = Command::new(&words[0])
         .args(&words[1..])
@@ -245,6 +319,20 @@ pub fn validate(d: Describe) -> Result<Describe> {
                 if !s.has(need) {
                     return Err(Error::Usage(format!(
                         "runner {}: op {op} must return {need}",
+                        d.name
+                    )));
+                }
+            }
+            if let Some(g) = &s.geometry {
+                if g.key_tile == Some(0) || g.row_tile == Some(0) {
+                    return Err(Error::Usage(format!(
+                        "runner {}: op {op}'s geometry has a tile of 0",
+                        d.name
+                    )));
+                }
+                if g.split_partition == SplitPartition::Own && op != "decode" {
+                    return Err(Error::Usage(format!(
+                        "runner {}: split_partition is a decode op's (op {op} has no split partials)",
                         d.name
                     )));
                 }

@@ -173,3 +173,39 @@ impl Outputs {
         Ok(o)
     }
 }
+
+/// The inputs of `path` (as the runner left it) whose bytes differ from what was sent, with how many of
+/// their values changed; a file the runner removed or truncated changes every input.
+pub fn changed(path: &Path, sent: &[Named]) -> Result<Vec<(&'static str, usize)>> {
+    let all = || {
+        sent.iter()
+            .map(|t| (t.name, t.bytes.len() / width(t.dtype)))
+            .collect()
+    };
+    let Ok(bytes) = std::fs::read(path) else {
+        return Ok(all());
+    };
+    let Ok(st) = safetensors::SafeTensors::deserialize(&bytes) else {
+        return Ok(all());
+    };
+    Ok(sent
+        .iter()
+        .filter_map(|t| {
+            let w = width(t.dtype);
+            let n = match st.tensor(t.name) {
+                Ok(v) if v.data().len() == t.bytes.len() => v
+                    .data()
+                    .chunks(w)
+                    .zip(t.bytes.chunks(w))
+                    .filter(|(a, b)| a != b)
+                    .count(),
+                _ => t.bytes.len() / w,
+            };
+            (n > 0).then_some((t.name, n))
+        })
+        .collect())
+}
+
+fn width(d: St) -> usize {
+    (d.bitsize() / 8).max(1)
+}

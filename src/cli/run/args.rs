@@ -40,7 +40,8 @@ impl InputArgs {
 
 /// The serving schedule. Each option not given takes the classic default (`Schedule::default()`: 48
 /// prompt tokens in chunks of 32, 16 decode steps of 1 token, page 16, 4 splits); `run` given none of them
-/// (and no --tokens, --hidden or --runner) uses the kernel-aware schedule instead (docs/coverage.md).
+/// (and no --tokens or --hidden) uses the kernel-aware schedule instead (docs/coverage.md; with
+/// --runner, within what the runner supports: docs/runners.md).
 #[derive(clap::Args)]
 #[command(next_help_heading = "Schedule")]
 pub struct ScheduleArgs {

@@ -69,6 +69,11 @@ pub fn exec(a: &Args, file: &GgufFile, cfg: &MlaConfig) -> Result<i32, Error> {
     }
     super::check_dense_beyond_top_k(file, cfg, &sched, a.allow_dense_beyond_topk)?;
     let (tolerances, tolerance_source) = a.tol.table(dtype)?;
+    let mut backend = CaptureBackend::new(cfg, &read, dtype, tolerances.clone())?;
+    let dirs: Vec<String> = read
+        .iter()
+        .map(|(c, _)| c.dir.display().to_string())
+        .collect();
     let mode = a.mode.unwrap_or(ModeArg::Both);
     let opts = RunOptions {
         layers: Some(layers.clone()),
@@ -76,6 +81,7 @@ pub fn exec(a: &Args, file: &GgufFile, cfg: &MlaConfig) -> Result<i32, Error> {
             dir: read[0].0.dir.clone(),
             request: captured.request,
             inputs: std::sync::Arc::new(captured.inputs.clone()),
+            summary: backend.summary(&dirs),
         },
         sched,
         dtype,
@@ -83,7 +89,7 @@ pub fn exec(a: &Args, file: &GgufFile, cfg: &MlaConfig) -> Result<i32, Error> {
             shadow: mode != ModeArg::Free,
             free: mode != ModeArg::Shadow,
         },
-        tolerances: tolerances.clone(),
+        tolerances,
         tolerance_source,
         dump: a.report.dump(cfg.n_layer)?,
         faults: FaultSet::default(),
@@ -92,7 +98,6 @@ pub fn exec(a: &Args, file: &GgufFile, cfg: &MlaConfig) -> Result<i32, Error> {
         indexer_keys: a.indexer_keys,
     };
     let ready = Prepared::check(file, cfg, &opts, &a.report)?;
-    let mut backend = CaptureBackend::new(cfg, &read, dtype, tolerances)?;
     let info = BackendInfo {
         kind: Kind::Capture,
         description: backend.describe(),

@@ -1,0 +1,194 @@
+//! The runner checks beyond the stage checks (issue #32, items 6–10; JSON `runner_checks`): the
+//! serving-shaped batch against fp64 from its inputs, the real rows of a batch with and without padded
+//! entries (bit for bit), a request alone against inside the batch, the inputs after every reply, and the
+//! split partials of a kernel that chooses its own partition, by merge consistency.
+
+use serde::{Deserialize, Serialize};
+
+/// What a runner check concluded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Pass,
+    Fail,
+    /// Measured and reported, no verdict (batch invariance of a runner that does not declare it).
+    Report,
+}
+
+impl Status {
+    pub fn name(self) -> &'static str {
+        match self {
+            Status::Pass => "pass",
+            Status::Fail => "fail",
+            Status::Report => "report",
+        }
+    }
+}
+
+/// One runner check.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunnerCheck {
+    /// The layer; absent for a check over the whole run (inputs unchanged in every request).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub layer: Option<usize>,
+    /// `serving_batch`, `padding`, `batch_invariance`, `input_mutation`, `merge_consistency`.
+    pub check: String,
+    pub status: Status,
+    /// What was compared: an output (`attn_latent`), a request, an input tensor.
+    pub what: String,
+    /// The measured figure (rel-L2, or the largest difference relative to the output's rms), where
+    /// there is one and it is finite.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub value: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub bound: Option<f64>,
+    pub detail: String,
+}
+
+impl RunnerCheck {
+    /// `layer L check what: status (detail)`, as every format prints it.
+    pub fn line(&self) -> String {
+        let at = self
+            .layer
+            .map(|l| format!("layer {l} "))
+            .unwrap_or_default();
+        format!(
+            "{at}{} {}: {} ({})",
+            self.check,
+            self.what,
+            self.status.name(),
+            self.detail
+        )
+    }
+}
+
+/// The runner checks of a run (`Report::runner_checks`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunnerChecks {
+    /// No check failed.
+    pub pass: bool,
+    pub checks: Vec<RunnerCheck>,
+    pub message: String,
+}
+
+impl RunnerChecks {
+    pub fn new(checks: Vec<RunnerCheck>) -> RunnerChecks {
+        let failed: Vec<&RunnerCheck> =
+            checks.iter().filter(|c| c.status == Status::Fail).collect();
+        let message = match failed.first() {
+            None => format!(
+                "runner checks: {} passed, {} reported",
+                checks.iter().filter(|c| c.status == Status::Pass).count(),
+                checks.iter().filter(|c| c.status == Status::Report).count()
+            ),
+            Some(f) => format!(
+                "RUNNER CHECK FAILED: {} of {} (first: {})",
+                failed.len(),
+                checks.len(),
+                f.line()
+            ),
+        };
+        RunnerChecks {
+            pass: failed.is_empty(),
+            checks,
+            message,
+        }
+    }
+}
+
+/// Two outputs' values the same bit for bit (any two NaNs equal).
+pub fn same_bits(a: f64, b: f64) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+/// How far `o` is from `r`: rel-L2 over the finite pairs, the largest elementwise excess over the
+/// bound `atol·rms(r) + rtol·|r|` (≤ 1 passes), and the count of pairs that cannot pass (a NaN, or an
+/// infinity on one side only). Pairs where `skip(i)` are don't-care.
+pub struct Judged {
+    pub rel_l2: f64,
+    pub worst: f64,
+    pub bad: usize,
+}
+
+pub fn judge(
+    r: &[f64],
+    o: &[f64],
+    tol: &crate::compare::Tolerance,
+    skip: impl Fn(usize) -> bool,
+) -> Judged {
+    let (mut num, mut den, mut n, mut bad) = (0.0f64, 0.0f64, 0usize, 0usize);
+    for (i, (&a, &b)) in r.iter().zip(o).enumerate() {
+        if skip(i) {
+            continue;
+        }
+        if a.is_infinite() && a == b {
+            continue;
+        }
+        if !a.is_finite() || !b.is_finite() {
+            bad += 1;
+            continue;
+        }
+        num += (a - b) * (a - b);
+        den += a * a;
+        n += 1;
+    }
+    let rms = (den / n.max(1) as f64).sqrt();
+    let mut worst = 0.0f64;
+    for (i, (&a, &b)) in r.iter().zip(o).enumerate() {
+        if skip(i) || !a.is_finite() || !b.is_finite() {
+            continue;
+        }
+        let bound = tol.atol_rms * rms + tol.rtol * a.abs();
+        if bound > 0.0 {
+            worst = worst.max((a - b).abs() / bound);
+        } else if a != b {
+            worst = f64::INFINITY;
+        }
+    }
+    Judged {
+        rel_l2: if den > 0.0 {
+            (num / den).sqrt()
+        } else if num > 0.0 {
+            f64::INFINITY
+        } else {
+            0.0
+        },
+        worst,
+        bad,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn judge_never_passes_nan_and_skips_dont_care() {
+        let tol = crate::compare::Tolerance {
+            rel_l2: 1e-3,
+            atol_rms: 1e-2,
+            rtol: 1e-3,
+        };
+        let r = [1.0, 2.0, f64::NEG_INFINITY, 3.0];
+        let j = judge(&r, &[1.0, 2.0, f64::NEG_INFINITY, f64::NAN], &tol, |_| {
+            false
+        });
+        assert_eq!(j.bad, 1);
+        let j = judge(&r, &[1.0, 2.0, f64::NEG_INFINITY, f64::NAN], &tol, |i| {
+            i == 3
+        });
+        assert_eq!((j.bad, j.rel_l2), (0, 0.0));
+        let j = judge(&r, &[1.0, 2.5, f64::NEG_INFINITY, 3.0], &tol, |_| false);
+        assert!(j.rel_l2 > 0.1 && j.worst > 1.0);
+        let c = RunnerChecks::new(vec![RunnerCheck {
+            layer: Some(0),
+            check: "padding".into(),
+            status: Status::Fail,
+            what: "attn_latent".into(),
+            value: None,
+            bound: None,
+            detail: "x".into(),
+        }]);
+        assert!(!c.pass && c.message.contains("layer 0 padding attn_latent: fail"));
+    }
+}
