@@ -121,6 +121,7 @@ class Case:
     argv: list
     raw: dict = field(repr=False, default_factory=dict)
     arch: str = ""
+    device: object = None
 
     @property
     def id(self) -> str:
@@ -318,13 +319,19 @@ def cases(model_file, layers=None, schedule=None, dtype="bf16", seed=0, ops=("de
                 n_layer = int(report["config"]["n_layer"])
                 todo += range(1, n_layer)
             lc = _layer_checks(report, layer) or {}
+            seen = set()
             for op, _layer, meta, raw in rec.requests:
+                # The op's first request is the case; the rest are its serving batch (check's kernel=).
+                if op in seen:
+                    continue
+                seen.add(op)
                 bounds = {c["check"]: c.get("tolerance", {}).get("rel_l2") for c in lc.get("checks", [])
                           if c.get("check", "").split("@")[0].split("[")[0] in OUTPUTS[op]}
                 yield Case(model=model_file, layer=layer, op=op, dtype=dtype, seed=seed,
                            schedule=dict(sched or {}), meta=meta,
                            inputs={k: _to_array(*v, device) for k, v in raw.items()}, bounds=bounds,
-                           argv=argv, raw=raw, arch=report.get("file", {}).get("architecture", ""))
+                           argv=argv, raw=raw, arch=report.get("file", {}).get("architecture", ""),
+                           device=device)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -332,10 +339,13 @@ def cases(model_file, layers=None, schedule=None, dtype="bf16", seed=0, ops=("de
 
 
 class _Answer:
-    """The runner `check()` puts in the run: the kernel's outputs for the case's request."""
+    """The runner `check()` puts in the run: the kernel's outputs for the case's request; the run's other
+    requests of that op (the serving batch, padded rows, the batch-invariance rerun: docs/runners.md,
+    "Reaching the cases where MLA kernels break") go to `kernel` on their own inputs."""
 
-    def __init__(self, case, outputs, lse_layout):
+    def __init__(self, case, outputs, lse_layout, kernel, out_dtype):
         self.case, self.outputs, self.lse_layout = case, outputs, lse_layout
+        self.kernel, self.out_dtype, self.first = kernel, out_dtype, True
 
     def describe_json(self):
         return json.dumps({
@@ -348,10 +358,31 @@ class _Answer:
         c = self.case
         if (op, layer) != (c.op, c.layer):
             raise RuntimeError(f"check: the run asked for layer {layer} {op}, the case is layer {c.layer} {c.op}")
-        for k, v in inputs.items():
-            if k not in c.raw or bytes(v[2]) != bytes(c.raw[k][2]):
-                raise RuntimeError(f"check: the run's {op} input {k} differs from the case's (not the same run?)")
-        return self.outputs
+        if self.first:
+            self.first = False
+            for k, v in inputs.items():
+                if k not in c.raw or bytes(v[2]) != bytes(c.raw[k][2]):
+                    raise RuntimeError(f"check: the run's {op} input {k} differs from the case's (not the same run?)")
+            return self.outputs
+        if self.kernel is None:
+            raise RuntimeError(
+                f"check: the run also sends this layer's {op} as a serving batch (mixed lengths, padded rows; "
+                "the runner checks of docs/runners.md): pass kernel=fn to check()/assert_mla_close() so it can answer")
+        meta = json.loads(meta_json)
+        got = self.kernel({k: _to_array(*v, c.device) for k, v in inputs.items()}, meta)
+        return _outputs(c, got, self.out_dtype, set(self.outputs))
+
+
+def _outputs(case, got, out_dtype, names=None):
+    """A kernel's answer — (out, lse), (out, lse, split_out, split_lse) or a dict — as protocol triples."""
+    main = OUTPUTS[case.op][0]
+    if isinstance(got, dict):
+        given = dict(got)
+    else:
+        given = dict(zip((main, "lse", "split_out", "split_lse"), got))
+    if names is not None:
+        given = {k: v for k, v in given.items() if k in names}
+    return {k: _from_tensor(k, v, out_dtype if k == main else None) for k, v in given.items()}
 
 
 @dataclass
@@ -442,24 +473,29 @@ def _where(c, pos):
 
 
 def check(case, out=None, lse=None, split_out=None, split_lse=None, lse_layout="token_head", keep=None,
-          out_dtype=None):
+          out_dtype=None, kernel=None):
     """Run `case` through `mla-diff run --runner` with these outputs as the kernel's answer; returns the
     `Verdict` (truthy when it passes). `out` is attn_latent [B, s_q, H, Lkv] (decode) or attn_heads
     [n, H, Dv] (prefill); `lse` natural log, [B, s_q, H] / [n, H] (`lse_layout="head_token"`: [B, H,
     s_q] / [H, n]); split partials optional (decode). torch tensors on any device or numpy.
+    `kernel=fn(inputs, meta) -> (out, lse[, split_out, split_lse])` answers the run's further requests
+    of the layer (its serving batch: mixed lengths, padded rows), and the case itself when `out` is None.
     `out_dtype="bf16"` stores a numpy float32 `out` as bf16 (numpy has no bf16; torch tensors and
     ml_dtypes arrays carry their own dtype). `keep=DIR` keeps the run's JSON report there."""
-    if out is None or lse is None:
-        raise TypeError("check(case, out=..., lse=...): both are needed")
-    names = OUTPUTS[case.op]
-    given = {names[0]: out, "lse": lse}
-    if split_out is not None or split_lse is not None:
-        if case.op != "decode" or split_out is None or split_lse is None:
-            raise TypeError("split_out and split_lse go together, with a decode case")
-        given.update(split_out=split_out, split_lse=split_lse)
-    # out_dtype: numpy has no bf16, so a numpy kernel says how it stores its output (lse stays as given).
-    outputs = {k: _from_tensor(k, v, out_dtype if k == names[0] else None) for k, v in given.items()}
-    code, report, err = _run(case.argv, _Answer(case, outputs, lse_layout), keep)
+    if out is None and kernel is not None:
+        got = kernel(case.inputs, case.meta)
+        outputs = _outputs(case, got, out_dtype)
+    elif out is None or lse is None:
+        raise TypeError("check(case, out=..., lse=...) or check(case, kernel=fn): the outputs are needed")
+    else:
+        names = OUTPUTS[case.op]
+        given = {names[0]: out, "lse": lse}
+        if split_out is not None or split_lse is not None:
+            if case.op != "decode" or split_out is None or split_lse is None:
+                raise TypeError("split_out and split_lse go together, with a decode case")
+            given.update(split_out=split_out, split_lse=split_lse)
+        outputs = _outputs(case, given, out_dtype)
+    code, report, err = _run(case.argv, _Answer(case, outputs, lse_layout, kernel, out_dtype), keep)
     if report is None:
         raise RuntimeError(f"mla-diff {' '.join(case.argv)}: {err or f'exit {code}, no report'}")
     lc = _layer_checks(report, case.layer) or {"checks": []}

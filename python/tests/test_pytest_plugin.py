@@ -107,9 +107,13 @@ def test_check_is_run_runner(tmp_path):
 
     sched = dict(prompt_len=8, decode_steps=3, q_len=2, chunk=8, page_size=4, num_splits=3)
     case = next(c for c in mla_diff.cases(str(MODEL), layers=[1], schedule=sched) if c.op == "decode")
+    def kernel(x, meta):
+        o = numpy_mla.NumpyMLA().decode(x, meta)
+        return o["attn_latent"].array, o["lse"], o["split_out"], o["split_lse"]
+
     o = numpy_mla.NumpyMLA().decode(case.tensors(), case.meta)
     v = mla_diff.check(case, out=o["attn_latent"].array, lse=o["lse"], split_out=o["split_out"],
-                       split_lse=o["split_lse"], out_dtype="bf16")
+                       split_lse=o["split_lse"], out_dtype="bf16", kernel=kernel)
     report = tmp_path / "r.json"
     cmd = [mla_diff_command()] + case.argv + ["--json", str(report), "--runner",
                                               f"{sys.executable} {ROOT / 'runners' / 'numpy_mla.py'}"]
@@ -125,6 +129,6 @@ def test_check_is_run_runner(tmp_path):
     assert v.passed == (rc == 0), (v.message, rc)
 
     bad = o["attn_latent"].array * np.float32(1.05)
-    v = mla_diff.check(case, out=bad, lse=o["lse"], out_dtype="bf16")
+    v = mla_diff.check(case, out=bad, lse=o["lse"], out_dtype="bf16", kernel=kernel)
     assert not v.passed and v.exit_code == 1
     assert "attn_latent@runner" in [c["check"] for c in v.failing()]
