@@ -132,3 +132,13 @@ def test_check_is_run_runner(tmp_path):
     v = mla_diff.check(case, out=bad, lse=o["lse"], out_dtype="bf16", kernel=kernel)
     assert not v.passed and v.exit_code == 1
     assert "attn_latent@runner" in [c["check"] for c in v.failing()]
+
+
+def test_default_schedule_cases():
+    """Without a schedule, the cases are those of `run --runner`'s default schedule (chosen from the
+    runner's describe, here the in-process recorder's): one decode and one prefill case per layer."""
+    cs = list(mla_diff.cases(str(MODEL), layers=[0]))
+    assert sorted(c.op for c in cs) == ["decode", "prefill"], [c.id for c in cs]
+    d = next(c for c in cs if c.op == "decode")
+    assert d.id.startswith("deepseekv3yarn-L0-decode-q"), d.id
+    assert d.inputs["kv_cache"].shape[-1] == 576 and d.bounds.get("attn_latent@runner")

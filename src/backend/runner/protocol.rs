@@ -221,6 +221,16 @@ fn tail(s: &str, n: usize) -> String {
 /// Run `CMD --describe` and parse its answer; once per command and process (the default schedule
 /// asks before the runner is started, and importing torch is seconds).
 pub fn describe(cmd: &str) -> Result<Describe> {
+    // An `inproc:NAME` runner (the Python API's) answers in process, and is not cached.
+    if let Some(name) = cmd.strip_prefix(IN_PROCESS) {
+        let mut reg = REGISTRY.lock().unwrap_or_else(|e| e.into_inner());
+        let r = reg.get_mut(name).ok_or_else(|| {
+            Error::Usage(format!(
+                "--runner {cmd}: no in-process runner {name:?} is registered (inproc: runners come from the Python API)"
+            ))
+        })?;
+        return validate(r.describe()?);
+    }
     static SEEN: Mutex<BTreeMap<String, Describe>> = Mutex::new(BTreeMap::new());
     if let Some(d) = SEEN.lock().ok().and_then(|m| m.get(cmd).cloned()) {
         return Ok(d);
