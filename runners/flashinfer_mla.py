@@ -164,4 +164,5 @@ def _cuda_home_nvcc():
 
 
 if __name__ == "__main__":
-    protocol.main(FlashInferMLA)
+    r = FlashInferMLA()
+    protocol.serve(decode=r.decode, describe=r.describe, environment=r.environment_problem, codec=r)

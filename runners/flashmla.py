@@ -166,4 +166,6 @@ class FlashMLA(protocol.TorchRunner):
             return collect()
 
 if __name__ == "__main__":
-    protocol.main(FlashMLA)
+    r = FlashMLA()
+    protocol.serve(decode=r.decode, describe=r.describe, environment=r.environment_problem, codec=r,
+                   kernels={"decode": r.decode_kernel})

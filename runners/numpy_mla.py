@@ -216,4 +216,5 @@ class NumpyMLA(protocol.NumpyRunner):
 
 
 if __name__ == "__main__":
-    protocol.main(NumpyMLA)
+    r = NumpyMLA()
+    protocol.serve(decode=r.decode, prefill=r.prefill, describe=r.describe, codec=r)

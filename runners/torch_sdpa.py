@@ -208,4 +208,6 @@ class TorchSdpa(protocol.TorchRunner):
 
 
 if __name__ == "__main__":
-    protocol.main(TorchSdpa)
+    r = TorchSdpa()
+    protocol.serve(prefill=r.prefill, describe=r.describe, environment=r.environment_problem, codec=r,
+                   kernels={"prefill": r.prefill_kernel})

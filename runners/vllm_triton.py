@@ -208,4 +208,6 @@ class VllmTriton(protocol.TorchRunner):
 
 
 if __name__ == "__main__":
-    protocol.main(VllmTriton)
+    r = VllmTriton()
+    protocol.serve(decode=r.decode, prefill=r.prefill, describe=r.describe, environment=r.environment_problem,
+                   codec=r, kernels={"decode": r.decode_kernel})

@@ -1,7 +1,10 @@
-"""mla_diff: write captures of what an MLA serving engine computed, for
-`mla-diff run FILE --capture DIR` (docs/captures.md).
+"""mla_diff: mla-diff from Python.
 
-`mla_diff.capture` is the writer; `gguf_identity` is the model identity a capture's manifest carries.
+- `cases`, `check`, `assert_mla_close`: MLA kernels checked in a test suite against the fp64 reference,
+  with the verdict of `mla-diff run --runner` (docs/pytest.md); the pytest plugin is `mla_diff.pytest_plugin`.
+- `mla_diff.runner`: the runner SDK, `serve(decode=fn, prefill=fn, describe=...)` (docs/runners.md).
+- `mla_diff.capture`: captures of what an MLA serving engine computed, for `mla-diff run FILE --capture
+  DIR` (docs/captures.md); `gguf_identity` is the model identity a capture's manifest carries.
 """
 
 from __future__ import annotations
@@ -12,7 +15,11 @@ import re
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "gguf_identity"]
+__all__ = ["__version__", "gguf_identity", "cases", "check", "assert_mla_close", "Case", "Verdict"]
+
+# The test-suite API (docs/pytest.md): cheap to import (numpy, torch and the native module load on use),
+# since the runners import this package too.
+from mla_diff._api import Case, Verdict, assert_mla_close, cases, check  # noqa: E402
 
 _SPLIT = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 

@@ -29,7 +29,7 @@ use tensors::{Named, Output, Outputs};
 pub struct RunnerBackend {
     inner: Box<dyn Backend>,
     pub desc: Describe,
-    proc: Process,
+    link: Link,
     dtype: Dtype,
     /// Output dtypes seen, per output: `lse[decode] -> bf16`.
     out_dtypes: std::collections::BTreeMap<String, &'static str>,
@@ -80,15 +80,31 @@ pub fn limits(d: &Describe) -> crate::coverage::covering::Limits {
     }
 }
 
+/// How requests reach the runner: a `--serve` process through files, or an in-process runner
+/// (`inproc:NAME`, the Python API's) through memory.
+enum Link {
+    Process(Process),
+    InProcess(Box<dyn protocol::InProcess>),
+}
+
 impl RunnerBackend {
-    /// Ask `cmd --describe`, then start `cmd --serve`.
+    /// Ask `cmd --describe`, then start `cmd --serve` (or take the in-process runner `inproc:NAME`).
     pub fn open(cmd: &str, inner: Box<dyn Backend>, dtype: Dtype) -> Result<RunnerBackend> {
-        let desc = protocol::describe_once(cmd)?;
-        let proc = Process::start(cmd, &desc.name, keep_io())?;
+        let (desc, link) = match protocol::take_in_process(cmd) {
+            Some(r) => {
+                let mut r = r?;
+                (protocol::validate(r.describe()?)?, Link::InProcess(r))
+            }
+            None => {
+                let desc = protocol::describe(cmd)?;
+                let proc = Process::start(cmd, &desc.name, keep_io())?;
+                (desc, Link::Process(proc))
+            }
+        };
         Ok(RunnerBackend {
             inner,
             desc,
-            proc,
+            link,
             dtype,
             out_dtypes: Default::default(),
             sparse_runs: 0,
@@ -100,9 +116,12 @@ impl RunnerBackend {
         })
     }
 
-    /// The scratch directory the tensors go through.
-    pub fn scratch(&self) -> &std::path::Path {
-        &self.proc.scratch
+    /// The scratch directory the tensors go through (none in process).
+    pub fn scratch(&self) -> Option<&std::path::Path> {
+        match &self.link {
+            Link::Process(p) => Some(&p.scratch),
+            Link::InProcess(_) => None,
+        }
     }
 
     /// Refuse, before anything runs, a case the runner says it cannot take.
@@ -170,7 +189,19 @@ impl RunnerBackend {
         meta: &serde_json::Value,
         inputs: &[Named],
     ) -> Result<Outputs> {
-        let (id, input, output) = self.proc.next_paths();
+        let proc = match &mut self.link {
+            Link::Process(p) => p,
+            Link::InProcess(r) => {
+                return match r.call(op, layer, meta, inputs)? {
+                    Ok(out) => Ok(out),
+                    Err(reason) => Err(Error::Unsupported(format!(
+                        "runner {} cannot take layer {layer} {op}: {reason}",
+                        self.desc.name
+                    ))),
+                };
+            }
+        };
+        let (id, input, output) = proc.next_paths();
         tensors::write(&input, inputs)?;
         let req = Request {
             id,
@@ -180,7 +211,7 @@ impl RunnerBackend {
             output: &output,
             meta,
         };
-        match self.proc.call(&req)? {
+        match proc.call(&req)? {
             Outcome::Ok(_) => {}
             Outcome::Unsupported(reason) => {
                 return Err(Error::Unsupported(format!(

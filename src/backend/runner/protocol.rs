@@ -320,6 +320,16 @@ fn output_within(c: &mut Command, cmd: &str) -> Result<std::process::Output> {
 /// Run `CMD --describe` and parse its answer; once per command and process (the default schedule
 /// asks before the runner is started, and importing torch is seconds).
 pub fn describe(cmd: &str) -> Result<Describe> {
+    // An `inproc:NAME` runner (the Python API's) answers in process, and is not cached.
+    if let Some(name) = cmd.strip_prefix(IN_PROCESS) {
+        let mut reg = REGISTRY.lock().unwrap_or_else(|e| e.into_inner());
+        let r = reg.get_mut(name).ok_or_else(|| {
+            Error::Usage(format!(
+                "--runner {cmd}: no in-process runner {name:?} is registered (inproc: runners come from the Python API)"
+            ))
+        })?;
+        return validate(r.describe()?);
+    }
     static SEEN: Mutex<BTreeMap<String, Describe>> = Mutex::new(BTreeMap::new());
     if let Some(d) = SEEN.lock().ok().and_then(|m| m.get(cmd).cloned()) {
         return Ok(d);
@@ -385,6 +395,11 @@ fn describe_uncached(cmd: &str) -> Result<Describe> {
             }
         }
     }
+    validate(d)
+}
+
+/// A description's protocol, ops and outputs checked (the same for a process and an in-process runner).
+pub fn validate(d: Describe) -> Result<Describe> {
     if d.protocol != PROTOCOL {
         return Err(Error::Usage(format!(
             "runner {} speaks protocol {}, this mla-diff speaks {PROTOCOL}",
@@ -467,6 +482,50 @@ fn describe_uncached(cmd: &str) -> Result<Describe> {
         }
     }
     Ok(d)
+}
+
+/// `--runner inproc:NAME`: a runner registered in this process ([`register_in_process`]), answering
+/// with tensors in memory instead of files — the Python API's (`mla_diff.check`, crates/mla-diff-py),
+/// so that a check in a test suite runs the same code as `run --runner` without a subprocess.
+pub const IN_PROCESS: &str = "inproc:";
+
+/// A runner living in this process.
+pub trait InProcess: Send {
+    /// Its describe JSON (checked by [`validate`] like a process's).
+    fn describe(&mut self) -> Result<Describe>;
+    /// Answer one request: the outputs, or `Err(reason)` when it declines the case (unsupported).
+    fn call(
+        &mut self,
+        op: &str,
+        layer: usize,
+        meta: &serde_json::Value,
+        inputs: &[super::tensors::Named],
+    ) -> Result<std::result::Result<super::tensors::Outputs, String>>;
+}
+
+type Registry = BTreeMap<String, Box<dyn InProcess>>;
+static REGISTRY: Mutex<Registry> = Mutex::new(BTreeMap::new());
+
+/// Make `runner` the one `--runner inproc:NAME` opens (once: opening takes it out).
+pub fn register_in_process(name: &str, runner: Box<dyn InProcess>) {
+    REGISTRY
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(name.to_string(), runner);
+}
+
+/// Take the in-process runner `cmd` (`inproc:NAME`) names; `None` when `cmd` is a command line.
+pub fn take_in_process(cmd: &str) -> Option<Result<Box<dyn InProcess>>> {
+    let name = cmd.strip_prefix(IN_PROCESS)?;
+    let r = REGISTRY
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(name);
+    Some(r.ok_or_else(|| {
+        Error::Usage(format!(
+            "--runner {cmd}: no in-process runner {name:?} is registered (inproc: runners come from the Python API)"
+        ))
+    }))
 }
 
 /// The serving process and its scratch directory.

@@ -3,6 +3,8 @@
 
 use crate::backend::Dtype;
 use crate::error::{Error, Result};
+/// The safetensors dtype, for in-process runners (crates/mla-diff-py) that hand tensors over in memory.
+pub use safetensors::tensor::Dtype as StDtype;
 use safetensors::tensor::{Dtype as St, TensorView};
 use std::collections::HashMap;
 use std::path::Path;
@@ -94,10 +96,28 @@ impl Outputs {
         let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
         let st = safetensors::SafeTensors::deserialize(&bytes)
             .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+        let raw = st
+            .tensors()
+            .into_iter()
+            .map(|(name, t)| (name, t.dtype(), t.shape().to_vec(), t.data()));
+        Outputs::from_raw(raw, runner).map_err(bad)
+    }
+
+    /// Outputs from (name, dtype, shape, little-endian bytes), as an in-process runner hands them over.
+    pub fn from_raw<'a>(
+        raw: impl IntoIterator<Item = (String, St, Vec<usize>, &'a [u8])>,
+        runner: &str,
+    ) -> std::result::Result<Outputs, String> {
         let mut tensors = HashMap::new();
-        for (name, t) in st.tensors() {
-            let d = t.data();
-            let (data, dtype): (Vec<f64>, &str) = match t.dtype() {
+        for (name, st_dtype, shape, d) in raw {
+            let want = shape.iter().product::<usize>() * st_dtype.bitsize() / 8;
+            if d.len() != want {
+                return Err(format!(
+                    "output {name} has {} bytes, its shape {shape:?} and dtype {st_dtype:?} need {want}",
+                    d.len()
+                ));
+            }
+            let (data, dtype): (Vec<f64>, &str) = match st_dtype {
                 St::BF16 => (
                     d.chunks_exact(2)
                         .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f64())
@@ -123,19 +143,12 @@ impl Outputs {
                     "f64",
                 ),
                 other => {
-                    return Err(bad(format!(
+                    return Err(format!(
                         "output {name} has dtype {other:?}; outputs are bf16, fp16, f32 or f64"
-                    )))
+                    ))
                 }
             };
-            tensors.insert(
-                name,
-                Output {
-                    shape: t.shape().to_vec(),
-                    data,
-                    dtype,
-                },
-            );
+            tensors.insert(name, Output { shape, data, dtype });
         }
         Ok(Outputs {
             tensors,

@@ -1,0 +1,518 @@
+"""mla_diff.runner: the runner SDK — turn Python functions into a runner of mla-diff's subprocess
+protocol, version 1 (docs/runners.md, docs/pytest.md).
+
+    from mla_diff import runner
+
+    def decode(x, meta):            # x: the request's tensors (numpy, or torch with codec="torch")
+        ...
+        return {"attn_latent": out, "lse": lse}
+
+    if __name__ == "__main__":
+        runner.serve(decode=decode, describe={"name": "mine", "version": "1",
+                                              "ops": {"decode": {"outputs": ["attn_latent", "lse"]}}})
+
+`serve` answers `--describe` and `--serve` (and exits); the shipped runners (runners/*.py) are written
+on it. A runner may still be a class with `describe()`, optional `environment_problem()` and one
+method per op: `main(RunnerClass)` serves it through `serve`.
+
+Conventions:
+- `RUNNER --describe` prints the describe JSON on stdout and exits 0; exits 3 (unsupported, reason as
+  the last stderr line) when `environment` (a function) names a problem (a missing package, no GPU).
+- `RUNNER --serve` answers JSON-line requests on stdin until it closes. Before anything else it
+  moves the process's stdout (file descriptor 1) onto stderr, so prints from Python, torch, Triton
+  or C libraries cannot corrupt the replies; replies go to a private duplicate of the original
+  stdout. A request whose op the runner does not implement, or that an op refuses by raising
+  `Unsupported`, gets status "unsupported"; any other exception gets status "error" with the
+  exception's text (the traceback goes to stderr).
+- Tensors travel in safetensors files. Two codecs:
+  * numpy (`read_numpy` / `write_numpy`): the file format read and written directly (8-byte
+    little-endian header length, JSON header, raw little-endian data), because safetensors'
+    numpy loader has no bfloat16. BF16 is widened to float32 exactly (the 16 bits shifted into
+    the top half); float32 is rounded to BF16 with round-to-nearest-even on write (`to_bf16_bits`).
+    Arrays of dtype `BF16` (a numpy-side marker class) are written as BF16.
+  * torch (`read_torch` / `write_torch`): safetensors.torch.
+  Both write `__metadata__ {"mla_diff_protocol": "1"}`.
+- Inputs stay observable: the numpy codec maps each input file read-write (its tensors, but for the
+  widened BF16 ones, are views of the file), and after every op the serve loop stores the inputs back
+  (`write_back`: the BF16 ones re-narrowed, torch tensors copied back from their device), so a kernel
+  that writes into q or the cache changes the file, and mla-diff, which compares the file with what it
+  sent, reports the tensor (docs/runners.md, "Input mutation").
+
+Needs: Python 3.8+, numpy (the numpy codec), safetensors + torch (the torch codec only). Pure
+Python: it runs from a plain checkout (runners/protocol.py puts python/ on sys.path) as well as from
+the installed wheel.
+"""
+
+import json
+import os
+import struct
+import sys
+import traceback
+
+PROTOCOL = 1
+METADATA = {"mla_diff_protocol": "1"}
+
+
+class Unsupported(Exception):
+    """Raised by an op for a case it cannot take (a page size, a dtype, a head dim)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# numpy codec
+
+
+def _np():
+    import numpy as np
+
+    return np
+
+
+_ST_TO_NP = {
+    "F64": "<f8",
+    "F32": "<f4",
+    "F16": "<f2",
+    "I64": "<i8",
+    "I32": "<i4",
+    "I16": "<i2",
+    "I8": "i1",
+    "U8": "u1",
+    "BOOL": "?",
+}
+_NP_TO_ST = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+
+
+class BF16:
+    """A float32 array to be stored as bfloat16 (rounded to nearest even) by `write_numpy`."""
+
+    def __init__(self, array):
+        self.array = array
+
+
+def bf16_bits_to_f32(bits):
+    """uint16 bfloat16 bit patterns -> float32 (exact)."""
+    np = _np()
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def to_bf16_bits(x):
+    """float32 -> uint16 bfloat16 bit patterns, round to nearest even; NaN stays NaN."""
+    np = _np()
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    u = x.view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded[nan] = np.uint16(0x7FC0) | ((u[nan] >> 16).astype(np.uint16) & np.uint16(0x8000))
+    return rounded
+
+
+def round_to(x, dtype):
+    """Round float32/float64 values to the storage dtype `dtype` ('bf16', 'fp16', 'f32') and return
+    them as float32 (the value the runner would return)."""
+    np = _np()
+    if dtype == "bf16":
+        return bf16_bits_to_f32(to_bf16_bits(x))
+    if dtype == "fp16":
+        return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
+    return np.asarray(x, dtype=np.float32)
+
+
+def storage(x, dtype):
+    """Wrap a float array for `write_numpy` so it is written in `dtype` ('bf16', 'fp16', 'f32')."""
+    np = _np()
+    if dtype == "bf16":
+        return BF16(np.asarray(x, dtype=np.float32))
+    if dtype == "fp16":
+        return np.asarray(x, dtype=np.float32).astype(np.float16)
+    return np.asarray(x, dtype=np.float32)
+
+
+def read_header(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n).decode("utf-8"))
+    return header, 8 + n
+
+
+def read_numpy(path, writable=False):
+    """Read a safetensors file into numpy arrays. BF16 tensors come back as float32 (exact). Returns
+    (tensors, dtypes, metadata): dtypes maps each name to its safetensors dtype string.
+
+    `writable`: the file is mapped read-write and every tensor numpy holds as stored (all but BF16) is a
+    view of the mapping, so a kernel that writes into its inputs writes into the file, where mla-diff
+    sees it after the reply (`write_back_numpy` stores the widened BF16 ones back)."""
+    np = _np()
+    header, start = read_header(path)
+    meta = header.pop("__metadata__", {}) or {}
+    if writable and os.path.getsize(path) > start:
+        data = np.memmap(path, dtype=np.uint8, mode="r+")
+    else:
+        with open(path, "rb") as f:
+            data = f.read()
+    out, dtypes = {}, {}
+    for name, info in header.items():
+        dt, shape, (a, b) = info["dtype"], info["shape"], info["data_offsets"]
+        raw = data[start + a : start + b]
+        if dt == "BF16":
+            arr = bf16_bits_to_f32(np.frombuffer(raw, dtype="<u2"))
+        elif dt in _ST_TO_NP and isinstance(data, np.memmap):
+            arr = raw.view(_ST_TO_NP[dt])
+        elif dt in _ST_TO_NP:
+            arr = np.frombuffer(raw, dtype=_ST_TO_NP[dt]).copy()
+        else:
+            raise ValueError(f"{path}: tensor {name} has dtype {dt}, which this reader does not handle")
+        out[name] = arr.reshape(shape)
+        dtypes[name] = dt
+    return out, dtypes, meta
+
+
+def _write_back(path, name_to_bytes):
+    """Store each input's bytes (as the op left the tensor) at its place in the file."""
+    header, start = read_header(path)
+    with open(path, "r+b") as f:
+        for name, raw in name_to_bytes.items():
+            a, b = header[name]["data_offsets"]
+            if len(raw) != b - a:
+                raise ValueError(f"input {name} changed size in place ({b - a} -> {len(raw)} bytes)")
+            f.seek(start + a)
+            f.write(raw)
+
+
+def write_back_numpy(path, tensors):
+    """After an op: flush the mapped inputs and store the BF16 ones (widened copies) back in BF16, so
+    that the file holds the inputs as the op left them (mla-diff reports any change: a kernel must not
+    write into its inputs)."""
+    np = _np()
+    header, _ = read_header(path)
+    back = {}
+    for name, arr in tensors.items():
+        base = arr
+        while isinstance(base, np.ndarray) and base.base is not None and not isinstance(base, np.memmap):
+            base = base.base
+        if isinstance(base, np.memmap):
+            base.flush()
+        elif header.get(name, {}).get("dtype") == "BF16":
+            back[name] = to_bf16_bits(arr).tobytes()
+    _write_back(path, back)
+
+
+def write_numpy(path, tensors, metadata=None):
+    """Write numpy arrays (or `BF16` wrappers) to a safetensors file."""
+    np = _np()
+    header = {"__metadata__": dict(metadata or METADATA)}
+    blobs, offset = [], 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        if isinstance(t, BF16):
+            arr, dt = to_bf16_bits(t.array), "BF16"
+            shape = list(t.array.shape)
+        else:
+            arr = np.ascontiguousarray(t)
+            key = arr.dtype.name
+            if key not in _NP_TO_ST:
+                raise ValueError(f"tensor {name}: numpy dtype {key} cannot be written")
+            dt, shape = _NP_TO_ST[key], list(arr.shape)
+            arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+        raw = arr.tobytes()
+        header[name] = {"dtype": dt, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    h = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    h += b" " * ((8 - len(h) % 8) % 8)
+    tmp = path + ".part"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for raw in blobs:
+            f.write(raw)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch codec
+
+
+def read_torch(path, device="cpu"):
+    """Read a safetensors file with safetensors.torch; returns (tensors, dtypes, metadata)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+    tensors = load_file(path, device=device)
+    header, _ = read_header(path)
+    dtypes = {k: v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    return tensors, dtypes, meta
+
+
+def write_back_torch(path, tensors):
+    """After an op: store the inputs (on whatever device the op ran) back into the file, so that a
+    kernel that wrote into them in place changes the file (mla-diff reports it)."""
+    import torch
+
+    back = {}
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor):
+            c = t.detach().contiguous().cpu()
+            back[name] = c.view(torch.uint8).numpy().tobytes() if c.numel() else b""
+    _write_back(path, back)
+
+
+def write_torch(path, tensors, metadata=None):
+    from safetensors.torch import save_file
+
+    cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    tmp = path + ".part"
+    save_file(cpu, tmp, metadata=dict(metadata or METADATA))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# runner bases: the codec a runner reads its inputs and writes its outputs with
+
+
+def _check_meta(path, meta):
+    if (meta or {}).get("mla_diff_protocol") != "1":
+        log(f"warning: {path}: __metadata__ has no mla_diff_protocol 1 ({meta!r})")
+
+
+class NumpyRunner:
+    """Inputs as numpy arrays (BF16 widened to float32); outputs numpy arrays or `BF16` wrappers."""
+
+    def read(self, path):
+        tensors, _, meta = read_numpy(path, writable=True)
+        _check_meta(path, meta)
+        return tensors
+
+    def write(self, path, outputs):
+        write_numpy(path, outputs)
+
+    def write_back(self, path, tensors):
+        write_back_numpy(path, tensors)
+
+
+class TorchRunner:
+    """Inputs as torch tensors on `self.device` (set by the subclass), outputs torch tensors."""
+
+    device = "cpu"
+
+    def read(self, path):
+        tensors, _, meta = read_torch(path)
+        _check_meta(path, meta)
+        return {k: v.to(self.device) for k, v in tensors.items()}
+
+    def write(self, path, outputs):
+        write_torch(path, outputs)
+
+    def write_back(self, path, tensors):
+        write_back_torch(path, tensors)
+
+
+# ----------------------------------------------------------------------------------------------
+# serve loop
+
+
+def log(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+def _redirect_stdout():
+    """Keep the real stdout for replies; point fd 1 (and sys.stdout) at stderr."""
+    sys.stdout.flush()
+    reply_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return os.fdopen(reply_fd, "w", buffering=1)
+
+
+def _serve_loop(runner, stdin=None):
+    replies = _redirect_stdout()
+    stdin = stdin or sys.stdin
+    ops = runner.describe().get("ops", {})
+
+    def reply(obj):
+        replies.write(json.dumps(obj) + "\n")
+        replies.flush()
+
+    for line in stdin:
+        line = line.strip()
+        if not line:
+            continue
+        rid = None
+        try:
+            req = json.loads(line)
+            rid = req.get("id")
+            op = req.get("op")
+            if op not in ops or not hasattr(runner, op):
+                reply({"id": rid, "status": "unsupported", "reason": f"op {op!r} is not implemented by this runner"})
+                continue
+            meta = req.get("meta") or {}
+            tensors = runner.read(req["input"])
+            if meta.get("bench"):
+                outputs, timing = bench(runner, op, tensors, meta)
+                runner.write(req["output"], outputs)
+                reply({"id": rid, "status": "ok", "time_us": timing})
+                continue
+            outputs = getattr(runner, op)(tensors, meta)
+            runner.write(req["output"], outputs)
+            if hasattr(runner, "write_back"):
+                runner.write_back(req["input"], tensors)
+            reply({"id": rid, "status": "ok"})
+        except Unsupported as e:
+            log(f"request {rid}: unsupported: {e}")
+            reply({"id": rid, "status": "unsupported", "reason": str(e)})
+        except Exception as e:  # noqa: BLE001 - every failure is reported to mla-diff
+            traceback.print_exc(file=sys.stderr)
+            msg = f"{type(e).__name__}: {e}".strip()
+            reply({"id": rid, "status": "error", "message": msg.splitlines()[0][:2000] if msg else type(e).__name__})
+    return 0
+
+
+def bench(runner, op, tensors, meta):
+    """`meta.bench = {warmup, iters, launches}` (mla-diff bench --peers): time the op's kernel launch alone
+    (`<op>_kernel` gives it on prepared buffers) with CUDA events, like mla-diff's own bench: warm-up
+    runs, then `iters` samples, each `launches` back-to-back launches between two events divided by
+    `launches` (default 1: one launch after a synchronize, whose host dispatch latency is then counted;
+    more keep the GPU's queue fed, as a graph replay would); returns the outputs of the last run and
+    {median, min, iters, launches} in µs per launch."""
+    make = getattr(runner, op + "_kernel", None)
+    if make is None:
+        raise Unsupported(f"this runner cannot time its {op} op (no {op}_kernel)")
+    import torch
+
+    b = meta["bench"]
+    n = max(1, int(b.get("launches", 1)))
+    with torch.no_grad():
+        run, collect = make(tensors, meta)
+        for _ in range(int(b.get("warmup", 5))):
+            run()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(int(b.get("iters", 50))):
+            start.record()
+            for _ in range(n):
+                run()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) * 1e3 / n)
+        times.sort()
+        return collect(), {"median": times[len(times) // 2], "min": times[0], "iters": len(times), "launches": n}
+
+
+def unsupported_exit(reason):
+    """Exit code 3: the runner cannot run here; the reason is the last line of stderr."""
+    log(" ".join(str(reason).split()))
+    sys.exit(3)
+
+
+def _codec(codec):
+    if codec == "numpy":
+        return NumpyRunner()
+    if codec == "torch":
+        return TorchRunner()
+    return codec  # an object with read(path) and write(path, outputs)
+
+
+class _Served:
+    """What the serve loop calls: the op functions by name, the codec's read/write and describe()."""
+
+    def __init__(self, describe, ops, kernels, codec):
+        self._describe = describe
+        self._codec = _codec(codec)
+        for name, fn in ops.items():
+            if fn is not None:
+                setattr(self, name, fn)
+        for name, fn in (kernels or {}).items():
+            if fn is not None:
+                setattr(self, name + "_kernel", fn)
+
+    def describe(self):
+        d = self._describe() if callable(self._describe) else dict(self._describe)
+        d.setdefault("protocol", PROTOCOL)
+        return d
+
+    def read(self, path):
+        return self._codec.read(path)
+
+    def write(self, path, outputs):
+        self._codec.write(path, outputs)
+
+    def write_back(self, path, tensors):
+        # The inputs as the op left them, back into the file (mla-diff reports a kernel that wrote into them).
+        if hasattr(self._codec, "write_back"):
+            self._codec.write_back(path, tensors)
+
+
+def serve(decode=None, prefill=None, describe=None, *, sparse_prefill=None, sparse_decode=None,
+          environment=None, codec="numpy", kernels=None, argv=None):
+    """Run a runner made of functions: `RUNNER --describe` or `RUNNER --serve` (from `argv`, default
+    sys.argv[1:]), then exit with the protocol's code.
+
+    - `decode`, `prefill`, `sparse_prefill`, `sparse_decode`: `fn(tensors, meta) -> {name: tensor}`
+      for the ops the runner implements (the others None); raise `Unsupported` to decline a request.
+    - `describe`: the describe dict (or a function returning it); `ops` defaults to the functions
+      given, each with the two outputs every op must return.
+    - `environment`: optional `fn() -> None | str`, called first; a string is why this machine cannot
+      run it (exit 3, as unsupported).
+    - `codec`: "numpy", "torch" (inputs as torch tensors on `codec.device`), or an object with
+      `read(path)` / `write(path, outputs)`.
+    - `kernels`: optional `{op: fn(tensors, meta) -> (run, collect)}` for `mla-diff bench --peers`.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in ("--describe", "--serve"):
+        log(f"usage: {os.path.basename(sys.argv[0])} --describe | --serve   (mla-diff runner protocol {PROTOCOL})")
+        sys.exit(2)
+    problem = environment() if environment is not None else None
+    if problem:
+        unsupported_exit(problem)
+    ops = {"decode": decode, "prefill": prefill, "sparse_prefill": sparse_prefill, "sparse_decode": sparse_decode}
+    if describe is None:
+        raise TypeError("serve(): describe= is required (a dict with at least name and version)")
+    if not callable(describe) and "ops" not in describe:
+        outs = {"decode": ["attn_latent", "lse"], "prefill": ["attn_heads", "lse"],
+                "sparse_prefill": ["attn_latent", "lse"], "sparse_decode": ["attn_latent", "lse"]}
+        describe = dict(describe, ops={k: {"outputs": outs[k]} for k, f in ops.items() if f is not None})
+    served = _Served(describe, ops, kernels, codec)
+    if argv[0] == "--describe":
+        sys.stdout.write(json.dumps(served.describe()) + "\n")
+        sys.stdout.flush()
+        sys.exit(0)
+    sys.exit(_serve_loop(served))
+
+
+def serve_object(runner, argv=None):
+    """`serve` for a runner object: its `describe`, `environment_problem`, op methods, `<op>_kernel`
+    methods and its own `read`/`write` codec (a subclass of `NumpyRunner` or `TorchRunner`)."""
+    def get(name):
+        return getattr(runner, name, None)
+
+    serve(
+        decode=get("decode"),
+        prefill=get("prefill"),
+        sparse_prefill=get("sparse_prefill"),
+        sparse_decode=get("sparse_decode"),
+        describe=runner.describe,
+        environment=get("environment_problem"),
+        codec=runner,
+        kernels={op: get(op + "_kernel") for op in ("decode", "prefill", "sparse_prefill", "sparse_decode")},
+        argv=argv,
+    )
+
+
+def main(runner_cls, argv=None):
+    """Serve a runner class (made after the arguments are checked, as before the SDK)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in ("--describe", "--serve"):
+        log(f"usage: {os.path.basename(sys.argv[0])} --describe | --serve   (mla-diff runner protocol {PROTOCOL})")
+        sys.exit(2)
+    serve_object(runner_cls(), argv)
