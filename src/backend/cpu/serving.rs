@@ -107,7 +107,10 @@ pub fn checks(
             }
             let m = match plant {
                 Some(Plant::EmptySplitWeightOne) => {
-                    let top = parts.iter().map(|p| p.lse).fold(f32::NEG_INFINITY, f32::max);
+                    let top = parts
+                        .iter()
+                        .map(|p| p.lse)
+                        .fold(f32::NEG_INFINITY, f32::max);
                     let moved: Vec<Partial> = parts
                         .iter()
                         .map(|p| match p.lse == f32::NEG_INFINITY {
@@ -140,7 +143,11 @@ pub fn checks(
                 .flat_map(|hh| row3(q_abs, q.query, hh).iter().map(|&v| v as f64))
                 .collect(),
             q_pe: (0..h)
-                .flat_map(|hh| row3(q_pe, sched.prompt_len + q.query, hh).iter().map(|&v| v as f64))
+                .flat_map(|hh| {
+                    row3(q_pe, sched.prompt_len + q.query, hh)
+                        .iter()
+                        .map(|&v| v as f64)
+                })
                 .collect(),
             keys: (0..q.seq_len).map(|j| Some(j % t)).collect(),
         };

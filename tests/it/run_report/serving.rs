@@ -11,7 +11,10 @@ fn the_mirrors_serving_batch_passes_and_an_empty_split_weighed_one_fails_only_th
     let o = opts(Dtype::Bf16);
     let clean = run_with(&mut CpuMirror::new(Dtype::Bf16), &tiny4(), &o);
     assert!(clean.pass(), "{}", clean.verdict.message);
-    let rc = clean.runner_checks.as_ref().expect("the mirror's batch checks");
+    let rc = clean
+        .runner_checks
+        .as_ref()
+        .expect("the mirror's batch checks");
     // 4 layers × (attn_latent, lse, split_out, split_lse), all against fp64 of the batch's inputs.
     assert_eq!(rc.checks.len(), 4 * 4, "{:#?}", rc.checks);
     assert!(rc.pass && rc.message.starts_with("batch checks: 16 passed"));
@@ -32,8 +35,9 @@ fn the_mirrors_serving_batch_passes_and_an_empty_split_weighed_one_fails_only_th
     let rc = bad.runner_checks.as_ref().unwrap();
     assert!(!rc.pass && !bad.pass() && !bad.verdict.pass);
     assert!(
-        rc.message
-            .starts_with("BATCH CHECK FAILED: 8 of 16 (first: layer 0 serving_batch attn_latent: fail"),
+        rc.message.starts_with(
+            "BATCH CHECK FAILED: 8 of 16 (first: layer 0 serving_batch attn_latent: fail"
+        ),
         "{}",
         rc.message
     );
