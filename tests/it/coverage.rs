@@ -254,10 +254,13 @@ fn a_schedule_that_misses_a_class_warns_in_every_format() {
     assert!(warnings.iter().any(|w| w.contains(missed)), "{warnings:?}");
     assert_eq!(cov["kernels"][1]["family"], "mirror");
     assert!(table.contains("coverage: prefill mirror"), "{table}");
-    assert!(table.contains("WARNING: coverage: decode"), "{table}");
+    // Prefill's chunks of 32 keys miss it; decode's steps do too, but the serving batch our decode
+    // also runs (`backend::cpu::serving`: 2,113 keys) reaches it.
+    assert!(table.contains("WARNING: coverage: prefill"), "{table}");
+    assert!(!table.contains("WARNING: coverage: decode"), "{table}");
     assert!(table.contains(missed), "{table}");
     assert!(junit.contains("mla-diff.coverage.warning"), "{junit}");
-    assert!(junit.contains("name=\"mla-diff.coverage.decode.two_full_tiles\" value=\"0\""));
+    assert!(junit.contains("name=\"mla-diff.coverage.prefill.two_full_tiles\" value=\"0\""));
     assert!(junit.contains(missed));
     assert!(
         md.contains("#### Coverage") && md.contains("**Coverage:**"),

@@ -33,6 +33,24 @@ impl PagedCache {
         }
     }
 
+    /// A pool of `pool.len() / width` rows read through `table` (a serving batch's request: its own
+    /// pages of a pool shared with the batch's other requests).
+    pub fn from_pool(
+        width: usize,
+        page_size: usize,
+        table: Vec<usize>,
+        pool: Vec<f32>,
+    ) -> PagedCache {
+        PagedCache {
+            width,
+            page_size,
+            table,
+            pool,
+            poison: vec![f32::NAN; width],
+            faults: Active::NONE,
+        }
+    }
+
     pub fn with_faults(mut self, fx: Active) -> PagedCache {
         self.faults = fx;
         self

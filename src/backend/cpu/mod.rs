@@ -49,6 +49,7 @@ pub mod front;
 pub mod indexer;
 pub mod ops;
 pub mod prefill;
+pub mod serving;
 
 use super::common::kernel_scale;
 use super::{Backend, Dtype, LayerCtx};
@@ -81,11 +82,28 @@ pub fn row3(a: &Array3<f32>, i: usize, j: usize) -> &[f32] {
 #[derive(Debug, Clone)]
 pub struct CpuMirror {
     pub dtype: Dtype,
+    /// The serving batch's checks of every layer run so far (`serving`, JSON `runner_checks`).
+    checks: Vec<crate::backend::runner::checks::RunnerCheck>,
+    /// A bug planted in the serving batch's combine (tests only, `serving::Plant`).
+    plant: Option<serving::Plant>,
+    /// Layers whose serving batch ran: once per layer, as a runner's (`runner::batch`).
+    batch_layers: std::collections::BTreeSet<usize>,
 }
 
 impl CpuMirror {
     pub fn new(dtype: Dtype) -> CpuMirror {
-        CpuMirror { dtype }
+        CpuMirror {
+            dtype,
+            checks: Vec::new(),
+            plant: None,
+            batch_layers: Default::default(),
+        }
+    }
+
+    /// The mirror with a bug planted in its serving batch's combine (`serving::Plant`).
+    pub fn with_plant(mut self, plant: serving::Plant) -> CpuMirror {
+        self.plant = Some(plant);
+        self
     }
 }
 
@@ -125,6 +143,24 @@ impl Backend for CpuMirror {
 
     fn sparse(&self) -> bool {
         true
+    }
+
+    /// The serving batch its decode also ran (`serving`): counted in the coverage section.
+    fn decode_extra(&self, sched: &crate::schedule::Schedule) -> Vec<crate::batch::Request> {
+        match self.checks.is_empty() {
+            true => Vec::new(),
+            false => crate::batch::serving(sched),
+        }
+    }
+
+    fn runner_checks(&self) -> Option<crate::backend::runner::checks::RunnerChecks> {
+        match self.checks.is_empty() {
+            true => None,
+            false => Some(crate::backend::runner::checks::RunnerChecks::labelled(
+                "batch",
+                self.checks.clone(),
+            )),
+        }
     }
 
     fn has_indexer(&self) -> bool {
@@ -201,6 +237,10 @@ impl Backend for CpuMirror {
             decode::step(
                 &acfg, &mw, &f, &cache, r, sched, dt, fx, sel, &mut dec, &mut heads, &mut lse,
             );
+        }
+        if self.batch_layers.insert(ctx.layer) {
+            let batch = serving::checks(ctx, &acfg, &dec.q_abs, &f.q_pe, &cache, dt, self.plant);
+            self.checks.extend(batch);
         }
         let attn_out = match fx.on(Fault::HeadStrideQk) {
             // Fault: o_proj's view of the heads uses the qk head dim as head stride (llama.cpp #7327).

@@ -5,36 +5,11 @@
 //! (a verdict only for a runner that declares `batch_invariant`); and, for a kernel that chooses its
 //! own split partition, its partials by merge consistency.
 
-use super::checks::{judge, same_bits, RunnerCheck, Status};
+use super::checks::{against_fp64, e, record, same_bits, RunnerCheck, Status};
 use super::decode::{Entry, Returned};
-use super::{local, RunnerBackend};
+use super::RunnerBackend;
 use crate::backend::LayerCtx;
 use crate::error::{Error, Result};
-
-/// `1.2e-3`: the report's figures.
-fn e(v: f64) -> String {
-    format!("{v:.1e}")
-}
-
-/// One check's record; `figures`: its value (finite only) and bound.
-fn record(
-    layer: usize,
-    check: &str,
-    status: Status,
-    what: &str,
-    figures: (Option<f64>, Option<f64>),
-    detail: String,
-) -> RunnerCheck {
-    RunnerCheck {
-        layer: Some(layer),
-        check: check.into(),
-        status,
-        what: what.into(),
-        value: figures.0.filter(|v| v.is_finite()),
-        bound: figures.1,
-        detail,
-    }
-}
 
 impl RunnerBackend {
     /// Judge `o` against fp64 `r` at the `@runner` bound of `dtype` over `terms` products.
@@ -51,27 +26,16 @@ impl RunnerBackend {
         skip: impl Fn(usize) -> bool,
         scope: &str,
     ) -> RunnerCheck {
-        let tol = local::tolerance(self.dtype.name(), dtype, terms);
-        let j = judge(r, o, &tol, skip);
-        let pass = j.bad == 0 && j.rel_l2 <= tol.rel_l2 && j.worst <= 1.0;
-        let detail = format!(
-            "{scope}: rel-L2 {} (bound {}), largest element {:.2} of its bound{}, returned in {dtype}",
-            e(j.rel_l2),
-            e(tol.rel_l2),
-            j.worst,
-            match j.bad {
-                0 => String::new(),
-                n => format!(", {n} NaN or one-sided infinite"),
-            }
-        );
-        let status = if pass { Status::Pass } else { Status::Fail };
-        record(
+        against_fp64(
+            self.dtype.name(),
             layer,
             check,
-            status,
             what,
-            (Some(j.rel_l2), Some(tol.rel_l2)),
-            detail,
+            (r, o),
+            dtype,
+            terms,
+            skip,
+            scope,
         )
     }
 

@@ -73,16 +73,23 @@ pub struct RunnerChecks {
 
 impl RunnerChecks {
     pub fn new(checks: Vec<RunnerCheck>) -> RunnerChecks {
+        RunnerChecks::labelled("runner", checks)
+    }
+
+    /// The checks of a run whose message names whose they are (`runner`; `batch` for our own path's
+    /// serving batch).
+    pub fn labelled(label: &str, checks: Vec<RunnerCheck>) -> RunnerChecks {
         let failed: Vec<&RunnerCheck> =
             checks.iter().filter(|c| c.status == Status::Fail).collect();
         let message = match failed.first() {
             None => format!(
-                "runner checks: {} passed, {} reported",
+                "{label} checks: {} passed, {} reported",
                 checks.iter().filter(|c| c.status == Status::Pass).count(),
                 checks.iter().filter(|c| c.status == Status::Report).count()
             ),
             Some(f) => format!(
-                "RUNNER CHECK FAILED: {} of {} (first: {})",
+                "{} CHECK FAILED: {} of {} (first: {})",
+                label.to_uppercase(),
                 failed.len(),
                 checks.len(),
                 f.line()
@@ -156,6 +163,70 @@ pub fn judge(
         worst,
         bad,
     }
+}
+
+/// `1.2e-3`: the report's figures.
+pub(crate) fn e(v: f64) -> String {
+    format!("{v:.1e}")
+}
+
+/// One check's record; `figures`: its value (finite only) and bound.
+pub(crate) fn record(
+    layer: usize,
+    check: &str,
+    status: Status,
+    what: &str,
+    figures: (Option<f64>, Option<f64>),
+    detail: String,
+) -> RunnerCheck {
+    RunnerCheck {
+        layer: Some(layer),
+        check: check.into(),
+        status,
+        what: what.into(),
+        value: figures.0.filter(|v| v.is_finite()),
+        bound: figures.1,
+        detail,
+    }
+}
+
+/// Judge `o` against fp64 `r` (`ro`) at the `@runner` bound (`local::tolerance`) of a run in
+/// `run_dtype` whose output came back in `dtype`, over `terms` products: the one error model of every
+/// batch check, a runner's or our own path's.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn against_fp64(
+    run_dtype: &str,
+    layer: usize,
+    check: &str,
+    what: &str,
+    ro: (&[f64], &[f64]),
+    dtype: &str,
+    terms: usize,
+    skip: impl Fn(usize) -> bool,
+    scope: &str,
+) -> RunnerCheck {
+    let tol = super::local::tolerance(run_dtype, dtype, terms);
+    let j = judge(ro.0, ro.1, &tol, skip);
+    let pass = j.bad == 0 && j.rel_l2 <= tol.rel_l2 && j.worst <= 1.0;
+    let detail = format!(
+        "{scope}: rel-L2 {} (bound {}), largest element {:.2} of its bound{}, returned in {dtype}",
+        e(j.rel_l2),
+        e(tol.rel_l2),
+        j.worst,
+        match j.bad {
+            0 => String::new(),
+            n => format!(", {n} NaN or one-sided infinite"),
+        }
+    );
+    let status = if pass { Status::Pass } else { Status::Fail };
+    record(
+        layer,
+        check,
+        status,
+        what,
+        (Some(j.rel_l2), Some(tol.rel_l2)),
+        detail,
+    )
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 
 /// One batch entry of a decode request: its `s_q × H` query rows (absorbed and rope parts, as stored)
 /// and its keys as rows of the run's cache (`None`: a row of NaN, a padded entry's).
-pub(super) struct Entry {
+pub(crate) struct Entry {
     pub q_nope: Vec<f64>,
     pub q_pe: Vec<f64>,
     pub keys: Vec<Option<usize>>,
@@ -38,7 +38,7 @@ type LocalRow = (Vec<f64>, f64, Vec<(Vec<f64>, f64)>);
 
 /// fp64 attention of one entry from exactly its rows: out `[s_q, H, Lkv]`, lse `[s_q, H]` and, over
 /// `splits` (vLLM's partition of its keys), the partials `[s_q, H, S, Lkv]` and `[s_q, H, S]`.
-pub(super) struct Local {
+pub(crate) struct Local {
     pub out: Vec<f64>,
     pub lse: Vec<f64>,
     pub sout: Vec<f64>,
@@ -143,7 +143,7 @@ impl RunnerBackend {
 
     /// fp64 attention of `e` (all keys real) from its rows, split partials over vLLM's partition of
     /// the run's `num_splits`.
-    pub(super) fn local_entry(ctx: &LayerCtx, e: &Entry, s_q: usize, rows: &[f64]) -> Local {
+    pub(crate) fn local_entry(ctx: &LayerCtx, e: &Entry, s_q: usize, rows: &[f64]) -> Local {
         let (cfg, sched) = (ctx.cfg, ctx.sched);
         let (h, lkv, r) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_rope);
         let (row, splits, scale) = (lkv + r, sched.num_splits, cfg.softmax_scale);

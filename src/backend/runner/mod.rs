@@ -8,7 +8,7 @@
 
 mod batch;
 pub mod checks;
-mod decode;
+pub(crate) mod decode;
 pub mod fp8_cache;
 pub mod local;
 mod prefill;

@@ -45,8 +45,8 @@ fn reports_validate_and_parse() {
         doc.descendants()
             .filter(|n| n.has_tag_name("testcase"))
             .count(),
-        8,
-        "4 layers x 2 modes"
+        8 + 4 * 4,
+        "4 layers x 2 modes, and the serving batch's 4 checks of each layer"
     );
     let svg = std::fs::read_to_string(p("r.svg")).unwrap();
     let doc = roxmltree::Document::parse(&svg).unwrap();

@@ -3,6 +3,7 @@
 mod formats;
 mod gate;
 mod scale;
+mod serving;
 
 use crate::common;
 
