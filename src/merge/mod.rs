@@ -155,6 +155,11 @@ fn join(parts: Vec<Report>) -> Report {
             .collect();
         out.set_repeat(RepeatResult::new(rp.runs, &rp.mode, layers));
     }
+    // The runner's (or our own path's serving-batch) checks are per layer: each shard has its layers'.
+    if let Some(rc) = out.runner_checks.take() {
+        let rest = parts[1..].iter().filter_map(|r| r.runner_checks.clone());
+        out.set_runner_checks(rc.joined(rest));
+    }
     if let Some(tp) = out.tp.take() {
         let ranks = tp
             .ranks
@@ -190,6 +195,11 @@ fn frame(r: &Report) -> serde_json::Value {
     f.verdict = compare::verdict(&[]);
     if let Some(rp) = &mut f.repeat {
         *rp = RepeatResult::new(rp.runs, &rp.mode, vec![]);
+    }
+    if let Some(rc) = &mut f.runner_checks {
+        rc.pass = true;
+        rc.checks.clear();
+        rc.message.clear();
     }
     if let Some(tp) = &mut f.tp {
         tp.pass = true;

@@ -634,7 +634,7 @@ pub fn run_from(
         report.set_dsa(sp.result(opts.dtype, info.kind.name()));
     }
     if let Some(rc) = backend.runner_checks() {
-        report.set_runner_checks(rc);
+        report.set_runner_checks(rc.of_layers(&report.run.layers));
     }
     if opts.repeat > 1 {
         let mode = if opts.modes.shadow { "shadow" } else { "free" };

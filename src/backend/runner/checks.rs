@@ -76,6 +76,34 @@ impl RunnerChecks {
         RunnerChecks::labelled("runner", checks)
     }
 
+    /// The label the message was made with (`runner`, `batch`).
+    fn label(&self) -> String {
+        let w = self.message.split_whitespace().next().unwrap_or("runner");
+        w.to_lowercase()
+    }
+
+    /// Only the checks of `layers` (and those of no layer): a shard's backend also runs the layers
+    /// before its slice, for free mode's residual, and their checks are another shard's.
+    pub fn of_layers(self, layers: &[usize]) -> RunnerChecks {
+        let label = self.label();
+        let checks = self
+            .checks
+            .into_iter()
+            .filter(|c| c.layer.is_none_or(|l| layers.contains(&l)))
+            .collect();
+        RunnerChecks::labelled(&label, checks)
+    }
+
+    /// These checks followed by `more`'s (the shards of one run, in layer order).
+    pub fn joined(self, more: impl IntoIterator<Item = RunnerChecks>) -> RunnerChecks {
+        let label = self.label();
+        let mut checks = self.checks;
+        for m in more {
+            checks.extend(m.checks);
+        }
+        RunnerChecks::labelled(&label, checks)
+    }
+
     /// The checks of a run whose message names whose they are (`runner`; `batch` for our own path's
     /// serving batch).
     pub fn labelled(label: &str, checks: Vec<RunnerCheck>) -> RunnerChecks {
