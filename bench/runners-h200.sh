@@ -107,7 +107,7 @@ if [ "$n" -gt 0 ]; then
     grep -rl 're_scale = tl.exp(e_max - n_e_max)' "$BUGGY" | xargs sed -i 's/re_scale = tl.exp(e_max - n_e_max)/re_scale = tl.exp2(e_max - n_e_max)/'
     echo "planted in $n file(s): $(grep -rc 'tl.exp2(e_max - n_e_max)' "$BUGGY" | grep -v ':0' | tr '\n' ' ')"
     CLASSIC=(--prompt-len 48 --chunk 32 --decode-steps 16 --num-splits 4)
-    PYTHONPATH="$BUGGY:$SITE" run ds3-vllm-rescale-classic 0 fixtures/deepseek-v3-yarn-q4_k.gguf --backend cuda --dtype bf16 --mode shadow "${CLASSIC[@]}" --runner "$PY runners/vllm_triton.py"
+    PYTHONPATH="$BUGGY:$SITE" run ds3-vllm-rescale-classic 1 fixtures/deepseek-v3-yarn-q4_k.gguf --backend cuda --dtype bf16 --mode shadow "${CLASSIC[@]}" --runner "$PY runners/vllm_triton.py"
     PYTHONPATH="$BUGGY:$SITE" run ds3-vllm-rescale 1 fixtures/deepseek-v3-yarn-q4_k.gguf --backend cuda --dtype bf16 --mode shadow --runner "$PY runners/vllm_triton.py"
     PYTHONPATH="$BUGGY:$SITE" run glm5-vllm-rescale 1 fixtures/glm-5-q4_0.gguf --backend cuda --dtype bf16 --mode shadow --runner "$PY runners/vllm_triton.py"
 else
