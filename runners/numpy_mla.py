@@ -133,6 +133,17 @@ class NumpyMLA(protocol.NumpyRunner):
         idx = table_row[t // page].astype(np.int64) * page + t % page
         return flat[idx % flat.shape[0]]
 
+    def entry_scores(self, q_b, cache, table_row, length, page, r, rope, scale):
+        """One entry's scores `[s_q, H, L]` (−inf where causality within the entry hides a key) and its
+        latent rows `[L, r]`, from `q_b` `[s_q, H, r+rope]` float32."""
+        rows = self.gather_rows(cache, table_row, length, page).astype(np.float32)
+        latent, k_pe = self.split_cache_rows(rows, r, rope)
+        keys = np.concatenate([latent, k_pe], axis=-1)  # [L, r+rope]
+        scores = np.matmul(q_b, keys.T) * scale
+        s_q = q_b.shape[0]
+        visible = np.arange(length)[None, :] < (length - s_q + np.arange(s_q) + 1)[:, None]
+        return np.where(visible[:, None, :], scores, np.float32(-np.inf)).astype(np.float32), latent
+
     def decode(self, x, meta):
         q_nope, q_pe, cache = x["q_nope"], x["q_pe"], x["kv_cache"]
         table, seqlens = x["block_table"], x["cache_seqlens"]
@@ -152,13 +163,7 @@ class NumpyMLA(protocol.NumpyRunner):
         split_lse = np.full((b_n, s_q, heads, n_splits), -np.inf, np.float32)
         for b in range(b_n):
             length = int(seqlens[b])
-            rows = self.gather_rows(cache, table[b], length, page).astype(np.float32)
-            latent, k_pe = self.split_cache_rows(rows, r, rope)
-            keys = np.concatenate([latent, k_pe], axis=-1)  # [L, r+rope]
-            # [s_q, H, L]
-            scores = np.matmul(q[b], keys.T) * scale
-            visible = np.arange(length)[None, :] < (length - s_q + np.arange(s_q) + 1)[:, None]
-            scores = np.where(visible[:, None, :], scores, np.float32(-np.inf)).astype(np.float32)
+            scores, latent = self.entry_scores(q[b], cache, table[b], length, page, r, rope, scale)
             p, l = softmax_rows(scores)
             out[b] = self.pv(p, latent)
             lse[b] = l

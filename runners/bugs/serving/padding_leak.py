@@ -40,11 +40,7 @@ class PaddingLeak(numpy_mla.NumpyMLA):
         per_entry = []
         for b in range(b_n):
             length = int(seqlens[b])
-            rows = self.gather_rows(cache, table[b], length, page).astype(np.float32)
-            latent, k_pe = self.split_cache_rows(rows, r, rope)
-            scores = np.matmul(q[b], np.concatenate([latent, k_pe], axis=-1).T) * scale
-            visible = np.arange(length)[None, :] < (length - s_q + np.arange(s_q) + 1)[:, None]
-            scores = np.where(visible[:, None, :], scores, np.float32(-np.inf)).astype(np.float32)
+            scores, latent = self.entry_scores(q[b], cache, table[b], length, page, r, rope, scale)
             per_entry.append((scores, latent))
         # THE BUG: one max per head over the whole batch (NaN from a padded entry reaches everyone).
         maxes = [s.max(axis=(0, 2)) for s, _ in per_entry if s.shape[-1] > 0]

@@ -55,7 +55,7 @@ class TileRescaleBase2(numpy_mla.NumpyMLA):
         rope = q_pe.shape[-1]
         scale = np.float32(self.softmax_scale(meta))
         page = self.page_size(meta, cache)
-        n_splits = int(meta.get("num_splits") or 1)
+        n_splits = self.split_count(meta)
         q = np.concatenate([q_nope, q_pe], axis=-1).astype(np.float32)
         out = np.zeros((b_n, s_q, heads, r), np.float32)
         lse = np.full((b_n, s_q, heads), -np.inf, np.float32)
@@ -63,14 +63,8 @@ class TileRescaleBase2(numpy_mla.NumpyMLA):
         split_lse = np.full((b_n, s_q, heads, n_splits), -np.inf, np.float32)
         for b in range(b_n):
             length = int(seqlens[b])
-            rows = self.gather_rows(cache, table[b], length, page).astype(np.float32)
-            latent, k_pe = self.split_cache_rows(rows, r, rope)
-            scores = np.matmul(q[b], np.concatenate([latent, k_pe], axis=-1).T) * scale
-            visible = np.arange(length)[None, :] < (length - s_q + np.arange(s_q) + 1)[:, None]
-            scores = np.where(visible[:, None, :], scores, np.float32(-np.inf)).astype(np.float32)
-            per = -(-length // n_splits) if length else 0
-            for k in range(n_splits):
-                lo, hi = min(k * per, length), min((k + 1) * per, length)
+            scores, latent = self.entry_scores(q[b], cache, table[b], length, page, r, rope, scale)
+            for k, (lo, hi) in enumerate(self.split_bounds(length, n_splits)):
                 if hi > lo:
                     split_out[b, :, :, k], split_lse[b, :, :, k] = online_softmax(scores[:, :, lo:hi], latent[lo:hi])
             # Stage 2: the splits merged by their LSEs (an empty split, lse -inf, weighs 0).
