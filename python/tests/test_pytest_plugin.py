@@ -57,20 +57,16 @@ def run_example(pytester, monkeypatch, bug=None):
                                          "--mla-diff-layers", "1", "--mla-diff-schedule", SCHEDULE, "-v")
 
 
-def kernels():
-    return KERNELS
-
-
 def test_example_green(pytester, monkeypatch):
     r = run_example(pytester, monkeypatch)
-    r.assert_outcomes(passed=kernels(), skipped=2 - kernels())
+    r.assert_outcomes(passed=KERNELS, skipped=2 - KERNELS)
     r.stdout.fnmatch_lines(["*test_decode*deepseekv3yarn-L1-decode-q2-splits3-page4-bf16-numpy*PASSED*",
-                            "*mla-diff*", f"*{kernels()} cases checked against fp64: {kernels()} passed, 0 failed*"])
+                            "*mla-diff*", f"*{KERNELS} cases checked against fp64: {KERNELS} passed, 0 failed*"])
 
 
 def test_example_planted_bug(pytester, monkeypatch):
     r = run_example(pytester, monkeypatch, bug="scale")
-    r.assert_outcomes(failed=kernels(), skipped=2 - kernels())
+    r.assert_outcomes(failed=KERNELS, skipped=2 - KERNELS)
     out = r.stdout.str()
     assert "AssertionError: MLA decode output is not close: deepseekv3yarn-L1-decode-q2-splits3-page4-bf16" in out
     # The kernel's own error, attributed to it, with the rel-L2 against its bound.
