@@ -365,8 +365,7 @@ def _serve_loop(runner, stdin=None):
                 continue
             outputs = getattr(runner, op)(tensors, meta)
             runner.write(req["output"], outputs)
-            if hasattr(runner, "write_back"):
-                runner.write_back(req["input"], tensors)
+            runner.write_back(req["input"], tensors)
             reply({"id": rid, "status": "ok"})
         except Unsupported as e:
             log(f"request {rid}: unsupported: {e}")
