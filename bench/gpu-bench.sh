@@ -92,12 +92,4 @@ scale() {
     scale1 tokens64 --prompt-len 48 --chunk 32 --decode-steps 16 --page-size 16 --num-splits 4
     rm -f "$F"
 }
-STEPS=${*:-decode prefill table}
-for t in $STEPS; do
-    declare -F "$t" > /dev/null || { echo "mla-diff: error: bench/gpu-bench.sh: unknown step '$t'" >&2; exit 2; }
-done
-for t in $STEPS; do "$t"; done
-echo "left: $(left) s"
-tar czf "$OUT/bench.tar.gz" -C "$OUT" "$NAME" && rm -rf "$D"
-echo "$([ $fail -eq 0 ] && echo PASS || echo FAIL): bench/gpu-bench.sh $STEPS ($SECONDS s)"
-exit $fail
+run_steps "decode prefill table" "$@"

@@ -247,12 +247,4 @@ dsa_flashmla() {
     done
     head -12 "$D/flashmla-times.txt" 2> /dev/null
 }
-STEPS=${*:-selftest validate runs sanitize}
-for t in $STEPS; do
-    declare -F "$t" > /dev/null || { echo "mla-diff: error: bench/gpu-check.sh: unknown step '$t'" >&2; exit 2; }
-done
-for t in $STEPS; do "$t"; done
-echo "left: $(left) s"
-tar czf "$OUT/check.tar.gz" -C "$OUT" "$NAME" && rm -rf "$D"
-echo "$([ $fail -eq 0 ] && echo PASS || echo FAIL): bench/gpu-check.sh $STEPS ($SECONDS s)"
-exit $fail
+run_steps "selftest validate runs sanitize" "$@"

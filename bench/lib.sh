@@ -2,7 +2,7 @@
 # Reads B (the mla-diff binary; default target/release/mla-diff, or .carry/NAME/mla-diff.xz unpacked),
 # OUT (results folder; default gpu-out), BUDGET (seconds for the whole call; default 540, the device's
 # per-call limit less the packing). Sets D="$OUT/$NAME", fail; defines step, left, tmo, timed, expect,
-# peers_env, kdir; writes $D/env.txt (date, commit, GPU, host cores).
+# peers_env, kdir, run_steps; writes $D/env.txt (date, commit, GPU, host cores).
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export NO_COLOR=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}
@@ -55,6 +55,21 @@ kdir() {
         ;;
     *) echo "$1" ;;
     esac
+}
+# run_steps DEFAULT [STEP…]: the script's steps (functions; DEFAULT, a list, when none is given) in order,
+# then $D packed into $OUT/$NAME.tar.gz and the summary line; exits 0 when every step passed.
+run_steps() {
+    local t default=$1
+    shift
+    STEPS=${*:-$default}
+    for t in $STEPS; do
+        declare -F "$t" > /dev/null || { echo "mla-diff: error: bench/gpu-$NAME.sh: unknown step '$t'" >&2; exit 2; }
+    done
+    for t in $STEPS; do "$t"; done
+    echo "left: $(left) s"
+    tar czf "$OUT/$NAME.tar.gz" -C "$OUT" "$NAME" && rm -rf "$D"
+    echo "$([ $fail -eq 0 ] && echo PASS || echo FAIL): bench/gpu-$NAME.sh $STEPS ($SECONDS s)"
+    exit $fail
 }
 {
     date -u

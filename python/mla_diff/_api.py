@@ -20,6 +20,8 @@ import shlex
 import tempfile
 from dataclasses import dataclass, field
 
+from mla_diff.runner import _ST_TO_NP, _np, bf16_bits_to_f32, to_bf16_bits
+
 # Outputs an op must (first two) or may return, as runs/runners.md lists them.
 OUTPUTS = {
     "decode": ("attn_latent", "lse", "split_out", "split_lse"),
@@ -47,12 +49,6 @@ def _native():
 # tensors: the protocol's (dtype, shape, bytes) triples <-> numpy / torch
 
 
-def _np():
-    import numpy as np
-
-    return np
-
-
 def _to_array(dt, shape, raw, device):
     """One input as a torch tensor on `device` (torch installed and device given) or numpy (BF16
     widened to float32 exactly)."""
@@ -65,10 +61,8 @@ def _to_array(dt, shape, raw, device):
         t = torch.frombuffer(bytearray(raw), dtype=tdt).reshape(shape)
         return t.to(device)
     if dt == "BF16":
-        bits = np.frombuffer(raw, dtype="<u2")
-        return (bits.astype(np.uint32) << 16).view(np.float32).reshape(shape)
-    npdt = {"F16": "<f2", "F32": "<f4", "F64": "<f8", "I32": "<i4", "I64": "<i8"}[dt]
-    return np.frombuffer(raw, dtype=npdt).reshape(shape).copy()
+        return bf16_bits_to_f32(np.frombuffer(raw, dtype="<u2")).reshape(shape)
+    return np.frombuffer(raw, dtype=_ST_TO_NP[dt]).reshape(shape).copy()
 
 
 def _from_tensor(name, t, dtype_hint=None):
@@ -87,8 +81,6 @@ def _from_tensor(name, t, dtype_hint=None):
     if a.dtype.name == "bfloat16":  # ml_dtypes
         return "BF16", list(a.shape), a.view(np.uint16).astype("<u2").tobytes()
     if dtype_hint == "bf16" and a.dtype == np.float32:
-        from mla_diff.runner import to_bf16_bits
-
         return "BF16", list(a.shape), to_bf16_bits(a).astype("<u2").tobytes()
     if dtype_hint in ("fp16", "f16") and a.dtype == np.float32:
         a = a.astype(np.float16)

@@ -365,8 +365,7 @@ def _serve_loop(runner, stdin=None):
                 continue
             outputs = getattr(runner, op)(tensors, meta)
             runner.write(req["output"], outputs)
-            if hasattr(runner, "write_back"):
-                runner.write_back(req["input"], tensors)
+            runner.write_back(req["input"], tensors)
             reply({"id": rid, "status": "ok"})
         except Unsupported as e:
             log(f"request {rid}: unsupported: {e}")
@@ -413,6 +412,16 @@ def unsupported_exit(reason):
     """Exit code 3: the runner cannot run here; the reason is the last line of stderr."""
     log(" ".join(str(reason).split()))
     sys.exit(3)
+
+
+def _check_argv(argv):
+    """The runner's arguments (default sys.argv[1:]): usage on stderr and exit 2 unless they start
+    with --describe or --serve."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in ("--describe", "--serve"):
+        log(f"usage: {os.path.basename(sys.argv[0])} --describe | --serve   (mla-diff runner protocol {PROTOCOL})")
+        sys.exit(2)
+    return argv
 
 
 def _codec(codec):
@@ -468,10 +477,7 @@ def serve(decode=None, prefill=None, describe=None, *, sparse_prefill=None, spar
       `read(path)` / `write(path, outputs)`.
     - `kernels`: optional `{op: fn(tensors, meta) -> (run, collect)}` for `mla-diff bench --peers`.
     """
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("--describe", "--serve"):
-        log(f"usage: {os.path.basename(sys.argv[0])} --describe | --serve   (mla-diff runner protocol {PROTOCOL})")
-        sys.exit(2)
+    argv = _check_argv(argv)
     problem = environment() if environment is not None else None
     if problem:
         unsupported_exit(problem)
@@ -490,9 +496,13 @@ def serve(decode=None, prefill=None, describe=None, *, sparse_prefill=None, spar
     sys.exit(_serve_loop(served))
 
 
-def serve_object(runner, argv=None):
-    """`serve` for a runner object: its `describe`, `environment_problem`, op methods, `<op>_kernel`
-    methods and its own `read`/`write` codec (a subclass of `NumpyRunner` or `TorchRunner`)."""
+def main(runner_cls, argv=None):
+    """Serve a runner class through `serve`: its `describe`, `environment_problem`, op methods,
+    `<op>_kernel` methods and its own `read`/`write` codec (a subclass of `NumpyRunner` or
+    `TorchRunner`). The class is made after the arguments are checked, as before the SDK."""
+    argv = _check_argv(argv)
+    runner = runner_cls()
+
     def get(name):
         return getattr(runner, name, None)
 
@@ -507,12 +517,3 @@ def serve_object(runner, argv=None):
         kernels={op: get(op + "_kernel") for op in ("decode", "prefill", "sparse_prefill", "sparse_decode")},
         argv=argv,
     )
-
-
-def main(runner_cls, argv=None):
-    """Serve a runner class (made after the arguments are checked, as before the SDK)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("--describe", "--serve"):
-        log(f"usage: {os.path.basename(sys.argv[0])} --describe | --serve   (mla-diff runner protocol {PROTOCOL})")
-        sys.exit(2)
-    serve_object(runner_cls(), argv)

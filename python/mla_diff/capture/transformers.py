@@ -100,7 +100,7 @@ def _dtype_name(model) -> str:
 class _Capture:
     """The hooks of one capture; `capture()` installs and removes them."""
 
-    def __init__(self, model, sess, names_prefix: str):
+    def __init__(self, model, sess):
         self.model = model
         self.sess = sess
         self.base = getattr(model, "model", model)
@@ -118,7 +118,8 @@ class _Capture:
         self.pos_table: list = []
         self.rows_shape = (0, 0)
         self.step_cache_start = 0
-        self.rope_order = None
+        # The order rope_order_of() gave the session; a rope function returning the other one is refused.
+        self.rope_order = sess.conventions["rope_order"]
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -270,10 +271,7 @@ class _Capture:
                 qo, ko = _orig(q, k, *a, **kw)
                 layer = cap._layer()
                 if layer is not None:
-                    if cap.rope_order is None:
-                        cap.rope_order = _order
-                        cap.sess.conventions["rope_order"] = _order
-                    elif cap.rope_order != _order:
+                    if cap.rope_order != _order:
                         raise CaptureError(f"transformers capture: {_name} returns rope dims in {_order!r} order, "
                                            f"earlier calls in {cap.rope_order!r}")
                     b, s = cap.rows_shape
@@ -363,8 +361,7 @@ def capture(model, directory, *, model_file, dtype: Optional[str] = None, overwr
         names=dict(NAMES),
         overwrite=overwrite,
     )
-    cap = _Capture(model, sess, "model")
-    cap.rope_order = sess.conventions["rope_order"]
+    cap = _Capture(model, sess)
     cap.install()
     try:
         with sess:

@@ -18,13 +18,9 @@ def _module(model):
     return sys.modules[type(model.model.layers[0].self_attn).__module__]
 
 
-def _attns(model):
-    return [layer.self_attn for layer in model.model.layers]
-
-
 @contextlib.contextmanager
 def _setattr(obj, name, value):
-    had = name in vars(obj) if not isinstance(obj, type) else name in obj.__dict__
+    had = name in vars(obj)
     old = getattr(obj, name, None)
     setattr(obj, name, value)
     try:
@@ -34,6 +30,15 @@ def _setattr(obj, name, value):
             setattr(obj, name, old)
         else:
             delattr(obj, name)
+
+
+@contextlib.contextmanager
+def _setattr_each_attn(model, name, value_of):
+    """`_setattr` on every layer's attention module, with the value `value_of(attn)`."""
+    with contextlib.ExitStack() as stack:
+        for layer in model.model.layers:
+            stack.enter_context(_setattr(layer.self_attn, name, value_of(layer.self_attn)))
+        yield
 
 
 @contextlib.contextmanager
@@ -53,28 +58,25 @@ def rope_wrong_pairs(model):
 @contextlib.contextmanager
 def softmax_without_mscale(model):
     """Softmax scale 1/sqrt(d) without YaRN's mscale² (the engine forgot `yarn_apply_mscale`)."""
-    stack = contextlib.ExitStack()
-    with stack:
-        for a in _attns(model):
-            stack.enter_context(_setattr(a, "scaling", a.qk_head_dim ** -0.5))
+    with _setattr_each_attn(model, "scaling", lambda a: a.qk_head_dim ** -0.5):
         yield
 
 
 @contextlib.contextmanager
 def kv_b_split_swapped(model):
     """kv_b's output read as [all heads' k_nope | all heads' v] instead of per head [k_nope | v]."""
-    stack = contextlib.ExitStack()
-    with stack:
-        for a in _attns(model):
-            def expand_kv(kv_nope, k_rot, a=a):
-                b, _, s, _ = kv_nope.shape
-                h, p, v = a.num_heads, a.qk_nope_head_dim, a.v_head_dim
-                kv = a.kv_b_proj(kv_nope)[:, 0]  # [B, S, H·(P+V)]
-                k_nope = kv[..., : h * p].reshape(b, s, h, p).transpose(1, 2)
-                value = kv[..., h * p:].reshape(b, s, h, v).transpose(1, 2)
-                key = torch.cat([k_nope, k_rot.expand(-1, h, -1, -1)], dim=-1)
-                return key, value.contiguous()
-            stack.enter_context(_setattr(a, "expand_kv", expand_kv))
+    def expand_kv_of(a):
+        def expand_kv(kv_nope, k_rot):
+            b, _, s, _ = kv_nope.shape
+            h, p, v = a.num_heads, a.qk_nope_head_dim, a.v_head_dim
+            kv = a.kv_b_proj(kv_nope)[:, 0]  # [B, S, H·(P+V)]
+            k_nope = kv[..., : h * p].reshape(b, s, h, p).transpose(1, 2)
+            value = kv[..., h * p:].reshape(b, s, h, v).transpose(1, 2)
+            key = torch.cat([k_nope, k_rot.expand(-1, h, -1, -1)], dim=-1)
+            return key, value.contiguous()
+        return expand_kv
+
+    with _setattr_each_attn(model, "expand_kv", expand_kv_of):
         yield
 
 

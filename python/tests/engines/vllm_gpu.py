@@ -5,7 +5,7 @@ prompt long enough for two prefill chunks (the has_context path), then greedy de
 the GGUF checks the capture. Needs vLLM 0.33.0, the packages of .ci/run's capture venv, and
 MLA_DIFF_LLAMA_CPP_SRC.
 
-    python python/tests/engines/vllm_gpu.py OUT_DIR [--chunk 32] [--bug chunk_context]
+    python python/tests/engines/vllm_gpu.py OUT_DIR [--chunk 32] [--backend TRITON_MLA]
 """
 
 import argparse
