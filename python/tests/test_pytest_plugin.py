@@ -17,14 +17,20 @@ MODEL = ROOT / "fixtures" / "deepseek-v3-yarn-q4_k.gguf"
 # Small, so the suite is quick; still MTP steps (q_len 2), splits past the visible keys, several pages.
 SCHEDULE = "prompt_len=8,decode_steps=3,q_len=2,chunk=8,page_size=4,num_splits=3"
 
-def plugin_args():
+def _plugin_args():
     """`-p mla_diff.pytest_plugin` when the plugin is not installed through its entry point (a checkout
-    on PYTHONPATH with the native module built in place)."""
+    on PYTHONPATH with the native module built in place). Read once, before `import numpy_mla` below puts
+    the checkout's python/ first on sys.path: from then on importlib.metadata finds that folder's
+    mla_diff.egg-info (the pure-Python install, no pytest11 entry point) before the wheel's, and a
+    `-p` on top of the entry point registers the plugin twice (pytest refuses to start)."""
     from importlib.metadata import entry_points
 
     eps = entry_points()
     group = eps.select(group="pytest11") if hasattr(eps, "select") else eps.get("pytest11", [])
     return [] if any(e.value == "mla_diff.pytest_plugin" for e in group) else ["-p", "mla_diff.pytest_plugin"]
+
+
+PLUGIN_ARGS = _plugin_args()
 
 
 if os.environ.get("CI"):
@@ -53,7 +59,7 @@ def run_example(pytester, monkeypatch, bug=None):
         monkeypatch.setenv("MLA_DIFF_EXAMPLE_BUG", bug)
     else:
         monkeypatch.delenv("MLA_DIFF_EXAMPLE_BUG", raising=False)
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *plugin_args(), "--mla-diff-model", str(MODEL),
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *PLUGIN_ARGS, "--mla-diff-model", str(MODEL),
                                          "--mla-diff-layers", "1", "--mla-diff-schedule", SCHEDULE, "-v")
 
 
@@ -81,7 +87,7 @@ def test_example_planted_bug(pytester, monkeypatch):
 def test_no_model_skips(pytester, monkeypatch):
     monkeypatch.delenv("MLA_DIFF_MODEL", raising=False)
     pytester.makepyfile(test_mla_decode=EXAMPLE.read_text())
-    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", *plugin_args(), "-rs")
+    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", *PLUGIN_ARGS, "-rs")
     r.assert_outcomes(skipped=2)
     r.stdout.fnmatch_lines(["*no model: pass --mla-diff-model FILE or set MLA_DIFF_MODEL*"])
 
