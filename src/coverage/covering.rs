@@ -69,7 +69,7 @@ pub fn targets(cfg: &MlaConfig) -> Vec<KernelUse> {
 /// Whether `s` exercises every class of every target.
 pub fn covers(targets: &[KernelUse], heads: usize, s: &Schedule) -> bool {
     targets.iter().all(|k| {
-        count(k.phase, k.geometry.as_ref(), heads, s)
+        count(k.phase, k.geometry.as_ref(), heads, s, &[])
             .iter()
             .all(|(_, n)| n.is_some_and(|n| n > 0))
     })

@@ -399,18 +399,9 @@ fn split_counts(s: &Schedule, extra: &[crate::batch::Request]) -> (u64, u64) {
     (empty, merge)
 }
 
-/// The counts of every class of `phase` for a kernel of geometry `g` (`None`: geometry-free classes only).
+/// The counts of every class of `phase` for a kernel of geometry `g` (`None`: geometry-free classes
+/// only), over the schedule's decode steps and `extra` decode requests (a serving batch, `crate::batch`).
 pub fn count(
-    phase: Phase,
-    g: Option<&Geometry>,
-    heads: usize,
-    s: &Schedule,
-) -> Vec<(Class, Option<u64>)> {
-    count_with(phase, g, heads, s, &[])
-}
-
-/// [`count`] over the schedule's decode steps and `extra` decode requests (a serving batch).
-pub fn count_with(
     phase: Phase,
     g: Option<&Geometry>,
     heads: usize,
@@ -512,14 +503,9 @@ fn hint(
     }
 }
 
-/// The coverage of a run: its kernels' classes counted, and the warnings.
-pub fn compute(kernels: &[KernelUse], cfg: &MlaConfig, s: &Schedule) -> Coverage {
-    compute_with(kernels, cfg, s, &[])
-}
-
-/// [`compute`] for a run whose decode kernel also ran the `extra` requests of a serving batch
-/// (`crate::batch`: a runner's decode op).
-pub fn compute_with(
+/// The coverage of a run: its kernels' classes counted, and the warnings. `extra`: decode requests the
+/// decode kernel ran besides the schedule's steps (a serving batch, `crate::batch`).
+pub fn compute(
     kernels: &[KernelUse],
     cfg: &MlaConfig,
     s: &Schedule,
@@ -549,7 +535,7 @@ pub fn compute_with(
         used.push(k.clone());
         let g = k.geometry.as_ref();
         let extra = if phase == Phase::Decode { extra } else { &[] };
-        let counts = count_with(phase, g, cfg.n_head, s, extra);
+        let counts = count(phase, g, cfg.n_head, s, extra);
         let unknown: Vec<&str> = counts
             .iter()
             .filter(|(_, n)| n.is_none())

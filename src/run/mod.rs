@@ -558,7 +558,7 @@ pub fn run_from(
     }
     let verdict = Report::overall_verdict(&modes);
     // After the run: a backend may choose its kernels per layer (CUDA compiles them for the layer's dims).
-    let mut coverage = crate::coverage::compute_with(
+    let mut coverage = crate::coverage::compute(
         &backend.kernels(&cfg, &opts.sched),
         &cfg,
         &opts.sched,

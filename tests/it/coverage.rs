@@ -54,7 +54,7 @@ fn default_schedule_crosses_every_class_of_every_kernel() {
             sets.push((name, cuda(&cfg, dt, hopper, &s)));
         }
         for (name, k) in &sets {
-            let c = compute(k, &cfg, &s);
+            let c = compute(k, &cfg, &s, &[]);
             assert!(c.warnings.is_empty(), "{f} {name}: {:?}", c.warnings);
             assert!(
                 c.classes.iter().all(|x| x.count.is_some_and(|n| n > 0)),
@@ -89,7 +89,7 @@ fn pre14_default_missed_the_tile_classes_and_the_hopper_kernel() {
     let cfg = config("deepseek-v3-yarn-q4_k.gguf");
     let s = pre14();
     // The CPU mirror: no split holds a second tile, none a tail after a full one, no split is empty.
-    let c = compute(&mla_diff::coverage::mirror_kernels(), &cfg, &s);
+    let c = compute(&mla_diff::coverage::mirror_kernels(), &cfg, &s, &[]);
     let missed = |c: &mla_diff::coverage::Coverage, phase: Phase| -> Vec<String> {
         c.classes
             .iter()
@@ -111,7 +111,7 @@ fn pre14_default_missed_the_tile_classes_and_the_hopper_kernel() {
         cuda(&cfg, Dtype::Bf16, true, &s)[0].clone(),
         mla_diff::backend::cuda::tile_model::kernel_use(Phase::Decode, dec, prod),
     ];
-    let c = compute(&k, &cfg, &s);
+    let c = compute(&k, &cfg, &s, &[]);
     assert_eq!(k[1].family, Family::Mma);
     assert!(
         c.warnings
@@ -152,7 +152,7 @@ fn an_external_kernel_has_unknown_tile_classes() {
             production: None,
         })
         .collect();
-    let c = compute(&k, &cfg, &s);
+    let c = compute(&k, &cfg, &s, &[]);
     let unknown: Vec<&str> = c
         .classes
         .iter()
