@@ -3,7 +3,9 @@
 //! Data flow, one module per step:
 //! `gguf` (container, dequantization) → `model` (config, per-layer weights) → `reference` (fp64) |
 //! `backend` (CPU mirror of the fused path, CUDA kernels) → `trace` (named stage tensors) → `compare` →
-//! `report`. `fixture` writes synthetic GGUF files in llama.cpp's conventions.
+//! `report`. `fixture` writes synthetic GGUF files in llama.cpp's conventions. The value types every step
+//! names (`precision`, `tolerance`, `kernel_use`) are the ground floor: nothing imports upward
+//! (docs/ARCHITECTURE.md, "Floors").
 
 pub mod alloc;
 pub mod backend;
