@@ -6,11 +6,12 @@
 
 use mla_diff::backend::cpu::indexer::Plan;
 use mla_diff::backend::open::{open, Choice, Options};
-use mla_diff::backend::{Dtype, RunTables};
+use mla_diff::backend::RunTables;
 use mla_diff::compare::{self, ToleranceTable};
 use mla_diff::faults::Active;
 use mla_diff::gguf::GgufFile;
 use mla_diff::model::{IndexerConfig, IndexerWeights, LayerWeights, MlaConfig, RopeFactors};
+use mla_diff::precision::Dtype;
 use mla_diff::schedule::Schedule;
 use mla_diff::{Error, Result};
 

@@ -6,14 +6,16 @@
 //! both by `margin`. The result is `src/compare/tolerances.json`, compiled into the binary.
 
 use crate::backend::cpu::CpuMirror;
-use crate::backend::{Backend, Dtype, RunTables};
-use crate::compare::{checks_for, metrics, rows_of, Tolerance, ToleranceTable};
+use crate::backend::{Backend, RunTables};
+use crate::compare::{checks_for, metrics, rows_of, ToleranceTable};
 use crate::error::Result;
 use crate::faults::Active;
 use crate::gguf::GgufFile;
 use crate::model::rope_factors::RopeFactors;
 use crate::model::{LayerWeights, MlaConfig};
+use crate::precision::Dtype;
 use crate::schedule::Schedule;
+use crate::tolerance::Tolerance;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 

@@ -3,7 +3,9 @@
 //! Data flow, one module per step:
 //! `gguf` (container, dequantization) → `model` (config, per-layer weights) → `reference` (fp64) |
 //! `backend` (CPU mirror of the fused path, CUDA kernels) → `trace` (named stage tensors) → `compare` →
-//! `report`. `fixture` writes synthetic GGUF files in llama.cpp's conventions.
+//! `report`. `fixture` writes synthetic GGUF files in llama.cpp's conventions. The value types every step
+//! names (`precision`, `tolerance`, `kernel_use`) are the ground floor: nothing imports upward
+//! (docs/ARCHITECTURE.md, "Floors").
 
 pub mod alloc;
 pub mod backend;
@@ -22,10 +24,12 @@ pub mod gguf;
 pub mod gpus;
 pub mod input;
 pub mod inspect;
+pub mod kernel_use;
 pub mod linalg;
 pub mod lint;
 pub mod merge;
 pub mod model;
+pub mod precision;
 pub mod reference;
 pub mod report;
 pub mod rope;
@@ -34,6 +38,7 @@ pub mod schedule;
 pub mod selftest;
 pub mod shard;
 pub mod sweep;
+pub mod tolerance;
 pub mod tp;
 pub mod trace;
 

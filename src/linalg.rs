@@ -8,8 +8,8 @@
 //! against a layer's weights ([`linear_f32`]) are then the bulk of the host's fp64 work moved to the
 //! GPU, still fp64, the weights widened exactly as here.
 
-use crate::backend::Dtype;
 use crate::error::{Error, Result};
+use crate::precision::Dtype;
 use ndarray::{s, Array2, ArrayView2};
 use std::sync::{Mutex, OnceLock};
 

@@ -17,12 +17,13 @@ pub use cases::{controls, schedule_for, Case, Control, CONTROLS, MINIMAL};
 pub use fixtures::{scale_tensors, Fixture, Model, FIXTURES, LARGE_QABS_LOG2};
 pub use matrix::{Outcome, Summary};
 
-use crate::backend::{Backend, BackendInfo, Dtype};
+use crate::backend::{Backend, BackendInfo};
 use crate::compare::ToleranceTable;
 use crate::error::{Error, Result};
 use crate::faults::{Fault, FaultSet, Injection, Need};
 use crate::gguf::GgufFile;
 use crate::model::MlaConfig;
+use crate::precision::Dtype;
 use crate::report::Report;
 use crate::run::{InputSpec, Modes, RunOptions};
 use std::path::{Path, PathBuf};

@@ -20,9 +20,8 @@ use crate::gguf::GgufFile;
 use crate::input::LayerInputs;
 use crate::model::rope_factors::RopeFactors;
 use crate::model::{LayerWeights, MlaConfig};
-use crate::report::Report;
+use crate::report::{Report, ShardInfo};
 use crate::run::{self, RunOptions, Start};
-use serde::{Deserialize, Serialize};
 use std::ops::Range;
 
 /// Shard `index` of `count` (0-based, as Slurm's `SLURM_ARRAY_TASK_ID` and Kubernetes'
@@ -69,16 +68,6 @@ impl std::fmt::Display for Shard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}/{}", self.index, self.count)
     }
-}
-
-/// What a shard's report records (`run.shard`): which shard it is, and the whole run's layers, so that
-/// `merge` can tell a missing or overlapping shard from a complete set.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ShardInfo {
-    pub index: usize,
-    pub count: usize,
-    /// Every layer of the whole run, in order; this shard ran `run.layers`, its slice of them.
-    pub of: Vec<usize>,
 }
 
 /// Shard `shard` of the run `opts` describes: its slice of the layers, started from the residual

@@ -202,7 +202,7 @@ pub struct AtRunner {
     pub reference: StageTensor,
     pub optimized: StageTensor,
     /// Derived from the storage precision (`runner::local::tolerance`).
-    pub tolerance: crate::compare::Tolerance,
+    pub tolerance: crate::tolerance::Tolerance,
     /// The dtype the runner returned this output in.
     pub out_dtype: &'static str,
 }

@@ -20,6 +20,8 @@ pub mod open;
 pub mod runner;
 
 pub use open::{open, BackendInfo, Choice, Factory, Kind, Options};
+// The old path, for lint/runner.rs and the CUDA tools until they move out (issue #34 item 3).
+pub use crate::precision::Dtype;
 
 use crate::error::Result;
 use crate::faults::Active;
@@ -29,69 +31,6 @@ use crate::schedule::Schedule;
 use crate::trace::{LayerTrace, StageSet};
 use ndarray::Array2;
 use serde::{Deserialize, Serialize};
-
-/// Storage precision of weights and activations on the optimized path (accumulation is always f32).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Dtype {
-    Bf16,
-    #[value(name = "fp16", alias = "f16")]
-    #[serde(rename = "fp16", alias = "f16")]
-    F16,
-    F32,
-}
-
-impl Dtype {
-    /// Round an f32 to this storage type and back (round-to-nearest-even; f16 overflows to ±inf).
-    #[inline]
-    pub fn round(self, x: f32) -> f32 {
-        match self {
-            Dtype::Bf16 => half::bf16::from_f32(x).to_f32(),
-            Dtype::F16 => half::f16::from_f32(x).to_f32(),
-            Dtype::F32 => x,
-        }
-    }
-    /// [`Dtype::round`] over a slice, bit for bit, at memory speed: a layer's weights are hundreds of
-    /// millions of values. bf16 by its bit pattern (round to nearest even on the upper half, NaNs kept
-    /// quiet: what `half` does one value at a time, here branch-free so that it vectorizes); fp16 by
-    /// `half`'s slice conversions (F16C where the CPU has it).
-    pub fn round_slice(self, v: &mut [f32]) {
-        match self {
-            Dtype::Bf16 => v.iter_mut().for_each(|x| {
-                let b = x.to_bits();
-                let nearest = b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000;
-                let quiet = (b | 0x0040_0000) & 0xffff_0000;
-                *x = f32::from_bits(if x.is_nan() { quiet } else { nearest });
-            }),
-            Dtype::F16 => {
-                use half::slice::HalfFloatSliceExt;
-                let mut h = [half::f16::ZERO; 256];
-                for c in v.chunks_mut(256) {
-                    let h = &mut h[..c.len()];
-                    h.convert_from_f32_slice(c);
-                    h.convert_to_f32_slice(c);
-                }
-            }
-            Dtype::F32 => {}
-        }
-    }
-    /// The spacing of the storage type's numbers just above 1 (2⁻⁸ bf16, 2⁻¹¹ fp16, 2⁻²⁴ f32 here:
-    /// twice the unit roundoff).
-    pub fn round_unit(self) -> f64 {
-        match self {
-            Dtype::Bf16 => 2f64.powi(-8),
-            Dtype::F16 => 2f64.powi(-11),
-            Dtype::F32 => 2f64.powi(-24),
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Dtype::Bf16 => "bf16",
-            Dtype::F16 => "fp16",
-            Dtype::F32 => "f32",
-        }
-    }
-}
 
 /// Everything one layer run needs, made once per run by the driver (`crate::run`), so that every backend
 /// sees the same tables and faults.
@@ -177,7 +116,7 @@ pub trait Backend {
         _ic: &crate::model::IndexerConfig,
         _iw: &crate::model::IndexerWeights,
         _x: &Array2<f64>,
-        _keys: crate::backend::cpu::indexer::KeyPrecision,
+        _keys: crate::precision::KeyPrecision,
     ) -> Result<Option<crate::reference::sparse::Selection>> {
         Ok(None)
     }
@@ -212,8 +151,8 @@ pub trait Backend {
     /// How it sums an attention score's dot product: the stage-local view models that sum's noise
     /// (and, on tensor cores, the truncating accumulator's one-signed bias: on the H200 most of a GLM-5
     /// split_lse's error). Unknown kernels get the conservative model.
-    fn score_sum(&self) -> crate::compare::noise::ScoreSum {
-        crate::compare::noise::ScoreSum::Sequential
+    fn score_sum(&self) -> crate::precision::ScoreSum {
+        crate::precision::ScoreSum::Sequential
     }
     /// What the report should say about this backend after the run (e.g. a runner that returned its
     /// LSE in bf16); every format shows it.
@@ -247,8 +186,8 @@ pub trait Backend {
         None
     }
 
-    fn kernels(&self, _cfg: &MlaConfig, _sched: &Schedule) -> Vec<crate::coverage::KernelUse> {
-        use crate::coverage::{Family, KernelUse, Phase};
+    fn kernels(&self, _cfg: &MlaConfig, _sched: &Schedule) -> Vec<crate::kernel_use::KernelUse> {
+        use crate::kernel_use::{Family, KernelUse, Phase};
         [Phase::Prefill, Phase::Decode]
             .into_iter()
             .map(|phase| KernelUse {
@@ -283,50 +222,6 @@ impl KeyTile {
         KeyTile {
             name: name.into(),
             keys,
-        }
-    }
-}
-
-#[cfg(test)]
-mod round_tests {
-    use super::Dtype;
-    use rand::{Rng, SeedableRng};
-
-    /// `round_slice` is `round` bit for bit: random bit patterns (NaNs with payloads, subnormals,
-    /// overflow to inf included), ties, and the edges of each format.
-    #[test]
-    fn round_slice_is_round() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-        let mut v: Vec<f32> = (0..200_000).map(|_| f32::from_bits(rng.random())).collect();
-        v.extend([
-            0.0,
-            -0.0,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::NAN,
-            -f32::NAN,
-            f32::MAX,
-            f32::MIN_POSITIVE,
-            1.0 + 2f32.powi(-8),
-            1.0 + 3.0 * 2f32.powi(-8),
-            1.0 + 2f32.powi(-11),
-            65504.0,
-            65520.0,
-            -65520.0,
-            2f32.powi(-25),
-            2f32.powi(-24) * 1.5,
-        ]);
-        for dt in [Dtype::Bf16, Dtype::F16, Dtype::F32] {
-            let mut got = v.clone();
-            dt.round_slice(&mut got);
-            for (x, g) in v.iter().zip(&got) {
-                assert_eq!(
-                    dt.round(*x).to_bits(),
-                    g.to_bits(),
-                    "{dt:?} {x:e} ({:#x})",
-                    x.to_bits()
-                );
-            }
         }
     }
 }

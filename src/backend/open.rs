@@ -4,8 +4,9 @@
 use super::cpu::CpuMirror;
 use super::cuda::shared::{SharedCuda, SharedGpu};
 use super::runner::RunnerBackend;
-use super::{Backend, Dtype};
+use super::Backend;
 use crate::error::Result;
+use crate::precision::Dtype;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 

@@ -6,13 +6,13 @@
 
 use super::manifest::{Conventions, Files, InputInfo, Manifest, Source, StageFile};
 use super::{heads, CAPSULE_VERSION, INPUT, MANIFEST, README, REFERENCE_DIR, WEIGHTS};
-use crate::backend::Dtype;
 use crate::error::{Error, Result};
 use crate::gguf::write::GgufWriter;
 use crate::gguf::{GgmlType, GgufFile, TensorType, Value};
 use crate::input::LayerInputs;
 use crate::model::rope_factors::RopeFactors;
 use crate::model::{LayerWeights, MlaConfig};
+use crate::precision::Dtype;
 use crate::rope::RopeTables;
 use crate::run::InputSpec;
 use crate::schedule::Schedule;

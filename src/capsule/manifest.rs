@@ -3,8 +3,8 @@
 //! error (exit 2), never a panic.
 
 use super::{CAPSULE_VERSION, MANIFEST};
-use crate::backend::Dtype;
 use crate::error::{Error, Result};
+use crate::precision::Dtype;
 use crate::schedule::Schedule;
 use serde::{Deserialize, Serialize};
 use std::path::{Component, Path, PathBuf};

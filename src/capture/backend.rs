@@ -11,10 +11,11 @@
 //! head stages being judged per rank.
 
 use super::{Capture, Captured};
-use crate::backend::{Backend, Dtype, LayerCtx};
+use crate::backend::{Backend, LayerCtx};
 use crate::compare::{self, LayerResult, ToleranceTable};
 use crate::error::{Error, Result};
 use crate::model::MlaConfig;
+use crate::precision::Dtype;
 use crate::trace::{LayerTrace, Stage, StageSet};
 use ndarray::Array2;
 
@@ -202,7 +203,11 @@ impl CaptureBackend {
     }
 
     /// The report's `tp` section (TP captures only).
-    pub fn tp_result(self, cfg: &MlaConfig, layers: &[usize]) -> Option<crate::tp::TpResult> {
+    pub fn tp_result(
+        self,
+        cfg: &MlaConfig,
+        layers: &[usize],
+    ) -> Option<crate::report::tp::TpResult> {
         if self.world == 1 {
             return None;
         }
@@ -216,7 +221,7 @@ impl CaptureBackend {
                 (rank, [h.start, h.end], ls)
             })
             .collect();
-        Some(crate::tp::TpResult::new(world, None, ranks))
+        Some(crate::report::tp::TpResult::new(world, None, ranks))
     }
 
     /// One rank's trace judged against the fp64 reference of its slice (as `tp::TpBackend` judges).

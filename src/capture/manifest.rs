@@ -37,7 +37,7 @@ pub struct Manifest {
     pub writer: Option<Writer>,
     pub engine: Engine,
     pub model: ModelId,
-    pub dtype: crate::backend::Dtype,
+    pub dtype: crate::precision::Dtype,
     #[serde(default)]
     pub conventions: Conventions,
     #[serde(default)]

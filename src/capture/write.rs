@@ -4,10 +4,11 @@
 //! layer and stage — for testing `run --capture` and the tools that read captures.
 
 use super::manifest::{self, Manifest};
-use crate::backend::{Backend, Dtype, KeyTiles, LayerCtx};
+use crate::backend::{Backend, KeyTiles, LayerCtx};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::model::MlaConfig;
+use crate::precision::Dtype;
 use crate::schedule::Schedule;
 use crate::trace::{LayerTrace, Stage, StageSet};
 use ndarray::Array2;
@@ -262,7 +263,7 @@ impl Backend for WriteCapture<'_> {
         ic: &crate::model::IndexerConfig,
         iw: &crate::model::IndexerWeights,
         x: &Array2<f64>,
-        keys: crate::backend::cpu::indexer::KeyPrecision,
+        keys: crate::precision::KeyPrecision,
     ) -> Result<Option<crate::reference::sparse::Selection>> {
         self.inner.indexer(ctx, ic, iw, x, keys)
     }
@@ -278,7 +279,7 @@ impl Backend for WriteCapture<'_> {
     fn known_attention(&self) -> bool {
         self.inner.known_attention()
     }
-    fn score_sum(&self) -> crate::compare::noise::ScoreSum {
+    fn score_sum(&self) -> crate::precision::ScoreSum {
         self.inner.score_sum()
     }
     fn notices(&self) -> Vec<String> {
@@ -287,7 +288,7 @@ impl Backend for WriteCapture<'_> {
     fn key_tiles(&self) -> KeyTiles {
         self.inner.key_tiles()
     }
-    fn kernels(&self, cfg: &MlaConfig, sched: &Schedule) -> Vec<crate::coverage::KernelUse> {
+    fn kernels(&self, cfg: &MlaConfig, sched: &Schedule) -> Vec<crate::kernel_use::KernelUse> {
         self.inner.kernels(cfg, sched)
     }
 }

@@ -3,9 +3,10 @@
 use clap::Subcommand;
 use mla_diff::backend::cuda::bench::BenchOptions;
 use mla_diff::backend::cuda::table;
-use mla_diff::backend::{Dtype, Kind};
+use mla_diff::backend::Kind;
 use mla_diff::error::Error;
 use mla_diff::model::synthetic::{Dims, Family};
+use mla_diff::precision::Dtype;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]

@@ -1,7 +1,7 @@
 //! `mla-diff calibrate`: the CPU mirror's noise on GGUF files, as a tolerance table.
 
-use mla_diff::backend::Dtype;
 use mla_diff::error::Error;
+use mla_diff::precision::Dtype;
 use mla_diff::report;
 use std::path::PathBuf;
 

@@ -1,11 +1,11 @@
 //! `mla-diff export`: one layer of a model as a self-contained capsule directory, for a bug report.
 
 use super::run::{check_dense_beyond_top_k, InputArgs, ScheduleArgs};
-use mla_diff::backend::Dtype;
 use mla_diff::capsule::{self, ExportOptions};
 use mla_diff::error::Error;
 use mla_diff::gguf::GgufFile;
 use mla_diff::model::MlaConfig;
+use mla_diff::precision::Dtype;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]

@@ -1,9 +1,9 @@
 //! `mla-diff lint FILE`: the file's metadata against its tensors, the conventions, the catalogue, and
 //! optionally the CUDA kernels' specialisations and an external runner's conventions.
 
-use mla_diff::backend::Dtype;
 use mla_diff::error::Error;
 use mla_diff::lint::{self, Options, Target};
+use mla_diff::precision::Dtype;
 use mla_diff::report::output::{file_target, Target as Out};
 use mla_diff::schedule::Schedule;
 use std::path::PathBuf;

@@ -1,11 +1,11 @@
 //! `mla-diff run`: the comparison itself, its reports and the baseline gate.
 
 use clap::ValueEnum;
-use mla_diff::backend::Dtype;
 use mla_diff::error::{Error, EXIT_DIVERGENCE, EXIT_PASS};
 use mla_diff::faults::{FaultSet, Injection};
 use mla_diff::gguf::GgufFile;
 use mla_diff::model::MlaConfig;
+use mla_diff::precision::Dtype;
 use mla_diff::report::baseline::Identity;
 use mla_diff::report::{self, Report};
 use mla_diff::run::{Modes, RunOptions};
@@ -50,7 +50,7 @@ pub struct Args {
     /// rotation, fp8 e4m3 with one scale per 128 values, as vLLM's indexer cache); the selection check's
     /// noise margin follows (docs/dsa.md). No effect on a file without an indexer.
     #[arg(long, value_enum, default_value = "storage")]
-    indexer_keys: mla_diff::backend::cpu::indexer::KeyPrecision,
+    indexer_keys: mla_diff::precision::KeyPrecision,
     /// Plant a bug from the catalogue in the optimized path, repeatable: NAME (every layer) or
     /// NAME@layer=L. `mla-diff selftest --list` shows the catalogue.
     #[arg(long = "inject", value_name = "NAME[@layer=L]")]
@@ -124,7 +124,7 @@ impl Args {
                 mla_diff::coverage::covering::for_runner(
                     cfg,
                     &r::declared_kernels(&d),
-                    &r::limits(&d),
+                    &mla_diff::coverage::covering::Limits::of_runner(&d),
                 )
             }
             None => mla_diff::coverage::covering::covering(cfg),

@@ -109,7 +109,7 @@ fn sensitivity(a: &Args) -> Result<i32, Error> {
     };
     std::fs::create_dir_all(&dir)
         .map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
-    let dtype = mla_diff::backend::Dtype::Bf16;
+    let dtype = mla_diff::precision::Dtype::Bf16;
     let (mut backend, info) = Factory::new().open(
         Choice::from(a.backend),
         &mla_diff::backend::Options {

@@ -2,13 +2,13 @@
 //! the smallest failing length and its bisection; the same report formats as `run`.
 
 use super::run::{check_dense_beyond_top_k, BackendArgs, FormatArgs, ScheduleArgs, TolArgs};
-use mla_diff::backend::Dtype;
 use mla_diff::error::{Error, EXIT_DIVERGENCE, EXIT_PASS};
 use mla_diff::faults::{FaultSet, Injection};
 use mla_diff::gguf::GgufFile;
 use mla_diff::model::MlaConfig;
+use mla_diff::precision::Dtype;
+use mla_diff::report;
 use mla_diff::report::output::Target;
-use mla_diff::report::{self};
 use mla_diff::sweep::{self, lengths, LengthPlan, SweepOptions, SweepReport};
 use std::path::PathBuf;
 

@@ -13,11 +13,11 @@
 //!   the context's `cache_rows` (decompressed with W_UK/W_UV, as prefill does);
 //! - `attn_out` ← `attn_heads`.
 
-use super::noise::{acc_var, ScoreSum, Store, EXP_REL_VAR, F32_OP, U32};
+use super::noise::{acc_var, Store, EXP_REL_VAR, F32_OP, U32};
 use crate::backend::cpu::front::RopeF32;
-use crate::backend::Dtype;
 use crate::faults::Active;
 use crate::model::{LayerWeights, MlaConfig, QProj};
+use crate::precision::{Dtype, ScoreSum};
 use crate::rope::{pair, RopeTables};
 use crate::schedule::Schedule;
 use crate::trace::{LayerTrace, Stage, StageSet};

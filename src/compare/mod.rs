@@ -9,11 +9,12 @@ pub mod selection;
 pub mod tolerance;
 
 pub use checks::{checks_for, Check, Phase};
-pub use tolerance::{Tolerance, ToleranceTable};
+pub use tolerance::ToleranceTable;
 
-use crate::backend::Dtype;
 use crate::error::{Error, Result};
+use crate::precision::Dtype;
 use crate::schedule::Schedule;
+use crate::tolerance::Tolerance;
 use crate::trace::{LayerTrace, Stage, StageSet, StageTensor};
 use rayon::prelude::*;
 use serde::ser::SerializeMap;

@@ -127,12 +127,12 @@ fn pow2(k: i32) -> f64 {
     }
 }
 
-impl From<crate::backend::Dtype> for Store {
-    fn from(d: crate::backend::Dtype) -> Store {
+impl From<crate::precision::Dtype> for Store {
+    fn from(d: crate::precision::Dtype) -> Store {
         match d {
-            crate::backend::Dtype::Bf16 => Store::Bf16,
-            crate::backend::Dtype::F16 => Store::Fp16,
-            crate::backend::Dtype::F32 => Store::F32,
+            crate::precision::Dtype::Bf16 => Store::Bf16,
+            crate::precision::Dtype::F16 => Store::Fp16,
+            crate::precision::Dtype::F32 => Store::F32,
         }
     }
 }
@@ -146,26 +146,6 @@ impl From<crate::backend::Dtype> for Store {
 pub fn acc_var(n: usize, sum_sq: f64, total: f64) -> f64 {
     let n = n as f64;
     2.0 * F32_OP * (sum_sq * (1.0 + n / 2.0) + n * total * total / 3.0)
-}
-
-/// How a backend sums an attention score's dot product in f32 (`Backend::score_sum`): what the
-/// stage-local view's model of that sum is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScoreSum {
-    /// Unknown (external kernels): a sequential sum's noise (conservative for any order), and a
-    /// truncation bias fitted in case they are tensor cores.
-    Sequential,
-    /// The CPU mirror's `ops::dot`: 8 lanes, round to nearest.
-    Lanes8,
-    /// This project's CUDA kernels: tensor-core MMAs in k-steps of 16 whose f32 accumulator truncates.
-    TensorCore,
-}
-
-impl ScoreSum {
-    /// Whether the sum may truncate toward zero (a one-signed bias the judge fits).
-    pub fn truncates(self) -> bool {
-        self != ScoreSum::Lanes8
-    }
 }
 
 /// Laurent–Massart: with probability ≥ 1 − e^{−x}, χ²_d / d ≤ 1 + 2√(x/d) + 2x/d.

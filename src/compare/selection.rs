@@ -11,9 +11,9 @@
 //! PR #3832), a key beyond it may not. A different count of keys is a failure by itself (a top-k
 //! boundary bug can hide inside the margin otherwise). NaN scores never pass.
 
-use crate::backend::cpu::indexer::{hadamard, KeyPrecision};
-use crate::backend::Dtype;
+use crate::backend::cpu::indexer::hadamard;
 use crate::compare::noise::{acc_var, F32_OP};
+use crate::precision::{Dtype, KeyPrecision};
 use crate::reference::indexer::IndexerOut;
 use crate::reference::sparse::Selection;
 use ndarray::{s, Array2, Array3};

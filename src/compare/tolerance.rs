@@ -10,18 +10,12 @@
 //! and writes `tolerances.json`, which is compiled in.
 
 use super::checks::{short_name, Check, Phase};
-use crate::backend::Dtype;
 use crate::error::{Error, Result};
+use crate::precision::Dtype;
+use crate::tolerance::Tolerance;
 use crate::trace::Stage;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Tolerance {
-    pub rel_l2: f64,
-    pub atol_rms: f64,
-    pub rtol: f64,
-}
 
 /// The calibrated table: dtype name → check name → tolerance.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -21,13 +21,15 @@
 //!
 //! Tested for every shipped fixture (`tests/it/coverage.rs`): every class of every target is exercised.
 
-use super::{count, mirror_kernels, Geometry, KernelUse, Phase};
+use super::count;
+use crate::backend::cpu::mirror_kernels;
 use crate::backend::cuda::kernels::Dims;
 use crate::backend::cuda::tile_model::{self as plan, Caps};
-use crate::backend::Dtype;
 use crate::faults::Active;
+use crate::kernel_use::{Geometry, KernelUse, Phase};
 use crate::model::config::RopePairing;
 use crate::model::MlaConfig;
+use crate::precision::Dtype;
 use crate::schedule::Schedule;
 
 /// The CUDA dims of a model (page size and faults do not change the tile choice).
@@ -98,6 +100,17 @@ pub struct Limits {
     pub max_q_len: Option<usize>,
     /// The page sizes it takes (`supports.page_sizes`).
     pub page_sizes: Option<Vec<usize>>,
+}
+
+impl Limits {
+    /// What a runner's `supports` leaves of the default schedule's freedom.
+    pub fn of_runner(d: &crate::backend::runner::protocol::Describe) -> Limits {
+        let decodes = d.ops.decode.is_some() || d.ops.sparse_decode.is_some();
+        Limits {
+            max_q_len: d.supports.max_q_len.filter(|_| decodes),
+            page_sizes: d.supports.page_sizes.clone().filter(|_| decodes),
+        }
+    }
 }
 
 /// The default schedule of `run --runner` (issue #32): the covering schedule of our own kernels' targets
@@ -178,7 +191,7 @@ mod tests {
 
     #[test]
     fn a_runners_limits_bound_the_covering_schedule() {
-        let t = crate::coverage::mirror_kernels();
+        let t = crate::backend::cpu::mirror_kernels();
         let free = covering_within(&t, 8, &Limits::default());
         assert_eq!(free, covering_for(&t, 8));
         assert!(free.q_len > 1 && free.page_size == 32);

@@ -250,7 +250,7 @@ pub const CATALOGUE: [Info; 25] = [
         ],
         expected: "selection",
         needs: &[Need::Dsa, Need::Positions],
-        cuda_site: "host, src/backend/cpu/indexer.rs `operands`: CUDA's indexer takes its q and k from the host, roped there with the other pairing (`run::dsa::plan_for`)",
+        cuda_site: "host, src/backend/cpu/indexer.rs `operands`: CUDA's indexer takes its q and k from the host, roped there with the other pairing (`backend::cpu::indexer::plan_for`)",
     },
     Info {
         fault: Fault::IndexerNonCausal,

@@ -6,10 +6,10 @@
 use super::{Findings, Options, Target};
 use crate::backend::cuda::kernels::Dims;
 use crate::backend::cuda::plan::{self, Plan};
-use crate::backend::Dtype;
 use crate::error::{Error, Result};
 use crate::faults::Active;
 use crate::model::{MlaConfig, RopePairing};
+use crate::precision::Dtype;
 
 fn describe(p: &Plan) -> String {
     match p.tile {

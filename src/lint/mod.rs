@@ -12,9 +12,9 @@ pub mod kernel;
 pub mod model;
 pub mod runner;
 
-use crate::backend::Dtype;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
+use crate::precision::Dtype;
 use serde::Serialize;
 use std::path::Path;
 

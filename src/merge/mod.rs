@@ -7,11 +7,12 @@
 //! layer results), the same shard count and layer list, every shard once and each with exactly its
 //! slice of the layers. Anything else is refused with the difference named.
 
-use crate::compare::{self, Tolerance};
+use crate::compare;
 use crate::error::{Error, Result};
-use crate::report::{ModeResult, Report};
-use crate::run::repeat::RepeatResult;
-use crate::shard::{Shard, ShardInfo};
+use crate::report::repeat::RepeatResult;
+use crate::report::{ModeResult, Report, ShardInfo};
+use crate::shard::Shard;
+use crate::tolerance::Tolerance;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -177,7 +178,11 @@ fn join(parts: Vec<Report>) -> Report {
                 (rk.rank, rk.heads, layers)
             })
             .collect();
-        out.set_tp(crate::tp::TpResult::new(tp.size, tp.fault_rank, ranks));
+        out.set_tp(crate::report::tp::TpResult::new(
+            tp.size,
+            tp.fault_rank,
+            ranks,
+        ));
     }
     out
 }

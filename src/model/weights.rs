@@ -6,9 +6,9 @@
 //! layouts the file uses. Non-attention tensors are never read.
 
 use super::config::MlaConfig;
-use crate::backend::Dtype;
 use crate::error::{Error, Result};
 use crate::gguf::{dequantize_f32, GgufFile};
+use crate::precision::Dtype;
 use ndarray::{Array1, Array2, Array3, Dimension};
 use rayon::prelude::*;
 use serde::Serialize;

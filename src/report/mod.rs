@@ -2,12 +2,15 @@
 //! from it), a terminal table, JUnit XML, Markdown, an SVG heat map, `.npy` dumps, and the baseline gate.
 
 pub mod baseline;
+pub mod dsa;
 pub mod junit;
 pub mod markdown;
 pub mod npy;
 pub mod output;
+pub mod repeat;
 pub mod svg;
 pub mod table;
+pub mod tp;
 
 use crate::compare::{LayerResult, Verdict};
 use crate::error::{Error, Result};
@@ -50,7 +53,17 @@ pub struct RunInfo {
     /// `run --shard i/n`: this report is shard i of n of the run over `of` (`crate::shard`); absent
     /// for a whole run, and in what `mla-diff merge` writes.
     #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub shard: Option<crate::shard::ShardInfo>,
+    pub shard: Option<ShardInfo>,
+}
+
+/// What a shard's report records (`run.shard`): which shard it is, and the whole run's layers, so that
+/// `merge` can tell a missing or overlapping shard from a complete set.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardInfo {
+    pub index: usize,
+    pub count: usize,
+    /// Every layer of the whole run, in order; this shard ran `run.layers`, its slice of them.
+    pub of: Vec<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -89,17 +102,17 @@ pub struct Report {
     pub baseline: Option<baseline::BaselineResult>,
     /// `run --repeat N`: the optimized path's runs compared bit for bit; absent without --repeat.
     #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub repeat: Option<crate::run::repeat::RepeatResult>,
+    pub repeat: Option<repeat::RepeatResult>,
     /// Which kernels ran and which of their boundary classes the schedule crossed (`crate::coverage`);
     /// absent in reports of mla-diff before #14.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub coverage: Option<crate::coverage::Coverage>,
     /// `run --tp N`: each tensor-parallel rank against the fp64 reference of its heads; absent without --tp.
     #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub tp: Option<crate::tp::TpResult>,
+    pub tp: Option<tp::TpResult>,
     /// A DSA file past top_k: the selection checks (`crate::run::dsa`); absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub dsa: Option<crate::run::dsa::DsaResult>,
+    pub dsa: Option<dsa::DsaResult>,
     /// `run --runner` with a decode or other op: the serving batch, padding, batch invariance, input
     /// mutation and merge consistency checks (`backend::runner::checks`); absent without a runner.
     #[serde(skip_serializing_if = "Option::is_none", default)]
@@ -164,7 +177,7 @@ impl Report {
     }
     /// Record the repeat check (`--repeat`) and fold nondeterminism into the top-level verdict, as
     /// the baseline gate is.
-    pub fn set_repeat(&mut self, r: crate::run::repeat::RepeatResult) {
+    pub fn set_repeat(&mut self, r: repeat::RepeatResult) {
         if !r.pass {
             self.fail_with(&r.message);
         }
@@ -172,7 +185,7 @@ impl Report {
     }
     /// Record the tensor-parallel ranks' own results (`--tp`) and fold a failing rank into the
     /// top-level verdict, as the baseline gate is.
-    pub fn set_tp(&mut self, t: crate::tp::TpResult) {
+    pub fn set_tp(&mut self, t: tp::TpResult) {
         if !t.pass {
             self.fail_with(&t.message);
         }
@@ -180,7 +193,7 @@ impl Report {
     }
     /// Record the DSA selection checks and fold a failing one into the top-level verdict, as the
     /// baseline gate is.
-    pub fn set_dsa(&mut self, d: crate::run::dsa::DsaResult) {
+    pub fn set_dsa(&mut self, d: dsa::DsaResult) {
         if !d.pass {
             self.fail_with(&d.message);
         }

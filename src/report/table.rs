@@ -210,7 +210,7 @@ pub fn runner_check_lines(rc: &crate::backend::runner::checks::RunnerChecks) -> 
 }
 
 /// One line per stage that changed between identical runs (`--repeat`).
-pub fn repeat_lines(r: &crate::run::repeat::RepeatResult) -> Vec<String> {
+pub fn repeat_lines(r: &super::repeat::RepeatResult) -> Vec<String> {
     r.layers
         .iter()
         .flat_map(|l| l.differing.iter().map(move |d| repeat_line(l.layer, d)))
@@ -218,7 +218,7 @@ pub fn repeat_lines(r: &crate::run::repeat::RepeatResult) -> Vec<String> {
 }
 
 /// A stage that changed between identical runs: where first, and by how much.
-pub fn repeat_line(layer: usize, d: &crate::run::repeat::RepeatDiff) -> String {
+pub fn repeat_line(layer: usize, d: &super::repeat::RepeatDiff) -> String {
     format!(
         "layer {layer} {}: run {} differs from run 1 in {}",
         d.stage,

@@ -8,7 +8,7 @@
 //! Only attention is modelled: the FFN/MoE blocks between layers are not, so the "residual stream" here is
 //! the attention-only one. That is enough to see whether an attention error grows or washes out.
 
-use crate::backend::{Backend, BackendInfo, Dtype, RunTables};
+use crate::backend::{Backend, BackendInfo, RunTables};
 use crate::compare::{self, LayerResult, ToleranceTable};
 use crate::error::{Error, Result};
 use crate::faults::FaultSet;
@@ -16,12 +16,14 @@ use crate::gguf::GgufFile;
 use crate::input::LayerInputs;
 use crate::model::rope_factors::RopeFactors;
 use crate::model::{LayerWeights, MlaConfig};
+use crate::precision::Dtype;
 use crate::report::{Environment, FileInfo, ModeResult, Report, RunInfo, ToolInfo, SCHEMA_VERSION};
 use crate::schedule::Schedule;
 use crate::trace::{LayerTrace, Stage};
 use ndarray::Array2;
 use std::path::PathBuf;
 
+mod baseline;
 pub mod dsa;
 pub mod profile;
 pub mod repeat;
@@ -90,7 +92,7 @@ pub struct RunOptions {
     /// bit for bit and any difference fails the run.
     pub repeat: usize,
     /// DSA: how the optimized indexer stores q and k (`--indexer-keys`; the run's dtype by default).
-    pub indexer_keys: crate::backend::cpu::indexer::KeyPrecision,
+    pub indexer_keys: crate::precision::KeyPrecision,
 }
 
 /// Parse `--layers`: `all`, `N`, `A..B` (half-open), `A..=B`, or a comma list of those.
@@ -638,7 +640,11 @@ pub fn run_from(
     }
     if opts.repeat > 1 {
         let mode = if opts.modes.shadow { "shadow" } else { "free" };
-        report.set_repeat(repeat::RepeatResult::new(opts.repeat, mode, repeats));
+        report.set_repeat(crate::report::repeat::RepeatResult::new(
+            opts.repeat,
+            mode,
+            repeats,
+        ));
     }
     Ok(report)
 }
@@ -696,7 +702,7 @@ struct View {
     pre: compare::local::Prepared,
     x: Array2<f64>,
     known_attention: bool,
-    score_sum: compare::noise::ScoreSum,
+    score_sum: crate::precision::ScoreSum,
     outside: crate::trace::StageSet,
     selection: Option<crate::reference::sparse::Selection>,
 }
@@ -823,7 +829,7 @@ fn free_layer(
     h_opt: &Array2<f64>,
     opts: &RunOptions,
     free_ctx: &compare::Ctx,
-    repeats: &mut Vec<repeat::LayerRepeat>,
+    repeats: &mut Vec<crate::report::repeat::LayerRepeat>,
     prof: &mut profile::Profile,
 ) -> Result<LayerTrace> {
     // DSA: over the reference's selection too, so that the stages stay comparable (a near-tie flip

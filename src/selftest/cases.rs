@@ -2,9 +2,8 @@
 //! that lacks one need), as a table.
 
 use super::fixtures::{Model, HEADS};
-use crate::backend::cpu::indexer::KeyPrecision;
-use crate::backend::Dtype;
 use crate::faults::{Fault, Need};
+use crate::precision::{Dtype, KeyPrecision};
 use crate::schedule::Schedule;
 
 /// The minimal run: one prefill chunk of 6 tokens at position 0, all in one page, no decode.

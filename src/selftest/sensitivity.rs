@@ -12,12 +12,13 @@
 //!
 //! A check whose threshold is k catches an error k times its noise; the goal of #14 is k ≤ 2 everywhere.
 
-use crate::backend::{Backend, Dtype, RunTables};
+use crate::backend::{Backend, RunTables};
 use crate::compare::{self, checks_for, ToleranceTable};
 use crate::error::Result;
 use crate::faults::Active;
 use crate::gguf::GgufFile;
 use crate::model::{LayerWeights, MlaConfig, RopeFactors};
+use crate::precision::Dtype;
 use crate::schedule::Schedule;
 use crate::trace::StageTensor;
 use rand::SeedableRng;

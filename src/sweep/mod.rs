@@ -17,12 +17,13 @@ pub mod lengths;
 pub mod render;
 pub mod splits;
 
-use crate::backend::{Backend, BackendInfo, Dtype};
+use crate::backend::{Backend, BackendInfo};
 use crate::compare::ToleranceTable;
 use crate::error::{Error, Result};
 use crate::faults::FaultSet;
 use crate::gguf::GgufFile;
 use crate::model::MlaConfig;
+use crate::precision::Dtype;
 use crate::report::{Environment, FileInfo, Report, ToolInfo};
 use crate::run::{InputSpec, Modes, RunOptions};
 use crate::schedule::Schedule;

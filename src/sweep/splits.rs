@@ -22,10 +22,11 @@
 
 use super::{Outcome, SweepOptions, SweepReport, SweepVerdict};
 use crate::backend::{Backend, BackendInfo, KeyTiles, LayerCtx};
-use crate::compare::{self, Check, Phase, Position, Tolerance};
+use crate::compare::{self, Check, Phase, Position};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::schedule::Schedule;
+use crate::tolerance::Tolerance;
 use crate::trace::{LayerTrace, Stage, StageSet};
 use serde::Serialize;
 
@@ -103,7 +104,7 @@ impl Backend for Recorder<'_> {
     fn known_attention(&self) -> bool {
         self.inner.known_attention()
     }
-    fn score_sum(&self) -> crate::compare::noise::ScoreSum {
+    fn score_sum(&self) -> crate::precision::ScoreSum {
         self.inner.score_sum()
     }
     fn key_tiles(&self) -> KeyTiles {

@@ -7,10 +7,10 @@
 //! and rope are replicated. The cut is the one `crate::capsule::heads` makes of the file's bytes, taken
 //! here of the dequantized values (the same numbers, with no block boundary to respect).
 
-use crate::backend::Dtype;
 use crate::error::{Error, Result};
 use crate::model::weights::QProj;
 use crate::model::{LayerWeights, MlaConfig};
+use crate::precision::Dtype;
 use crate::trace::{LayerTrace, StageTensor};
 use ndarray::{s, Array2};
 use std::ops::Range;

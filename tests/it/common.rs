@@ -47,7 +47,7 @@ impl Case {
         mla_diff::reference::run_layer(&self.cfg, &self.w, &self.rope, &self.x, &self.sched)
             .unwrap()
     }
-    pub fn mirror(&self, dt: mla_diff::backend::Dtype) -> LayerTrace {
+    pub fn mirror(&self, dt: mla_diff::precision::Dtype) -> LayerTrace {
         use mla_diff::backend::Backend;
         mla_diff::backend::cpu::CpuMirror::new(dt)
             .run_layer(&self.ctx(), &self.x)
@@ -173,8 +173,8 @@ pub fn all_finite(t: &LayerTrace) -> Result<(), String> {
 }
 
 /// Unit roundoff of a storage dtype (half the spacing of values in [1, 2)).
-pub fn unit_roundoff(dt: mla_diff::backend::Dtype) -> f64 {
-    use mla_diff::backend::Dtype;
+pub fn unit_roundoff(dt: mla_diff::precision::Dtype) -> f64 {
+    use mla_diff::precision::Dtype;
     match dt {
         Dtype::Bf16 => 2f64.powi(-8),
         Dtype::F16 => 2f64.powi(-11),
@@ -198,7 +198,7 @@ pub fn roundings(stage: Stage, lora: bool) -> usize {
 /// Each rounding has relative error ≤ u, RMS ≤ u/√3 for a uniform error; independent errors add in
 /// quadrature, so `sqrt(n)·u/√3` is the first-order RMS bound and `sqrt(n)·u` leaves a factor √3 for
 /// the (modest, unit-scale) conditioning of norms and softmax in these synthetic layers.
-pub fn tolerance(stage: Stage, lora: bool, dt: mla_diff::backend::Dtype) -> f64 {
+pub fn tolerance(stage: Stage, lora: bool, dt: mla_diff::precision::Dtype) -> f64 {
     (roundings(stage, lora) as f64).sqrt() * unit_roundoff(dt)
 }
 

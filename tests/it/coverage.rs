@@ -7,11 +7,12 @@ use crate::common;
 
 use common::{fixture, report_validator, run, schema_errors, stderr};
 use mla_diff::backend::cuda::tile_model::{AMPERE, HOPPER};
-use mla_diff::backend::Dtype;
+use mla_diff::coverage::compute;
 use mla_diff::coverage::covering::{covering, cuda_kernels, targets};
-use mla_diff::coverage::{compute, Family, KernelUse, Phase};
 use mla_diff::gguf::GgufFile;
+use mla_diff::kernel_use::{Family, KernelUse, Phase};
 use mla_diff::model::MlaConfig;
+use mla_diff::precision::Dtype;
 use mla_diff::schedule::Schedule;
 
 const FIXTURES: [&str; 5] = [
@@ -44,7 +45,7 @@ fn default_schedule_crosses_every_class_of_every_kernel() {
         let s = covering(&cfg);
         s.validate().unwrap();
         // Every target kernel, as the schedule's own rows select it.
-        let mut sets = vec![("cpu mirror", mla_diff::coverage::mirror_kernels())];
+        let mut sets = vec![("cpu mirror", mla_diff::backend::cpu::mirror_kernels())];
         for (name, dt, hopper) in [
             ("hopper bf16", Dtype::Bf16, true),
             ("hopper fp16", Dtype::F16, true),
@@ -89,7 +90,7 @@ fn pre14_default_missed_the_tile_classes_and_the_hopper_kernel() {
     let cfg = config("deepseek-v3-yarn-q4_k.gguf");
     let s = pre14();
     // The CPU mirror: no split holds a second tile, none a tail after a full one, no split is empty.
-    let c = compute(&mla_diff::coverage::mirror_kernels(), &cfg, &s, &[]);
+    let c = compute(&mla_diff::backend::cpu::mirror_kernels(), &cfg, &s, &[]);
     let missed = |c: &mla_diff::coverage::Coverage, phase: Phase| -> Vec<String> {
         c.classes
             .iter()

@@ -3,9 +3,9 @@
 
 use crate::common;
 use common::*;
-use mla_diff::backend::Dtype;
 use mla_diff::model::synthetic::Family;
 use mla_diff::model::RopePairing;
+use mla_diff::precision::Dtype;
 use mla_diff::trace::Stage;
 
 #[test]

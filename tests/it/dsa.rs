@@ -5,13 +5,14 @@
 //! while the kernel checks stay clean, and a planted kernel bug does the reverse.
 
 use crate::common::{fixture, selftest_dsa_fixture, DsaFile};
-use mla_diff::backend::cpu::indexer::{self as mirror_indexer, KeyPrecision, Plan};
+use mla_diff::backend::cpu::indexer::{self as mirror_indexer, Plan};
 use mla_diff::backend::cpu::CpuMirror;
-use mla_diff::backend::{Dtype, RunTables};
+use mla_diff::backend::RunTables;
 use mla_diff::compare::selection::{ScoreNoise, FLIP_P, MARGIN_SIGMAS};
 use mla_diff::compare::{self, ToleranceTable};
 use mla_diff::faults::{Active, Fault};
 use mla_diff::model::{IndexerConfig, IndexerWeights, LayerWeights, MlaConfig};
+use mla_diff::precision::{Dtype, KeyPrecision};
 use mla_diff::reference::indexer::Reading;
 use mla_diff::reference::sparse::{flashmla_indices, Selection};
 use mla_diff::run::dsa::{self, DsaLayer};
@@ -90,7 +91,7 @@ impl Case {
                 dtype: dt,
                 provided: mla_diff::trace::StageSet::ALL,
                 known_attention: true,
-                score_sum: compare::noise::ScoreSum::Lanes8,
+                score_sum: mla_diff::precision::ScoreSum::Lanes8,
             },
         };
         match sel {

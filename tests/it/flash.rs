@@ -6,9 +6,10 @@ use approx::{assert_abs_diff_eq, assert_relative_eq};
 use common::*;
 use mla_diff::backend::cpu::flash::{attend, merge, Partial, TILE};
 use mla_diff::backend::cpu::CpuMirror;
-use mla_diff::backend::{Backend, Dtype};
+use mla_diff::backend::Backend;
 use mla_diff::error::Error;
 use mla_diff::model::synthetic::Family;
+use mla_diff::precision::Dtype;
 
 fn keys(n: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
     let s = (0..n)

@@ -5,8 +5,8 @@
 
 use crate::common;
 use common::*;
-use mla_diff::backend::Dtype;
 use mla_diff::model::synthetic::Family;
+use mla_diff::precision::Dtype;
 
 #[test]
 fn f32_mirror_matches_reference() {

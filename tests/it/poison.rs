@@ -5,8 +5,8 @@ use crate::common;
 use common::*;
 use mla_diff::backend::cpu::cache::PagedCache;
 use mla_diff::backend::cpu::decode::split_partial;
-use mla_diff::backend::Dtype;
 use mla_diff::model::synthetic::Family;
+use mla_diff::precision::Dtype;
 use mla_diff::schedule::Schedule;
 
 fn poisoned_schedules() -> Vec<Schedule> {

@@ -4,8 +4,8 @@
 
 use crate::common;
 use common::*;
-use mla_diff::backend::Dtype;
 use mla_diff::model::synthetic::Family;
+use mla_diff::precision::Dtype;
 use mla_diff::schedule::Schedule;
 use mla_diff::trace::{LayerTrace, Stage, StageTensor};
 

@@ -5,9 +5,10 @@
 use crate::common;
 
 use mla_diff::backend::cpu::CpuMirror;
-use mla_diff::backend::{Backend, BackendInfo, Dtype, Kind, LayerCtx, RunTables};
+use mla_diff::backend::{Backend, BackendInfo, Kind, LayerCtx, RunTables};
 use mla_diff::faults::{Active, Fault, FaultSet, Injection};
 use mla_diff::model::synthetic::Family;
+use mla_diff::precision::Dtype;
 use mla_diff::schedule::Schedule;
 use mla_diff::selftest::{self, Outcome, Summary, TARGET};
 use mla_diff::trace::{LayerTrace, StageSet};
@@ -52,7 +53,7 @@ impl Backend for Mirror {
         ic: &mla_diff::model::IndexerConfig,
         iw: &mla_diff::model::IndexerWeights,
         x: &ndarray::Array2<f64>,
-        keys: mla_diff::backend::cpu::indexer::KeyPrecision,
+        keys: mla_diff::precision::KeyPrecision,
     ) -> mla_diff::Result<Option<mla_diff::reference::sparse::Selection>> {
         let ctx = LayerCtx {
             faults: self.faults.unwrap_or(ctx.faults),

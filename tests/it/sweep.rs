@@ -4,9 +4,10 @@
 
 use crate::common;
 use mla_diff::backend::cpu::CpuMirror;
-use mla_diff::backend::{Backend, BackendInfo, Dtype, KeyTile, KeyTiles, Kind, LayerCtx};
+use mla_diff::backend::{Backend, BackendInfo, KeyTile, KeyTiles, Kind, LayerCtx};
 use mla_diff::compare::ToleranceTable;
 use mla_diff::gguf::GgufFile;
+use mla_diff::precision::Dtype;
 use mla_diff::run::{InputSpec, Modes, RunOptions};
 use mla_diff::schedule::Schedule;
 use mla_diff::sweep::{self, lengths, LengthPlan, SweepOptions};

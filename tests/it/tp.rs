@@ -5,9 +5,10 @@
 
 use super::common;
 use mla_diff::backend::cpu::CpuMirror;
-use mla_diff::backend::{Backend, Dtype};
+use mla_diff::backend::Backend;
 use mla_diff::compare::ToleranceTable;
 use mla_diff::model::synthetic::Family;
+use mla_diff::precision::Dtype;
 use mla_diff::tp::{TpBackend, TpSpec};
 use mla_diff::trace::Stage;
 use serde_json::Value;

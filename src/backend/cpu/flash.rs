@@ -1,7 +1,7 @@
 //! Flash-style attention of one query: online softmax over key tiles, and the log-sum-exp merges that
 //! combine partial results (prefill context + chunk, decode splits).
 
-use crate::backend::Dtype;
+use crate::precision::Dtype;
 use std::ops::Range;
 
 /// Keys per tile of the online softmax.

@@ -3,9 +3,9 @@
 
 use super::ops::{linear, rms_norm, rope, round_all};
 use crate::backend::common::kv_b_split_swapped;
-use crate::backend::Dtype;
 use crate::faults::{Active, Fault};
 use crate::model::{LayerWeights, MlaConfig, QProj, RopePairing};
+use crate::precision::Dtype;
 use crate::rope::RopeTables;
 use ndarray::{s, Array1, Array2, Array3, ArrayView2, Axis, CowArray, Ix2, Ix3};
 

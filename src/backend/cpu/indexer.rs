@@ -18,25 +18,29 @@
 
 use super::front::RopeF32;
 use super::ops::{dot, linear, rms_norm, round_all, stored};
-use crate::backend::Dtype;
 use crate::error::{Error, Result};
 use crate::faults::Active;
 use crate::model::{IndexerConfig, IndexerWeights, LayerWeights, MlaConfig, QProj, RopePairing};
+use crate::precision::{Dtype, KeyPrecision};
 use crate::reference::indexer::Reading;
 use crate::reference::sparse::Selection;
 use crate::rope::RopeTables;
 use ndarray::{s, Array2, Array3, Axis};
 
-/// How the indexer stores q and k (`--indexer-keys`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum KeyPrecision {
-    /// In the run's dtype (bf16 / fp16 / f32), like transformers' and llama.cpp's graphs.
-    #[default]
-    #[value(name = "storage")]
-    Storage,
-    /// Hadamard-rotated fp8 e4m3 with per-128 scales, like vLLM / DeepGEMM (`Di` a power of two).
-    #[value(name = "fp8")]
-    Fp8,
+/// The optimized indexer's plan for a layer's planted faults (the indexer rows of the catalogue).
+pub fn plan_for(fx: crate::faults::Active, keys: KeyPrecision) -> Plan {
+    use crate::faults::Fault;
+    Plan {
+        keys,
+        reading: Reading {
+            swap_rope: fx.on(Fault::IndexerRopeSwap),
+            no_relu: fx.on(Fault::IndexerNoRelu),
+            top_k_minus_one: fx.on(Fault::IndexerTopkOffByOne),
+            non_causal: fx.on(Fault::IndexerNonCausal),
+            ..Reading::default()
+        },
+        fp8_scale_dropped: fx.on(Fault::IndexerFp8Scale),
+    }
 }
 
 /// The fp8 e4m3 block of the indexer cache: values per scale.

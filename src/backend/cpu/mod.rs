@@ -52,9 +52,10 @@ pub mod prefill;
 pub mod serving;
 
 use super::common::kernel_scale;
-use super::{Backend, Dtype, LayerCtx};
+use super::{Backend, LayerCtx};
 use crate::error::Result;
 use crate::faults::Fault;
+use crate::precision::Dtype;
 use crate::trace::{LayerTrace, Stage, StageSet, StageTensor};
 use ndarray::{Array, Array2, Array3, Dimension};
 
@@ -120,8 +121,8 @@ impl Backend for CpuMirror {
         StageSet::ALL
     }
 
-    fn score_sum(&self) -> crate::compare::noise::ScoreSum {
-        crate::compare::noise::ScoreSum::Lanes8 // `ops::dot`
+    fn score_sum(&self) -> crate::precision::ScoreSum {
+        crate::precision::ScoreSum::Lanes8 // `ops::dot`
     }
 
     fn key_tiles(&self) -> super::KeyTiles {
@@ -137,8 +138,8 @@ impl Backend for CpuMirror {
         &self,
         _cfg: &crate::model::MlaConfig,
         _sched: &crate::schedule::Schedule,
-    ) -> Vec<crate::coverage::KernelUse> {
-        crate::coverage::mirror_kernels()
+    ) -> Vec<crate::kernel_use::KernelUse> {
+        mirror_kernels()
     }
 
     fn sparse(&self) -> bool {
@@ -173,9 +174,9 @@ impl Backend for CpuMirror {
         ic: &crate::model::IndexerConfig,
         iw: &crate::model::IndexerWeights,
         x: &Array2<f64>,
-        keys: indexer::KeyPrecision,
+        keys: crate::precision::KeyPrecision,
     ) -> Result<Option<crate::reference::sparse::Selection>> {
-        let plan = crate::run::dsa::plan_for(ctx.faults, keys);
+        let plan = crate::backend::cpu::indexer::plan_for(ctx.faults, keys);
         let o = indexer::run(ctx.cfg, ic, iw, ctx.weights, ctx.rope, x, self.dtype, plan)?;
         Ok(Some(o.selection))
     }
@@ -264,4 +265,26 @@ impl Backend for CpuMirror {
         tr.push(stage(Stage::AttnOut, &attn_out));
         Ok(tr)
     }
+}
+
+/// The CPU mirror's kernels: one query at a time, tiles of `cpu::flash::TILE` keys, no warps.
+pub fn mirror_kernels() -> Vec<crate::kernel_use::KernelUse> {
+    use crate::kernel_use::{Family, Geometry, KernelUse, Phase};
+    let g = Geometry {
+        rows_per_cta: 1,
+        keys_per_tile: flash::TILE,
+        key_slices: 1,
+        stages: 1,
+        per_row_ranges: true,
+    };
+    [Phase::Prefill, Phase::Decode]
+        .into_iter()
+        .map(|phase| KernelUse {
+            phase,
+            family: Family::Mirror,
+            label: format!("{}-key tiles, a query at a time", g.keys_per_tile),
+            geometry: Some(g),
+            production: None,
+        })
+        .collect()
 }

@@ -2,8 +2,8 @@
 //! holding exactly representable values), every product is accumulated in f32, and `Dtype::round` marks
 //! each point where a kernel writes a result to memory.
 
-use crate::backend::Dtype;
 use crate::model::RopePairing;
+use crate::precision::Dtype;
 use crate::rope::pair;
 use ndarray::{Array, Array1, Array2, ArrayView2, Dimension};
 

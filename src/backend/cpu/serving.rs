@@ -12,8 +12,9 @@ use super::row3;
 use crate::backend::runner::checks::{against_fp64, RunnerCheck};
 use crate::backend::runner::decode::Entry;
 use crate::backend::runner::RunnerBackend;
-use crate::backend::{Dtype, LayerCtx};
+use crate::backend::LayerCtx;
 use crate::model::MlaConfig;
+use crate::precision::Dtype;
 use ndarray::Array3;
 
 /// A bug planted in the batch's combine, only for tests (no catalogue entry: the catalogue's faults

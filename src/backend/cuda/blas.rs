@@ -1,7 +1,7 @@
 //! cuBLAS: every projection is a GEMM with f32 accumulation and storage-type output.
 
-use crate::backend::Dtype;
 use crate::error::{Error, Result};
+use crate::precision::Dtype;
 use cudarc::cublas::sys as blas;
 use std::ffi::c_void;
 

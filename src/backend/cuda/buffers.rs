@@ -2,10 +2,11 @@
 //! weight) and every activation, scratch and output buffer, allocated once per layer before any launch.
 
 use super::device::{elem_bytes, encode, encode_f32, DevBuf};
-use crate::backend::{Dtype, LayerCtx};
+use crate::backend::LayerCtx;
 use crate::error::Result;
 use crate::faults::{Active, Fault};
 use crate::model::weights::QProj;
+use crate::precision::Dtype;
 
 /// Upload an f32 host tensor (in its logical order) in the storage type.
 pub fn up<S, D>(dt: Dtype, a: &ndarray::ArrayBase<S, D>) -> Result<DevBuf>

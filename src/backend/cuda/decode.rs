@@ -7,8 +7,8 @@ use super::buffers::head_stride_qk;
 use super::device::{encode, DevBuf};
 use super::layer::Layer;
 use super::trace::down;
-use crate::backend::Dtype;
 use crate::error::Result;
+use crate::precision::Dtype;
 use crate::schedule::Schedule;
 use cudarc::cublas::sys::cublasOperation_t as Op;
 

@@ -1,8 +1,8 @@
 //! Device probing, the context, device buffers and events — raw driver calls through cudarc's
 //! dynamically loaded bindings. cudarc panics when libcuda is missing, so `Gpu::open` checks first.
 
-use crate::backend::Dtype;
 use crate::error::{Error, Result};
+use crate::precision::Dtype;
 use cudarc::driver::{result as drv, sys, DriverError};
 use std::ffi::c_void;
 

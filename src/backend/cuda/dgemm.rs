@@ -12,9 +12,9 @@
 use super::device::{drv_err, DevBuf, Gpu};
 use super::kernels::{Kernels, Module};
 use super::nvrtc::Sources;
-use crate::backend::Dtype;
 use crate::error::{Error, Result};
 use crate::linalg::{Engine, Linear};
+use crate::precision::Dtype;
 use cudarc::cublas::sys as blas;
 use cudarc::driver::result as drv;
 use ndarray::{Array2, ArrayView2};

@@ -13,10 +13,11 @@
 use super::device::{arg, DevBuf, Timer};
 use super::kernels::{launch, KERNEL_FAULTS};
 use super::CudaBackend;
-use crate::backend::cpu::indexer::{self as mirror, KeyPrecision, Operands};
+use crate::backend::cpu::indexer::{self as mirror, Operands};
 use crate::backend::LayerCtx;
 use crate::error::{Error, Result};
 use crate::model::{IndexerConfig, IndexerWeights};
+use crate::precision::KeyPrecision;
 use crate::reference::sparse::Selection;
 use ndarray::Array2;
 
@@ -42,7 +43,7 @@ pub fn run(
 ) -> Result<GpuIndexer> {
     be.gpu.bind()?;
     let dt = be.opts.dtype;
-    let plan = crate::run::dsa::plan_for(ctx.faults, keys);
+    let plan = crate::backend::cpu::indexer::plan_for(ctx.faults, keys);
     let t0 = std::time::Instant::now();
     let ops = mirror::operands(ctx.cfg, ic, iw, ctx.weights, ctx.rope, x, dt, plan)?;
     let host_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -84,9 +85,9 @@ fn defines(be: &CudaBackend, ctx: &LayerCtx, ops: &Operands) -> Vec<(String, Str
         d(
             "MLA_DTYPE",
             match be.opts.dtype {
-                crate::backend::Dtype::Bf16 => 0,
-                crate::backend::Dtype::F16 => 1,
-                crate::backend::Dtype::F32 => 2,
+                crate::precision::Dtype::Bf16 => 0,
+                crate::precision::Dtype::F16 => 1,
+                crate::precision::Dtype::F32 => 2,
             },
         ),
         d("IX_H", hi),

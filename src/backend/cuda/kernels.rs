@@ -3,9 +3,9 @@
 
 use super::device::{drv_err, Gpu};
 use super::nvrtc::{self, Sources};
-use crate::backend::Dtype;
 use crate::error::{Error, Result};
 use crate::faults::{Active, Fault};
+use crate::precision::Dtype;
 use cudarc::driver::{result as drv, sys};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};

@@ -44,9 +44,10 @@ pub mod tma;
 pub mod trace;
 pub mod validate;
 
-use crate::backend::{Backend, Dtype, LayerCtx};
+use crate::backend::{Backend, LayerCtx};
 use crate::error::{Error, Result};
 use crate::faults::Fault;
+use crate::precision::Dtype;
 use crate::trace::{LayerTrace, Stage, StageSet};
 use blas::Blas;
 use buffers::{Acts, Sizes, Weights};
@@ -139,9 +140,9 @@ pub struct CudaBackend {
     /// The key tiles of the attention kernels the last layer used (`Backend::key_tiles`).
     pub last_tiles: crate::backend::KeyTiles,
     /// The same, for the coverage section: per phase the kernel, its geometry and the production kernel.
-    pub last_kernels: Vec<crate::coverage::KernelUse>,
+    pub last_kernels: Vec<crate::kernel_use::KernelUse>,
     /// How the last layer's attention summed its scores (`Backend::score_sum`).
-    pub last_score_sum: crate::compare::noise::ScoreSum,
+    pub last_score_sum: crate::precision::ScoreSum,
     /// Notices for the report (a kernel choice the host did not predict), without repeats.
     pub notices: Vec<String>,
     /// Seconds in `run_layer`: weights converted and uploaded, the layer's launches (to the trace's
@@ -169,7 +170,7 @@ impl CudaBackend {
             last_paths: String::new(),
             last_tiles: Default::default(),
             last_kernels: Vec::new(),
-            last_score_sum: crate::compare::noise::ScoreSum::Sequential,
+            last_score_sum: crate::precision::ScoreSum::Sequential,
             notices: Vec::new(),
             spent: [0.0; 3],
             uploaded: None,
@@ -188,7 +189,7 @@ impl CudaBackend {
         splits: usize,
         n_keys: usize,
     ) {
-        use crate::coverage::Phase;
+        use crate::kernel_use::Phase;
         let i = &self.gpu.info;
         let caps = tile_model::Caps {
             cc: i.cc,
@@ -242,8 +243,8 @@ impl CudaBackend {
         self.last_kernels = uses;
         // Tensor cores in both phases, or the scalar kernels' lane sums (modelled as sequential).
         self.last_score_sum = match k.prefill.uses_mma() && k.decode.uses_mma() {
-            true => crate::compare::noise::ScoreSum::TensorCore,
-            false => crate::compare::noise::ScoreSum::Sequential,
+            true => crate::precision::ScoreSum::TensorCore,
+            false => crate::precision::ScoreSum::Sequential,
         };
     }
 }
@@ -300,7 +301,7 @@ impl Backend for CudaBackend {
         ic: &crate::model::IndexerConfig,
         iw: &crate::model::IndexerWeights,
         x: &ndarray::Array2<f64>,
-        keys: crate::backend::cpu::indexer::KeyPrecision,
+        keys: crate::precision::KeyPrecision,
     ) -> Result<Option<crate::reference::sparse::Selection>> {
         Ok(Some(indexer::run(self, ctx, ic, iw, x, keys)?.selection))
     }
@@ -313,7 +314,7 @@ impl Backend for CudaBackend {
         self.notices.clone()
     }
 
-    fn score_sum(&self) -> crate::compare::noise::ScoreSum {
+    fn score_sum(&self) -> crate::precision::ScoreSum {
         self.last_score_sum
     }
 
@@ -321,7 +322,7 @@ impl Backend for CudaBackend {
         &self,
         _cfg: &crate::model::MlaConfig,
         _sched: &crate::schedule::Schedule,
-    ) -> Vec<crate::coverage::KernelUse> {
+    ) -> Vec<crate::kernel_use::KernelUse> {
         self.last_kernels.clone()
     }
 

@@ -10,7 +10,7 @@
 
 use super::kernels::{Dims, Tile};
 use super::{decode_tiles, prefill_tiles};
-use crate::backend::Dtype;
+use crate::precision::Dtype;
 
 /// Largest dynamic shared memory per block (opt-in), by NVRTC target.
 pub fn smem_limit(arch: &str) -> Option<usize> {

@@ -3,8 +3,9 @@
 //! the unchanged kernels for every case. `backend::Factory` holds the `SharedGpu`.
 
 use super::{CudaBackend, CudaOptions};
-use crate::backend::{open, Backend, Dtype, LayerCtx};
+use crate::backend::{open, Backend, LayerCtx};
 use crate::error::Result;
+use crate::precision::Dtype;
 use crate::trace::{LayerTrace, StageSet};
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -70,7 +71,7 @@ impl Backend for SharedCuda {
         ic: &crate::model::IndexerConfig,
         iw: &crate::model::IndexerWeights,
         x: &ndarray::Array2<f64>,
-        keys: crate::backend::cpu::indexer::KeyPrecision,
+        keys: crate::precision::KeyPrecision,
     ) -> Result<Option<crate::reference::sparse::Selection>> {
         self.bind().indexer(ctx, ic, iw, x, keys)
     }
@@ -86,14 +87,14 @@ impl Backend for SharedCuda {
     fn notices(&self) -> Vec<String> {
         self.inner.borrow().notices()
     }
-    fn score_sum(&self) -> crate::compare::noise::ScoreSum {
+    fn score_sum(&self) -> crate::precision::ScoreSum {
         self.inner.borrow().score_sum()
     }
     fn kernels(
         &self,
         cfg: &crate::model::MlaConfig,
         sched: &crate::schedule::Schedule,
-    ) -> Vec<crate::coverage::KernelUse> {
+    ) -> Vec<crate::kernel_use::KernelUse> {
         self.inner.borrow().kernels(cfg, sched)
     }
 }

@@ -55,8 +55,8 @@ impl<'s> Sparse<'s> {
 /// The coverage section's kernels of a sparse layer: `sparse_attn` in both phases. Its tiles are 32
 /// consecutive entries of a query's index row, not key positions, so the dense tile classes do not apply
 /// (no geometry: reported unknown).
-pub fn kernel_uses() -> Vec<crate::coverage::KernelUse> {
-    use crate::coverage::{Family, KernelUse, Phase};
+pub fn kernel_uses() -> Vec<crate::kernel_use::KernelUse> {
+    use crate::kernel_use::{Family, KernelUse, Phase};
     [Phase::Prefill, Phase::Decode]
         .into_iter()
         .map(|phase| KernelUse {

@@ -11,8 +11,8 @@
 
 use super::kernels::{Dims, Tile};
 use super::{decode_tiles, prefill_tiles};
-use crate::backend::Dtype;
-use crate::coverage::{Family, Geometry, KernelUse, Phase, Production};
+use crate::kernel_use::{Family, Geometry, KernelUse, Phase, Production};
+use crate::precision::Dtype;
 
 /// What the tile choice needs to know about a device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

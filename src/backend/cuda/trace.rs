@@ -3,8 +3,8 @@
 
 use super::device::{decode, elem_bytes, DevBuf};
 use super::layer::Layer;
-use crate::backend::Dtype;
 use crate::error::Result;
+use crate::precision::Dtype;
 use crate::trace::{LayerTrace, Stage, StageTensor};
 
 /// Download `n` storage-type elements starting at element `off`.

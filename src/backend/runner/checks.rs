@@ -148,7 +148,7 @@ pub struct Judged {
 pub fn judge(
     r: &[f64],
     o: &[f64],
-    tol: &crate::compare::Tolerance,
+    tol: &crate::tolerance::Tolerance,
     skip: impl Fn(usize) -> bool,
 ) -> Judged {
     let (mut num, mut den, mut n, mut bad) = (0.0f64, 0.0f64, 0usize, 0usize);
@@ -263,7 +263,7 @@ mod tests {
 
     #[test]
     fn judge_never_passes_nan_and_skips_dont_care() {
-        let tol = crate::compare::Tolerance {
+        let tol = crate::tolerance::Tolerance {
             rel_l2: 1e-3,
             atol_rms: 1e-2,
             rtol: 1e-3,

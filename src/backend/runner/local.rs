@@ -1,7 +1,7 @@
 //! fp64 attention from exactly the tensors a runner was given: the yardstick of the `@runner` checks,
 //! where upstream rounding cancels and only the runner's own error is left.
 
-use crate::compare::Tolerance;
+use crate::tolerance::Tolerance;
 
 /// One query's fp64 attention over `keys` (`score(j)` already scaled, `value(j)` its value row).
 /// No key: out 0, lse −inf.

@@ -18,8 +18,9 @@ mod sparse_decode;
 pub mod tensors;
 
 use super::cpu::front::{o_proj, MirrorWeights};
-use super::{Backend, Dtype, LayerCtx};
+use super::{Backend, LayerCtx};
 use crate::error::{Error, Result};
+use crate::precision::Dtype;
 use crate::trace::{LayerTrace, Stage, StageSet};
 use ndarray::{Array2, Array3};
 use protocol::{Describe, LseBase, LseLayout, Outcome, Process, Request};
@@ -49,8 +50,8 @@ pub struct RunnerBackend {
 
 /// The kernels a runner declares a geometry for (`describe` `ops.OP.geometry.key_tile`), as coverage
 /// targets: what the default schedule also covers.
-pub fn declared_kernels(d: &Describe) -> Vec<crate::coverage::KernelUse> {
-    use crate::coverage::{Family, KernelUse, Phase};
+pub fn declared_kernels(d: &Describe) -> Vec<crate::kernel_use::KernelUse> {
+    use crate::kernel_use::{Family, KernelUse, Phase};
     [
         (Phase::Decode, &d.ops.decode),
         (Phase::Decode, &d.ops.sparse_decode),
@@ -69,15 +70,6 @@ pub fn declared_kernels(d: &Describe) -> Vec<crate::coverage::KernelUse> {
         })
     })
     .collect()
-}
-
-/// What a runner's `supports` leaves of the default schedule's freedom.
-pub fn limits(d: &Describe) -> crate::coverage::covering::Limits {
-    let decodes = d.ops.decode.is_some() || d.ops.sparse_decode.is_some();
-    crate::coverage::covering::Limits {
-        max_q_len: d.supports.max_q_len.filter(|_| decodes),
-        page_sizes: d.supports.page_sizes.clone().filter(|_| decodes),
-    }
 }
 
 /// How requests reach the runner: a `--serve` process through files, or an in-process runner
@@ -475,7 +467,7 @@ impl Backend for RunnerBackend {
         ic: &crate::model::IndexerConfig,
         iw: &crate::model::IndexerWeights,
         x: &Array2<f64>,
-        keys: crate::backend::cpu::indexer::KeyPrecision,
+        keys: crate::precision::KeyPrecision,
     ) -> Result<Option<crate::reference::sparse::Selection>> {
         self.inner.indexer(ctx, ic, iw, x, keys)
     }
@@ -487,8 +479,8 @@ impl Backend for RunnerBackend {
         &self,
         cfg: &crate::model::MlaConfig,
         sched: &crate::schedule::Schedule,
-    ) -> Vec<crate::coverage::KernelUse> {
-        use crate::coverage::{Family, Phase};
+    ) -> Vec<crate::kernel_use::KernelUse> {
+        use crate::kernel_use::{Family, Phase};
         // The phases the runner computes are its kernels, whose tiles mla-diff cannot see.
         let mut k = self.inner.kernels(cfg, sched);
         for u in k.iter_mut() {

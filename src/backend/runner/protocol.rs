@@ -12,8 +12,8 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// The protocol version this build speaks (`describe.protocol`, the files' `__metadata__`).
-pub const PROTOCOL: u32 = 1;
+// The version lives with the file format that stamps it (tensors.rs imports nothing from here).
+use super::tensors::PROTOCOL;
 /// A runner that exits with this code cannot take the case (unsupported, not a failure).
 pub const EXIT_UNSUPPORTED: i32 = 3;
 
@@ -109,9 +109,9 @@ pub enum SplitPartition {
 
 impl OpGeometry {
     /// The coverage geometry, when a key tile is declared.
-    pub fn coverage(&self) -> Option<crate::coverage::Geometry> {
+    pub fn coverage(&self) -> Option<crate::kernel_use::Geometry> {
         let rows = self.row_tile.unwrap_or(1);
-        self.key_tile.map(|k| crate::coverage::Geometry {
+        self.key_tile.map(|k| crate::kernel_use::Geometry {
             rows_per_cta: rows,
             keys_per_tile: k,
             key_slices: 1,
@@ -731,9 +731,4 @@ impl Drop for Process {
             let _ = std::fs::remove_dir_all(&self.scratch);
         }
     }
-}
-
-/// The metadata every input file carries.
-pub fn file_metadata() -> BTreeMap<String, String> {
-    BTreeMap::from([("mla_diff_protocol".to_string(), PROTOCOL.to_string())])
 }

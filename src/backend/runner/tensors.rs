@@ -1,13 +1,16 @@
 //! Tensors to and from a runner: safetensors files, floats in the run's storage dtype (the values the
 //! optimized path stored, exactly), integers as i32.
 
-use crate::backend::Dtype;
 use crate::error::{Error, Result};
+use crate::precision::Dtype;
 /// The safetensors dtype, for in-process runners (crates/mla-diff-py) that hand tensors over in memory.
 pub use safetensors::tensor::Dtype as StDtype;
 use safetensors::tensor::{Dtype as St, TensorView};
 use std::collections::HashMap;
 use std::path::Path;
+
+/// The protocol version this build speaks (`describe.protocol`, the files' `__metadata__`).
+pub const PROTOCOL: u32 = 1;
 
 /// One named input.
 pub struct Named {
@@ -71,7 +74,8 @@ pub fn write(path: &Path, tensors: &[Named]) -> Result<()> {
                 .map_err(|e| Error::Usage(format!("runner input {}: {e}", t.name)))
         })
         .collect::<Result<Vec<_>>>()?;
-    let meta: HashMap<String, String> = super::protocol::file_metadata().into_iter().collect();
+    // Every input file carries the protocol version it was written for.
+    let meta = HashMap::from([("mla_diff_protocol".to_string(), PROTOCOL.to_string())]);
     safetensors::tensor::serialize_to_file(views, Some(meta), path)
         .map_err(|e| Error::Environment(format!("writing {}: {e}", path.display())))
 }

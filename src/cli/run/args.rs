@@ -3,9 +3,10 @@
 //! tolerance and report options. A new backend option (an external runner, say) is one field of
 //! `BackendArgs`, and then every command that runs a backend has it.
 
-use mla_diff::backend::{Backend, BackendInfo, Choice, Dtype};
+use mla_diff::backend::{Backend, BackendInfo, Choice};
 use mla_diff::compare::ToleranceTable;
 use mla_diff::error::Error;
+use mla_diff::precision::Dtype;
 use mla_diff::report::baseline::Identity;
 use mla_diff::report::{self, Report};
 use mla_diff::run::{DumpLayers, InputSpec};

@@ -8,10 +8,11 @@ mod serving;
 use crate::common;
 
 use mla_diff::backend::cpu::CpuMirror;
-use mla_diff::backend::{Backend, BackendInfo, Dtype, Kind, LayerCtx};
+use mla_diff::backend::{Backend, BackendInfo, Kind, LayerCtx};
 use mla_diff::compare::ToleranceTable;
 use mla_diff::gguf::GgufFile;
 use mla_diff::model::MlaConfig;
+use mla_diff::precision::Dtype;
 use mla_diff::run::{InputSpec, Modes, RunOptions};
 use mla_diff::schedule::Schedule;
 use mla_diff::trace::{LayerTrace, Stage, StageSet};

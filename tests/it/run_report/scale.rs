@@ -3,8 +3,8 @@
 
 use super::{opts, run_with, tiny4, BIN};
 use mla_diff::backend::cpu::CpuMirror;
-use mla_diff::backend::Dtype;
 use mla_diff::gguf::GgufFile;
+use mla_diff::precision::Dtype;
 use std::process::Command;
 
 /// The local view and the whole report are the same bytes on one thread as on several (12: two layers

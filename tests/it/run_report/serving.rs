@@ -4,7 +4,7 @@
 use super::{opts, run_with, tiny4};
 use mla_diff::backend::cpu::serving::Plant;
 use mla_diff::backend::cpu::CpuMirror;
-use mla_diff::backend::Dtype;
+use mla_diff::precision::Dtype;
 
 #[test]
 fn the_mirrors_serving_batch_passes_and_an_empty_split_weighed_one_fails_only_there() {
