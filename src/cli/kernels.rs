@@ -37,11 +37,8 @@ struct CheckArgs {
 
 pub fn exec(a: Args) -> Result<i32, Error> {
     let KernelsCmd::Check(a) = a.cmd;
-    let s = mla_diff::backend::cuda::check::kernels_check(
-        &a.arch,
-        a.kernels.as_deref(),
-        a.dump.as_deref(),
-    )?;
+    let s =
+        mla_diff::tools::check::kernels_check(&a.arch, a.kernels.as_deref(), a.dump.as_deref())?;
     print!("{}", s.report);
     println!(
         "{} compilations OK (PTX + CUBIN); {} kernel(s) with register spills{}",

@@ -18,10 +18,8 @@
 //! (NVRTC modules and defines), `device.rs` (context, buffers, events).
 
 pub mod attn;
-pub mod bench;
 pub mod blas;
 pub mod buffers;
-pub mod check;
 pub mod decode;
 pub mod device;
 pub mod dgemm;
@@ -31,18 +29,15 @@ pub mod kernels;
 pub mod launch;
 pub mod layer;
 pub mod nvrtc;
-pub mod peers;
 pub mod plan;
 // The tile choice as coverage models it (kinds, geometry, production kernel); `plan` is lint's model of
 // the same choice (shared memory per arch). Two host models of one choice: to be unified.
 pub mod prefill;
 pub mod shared;
 pub mod sparse;
-pub mod table;
 pub mod tile_model;
 pub mod tma;
 pub mod trace;
-pub mod validate;
 
 use crate::backend::{Backend, Dtype, LayerCtx};
 use crate::error::{Error, Result};

@@ -3,8 +3,8 @@
 //! measured by the same process — with each shape's ratios, correctness and floor verdict in one record.
 
 use super::bench::{BenchRow, CaseResult, DecodeCase, PeerTimed, Session, Timed};
-use super::kernels::Tile;
-use super::{decode_tiles, prefill_tiles, prefill_wgmma_variants};
+use crate::backend::cuda::kernels::Tile;
+use crate::backend::cuda::{decode_tiles, prefill_tiles, prefill_wgmma_variants};
 use crate::backend::Dtype;
 use crate::error::Result;
 use crate::model::catalogue::Preset;

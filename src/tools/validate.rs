@@ -5,8 +5,8 @@
 //! The GPU runs are serial; the CPU work (reference and mirror of every case) runs on all cores at once,
 //! so a whole sweep fits a short lease.
 
-use super::{CudaBackend, CudaOptions};
 use crate::backend::cpu::CpuMirror;
+use crate::backend::cuda::{CudaBackend, CudaOptions};
 use crate::backend::{Backend, Dtype, RunTables};
 use crate::compare::{self, metrics, ToleranceTable};
 use crate::error::{Error, Result};
@@ -277,7 +277,7 @@ pub fn run(a: &Options) -> Result<i32> {
                                 let mma = cu.run_layer(&ctx, x)?;
                                 let ms = t.elapsed().as_secs_f64() * 1e3;
                                 let sct = sc.run_layer(&ctx, x)?;
-                                let dims = super::kernels::Dims {
+                                let dims = crate::backend::cuda::kernels::Dims {
                                     dtype: dt,
                                     lkv: cfg.kv_lora_rank,
                                     r: cfg.qk_rope,
@@ -295,7 +295,7 @@ pub fn run(a: &Options) -> Result<i32> {
                                     sc: sct,
                                     ms,
                                     paths: cu.last_paths.clone(),
-                                    planned: super::plan::paths(
+                                    planned: crate::backend::cuda::plan::paths(
                                         &dims,
                                         sched.q_len * cfg.n_head,
                                         &info.arch(),
@@ -534,7 +534,7 @@ pub fn run(a: &Options) -> Result<i32> {
         }
     }
     // The fp64 products a CUDA run sends to the GPU (`dgemm`): against the host's.
-    let (lines, dgemm_failures) = super::dgemm::validate()?;
+    let (lines, dgemm_failures) = crate::backend::cuda::dgemm::validate()?;
     for l in &lines {
         writeln!(text, "{}{l}", if l.starts_with(' ') { "" } else { "\n== " }).unwrap();
     }

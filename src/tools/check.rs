@@ -1,10 +1,10 @@
 //! `mla-diff kernels check`: compile every kernel with NVRTC (no GPU needed) to PTX and CUBIN for several
 //! architectures, model dims and storage types; report ptxas registers, spills and shared memory.
 
-use super::kernels::{Dims, Tile, KERNEL_FAULTS};
-use super::nvrtc::{self, parse_ptxas, Sources};
-use super::plan::{self, smem_limit, Widths};
-use super::{decode_tiles, prefill_tiles};
+use crate::backend::cuda::kernels::{Dims, Tile, KERNEL_FAULTS};
+use crate::backend::cuda::nvrtc::{self, parse_ptxas, Sources};
+use crate::backend::cuda::plan::{self, smem_limit, Widths};
+use crate::backend::cuda::{decode_tiles, prefill_tiles};
 use crate::backend::Dtype;
 use crate::error::{Error, Result};
 use crate::faults::Active;
@@ -194,7 +194,7 @@ fn check_faults(
 /// `attn_*_config`, so that a kernel edit that changes its layout cannot leave the two apart.
 fn check_plan(dims: &Dims, unit: &str, t: Tile, kernel: &str, c: [i32; 4]) -> Result<()> {
     let decode = unit == "decode.cu";
-    let g = super::tile_model::geometry(
+    let g = crate::backend::cuda::tile_model::geometry(
         Some(Tile {
             wgmma: kernel == "attn_wgmma",
             ..t
@@ -204,7 +204,7 @@ fn check_plan(dims: &Dims, unit: &str, t: Tile, kernel: &str, c: [i32; 4]) -> Re
     let want = match kernel {
         // Decode's kernel: two warpgroups; prefill's: one per 64 rows and the producer warpgroup.
         "attn_wgmma" => [
-            super::tile_model::wgmma_smem(dims, &t, decode),
+            crate::backend::cuda::tile_model::wgmma_smem(dims, &t, decode),
             if decode {
                 256
             } else {
@@ -212,7 +212,7 @@ fn check_plan(dims: &Dims, unit: &str, t: Tile, kernel: &str, c: [i32; 4]) -> Re
             },
         ],
         "attn_mma" => [
-            super::tile_model::mma_smem(dims, &t, decode),
+            crate::backend::cuda::tile_model::mma_smem(dims, &t, decode),
             32 * (t.wm * t.wn) as usize,
         ],
         _ => return Ok(()),
