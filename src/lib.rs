@@ -34,6 +34,7 @@ pub mod schedule;
 pub mod selftest;
 pub mod shard;
 pub mod sweep;
+pub mod tiles;
 pub mod tools;
 pub mod tp;
 pub mod trace;

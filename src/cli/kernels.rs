@@ -14,7 +14,7 @@ pub struct Args {
 enum KernelsCmd {
     /// Compile every kernel with NVRTC to PTX and CUBIN for several architectures, dims and dtypes;
     /// print ptxas registers and spills per kernel. Exit 2 on a compile error, or when the attention
-    /// kernels' shared memory differs from src/backend/cuda/plan.rs's (what `lint --backend cuda` reports).
+    /// kernels' shared memory differs from src/tiles/choice.rs's (what `lint --backend cuda` reports).
     Check(CheckArgs),
 }
 

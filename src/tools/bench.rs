@@ -7,16 +7,17 @@
 //! causal prefill FLOPs = H·T²·(dqk+dv) (half of the full T×T score matrix).
 
 use super::peers::Peer;
-use crate::backend::cuda::attn::{Attn, AttnArgs};
+use crate::backend::cuda::args::AttnArgs;
+use crate::backend::cuda::attn::{Attn, PrefillLaunch};
 use crate::backend::cuda::blas::{Blas, GemmPrecision};
 use crate::backend::cuda::device::{arg, DevBuf, Gpu, Timer};
-use crate::backend::cuda::kernels::{launch, Dims, Kernels, Tile};
+use crate::backend::cuda::kernels::{launch, Kernels};
 use crate::backend::cuda::nvrtc::Sources;
-use crate::backend::cuda::{decode_tiles, prefill_tiles};
 use crate::backend::runner::tensors::{ints, Named};
 use crate::backend::Dtype;
 use crate::error::Result;
 use crate::model::catalogue::{Entry, Preset};
+use crate::tiles::{decode_tiles, prefill_tiles, Dims, Tile};
 use cudarc::cublas::sys::cublasOperation_t as Op;
 use serde::Serialize;
 use std::fmt::Write;
@@ -749,7 +750,7 @@ impl Session {
             };
             // The Hopper kernel takes its operands' tensor maps as a parameter (TMA loads where they
             // encode, cp.async otherwise): launched through PrefillLaunch, not Attn::run.
-            let wg = crate::backend::cuda::prefill::PrefillLaunch::find(&mut self.k, &att, &dims)?;
+            let wg = PrefillLaunch::find(&mut self.k, &att, &dims)?;
             let maps = match &wg {
                 Some(l) => l.maps(&a)?,
                 None => crate::backend::cuda::tma::PrefillMaps::OFF,
@@ -899,7 +900,7 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
         // The first three tiles with Hopper's other wgmma tiles after the first.
         let mut tiles = prefill_tiles();
         tiles.truncate(3);
-        tiles.splice(1..1, crate::backend::cuda::prefill_wgmma_variants());
+        tiles.splice(1..1, crate::tiles::prefill_wgmma_variants());
         if opts.best_only {
             tiles.retain(|t| t.wgmma);
         } else {

@@ -137,7 +137,7 @@ enum JobOut {
         sc: LayerTrace,
         ms: f64,
         paths: String,
-        /// What plan.rs (and so `lint --backend cuda`) says the layer launches.
+        /// What src/tiles/choice.rs (and so `lint --backend cuda`) says the layer launches.
         planned: String,
     },
     Cpu(LayerTrace),
@@ -277,7 +277,7 @@ pub fn run(a: &Options) -> Result<i32> {
                                 let mma = cu.run_layer(&ctx, x)?;
                                 let ms = t.elapsed().as_secs_f64() * 1e3;
                                 let sct = sc.run_layer(&ctx, x)?;
-                                let dims = crate::backend::cuda::kernels::Dims {
+                                let dims = crate::tiles::Dims {
                                     dtype: dt,
                                     lkv: cfg.kv_lora_rank,
                                     r: cfg.qk_rope,
@@ -295,7 +295,7 @@ pub fn run(a: &Options) -> Result<i32> {
                                     sc: sct,
                                     ms,
                                     paths: cu.last_paths.clone(),
-                                    planned: crate::backend::cuda::plan::paths(
+                                    planned: crate::tiles::choice::paths(
                                         &dims,
                                         sched.q_len * cfg.n_head,
                                         &info.arch(),
@@ -419,10 +419,10 @@ pub fn run(a: &Options) -> Result<i32> {
             let cr = figs(&g.mma, reference);
             let sr = figs(&g.sc, reference);
             let mut failures = rounding_level(g.dt, &cm, &mr);
-            // `lint --backend cuda` reports plan.rs's choice without a GPU: it must be what ran.
+            // `lint --backend cuda` reports src/tiles/choice.rs's choice without a GPU: it must be what ran.
             if g.planned != g.paths {
                 failures.push(format!(
-                    "kernel plan (src/backend/cuda/plan.rs, what lint reports) says \"{}\", the backend launched \"{}\"",
+                    "kernel plan (src/tiles/choice.rs, what lint reports) says \"{}\", the backend launched \"{}\"",
                     g.planned, g.paths
                 ));
             }
