@@ -36,6 +36,7 @@ pub struct Options {
 }
 
 pub mod cases;
+pub mod dgemm;
 pub use cases::{cases, Case, CaseSpec, CASES};
 
 pub fn case_layer(c: &Case) -> (MlaConfig, LayerWeights, Option<RopeFactors>) {
@@ -534,7 +535,7 @@ pub fn run(a: &Options) -> Result<i32> {
         }
     }
     // The fp64 products a CUDA run sends to the GPU (`dgemm`): against the host's.
-    let (lines, dgemm_failures) = crate::backend::cuda::dgemm::validate()?;
+    let (lines, dgemm_failures) = dgemm::validate()?;
     for l in &lines {
         writeln!(text, "{}{l}", if l.starts_with(' ') { "" } else { "\n== " }).unwrap();
     }
