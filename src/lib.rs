@@ -38,7 +38,9 @@ pub mod schedule;
 pub mod selftest;
 pub mod shard;
 pub mod sweep;
+pub mod tiles;
 pub mod tolerance;
+pub mod tools;
 pub mod tp;
 pub mod trace;
 

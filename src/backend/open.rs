@@ -132,7 +132,13 @@ impl Factory {
                 ))
             }
             Kind::Cuda => {
-                let b = SharedCuda::open(&mut self.gpu, o)?;
+                let opts = super::cuda::CudaOptions {
+                    dtype: o.dtype,
+                    kernels_dir: o.kernels_dir.clone(),
+                    debug: true,
+                    force_scalar: false,
+                };
+                let b = SharedCuda::open(&mut self.gpu, opts)?;
                 // The reference's and the local view's fp64 products on the same GPU.
                 super::cuda::dgemm::install()?;
                 Box::new(b)

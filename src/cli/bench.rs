@@ -1,12 +1,12 @@
 //! `mla-diff bench`: timings on this machine (not tests).
 
 use clap::Subcommand;
-use mla_diff::backend::cuda::bench::BenchOptions;
-use mla_diff::backend::cuda::table;
 use mla_diff::backend::Kind;
 use mla_diff::error::Error;
 use mla_diff::model::synthetic::{Dims, Family};
 use mla_diff::precision::Dtype;
+use mla_diff::tools::bench::BenchOptions;
+use mla_diff::tools::table;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
@@ -240,7 +240,7 @@ fn table(a: TableArgs) -> Result<i32, Error> {
 }
 
 fn cuda_bench(opts: &BenchOptions, json: Option<&std::path::Path>) -> Result<i32, Error> {
-    let (rep, text) = mla_diff::backend::cuda::bench::bench(opts)?;
+    let (rep, text) = mla_diff::tools::bench::bench(opts)?;
     print!("{text}");
     if let Some(p) = json {
         std::fs::write(p, serde_json::to_string_pretty(&rep).expect("json"))

@@ -1,8 +1,8 @@
 //! `mla-diff gpu-validate`: the CUDA path against the CPU mirror and the fp64 reference.
 
-use mla_diff::backend::cuda::validate;
 use mla_diff::error::Error;
 use mla_diff::precision::Dtype;
+use mla_diff::tools::validate;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug, Clone)]

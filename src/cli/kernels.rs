@@ -14,7 +14,7 @@ pub struct Args {
 enum KernelsCmd {
     /// Compile every kernel with NVRTC to PTX and CUBIN for several architectures, dims and dtypes;
     /// print ptxas registers and spills per kernel. Exit 2 on a compile error, or when the attention
-    /// kernels' shared memory differs from src/backend/cuda/plan.rs's (what `lint --backend cuda` reports).
+    /// kernels' shared memory differs from src/tiles/choice.rs's (what `lint --backend cuda` reports).
     Check(CheckArgs),
 }
 
@@ -37,11 +37,8 @@ struct CheckArgs {
 
 pub fn exec(a: Args) -> Result<i32, Error> {
     let KernelsCmd::Check(a) = a.cmd;
-    let s = mla_diff::backend::cuda::check::kernels_check(
-        &a.arch,
-        a.kernels.as_deref(),
-        a.dump.as_deref(),
-    )?;
+    let s =
+        mla_diff::tools::check::kernels_check(&a.arch, a.kernels.as_deref(), a.dump.as_deref())?;
     print!("{}", s.report);
     println!(
         "{} compilations OK (PTX + CUBIN); {} kernel(s) with register spills{}",

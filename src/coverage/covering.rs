@@ -3,7 +3,7 @@
 //! tile geometries.
 //!
 //! The kernels it is made for (`targets`): the CPU mirror's, and the CUDA kernels the host predicts for the
-//! model's dims (`backend::cuda::plan`) on Hopper and on Ampere, in bf16, at 64 or more decode rows (the
+//! model's dims (`tiles::choice`) on Hopper and on Ampere, in bf16, at 64 or more decode rows (the
 //! rows the production decode kernels are made for), plus the scalar kernel of f32 runs.
 //!
 //! The shape, and why each part (with the DeepSeek-sized tiles: 64 keys, 64 decode rows, 128 prefill rows):
@@ -23,14 +23,14 @@
 
 use super::count;
 use crate::backend::cpu::mirror_kernels;
-use crate::backend::cuda::kernels::Dims;
-use crate::backend::cuda::tile_model::{self as plan, Caps};
 use crate::faults::Active;
 use crate::kernel_use::{Geometry, KernelUse, Phase};
 use crate::model::config::RopePairing;
 use crate::model::MlaConfig;
 use crate::precision::Dtype;
 use crate::schedule::Schedule;
+use crate::tiles::choice::{self as plan, Caps};
+use crate::tiles::Dims;
 
 /// The CUDA dims of a model (page size and faults do not change the tile choice).
 pub fn cuda_dims(cfg: &MlaConfig, dtype: Dtype) -> Dims {

@@ -1,15 +1,15 @@
 //! The kernel side of `lint` (`--backend cpu|cuda`): which of our attention kernels a run of this model
 //! would launch, and with what page size and rows. No GPU or NVRTC is needed: the choice is a function of
-//! the dims, the dtype, the target and its shared memory (`backend::cuda::plan`, which `kernels check`
+//! the dims, the dtype, the target and its shared memory (`tiles::choice`, which `kernels check`
 //! holds to the compiled kernels).
 
 use super::{Findings, Options, Target};
-use crate::backend::cuda::kernels::Dims;
-use crate::backend::cuda::plan::{self, Plan};
 use crate::error::{Error, Result};
 use crate::faults::Active;
 use crate::model::{MlaConfig, RopePairing};
 use crate::precision::Dtype;
+use crate::tiles::choice::{self as plan, Plan};
+use crate::tiles::Dims;
 
 fn describe(p: &Plan) -> String {
     match p.tile {

@@ -6,7 +6,6 @@
 use crate::common;
 
 use common::{fixture, report_validator, run, schema_errors, stderr};
-use mla_diff::backend::cuda::tile_model::{AMPERE, HOPPER};
 use mla_diff::coverage::compute;
 use mla_diff::coverage::covering::{covering, cuda_kernels, targets};
 use mla_diff::gguf::GgufFile;
@@ -14,6 +13,7 @@ use mla_diff::kernel_use::{Family, KernelUse, Phase};
 use mla_diff::model::MlaConfig;
 use mla_diff::precision::Dtype;
 use mla_diff::schedule::Schedule;
+use mla_diff::tiles::choice::{AMPERE, HOPPER};
 
 const FIXTURES: [&str; 5] = [
     "deepseek-v3-yarn-q4_k.gguf",
@@ -105,12 +105,11 @@ fn pre14_default_missed_the_tile_classes_and_the_hopper_kernel() {
     // Hopper: 8 heads x 1 query = 8 rows, so the 16-row mma tile runs instead of the warpgroup kernel,
     // which the coverage section names as the production kernel that did not run.
     let d = mla_diff::coverage::covering::cuda_dims(&cfg, Dtype::Bf16);
-    let (_, dec) = mla_diff::backend::cuda::tile_model::layer_tiles(&d, 8, &HOPPER, false);
-    let prod =
-        mla_diff::backend::cuda::tile_model::production(&d, Phase::Decode, dec, 8, &HOPPER, false);
+    let (_, dec) = mla_diff::tiles::choice::layer_tiles(&d, 8, &HOPPER, false);
+    let prod = mla_diff::tiles::choice::production(&d, Phase::Decode, dec, 8, &HOPPER, false);
     let k = vec![
         cuda(&cfg, Dtype::Bf16, true, &s)[0].clone(),
-        mla_diff::backend::cuda::tile_model::kernel_use(Phase::Decode, dec, prod),
+        mla_diff::tiles::choice::kernel_use(Phase::Decode, dec, prod),
     ];
     let c = compute(&k, &cfg, &s, &[]);
     assert_eq!(k[1].family, Family::Mma);
@@ -135,7 +134,7 @@ fn pre14_default_missed_the_tile_classes_and_the_hopper_kernel() {
         ]
     );
     // The same fixture with 4 queries per step (MTP): 32 rows, still not the Hopper kernel.
-    let (_, mtp4) = mla_diff::backend::cuda::tile_model::layer_tiles(&d, 32, &HOPPER, false);
+    let (_, mtp4) = mla_diff::tiles::choice::layer_tiles(&d, 32, &HOPPER, false);
     assert!(!mtp4.unwrap().wgmma);
 }
 

@@ -1,87 +1,16 @@
-//! The attention modules (prefill.cu, decode.cu): the argument struct they share with
-//! kernels/attention.cuh, tile selection, and their launches.
+//! The attention modules (prefill.cu, decode.cu): tile selection over the host model's lists
+//! (`crate::tiles`), and their launches (the argument struct they share with kernels/attention.cuh is
+//! `args.rs`); the Hopper prefill kernel's own launch with its tensor maps (`PrefillLaunch`).
 
+use super::args::AttnArgs;
 use super::device::{arg, Gpu};
-use super::kernels::{launch, Dims, Kernels, Module, Tile};
+use super::kernels::{launch, Kernels, Module};
+use super::tma::PrefillMaps;
 use crate::error::{Error, Result};
+use crate::tiles::{pairs_rule, small_rule, Dims, Tile};
 use cudarc::driver::sys;
 use std::ffi::c_void;
 use std::rc::Rc;
-
-/// Arguments of `attn_mma` / `attn_scalar` (kernels/attention.cuh `AttnArgs`, same order, repr(C)).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct AttnArgs {
-    pub q: u64,
-    pub ka: u64,
-    pub kb: u64,
-    pub v: u64,
-    pub table: u64,
-    pub seq_lens: u64,
-    pub out: u64,
-    pub lse: u64,
-    pub part_out: u64,
-    pub part_lse: u64,
-    pub q_bs: i64,
-    pub q_rs: i64,
-    pub q_hs: i64,
-    pub ka_bs: i64,
-    pub ka_rs: i64,
-    pub ka_hs: i64,
-    pub kb_bs: i64,
-    pub kb_rs: i64,
-    pub v_bs: i64,
-    pub v_rs: i64,
-    pub v_hs: i64,
-    pub out_bs: i64,
-    pub out_rs: i64,
-    pub out_hs: i64,
-    pub table_bs: i64,
-    pub n_keys: i32,
-    pub n_q: i32,
-    pub n_heads: i32,
-    pub num_splits: i32,
-    pub causal: i32,
-    pub scale_log2: f32,
-}
-
-impl AttnArgs {
-    /// Strides of prefill over one request: q `[query][head][P+R]`, k_nope `[key][head][P]`, k_pe rows of
-    /// `kb_rs` elements shared by the heads, v and out `[.][head][Dv]`; one split.
-    pub fn prefill_layout(h: usize, p: usize, r: usize, dv: usize, kb_rs: usize) -> AttnArgs {
-        let dqk = p + r;
-        AttnArgs {
-            q_rs: (h * dqk) as i64,
-            q_hs: dqk as i64,
-            ka_rs: (h * p) as i64,
-            ka_hs: p as i64,
-            kb_rs: kb_rs as i64,
-            v_rs: (h * dv) as i64,
-            v_hs: dv as i64,
-            out_rs: (h * dv) as i64,
-            out_hs: dv as i64,
-            n_heads: h as i32,
-            num_splits: 1,
-            ..Default::default()
-        }
-    }
-    /// Strides of absorbed decode over one request: q `[query][head][Lkv+R]`, cache rows `[latent | k_pe]`
-    /// (the value is the latent: key and value read the same row), out `[query][head][Lkv]`.
-    pub fn decode_layout(h: usize, lkv: usize, r: usize) -> AttnArgs {
-        let row = lkv + r;
-        AttnArgs {
-            q_rs: (h * row) as i64,
-            q_hs: row as i64,
-            ka_rs: row as i64,
-            kb_rs: row as i64,
-            v_rs: row as i64,
-            out_rs: (h * lkv) as i64,
-            out_hs: lkv as i64,
-            n_heads: h as i32,
-            ..Default::default()
-        }
-    }
-}
 
 /// One attention module (prefill.cu or decode.cu) with its tensor-core and scalar kernels.
 pub struct Attn {
@@ -108,50 +37,6 @@ pub struct Attn {
     /// multiple of 32: (function, dynamic smem bytes, threads, key columns). `run` takes it over `attn_mma`.
     small: Option<(sys::CUfunction, u32, u32, usize)>,
     small_maps: super::tma::MapCache,
-}
-
-/// `run` takes `attn_wgmma_pairs` over `attn_wgmma` unless a launch has more than
-/// `PAIRS_MAX_SPLITS` splits of fewer than `PAIRS_MIN_SPLIT_KEYS` keys each (`runs_pairs`). Measured on
-/// the H200 (2026-12-02; bench/RESULTS.md, "Pairs vs one-tile"), both in one run: pairs is faster at every
-/// split count timed — 4,096 down to 512 keys per split (s_k 4k at 1, 2, 4 and 8 splits, B=64 H=128 and
-/// B=128 H=64, bf16 and fp16) and 32,768 down to 4,096 (B=16 H=128 s_k=32k, 1–8 splits), by 3 % (8 splits)
-/// to 28 % (one split of 32k); the kernel before its per-tile cuts lost at 1,024 and 512, the cuts turned
-/// that. Fewer keys per split at more than two splits are unmeasured and stay on `attn_wgmma`; one or two
-/// splits of a few hundred keys (the fixtures' runs) stay on pairs, so `run`'s checks keep exercising it.
-pub const PAIRS_MAX_SPLITS: i32 = 2;
-/// See `PAIRS_MAX_SPLITS`: the fewest keys per split measured (pairs won there).
-pub const PAIRS_MIN_SPLIT_KEYS: i32 = 512;
-
-/// `runs_pairs` without the module: pairs unless more than `PAIRS_MAX_SPLITS` splits of fewer than
-/// `PAIRS_MIN_SPLIT_KEYS` keys.
-pub fn pairs_rule(n_keys: i32, splits: i32) -> bool {
-    split_rule(n_keys, splits, PAIRS_MAX_SPLITS, PAIRS_MIN_SPLIT_KEYS)
-}
-
-/// `run` takes `attn_small` over `attn_mma` unless a launch has more than `SMALL_MAX_SPLITS` splits of
-/// fewer than `SMALL_MIN_SPLIT_KEYS` keys each (`runs_small`). Measured on the H200, both kernels in one
-/// run (2026-12-02, B=64 H=16 s_k=4k, bf16 and fp16; bench/RESULTS.md): `attn_small` is 46 % faster at one split
-/// of 4,096 keys and 34 % at two of 2,048, level at four of 1,024 (99.2 vs 100.1 µs) and 4 % slower at
-/// eight of 512 (116.2 vs 111.7). The fixtures' runs (a few splits of a few hundred keys) stay on it.
-pub const SMALL_MAX_SPLITS: i32 = 4;
-/// See `SMALL_MAX_SPLITS`: the fewest keys per split where `attn_small` was measured not slower.
-pub const SMALL_MIN_SPLIT_KEYS: i32 = 1024;
-
-/// `runs_small` without the module.
-pub fn small_rule(n_keys: i32, splits: i32) -> bool {
-    split_rule(n_keys, splits, SMALL_MAX_SPLITS, SMALL_MIN_SPLIT_KEYS)
-}
-
-/// A launch of `splits` splits over `n_keys` keys (vLLM's partition: ceil(n_keys / splits) keys per
-/// split) stays on the kernel measured faster on long splits unless it has more than `max_splits` splits
-/// of fewer than `min_keys` keys, where the other kernel measured level or faster (or was not measured).
-fn split_rule(n_keys: i32, splits: i32, max_splits: i32, min_keys: i32) -> bool {
-    let per = if splits > 0 {
-        (n_keys.max(0) as i64 + splits as i64 - 1) / splits as i64
-    } else {
-        0
-    };
-    splits <= max_splits || per >= min_keys as i64
 }
 
 /// Rows of `attn_small`'s TMA boxes: one 32-key tile (kernels/attention_sm90_small.cuh).
@@ -270,30 +155,10 @@ impl Attn {
         self.mma.is_some()
     }
 
-    /// The key-count periods of the kernel `run` launches (`Backend::key_tiles`): its tile and the keys
-    /// one warp (or warpgroup) takes of it, both counted from the start of the key range.
+    /// The key-count periods of the kernel `run` launches (`Backend::key_tiles`, what sweep's lengths
+    /// are made from): the host model's for its tile (`tiles::choice::key_tiles`).
     pub fn key_tiles(&self) -> Vec<crate::backend::KeyTile> {
-        use crate::backend::KeyTile;
-        match (self.mma, self.tile) {
-            // kernels/prefill_sm90.cuh: ATT_BN-key tiles, each warpgroup takes every key of its rows.
-            (Some(_), Some(t)) if t.wgmma && !self.mqa => {
-                vec![KeyTile::new("wgmma tile", t.bn as usize)]
-            }
-            // kernels/attention_sm90.cuh: 64-key tiles, warpgroup g takes keys [32g, 32g + 32). With the
-            // TMA loads (page a multiple of 64) the tiles sit on page boundaries: a split starting inside a
-            // page begins with a partial tile (its keys below the split masked).
-            (Some(_), Some(t)) if t.wgmma => vec![
-                KeyTile::new("wgmma tile", 64),
-                KeyTile::new("warpgroup key slice", 32),
-            ],
-            // kernels/attention.cuh: ATT_BN keys per tile, ATT_BNW = ATT_BN / ATT_SWN per warp in the S phase.
-            (Some(_), Some(t)) => vec![
-                KeyTile::new(format!("mma tile ({})", t.label()), t.bn as usize),
-                KeyTile::new("warp key slice", (t.bn / t.swn) as usize),
-            ],
-            // attn_scalar: one warp per row, keys in tiles of 32.
-            _ => vec![KeyTile::new("scalar tile", 32)],
-        }
+        crate::tiles::choice::key_tiles(self.mma.and(self.tile), self.mqa)
     }
 
     /// The tensor-core kernel's rows per CTA and keys per tile, as its module states them.
@@ -412,36 +277,70 @@ impl Attn {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// The launch of the Hopper prefill kernel (kernels/prefill_sm90.cuh `attn_wgmma`), which takes its
+/// operands' tensor maps as a second, `__grid_constant__` parameter (`Attn::run` passes one argument
+/// struct): every launch of it goes through here, with the maps where TMA can address the operands and
+/// `PrefillMaps::OFF` (cp.async loads) where not.
+pub struct PrefillLaunch {
+    f: sys::CUfunction,
+    /// (dynamic shared bytes, threads, rows, keys) of the module's `attn_wgmma_config`.
+    cfg: (u32, u32, u32, u32),
+    /// The module encodes maps (`attn_wgmma_tma_param`): (p, r, dv) of its dims; None: cp.async only.
+    tma: Option<(usize, usize, usize)>,
+    _m: Rc<Module>,
+}
 
-    #[test]
-    fn attn_args_match_the_kernel_struct() {
-        // kernels/attention.cuh: 10 pointers, 15 long longs, 5 ints and a float (checked again at run time
-        // against the module's `attn_args_size`).
-        assert_eq!(std::mem::size_of::<AttnArgs>(), 10 * 8 + 15 * 8 + 6 * 4);
-        assert_eq!(std::mem::align_of::<AttnArgs>(), 8);
-    }
-
-    #[test]
-    fn pairs_rule_by_keys_per_split() {
-        // The measured points (H200, 2026-12-02): s_k 4k at 1, 2, 4, 8 splits; 32k at 1 to 8.
-        for splits in [1, 2, 4, 8] {
-            assert!(pairs_rule(4096, splits) && pairs_rule(32768, splits));
+impl PrefillLaunch {
+    /// The launch of `att`'s kernel (its module compiled with `dims`), when that is the wgmma kernel.
+    pub fn find(k: &mut Kernels, att: &Attn, dims: &Dims) -> Result<Option<PrefillLaunch>> {
+        let Some(tile) = att.tile else {
+            return Ok(None);
+        };
+        if !tile.wgmma || att.mqa || att.name != "attn_wgmma" {
+            return Ok(None);
         }
-        // The fixtures' short runs at one or two splits stay on pairs; more splits of them do not.
-        assert!(pairs_rule(77, 1) && pairs_rule(330, 2) && !pairs_rule(77, 3));
-        // Keys per split round up (vLLM's partition): 2,046 keys in 4 splits is 512 per split.
-        assert!(pairs_rule(2046, 4) && !pairs_rule(2044, 4));
+        let mut d = dims.defines();
+        d.extend(tile.defines());
+        // Attn::load's module, from the cache.
+        let m = k.module("prefill.cu", d)?;
+        // Kernel sources older than the maps parameter lack the flag: `Attn::run` launches them.
+        if !m.has_global("attn_wgmma_tma_param") {
+            return Ok(None);
+        }
+        let c = m.global_i32s("attn_wgmma_config", 4)?;
+        let tma = (m.global_i32s("attn_wgmma_tma_param", 1)?[0] == 1
+            && super::device::elem_bytes(dims.dtype) == 2)
+            .then_some((dims.p, dims.r, dims.dv));
+        Ok(Some(PrefillLaunch {
+            // Attn::load raised this function's shared-memory limit (same module, same handle).
+            f: m.func("attn_wgmma")?,
+            cfg: (c[0] as u32, c[1] as u32, c[2] as u32, c[3] as u32),
+            tma,
+            _m: m,
+        }))
     }
 
-    #[test]
-    fn small_rule_by_keys_per_split() {
-        // Measured: 1, 2 and 4 splits of s_k=4k on attn_small, 8 splits of 512 keys on attn_mma.
-        assert!(small_rule(4096, 1) && small_rule(4096, 2) && small_rule(4096, 4));
-        assert!(!small_rule(4096, 8) && small_rule(8192, 8));
-        // The fixtures' schedules (3 splits of ~67 keys) stay on it.
-        assert!(small_rule(200, 3) && small_rule(77, 1) && !small_rule(200, 5));
+    /// The kernel's parameter for `a`: its operands' maps, or OFF where TMA cannot address them.
+    pub fn maps(&self, a: &AttnArgs) -> Result<PrefillMaps> {
+        let Some((p, r, dv)) = self.tma else {
+            return Ok(PrefillMaps::OFF);
+        };
+        Ok(PrefillMaps::encode(a, p, r, dv, self.cfg.2, self.cfg.3)?.unwrap_or(PrefillMaps::OFF))
+    }
+
+    /// Launch over one request (heads `a.n_heads`, queries `a.n_q`) with `maps` (from `maps`).
+    pub fn run_with(&self, a: &AttnArgs, maps: &PrefillMaps) -> Result<()> {
+        let (smem, threads, bm, _) = self.cfg;
+        let grid = ((a.n_q as u32).div_ceil(bm), a.n_heads as u32, 1);
+        let mut p = [
+            a as *const AttnArgs as *mut c_void,
+            maps as *const PrefillMaps as *mut c_void,
+        ];
+        launch(self.f, "attn_wgmma", grid, threads, smem, &mut p)
+    }
+
+    /// `run_with` the maps of `a`.
+    pub fn run(&self, a: &AttnArgs) -> Result<()> {
+        self.run_with(a, &self.maps(a)?)
     }
 }

@@ -1,7 +1,7 @@
 //! Decode steps in the absorbed form: `q_abs = W_UKᵀ·q_nope` per head (cuBLAS), the query
 //! `[q_abs | q_pe]` over the paged cache with split-KV and the LSE combine, `W_UV` per head, o_proj.
 
-use super::attn::AttnArgs;
+use super::args::AttnArgs;
 use super::blas::GemmPrecision;
 use super::buffers::head_stride_qk;
 use super::device::{encode, DevBuf};

@@ -35,10 +35,7 @@ impl DeviceInfo {
     /// NVRTC target for this device, e.g. "sm_80". Hopper gets the arch-specific "sm_90a", whose wgmma
     /// the decode kernel uses (the image then runs on sm_90 devices only, which is all it is built for).
     pub fn arch(&self) -> String {
-        match self.cc {
-            (9, 0) => "sm_90a".to_string(),
-            (major, minor) => format!("sm_{major}{minor}"),
-        }
+        crate::tiles::choice::arch(self.cc)
     }
 }
 

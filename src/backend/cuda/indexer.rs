@@ -10,14 +10,15 @@
 //! `MLA_DIFF_PROFILE=1` also times the CPU mirror's scores and top-k on the same operands (the stand-in
 //! CUDA used before) and counts the keys the two selections disagree on (stderr).
 
+use super::device::Gpu;
 use super::device::{arg, DevBuf, Timer};
+use super::kernels::Kernels;
 use super::kernels::{launch, KERNEL_FAULTS};
-use super::CudaBackend;
 use crate::backend::cpu::indexer::{self as mirror, Operands};
+use crate::precision::KeyPrecision;
 use crate::backend::LayerCtx;
 use crate::error::{Error, Result};
 use crate::model::{IndexerConfig, IndexerWeights};
-use crate::precision::KeyPrecision;
 use crate::reference::sparse::Selection;
 use ndarray::Array2;
 
@@ -32,9 +33,17 @@ pub struct GpuIndexer {
     pub topk_ms: f32,
 }
 
+/// What the indexer uses of the backend: its GPU, kernel cache and storage type (the parts, not
+/// `CudaBackend`, so that this module sits below the backend that calls it).
+pub struct On<'a> {
+    pub gpu: &'a Gpu,
+    pub kernels: &'a mut Kernels,
+    pub dtype: crate::backend::Dtype,
+}
+
 /// CUDA's indexer for one layer on the layer input `x` (`ctx.faults` planted).
 pub fn run(
-    be: &mut CudaBackend,
+    be: &mut On<'_>,
     ctx: &LayerCtx,
     ic: &IndexerConfig,
     iw: &IndexerWeights,
@@ -42,7 +51,7 @@ pub fn run(
     keys: KeyPrecision,
 ) -> Result<GpuIndexer> {
     be.gpu.bind()?;
-    let dt = be.opts.dtype;
+    let dt = be.dtype;
     let plan = crate::backend::cpu::indexer::plan_for(ctx.faults, keys);
     let t0 = std::time::Instant::now();
     let ops = mirror::operands(ctx.cfg, ic, iw, ctx.weights, ctx.rope, x, dt, plan)?;
@@ -78,13 +87,13 @@ fn symmetric_difference(a: &[u32], b: &[u32]) -> usize {
 }
 
 /// The kernels' defines: the run's dtype, the indexer's dims and the indexer faults of the layer.
-fn defines(be: &CudaBackend, ctx: &LayerCtx, ops: &Operands) -> Vec<(String, String)> {
+fn defines(be: &On<'_>, ctx: &LayerCtx, ops: &Operands) -> Vec<(String, String)> {
     let (_, hi, di) = ops.q.dim();
     let d = |k: &str, v: usize| (k.to_string(), v.to_string());
     let mut defs = vec![
         d(
             "MLA_DTYPE",
-            match be.opts.dtype {
+            match be.dtype {
                 crate::precision::Dtype::Bf16 => 0,
                 crate::precision::Dtype::F16 => 1,
                 crate::precision::Dtype::F32 => 2,
@@ -100,7 +109,7 @@ fn defines(be: &CudaBackend, ctx: &LayerCtx, ops: &Operands) -> Vec<(String, Str
 }
 
 fn scores_topk(
-    be: &mut CudaBackend,
+    be: &mut On<'_>,
     ctx: &LayerCtx,
     ops: &Operands,
     top_k: usize,

@@ -4,28 +4,13 @@
 use super::device::{drv_err, Gpu};
 use super::nvrtc::{self, Sources};
 use crate::error::{Error, Result};
-use crate::faults::{Active, Fault};
+use crate::faults::Fault;
 use crate::precision::Dtype;
+use crate::tiles::{Dims, Tile};
 use cudarc::driver::{result as drv, sys};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::rc::Rc;
-
-/// Model dims and schedule constants compiled into the kernels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Dims {
-    pub dtype: Dtype,
-    pub lkv: usize,
-    pub r: usize,
-    pub p: usize,
-    pub dv: usize,
-    pub h: usize,
-    pub page: usize,
-    pub neox: bool,
-    pub debug: bool,
-    /// Planted bugs of the layer; those in `KERNEL_FAULTS` are compiled in as `-D MLA_FAULT_…=1`.
-    pub faults: Active,
-}
 
 /// The faults switched inside the kernels (kernels/*.cu); every other fault is a host switch in the
 /// layer's host code (mod.rs, buffers.rs, front.rs, decode.rs; `faults::Info::cuda_site` says which).
@@ -48,6 +33,7 @@ pub const KERNEL_FAULTS: [Fault; 15] = [
     Fault::IndexerFp8Scale,
 ];
 
+// The defines NVRTC compiles the host model's dims and tiles (src/tiles) with.
 impl Dims {
     pub fn defines(&self) -> Vec<(String, String)> {
         let d = |k: &str, v: usize| (k.to_string(), v.to_string());
@@ -75,70 +61,9 @@ impl Dims {
         }
         defs
     }
-    /// Whether the tensor-core attention applies (16-bit storage, dims multiples of 8).
-    pub fn mma_ok(&self, decode: bool) -> bool {
-        let dims = if decode {
-            [self.lkv + self.r, 0, self.lkv]
-        } else {
-            [self.p, self.r, self.dv]
-        };
-        self.dtype != Dtype::F32 && dims.iter().all(|d| d % 8 == 0)
-    }
-}
-
-/// Attention tile configuration: `wm x wn` warps, `16*wm` rows, `bn` keys per tile, `stages`-deep pipeline;
-/// in the P·V phase each warp takes `pvm` 16-row m-tiles; in the S phase `smt` m-tiles and one of `swn` key
-/// groups (kernels/attention.cuh).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Tile {
-    pub wm: u32,
-    pub wn: u32,
-    pub bn: u32,
-    pub stages: u32,
-    pub pvm: u32,
-    pub smt: u32,
-    pub swn: u32,
-    /// S-phase k-loop unroll (0: the kernel's default).
-    pub su: u32,
-    /// Hopper's warpgroup MMA (`attn_wgmma`): decode in kernels/attention_sm90.cuh (64 rows, 64 keys, a
-    /// 4x2-warp fallback), prefill in kernels/prefill_sm90.cuh (16·wm = 64 or 128 rows, a warpgroup per
-    /// 64, `bn` keys; its tiles have one warp column); the other fields then only configure the module's
-    /// fallback `attn_mma`.
-    pub wgmma: bool,
 }
 
 impl Tile {
-    pub const fn new(wm: u32, wn: u32, bn: u32, stages: u32, pvm: u32) -> Tile {
-        Tile {
-            wm,
-            wn,
-            bn,
-            stages,
-            pvm,
-            smt: 1,
-            swn: wn,
-            su: 0,
-            wgmma: false,
-        }
-    }
-    /// The Hopper decode kernel; its module still carries `attn_mma` with the tile `fallback`.
-    pub const fn wgmma(fallback: Tile) -> Tile {
-        let mut t = fallback;
-        t.wgmma = true;
-        t
-    }
-    pub const fn unroll(mut self, su: u32) -> Tile {
-        self.su = su;
-        self
-    }
-    /// The S phase with `smt` m-tiles per warp over `swn` key groups.
-    pub const fn s_phase(mut self, smt: u32, swn: u32) -> Tile {
-        self.smt = smt;
-        self.swn = swn;
-        self
-    }
-    /// The tile defines used when only the scalar kernel runs (they must still compile).
-    pub const SCALAR_ONLY: Tile = Tile::new(1, 1, 32, 2, 1);
     pub fn defines(&self) -> Vec<(String, String)> {
         let mut d: Vec<(String, String)> = vec![
             ("ATT_WM".into(), self.wm.to_string()),
@@ -153,38 +78,6 @@ impl Tile {
             d.push(("ATT_SUNROLL".into(), self.su.to_string()));
         }
         d
-    }
-    pub fn label(&self) -> String {
-        if self.wgmma {
-            // Prefill's tiles have one warp column, decode's (64 rows, 64 keys) two.
-            return match self.wn {
-                1 => format!(
-                    "wgmma {} warpgroup{} bm{} bn{} st2",
-                    self.wm / 4,
-                    if self.wm > 4 { "s" } else { "" },
-                    16 * self.wm,
-                    self.bn
-                ),
-                _ => "wgmma 2 warpgroups bn64 st2".to_string(),
-            };
-        }
-        // e.g. "4x2w bn64 st2 S:2m/2k PV:2m": warps, keys per tile, stages, S-phase m-tiles per warp and key
-        // groups, PV-phase m-tiles per warp.
-        format!(
-            "{}x{}w bn{} st{} S:{}m/{}k{} PV:{}m",
-            self.wm,
-            self.wn,
-            self.bn,
-            self.stages,
-            self.smt,
-            self.swn,
-            if self.su > 0 {
-                format!(" u{}", self.su)
-            } else {
-                String::new()
-            },
-            self.pvm
-        )
     }
 }
 
@@ -318,6 +211,7 @@ pub fn launch(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::faults::Active;
 
     #[test]
     fn kernel_faults_are_exactly_the_defines_the_kernels_test() {

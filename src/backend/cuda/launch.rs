@@ -2,11 +2,13 @@
 //! of one layer. Each wrapper names its sizes; `launch` passes the kernel's parameters in the order the
 //! kernel declares them (row strides as `long long`, counts as `int`).
 
-use super::attn::{Attn, AttnArgs};
+use super::args::AttnArgs;
+use super::attn::{Attn, PrefillLaunch};
 use super::device::{arg, Gpu};
-use super::kernels::{launch, Dims, Kernels, Module, Tile};
-use super::{decode_tiles, prefill_tiles};
+use super::kernels::{launch, Kernels, Module};
 use crate::error::{Error, Result};
+use crate::reference::sparse::Selection;
+use crate::tiles::{decode_tiles, prefill_tiles, Dims, Tile};
 use cudarc::driver::sys::CUfunction;
 use std::rc::Rc;
 
@@ -214,7 +216,7 @@ pub struct LayerKernels {
     pub prefill: Attn,
     /// The launch of `prefill`'s kernel when it is the Hopper one (`attn_wgmma`: its tensor maps are a
     /// second parameter); None: `prefill.run`.
-    pub prefill_wgmma: Option<super::prefill::PrefillLaunch>,
+    pub prefill_wgmma: Option<PrefillLaunch>,
     pub decode: Attn,
 }
 
@@ -236,7 +238,7 @@ impl LayerKernels {
         let cache_gather = m_cw.func("cache_gather")?;
         let copy_heads = m_cw.func("copy_heads")?;
         let pre = Attn::load(k, gpu, "prefill.cu", dims, &prefill_tiles(), force_scalar)?;
-        let prefill_wgmma = super::prefill::PrefillLaunch::find(k, &pre, dims)?;
+        let prefill_wgmma = PrefillLaunch::find(k, &pre, dims)?;
         let dec = Attn::load(
             k,
             gpu,
@@ -259,7 +261,7 @@ impl LayerKernels {
             let sz = m.global_i32s("attn_args_size", 1)?[0] as usize;
             if sz != std::mem::size_of::<AttnArgs>() {
                 return Err(Error::Environment(format!(
-                    "{}: struct AttnArgs is {sz} bytes in the kernel but {} on the host (kernels/attention.cuh and src/backend/cuda/attn.rs disagree)",
+                    "{}: struct AttnArgs is {sz} bytes in the kernel but {} on the host (kernels/attention.cuh and src/backend/cuda/args.rs disagree)",
                     m.unit,
                     std::mem::size_of::<AttnArgs>()
                 )));
@@ -282,11 +284,39 @@ impl LayerKernels {
 
     /// Which attention kernels run: "prefill: mma (…); decode: scalar".
     pub fn paths(&self) -> String {
-        let path = |a: &Attn| super::plan::path_label(a.tile, a.uses_mma());
+        let path = |a: &Attn| crate::tiles::choice::path_label(a.tile, a.uses_mma());
         format!(
             "prefill: {}; decode: {}",
             path(&self.prefill),
             path(&self.decode)
         )
+    }
+}
+
+/// The compiled `sparse_attn` kernel and the selection it attends over.
+pub struct Sparse<'s> {
+    _m: Rc<Module>,
+    /// Launched by `sparse.rs` (`Layer::sparse_launch`).
+    pub(super) f: CUfunction,
+    pub sel: &'s Selection,
+    /// The run's block table (logical page → physical page), for the index rows.
+    pub table: &'s [usize],
+}
+
+impl<'s> Sparse<'s> {
+    pub fn load(
+        k: &mut Kernels,
+        dims: &Dims,
+        sel: &'s Selection,
+        table: &'s [usize],
+    ) -> Result<Sparse<'s>> {
+        let m = k.module("sparse_attn.cu", dims.defines())?;
+        let f = m.func("sparse_attn")?;
+        Ok(Sparse {
+            _m: m,
+            f,
+            sel,
+            table,
+        })
     }
 }

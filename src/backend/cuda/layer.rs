@@ -5,7 +5,7 @@
 use super::blas::Blas;
 use super::buffers::{Acts, Sizes, Weights};
 use super::device::{DevBuf, Gpu};
-use super::launch::{CacheGather, CopyHeads, LayerKernels};
+use super::launch::{CacheGather, CopyHeads, LayerKernels, Sparse};
 use crate::error::Result;
 use crate::faults::Active;
 
@@ -20,7 +20,7 @@ pub struct Layer<'a> {
     /// MLA_DEBUG: decode's internal stages are recorded and every attention launch is synchronised.
     pub debug: bool,
     /// DSA: attention over a selection only (`sparse.rs`); `None`: dense.
-    pub sparse: Option<&'a super::sparse::Sparse<'a>>,
+    pub sparse: Option<&'a Sparse<'a>>,
 }
 
 impl Layer<'_> {

@@ -14,14 +14,16 @@
 //! Files, along the CPU mirror's seams: `front.rs` (token-local part and cache write), `prefill.rs`,
 //! `decode.rs` (and the layer's last launches), `trace.rs` (downloads), `buffers.rs` (device weights and
 //! activations), `layer.rs` (what the stages share), `launch.rs` (typed launches of the small kernels
-//! and the layer's kernel set), `attn.rs` (the attention modules), `blas.rs` (cuBLAS), `kernels.rs`
-//! (NVRTC modules and defines), `device.rs` (context, buffers, events).
+//! and the layer's kernel set), `attn.rs` (the attention modules; their argument struct is `args.rs`,
+//! their tensor maps `tma.rs`), `blas.rs` (cuBLAS), `kernels.rs` (NVRTC modules and defines),
+//! `device.rs` (context, buffers, events). The tile lists, split rules and the host's model of the
+//! kernel choice are `crate::tiles`; the tools around the backend (bench, `kernels check`,
+//! `gpu-validate`) are `crate::tools`.
 
+pub mod args;
 pub mod attn;
-pub mod bench;
 pub mod blas;
 pub mod buffers;
-pub mod check;
 pub mod decode;
 pub mod device;
 pub mod dgemm;
@@ -31,28 +33,23 @@ pub mod kernels;
 pub mod launch;
 pub mod layer;
 pub mod nvrtc;
-pub mod peers;
-pub mod plan;
-// The tile choice as coverage models it (kinds, geometry, production kernel); `plan` is lint's model of
-// the same choice (shared memory per arch). Two host models of one choice: to be unified.
 pub mod prefill;
 pub mod shared;
 pub mod sparse;
-pub mod table;
-pub mod tile_model;
 pub mod tma;
 pub mod trace;
-pub mod validate;
 
 use crate::backend::{Backend, LayerCtx};
 use crate::error::{Error, Result};
 use crate::faults::Fault;
 use crate::precision::Dtype;
+use crate::tiles::choice;
+use crate::tiles::Dims;
 use crate::trace::{LayerTrace, Stage, StageSet};
 use blas::Blas;
 use buffers::{Acts, Sizes, Weights};
 use device::Gpu;
-use kernels::{Dims, Kernels, Tile};
+use kernels::Kernels;
 use launch::LayerKernels;
 use layer::Layer;
 use std::path::PathBuf;
@@ -80,54 +77,6 @@ impl Default for CudaOptions {
             force_scalar: false,
         }
     }
-}
-
-/// Tile choices for decode, best first (by `mla-diff bench decode` on an H200, bench/RESULTS.md); the
-/// first whose shared memory fits the device is used.
-pub fn decode_tiles(rows: usize) -> Vec<Tile> {
-    if rows >= 64 {
-        vec![
-            // Hopper: warpgroup MMA (sm_90a; skipped elsewhere or for dims it does not take).
-            Tile::wgmma(Tile::new(4, 2, 64, 2, 2)),
-            // 8 warps: S on 16x32 warp tiles, P·V on 32x256 (two m-tiles share each V fragment).
-            Tile::new(4, 2, 64, 2, 2),
-            // S on 32x32 warp tiles by 4 warps: fewer fragment bytes, but slower on the H200.
-            Tile::new(4, 2, 64, 2, 2).s_phase(2, 2),
-            // 16 warps (8 compute S), P·V on 32x64: 128 registers, no spills, but slower on the H200.
-            Tile::new(4, 4, 64, 2, 2).s_phase(1, 2),
-            Tile::new(4, 2, 64, 2, 1),
-            Tile::new(2, 2, 32, 2, 1),
-        ]
-    } else {
-        vec![
-            Tile::new(1, 4, 32, 2, 1),
-            Tile::new(1, 8, 64, 2, 1),
-            Tile::new(1, 4, 64, 2, 1),
-        ]
-    }
-}
-
-/// Tile choices for prefill, best first (with one warp column P stays in registers).
-pub fn prefill_tiles() -> Vec<Tile> {
-    vec![
-        // Hopper: warpgroup MMA (sm_90a; kernels/prefill_sm90.cuh), 128 rows by two warpgroups.
-        Tile::wgmma(Tile::new(8, 1, 64, 2, 1)),
-        Tile::new(8, 1, 64, 2, 1),
-        Tile::new(4, 1, 64, 2, 1),
-        Tile::new(4, 1, 32, 2, 1),
-        Tile::new(2, 1, 32, 2, 1),
-    ]
-}
-
-/// The Hopper prefill kernel's other tiles, timed by `bench prefill` and `bench table` beside
-/// `prefill_tiles()[0]`: 128-key tiles (only 192/128 fits: 209 KB), 80-key tiles (256/256's widest that
-/// fits: 225 KB, 20 % fewer key tiles than 64 keys) and one consumer warpgroup of 64 rows.
-pub fn prefill_wgmma_variants() -> [Tile; 3] {
-    [
-        Tile::wgmma(Tile::new(8, 1, 128, 2, 1)),
-        Tile::wgmma(Tile::new(8, 1, 80, 2, 1)),
-        Tile::wgmma(Tile::new(4, 1, 64, 2, 1)),
-    ]
 }
 
 pub struct CudaBackend {
@@ -180,7 +129,7 @@ impl CudaBackend {
 
 impl CudaBackend {
     /// Record the layer's kernels for coverage, and check them against the host's prediction
-    /// (`plan`: what the coverage tests and the default schedule assume without a GPU).
+    /// (`tiles::choice`: what the coverage tests and the default schedule assume without a GPU).
     fn record_kernels(
         &mut self,
         k: &LayerKernels,
@@ -191,12 +140,12 @@ impl CudaBackend {
     ) {
         use crate::kernel_use::Phase;
         let i = &self.gpu.info;
-        let caps = tile_model::Caps {
+        let caps = choice::Caps {
             cc: i.cc,
             smem_optin: i.smem_optin,
         };
         let force = self.opts.force_scalar;
-        let predicted = tile_model::layer_tiles(dims, q_rows, &caps, force);
+        let predicted = choice::layer_tiles(dims, q_rows, &caps, force);
         let mut uses = Vec::new();
         for (phase, attn, pred) in [
             (Phase::Prefill, &k.prefill, predicted.0),
@@ -210,24 +159,24 @@ impl CudaBackend {
             };
             if ran != pred {
                 note(format!(
-                    "coverage: the host predicted the {} kernel {} for these dims on this device, but {} loaded (src/backend/cuda/plan.rs disagrees with the device)",
+                    "coverage: the host predicted the {} kernel {} for these dims on this device, but {} loaded (src/tiles/choice.rs disagrees with the device)",
                     phase.name(),
-                    tile_model::label(pred),
-                    tile_model::label(ran)
+                    choice::label(pred),
+                    choice::label(ran)
                 ));
             }
-            let g = tile_model::geometry(ran, phase == Phase::Decode);
+            let g = choice::geometry(ran, phase == Phase::Decode);
             if let Some((rows, keys)) = attn.rows_keys() {
                 if (rows, keys) != (g.rows_per_cta, g.keys_per_tile) {
                     note(format!(
                         "coverage: the {} kernel's module states {rows} rows x {keys} keys per tile, its tile {} (coverage's geometry)",
                         phase.name(),
-                        tile_model::label(ran)
+                        choice::label(ran)
                     ));
                 }
             }
-            let prod = tile_model::production(dims, phase, ran, q_rows, &caps, force);
-            let mut u = tile_model::kernel_use(phase, ran, prod);
+            let prod = choice::production(dims, phase, ran, q_rows, &caps, force);
+            let mut u = choice::kernel_use(phase, ran, prod);
             // Same tile and classes, another kernel (kernels/attention_sm90_pairs.cuh): the report says
             // which of the two ran (at `n_keys`, the last decode step's: the most keys per split).
             if phase == Phase::Decode && attn.runs_pairs(n_keys as i32, splits as i32) {
@@ -303,7 +252,12 @@ impl Backend for CudaBackend {
         x: &ndarray::Array2<f64>,
         keys: crate::precision::KeyPrecision,
     ) -> Result<Option<crate::reference::sparse::Selection>> {
-        Ok(Some(indexer::run(self, ctx, ic, iw, x, keys)?.selection))
+        let mut on = indexer::On {
+            gpu: &self.gpu,
+            kernels: &mut self.kernels,
+            dtype: self.opts.dtype,
+        };
+        Ok(Some(indexer::run(&mut on, ctx, ic, iw, x, keys)?.selection))
     }
 
     fn key_tiles(&self) -> crate::backend::KeyTiles {
@@ -383,7 +337,7 @@ impl Backend for CudaBackend {
         }
         // DSA: attention over the run's selection (kernels/sparse_attn.cu).
         let sparse = match ctx.selection {
-            Some(sel) => Some(sparse::Sparse::load(
+            Some(sel) => Some(launch::Sparse::load(
                 &mut self.kernels,
                 &dims,
                 sel,

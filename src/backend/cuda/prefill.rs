@@ -2,86 +2,13 @@
 //! (with cached context) non-causal attention over the context gathered from the cache and the LSE
 //! merge of the two parts; then o_proj of the chunk.
 
-use super::attn::{Attn, AttnArgs};
+use super::args::AttnArgs;
 use super::buffers::head_stride_qk;
-use super::kernels::{launch, Dims, Kernels, Module};
 use super::launch::MergeStates;
 use super::layer::Layer;
-use super::tma::PrefillMaps;
 use crate::error::Result;
 use crate::faults::Fault;
 use crate::schedule::Schedule;
-use cudarc::driver::sys;
-use std::ffi::c_void;
-use std::rc::Rc;
-
-/// The launch of the Hopper prefill kernel (kernels/prefill_sm90.cuh `attn_wgmma`), which takes its
-/// operands' tensor maps as a second, `__grid_constant__` parameter (`Attn::run` passes one argument
-/// struct): every launch of it goes through here, with the maps where TMA can address the operands and
-/// `PrefillMaps::OFF` (cp.async loads) where not.
-pub struct PrefillLaunch {
-    f: sys::CUfunction,
-    /// (dynamic shared bytes, threads, rows, keys) of the module's `attn_wgmma_config`.
-    cfg: (u32, u32, u32, u32),
-    /// The module encodes maps (`attn_wgmma_tma_param`): (p, r, dv) of its dims; None: cp.async only.
-    tma: Option<(usize, usize, usize)>,
-    _m: Rc<Module>,
-}
-
-impl PrefillLaunch {
-    /// The launch of `att`'s kernel (its module compiled with `dims`), when that is the wgmma kernel.
-    pub fn find(k: &mut Kernels, att: &Attn, dims: &Dims) -> Result<Option<PrefillLaunch>> {
-        let Some(tile) = att.tile else {
-            return Ok(None);
-        };
-        if !tile.wgmma || att.mqa || att.name != "attn_wgmma" {
-            return Ok(None);
-        }
-        let mut d = dims.defines();
-        d.extend(tile.defines());
-        // Attn::load's module, from the cache.
-        let m = k.module("prefill.cu", d)?;
-        // Kernel sources older than the maps parameter lack the flag: `Attn::run` launches them.
-        if !m.has_global("attn_wgmma_tma_param") {
-            return Ok(None);
-        }
-        let c = m.global_i32s("attn_wgmma_config", 4)?;
-        let tma = (m.global_i32s("attn_wgmma_tma_param", 1)?[0] == 1
-            && super::device::elem_bytes(dims.dtype) == 2)
-            .then_some((dims.p, dims.r, dims.dv));
-        Ok(Some(PrefillLaunch {
-            // Attn::load raised this function's shared-memory limit (same module, same handle).
-            f: m.func("attn_wgmma")?,
-            cfg: (c[0] as u32, c[1] as u32, c[2] as u32, c[3] as u32),
-            tma,
-            _m: m,
-        }))
-    }
-
-    /// The kernel's parameter for `a`: its operands' maps, or OFF where TMA cannot address them.
-    pub fn maps(&self, a: &AttnArgs) -> Result<PrefillMaps> {
-        let Some((p, r, dv)) = self.tma else {
-            return Ok(PrefillMaps::OFF);
-        };
-        Ok(PrefillMaps::encode(a, p, r, dv, self.cfg.2, self.cfg.3)?.unwrap_or(PrefillMaps::OFF))
-    }
-
-    /// Launch over one request (heads `a.n_heads`, queries `a.n_q`) with `maps` (from `maps`).
-    pub fn run_with(&self, a: &AttnArgs, maps: &PrefillMaps) -> Result<()> {
-        let (smem, threads, bm, _) = self.cfg;
-        let grid = ((a.n_q as u32).div_ceil(bm), a.n_heads as u32, 1);
-        let mut p = [
-            a as *const AttnArgs as *mut c_void,
-            maps as *const PrefillMaps as *mut c_void,
-        ];
-        launch(self.f, "attn_wgmma", grid, threads, smem, &mut p)
-    }
-
-    /// `run_with` the maps of `a`.
-    pub fn run(&self, a: &AttnArgs) -> Result<()> {
-        self.run_with(a, &self.maps(a)?)
-    }
-}
 
 /// Where one prefill attention pass reads its keys and writes its result.
 struct Pass {

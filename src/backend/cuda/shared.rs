@@ -3,7 +3,7 @@
 //! the unchanged kernels for every case. `backend::Factory` holds the `SharedGpu`.
 
 use super::{CudaBackend, CudaOptions};
-use crate::backend::{open, Backend, LayerCtx};
+use crate::backend::{Backend, LayerCtx};
 use crate::error::Result;
 use crate::precision::Dtype;
 use crate::trace::{LayerTrace, StageSet};
@@ -21,17 +21,12 @@ pub struct SharedCuda {
 }
 
 impl SharedCuda {
-    /// A view of `shared`'s backend, opened now (with `o.kernels_dir`) if it is not yet.
-    pub fn open(shared: &mut SharedGpu, o: &open::Options) -> Result<SharedCuda> {
+    /// A view of `shared`'s backend with `o.dtype`, opened now with `o` if it is not yet.
+    pub fn open(shared: &mut SharedGpu, o: CudaOptions) -> Result<SharedCuda> {
         let inner = match &shared.0 {
             Some(b) => b.clone(),
             None => {
-                let b = Rc::new(RefCell::new(CudaBackend::new(CudaOptions {
-                    dtype: o.dtype,
-                    kernels_dir: o.kernels_dir.clone(),
-                    debug: true,
-                    force_scalar: false,
-                })?));
+                let b = Rc::new(RefCell::new(CudaBackend::new(o.clone())?));
                 shared.0 = Some(b.clone());
                 b
             }

@@ -11,46 +11,18 @@
 use super::blas::GemmPrecision;
 use super::buffers::head_stride_qk;
 use super::device::{arg, DevBuf};
-use super::kernels::{launch, Dims, Kernels, Module};
+use super::kernels::launch;
+use super::launch::Sparse;
 use super::layer::Layer;
 use crate::error::Result;
 use crate::faults::{Active, Fault};
 use crate::reference::sparse::{flashmla_indices, Selection};
 use crate::schedule::Schedule;
 use cudarc::cublas::sys::cublasOperation_t as Op;
-use cudarc::driver::sys::CUfunction;
 use std::ops::Range;
-use std::rc::Rc;
 
 /// (query, head) rows per CTA of `sparse_attn` (its SP_ROWS).
 const ROWS_PER_CTA: usize = 4;
-
-/// The compiled `sparse_attn` kernel and the selection it attends over.
-pub struct Sparse<'s> {
-    _m: Rc<Module>,
-    f: CUfunction,
-    pub sel: &'s Selection,
-    /// The run's block table (logical page → physical page), for the index rows.
-    pub table: &'s [usize],
-}
-
-impl<'s> Sparse<'s> {
-    pub fn load(
-        k: &mut Kernels,
-        dims: &Dims,
-        sel: &'s Selection,
-        table: &'s [usize],
-    ) -> Result<Sparse<'s>> {
-        let m = k.module("sparse_attn.cu", dims.defines())?;
-        let f = m.func("sparse_attn")?;
-        Ok(Sparse {
-            _m: m,
-            f,
-            sel,
-            table,
-        })
-    }
-}
 
 /// The coverage section's kernels of a sparse layer: `sparse_attn` in both phases. Its tiles are 32
 /// consecutive entries of a query's index row, not key positions, so the dense tile classes do not apply

@@ -2,7 +2,7 @@
 //! (kernels/attention_sm90.cuh, kernels/tma.cuh): a 2-D view of the paged latent cache — columns × every
 //! row of the pool's allocation — with 64 × 64 boxes and the 128-byte swizzle wgmma reads.
 
-use super::attn::AttnArgs;
+use super::args::AttnArgs;
 use super::device::drv_err;
 use crate::error::{Error, Result};
 use cudarc::driver::sys;

@@ -1,13 +1,13 @@
 //! `mla-diff kernels check`: compile every kernel with NVRTC (no GPU needed) to PTX and CUBIN for several
 //! architectures, model dims and storage types; report ptxas registers, spills and shared memory.
 
-use super::kernels::{Dims, Tile, KERNEL_FAULTS};
-use super::nvrtc::{self, parse_ptxas, Sources};
-use super::plan::{self, smem_limit, Widths};
-use super::{decode_tiles, prefill_tiles};
+use crate::backend::cuda::kernels::KERNEL_FAULTS;
+use crate::backend::cuda::nvrtc::{self, parse_ptxas, Sources};
 use crate::backend::Dtype;
 use crate::error::{Error, Result};
 use crate::faults::Active;
+use crate::tiles::choice::{self as plan, smem_limit, Widths};
+use crate::tiles::{decode_tiles, prefill_tiles, Dims, Tile};
 use std::collections::HashMap;
 use std::fmt::Write;
 
@@ -194,7 +194,7 @@ fn check_faults(
 /// `attn_*_config`, so that a kernel edit that changes its layout cannot leave the two apart.
 fn check_plan(dims: &Dims, unit: &str, t: Tile, kernel: &str, c: [i32; 4]) -> Result<()> {
     let decode = unit == "decode.cu";
-    let g = super::tile_model::geometry(
+    let g = plan::geometry(
         Some(Tile {
             wgmma: kernel == "attn_wgmma",
             ..t
@@ -204,7 +204,7 @@ fn check_plan(dims: &Dims, unit: &str, t: Tile, kernel: &str, c: [i32; 4]) -> Re
     let want = match kernel {
         // Decode's kernel: two warpgroups; prefill's: one per 64 rows and the producer warpgroup.
         "attn_wgmma" => [
-            super::tile_model::wgmma_smem(dims, &t, decode),
+            plan::wgmma_smem(&Widths::of(dims, decode), &t),
             if decode {
                 256
             } else {
@@ -212,7 +212,7 @@ fn check_plan(dims: &Dims, unit: &str, t: Tile, kernel: &str, c: [i32; 4]) -> Re
             },
         ],
         "attn_mma" => [
-            super::tile_model::mma_smem(dims, &t, decode),
+            plan::mma_smem(&Widths::of(dims, decode), &t),
             32 * (t.wm * t.wn) as usize,
         ],
         _ => return Ok(()),
@@ -221,7 +221,7 @@ fn check_plan(dims: &Dims, unit: &str, t: Tile, kernel: &str, c: [i32; 4]) -> Re
     let got = c.map(|x| x as usize);
     if got != want {
         return Err(Error::Environment(format!(
-            "{} {unit} ({}) {kernel}: the kernel states {{smem, threads, rows, keys}} = {got:?}, src/backend/cuda/plan.rs predicts {want:?}",
+            "{} {unit} ({}) {kernel}: the kernel states {{smem, threads, rows, keys}} = {got:?}, src/tiles/choice.rs predicts {want:?}",
             dims.dtype.name(),
             t.label()
         )));
@@ -278,7 +278,7 @@ fn check_all_tiles(src: &Sources, arch: &str, rep: &mut String) -> Result<usize>
     }
     writeln!(
         rep,
-        "\ntile model (src/backend/cuda/tile_model.rs), {arch}, deepseek-v3 bf16: {} tiles, {checked} kernel configs match",
+        "\ntile model (src/tiles/choice.rs), {arch}, deepseek-v3 bf16: {} tiles, {checked} kernel configs match",
         jobs.len()
     )
     .unwrap();
@@ -417,7 +417,7 @@ pub fn kernels_check(
                     // On sm_90a a decode module carries both tensor-core kernels: show the one its tile runs.
                     let runs_wgmma = tile.is_some_and(|t| t.wgmma)
                         && kernels.iter().any(|k| k.name == "attn_wgmma");
-                    // The host's model of the attention kernels' shared memory (plan.rs, which `lint`
+                    // The host's model of the attention kernels' shared memory (src/tiles/choice.rs, which `lint`
                     // reports from) must say what the compiled kernel says, for every kernel built.
                     for k in kernels
                         .iter()
@@ -438,7 +438,7 @@ pub fn kernels_check(
                         };
                         if host != cfg[0] as usize {
                             smem_model.push(format!(
-                                "{arch} {name} {} {unit} {} {}: kernel {} bytes, plan.rs {host}",
+                                "{arch} {name} {} {unit} {} {}: kernel {} bytes, src/tiles/choice.rs {host}",
                                 dt.name(),
                                 t.label(),
                                 k.name,
@@ -499,7 +499,7 @@ pub fn kernels_check(
     }
     if !smem_model.is_empty() {
         return Err(Error::Environment(format!(
-            "the host's shared-memory model of the attention kernels (src/backend/cuda/plan.rs, used by `lint`) disagrees with the compiled kernels: {}",
+            "the host's shared-memory model of the attention kernels (src/tiles/choice.rs, used by `lint`) disagrees with the compiled kernels: {}",
             smem_model.join("; ")
         )));
     }

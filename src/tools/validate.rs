@@ -5,8 +5,8 @@
 //! The GPU runs are serial; the CPU work (reference and mirror of every case) runs on all cores at once,
 //! so a whole sweep fits a short lease.
 
-use super::{CudaBackend, CudaOptions};
 use crate::backend::cpu::CpuMirror;
+use crate::backend::cuda::{CudaBackend, CudaOptions};
 use crate::backend::{Backend, Dtype, RunTables};
 use crate::compare::{self, metrics, ToleranceTable};
 use crate::error::{Error, Result};
@@ -36,6 +36,7 @@ pub struct Options {
 }
 
 pub mod cases;
+pub mod dgemm;
 pub use cases::{cases, Case, CaseSpec, CASES};
 
 pub fn case_layer(c: &Case) -> (MlaConfig, LayerWeights, Option<RopeFactors>) {
@@ -137,7 +138,7 @@ enum JobOut {
         sc: LayerTrace,
         ms: f64,
         paths: String,
-        /// What plan.rs (and so `lint --backend cuda`) says the layer launches.
+        /// What src/tiles/choice.rs (and so `lint --backend cuda`) says the layer launches.
         planned: String,
     },
     Cpu(LayerTrace),
@@ -277,7 +278,7 @@ pub fn run(a: &Options) -> Result<i32> {
                                 let mma = cu.run_layer(&ctx, x)?;
                                 let ms = t.elapsed().as_secs_f64() * 1e3;
                                 let sct = sc.run_layer(&ctx, x)?;
-                                let dims = super::kernels::Dims {
+                                let dims = crate::tiles::Dims {
                                     dtype: dt,
                                     lkv: cfg.kv_lora_rank,
                                     r: cfg.qk_rope,
@@ -295,7 +296,7 @@ pub fn run(a: &Options) -> Result<i32> {
                                     sc: sct,
                                     ms,
                                     paths: cu.last_paths.clone(),
-                                    planned: super::plan::paths(
+                                    planned: crate::tiles::choice::paths(
                                         &dims,
                                         sched.q_len * cfg.n_head,
                                         &info.arch(),
@@ -419,10 +420,10 @@ pub fn run(a: &Options) -> Result<i32> {
             let cr = figs(&g.mma, reference);
             let sr = figs(&g.sc, reference);
             let mut failures = rounding_level(g.dt, &cm, &mr);
-            // `lint --backend cuda` reports plan.rs's choice without a GPU: it must be what ran.
+            // `lint --backend cuda` reports src/tiles/choice.rs's choice without a GPU: it must be what ran.
             if g.planned != g.paths {
                 failures.push(format!(
-                    "kernel plan (src/backend/cuda/plan.rs, what lint reports) says \"{}\", the backend launched \"{}\"",
+                    "kernel plan (src/tiles/choice.rs, what lint reports) says \"{}\", the backend launched \"{}\"",
                     g.planned, g.paths
                 ));
             }
@@ -534,7 +535,7 @@ pub fn run(a: &Options) -> Result<i32> {
         }
     }
     // The fp64 products a CUDA run sends to the GPU (`dgemm`): against the host's.
-    let (lines, dgemm_failures) = super::dgemm::validate()?;
+    let (lines, dgemm_failures) = dgemm::validate()?;
     for l in &lines {
         writeln!(text, "{}{l}", if l.starts_with(' ') { "" } else { "\n== " }).unwrap();
     }

@@ -96,19 +96,3 @@ impl Peer {
         Ok((timing, out.take(name, shape, op)?.data))
     }
 }
-
-/// rel-L2 of `a` against `b` (16-bit bit patterns of `dt`) and the count of non-finite values in
-/// either (never a match).
-pub fn rel_l2_vs_bits(a: &[f64], b: &[u16], dt: crate::backend::Dtype) -> (f64, usize) {
-    let (mut num, mut den, mut bad) = (0.0, 0.0, 0);
-    for (&x, &y) in a.iter().zip(b) {
-        let y = super::bench::bits_to_f64(y, dt);
-        if !x.is_finite() || !y.is_finite() {
-            bad += 1;
-            continue;
-        }
-        num += (x - y) * (x - y);
-        den += y * y;
-    }
-    ((num / den.max(1e-300)).sqrt(), bad)
-}

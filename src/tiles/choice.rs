@@ -1,16 +1,57 @@
-//! Which attention kernel the CUDA backend launches for a model's dims, worked out on the host without a
-//! GPU or NVRTC (for `mla-diff lint --backend cuda`).
+//! Which attention kernel and tile the CUDA backend launches for a model's dims on a device, worked out
+//! on the host without a GPU or NVRTC: the one model of that choice, for `lint --backend cuda`, the
+//! coverage section and `run`'s default schedule, sweep's key tiles, and the backend's own check of
+//! what it loaded (a notice when the device disagrees).
 //!
-//! `Attn::load` (attn.rs) walks a tile list (`decode_tiles` / `prefill_tiles`), compiles each and takes the
-//! first whose shared memory fits the device, else the scalar kernel. The conditions it meets at run time
-//! are the preprocessor guards of kernels/attention.cuh and attention_sm90.cuh and the shared-memory sizes
-//! they export (`attn_mma_config`, `attn_wgmma_config`); this module restates them. `mla-diff kernels
-//! check` compares `mma_smem` / `wgmma_smem` with the sizes the compiled PTX holds for every job it
-//! compiles and fails if they ever disagree, so the restatement cannot drift silently.
+//! `Attn::load` (backend/cuda/attn.rs) walks a tile list (`decode_tiles` / `prefill_tiles`), compiles
+//! each and takes the first whose shared memory fits the device, else the scalar kernel. The conditions it
+//! meets at run time are the preprocessor guards of kernels/attention.cuh, attention_sm90.cuh and
+//! prefill_sm90.cuh and the shared-memory sizes they export (`attn_mma_config`, `attn_wgmma_config`);
+//! this module restates them. `mla-diff kernels check` compares every predicted shared-memory size, row
+//! count and tile width with the sizes the compiled PTX holds for every job it compiles and fails if they
+//! ever disagree, so the restatement cannot drift silently.
 
-use super::kernels::{Dims, Tile};
-use super::{decode_tiles, prefill_tiles};
+use super::{decode_tiles, prefill_tiles, Dims, Tile};
+use crate::backend::KeyTile;
+use crate::kernel_use::{Family, Geometry, KernelUse, Phase, Production};
 use crate::precision::Dtype;
+
+/// What the tile choice needs to know about a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caps {
+    /// Compute capability.
+    pub cc: (i32, i32),
+    /// Largest dynamic shared memory per block (opt-in), bytes.
+    pub smem_optin: usize,
+}
+
+/// H100 / H200: sm_90 (compiled as sm_90a, so the wgmma kernel exists), 227 KB of shared memory.
+pub const HOPPER: Caps = Caps {
+    cc: (9, 0),
+    smem_optin: 232_448,
+};
+/// A100: sm_80, 163 KB.
+pub const AMPERE: Caps = Caps {
+    cc: (8, 0),
+    smem_optin: 166_912,
+};
+
+impl Caps {
+    /// The NVRTC target the backend compiles for on this device (`arch`).
+    pub fn arch(&self) -> String {
+        arch(self.cc)
+    }
+}
+
+/// NVRTC target for compute capability `cc`, e.g. "sm_80". Hopper gets the arch-specific "sm_90a",
+/// whose wgmma the attention kernels use (the image then runs on sm_90 devices only, which is all it is
+/// built for).
+pub fn arch(cc: (i32, i32)) -> String {
+    match cc {
+        (9, 0) => "sm_90a".to_string(),
+        (major, minor) => format!("sm_{major}{minor}"),
+    }
+}
 
 /// Largest dynamic shared memory per block (opt-in), by NVRTC target.
 pub fn smem_limit(arch: &str) -> Option<usize> {
@@ -39,6 +80,14 @@ impl Widths {
             db: 0,
             dv: d.lkv,
             v_in_k: true,
+        }
+    }
+    /// The widths of decode.cu (`decode`) or prefill.cu.
+    pub fn of(d: &Dims, decode: bool) -> Widths {
+        if decode {
+            Widths::decode(d)
+        } else {
+            Widths::prefill(d)
         }
     }
     /// prefill.cu: decompressed MHA, keys `[k_nope | k_pe]`, values of their own.
@@ -166,21 +215,29 @@ pub struct Plan {
 /// What `Attn::load` picks for `unit` (decode or prefill) on a device with `smem_limit` bytes of opt-in
 /// shared memory, compiled for `arch`; `q_rows` is q_len × heads (decode's tile list depends on it).
 pub fn plan(dims: &Dims, decode: bool, q_rows: usize, arch: &str, smem_limit: usize) -> Plan {
-    let w = if decode {
-        Widths::decode(dims)
-    } else {
-        Widths::prefill(dims)
-    };
     let tiles = if decode {
         decode_tiles(q_rows)
     } else {
         prefill_tiles()
     };
+    plan_tiles(dims, decode, &tiles, arch, smem_limit)
+}
+
+/// `Attn::load`'s walk of `tiles`: the first whose kernel the module holds for these dims and `arch`
+/// (the kernels' `#if`s) and whose shared memory fits `smem_limit`, else the scalar kernel.
+pub fn plan_tiles(
+    dims: &Dims,
+    decode: bool,
+    tiles: &[Tile],
+    arch: &str,
+    smem_limit: usize,
+) -> Plan {
+    let w = Widths::of(dims, decode);
     let mut passed = Vec::new();
     if let Some(why) = mma_blocker(dims.dtype, &w) {
         passed.push(format!("tensor-core kernels: {why}"));
     } else {
-        for t in &tiles {
+        for t in tiles {
             if t.wgmma {
                 if let Some(why) = wgmma_blocker(arch, dims.dtype, &w, t) {
                     passed.push(format!("attn_wgmma: {why}"));
@@ -251,191 +308,160 @@ pub fn paths(dims: &Dims, q_rows: usize, arch: &str, smem_limit: usize) -> Strin
     )
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::faults::Active;
-
-    fn dims(dtype: Dtype, lkv: usize, r: usize, p: usize, dv: usize, h: usize) -> Dims {
-        Dims {
-            dtype,
-            lkv,
-            r,
-            p,
-            dv,
-            h,
-            page: 64,
-            neox: false,
-            debug: true,
-            faults: Active::NONE,
-        }
+/// The tile `Attn::load` picks for `tiles` (`None`: the scalar kernel).
+pub fn select(
+    d: &Dims,
+    tiles: &[Tile],
+    decode: bool,
+    caps: &Caps,
+    force_scalar: bool,
+) -> Option<Tile> {
+    if force_scalar {
+        return None;
     }
+    plan_tiles(d, decode, tiles, &caps.arch(), caps.smem_optin).tile
+}
 
-    /// The shared-memory sizes worked out by hand from the defines at DeepSeek dims (kernels check
-    /// compares them with the compiled PTX on every target it builds).
-    #[test]
-    fn shared_memory_at_deepseek_dims() {
-        let d = dims(Dtype::Bf16, 512, 64, 128, 128, 128);
-        let w = Widths::decode(&d);
-        // 9 blocks of 8 KB for Q, two K stages and… : 1024 + 3·73728 + 8192 + 1024.
-        assert_eq!(wgmma_smem(&w, &decode_tiles(128)[0]), 231_424);
-        // Q 64·576·2 + 2 stages of K 64·576·2 + P 64·72·2 + (2+1)·64·4.
-        assert_eq!(mma_smem(&w, &Tile::new(4, 2, 64, 2, 2)), 231_168);
-        let p = plan(&d, true, 128, "sm_90a", 232_448);
-        assert_eq!(
-            (p.kernel, p.smem, p.rows, p.keys),
-            ("attn_wgmma", 231_424, 64, 64)
-        );
-        let p = plan(&d, true, 128, "sm_90", 232_448);
-        assert_eq!((p.kernel, p.smem), ("attn_mma", 231_168));
-        assert!(
-            p.passed_over[0].contains("sm_90a only"),
-            "{:?}",
-            p.passed_over
-        );
-    }
+/// The (prefill, decode) tiles of a layer whose decode steps have `q_rows` rows (q_len · heads).
+pub fn layer_tiles(
+    d: &Dims,
+    q_rows: usize,
+    caps: &Caps,
+    force_scalar: bool,
+) -> (Option<Tile>, Option<Tile>) {
+    (
+        select(d, &prefill_tiles(), false, caps, force_scalar),
+        select(d, &decode_tiles(q_rows), true, caps, force_scalar),
+    )
+}
 
-    /// What the H200 launched in the last recorded gpu-validate (18 case runs: DeepSeek-V3, GLM-5 and
-    /// MiniCPM3 dims, 8 to 128 heads, q_len 1 and 2, bf16 and fp16; prefill on wgmma) is what the plan
-    /// says.
-    #[test]
-    fn the_plan_is_what_the_h200_launched() {
-        let runs: serde_json::Value = serde_json::from_str(include_str!(
-            "../../../tests/data/h200-gpu-validate-2026-12-01.json"
-        ))
-        .unwrap();
-        let runs = runs.as_array().unwrap();
-        assert_eq!(runs.len(), 18);
-        let field = |s: &str, k: &str| -> usize {
-            let v = s
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix(k))
-                .unwrap_or_else(|| panic!("{k} in {s}"));
-            v.parse().unwrap()
-        };
-        let (mut wgmma, mut prefill_wgmma) = (0, 0);
-        for r in runs {
-            let (d, sched) = (r["dims"].as_str().unwrap(), r["schedule"].as_str().unwrap());
-            let dtype = match r["dtype"].as_str().unwrap() {
-                "bf16" => Dtype::Bf16,
-                "fp16" => Dtype::F16,
-                other => panic!("{other}"),
-            };
-            let mut x = dims(
-                dtype,
-                field(d, "Lkv="),
-                field(d, "R="),
-                field(d, "P="),
-                field(d, "Dv="),
-                field(d, "H="),
-            );
-            x.page = field(sched, "page=");
-            let rows = field(sched, "q_len=") * x.h;
-            let launched = r["kernels"].as_str().unwrap();
-            // The H200: sm_90a, 227 KB of opt-in shared memory per block.
-            assert_eq!(
-                paths(&x, rows, "sm_90a", 232_448),
-                launched,
-                "{} {}",
-                r["case"],
-                r["dtype"]
-            );
-            wgmma += launched.contains("decode: mma (wgmma") as usize;
-            prefill_wgmma += launched.contains("prefill: mma (wgmma") as usize;
-        }
-        assert!(
-            wgmma > 0 && wgmma < runs.len(),
-            "both decode kernels are covered"
-        );
-        assert_eq!(prefill_wgmma, runs.len(), "every prefill ran on wgmma");
+/// The family of a chosen tile.
+pub fn family(t: Option<Tile>) -> Family {
+    match t {
+        None => Family::Scalar,
+        Some(t) if t.wgmma => Family::Wgmma,
+        Some(_) => Family::Mma,
     }
+}
 
-    #[test]
-    fn what_passes_the_fast_kernels_over() {
-        // MiniCPM3: latent 256 takes the wgmma kernel on Hopper (key row 288, padded to 320).
-        let m = dims(Dtype::Bf16, 256, 32, 64, 64, 40);
-        assert_eq!(
-            plan(&m, true, 40 * 2, "sm_90a", 232_448).kernel,
-            "attn_wgmma"
-        );
-        // Fewer than 64 rows per request: the small-row tiles, no wgmma.
-        let p = plan(&m, true, 40, "sm_90a", 232_448);
-        assert_eq!(p.kernel, "attn_mma");
-        assert_eq!(p.rows, 16);
-        // f32 storage and odd widths: the scalar kernel, with the reason.
-        let f = plan(
-            &dims(Dtype::F32, 512, 64, 128, 128, 8),
-            true,
-            64,
-            "sm_90a",
-            232_448,
-        );
-        assert_eq!(f.kernel, "attn_scalar");
-        assert!(f.passed_over[0].contains("f32"), "{:?}", f.passed_over);
-        let o = plan(
-            &dims(Dtype::Bf16, 20, 6, 10, 12, 3),
-            false,
-            3,
-            "sm_90a",
-            232_448,
-        );
-        assert_eq!(o.kernel, "attn_scalar");
-        assert!(
-            o.passed_over[0].contains("not a multiple of 8"),
-            "{:?}",
-            o.passed_over
-        );
-        // Prefill on Hopper: wgmma at 128 rows x 64 keys for all three dim sets (the kernels' own
-        // PW_SMEM, as `kernels check` printed it), mma on sm_90; values wider than 256: mma.
-        for (d, smem) in [
-            (dims(Dtype::Bf16, 512, 64, 128, 128, 128), 132_096),
-            (dims(Dtype::F16, 512, 64, 192, 256, 64), 197_632),
-            (m, 82_944),
-        ] {
-            let p = plan(&d, false, 0, "sm_90a", 232_448);
-            assert_eq!(
-                (p.kernel, p.smem, p.rows, p.keys),
-                ("attn_wgmma", smem, 128, 64)
-            );
-            let p = plan(&d, false, 0, "sm_90", 232_448);
-            assert_eq!(p.kernel, "attn_mma");
-            assert!(
-                p.passed_over[0].contains("sm_90a only"),
-                "{:?}",
-                p.passed_over
-            );
-        }
-        let wide = plan(
-            &dims(Dtype::Bf16, 512, 64, 128, 512, 8),
-            false,
-            0,
-            "sm_90a",
-            232_448,
-        );
-        assert_eq!(wide.kernel, "attn_mma");
-        assert!(
-            wide.passed_over[0].contains("value width 512"),
-            "{:?}",
-            wide.passed_over
-        );
-        // A latent of 384 is no wgmma shape.
-        let k = dims(Dtype::Bf16, 384, 64, 128, 128, 128);
-        let p = plan(&k, true, 128, "sm_90a", 232_448);
-        assert_eq!(p.kernel, "attn_mma");
-        assert!(
-            p.passed_over[0].contains("kv_lora_rank 384"),
-            "{:?}",
-            p.passed_over
-        );
-        // On a 99 KB device the 8-warp decode tiles do not fit.
-        let small = plan(
-            &dims(Dtype::Bf16, 512, 64, 128, 128, 128),
-            true,
-            128,
-            "sm_120",
-            101_376,
-        );
-        assert!(small.smem <= 101_376, "{small:?}");
-        assert!(small.passed_over.len() > 1, "{small:?}");
+/// The kernel's name in reports.
+pub fn label(t: Option<Tile>) -> String {
+    match t {
+        None => "32-key tiles, a warp per row".into(),
+        Some(t) => t.label(),
     }
+}
+
+/// How the kernel of tile `t` cuts a phase's work (kernels/attention.cuh, attention_sm90.cuh,
+/// prefill_sm90.cuh).
+pub fn geometry(t: Option<Tile>, decode: bool) -> Geometry {
+    match t {
+        // SC_ROWS rows (warps) per CTA, each with its own key range, 32 keys per tile, no pipeline.
+        None => Geometry {
+            rows_per_cta: 4,
+            keys_per_tile: 32,
+            key_slices: 1,
+            stages: 1,
+            per_row_ranges: true,
+        },
+        // Decode: WG_BM rows, WG_BN keys, one 32-key half per warpgroup, K double-buffered.
+        Some(t) if t.wgmma && decode => Geometry {
+            rows_per_cta: 64,
+            keys_per_tile: 64,
+            key_slices: 2,
+            stages: 2,
+            per_row_ranges: false,
+        },
+        // Prefill: ATT_BM rows, 64 per warpgroup over every key of an ATT_BN tile, K and V double-buffered.
+        Some(t) if t.wgmma => Geometry {
+            rows_per_cta: 16 * t.wm as usize,
+            keys_per_tile: t.bn as usize,
+            key_slices: 1,
+            stages: 2,
+            per_row_ranges: false,
+        },
+        Some(t) => Geometry {
+            rows_per_cta: 16 * t.wm as usize,
+            keys_per_tile: t.bn as usize,
+            key_slices: t.swn as usize,
+            stages: t.stages as usize,
+            per_row_ranges: false,
+        },
+    }
+}
+
+/// The key-count periods of the kernel of tile `t` (`None`: the scalar kernel) in decode (`decode`) or
+/// prefill: its tile and the keys one warp (or warpgroup) takes of it, both counted from the start of
+/// the key range (`Backend::key_tiles`, what sweep's lengths are made from).
+pub fn key_tiles(t: Option<Tile>, decode: bool) -> Vec<KeyTile> {
+    match t {
+        // kernels/prefill_sm90.cuh: ATT_BN-key tiles, each warpgroup takes every key of its rows.
+        Some(t) if t.wgmma && !decode => vec![KeyTile::new("wgmma tile", t.bn as usize)],
+        // kernels/attention_sm90.cuh: 64-key tiles, warpgroup g takes keys [32g, 32g + 32). With the
+        // TMA loads (page a multiple of 64) the tiles sit on page boundaries: a split starting inside a
+        // page begins with a partial tile (its keys below the split masked).
+        Some(t) if t.wgmma => vec![
+            KeyTile::new("wgmma tile", 64),
+            KeyTile::new("warpgroup key slice", 32),
+        ],
+        // kernels/attention.cuh: ATT_BN keys per tile, ATT_BNW = ATT_BN / ATT_SWN per warp in the S phase.
+        Some(t) => vec![
+            KeyTile::new(format!("mma tile ({})", t.label()), t.bn as usize),
+            KeyTile::new("warp key slice", (t.bn / t.swn) as usize),
+        ],
+        // attn_scalar: one warp per row, keys in tiles of 32.
+        None => vec![KeyTile::new("scalar tile", 32)],
+    }
+}
+
+/// The kernel use of `phase` for tile `t`, with the production kernel when another one would run.
+pub fn kernel_use(phase: Phase, t: Option<Tile>, production: Option<Production>) -> KernelUse {
+    KernelUse {
+        phase,
+        family: family(t),
+        label: label(t),
+        geometry: Some(geometry(t, phase == Phase::Decode)),
+        production,
+    }
+}
+
+/// The production kernel of a phase, when it differs from the one that ran (`ran`): the device's choice
+/// for these dims without a forced scalar path and, for decode, with at least 64 rows, the row count
+/// the 64-row kernels are made for (a serving batch or 64+ heads).
+pub fn production(
+    d: &Dims,
+    phase: Phase,
+    ran: Option<Tile>,
+    q_rows: usize,
+    caps: &Caps,
+    force_scalar: bool,
+) -> Option<Production> {
+    let decode = phase == Phase::Decode;
+    let rows = if decode { q_rows.max(64) } else { q_rows };
+    let tiles = if decode {
+        decode_tiles(rows)
+    } else {
+        prefill_tiles()
+    };
+    let best = select(d, &tiles, decode, caps, false);
+    if family(best) == family(ran) && label(best) == label(ran) {
+        return None;
+    }
+    let why = if force_scalar && best.is_some() {
+        "the scalar kernels were forced".to_string()
+    } else if decode && q_rows < 64 {
+        let h = d.h.max(1);
+        format!(
+            "it takes 64 or more decode rows and this run has q_len x heads = {} x {h} = {q_rows}; --q-len {} runs it",
+            q_rows / h,
+            64usize.div_ceil(h)
+        )
+    } else {
+        "its module did not load as predicted (see the run's notices)".to_string()
+    };
+    Some(Production {
+        family: family(best),
+        label: label(best),
+        why,
+    })
 }

@@ -6,17 +6,18 @@
 //! decode bytes = B·S·(Lkv+R)·2 + B·H·(Lkv+R)·2 + B·H·Lkv·2, FLOPs = 2·B·H·S·((Lkv+R)+Lkv);
 //! causal prefill FLOPs = H·T²·(dqk+dv) (half of the full T×T score matrix).
 
-use super::attn::{Attn, AttnArgs};
-use super::blas::{Blas, GemmPrecision};
-use super::device::{arg, DevBuf, Gpu, Timer};
-use super::kernels::{launch, Dims, Kernels, Tile};
-use super::nvrtc::Sources;
-use super::peers::{rel_l2_vs_bits, Peer};
-use super::{decode_tiles, prefill_tiles};
+use super::peers::Peer;
+use crate::backend::cuda::args::AttnArgs;
+use crate::backend::cuda::attn::{Attn, PrefillLaunch};
+use crate::backend::cuda::blas::{Blas, GemmPrecision};
+use crate::backend::cuda::device::{arg, DevBuf, Gpu, Timer};
+use crate::backend::cuda::kernels::{launch, Kernels};
+use crate::backend::cuda::nvrtc::Sources;
 use crate::backend::runner::tensors::{ints, Named};
 use crate::backend::Dtype;
 use crate::error::Result;
 use crate::model::catalogue::{Entry, Preset};
+use crate::tiles::{decode_tiles, prefill_tiles, Dims, Tile};
 use cudarc::cublas::sys::cublasOperation_t as Op;
 use serde::Serialize;
 use std::fmt::Write;
@@ -95,7 +96,7 @@ fn time_us(
 #[derive(Clone)]
 struct Filler {
     f: cudarc::driver::sys::CUfunction,
-    _m: std::rc::Rc<super::kernels::Module>,
+    _m: std::rc::Rc<crate::backend::cuda::kernels::Module>,
 }
 
 impl Filler {
@@ -133,6 +134,22 @@ fn rel_l2(a: &[u16], b: &[u16], dt: Dtype) -> (f64, usize) {
     let (mut num, mut den, mut bad) = (0.0, 0.0, 0);
     for (&x, &y) in a.iter().zip(b) {
         let (x, y) = (bits_to_f64(x, dt), bits_to_f64(y, dt));
+        if !x.is_finite() || !y.is_finite() {
+            bad += 1;
+            continue;
+        }
+        num += (x - y) * (x - y);
+        den += y * y;
+    }
+    ((num / den.max(1e-300)).sqrt(), bad)
+}
+
+/// rel-L2 of `a` against `b` (16-bit bit patterns of `dt`) and the count of non-finite values in
+/// either (never a match).
+fn rel_l2_vs_bits(a: &[f64], b: &[u16], dt: Dtype) -> (f64, usize) {
+    let (mut num, mut den, mut bad) = (0.0, 0.0, 0);
+    for (&x, &y) in a.iter().zip(b) {
+        let y = bits_to_f64(y, dt);
         if !x.is_finite() || !y.is_finite() {
             bad += 1;
             continue;
@@ -330,7 +347,7 @@ impl Session {
                 )
             }
             .result()
-            .map_err(super::device::drv_err("cuMemcpyDtoD"))
+            .map_err(crate::backend::cuda::device::drv_err("cuMemcpyDtoD"))
         })?;
         drop((a, b));
         self.copy_gbps = 2.0 * copy_bytes as f64 / (copy_us * 1e-6) / 1e9;
@@ -733,10 +750,10 @@ impl Session {
             };
             // The Hopper kernel takes its operands' tensor maps as a parameter (TMA loads where they
             // encode, cp.async otherwise): launched through PrefillLaunch, not Attn::run.
-            let wg = super::prefill::PrefillLaunch::find(&mut self.k, &att, &dims)?;
+            let wg = PrefillLaunch::find(&mut self.k, &att, &dims)?;
             let maps = match &wg {
                 Some(l) => l.maps(&a)?,
-                None => super::tma::PrefillMaps::OFF,
+                None => crate::backend::cuda::tma::PrefillMaps::OFF,
             };
             if maps.on() {
                 c.notes
@@ -883,7 +900,7 @@ pub fn bench(opts: &BenchOptions) -> Result<(BenchReport, String)> {
         // The first three tiles with Hopper's other wgmma tiles after the first.
         let mut tiles = prefill_tiles();
         tiles.truncate(3);
-        tiles.splice(1..1, super::prefill_wgmma_variants());
+        tiles.splice(1..1, crate::tiles::prefill_wgmma_variants());
         if opts.best_only {
             tiles.retain(|t| t.wgmma);
         } else {

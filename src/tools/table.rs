@@ -3,11 +3,10 @@
 //! measured by the same process — with each shape's ratios, correctness and floor verdict in one record.
 
 use super::bench::{BenchRow, CaseResult, DecodeCase, PeerTimed, Session, Timed};
-use super::kernels::Tile;
-use super::{decode_tiles, prefill_tiles, prefill_wgmma_variants};
 use crate::backend::Dtype;
 use crate::error::Result;
 use crate::model::catalogue::Preset;
+use crate::tiles::{decode_tiles, prefill_tiles, prefill_wgmma_variants, Tile};
 use serde::Serialize;
 use std::fmt::Write;
 
