@@ -242,6 +242,12 @@ pub trait Backend {
         Vec::new()
     }
 
+    /// The runner of a `--runner` run, for the report's `environment.runner`; `None` for every other
+    /// backend.
+    fn runner(&self) -> Option<runner::RunnerInfo> {
+        None
+    }
+
     /// A runner's checks beyond the stages (`runner::checks`); `None` for every other backend.
     fn runner_checks(&self) -> Option<runner::checks::RunnerChecks> {
         None
