@@ -428,13 +428,19 @@ fn the_report_records_the_runner_in_its_environment() {
     assert!(errors.is_empty(), "{errors:?}");
     let r = &rep["environment"]["runner"];
     assert_eq!(r["name"], "numpy", "{r:#}");
-    assert!(r["version"].as_str().unwrap().contains("numpy_mla.py"), "{r:#}");
+    assert!(
+        r["version"].as_str().unwrap().contains("numpy_mla.py"),
+        "{r:#}"
+    );
     assert_eq!(r["command"], cmd.as_str());
     assert_eq!(
         r["ops"]["decode"]["outputs"],
         serde_json::json!(["attn_latent", "lse", "split_out", "split_lse"])
     );
-    assert_eq!(r["supports"]["dtypes"], serde_json::json!(["bf16", "fp16", "f32"]));
+    assert_eq!(
+        r["supports"]["dtypes"],
+        serde_json::json!(["bf16", "fp16", "f32"])
+    );
     assert!(r["supports"]["page_sizes"].is_null(), "{r:#}");
     assert_eq!(r["conventions"]["lse_base"], "e");
     assert_eq!(r["batch_invariant"], true);
@@ -455,7 +461,11 @@ fn the_report_records_the_runner_in_its_environment() {
         "-q",
     ]);
     let j: J = serde_json::from_slice(&o.stdout).unwrap();
-    assert!(j["environment"].get("runner").is_none(), "{}", j["environment"]);
+    assert!(
+        j["environment"].get("runner").is_none(),
+        "{}",
+        j["environment"]
+    );
 }
 
 /// One error model decides the stage-local check and its `@runner` twin: P·V accumulated in fp16 (in
