@@ -878,7 +878,7 @@ fn probe_splits(p: &mut Prober, out: &mut Findings) -> Result<()> {
         out.error(
             check,
             format!("keys per split [{}] (e^split_lse, every score 0), or partials not their mean latent: {layout}", list(&keys_found)),
-            format!("[2, 2, 1, 0]: split k over keys [k·⌈L/S⌉, (k+1)·⌈L/S⌉) = [0, 2), [2, 4), [4, 5), [5, 5), each partial normalised within its split"),
+            "[2, 2, 1, 0]: split k over keys [k·⌈L/S⌉, (k+1)·⌈L/S⌉) = [0, 2), [2, 4), [4, 5), [5, 5), each partial normalised within its split",
             "the protocol's split partials follow vLLM's partition of L = cache_seqlens[b] (a kernel with another one declares geometry.split_partition own); partials on other boundaries cannot be merged with vLLM's or checked against its reference",
         );
         out.note(
@@ -996,7 +996,7 @@ pub fn lint(cmd: &str, cfg: Option<&MlaConfig>, opts: &Options, out: &mut Findin
             .as_ref()
             .filter(|l| !l.contains(&opts.page_size) && !l.is_empty() && !opts.page_size_given)
         {
-            page = l[0];
+            page = protocol::pick_page(opts.page_size, l);
             out.note(
                 "runner.supports.page_size",
                 format!("page size {page}"),

@@ -624,9 +624,11 @@ fn supports_are_read_strictly_and_the_page_fits_the_runner() {
     let (code, rep, err) = run_json(&f, &format!("{py} {}", p64.display()), &[]);
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(rep["run"]["schedule"]["page_size"], 64);
-    // The notice naming the moved page is owed: since the merge with the runner reach, the default
-    // schedule takes the page from `supports` itself (covering::Limits), which says nothing in the
-    // notices yet (session note, #32).
+    assert!(
+        rep["run"]["notices"].to_string().contains("page size 64"),
+        "{}",
+        rep["run"]["notices"]
+    );
 }
 
 /// `--inject` of a fault that first shows in a stage the runner replaces would change nothing: refused,

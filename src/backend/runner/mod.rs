@@ -73,12 +73,13 @@ pub fn declared_kernels(d: &Describe) -> Vec<crate::coverage::KernelUse> {
     .collect()
 }
 
-/// What a runner's `supports` leaves of the default schedule's freedom.
+/// What a runner's `supports` leaves of the default schedule's freedom; the page is set by
+/// `protocol::page_for` from the page the schedule would take without it.
 pub fn limits(d: &Describe) -> crate::coverage::covering::Limits {
     let decodes = d.ops.decode.is_some() || d.ops.sparse_decode.is_some();
     crate::coverage::covering::Limits {
         max_q_len: d.supports.max_q_len.filter(|_| decodes),
-        page_sizes: d.supports.page_sizes.clone().filter(|_| decodes),
+        page: None,
     }
 }
 
@@ -411,8 +412,9 @@ impl Backend for RunnerBackend {
         }
         if let Some((default, chosen)) = protocol::page_chosen() {
             v.push(format!(
-                "page size {chosen}: runner {} does not take the default page {default} (its supports.page_sizes), so the run uses the first page it lists (--page-size picks another)",
-                self.desc.name
+                "page size {chosen}: runner {} does not take the schedule's page {default} (its supports.page_sizes: {}), so the run uses the largest page it takes below that, else its smallest (--page-size picks another)",
+                self.desc.name,
+                self.desc.supports.page_sizes.as_deref().map(|l| format!("{l:?}")).unwrap_or_default()
             ));
         }
         if self.unwritten_splits > 0 {
