@@ -20,8 +20,6 @@ pub mod open;
 pub mod runner;
 
 pub use open::{open, BackendInfo, Choice, Factory, Kind, Options};
-// The old path, for lint/runner.rs and the CUDA tools until they move out (issue #34 item 3).
-pub use crate::precision::Dtype;
 
 use crate::error::Result;
 use crate::faults::Active;
@@ -179,6 +177,12 @@ pub trait Backend {
     /// Coverage warnings of its own: what it kept the schedule from reaching (a runner's `supports`).
     fn coverage_notes(&self, _sched: &Schedule) -> Vec<String> {
         Vec::new()
+    }
+
+    /// The runner of a `--runner` run, for the report's `environment.runner`; `None` for every other
+    /// backend.
+    fn runner(&self) -> Option<runner::RunnerInfo> {
+        None
     }
 
     /// A runner's checks beyond the stages (`runner::checks`); `None` for every other backend.

@@ -120,12 +120,14 @@ impl Args {
         let s = match &self.backend.runner {
             Some(cmd) => {
                 use mla_diff::backend::runner as r;
+                use mla_diff::coverage::covering::{for_runner, Limits};
                 let d = r::protocol::describe(cmd)?;
-                mla_diff::coverage::covering::for_runner(
-                    cfg,
-                    &r::declared_kernels(&d),
-                    &mla_diff::coverage::covering::Limits::of_runner(&d),
-                )
+                let (declared, mut limits) = (r::declared_kernels(&d), Limits::of_runner(&d));
+                // The page the schedule wants, then the runner's (`page_for`: the one choice, and
+                // the notice); the q_len search then runs at that page.
+                let want = for_runner(cfg, &declared, &limits).page_size;
+                limits.page = Some(r::protocol::page_for(cmd, want)?);
+                for_runner(cfg, &declared, &limits)
             }
             None => mla_diff::coverage::covering::covering(cfg),
         };
@@ -210,7 +212,8 @@ impl Args {
         // The runner is asked to describe itself from here on (page choice, --inject): timed already.
         mla_diff::backend::runner::protocol::set_timeout(self.backend.runner_timeout);
         let mut sched = self.default_schedule(cfg)?;
-        // A runner that does not take the default page gets one it does (the report says so).
+        // A runner that does not take the schedule's page gets one it does (the report says so); the
+        // default schedule has one already (`default_schedule`), which this keeps.
         if let (Some(cmd), None) = (&self.backend.runner, self.schedule.page_size) {
             sched.page_size = mla_diff::backend::runner::protocol::page_for(cmd, sched.page_size)?;
             sched.validate()?;

@@ -98,17 +98,19 @@ pub fn covering(cfg: &MlaConfig) -> Schedule {
 pub struct Limits {
     /// The most queries per decode step (`supports.max_q_len`).
     pub max_q_len: Option<usize>,
-    /// The page sizes it takes (`supports.page_sizes`).
-    pub page_sizes: Option<Vec<usize>>,
+    /// The page the run gives it (`runner::protocol::page_for`, the one place a runner's page is
+    /// chosen and the report told); `None`: the covering page.
+    pub page: Option<usize>,
 }
 
 impl Limits {
-    /// What a runner's `supports` leaves of the default schedule's freedom.
+    /// What a runner's `supports` leaves of the default schedule's freedom; the page is set by
+    /// `protocol::page_for` from the page the schedule would take without it.
     pub fn of_runner(d: &crate::backend::runner::protocol::Describe) -> Limits {
         let decodes = d.ops.decode.is_some() || d.ops.sparse_decode.is_some();
         Limits {
             max_q_len: d.supports.max_q_len.filter(|_| decodes),
-            page_sizes: d.supports.page_sizes.clone().filter(|_| decodes),
+            page: None,
         }
     }
 }
@@ -130,19 +132,7 @@ pub fn covering_for(targets: &[KernelUse], heads: usize) -> Schedule {
     covering_within(targets, heads, &Limits::default())
 }
 
-/// A page of `pages` for a schedule that wanted `want`: the largest allowed one not above it (still
-/// inside a tile), else the smallest allowed.
-fn allowed_page(want: usize, pages: &[usize]) -> usize {
-    pages
-        .iter()
-        .copied()
-        .filter(|&p| p > 0 && p <= want)
-        .max()
-        .or_else(|| pages.iter().copied().filter(|&p| p > 0).min())
-        .unwrap_or(want)
-}
-
-/// [`covering_for`] within `limits`: the page an allowed one, `q_len` at most `max_q_len` (the search
+/// [`covering_for`] within `limits`: the page the runner's, `q_len` at most `max_q_len` (the search
 /// stops there; the coverage section says what that misses).
 pub fn covering_within(targets: &[KernelUse], heads: usize, limits: &Limits) -> Schedule {
     let keys_p = largest(targets, Phase::Prefill, |g| g.keys_per_tile);
@@ -163,10 +153,7 @@ pub fn covering_within(targets: &[KernelUse], heads: usize, limits: &Limits) -> 
         // ranges are computed from a cache that already holds decode rows (per-step bugs show).
         decode_steps: 2,
         q_len: 1,
-        page_size: match &limits.page_sizes {
-            Some(p) => allowed_page((smallest_tile / 2).max(1), p),
-            None => (smallest_tile / 2).max(1),
-        },
+        page_size: limits.page.unwrap_or((smallest_tile / 2).max(1)),
         num_splits: 2,
         shuffle_seed: Schedule::default().shuffle_seed,
         spare_pages: Schedule::default().spare_pages,
@@ -200,17 +187,16 @@ mod tests {
             8,
             &Limits {
                 max_q_len: Some(1),
-                page_sizes: Some(vec![64, 128]),
+                page: Some(64),
             },
         );
         assert_eq!((capped.q_len, capped.page_size), (1, 64));
-        // The largest allowed page not above the covering one.
         let p = covering_within(
             &t,
             8,
             &Limits {
                 max_q_len: None,
-                page_sizes: Some(vec![1, 16, 64]),
+                page: Some(16),
             },
         );
         assert_eq!(p.page_size, 16);

@@ -15,6 +15,15 @@
 //!    if every token was read through the block table. Probes 1–3 keep their keys on the first physical
 //!    pages in order, so a page-size slip does not disturb them.
 //!
+//! 5. **MTP causality**: a step of two queries over two keys (latents A and 2A, scores 0): query 0
+//!    sees key 0 only.
+//! 6. **split partition** and 7. **empty split**: 5 keys in 4 splits, scores 0, so `e^split_lse`
+//!    counts each split's keys (vLLM's partition: 2, 2, 1, 0) and the empty one must weigh 0.
+//!
+//! Probes 5–7 run once the paging probe has shown that several keys over pages are read right. A
+//! non-finite answer to probes 1–2 is one finding (`judge_non_finite`), not a wrong scale, base and
+//! value at once.
+//!
 //! The prefill op gets probes 1 and 2, and so do the DSA ops (`sparse_prefill`, `sparse_decode`): one
 //! query whose index row names one key, then two equal keys (then −1 padding; every other cache slot
 //! NaN). All entries 1/8 stay exact through FlashMLA's fp8 cache (tile scale 2⁻¹¹, 1/8 = 256·2⁻¹¹),
@@ -26,9 +35,9 @@ use super::{num, Findings, Options};
 use crate::backend::runner::keep_io;
 use crate::backend::runner::protocol::{self, Describe, LseBase, Outcome, Process, Request};
 use crate::backend::runner::tensors::{self, floats, ints, Named, Outputs};
-use crate::backend::Dtype;
 use crate::error::Result;
 use crate::model::MlaConfig;
+use crate::precision::Dtype;
 use std::f64::consts::{LN_2, LOG2_E};
 
 /// Unit roundoff of a returned dtype.
@@ -55,6 +64,8 @@ struct Answer {
     out_dtype: &'static str,
     lse: Vec<f64>,
     lse_dtype: &'static str,
+    /// The other outputs (the split partials).
+    rest: Outputs,
 }
 
 impl Answer {
@@ -102,6 +113,9 @@ struct Prober<'a> {
     cfg: &'a MlaConfig,
     dt: Dtype,
     page: usize,
+    /// What the cache holds outside the probe's tokens: NaN, or 0 to tell a NaN the kernel read from
+    /// one it made (`judge_non_finite`).
+    fill: f32,
 }
 
 impl Prober<'_> {
@@ -180,19 +194,32 @@ impl Prober<'_> {
             out_dtype: v.dtype,
             lse: l.data,
             lse_dtype: l.dtype,
+            rest: o,
         }))
     }
 
     /// A decode request of one query over `case`'s tokens.
     fn decode(&mut self, case: &DecodeCase, out: &mut Findings) -> Result<Option<Answer>> {
+        self.decode_step(case, 1, 1, out)
+    }
+
+    /// A decode request of `s_q` queries (each `case`'s query; causal within the step) over `case`'s
+    /// tokens, with `splits` split partials asked for.
+    fn decode_step(
+        &mut self,
+        case: &DecodeCase,
+        s_q: usize,
+        splits: usize,
+        out: &mut Findings,
+    ) -> Result<Option<Answer>> {
         let c = self.cfg;
         let (h, lkv, r, page) = (c.n_head, c.kv_lora_rank, c.qk_rope, self.page);
         let row = lkv + r;
         let dt = self.dt;
         let round = |v: &[f32]| v.iter().map(|&x| dt.round(x)).collect::<Vec<f32>>();
-        let q_nope: Vec<f32> = round(&case.q_nope).repeat(h);
-        let q_pe: Vec<f32> = round(&case.q_pe).repeat(h);
-        let mut pool = vec![f32::NAN; case.pool * page * row];
+        let q_nope: Vec<f32> = round(&case.q_nope).repeat(h * s_q);
+        let q_pe: Vec<f32> = round(&case.q_pe).repeat(h * s_q);
+        let mut pool = vec![self.fill; case.pool * page * row];
         for (t, vals) in case.rows.iter().enumerate() {
             let slot = case.table[t / page] * page + t % page;
             pool[slot * row..(slot + 1) * row].copy_from_slice(&round(vals));
@@ -204,8 +231,8 @@ impl Prober<'_> {
         let mut table: Vec<i32> = case.table.iter().map(|&p| p as i32).collect();
         table.push(spare as i32);
         let inputs = [
-            floats("q_nope", vec![1, 1, h, lkv], &q_nope, dt),
-            floats("q_pe", vec![1, 1, h, r], &q_pe, dt),
+            floats("q_nope", vec![1, s_q, h, lkv], &q_nope, dt),
+            floats("q_pe", vec![1, s_q, h, r], &q_pe, dt),
             floats("kv_cache", vec![case.pool, page, row], &pool, dt),
             ints("block_table", vec![1, table.len()], &table),
             ints("cache_seqlens", vec![1], &[case.rows.len() as i32]),
@@ -213,10 +240,10 @@ impl Prober<'_> {
         self.call(
             "decode",
             &inputs,
-            serde_json::json!({}),
+            serde_json::json!({ "q_len": s_q, "num_splits": splits }),
             "attn_latent",
-            &[1, 1, h, lkv],
-            vec![1, 1, h],
+            &[1, s_q, h, lkv],
+            vec![1, s_q, h],
             out,
         )
     }
@@ -273,7 +300,7 @@ impl Prober<'_> {
         let (h, lkv, row, page) = (c.n_head, c.kv_lora_rank, c.cache_row(), self.page);
         let dt = self.dt;
         let slots = 2 * page.max(keys);
-        let mut kv = vec![f32::NAN; slots * row];
+        let mut kv = vec![self.fill; slots * row];
         kv[..keys * row].fill(A);
         let topk = keys.max(4);
         let idx: Vec<i32> = (0..topk)
@@ -579,7 +606,7 @@ fn probe_row_order(p: &mut Prober, sb: &ScaleBase, out: &mut Findings) -> Result
 }
 
 /// Probe 4: a sequence over three shuffled pages among NaN ones.
-fn probe_paging(p: &mut Prober, sb: &ScaleBase, out: &mut Findings) -> Result<()> {
+fn probe_paging(p: &mut Prober, sb: &ScaleBase, out: &mut Findings) -> Result<bool> {
     let c = p.cfg;
     let (lkv, r, page) = (c.kv_lora_rank, c.qk_rope, p.page);
     let n = 2 * page + 1;
@@ -607,7 +634,7 @@ fn probe_paging(p: &mut Prober, sb: &ScaleBase, out: &mut Findings) -> Result<()
         pool: 7,
     };
     let Some(a) = p.decode(&case, out)? else {
-        return Ok(());
+        return Ok(false);
     };
     let want: Vec<f64> = want1.repeat(c.n_head);
     let err = a.out_err(&want);
@@ -624,7 +651,7 @@ fn probe_paging(p: &mut Prober, sb: &ScaleBase, out: &mut Findings) -> Result<()
             layout,
             "every token read through the block table, at the page size given",
         );
-        return Ok(());
+        return Ok(true);
     }
     let found = if err.is_nan() || !lse_e.is_finite() {
         "NaN: it read NaN-poisoned rows, slots no block-table entry holds a token in".to_string()
@@ -644,6 +671,251 @@ fn probe_paging(p: &mut Prober, sb: &ScaleBase, out: &mut Findings) -> Result<()
             "token t lives at slot table[t / {page}]·{page} + t % {page}; a kernel compiled for another page size, or that ignores the block table, reads other sequences' rows or unwritten ones (fault page_off_by_one; MLA decode kernels that ignore page_size > 1)"
         ),
     );
+    Ok(false)
+}
+
+/// The first non-finite value of an answer, named (`lse -inf`, `attn_latent NaN`).
+fn non_finite(a: &Answer, out_name: &str) -> Option<(String, f64)> {
+    let lse = a.lse.iter().find(|v| !v.is_finite()).map(|&v| ("lse", v));
+    let o = a
+        .out
+        .iter()
+        .find(|v| !v.is_finite())
+        .map(|&v| (out_name, v));
+    lse.or(o).map(|(n, v)| (format!("{n} {}", num(v)), v))
+}
+
+/// A probe of `op` that came back non-finite: one finding, not one per convention its numbers would
+/// seem to break. `again` sends the same request with every cache row outside its keys 0 instead of
+/// NaN (`None`: the op's inputs hold no NaN): a finite answer then means the kernel read rows outside
+/// the sequence; a non-finite one is the kernel's own (an LSE of −inf: no key was read).
+fn judge_non_finite(
+    op: &str,
+    what: &str,
+    found: (String, f64),
+    again: Option<Option<Answer>>,
+    out: &mut Findings,
+) {
+    let out_name = if op == "prefill" {
+        "attn_heads"
+    } else {
+        "attn_latent"
+    };
+    let (why, own) = match again.as_ref().map(|a| a.as_ref().map(|a| non_finite(a, out_name))) {
+        Some(Some(None)) => (
+            "with the cache rows outside the request's keys set to 0 instead of NaN the same request comes back finite: the kernel reads rows outside the sequence (past cache_seqlens, or through block-table slots the sequence does not use), which in an engine hold other requests' tokens".to_string(),
+            false,
+        ),
+        // The runner declined the second request (a warning says so): no diagnosis.
+        Some(None) => (
+            "the same request with the rest of the cache 0 was declined, so where the value came from is not known".to_string(),
+            false,
+        ),
+        Some(Some(Some(_))) => ("even with every cache row finite".to_string(), true),
+        None => ("its inputs hold no NaN".to_string(), true),
+    };
+    let why = match (own, found.1) {
+        (false, _) => why,
+        (true, v) if v == f64::NEG_INFINITY => format!(
+            "{why}: an LSE of −inf is a softmax over no key — the kernel read none of the keys it was given (a sequence length one short, every score masked)"
+        ),
+        (true, _) => format!(
+            "{why}: the NaN is the kernel's own (an output it never wrote, 0·inf, a division by a zero sum), not rows outside the sequence"
+        ),
+    };
+    out.error(
+        &format!("runner.{op}.non_finite"),
+        format!("{} for {what}", found.0),
+        "finite values: every key of the probe is finite (1/8 everywhere)",
+        format!("{why}; the scale, LSE base and value probes of {op} are not judged on a non-finite answer"),
+    );
+}
+
+/// MTP causality: a step of two queries (q = 0: every score 0) over two keys whose latents are A and
+/// 2A. Query 0 sees key 0 only (A, LSE 0); query 1 both (1.5A, LSE ln 2).
+fn probe_mtp(p: &mut Prober, out: &mut Findings) -> Result<()> {
+    let check = "runner.decode.mtp_causal";
+    if let Some(m) = p.desc.supports.max_q_len.filter(|&m| m < 2) {
+        out.note(
+            check,
+            "not probed",
+            format!("the runner takes at most {m} query per decode step (supports.max_q_len)"),
+        );
+        return Ok(());
+    }
+    let c = p.cfg;
+    let case = DecodeCase {
+        q_nope: vec![0.0; c.kv_lora_rank],
+        q_pe: vec![0.0; c.qk_rope],
+        rows: vec![vec![A; c.cache_row()], vec![2.0 * A; c.cache_row()]],
+        table: (0..2usize.div_ceil(p.page)).collect(),
+        pool: 2usize.div_ceil(p.page) + 1,
+    };
+    let Some(a) = p.decode_step(&case, 2, 1, out)? else {
+        return Ok(());
+    };
+    let n = a.out.len() / 2;
+    let mut want = vec![A as f64; n];
+    want.extend(vec![1.5 * A as f64; n]);
+    if within(a.out_err(&want), 4.0 * a.u_out()) {
+        out.note(
+            check,
+            "query 0 of a 2-query step sees key 0 only",
+            "causal within the step, as the protocol asks (query i sees keys 0 .. L − s_q + i + 1)",
+        );
+        return Ok(());
+    }
+    let q0 = a.out[..n].iter().sum::<f64>() / n as f64;
+    out.error(
+        check,
+        format!(
+            "query 0 of a 2-query step over 2 keys returned {} (latents A = {} and 2A)",
+            num(q0),
+            num(A as f64)
+        ),
+        format!(
+            "{} for query 0 (it sees key 0 only), {} for query 1",
+            num(A as f64),
+            num(1.5 * A as f64)
+        ),
+        "with MTP (q_len > 1) query i of a step sees keys 0 .. cache_seqlens − q_len + i + 1 (FlashMLA's causal=True); a kernel without the mask lets a draft token see the tokens after it",
+    );
+    Ok(())
+}
+
+/// The split partition and empty splits: 5 keys in 4 splits (q = 0: every score 0), key t's latent 1
+/// at column t. vLLM's partition `[k·⌈L/S⌉, (k+1)·⌈L/S⌉)` gives splits of 2, 2, 1 and 0 keys, so
+/// split k's `split_lse` is ln(its keys) and its `split_out` their mean latent; the last is empty, and
+/// must weigh 0 in a merge (−inf, or ≥ 103 below the largest).
+fn probe_splits(p: &mut Prober, out: &mut Findings) -> Result<()> {
+    let (check, empty_check) = ("runner.decode.split_partition", "runner.decode.empty_split");
+    let d = p.desc;
+    // `split_lse` read in the declared base, as a run reads it (the LSE base probe judges `lse`).
+    let to_e = match d.conventions.lse_base {
+        LseBase::E => 1.0,
+        LseBase::Two => LN_2,
+    };
+    let partials = d
+        .ops
+        .decode
+        .as_ref()
+        .is_some_and(|o| o.has("split_out") && o.has("split_lse"));
+    if !partials || d.decode_partition() == protocol::SplitPartition::Own {
+        let why = match partials {
+            false => "the decode op returns no split partials",
+            true => "the kernel chooses its own split partition (geometry.split_partition own)",
+        };
+        out.note(check, "not probed", why);
+        out.note(empty_check, "not probed", why);
+        return Ok(());
+    }
+    let c = p.cfg;
+    let (h, lkv, r) = (c.n_head, c.kv_lora_rank, c.qk_rope);
+    const L: usize = 5;
+    const S: usize = 4;
+    let want_keys = [2usize, 2, 1, 0];
+    let rows: Vec<Vec<f32>> = (0..L)
+        .map(|t| {
+            let mut row = vec![0.0f32; lkv + r];
+            row[t] = 1.0;
+            row
+        })
+        .collect();
+    let pages = L.div_ceil(p.page);
+    let case = DecodeCase {
+        q_nope: vec![0.0; lkv],
+        q_pe: vec![0.0; r],
+        rows,
+        table: (0..pages).collect(),
+        pool: pages + 1,
+    };
+    let Some(mut a) = p.decode_step(&case, 1, S, out)? else {
+        return Ok(());
+    };
+    let so = a.rest.take("split_out", &[1, 1, h, S, lkv], "decode")?;
+    let sl = a.rest.take("split_lse", &[1, 1, h, S], "decode")?;
+    let (u_out, u_lse) = (unit(so.dtype), unit(sl.dtype));
+    // Per split: the keys its LSE says it holds (e^lse: every score is 0), worst over the heads, and
+    // whether its partial is their mean latent.
+    let mut keys_found = vec![0.0f64; S];
+    let mut ok = true;
+    for hh in 0..h {
+        for (k, &n) in want_keys.iter().enumerate() {
+            let lse = sl.data[hh * S + k] * to_e;
+            let found = lse.exp();
+            if hh == 0
+                || (found - n as f64).abs() > (keys_found[k] - n as f64).abs()
+                || found.is_nan()
+            {
+                keys_found[k] = found;
+            }
+            if n == 0 {
+                continue;
+            }
+            let lo: usize = want_keys[..k].iter().sum();
+            let part = &so.data[(hh * S + k) * lkv..(hh * S + k + 1) * lkv];
+            let mean_ok = part.iter().enumerate().all(|(j, &v)| {
+                let w = if (lo..lo + n).contains(&j) {
+                    1.0 / n as f64
+                } else {
+                    0.0
+                };
+                (v - w).abs() <= 4.0 * u_out
+            });
+            let lse_ok =
+                (lse - (n as f64).ln()).abs() <= 8.0 * u_lse * (n as f64).ln().max(1.0) + 1e-6;
+            ok &= mean_ok && lse_ok;
+        }
+    }
+    let list = |v: &[f64]| {
+        v.iter()
+            .map(|&x| num((x * 1e3).round() / 1e3))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let layout = format!("{L} keys in {S} splits");
+    if !ok {
+        out.error(
+            check,
+            format!("keys per split [{}] (e^split_lse, every score 0), or partials not their mean latent: {layout}", list(&keys_found)),
+            "[2, 2, 1, 0]: split k over keys [k·⌈L/S⌉, (k+1)·⌈L/S⌉) = [0, 2), [2, 4), [4, 5), [5, 5), each partial normalised within its split",
+            "the protocol's split partials follow vLLM's partition of L = cache_seqlens[b] (a kernel with another one declares geometry.split_partition own); partials on other boundaries cannot be merged with vLLM's or checked against its reference",
+        );
+        out.note(
+            empty_check,
+            "not probed",
+            "the split partition is already wrong",
+        );
+        return Ok(());
+    }
+    out.note(
+        check,
+        format!("keys per split [2, 2, 1, 0]: {layout}"),
+        "vLLM's partition [k·⌈L/S⌉, (k+1)·⌈L/S⌉), each partial normalised within its split",
+    );
+    // The empty split: −inf, or a weight of 0 in an f32 merge (more than ~103 below the largest).
+    let bad = (0..h)
+        .map(|hh| {
+            let row = &sl.data[hh * S..(hh + 1) * S];
+            let max = row[..S - 1]
+                .iter()
+                .fold(f64::NEG_INFINITY, |m, &v| m.max(v * to_e));
+            (row[S - 1] * to_e, max)
+        })
+        .find(|&(e, max)| !(e == f64::NEG_INFINITY || e < max - 103.0));
+    match bad {
+        None => out.note(
+            empty_check,
+            "split 3 of 4 (no key) weighs 0",
+            "its split_lse is −inf or 103 below the largest: its split_out is then don't-care",
+        ),
+        Some((e, max)) => out.error(
+            empty_check,
+            format!("split 3 of 4 holds no key, and its split_lse is {} (the largest is {})", num(e), num(max)),
+            "−inf (or a value whose weight in an f32 merge is 0: more than ~103 below the largest)",
+            "an empty split's LSE decides its weight in the merge: a finite one gives its partial (0, or an unwritten buffer's garbage) a share of the output",
+        ),
+    }
     Ok(())
 }
 
@@ -724,7 +996,7 @@ pub fn lint(cmd: &str, cfg: Option<&MlaConfig>, opts: &Options, out: &mut Findin
             .as_ref()
             .filter(|l| !l.contains(&opts.page_size) && !l.is_empty() && !opts.page_size_given)
         {
-            page = l[0];
+            page = protocol::pick_page(opts.page_size, l);
             out.note(
                 "runner.supports.page_size",
                 format!("page size {page}"),
@@ -788,23 +1060,43 @@ pub fn lint(cmd: &str, cfg: Option<&MlaConfig>, opts: &Options, out: &mut Findin
         cfg: c,
         dt,
         page,
+        fill: f32::NAN,
     };
     if desc.ops.decode.is_some() {
         let dot = c.cache_row() as f64 * (A as f64) * (A as f64);
         let one = p.uniform(1);
         let two = p.uniform(2);
         if let (Some(a1), Some(a2)) = (p.decode(&one, out)?, p.decode(&two, out)?) {
-            let sb = judge_scale_base("decode", &desc, c, dot, &a1, &a2, out);
-            judge_value("decode", &a1, A as f64, "the one key's latent", out);
-            if sb.scale.is_finite() && sb.scale > 0.0 {
-                match probe_row_order(&mut p, &sb, out)? {
-                    Some(true) => probe_paging(&mut p, &sb, out)?,
-                    Some(false) => out.note(
-                        "runner.decode.paging",
-                        "not probed",
-                        "the rows are already misread, so a paging probe could not tell its errors apart",
-                    ),
-                    None => {}
+            let nf = [(&a1, &one, "one key"), (&a2, &two, "two equal keys")]
+                .into_iter()
+                .find_map(|(a, case, what)| Some((non_finite(a, "attn_latent")?, case, what)));
+            if let Some((found, case, what)) = nf {
+                p.fill = 0.0;
+                let again = p.decode(case, out)?;
+                p.fill = f32::NAN;
+                judge_non_finite("decode", what, found, Some(again), out);
+            } else {
+                let sb = judge_scale_base("decode", &desc, c, dot, &a1, &a2, out);
+                judge_value("decode", &a1, A as f64, "the one key's latent", out);
+                if sb.scale.is_finite() && sb.scale > 0.0 {
+                    let read = match probe_row_order(&mut p, &sb, out)? {
+                        Some(true) => probe_paging(&mut p, &sb, out)?,
+                        Some(false) => {
+                            out.note(
+                                "runner.decode.paging",
+                                "not probed",
+                                "the rows are already misread, so a paging probe could not tell its errors apart",
+                            );
+                            false
+                        }
+                        None => false,
+                    };
+                    // Several keys over pages must be read right before causality and the split
+                    // partition can be told apart.
+                    if read {
+                        probe_mtp(&mut p, out)?;
+                        probe_splits(&mut p, out)?;
+                    }
                 }
             }
         }
@@ -818,15 +1110,32 @@ pub fn lint(cmd: &str, cfg: Option<&MlaConfig>, opts: &Options, out: &mut Findin
         }
         let dot = c.cache_row() as f64 * (A as f64) * (A as f64);
         if let (Some(a1), Some(a2)) = (p.sparse(op, 1, out)?, p.sparse(op, 2, out)?) {
-            judge_scale_base(op, &desc, c, dot, &a1, &a2, out);
-            judge_value(op, &a1, A as f64, "the one key's latent", out);
+            let nf = [(&a1, 1, "one key"), (&a2, 2, "two equal keys")]
+                .into_iter()
+                .find_map(|(a, keys, what)| Some((non_finite(a, "attn_latent")?, keys, what)));
+            if let Some((found, keys, what)) = nf {
+                p.fill = 0.0;
+                let again = p.sparse(op, keys, out)?;
+                p.fill = f32::NAN;
+                judge_non_finite(op, what, found, Some(again), out);
+            } else {
+                judge_scale_base(op, &desc, c, dot, &a1, &a2, out);
+                judge_value(op, &a1, A as f64, "the one key's latent", out);
+            }
         }
     }
     if prefill_ok {
         let dot = c.qk_head_dim() as f64 * (A as f64) * (A as f64);
         if let (Some(a1), Some(a2)) = (p.prefill(1, out)?, p.prefill(2, out)?) {
-            judge_scale_base("prefill", &desc, c, dot, &a1, &a2, out);
-            judge_value("prefill", &a1, A as f64, "the one key's value", out);
+            let nf = [(&a1, "one key"), (&a2, "two equal keys")]
+                .into_iter()
+                .find_map(|(a, what)| Some((non_finite(a, "attn_heads")?, what)));
+            if let Some((found, what)) = nf {
+                judge_non_finite("prefill", what, found, None, out);
+            } else {
+                judge_scale_base("prefill", &desc, c, dot, &a1, &a2, out);
+                judge_value("prefill", &a1, A as f64, "the one key's value", out);
+            }
         }
         if let Some(ans) = p.prefill_causal(out)? {
             let n = ans.out.len() / 2;

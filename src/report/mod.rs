@@ -78,6 +78,10 @@ pub struct Environment {
     /// ("cuBLAS DGEMM on NVIDIA H200"); absent: the host's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fp64_products: Option<String>,
+    /// `run --runner`: the runner as it described itself, the dtypes it returned and its command;
+    /// absent without a runner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runner: Option<crate::backend::runner::RunnerInfo>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -621,6 +621,7 @@ pub fn run_from(
             os: std::env::consts::OS.into(),
             arch: std::env::consts::ARCH.into(),
             fp64_products: crate::linalg::engine(),
+            runner: backend.runner(),
         },
         modes,
         verdict,

@@ -9,8 +9,8 @@ pub mod choice;
 #[cfg(test)]
 mod tests;
 
-use crate::backend::Dtype;
 use crate::faults::Active;
+use crate::precision::Dtype;
 
 /// Model dims and schedule constants compiled into the kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -3,8 +3,8 @@
 
 use super::choice::*;
 use super::*;
-use crate::kernel_use::{Family, Phase};
 use crate::faults::Active;
+use crate::kernel_use::{Family, Phase};
 
 #[test]
 fn pairs_rule_by_keys_per_split() {

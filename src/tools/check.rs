@@ -3,9 +3,9 @@
 
 use crate::backend::cuda::kernels::KERNEL_FAULTS;
 use crate::backend::cuda::nvrtc::{self, parse_ptxas, Sources};
-use crate::backend::Dtype;
 use crate::error::{Error, Result};
 use crate::faults::Active;
+use crate::precision::Dtype;
 use crate::tiles::choice::{self as plan, smem_limit, Widths};
 use crate::tiles::{decode_tiles, prefill_tiles, Dims, Tile};
 use std::collections::HashMap;

@@ -3,9 +3,9 @@
 //! measured by the same process — with each shape's ratios, correctness and floor verdict in one record.
 
 use super::bench::{BenchRow, CaseResult, DecodeCase, PeerTimed, Session, Timed};
-use crate::backend::Dtype;
 use crate::error::Result;
 use crate::model::catalogue::Preset;
+use crate::precision::Dtype;
 use crate::tiles::{decode_tiles, prefill_tiles, prefill_wgmma_variants, Tile};
 use serde::Serialize;
 use std::fmt::Write;

@@ -7,12 +7,13 @@
 
 use crate::backend::cpu::CpuMirror;
 use crate::backend::cuda::{CudaBackend, CudaOptions};
-use crate::backend::{Backend, Dtype, RunTables};
+use crate::backend::{Backend, RunTables};
 use crate::compare::{self, metrics, ToleranceTable};
 use crate::error::{Error, Result};
 use crate::faults::Active;
 use crate::model::rope_factors::RopeFactors;
 use crate::model::{LayerWeights, MlaConfig};
+use crate::precision::Dtype;
 use crate::rope::RopeTables;
 use crate::trace::{LayerTrace, Stage};
 use std::fmt::Write;

@@ -474,11 +474,14 @@ fn output_modes_and_bad_input() {
 // ---- runners ----
 
 /// What every probe of a clean runner notes.
-const PROBES: [&str; 7] = [
+const PROBES: [&str; 10] = [
     "runner.decode.softmax_scale",
     "runner.decode.lse_base",
     "runner.decode.cache_row",
     "runner.decode.paging",
+    "runner.decode.mtp_causal",
+    "runner.decode.split_partition",
+    "runner.decode.empty_split",
     "runner.prefill.softmax_scale",
     "runner.prefill.lse_base",
     "runner.prefill.causal",
@@ -539,6 +542,23 @@ fn each_planted_runner_bug_gives_its_own_error() {
         ),
         ("page_size.py", &["runner.decode.paging"], "NaN-poisoned"),
         ("prefill_noncausal.py", &["runner.prefill.causal"], "0.1875"),
+        // An early NaN is one finding, not three on the scale, the base and the value.
+        (
+            "seqlen_past_end.py",
+            &["runner.decode.non_finite"],
+            "reads rows outside the sequence",
+        ),
+        ("mtp_noncausal.py", &["runner.decode.mtp_causal"], "0.1875"),
+        (
+            "split_floor.py",
+            &["runner.decode.split_partition"],
+            "[1, 1, 1, 2]",
+        ),
+        (
+            "empty_split_lse_zero.py",
+            &["runner.decode.empty_split"],
+            "split_lse is 0",
+        ),
     ] {
         for file in ["deepseek-v3-yarn-q4_k.gguf", "glm-5-q4_0.gguf"] {
             let (code, j, err) = lint(
@@ -625,7 +645,7 @@ if __name__ == '__main__':\n    protocol.main(R)\n",
 /// The DSA ops are probed too (scale, LSE base, the one key's latent): FlashMLA's sparse runner with
 /// its numpy stand-in is clean on both, including its sparse_decode over the fp8 cache (the probe's
 /// entries are exact in it); its planted bugs give their own op's errors (the −1 padding read as the
-/// last, NaN, slot; the fp8 scale applied twice).
+/// last, NaN, slot: one non-finite finding; the fp8 scale applied twice).
 #[test]
 fn the_sparse_runners_ops_are_probed() {
     let Some(py) = python("lint runner probes", "numpy and safetensors") else {
@@ -648,12 +668,9 @@ fn the_sparse_runners_ops_are_probed() {
     }
     for (bug, errors) in [
         (
+            // Its NaN is one finding naming rows read outside the selection, not three.
             "minus_one_wraps.py",
-            &[
-                "runner.sparse_prefill.lse_base",
-                "runner.sparse_prefill.softmax_scale",
-                "runner.sparse_prefill.value",
-            ][..],
+            &["runner.sparse_prefill.non_finite"][..],
         ),
         (
             "fp8_scale_twice.py",

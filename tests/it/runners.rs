@@ -411,6 +411,63 @@ fn every_output_dtype_combination_passes() {
     }
 }
 
+/// The report's `environment.runner` (docs/runners.md): what the runner declared, the dtype each
+/// output came back in and the command, valid against schema/report.schema.json.
+#[test]
+fn the_report_records_the_runner_in_its_environment() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let cmd = format!(
+        "env MLA_DIFF_NUMPY_DTYPES=decode.lse=bf16 {}",
+        runner(&py, "numpy_mla.py")
+    );
+    let (code, rep, err) = run_json(&fixture("glm-5-q4_0.gguf"), &cmd, &["--layers", "0"]);
+    assert_eq!(code, Some(0), "{err}");
+    let errors = crate::common::schema_errors(&crate::common::report_validator(), &rep);
+    assert!(errors.is_empty(), "{errors:?}");
+    let r = &rep["environment"]["runner"];
+    assert_eq!(r["name"], "numpy", "{r:#}");
+    assert!(
+        r["version"].as_str().unwrap().contains("numpy_mla.py"),
+        "{r:#}"
+    );
+    assert_eq!(r["command"], cmd.as_str());
+    assert_eq!(
+        r["ops"]["decode"]["outputs"],
+        serde_json::json!(["attn_latent", "lse", "split_out", "split_lse"])
+    );
+    assert_eq!(
+        r["supports"]["dtypes"],
+        serde_json::json!(["bf16", "fp16", "f32"])
+    );
+    assert!(r["supports"]["page_sizes"].is_null(), "{r:#}");
+    assert_eq!(r["conventions"]["lse_base"], "e");
+    assert_eq!(r["batch_invariant"], true);
+    assert_eq!(r["returned_dtypes"]["lse[decode]"], "bf16", "{r:#}");
+    assert_eq!(r["returned_dtypes"]["attn_latent"], "bf16", "{r:#}");
+    assert_eq!(r["returned_dtypes"]["lse[prefill]"], "f32", "{r:#}");
+    // Without a runner there is none.
+    let f = fixture("glm-5-q4_0.gguf");
+    let o = run(&[
+        "run",
+        f.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--layers",
+        "0",
+        "--json",
+        "-",
+        "-q",
+    ]);
+    let j: J = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(
+        j["environment"].get("runner").is_none(),
+        "{}",
+        j["environment"]
+    );
+}
+
 /// One error model decides the stage-local check and its `@runner` twin: P·V accumulated in fp16 (in
 /// k-steps of 8 keys) in an fp16 run fails `split_out` locally and `split_out@runner` alike (the flat
 /// storage bound let it pass, and the reading rule then blamed upstream), and the verdict line names
@@ -567,9 +624,11 @@ fn supports_are_read_strictly_and_the_page_fits_the_runner() {
     let (code, rep, err) = run_json(&f, &format!("{py} {}", p64.display()), &[]);
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(rep["run"]["schedule"]["page_size"], 64);
-    // The notice naming the moved page is owed: since the merge with the runner reach, the default
-    // schedule takes the page from `supports` itself (covering::Limits), which says nothing in the
-    // notices yet (session note, #32).
+    assert!(
+        rep["run"]["notices"].to_string().contains("page size 64"),
+        "{}",
+        rep["run"]["notices"]
+    );
 }
 
 /// `--inject` of a fault that first shows in a stage the runner replaces would change nothing: refused,

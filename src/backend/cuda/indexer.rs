@@ -15,10 +15,10 @@ use super::device::{arg, DevBuf, Timer};
 use super::kernels::Kernels;
 use super::kernels::{launch, KERNEL_FAULTS};
 use crate::backend::cpu::indexer::{self as mirror, Operands};
-use crate::precision::KeyPrecision;
 use crate::backend::LayerCtx;
 use crate::error::{Error, Result};
 use crate::model::{IndexerConfig, IndexerWeights};
+use crate::precision::KeyPrecision;
 use crate::reference::sparse::Selection;
 use ndarray::Array2;
 
@@ -38,7 +38,7 @@ pub struct GpuIndexer {
 pub struct On<'a> {
     pub gpu: &'a Gpu,
     pub kernels: &'a mut Kernels,
-    pub dtype: crate::backend::Dtype,
+    pub dtype: crate::precision::Dtype,
 }
 
 /// CUDA's indexer for one layer on the layer input `x` (`ctx.faults` planted).

@@ -30,6 +30,8 @@ use tensors::{Named, Output, Outputs};
 pub struct RunnerBackend {
     inner: Box<dyn Backend>,
     pub desc: Describe,
+    /// `--runner` as given, for the report's `environment.runner.command`.
+    command: String,
     link: Link,
     dtype: Dtype,
     /// Output dtypes seen, per output: `lse[decode] -> bf16`.
@@ -72,6 +74,23 @@ pub fn declared_kernels(d: &Describe) -> Vec<crate::kernel_use::KernelUse> {
     .collect()
 }
 
+/// The runner of a run as the report's `environment.runner` records it: what it declared in
+/// `--describe`, the dtype each output came back in, and how it was started.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RunnerInfo {
+    pub name: String,
+    pub version: String,
+    /// `--runner` as given (split into words, no shell; docs/runners.md).
+    pub command: String,
+    pub ops: protocol::Ops,
+    pub supports: protocol::Supports,
+    pub conventions: protocol::Conventions,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub batch_invariant: bool,
+    /// The dtype each output came back in, by the check it feeds (`lse[decode]`: `bf16`).
+    pub returned_dtypes: std::collections::BTreeMap<String, String>,
+}
+
 /// How requests reach the runner: a `--serve` process through files, or an in-process runner
 /// (`inproc:NAME`, the Python API's) through memory.
 enum Link {
@@ -96,6 +115,7 @@ impl RunnerBackend {
         Ok(RunnerBackend {
             inner,
             desc,
+            command: cmd.to_string(),
             link,
             dtype,
             out_dtypes: Default::default(),
@@ -383,8 +403,9 @@ impl Backend for RunnerBackend {
         }
         if let Some((default, chosen)) = protocol::page_chosen() {
             v.push(format!(
-                "page size {chosen}: runner {} does not take the default page {default} (its supports.page_sizes), so the run uses the first page it lists (--page-size picks another)",
-                self.desc.name
+                "page size {chosen}: runner {} does not take the schedule's page {default} (its supports.page_sizes: {}), so the run uses the largest page it takes below that, else its smallest (--page-size picks another)",
+                self.desc.name,
+                self.desc.supports.page_sizes.as_deref().map(|l| format!("{l:?}")).unwrap_or_default()
             ));
         }
         if self.unwritten_splits > 0 {
@@ -534,6 +555,24 @@ impl Backend for RunnerBackend {
             }
         }
         v
+    }
+
+    fn runner(&self) -> Option<RunnerInfo> {
+        let d = &self.desc;
+        Some(RunnerInfo {
+            name: d.name.clone(),
+            version: d.version.clone(),
+            command: self.command.clone(),
+            ops: d.ops.clone(),
+            supports: d.supports.clone(),
+            conventions: d.conventions,
+            batch_invariant: d.batch_invariant,
+            returned_dtypes: self
+                .out_dtypes
+                .iter()
+                .map(|(c, t)| (c.clone(), t.to_string()))
+                .collect(),
+        })
     }
 
     fn runner_checks(&self) -> Option<checks::RunnerChecks> {

@@ -254,24 +254,42 @@ pub fn describe_once(cmd: &str) -> Result<Describe> {
     describe(cmd)
 }
 
-/// The page size chosen for a runner whose `page_sizes` excludes the schedule's default (default,
-/// chosen), for the report's notice.
+/// The page size chosen for a runner whose `page_sizes` excludes the schedule's page (wanted, chosen),
+/// for the report's notice.
 static PAGE_CHOSEN: Mutex<Option<(usize, usize)>> = Mutex::new(None);
 
-/// `page` for a run through the runner `cmd` when --page-size was not given: the schedule's own if the
-/// runner takes it, else the first it lists (recorded for the report: [`page_chosen`]).
-pub fn page_for(cmd: &str, page: usize) -> Result<usize> {
-    let d = describe_once(cmd)?;
-    let want = d.ops.decode.is_some() || d.ops.sparse_decode.is_some();
-    match d.supports.page_sizes.as_deref() {
-        Some(l) if want && !l.contains(&page) && !l.is_empty() => {
-            if let Ok(mut g) = PAGE_CHOSEN.lock() {
-                *g = Some((page, l[0]));
-            }
-            Ok(l[0])
-        }
-        _ => Ok(page),
+/// The page of a runner that takes `pages` for a schedule that wants `want`: `want` if it is listed,
+/// else the largest listed one below it (still inside the tiles the schedule aims at), else the
+/// smallest listed.
+pub fn pick_page(want: usize, pages: &[usize]) -> usize {
+    let ok = || pages.iter().copied().filter(|&p| p > 0);
+    match pages.contains(&want) {
+        true => want,
+        false => ok()
+            .filter(|&p| p <= want)
+            .max()
+            .or_else(|| ok().min())
+            .unwrap_or(want),
     }
+}
+
+/// The page of a run through the runner `cmd` without --page-size, the schedule wanting `want` (the
+/// default schedule's covering page, or the one other schedule options give): [`pick_page`] within its
+/// `supports.page_sizes`. The one place a runner's page is chosen; a move is recorded for the
+/// report's notice ([`page_chosen`]).
+pub fn page_for(cmd: &str, want: usize) -> Result<usize> {
+    let d = describe_once(cmd)?;
+    let decodes = d.ops.decode.is_some() || d.ops.sparse_decode.is_some();
+    let page = match d.supports.page_sizes.as_deref() {
+        Some(l) if decodes => pick_page(want, l),
+        _ => want,
+    };
+    if page != want {
+        if let Ok(mut g) = PAGE_CHOSEN.lock() {
+            *g = Some((want, page));
+        }
+    }
+    Ok(page)
 }
 
 /// `(default, chosen)` when [`page_for`] moved the page.
@@ -730,5 +748,19 @@ impl Drop for Process {
         if !self.keep_scratch {
             let _ = std::fs::remove_dir_all(&self.scratch);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pick_page;
+
+    #[test]
+    fn a_runners_page_is_the_largest_it_takes_below_the_schedules() {
+        assert_eq!(pick_page(16, &[16, 64]), 16);
+        assert_eq!(pick_page(32, &[1, 16, 64]), 16);
+        // None below: its smallest (FlashMLA's [64] runs page 64).
+        assert_eq!(pick_page(16, &[128, 64]), 64);
+        assert_eq!(pick_page(16, &[]), 16);
     }
 }

@@ -2,9 +2,9 @@
 //! host's products.
 
 use crate::backend::cuda::dgemm::DeviceProducts;
-use crate::backend::Dtype;
 use crate::error::Result;
 use crate::linalg::Engine;
+use crate::precision::Dtype;
 use ndarray::Array2;
 
 /// `gpu-validate`'s check of the engine: its products against the host's at a layer's shapes (GLM-5's
