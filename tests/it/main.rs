@@ -21,6 +21,7 @@ mod dsa_v32;
 mod fixture_roundtrip;
 mod fixtures;
 mod flash;
+mod floors;
 mod gguf_crosscheck;
 mod golden;
 mod input;
