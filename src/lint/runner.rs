@@ -1000,7 +1000,7 @@ pub fn lint(cmd: &str, cfg: Option<&MlaConfig>, opts: &Options, out: &mut Findin
             out.note(
                 "runner.supports.page_size",
                 format!("page size {page}"),
-                format!("{name} does not take the default page {} (it takes {l:?}): a run without --page-size uses {page}, and so do the probes", opts.page_size),
+                format!("{name} does not take page {} (it takes {l:?}): the probes use {page}, the largest it takes below, else its smallest; a run without --page-size picks the same way from its own schedule's page (the default run starts from its covering page, and its notice names the page it took)", opts.page_size),
             );
         } else if let Some(l) = s
             .page_sizes

@@ -605,7 +605,7 @@ if __name__ == '__main__':\n    protocol.main(R)\n",
     )
     .unwrap();
     let cmd = format!("{py} {}", s.display());
-    // DeepSeek dims, no --page-size: a run takes page 64 (the runner's), and so do the probes.
+    // DeepSeek dims, no --page-size: the probes take page 64 (the runner's), as a run does.
     let (code, j, err) = lint(&fixture("deepseek-v3-yarn-q4_k.gguf"), &["--runner", &cmd]);
     consistent(code, &j);
     assert_eq!(code, Some(0), "{err}");
