@@ -126,7 +126,7 @@ impl Args {
                 // The page the schedule wants, then the runner's (`page_for`: the one choice, and
                 // the notice); the q_len search then runs at that page.
                 let want = for_runner(cfg, &declared, &limits).page_size;
-                limits.page = Some(r::protocol::page_for(cmd, want)?);
+                limits.page = Some(r::protocol::page_for(&d, want));
                 for_runner(cfg, &declared, &limits)
             }
             None => mla_diff::coverage::covering::covering(cfg),
@@ -215,7 +215,8 @@ impl Args {
         // A runner that does not take the schedule's page gets one it does (the report says so); the
         // default schedule has one already (`default_schedule`), which this keeps.
         if let (Some(cmd), None) = (&self.backend.runner, self.schedule.page_size) {
-            sched.page_size = mla_diff::backend::runner::protocol::page_for(cmd, sched.page_size)?;
+            use mla_diff::backend::runner::protocol;
+            sched.page_size = protocol::page_for(&protocol::describe(cmd)?, sched.page_size);
             sched.validate()?;
         }
         if let Some(cmd) = &self.backend.runner {
@@ -279,7 +280,7 @@ fn refuse_inject_under_runner(faults: &FaultSet, cmd: &str) -> Result<(), Error>
     if faults.is_empty() {
         return Ok(());
     }
-    let d = protocol::describe_once(cmd)?;
+    let d = protocol::describe(cmd)?;
     let replaced = replaced_checks(&d);
     for inj in &faults.0 {
         let info = inj.name.info();

@@ -248,12 +248,6 @@ fn tail(s: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join(" | ")
 }
 
-/// [`describe`], asked once per command in this process (the schedule's page choice and the backend
-/// both need it; a torch runner's `--describe` imports torch).
-pub fn describe_once(cmd: &str) -> Result<Describe> {
-    describe(cmd)
-}
-
 /// The page size chosen for a runner whose `page_sizes` excludes the schedule's page (wanted, chosen),
 /// for the report's notice.
 static PAGE_CHOSEN: Mutex<Option<(usize, usize)>> = Mutex::new(None);
@@ -273,12 +267,11 @@ pub fn pick_page(want: usize, pages: &[usize]) -> usize {
     }
 }
 
-/// The page of a run through the runner `cmd` without --page-size, the schedule wanting `want` (the
+/// The page of a run through the runner described by `d` without --page-size, the schedule wanting `want` (the
 /// default schedule's covering page, or the one other schedule options give): [`pick_page`] within its
 /// `supports.page_sizes`. The one place a runner's page is chosen; a move is recorded for the
 /// report's notice ([`page_chosen`]).
-pub fn page_for(cmd: &str, want: usize) -> Result<usize> {
-    let d = describe_once(cmd)?;
+pub fn page_for(d: &Describe, want: usize) -> usize {
     let decodes = d.ops.decode.is_some() || d.ops.sparse_decode.is_some();
     let page = match d.supports.page_sizes.as_deref() {
         Some(l) if decodes => pick_page(want, l),
@@ -289,7 +282,7 @@ pub fn page_for(cmd: &str, want: usize) -> Result<usize> {
             *g = Some((want, page));
         }
     }
-    Ok(page)
+    page
 }
 
 /// `(default, chosen)` when [`page_for`] moved the page.
