@@ -12,6 +12,9 @@
 #              chunks of 256, 64 decode steps, page 64, 8 splits}: must pass
 #   runs       runs that take each decode kernel (attn_wgmma_pairs at page 64, attn_small at 16 rows, page 32,
 #              MiniCPM3's 288-wide rows), then the planted decode faults on attn_small, which must fail (exit 1)
+#   batch      the serving batch on our decode kernel (#32 item 6: 5 requests of mixed lengths in one launch,
+#              per-entry seq_lens and block tables): every fixture at page 16 and 64 (bf16, fp16) must pass
+#              with its batch checks in the JSON; planted combine faults must fail the batch's own checks
 #   coverage   every fixture's plain run names the Hopper decode kernel without warnings; wg2_keys_dropped and
 #              split_tail_dropped must fail first at split_out (docs/coverage.md)
 #   sanitize   compute-sanitizer (no kernel filter: it breaks racecheck) memcheck / synccheck / racecheck, one
@@ -90,6 +93,42 @@ runs() {
         run1 "v3-small-$fault" 1 $V3 $S3 --q-len 2 --inject $fault
     done
     run1 g5-pairs-wg2 1 $G5 --page-size 64 --prompt-len 77 --decode-steps 3 --num-splits 1 --inject wg2_keys_dropped
+}
+# batch_checks JSON: the serving batch's checks of a CUDA run (one line each), exit 1 unless there are some.
+batch_checks() {
+    python3 - "$1" <<'PYEOF'
+import json, sys
+rc = (json.load(open(sys.argv[1])).get("runner_checks") or {})
+checks = [c for c in rc.get("checks", []) if c.get("check") == "serving_batch"]
+print("    " + rc.get("message", "no runner checks"))
+for c in checks[:4]:
+    print(f"    {c.get('what')}: {c.get('status')} {c.get('detail', '')[:150]}")
+sys.exit(0 if checks else 1)
+PYEOF
+}
+batch() {
+    local f n dt page rc
+    for f in fixtures/*.gguf; do
+        n=$(basename "$f" .gguf)
+        for dt in bf16 fp16; do
+            for page in 16 64; do
+                [ "$(left)" -gt 40 ] || { echo "skip batch $n: budget"; fail=1; return 0; }
+                timeout "$(tmo 90)" "$B" run "$f" --backend cuda "${KX[@]}" --dtype $dt --page-size $page \
+                    --json "$D/batch-$n-$dt-$page.json" > "$D/batch-$n-$dt-$page.txt" 2>&1
+                rc=$?
+                expect 0 $rc "batch $n $dt page $page"
+                batch_checks "$D/batch-$n-$dt-$page.json" || { echo "FAIL  batch $n $dt page $page: no serving_batch checks"; fail=1; }
+            done
+        done
+    done
+    local fault
+    for fault in lse_log2_merge split_drop_last; do
+        timeout "$(tmo 90)" "$B" run $G5 --backend cuda "${KX[@]}" --page-size 64 --inject $fault \
+            --json "$D/batch-g5-$fault.json" > "$D/batch-g5-$fault.txt" 2>&1
+        expect 1 $? "batch g5 --inject $fault"
+        python3 -c 'import json,sys; r=json.load(open(sys.argv[1])).get("runner_checks") or {}; f=[c for c in r.get("checks",[]) if c.get("check")=="serving_batch" and c.get("status")=="fail"]; print("    batch checks failed:", ", ".join(c["what"] for c in f)); sys.exit(0 if f else 1)' "$D/batch-g5-$fault.json" \
+            || { echo "FAIL  $fault: the serving batch's own checks did not fail"; fail=1; }
+    done
 }
 coverage() {
     local f n fault

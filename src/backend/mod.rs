@@ -18,6 +18,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod open;
 pub mod runner;
+pub mod serving;
 
 pub use open::{open, BackendInfo, Choice, Factory, Kind, Options};
 

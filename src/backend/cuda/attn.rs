@@ -188,6 +188,18 @@ impl Attn {
         self.small.is_some() && small_rule(n_keys, splits)
     }
 
+    /// The kernel `run` launches for `n_keys` keys in `splits` splits (for a report's label).
+    pub fn launches(&self, n_keys: i32, splits: i32) -> &'static str {
+        if self.runs_small(n_keys, splits) {
+            return "attn_small";
+        }
+        match (self.mma, self.tma) {
+            (Some(_), Some(_)) if self.runs_pairs(n_keys, splits) => "attn_wgmma_pairs",
+            (Some(_), _) => self.name,
+            (None, _) => "attn_scalar",
+        }
+    }
+
     /// Launch over `batch` independent problems; heads `a.n_heads`, queries `a.n_q`.
     pub fn run(&self, a: &AttnArgs, batch: u32) -> Result<()> {
         if self.runs_small(a.n_keys, a.num_splits) {

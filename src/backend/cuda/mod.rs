@@ -34,6 +34,7 @@ pub mod launch;
 pub mod layer;
 pub mod nvrtc;
 pub mod prefill;
+pub mod serving;
 pub mod shared;
 pub mod sparse;
 pub mod tma;
@@ -101,6 +102,10 @@ pub struct CudaBackend {
     /// dtype and the host faults that change them): a layer's shadow, free and repeated passes upload
     /// them once.
     uploaded: Option<(WeightsKey, Weights)>,
+    /// The serving batch's checks of every layer run so far (`serving.rs`, JSON `runner_checks`).
+    checks: Vec<crate::backend::runner::checks::RunnerCheck>,
+    /// Layers whose serving batch ran: once per layer, whatever the modes and repeats.
+    batch_layers: std::collections::BTreeSet<usize>,
 }
 
 impl CudaBackend {
@@ -123,6 +128,8 @@ impl CudaBackend {
             notices: Vec::new(),
             spent: [0.0; 3],
             uploaded: None,
+            checks: Vec::new(),
+            batch_layers: Default::default(),
         })
     }
 }
@@ -280,6 +287,24 @@ impl Backend for CudaBackend {
         self.last_kernels.clone()
     }
 
+    /// The serving batch its decode kernel also ran (`serving.rs`): counted in the coverage section.
+    fn decode_extra(&self, sched: &crate::schedule::Schedule) -> Vec<crate::batch::Request> {
+        match self.checks.is_empty() {
+            true => Vec::new(),
+            false => crate::batch::serving(sched),
+        }
+    }
+
+    fn runner_checks(&self) -> Option<crate::backend::runner::checks::RunnerChecks> {
+        match self.checks.is_empty() {
+            true => None,
+            false => Some(crate::backend::runner::checks::RunnerChecks::labelled(
+                "batch",
+                self.checks.clone(),
+            )),
+        }
+    }
+
     fn run_layer(&mut self, ctx: &LayerCtx, x: &ndarray::Array2<f64>) -> Result<LayerTrace> {
         let (cfg, w, sched) = (ctx.cfg, ctx.weights, ctx.sched);
         sched.validate()?;
@@ -372,6 +397,9 @@ impl Backend for CudaBackend {
         layer.prefill(sched)?;
         layer.decode(sched)?;
         layer.finish()?;
+        if self.batch_layers.insert(ctx.layer) {
+            self.checks.extend(layer.serving_batch(ctx)?);
+        }
         let t2 = std::time::Instant::now();
         let trace = layer.trace(ctx.layer);
         let t3 = std::time::Instant::now();

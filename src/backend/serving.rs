@@ -1,0 +1,193 @@
+//! The serving-shaped decode batch of our own kernels (issue #32, item 6; `crate::batch`): requests of
+//! mixed lengths (thousands of keys, one key, shorter than a page, the whole sequence, a page + 1) in one
+//! batch, each with its own block table into one pool and its own `cache_seqlens`, the split partition
+//! of its own length (so the one-key request has empty splits). The CPU mirror (`cpu/serving.rs`) and the
+//! CUDA backend (`cuda/serving.rs`) each run it through their decode; what is shared is here: the batch's
+//! pool and tables, and the judgement, as a runner's serving batch is judged
+//! (`runner::checks::against_fp64`: fp64 from the batch's own inputs, the `@runner` bound), reported in
+//! `runner_checks`.
+
+use crate::backend::runner::checks::{against_fp64, RunnerCheck};
+use crate::backend::runner::decode::Entry;
+use crate::backend::runner::RunnerBackend;
+use crate::backend::LayerCtx;
+use crate::batch::Request;
+use crate::precision::Dtype;
+
+/// The batch of a schedule laid out in one paged pool.
+pub struct Batch {
+    pub reqs: Vec<Request>,
+    /// Each request's block table into the pool.
+    pub tables: Vec<Vec<usize>>,
+    /// Pages in the pool.
+    pub n_pages: usize,
+    pub page: usize,
+    /// Elements of a cache row (`Lkv + R`).
+    pub width: usize,
+}
+
+impl Batch {
+    /// The serving batch of `ctx.sched`; `None` when the schedule has no decode step.
+    pub fn of(ctx: &LayerCtx) -> Option<Batch> {
+        let reqs = crate::batch::serving(ctx.sched);
+        if reqs.is_empty() {
+            return None;
+        }
+        let page = ctx.sched.page_size;
+        let lens: Vec<usize> = reqs.iter().map(|q| q.seq_len).collect();
+        let (tables, n_pages) = tables(&lens, page);
+        Some(Batch {
+            reqs,
+            tables,
+            n_pages,
+            page,
+            width: ctx.cfg.kv_lora_rank + ctx.cfg.qk_rope,
+        })
+    }
+
+    pub fn lens(&self) -> Vec<usize> {
+        self.reqs.iter().map(|q| q.seq_len).collect()
+    }
+
+    /// The pool from the run's cache rows (`rows`, `[T, width]` in token order): request `q`'s key `j`
+    /// is the run's row `j mod T`, in the request's own pages; `fill` (NaN) in every slot no request uses.
+    pub fn pool<V: Copy>(&self, rows: &[V], fill: V) -> Vec<V> {
+        let (w, page) = (self.width, self.page);
+        let t = rows.len() / w;
+        let mut pool = vec![fill; self.n_pages * page * w];
+        for (q, tab) in self.reqs.iter().zip(&self.tables) {
+            for j in 0..q.seq_len {
+                let at = (tab[j / page] * page + j % page) * w;
+                pool[at..at + w].copy_from_slice(&rows[(j % t) * w..(j % t + 1) * w]);
+            }
+        }
+        pool
+    }
+
+    /// The block tables as one `[n, max_pages]` i32 table (a kernel's `block_table`): unused slots
+    /// point at page `n_pages`, one past the pool, which a kernel's caller fills with NaN.
+    pub fn flat_table(&self) -> (Vec<i32>, usize) {
+        let max_pages = self.tables.iter().map(Vec::len).max().unwrap_or(1).max(1);
+        let flat = self
+            .tables
+            .iter()
+            .flat_map(|t| (0..max_pages).map(|i| *t.get(i).unwrap_or(&self.n_pages) as i32))
+            .collect();
+        (flat, max_pages)
+    }
+}
+
+/// Each request's block table into one pool: the requests' pages interleaved (page `i` of every
+/// request, then page `i + 1`), so a request read through another's table reads the wrong rows.
+fn tables(lens: &[usize], page: usize) -> (Vec<Vec<usize>>, usize) {
+    let pages: Vec<usize> = lens.iter().map(|l| l.div_ceil(page)).collect();
+    let mut t: Vec<Vec<usize>> = pages.iter().map(|&n| Vec::with_capacity(n)).collect();
+    let mut next = 0;
+    for i in 0..pages.iter().copied().max().unwrap_or(0) {
+        for (r, &n) in pages.iter().enumerate() {
+            if i < n {
+                t[r].push(next);
+                next += 1;
+            }
+        }
+    }
+    (t, next)
+}
+
+/// What a decode over the batch returned, as values: `lat` `[n, H, Lkv]`, `lse` `[n, H]` (natural log),
+/// the split partials `sout` `[n, H, S, Lkv]` and `slse` `[n, H, S]` (empty when the kernel kept none).
+pub struct Outputs {
+    pub lat: Vec<f64>,
+    pub lse: Vec<f64>,
+    pub sout: Vec<f64>,
+    pub slse: Vec<f64>,
+}
+
+/// A request's query as the decode read it: `q_abs` `[H, Lkv]` and `q_pe` `[H, R]`.
+pub struct Query {
+    pub q_abs: Vec<f64>,
+    pub q_pe: Vec<f64>,
+}
+
+/// The batch's checks: fp64 from the batch's own inputs (the queries and the run's cache rows `rows`,
+/// `[T, width]`, as stored) against `out`, labelled `who` ("our decode", …).
+pub fn judge(
+    ctx: &LayerCtx,
+    batch: &Batch,
+    queries: &[Query],
+    rows: &[f64],
+    out: &Outputs,
+    dt: Dtype,
+    who: &str,
+) -> Vec<RunnerCheck> {
+    let lkv = ctx.cfg.kv_lora_rank;
+    let t = rows.len() / batch.width;
+    let (mut l_out, mut l_lse, mut l_sout, mut l_slse) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (q, qq) in batch.reqs.iter().zip(queries) {
+        let en = Entry {
+            q_nope: qq.q_abs.clone(),
+            q_pe: qq.q_pe.clone(),
+            keys: (0..q.seq_len).map(|j| Some(j % t)).collect(),
+        };
+        let l = RunnerBackend::local_entry(ctx, &en, 1, rows);
+        l_out.extend(l.out);
+        l_lse.extend(l.lse);
+        l_sout.extend(l.sout);
+        l_slse.extend(l.slse);
+    }
+    let lens = batch.lens();
+    let scope = format!(
+        "{who}, {} requests of {} keys",
+        lens.len(),
+        lens.iter()
+            .map(|l| l.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let terms = crate::batch::LONG.max(t) * batch.width;
+    let (run, layer) = (dt.name(), ctx.layer);
+    let check = |what: &str, ro: (&[f64], &[f64]), dtype: &str, skip: &dyn Fn(usize) -> bool| {
+        against_fp64(
+            run,
+            layer,
+            "serving_batch",
+            what,
+            ro,
+            dtype,
+            terms,
+            skip,
+            &scope,
+        )
+    };
+    // An empty split's out is don't-care: its lse (−inf) weighs it 0 in the merge.
+    let empty = |i: usize| l_slse[i / lkv] == f64::NEG_INFINITY;
+    let mut checks = vec![
+        check("attn_latent", (&l_out, &out.lat), run, &|_| false),
+        check("lse", (&l_lse, &out.lse), "f32", &|_| false),
+    ];
+    if !out.slse.is_empty() {
+        checks.push(check("split_out", (&l_sout, &out.sout), "f32", &empty));
+        checks.push(check("split_lse", (&l_slse, &out.slse), "f32", &|_| false));
+    }
+    checks
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn tables_interleave_the_requests_pages() {
+        let (t, n) = super::tables(&[5, 1, 9], 4);
+        assert_eq!(n, 2 + 1 + 3);
+        assert_eq!(t, vec![vec![0, 3], vec![1], vec![2, 4, 5]]);
+        let b = super::Batch {
+            reqs: Vec::new(),
+            tables: t,
+            n_pages: n,
+            page: 4,
+            width: 1,
+        };
+        // Unused slots point one past the pool (the NaN page).
+        assert_eq!(b.flat_table(), (vec![0, 3, 6, 1, 6, 6, 2, 4, 5], 3));
+    }
+}
