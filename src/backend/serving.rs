@@ -14,6 +14,44 @@ use crate::backend::LayerCtx;
 use crate::batch::Request;
 use crate::precision::Dtype;
 
+/// A backend's record of the batches it ran: their checks, once per layer whatever the modes and
+/// repeats, and what the report takes from them (`Backend::decode_extra`, `Backend::runner_checks`).
+#[derive(Debug, Clone, Default)]
+pub struct Record {
+    checks: Vec<RunnerCheck>,
+    layers: std::collections::BTreeSet<usize>,
+}
+
+impl Record {
+    /// Whether layer `layer`'s batch is still to run (true once per layer).
+    pub fn first_at(&mut self, layer: usize) -> bool {
+        self.layers.insert(layer)
+    }
+
+    pub fn add(&mut self, checks: Vec<RunnerCheck>) {
+        self.checks.extend(checks);
+    }
+
+    /// The batch's requests, for the coverage section: none when no batch ran.
+    pub fn decode_extra(&self, sched: &crate::schedule::Schedule) -> Vec<Request> {
+        match self.checks.is_empty() {
+            true => Vec::new(),
+            false => crate::batch::serving(sched),
+        }
+    }
+
+    /// The checks for the report's `runner_checks` (labelled "batch"); `None` when no batch ran.
+    pub fn runner_checks(&self) -> Option<crate::backend::runner::checks::RunnerChecks> {
+        match self.checks.is_empty() {
+            true => None,
+            false => Some(crate::backend::runner::checks::RunnerChecks::labelled(
+                "batch",
+                self.checks.clone(),
+            )),
+        }
+    }
+}
+
 /// The batch of a schedule laid out in one paged pool.
 pub struct Batch {
     pub reqs: Vec<Request>,

@@ -84,20 +84,17 @@ pub fn row3(a: &Array3<f32>, i: usize, j: usize) -> &[f32] {
 pub struct CpuMirror {
     pub dtype: Dtype,
     /// The serving batch's checks of every layer run so far (`serving`, JSON `runner_checks`).
-    checks: Vec<crate::backend::runner::checks::RunnerCheck>,
+    batch: crate::backend::serving::Record,
     /// A bug planted in the serving batch's combine (tests only, `serving::Plant`).
     plant: Option<serving::Plant>,
-    /// Layers whose serving batch ran: once per layer, as a runner's (`runner::batch`).
-    batch_layers: std::collections::BTreeSet<usize>,
 }
 
 impl CpuMirror {
     pub fn new(dtype: Dtype) -> CpuMirror {
         CpuMirror {
             dtype,
-            checks: Vec::new(),
+            batch: Default::default(),
             plant: None,
-            batch_layers: Default::default(),
         }
     }
 
@@ -148,20 +145,11 @@ impl Backend for CpuMirror {
 
     /// The serving batch its decode also ran (`serving`): counted in the coverage section.
     fn decode_extra(&self, sched: &crate::schedule::Schedule) -> Vec<crate::batch::Request> {
-        match self.checks.is_empty() {
-            true => Vec::new(),
-            false => crate::batch::serving(sched),
-        }
+        self.batch.decode_extra(sched)
     }
 
     fn runner_checks(&self) -> Option<crate::backend::runner::checks::RunnerChecks> {
-        match self.checks.is_empty() {
-            true => None,
-            false => Some(crate::backend::runner::checks::RunnerChecks::labelled(
-                "batch",
-                self.checks.clone(),
-            )),
-        }
+        self.batch.runner_checks()
     }
 
     fn has_indexer(&self) -> bool {
@@ -239,9 +227,9 @@ impl Backend for CpuMirror {
                 &acfg, &mw, &f, &cache, r, sched, dt, fx, sel, &mut dec, &mut heads, &mut lse,
             );
         }
-        if self.batch_layers.insert(ctx.layer) {
-            let batch = serving::checks(ctx, &acfg, &dec.q_abs, &f.q_pe, &cache, dt, self.plant);
-            self.checks.extend(batch);
+        if self.batch.first_at(ctx.layer) {
+            let checks = serving::checks(ctx, &acfg, &dec.q_abs, &f.q_pe, &cache, dt, self.plant);
+            self.batch.add(checks);
         }
         let attn_out = match fx.on(Fault::HeadStrideQk) {
             // Fault: o_proj's view of the heads uses the qk head dim as head stride (llama.cpp #7327).

@@ -102,10 +102,9 @@ pub struct CudaBackend {
     /// dtype and the host faults that change them): a layer's shadow, free and repeated passes upload
     /// them once.
     uploaded: Option<(WeightsKey, Weights)>,
-    /// The serving batch's checks of every layer run so far (`serving.rs`, JSON `runner_checks`).
-    checks: Vec<crate::backend::runner::checks::RunnerCheck>,
-    /// Layers whose serving batch ran: once per layer, whatever the modes and repeats.
-    batch_layers: std::collections::BTreeSet<usize>,
+    /// The serving batch's checks of every layer run so far (`serving.rs`, JSON `runner_checks`); a
+    /// `SharedCuda` view swaps in its own for each layer it runs.
+    pub batch: crate::backend::serving::Record,
 }
 
 impl CudaBackend {
@@ -128,8 +127,7 @@ impl CudaBackend {
             notices: Vec::new(),
             spent: [0.0; 3],
             uploaded: None,
-            checks: Vec::new(),
-            batch_layers: Default::default(),
+            batch: Default::default(),
         })
     }
 }
@@ -289,20 +287,11 @@ impl Backend for CudaBackend {
 
     /// The serving batch its decode kernel also ran (`serving.rs`): counted in the coverage section.
     fn decode_extra(&self, sched: &crate::schedule::Schedule) -> Vec<crate::batch::Request> {
-        match self.checks.is_empty() {
-            true => Vec::new(),
-            false => crate::batch::serving(sched),
-        }
+        self.batch.decode_extra(sched)
     }
 
     fn runner_checks(&self) -> Option<crate::backend::runner::checks::RunnerChecks> {
-        match self.checks.is_empty() {
-            true => None,
-            false => Some(crate::backend::runner::checks::RunnerChecks::labelled(
-                "batch",
-                self.checks.clone(),
-            )),
-        }
+        self.batch.runner_checks()
     }
 
     fn run_layer(&mut self, ctx: &LayerCtx, x: &ndarray::Array2<f64>) -> Result<LayerTrace> {
@@ -397,8 +386,8 @@ impl Backend for CudaBackend {
         layer.prefill(sched)?;
         layer.decode(sched)?;
         layer.finish()?;
-        if self.batch_layers.insert(ctx.layer) {
-            self.checks.extend(layer.serving_batch(ctx)?);
+        if self.batch.first_at(ctx.layer) {
+            self.batch.add(layer.serving_batch(ctx)?);
         }
         let t2 = std::time::Instant::now();
         let trace = layer.trace(ctx.layer);

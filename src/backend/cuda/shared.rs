@@ -18,6 +18,8 @@ pub struct SharedGpu(Option<Rc<RefCell<CudaBackend>>>);
 pub struct SharedCuda {
     inner: Rc<RefCell<CudaBackend>>,
     dtype: Dtype,
+    /// This view's serving batches (the shared backend holds the running view's during `run_layer`).
+    batch: crate::backend::serving::Record,
 }
 
 impl SharedCuda {
@@ -34,6 +36,7 @@ impl SharedCuda {
         Ok(SharedCuda {
             inner,
             dtype: o.dtype,
+            batch: Default::default(),
         })
     }
     /// Point the shared backend at this view's settings.
@@ -55,7 +58,19 @@ impl Backend for SharedCuda {
         self.inner.borrow().provides()
     }
     fn run_layer(&mut self, ctx: &LayerCtx, x: &ndarray::Array2<f64>) -> Result<LayerTrace> {
-        self.bind().run_layer(ctx, x)
+        let inner = self.inner.clone();
+        let mut b = inner.borrow_mut();
+        b.opts.dtype = self.dtype;
+        std::mem::swap(&mut b.batch, &mut self.batch);
+        let tr = b.run_layer(ctx, x);
+        std::mem::swap(&mut b.batch, &mut self.batch);
+        tr
+    }
+    fn decode_extra(&self, sched: &crate::schedule::Schedule) -> Vec<crate::batch::Request> {
+        self.batch.decode_extra(sched)
+    }
+    fn runner_checks(&self) -> Option<crate::backend::runner::checks::RunnerChecks> {
+        self.batch.runner_checks()
     }
     fn sparse(&self) -> bool {
         self.inner.borrow().sparse()
