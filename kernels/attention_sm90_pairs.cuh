@@ -40,36 +40,7 @@
 // it reports none (H200, 2026-12-02).
 #pragma once
 
-__device__ __forceinline__ void wa_m64n64k16(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_TYPE "." MMA_TYPE " {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        :
-          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db), "r"(acc));
-}
 
-// A from registers (the rope columns of Q; the accumulator layout of m64nNk16).
-__device__ __forceinline__ void wa_m64n64k16_rs(float (&d)[32], const unsigned (&qa)[4], unsigned long long db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_TYPE "." MMA_TYPE " {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        :
-          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(qa[0]), "r"(qa[1]), "r"(qa[2]), "r"(qa[3]), "l"(db));
-}
 
 __device__ __forceinline__ void wa_mbar_wait(unsigned bar, int parity) {
     asm volatile(
@@ -155,9 +126,9 @@ __device__ __forceinline__ void wa_s(float (&s)[32], unsigned dQ, unsigned dK, c
     for (int kk = 4 * B0; kk < 4 * B1; ++kk) {
         const unsigned off = (kk >> 2) * WG_BLK + (kk & 3) * 32;
         if (kk < 32)
-            wa_m64n64k16(s, WA_DQ(dQ, off), WA_DQ(dK, off), kk > 0);
+            wg_ss_n64<0>(s, WA_DQ(dQ, off), WA_DQ(dK, off), kk > 0);
         else
-            wa_m64n64k16_rs(s, qr[kk & 3], WA_DQ(dK, off));
+            wg_rs_n64<0>(s, qr[kk & 3], WA_DQ(dK, off));  // A: Q's rope columns from registers
     }
 }
 
