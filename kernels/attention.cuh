@@ -82,7 +82,7 @@ __device__ __forceinline__ int att_split() {
 //   EMPTY_CTX_LSE_INF  prefill: a row that sees no key reports lse = +inf (FA2) instead of -inf;
 //   SPLIT_TAIL_DROPPED decode: a split's partial last tile is dropped when the split spans more than one tile
 //                      (att_fault_tail);
-//   WG2_KEYS_DROPPED   decode: the upper half of each tile's keys masked (ATT_FAULT_DROP; attention_sm90.cuh).
+//   WG2_KEYS_DROPPED   decode: the upper half of each tile's keys masked (ATT_FAULT_DROP; sm90/decode/attn_wgmma.cuh).
 __device__ __forceinline__ int att_last_split_extra(const AttnArgs& a) {
 #if defined(MLA_FAULT_READ_PAST_END) && ATT_PAGED
     return att_split() == a.num_splits - 1;

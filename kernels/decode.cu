@@ -11,8 +11,8 @@
 #define ATT_V_IN_K 1
 #define ATT_PAGED 1
 #include "attention.cuh"
-#include "attention_sm90.cuh"  // Hopper (sm_90a): the wgmma kernel attn_wgmma
-#include "attention_sm90_small.cuh"  // Hopper: attn_small, few heads, key tiles by TMA into a ring
+#include "sm90/decode/attn_wgmma.cuh"  // Hopper (sm_90a): the wgmma kernel attn_wgmma
+#include "sm90/decode/attn_small.cuh"  // Hopper: attn_small, few heads, key tiles by TMA into a ring
 
 // Planted bugs in the combine (src/faults.rs): the natural-log split LSEs merged as base 2; the last split
 // dropped. Neither changes the partials, only what is merged from them.

@@ -10,7 +10,7 @@
 #define ATT_V_IN_K 0
 #define ATT_PAGED 0
 #include "attention.cuh"
-#include "prefill_sm90.cuh"  // Hopper (sm_90a): the wgmma kernel attn_wgmma
+#include "sm90/prefill/attn_wgmma.cuh"  // Hopper (sm_90a): the wgmma kernel attn_wgmma
 
 // vLLM merge_attn_states: prefix (cached context) and suffix (the chunk itself) results, merged by LSE.
 // One block per (token, head); out/lse may alias the suffix buffers.

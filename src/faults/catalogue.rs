@@ -149,7 +149,7 @@ pub const CATALOGUE: [Info; 25] = [
         ],
         expected: "lse[prefill]",
         needs: &[Need::Prefill],
-        cuda_site: "host, src/backend/cuda/prefill.rs: run the context pass and `merge_states` (kernels/prefill.cu) for the first chunk too (0 keys); kernels/attention.cuh (prefill.cu; `ATT_EMPTY_LSE`, which prefill_sm90.cuh's `attn_wgmma` shares): a row that sees no key writes lse = +inf; `merge_states` then merges it without its isinf guard",
+        cuda_site: "host, src/backend/cuda/prefill.rs: run the context pass and `merge_states` (kernels/prefill.cu) for the first chunk too (0 keys); kernels/attention.cuh (prefill.cu; `ATT_EMPTY_LSE`, which sm90/prefill/attn_wgmma.cuh's `attn_wgmma` shares): a row that sees no key writes lse = +inf; `merge_states` then merges it without its isinf guard",
     },
     Info {
         fault: Fault::CausalOffByOne,
@@ -224,7 +224,7 @@ pub const CATALOGUE: [Info; 25] = [
         sources: &[],
         expected: "split_out",
         needs: &[Need::Decode, Need::SplitOverHalfTile, Need::DecodeRows64],
-        cuda_site: "kernels/attention_sm90.cuh `attn_wgmma` (sm_90a, 64 rows): warpgroup 1's 32 scores of each 64-key tile masked to −inf; kernels/attention_sm90_pairs.cuh `attn_wgmma_pairs` (the same at 576/512 with TMA, launches of ≤ 2 splits or of splits of ≥ 512 keys): the scores of keys 32..63 of each tile, whichever warpgroup's tile it is; kernels/attention.cuh `attn_mma` (the tiles of other devices and of fewer rows): the scores of the upper half of its key-group warps (keys ATT_BN/2..ATT_BN−1) masked; kernels/attention_sm90_small.cuh `attn_small` (sm_90a, the same 16-row tiles at pages of a multiple of 32 keys, launches of ≤ 4 splits or of splits of ≥ 1,024 keys): keys 16..31 of each 32-key tile. The scalar kernel (f32) has no key groups and no such fault",
+        cuda_site: "kernels/sm90/decode/attn_wgmma.cuh `attn_wgmma` (sm_90a, 64 rows): warpgroup 1's 32 scores of each 64-key tile masked to −inf; kernels/sm90/decode/attn_wgmma_pairs.cuh `attn_wgmma_pairs` (the same at 576/512 with TMA, launches of ≤ 2 splits or of splits of ≥ 512 keys): the scores of keys 32..63 of each tile, whichever warpgroup's tile it is; kernels/attention.cuh `attn_mma` (the tiles of other devices and of fewer rows): the scores of the upper half of its key-group warps (keys ATT_BN/2..ATT_BN−1) masked; kernels/sm90/decode/attn_small.cuh `attn_small` (sm_90a, the same 16-row tiles at pages of a multiple of 32 keys, launches of ≤ 4 splits or of splits of ≥ 1,024 keys): keys 16..31 of each 32-key tile. The scalar kernel (f32) has no key groups and no such fault",
     },
     Info {
         fault: Fault::SplitTailDropped,

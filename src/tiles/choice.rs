@@ -5,8 +5,8 @@
 //!
 //! `Attn::load` (backend/cuda/attn.rs) walks a tile list (`decode_tiles` / `prefill_tiles`), compiles
 //! each and takes the first whose shared memory fits the device, else the scalar kernel. The conditions it
-//! meets at run time are the preprocessor guards of kernels/attention.cuh, attention_sm90.cuh and
-//! prefill_sm90.cuh and the shared-memory sizes they export (`attn_mma_config`, `attn_wgmma_config`);
+//! meets at run time are the preprocessor guards of kernels/attention.cuh, sm90/decode/attn_wgmma.cuh and
+//! sm90/prefill/attn_wgmma.cuh and the shared-memory sizes they export (`attn_mma_config`, `attn_wgmma_config`);
 //! this module restates them. `mla-diff kernels check` compares every predicted shared-memory size, row
 //! count and tile width with the sizes the compiled PTX holds for every job it compiles and fails if they
 //! ever disagree, so the restatement cannot drift silently.
@@ -144,9 +144,9 @@ pub fn mma_smem(w: &Widths, t: &Tile) -> usize {
 }
 
 /// Why Hopper's warpgroup-MMA kernel (`attn_wgmma`) does not exist in the module, or `None` when it
-/// does. Decode: attention_sm90.cuh's guard (sm_90a, absorbed decode, 16-bit storage, a latent of 512
+/// does. Decode: sm90/decode/attn_wgmma.cuh's guard (sm_90a, absorbed decode, 16-bit storage, a latent of 512
 /// or 256, a key row that is a multiple of 8, and a fallback tile of 64 rows); prefill:
-/// prefill_sm90.cuh's (sm_90a, 16-bit storage, values at most 256 wide, a fallback tile of 64 or 128
+/// sm90/prefill/attn_wgmma.cuh's (sm_90a, 16-bit storage, values at most 256 wide, a fallback tile of 64 or 128
 /// rows and 64, 80 or 128 keys; widths multiples of 8, as `mma_blocker` already requires).
 pub fn wgmma_blocker(arch: &str, dtype: Dtype, w: &Widths, fallback: &Tile) -> Option<String> {
     let mut why = Vec::new();
@@ -183,9 +183,9 @@ pub fn wgmma_blocker(arch: &str, dtype: Dtype, w: &Widths, fallback: &Tile) -> O
     (!why.is_empty()).then(|| why.join(", "))
 }
 
-/// Shared memory of `attn_wgmma` (bytes). Decode, `WG_SMEM` of attention_sm90.cuh: alignment slack, Q
+/// Shared memory of `attn_wgmma` (bytes). Decode, `WG_SMEM` of sm90/decode/attn_wgmma.cuh: alignment slack, Q
 /// and two key stages of 64-column blocks, the P tile, the row-max/row-sum exchange. Prefill, `PW_SMEM`
-/// of prefill_sm90.cuh: alignment slack, Q of 16·wm rows, two stages of `bn` K and V rows.
+/// of sm90/prefill/attn_wgmma.cuh: alignment slack, Q of 16·wm rows, two stages of `bn` K and V rows.
 pub fn wgmma_smem(w: &Widths, t: &Tile) -> usize {
     let kb = (w.da + w.db).div_ceil(64);
     if w.v_in_k {
@@ -352,8 +352,8 @@ pub fn label(t: Option<Tile>) -> String {
     }
 }
 
-/// How the kernel of tile `t` cuts a phase's work (kernels/attention.cuh, attention_sm90.cuh,
-/// prefill_sm90.cuh).
+/// How the kernel of tile `t` cuts a phase's work (kernels/attention.cuh, sm90/decode/attn_wgmma.cuh,
+/// sm90/prefill/attn_wgmma.cuh).
 pub fn geometry(t: Option<Tile>, decode: bool) -> Geometry {
     match t {
         // SC_ROWS rows (warps) per CTA, each with its own key range, 32 keys per tile, no pipeline.
@@ -395,9 +395,9 @@ pub fn geometry(t: Option<Tile>, decode: bool) -> Geometry {
 /// the key range (`Backend::key_tiles`, what sweep's lengths are made from).
 pub fn key_tiles(t: Option<Tile>, decode: bool) -> Vec<KeyTile> {
     match t {
-        // kernels/prefill_sm90.cuh: ATT_BN-key tiles, each warpgroup takes every key of its rows.
+        // kernels/sm90/prefill/attn_wgmma.cuh: ATT_BN-key tiles, each warpgroup takes every key of its rows.
         Some(t) if t.wgmma && !decode => vec![KeyTile::new("wgmma tile", t.bn as usize)],
-        // kernels/attention_sm90.cuh: 64-key tiles, warpgroup g takes keys [32g, 32g + 32). With the
+        // kernels/sm90/decode/attn_wgmma.cuh: 64-key tiles, warpgroup g takes keys [32g, 32g + 32). With the
         // TMA loads (page a multiple of 64) the tiles sit on page boundaries: a split starting inside a
         // page begins with a partial tile (its keys below the split masked).
         Some(t) if t.wgmma => vec![

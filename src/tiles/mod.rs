@@ -54,8 +54,8 @@ pub struct Tile {
     pub swn: u32,
     /// S-phase k-loop unroll (0: the kernel's default).
     pub su: u32,
-    /// Hopper's warpgroup MMA (`attn_wgmma`): decode in kernels/attention_sm90.cuh (64 rows, 64 keys, a
-    /// 4x2-warp fallback), prefill in kernels/prefill_sm90.cuh (16·wm = 64 or 128 rows, a warpgroup per
+    /// Hopper's warpgroup MMA (`attn_wgmma`): decode in kernels/sm90/decode/attn_wgmma.cuh (64 rows, 64 keys, a
+    /// 4x2-warp fallback), prefill in kernels/sm90/prefill/attn_wgmma.cuh (16·wm = 64 or 128 rows, a warpgroup per
     /// 64, `bn` keys; its tiles have one warp column); the other fields then only configure the module's
     /// fallback `attn_mma`.
     pub wgmma: bool,
@@ -155,7 +155,7 @@ pub fn decode_tiles(rows: usize) -> Vec<Tile> {
 /// Tile choices for prefill, best first (with one warp column P stays in registers).
 pub fn prefill_tiles() -> Vec<Tile> {
     vec![
-        // Hopper: warpgroup MMA (sm_90a; kernels/prefill_sm90.cuh), 128 rows by two warpgroups.
+        // Hopper: warpgroup MMA (sm_90a; kernels/sm90/prefill/attn_wgmma.cuh), 128 rows by two warpgroups.
         Tile::wgmma(Tile::new(8, 1, 64, 2, 1)),
         Tile::new(8, 1, 64, 2, 1),
         Tile::new(4, 1, 64, 2, 1),

@@ -261,7 +261,7 @@ fn hopper_runs_wgmma_for_64_rows_and_the_small_tile_below() {
 #[test]
 fn shared_memory_matches_the_kernels_at_deepseek_dims() {
     // attn_wgmma at DeepSeek's 576-wide key rows: 1 KB + 3 x 9 blocks of 8 KB + P + stats (the figure
-    // in attention_sm90.cuh's header and in `kernels check`'s table).
+    // in sm90/decode/attn_wgmma.cuh's header and in `kernels check`'s table).
     let d = dims(Dtype::Bf16, 512, 64, 128, 128, 16);
     let t = decode_tiles(64)[0];
     assert_eq!(wgmma_smem(&Widths::of(&d, true), &t), 231_424);

@@ -28,18 +28,18 @@ pub struct Attn {
     /// `attn_wgmma` takes its key tiles by TMA (the module's `attn_wgmma_tma` is 1): (key columns,
     /// element bytes) of the tensor map `run` passes, and the last one encoded.
     tma: Option<(usize, usize)>,
-    /// Decode's `attn_wgmma_pairs` (kernels/attention_sm90_pairs.cuh: the warpgroups on alternate tiles),
+    /// Decode's `attn_wgmma_pairs` (kernels/sm90/decode/attn_wgmma_pairs.cuh: the warpgroups on alternate tiles),
     /// present at 576/512 with the TMA loads; `run` takes it by `runs_pairs` (keys per split).
     pairs: Option<sys::CUfunction>,
     maps: super::tma::MapCache,
-    /// Decode's `attn_small` (kernels/attention_sm90_small.cuh: 16-row tiles, key tiles by TMA into a
+    /// Decode's `attn_small` (kernels/sm90/decode/attn_small.cuh: 16-row tiles, key tiles by TMA into a
     /// ring of stages), present on sm_90a where the module's tile is attn_mma's 16 x 32 and the page a
     /// multiple of 32: (function, dynamic smem bytes, threads, key columns). `run` takes it over `attn_mma`.
     small: Option<(sys::CUfunction, u32, u32, usize)>,
     small_maps: super::tma::MapCache,
 }
 
-/// Rows of `attn_small`'s TMA boxes: one 32-key tile (kernels/attention_sm90_small.cuh).
+/// Rows of `attn_small`'s TMA boxes: one 32-key tile (kernels/sm90/decode/attn_small.cuh).
 const SMALL_BOX_ROWS: u32 = 32;
 
 impl Attn {
@@ -289,7 +289,7 @@ impl Attn {
     }
 }
 
-/// The launch of the Hopper prefill kernel (kernels/prefill_sm90.cuh `attn_wgmma`), which takes its
+/// The launch of the Hopper prefill kernel (kernels/sm90/prefill/attn_wgmma.cuh `attn_wgmma`), which takes its
 /// operands' tensor maps as a second, `__grid_constant__` parameter (`Attn::run` passes one argument
 /// struct): every launch of it goes through here, with the maps where TMA can address the operands and
 /// `PrefillMaps::OFF` (cp.async loads) where not.

@@ -217,10 +217,9 @@ mod tests {
     fn kernel_faults_are_exactly_the_defines_the_kernels_test() {
         // Every kernel fault has a switch in kernels/ and no host fault has one (a host fault's define in
         // a kernel would never be set, as `Dims::defines` passes kernel faults only).
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
-        let src: String = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap())
+        let src: String = super::super::nvrtc::KERNEL_FILES
+            .iter()
+            .map(|(_, text)| *text)
             .collect();
         for f in Fault::ALL {
             let define = f.info().define;

@@ -182,12 +182,12 @@ impl CudaBackend {
             }
             let prod = choice::production(dims, phase, ran, q_rows, &caps, force);
             let mut u = choice::kernel_use(phase, ran, prod);
-            // Same tile and classes, another kernel (kernels/attention_sm90_pairs.cuh): the report says
+            // Same tile and classes, another kernel (kernels/sm90/decode/attn_wgmma_pairs.cuh): the report says
             // which of the two ran (at `n_keys`, the last decode step's: the most keys per split).
             if phase == Phase::Decode && attn.runs_pairs(n_keys as i32, splits as i32) {
                 u.label.push_str(", alternating tiles (attn_wgmma_pairs)");
             }
-            // Same tile and rows, the few-heads kernel (kernels/attention_sm90_small.cuh): its 32-key
+            // Same tile and rows, the few-heads kernel (kernels/sm90/decode/attn_small.cuh): its 32-key
             // tiles start at the split's start rounded down to 32 keys.
             if phase == Phase::Decode && attn.runs_small(n_keys as i32, splits as i32) {
                 u.label.push_str(", TMA key ring (attn_small)");

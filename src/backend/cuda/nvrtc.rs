@@ -16,22 +16,28 @@ pub const KERNEL_FILES: [(&str, &str); 15] = [
         include_str!("../../../kernels/attention.cuh"),
     ),
     (
-        "attention_sm90.cuh",
-        include_str!("../../../kernels/attention_sm90.cuh"),
+        "sm90/decode/attn_wgmma.cuh",
+        include_str!("../../../kernels/sm90/decode/attn_wgmma.cuh"),
     ),
     (
-        "attention_sm90_pairs.cuh",
-        include_str!("../../../kernels/attention_sm90_pairs.cuh"),
+        "sm90/decode/attn_wgmma_pairs.cuh",
+        include_str!("../../../kernels/sm90/decode/attn_wgmma_pairs.cuh"),
     ),
     (
-        "attention_sm90_small.cuh",
-        include_str!("../../../kernels/attention_sm90_small.cuh"),
+        "sm90/decode/attn_small.cuh",
+        include_str!("../../../kernels/sm90/decode/attn_small.cuh"),
     ),
-    ("wgmma.cuh", include_str!("../../../kernels/wgmma.cuh")),
-    ("tma.cuh", include_str!("../../../kernels/tma.cuh")),
     (
-        "prefill_sm90.cuh",
-        include_str!("../../../kernels/prefill_sm90.cuh"),
+        "sm90/wgmma.cuh",
+        include_str!("../../../kernels/sm90/wgmma.cuh"),
+    ),
+    (
+        "sm90/tma.cuh",
+        include_str!("../../../kernels/sm90/tma.cuh"),
+    ),
+    (
+        "sm90/prefill/attn_wgmma.cuh",
+        include_str!("../../../kernels/sm90/prefill/attn_wgmma.cuh"),
     ),
     (
         "norm_rope.cu",

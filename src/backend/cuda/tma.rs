@@ -1,5 +1,5 @@
 //! The tensor map `attn_wgmma` loads key tiles through when its module exports `attn_wgmma_tma`
-//! (kernels/attention_sm90.cuh, kernels/tma.cuh): a 2-D view of the paged latent cache — columns × every
+//! (kernels/sm90/decode/attn_wgmma.cuh, kernels/sm90/tma.cuh): a 2-D view of the paged latent cache — columns × every
 //! row of the pool's allocation — with 64 × 64 boxes and the 128-byte swizzle wgmma reads.
 
 use super::args::AttnArgs;
@@ -130,7 +130,7 @@ fn encode_tiled(
     Ok(Some(map))
 }
 
-/// The second parameter of kernels/prefill_sm90.cuh's `attn_wgmma` (`PwMaps`, same layout: four
+/// The second parameter of kernels/sm90/prefill/attn_wgmma.cuh's `attn_wgmma` (`PwMaps`, same layout: four
 /// 128-byte maps, then `on`; 64-byte aligned, 576 bytes): the maps of q, k_nope, the k_pe rows and v
 /// for one launch's arguments, passed by value as a `__grid_constant__` parameter (as decode's map).
 #[repr(C, align(64))]
@@ -244,7 +244,7 @@ mod tests {
 
     #[test]
     fn prefill_maps_have_the_kernel_parameters_layout() {
-        // prefill_sm90.cuh `PwMaps`: four 64-byte aligned 128-byte TmaMaps, `on` at 512, 576 bytes.
+        // sm90/prefill/attn_wgmma.cuh `PwMaps`: four 64-byte aligned 128-byte TmaMaps, `on` at 512, 576 bytes.
         assert_eq!(std::mem::size_of::<PrefillMaps>(), 576);
         assert_eq!(std::mem::align_of::<PrefillMaps>(), 64);
         assert_eq!(std::mem::offset_of!(PrefillMaps, on), 512);

@@ -44,7 +44,7 @@ pub const CASES: [CaseSpec; 9] = [
         quick: true,
     },
     CaseSpec {
-        // page 64: the quick sweep's run of the TMA key loads (kernels/tma.cuh), splits not page-aligned.
+        // page 64: the quick sweep's run of the TMA key loads (kernels/sm90/tma.cuh), splits not page-aligned.
         name: "glm-5 full dims, MTP q_len 2",
         preset: Preset::Glm5,
         hidden: None,

@@ -1,4 +1,4 @@
-// attention_sm90_small.cuh — split-KV absorbed decode for few heads (16 (query, head) rows per CTA) on
+// sm90/decode/attn_small.cuh — split-KV absorbed decode for few heads (16 (query, head) rows per CTA) on
 // Hopper: key tiles by TMA into a ring of stages, fed by one producer thread, mma.sync consumers; sm_90a.
 //
 // Same contract and numerics as attn_mma in attention.cuh (the CPU mirror's specification): scores in f32
@@ -32,7 +32,7 @@
     ATT_BM == 16 && ATT_BN == 32 && ATT_DA % 8 == 0 && ATT_DV % 64 == 0 && MLA_PAGE % 32 == 0 &&    \
     defined(ATT_CQ)
 
-#include "tma.cuh"
+#include "sm90/tma.cuh"
 
 #ifndef SM_NG
 #define SM_NG 1  // consumer groups (alternate tiles)

@@ -1,5 +1,5 @@
-// wgmma.cuh — what the Hopper kernels (attention_sm90.cuh's and attention_sm90_pairs.cuh's decode,
-// prefill_sm90.cuh's prefill) need to drive warpgroup MMA: shared-memory matrix descriptors (128-byte
+// sm90/wgmma.cuh — what the Hopper kernels (sm90/decode/attn_wgmma.cuh's and sm90/decode/attn_wgmma_pairs.cuh's decode,
+// sm90/prefill/attn_wgmma.cuh's prefill) need to drive warpgroup MMA: shared-memory matrix descriptors (128-byte
 // swizzle), the fence / commit / wait of the async pipeline, the register pins that keep accumulator reads
 // below a wait, and the one set of `wgmma.mma_async` wrappers they all call. sm_90a only; the including
 // file's guard decides whether it is compiled (MMA_TYPE comes from common.cuh).

@@ -1,4 +1,4 @@
-// prefill_sm90.cuh — causal / context prefill (decompressed MHA) on Hopper's warpgroup tensor cores
+// sm90/prefill/attn_wgmma.cuh — causal / context prefill (decompressed MHA) on Hopper's warpgroup tensor cores
 // (wgmma); sm_90a only, included by prefill.cu next to attn_mma, which the host falls back to elsewhere.
 //
 // Same contract and numerics as attn_mma in attention.cuh (the CPU mirror's specification): per head,
@@ -30,7 +30,7 @@
 // done). K runs a tile ahead of V. (A third stage and a head-first CTA order were measured, not faster:
 // head-first 5–10 % slower, a third stage up to 14 % slower on the H200, 2026-12-02.)
 //
-// Shared layout (128-byte swizzle, as attention_sm90.cuh): a tile of n rows is stored as 64-column blocks
+// Shared layout (128-byte swizzle, as sm90/decode/attn_wgmma.cuh): a tile of n rows is stored as 64-column blocks
 // of n·128 bytes; in a block, row r is 128 bytes at r·128 and its 16-byte chunk c sits at chunk c ^ (r % 8).
 // Columns past the key / value width (MiniCPM3's 96 → 128) are zero. DeepSeek's 192 / 128 at 64-key
 // tiles (`run`'s): Q 48 KB + 2 × (K 24 KB + V 16 KB) + 1 KB alignment slack = 129 KB; at 128-key tiles
@@ -42,8 +42,8 @@
     ATT_DB % 8 == 0 && ATT_DV % 8 == 0 && ATT_DV <= 256 && (ATT_BM == 64 || ATT_BM == 128) &&             \
     (ATT_BN == 64 || ATT_BN == 80 || ATT_BN == 128)
 
-#include "wgmma.cuh"
-#include "tma.cuh"
+#include "sm90/wgmma.cuh"
+#include "sm90/tma.cuh"
 
 #define PW_NC (ATT_BM / 64)   // consumer warpgroups, one per 64 rows
 #define PW_PP (PW_NC == 2)  // the two consumers take turns issuing their MMAs
@@ -60,7 +60,7 @@
 #define PW_ST 2  // K / V stages
 #endif
 #define PW_SMEM (1024 + PW_SQ + PW_ST * (PW_SK + PW_SV))
-// TMA loads (tma.cuh) need k_nope's width in whole 64-column blocks (a K block is from k_nope or k_pe);
+// TMA loads (sm90/tma.cuh) need k_nope's width in whole 64-column blocks (a K block is from k_nope or k_pe);
 // 0 forces cp.async everywhere.
 #ifndef PW_TMA
 #define PW_TMA 1
@@ -235,7 +235,7 @@ __device__ __forceinline__ void pw_pack(unsigned (&pa)[ATT_BN / 16][4], const fl
     }
 }
 
-// The named barriers 1 and 2 of the consumers' ping-pong (the K / V stages' mbarriers: tma.cuh's
+// The named barriers 1 and 2 of the consumers' ping-pong (the K / V stages' mbarriers: sm90/tma.cuh's
 // mbar_arrive / mbar_wait; the producer fills, consumer warps empty).
 __device__ __forceinline__ void pp_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void pp_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
@@ -360,7 +360,7 @@ extern "C" __global__ void __launch_bounds__(PW_NT, 1) attn_wgmma(const AttnArgs
     }
     const int lim_lo = att_row(a, tile, 0, n_keys).lim;
     // O is not zeroed: the first P·V k-step overwrites it (scale-d 0) and a CTA with no tile stores zeros
-    // (zeroing it inside the loop's reach serializes the wgmmas, C7515; attention_sm90.cuh).
+    // (zeroing it inside the loop's reach serializes the wgmmas, C7515; sm90/decode/attn_wgmma.cuh).
     float o[PW_DVP / 2];
     float s[ATT_BN / 2];
     unsigned pa[ATT_BN / 16][4];

@@ -1,6 +1,6 @@
-// attention_sm90_pairs.cuh — attn_wgmma_pairs: decode at DeepSeek / GLM-5 dims (key rows 576 = 9 blocks,
+// sm90/decode/attn_wgmma_pairs.cuh — attn_wgmma_pairs: decode at DeepSeek / GLM-5 dims (key rows 576 = 9 blocks,
 // latent 512) with TMA key tiles (page a multiple of 64), the two warpgroups on alternate 64-key tiles so
-// one's softmax runs under the other's MMAs (FlashMLA's schedule). Included by attention_sm90.cuh, whose
+// one's softmax runs under the other's MMAs (FlashMLA's schedule). Included by sm90/decode/attn_wgmma.cuh, whose
 // helpers, contract, numerics and fault switches it shares; the host launches it unless a launch has more
 // than two splits of fewer than 512 keys, attn_wgmma then (src/backend/cuda/attn.rs `pairs_rule`;
 // measured on the H200 2026-12-02, bench/RESULTS.md).
@@ -30,7 +30,7 @@
 // 5 boxes, one arrival + the bytes), as soon as that read is done: wg0 refills stage 0's left half right
 // after its P_A·V_A, before waiting for wg1's P_B (a wait there left the load latency exposed: 165 vs 178
 // µs at H=128, 2026-12-02). S starts on the left half before the right one lands. Tiles start on page
-// boundaries as in attention_sm90.cuh.
+// boundaries as in sm90/decode/attn_wgmma.cuh.
 // Shared memory (the same WG_SMEM): Q's rope block is read into registers once (the last four k-steps of
 // S take A from registers), which frees it for P_B; P_A sits after the stages; m_A, m_B and the eight
 // mbarriers in the exchange area: four "landed" (stage × half), READY_A (wg0's 128 threads arrive once P_A
@@ -98,7 +98,7 @@ __device__ __forceinline__ void wa_fix(unsigned char* gK, unsigned bar, int ph, 
 #define WA_DESC 1
 #endif
 
-// Descriptors (wgmma.cuh's wg_desc) as the low word of a base plus off / 16: the address field is the
+// Descriptors (sm90/wgmma.cuh's wg_desc) as the low word of a base plus off / 16: the address field is the
 // low word's bits 0–13 and no offset inside the CTA's 227 KB carries out of it, so each MMA's descriptor
 // is one add instead of a rebuild (the rebuilds were ~470 of the ~1,700 instructions per pair).
 // `lo`: wa_desc_lo of the base; the high word (stride 1024 B, 128-byte swizzle) is the same for all.
@@ -314,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
         lim[e] = att_row(a, tile, wr + g + 8 * e, n_keys).lim;
         m[e] = MLA_NEG_INF;
     }
-    // O is not zeroed: pair 0's first P·V k-step overwrites it (scale-d 0); see attention_sm90.cuh.
+    // O is not zeroed: pair 0's first P·V k-step overwrites it (scale-d 0); see sm90/decode/attn_wgmma.cuh.
     float o[128];
     float s[32];
 

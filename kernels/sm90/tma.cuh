@@ -1,4 +1,4 @@
-// tma.cuh — Hopper's tensor memory accelerator for the decode kernel's key tiles: a 2-D tensor map over
+// sm90/tma.cuh — Hopper's tensor memory accelerator for the decode kernel's key tiles: a 2-D tensor map over
 // the paged latent cache (columns × pool rows, encoded on the host: src/backend/cuda/tma.rs), one bulk
 // copy per 64-column block of a 64-row tile with the 128-byte swizzle wgmma's descriptors expect, and the
 // mbarriers that count the bytes in. sm_90a only; the including file's guard decides whether it is compiled.
@@ -52,7 +52,7 @@ __device__ __forceinline__ void tma_prefetch_map(const TmaMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 }
 
-// Prefill (kernels/prefill_sm90.cuh): the box at (column c, y, z) of a 3-D `map` (columns × heads × rows)
+// Prefill (kernels/sm90/prefill/attn_wgmma.cuh): the box at (column c, y, z) of a 3-D `map` (columns × heads × rows)
 // into shared memory at `dst`, completing on `bar`.
 __device__ __forceinline__ void tma_load_3d(unsigned dst, const TmaMap* map, int c, int y, int z, unsigned bar) {
     asm volatile(

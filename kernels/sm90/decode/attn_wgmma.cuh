@@ -1,4 +1,4 @@
-// attention_sm90.cuh — split-KV absorbed decode on Hopper's warpgroup tensor cores (wgmma); sm_90a only.
+// sm90/decode/attn_wgmma.cuh — split-KV absorbed decode on Hopper's warpgroup tensor cores (wgmma); sm_90a only.
 //
 // Same contract and numerics as attn_mma in attention.cuh (the CPU mirror's specification): rows are
 // (query, head) pairs over the shared paged latent cache; scores in f32 scaled by the softmax scale; online
@@ -15,11 +15,11 @@
 //        tile's S is issued, so the tensor cores see S(i+1) right behind P·V(i).
 // K tiles are double-buffered; the load of tile i+1 starts once both warpgroups are done with tile i-1
 // (after the row-max exchange of tile i). With WG_TMA (a 64-key tile inside one cache page) one thread
-// loads a tile by TMA (tma.cuh; nine 64-column boxes completing on the stage's mbarrier) and the tiles are
+// loads a tile by TMA (sm90/tma.cuh; nine 64-column boxes completing on the stage's mbarrier) and the tiles are
 // aligned to 64 keys (pages): the first one starts at lo rounded down and masks the keys below lo. Without
 // it, 256 threads load each tile with cp.async, one block-table lookup per row.
 //
-// At DeepSeek / GLM-5 dims with TMA the module also holds attn_wgmma_pairs (attention_sm90_pairs.cuh:
+// At DeepSeek / GLM-5 dims with TMA the module also holds attn_wgmma_pairs (sm90/decode/attn_wgmma_pairs.cuh:
 // the warpgroups on alternate whole tiles, no CTA barrier in the key loop), which the host launches unless a
 // launch has more than two splits of fewer than 512 keys (attn.rs `pairs_rule`); this kernel runs the rest
 // (those launches, MiniCPM3's 288/256, cp.async pages).
@@ -55,7 +55,7 @@
 // {dynamic shared bytes, threads per CTA, rows per CTA, keys per tile}
 extern "C" __device__ const int attn_wgmma_config[4] = {WG_SMEM, WG_NT, WG_BM, WG_BN};
 
-#include "wgmma.cuh"
+#include "sm90/wgmma.cuh"
 
 // Key tiles by TMA where a tile lies in one page; the host passes the tensor map when the module says so.
 #ifndef WG_TMA
@@ -63,12 +63,12 @@ extern "C" __device__ const int attn_wgmma_config[4] = {WG_SMEM, WG_NT, WG_BM, W
 #endif
 // The host reads this to know whether attn_wgmma takes the tensor map (src/backend/cuda/attn.rs).
 extern "C" __device__ const int attn_wgmma_tma = WG_TMA;
-// attention_sm90_pairs.cuh's attn_wgmma_pairs (warpgroups on alternate tiles) exists at 576/512 with TMA;
+// sm90/decode/attn_wgmma_pairs.cuh's attn_wgmma_pairs (warpgroups on alternate tiles) exists at 576/512 with TMA;
 // the host reads this before looking it up (a missing symbol is an API error to compute-sanitizer).
 #define WG_PAIRS (WG_TMA && WG_KB == 9 && ATT_DV == 512)
 extern "C" __device__ const int attn_wgmma_pairs_on = WG_PAIRS;
 #if WG_TMA
-#include "tma.cuh"
+#include "sm90/tma.cuh"
 #define WG_MAP_PARAM , const __grid_constant__ TmaMap km
 
 // Key rows [j0, j0 + 64) (j0 a multiple of 64: one page), 64-column blocks [B0, B1), into a K stage by
@@ -96,7 +96,7 @@ __device__ __forceinline__ void wg_zero_rows(unsigned char* gK, int r0, int tid,
 #define WG_MAP_PARAM
 #endif
 
-// P·V (wgmma.cuh): B (the values) N-major.
+// P·V (sm90/wgmma.cuh): B (the values) N-major.
 
 #if ATT_DV == 512
 #define wg_pv wg_ss_n256<1>
@@ -336,6 +336,6 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma(const AttnArgs
     wg_finish(a, b, tile, n_keys, o, l, m, sSum, wg, wr, g, t);
 }
 #if WG_PAIRS
-#include "attention_sm90_pairs.cuh"
+#include "sm90/decode/attn_wgmma_pairs.cuh"
 #endif
 #endif  // wgmma path
