@@ -184,7 +184,7 @@ __device__ __forceinline__ void att_store(const AttnArgs& a, int b, const RowInf
 __device__ __forceinline__ void att_store_lse(const AttnArgs& a, int b, const RowInfo& ri, float lse) {
     const long long row = ((long long)b * a.n_q + ri.i) * a.n_heads + ri.h;
     if (ATT_PARTIALS(a))
-        a.part_lse[row * a.num_splits + att_split()] = lse;
+        a.part_lse[row * a.num_splits + att_split()] = mla_fault_split_lse(lse);
     else
         a.lse[row] = lse;
 }

@@ -66,3 +66,14 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     for (int i = 0; i < nw; ++i) t += red[i];
     return t;
 }
+
+// Planted bug SPLIT_LSE_BF16 (src/faults.rs): a split's LSE stored rounded to bf16 (round to nearest
+// even on the f32 bits; ±inf stay) before the combine reads it, as an LSE buffer in the activation dtype.
+__device__ __forceinline__ float mla_fault_split_lse(float lse) {
+#ifdef MLA_FAULT_SPLIT_LSE_BF16
+    const unsigned u = __float_as_uint(lse);
+    return __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+#else
+    return lse;
+#endif
+}

@@ -91,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(32 * SP_ROWS)
             const int d = lane + 32 * c;
             if (d < MLA_LKV) po[d] = acc[c] * inv;
         }
-        if (lane == 0) part_lse[row * num_splits + s] = row_lse;
+        if (lane == 0) part_lse[row * num_splits + s] = mla_fault_split_lse(row_lse);
     } else {
         dt* o = out + (long long)i * out_rs + (long long)h * out_hs;
 #pragma unroll

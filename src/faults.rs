@@ -48,6 +48,7 @@ pub enum Fault {
     IndexerTopkOffByOne,
     SparseIndexPageBase,
     IndexerFp8Scale,
+    SplitLseBf16,
 }
 
 /// What a run needs for a fault to be visible at all. Model needs are properties of the file; run
@@ -189,7 +190,7 @@ pub struct Info {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 25] = [
+    pub const ALL: [Fault; 26] = [
         Fault::RopeNeox,
         Fault::RopeNorm,
         Fault::YarnMscaleMissing,
@@ -215,6 +216,7 @@ impl Fault {
         Fault::IndexerTopkOffByOne,
         Fault::SparseIndexPageBase,
         Fault::IndexerFp8Scale,
+        Fault::SplitLseBf16,
     ];
 
     /// A fault of the DSA indexer: caught by the selection check (`SELECTION_CHECK`), not a stage check.

@@ -49,6 +49,11 @@ pub struct LocalStage {
     /// at κ = 1 (`noise::Prediction::truncation`); `None` where the backend's accumulators round to
     /// nearest or the stage does not depend on scores.
     pub truncation: Option<Vec<f64>>,
+    /// The type the backend stores this stage in by contract, where it has one (our kernels keep every
+    /// LSE in f32); `None`: inferred from the values, as for a runner that returns what it likes. A
+    /// contract keeps an LSE rounded to bf16 from being judged as a bf16 tensor (#35: the fault
+    /// `split_lse_bf16` passed every run while the type was inferred).
+    pub store: Option<Store>,
 }
 
 impl Local {
@@ -64,6 +69,7 @@ impl Local {
             coherent: None,
             exact: false,
             truncation: None,
+            store: None,
         });
     }
     fn push_rows(
@@ -75,6 +81,11 @@ impl Local {
     ) {
         self.push(stage, values, hidden_var);
         self.stages.last_mut().expect("pushed").coherent = Some(rows);
+    }
+    /// The stage last pushed is stored in `store` by the backend's contract (`Some`), or of a type
+    /// inferred from its values (`None`).
+    fn with_store(&mut self, store: Option<Store>) {
+        self.stages.last_mut().expect("pushed").store = store;
     }
     /// Attach the truncation bias to the stage last pushed (where the backend truncates).
     fn with_truncation(&mut self, on: bool, bias: Vec<f64>) {
@@ -972,6 +983,8 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
     let mut blse = vec![0.0; t_all * h];
     let sum = f.score_sum;
     let tc = sum.truncates();
+    // Our kernels (the mirror's and CUDA's) store every LSE, split or merged, in f32.
+    let lse_store = f.known_attention.then_some(Store::F32);
     let path = Path {
         dt,
         online: f.known_attention,
@@ -1237,6 +1250,7 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
         split_out.push_to(&mut out, Stage::SplitOut, tc);
         out.push(Stage::SplitLse, split_lse, vsplit_lse);
         out.with_truncation(tc, bsplit_lse);
+        out.with_store(lse_store);
         latent.push_to(&mut out, Stage::AttnLatent, tc);
         // attn_heads[decode] ← the stored attn_latent, in the run's dtype: what W_UV multiplies (an
         // engine stores the latent in it; a runner may return it wider, and is then rounded the same
@@ -1262,6 +1276,7 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
     }
     out.push(Stage::Lse, lse, vlse);
     out.with_truncation(tc, blse);
+    out.with_store(lse_store);
     if heads_ok {
         heads.push_to(&mut out, Stage::AttnHeads, tc);
     }

@@ -428,6 +428,7 @@ fn judge_local(
         row,
         coherent,
         truncation: loc.truncation.as_ref().map(|b| &b[span.clone()]),
+        store: loc.store,
     };
     noise::judge(&opt.data[span.clone()], &values[span], &pred, &pos)
 }

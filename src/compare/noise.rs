@@ -210,6 +210,8 @@ pub struct Prediction<'a> {
     /// what truncation can (on the H200 it was 58 % of a GLM-5 split_lse's error energy; its fit leaves
     /// the CPU mirror's round-to-nearest noise: `bench/probes/split_lse.py`).
     pub truncation: Option<&'a [f64]>,
+    /// The stage's storage type by the backend's contract (`LocalStage::store`); `None`: inferred.
+    pub store: Option<Store>,
 }
 
 /// Judge one check: `opt` the optimized values, `local` fp64 from the optimized inputs, `pred` the noise
@@ -221,7 +223,7 @@ pub fn judge(
     pos: &dyn Fn(usize) -> super::Position,
 ) -> LocalResult {
     let (hidden, exact, row, coherent) = (pred.hidden, pred.exact, pred.row, pred.coherent);
-    let store = Store::infer(opt);
+    let store = pred.store.unwrap_or_else(|| Store::infer(opt));
     let nf = super::metrics::nonfinite(local, opt);
     let var: Vec<f64> = opt
         .iter()
@@ -436,7 +438,31 @@ mod tests {
             row: 64,
             coherent: None,
             truncation: None,
+            store: None,
         }
+    }
+
+    /// An f32 contract holds values rounded to bf16 to f32's noise: inferred, the same values pass as
+    /// a bf16 tensor (the split LSE of #35's `split_lse_bf16`).
+    #[test]
+    fn a_storage_contract_overrides_the_inferred_type() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let local: Vec<f64> = (0..512).map(|_| rng.random_range(2.0..9.0)).collect();
+        let opt: Vec<f64> = local
+            .iter()
+            .map(|&v| half::bf16::from_f64(v).to_f64())
+            .collect();
+        let zero = vec![0.0; local.len()];
+        assert!(judge(&opt, &local, &plain(&zero, false), &pos).pass);
+        let f32_contract = Prediction {
+            store: Some(Store::F32),
+            ..plain(&zero, false)
+        };
+        assert!(!judge(&opt, &local, &f32_contract, &pos).pass);
+        // Values that are f32 pass the f32 contract.
+        let f32s: Vec<f64> = local.iter().map(|&v| v as f32 as f64).collect();
+        assert!(judge(&f32s, &local, &f32_contract, &pos).pass);
     }
 
     fn pos(i: usize) -> super::super::Position {
@@ -505,6 +531,7 @@ mod tests {
                 row: 64,
                 coherent: None,
                 truncation: t,
+                store: None,
             }
         }
         let biased = noisy(0.6, &mut rng);

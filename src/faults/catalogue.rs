@@ -4,7 +4,7 @@
 use super::{Fault, Info, Need};
 
 /// The catalogue, one row per fault in `Fault` order (docs/faults.md is generated from it).
-pub const CATALOGUE: [Info; 25] = [
+pub const CATALOGUE: [Info; 26] = [
     Info {
         fault: Fault::RopeNeox,
         name: "rope_neox",
@@ -306,5 +306,18 @@ pub const CATALOGUE: [Info; 25] = [
         expected: "selection",
         needs: &[Need::Dsa, Need::Fp8Keys],
         cuda_site: "kernels/indexer.cu `indexer_scores`: the fp8 block's logit without the key's scale",
+    },
+    Info {
+        fault: Fault::SplitLseBf16,
+        name: "split_lse_bf16",
+        define: "MLA_FAULT_SPLIT_LSE_BF16",
+        summary: "the decode kernel stores each split's LSE rounded to bf16 before the combine",
+        models: "an LSE buffer allocated in the activation dtype instead of f32 (vLLM's TRITON_MLA allocates its decode lse in q.dtype): |lse| of 5-10 loses ~0.02-0.04 to bf16, the combine's split weights exp(lse_k - max) move by a few percent, attn_latent by less than its bf16 noise; only an LSE judged by its f32 storage contract sees it",
+        sources: &["https://github.com/vllm-project/vllm/blob/main/vllm/v1/attention/backends/mla/triton_mla.py"],
+        expected: "split_lse",
+        // One split too: the CPU mirror and the CUDA backend (MLA_DEBUG, its default) keep the partials
+        // and combine even one.
+        needs: &[Need::Decode],
+        cuda_site: "kernels/attention.cuh `att_store_lse` (every dense decode kernel's partial LSE store: attn_scalar, attn_mma, attn_wgmma, attn_wgmma_pairs, attn_small) and kernels/sparse_attn.cu's partial store: the f32 value rounded to bf16 (round to nearest even) before it is written",
     },
 ];

@@ -188,7 +188,15 @@ pub fn step(
                     if k == last && fx.on(Fault::ReadPastEnd) {
                         keys.end += 1;
                     }
-                    split_partial_fx(cfg, cache, qa, qp, keys, dt, fx, sel.map(|s| (s, t)))
+                    let p = split_partial_fx(cfg, cache, qa, qp, keys, dt, fx, sel.map(|s| (s, t)));
+                    // Fault: the split's LSE stored in bf16 before the combine reads it.
+                    match fx.on(Fault::SplitLseBf16) {
+                        true => Partial {
+                            lse: half::bf16::from_f32(p.lse).to_f32(),
+                            ..p
+                        },
+                        false => p,
+                    }
                 })
                 .collect();
             for (k, p) in parts.iter().enumerate() {

@@ -14,12 +14,13 @@ use std::rc::Rc;
 
 /// The faults switched inside the kernels (kernels/*.cu); every other fault is a host switch in the
 /// layer's host code (mod.rs, buffers.rs, front.rs, decode.rs; `faults::Info::cuda_site` says which).
-pub const KERNEL_FAULTS: [Fault; 15] = [
+pub const KERNEL_FAULTS: [Fault; 16] = [
     Fault::RopeNeox,
     Fault::RopeNorm,
     Fault::CachePeFirst,
     Fault::PageOffByOne,
     Fault::LseLog2Merge,
+    Fault::SplitLseBf16,
     Fault::EmptyCtxLseInf,
     Fault::CausalOffByOne,
     Fault::ReadPastEnd,
