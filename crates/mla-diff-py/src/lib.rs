@@ -7,18 +7,13 @@
 //!   object `runner` through memory (`protocol::InProcess`): no subprocess and no tensor files.
 
 use mla_diff::backend::runner::protocol::{self, Describe, InProcess};
-use mla_diff::backend::runner::tensors::{Named, Outputs};
+use mla_diff::backend::runner::tensors::{self, Named, Outputs};
 use mla_diff::error::{one_line, Error, Result, EXIT_ERROR};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use safetensors_dtype::St;
 
 #[path = "../../../src/cli/mod.rs"]
 mod cli;
-
-mod safetensors_dtype {
-    pub use mla_diff::backend::runner::tensors::StDtype as St;
-}
 
 /// A Python object with `describe_json() -> str` and
 /// `call(op, layer, meta_json, inputs) -> dict | str` (inputs and outputs: name -> (dtype, shape, bytes);
@@ -26,30 +21,6 @@ mod safetensors_dtype {
 struct PyRunner {
     obj: Py<PyAny>,
     name: String,
-}
-
-fn st_name(d: St) -> &'static str {
-    match d {
-        St::BF16 => "BF16",
-        St::F16 => "F16",
-        St::F32 => "F32",
-        St::F64 => "F64",
-        St::I32 => "I32",
-        St::I64 => "I64",
-        _ => "?",
-    }
-}
-
-fn st_parse(s: &str) -> Option<St> {
-    Some(match s {
-        "BF16" => St::BF16,
-        "F16" => St::F16,
-        "F32" => St::F32,
-        "F64" => St::F64,
-        "I32" => St::I32,
-        "I64" => St::I64,
-        _ => return None,
-    })
 }
 
 impl PyRunner {
@@ -93,7 +64,7 @@ impl InProcess for PyRunner {
                     d.set_item(
                         t.name,
                         (
-                            st_name(t.dtype),
+                            tensors::wire_name(t.dtype),
                             t.shape.clone(),
                             PyBytes::new(py, &t.bytes),
                         ),
@@ -121,7 +92,7 @@ impl InProcess for PyRunner {
             };
             let mut parsed = Vec::new();
             for (name, dt, shape, bytes) in &raw {
-                let st = st_parse(dt).ok_or_else(|| {
+                let st = tensors::wire_parse(dt).ok_or_else(|| {
                     Error::Environment(format!(
                         "runner {}: output {name} has dtype {dt}; outputs are BF16, F16, F32 or F64",
                         self.name

@@ -3,11 +3,24 @@
 
 use crate::error::{Error, Result};
 use crate::precision::Dtype;
-/// The safetensors dtype, for in-process runners (crates/mla-diff-py) that hand tensors over in memory.
-pub use safetensors::tensor::Dtype as StDtype;
 use safetensors::tensor::{Dtype as St, TensorView};
 use std::collections::HashMap;
 use std::path::Path;
+
+/// The dtypes that cross the protocol in memory (crates/mla-diff-py hands tensors over as (dtype name,
+/// shape, bytes)): the run's floats, outputs in f64, i32 indices (and i64, which a Python runner may
+/// return for indices), by their safetensors names.
+pub const WIRE: [St; 6] = [St::BF16, St::F16, St::F32, St::F64, St::I32, St::I64];
+
+/// A wire dtype's name, as safetensors spells it ("BF16", "F32", …).
+pub fn wire_name(d: St) -> String {
+    format!("{d:?}")
+}
+
+/// The wire dtype of that name; `None` for any other (U8, BOOL, … never cross the protocol).
+pub fn wire_parse(s: &str) -> Option<St> {
+    WIRE.into_iter().find(|&d| wire_name(d) == s)
+}
 
 /// The protocol version this build speaks (`describe.protocol`, the files' `__metadata__`).
 pub const PROTOCOL: u32 = 1;
@@ -212,4 +225,22 @@ pub fn changed(path: &Path, sent: &[Named]) -> Result<Vec<(&'static str, usize)>
 
 fn width(d: St) -> usize {
     (d.bitsize() / 8).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_names_are_safetensors_names_and_only_the_protocols() {
+        for d in WIRE {
+            assert_eq!(wire_parse(&wire_name(d)), Some(d));
+        }
+        assert_eq!(wire_name(St::BF16), "BF16");
+        assert_eq!(wire_parse("I32"), Some(St::I32));
+        // Dtypes that never cross the protocol stay refused, as before.
+        for other in ["U8", "BOOL", "F8_E4M3", "bf16", ""] {
+            assert_eq!(wire_parse(other), None, "{other}");
+        }
+    }
 }
