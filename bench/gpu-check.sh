@@ -15,6 +15,8 @@
 #   batch      the serving batch on our decode kernel (#32 item 6: 5 requests of mixed lengths in one launch,
 #              per-entry seq_lens and block tables): every fixture at page 16 and 64 (bf16, fp16) must pass
 #              with its batch checks in the JSON; planted combine faults must fail the batch's own checks
+#   contract   split_lse_bf16 (an LSE stored in bf16 before the combine) fails a plain run of every fixture first
+#              at split_lse (the LSE's f32 storage contract, #35)
 #   coverage   every fixture's plain run names the Hopper decode kernel without warnings; wg2_keys_dropped and
 #              split_tail_dropped must fail first at split_out (docs/coverage.md)
 #   sanitize   compute-sanitizer (no kernel filter: it breaks racecheck) memcheck / synccheck / racecheck, one
@@ -128,6 +130,16 @@ batch() {
         expect 1 $? "batch g5 --inject $fault"
         python3 -c 'import json,sys; r=json.load(open(sys.argv[1])).get("runner_checks") or {}; f=[c for c in r.get("checks",[]) if c.get("check")=="serving_batch" and c.get("status")=="fail"]; print("    batch checks failed:", ", ".join(c["what"] for c in f)); sys.exit(0 if f else 1)' "$D/batch-g5-$fault.json" \
             || { echo "FAIL  $fault: the serving batch's own checks did not fail"; fail=1; }
+    done
+}
+contract() {
+    local f n
+    for f in fixtures/*.gguf; do
+        n=$(basename "$f" .gguf)
+        [ "$(left)" -gt 40 ] || { echo "skip contract $n: budget"; fail=1; return 0; }
+        timeout "$(tmo 90)" "$B" run "$f" --backend cuda "${KX[@]}" --inject split_lse_bf16 --json "$D/contract-$n.json" > "$D/contract-$n.txt" 2>&1
+        expect 1 $? "run $n --inject split_lse_bf16"
+        grep -q '"first_check": "split_lse"' "$D/contract-$n.json" 2>/dev/null || { echo "FAIL  $n split_lse_bf16: not first at split_lse"; fail=1; }
     done
 }
 coverage() {
