@@ -323,6 +323,11 @@ pub fn kernels_check(
 ) -> Result<CheckSummary> {
     let src = Sources::load(kernels_dir)?;
     let (maj, min) = nvrtc::nvrtc_version()?;
+    // `--dump DIR` makes DIR, as `-o` makes a file (it failed on the first write when DIR was new).
+    if let Some(d) = dump {
+        std::fs::create_dir_all(d)
+            .map_err(|e| Error::io(format!("creating --dump {}", d.display()), e))?;
+    }
     let inc = nvrtc::include_paths();
     let mut rep = String::new();
     writeln!(
