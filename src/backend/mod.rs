@@ -124,6 +124,11 @@ pub trait Backend {
     fn has_indexer(&self) -> bool {
         false
     }
+    /// DSA: where query token `t` of the run came from, for a failing selection's message (a capture
+    /// names its step and position); `None`: the token index says it.
+    fn query_origin(&self, _t: usize) -> Option<String> {
+        None
+    }
     /// DSA: whether its sparse prefill attends in the absorbed form over the cache rows (FlashMLA's
     /// sparse prefill, CUDA's `sparse_attn`), not decompressed over the own chunk and the context. The
     /// stage-local view does not model that form (its shared q_abs rounding moves every score of a row

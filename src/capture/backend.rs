@@ -157,11 +157,10 @@ impl CaptureBackend {
                 )
             });
         }
-        if !c0.uncompared.is_empty() {
-            notices.push(format!(
-                "capture: {} captured but not compared (the DSA selection is not checked from a capture yet)",
-                c0.uncompared.join(", ")
-            ));
+        if !c0.topk.is_empty() {
+            notices.push(
+                "capture: topk is the engine's DSA selection, checked against the reference's (dsa section) and its attention against fp64 over it".into(),
+            );
         }
         let results = ranks.iter().map(|(r, _)| (*r, Vec::new())).collect();
         Ok(CaptureBackend {
@@ -329,5 +328,39 @@ impl Backend for CaptureBackend {
     }
     fn notices(&self) -> Vec<String> {
         self.notices.clone()
+    }
+    /// DSA: a capture with `topk` attended over the engine's own selection (`run_layer` hands back the
+    /// captured trace whatever selection it is asked for).
+    fn sparse(&self) -> bool {
+        !self.ranks[0].1.topk.is_empty()
+    }
+    /// The engine's own selection: its captured `topk`.
+    fn indexer(
+        &mut self,
+        ctx: &LayerCtx,
+        ic: &crate::model::IndexerConfig,
+        _iw: &crate::model::IndexerWeights,
+        _x: &Array2<f64>,
+        _keys: crate::precision::KeyPrecision,
+    ) -> Result<Option<crate::reference::sparse::Selection>> {
+        match self.ranks[0].1.topk.get(&ctx.layer) {
+            Some(k) => Ok(Some(crate::reference::sparse::Selection::new(
+                ic.top_k,
+                k.clone(),
+            ))),
+            None => Err(Error::Usage(format!(
+                "capture: layer {} has no topk, but this DSA run's queries see more keys than the indexer's top_k: capture the engine's selection (topk)",
+                ctx.layer
+            ))),
+        }
+    }
+    fn has_indexer(&self) -> bool {
+        self.sparse()
+    }
+    fn query_origin(&self, t: usize) -> Option<String> {
+        let c = &self.ranks[0].1;
+        c.origin
+            .get(t)
+            .map(|(s, p)| format!("request {} step {s} position {p}", c.request))
     }
 }

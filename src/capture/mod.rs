@@ -44,8 +44,12 @@ pub struct Captured {
     pub traces: BTreeMap<usize, LayerTrace>,
     /// The stages every layer has (`x` aside).
     pub provided: StageSet,
-    /// Names captured but not compared (`topk`: the DSA selection is not compared from a capture yet).
+    /// Names captured but not compared (none now: `topk` is the DSA selection, checked by the run).
     pub uncompared: Vec<String>,
+    /// DSA: per layer, each token's selected keys (0-based token indices of the request), from `topk`.
+    pub topk: BTreeMap<usize, Vec<Vec<u32>>>,
+    /// Per token of the request: the step that computed it and its position.
+    pub origin: Vec<(u64, u64)>,
     /// The engine's head count in this capture (its TP slice) and the slice.
     pub heads: std::ops::Range<usize>,
 }
@@ -133,7 +137,16 @@ impl Capture {
         let mut inputs = BTreeMap::new();
         let mut traces = BTreeMap::new();
         let mut provided: Option<(usize, StageSet)> = None;
-        let mut uncompared = Vec::new();
+        let uncompared = Vec::new();
+        let mut topk = BTreeMap::new();
+        let mut origin = vec![(0, 0); t];
+        for s in &m.steps {
+            for [rid, pos] in s.rows.iter().flatten() {
+                if *rid == req.id && *pos >= pos0 && ((*pos - pos0) as usize) < t {
+                    origin[(*pos - pos0) as usize] = (s.step, *pos);
+                }
+            }
+        }
         for &l in layers {
             if !have.contains(&l) {
                 return Err(self.bad(format!(
@@ -151,9 +164,7 @@ impl Capture {
             let mut set = StageSet::NONE;
             for (name, per_tok) in rows {
                 if name == "topk" {
-                    if !uncompared.contains(&name) {
-                        uncompared.push(name);
-                    }
+                    topk.insert(l, self.selection_of(l, req, &per_tok)?);
                     continue;
                 }
                 let decode_only = matches!(name.as_str(), "q_absorbed" | "attn_latent");
@@ -222,12 +233,50 @@ impl Capture {
             traces,
             provided: provided.map_or(StageSet::NONE, |p| p.1),
             uncompared,
+            topk,
+            origin,
             heads,
         })
     }
 
+    /// A layer's captured `topk` rows (key positions, −1 for none) as each token's selected keys:
+    /// every token needs a row, and a key must be a position of the request at or before the query's.
+    fn selection_of(
+        &self,
+        l: usize,
+        req: &manifest::Request,
+        rows: &[Option<Vec<f64>>],
+    ) -> Result<Vec<Vec<u32>>> {
+        let pos0 = req.positions[0];
+        rows.iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let pos = pos0 + i as u64;
+                let r = r.as_ref().ok_or_else(|| {
+                    self.bad(format!(
+                        "layer {l}: topk has no row for request {} position {pos} (every token of the request needs one)",
+                        req.id
+                    ))
+                })?;
+                r.iter()
+                    .filter(|&&k| k >= 0.0)
+                    .map(|&k| {
+                        let k = k as u64;
+                        if k < pos0 || k > pos {
+                            return Err(self.bad(format!(
+                                "layer {l}: topk of request {} position {pos} selects position {k}, outside the request's {pos0}..={pos}",
+                                req.id
+                            )));
+                        }
+                        Ok((k - pos0) as u32)
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
     /// The schedule of request `req` as the engine ran it.
-    fn schedule(&self, req: &manifest::Request) -> Result<Schedule> {
+    pub fn schedule(&self, req: &manifest::Request) -> Result<Schedule> {
         let m = &self.manifest;
         let prefill_pos = req.positions[0] + req.prefill as u64;
         // The largest number of the request's prompt tokens one step processed: the engine's chunk.

@@ -98,6 +98,7 @@ impl<'a> WriteCapture<'a> {
         layer: usize,
         x: &Array2<f64>,
         trace: &LayerTrace,
+        selection: Option<&crate::reference::sparse::Selection>,
     ) -> Result<()> {
         let io = |p: &Path, e: String| {
             Error::Environment(format!("--write-capture: writing {}: {e}", p.display()))
@@ -107,7 +108,7 @@ impl<'a> WriteCapture<'a> {
         std::fs::create_dir_all(&sub).map_err(|e| io(&sub, e.to_string()))?;
         let pl = self.sched.prompt_len;
         for (step, (toks, kind)) in self.steps().into_iter().enumerate() {
-            let mut named: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+            let mut named: Vec<(String, Vec<usize>, Vec<u8>, St)> = Vec::new();
             let mut put = |name: &str, shape: &[usize], vals: &[f64]| {
                 let mut s = vec![toks.len()];
                 s.extend_from_slice(&shape[1..]);
@@ -115,7 +116,7 @@ impl<'a> WriteCapture<'a> {
                     .iter()
                     .flat_map(|&v| (v as f32).to_le_bytes())
                     .collect();
-                named.push((name.to_string(), s, bytes));
+                named.push((name.to_string(), s, bytes, St::F32));
             };
             let w = x.ncols();
             let xs = x.as_slice().expect("standard layout");
@@ -140,11 +141,29 @@ impl<'a> WriteCapture<'a> {
                     &t.data[rows.start * per..rows.end * per],
                 );
             }
+            // DSA: the keys the path attended over, as positions, −1 past a query's own count.
+            if let Some(sel) = selection {
+                let k = sel.keys[toks.clone()]
+                    .iter()
+                    .map(Vec::len)
+                    .max()
+                    .unwrap_or(0)
+                    .max(1);
+                let pos0 = self.sched.pos_offset as i32;
+                let mut bytes = Vec::with_capacity(toks.len() * k * 4);
+                for keys in &sel.keys[toks.clone()] {
+                    for j in 0..k {
+                        let v = keys.get(j).map_or(-1, |&key| pos0 + key as i32);
+                        bytes.extend_from_slice(&v.to_le_bytes());
+                    }
+                }
+                named.push(("topk".into(), vec![toks.len(), k], bytes, St::I32));
+            }
             let rel = format!("layer{layer}/step{step}.safetensors");
             let views = named
                 .iter()
-                .map(|(n, s, b)| {
-                    TensorView::new(St::F32, s.clone(), b)
+                .map(|(n, s, b, d)| {
+                    TensorView::new(*d, s.clone(), b)
                         .map(|v| (n.clone(), v))
                         .map_err(|e| io(&dir.join(&rel), e.to_string()))
                 })
@@ -152,7 +171,7 @@ impl<'a> WriteCapture<'a> {
             let path = dir.join(&rel);
             safetensors::tensor::serialize_to_file(views, None, &path)
                 .map_err(|e| io(&path, e.to_string()))?;
-            let mut stages: Vec<String> = named.iter().map(|(n, _, _)| n.clone()).collect();
+            let mut stages: Vec<String> = named.iter().map(|(n, _, _, _)| n.clone()).collect();
             stages.sort_by_key(|n| manifest::NAMES.iter().position(|m| m == n));
             self.files[rank].push(manifest::LayerFile {
                 layer,
@@ -250,7 +269,7 @@ impl Backend for WriteCapture<'_> {
             // A rank's config holds its heads only (`tp::slice::rank_config`); ranks are even slices.
             let per = ctx.cfg.n_head;
             self.heads[rank] = Some([per * rank, per * (rank + 1)]);
-            self.write_layer(rank, ctx.layer, x, &trace)?;
+            self.write_layer(rank, ctx.layer, x, &trace, ctx.selection)?;
         }
         Ok(trace)
     }

@@ -183,6 +183,7 @@ impl RunSparse {
             ),
         };
         match self.own_indexer {
+            Some(true) if backend == "capture" => "the engine's own (its captured topk)".into(),
             Some(true) => format!("{backend}'s own, {keys}"),
             Some(false) => format!("cpu mirror standing in (the backend has none), {keys}"),
             None => "not run".into(),
@@ -317,7 +318,13 @@ impl RunSparse {
     }
 
     /// The run's DSA section (`Report::dsa`).
-    pub fn result(self, dtype: Dtype, backend: &str) -> DsaResult {
+    /// `origin`: where a query token came from (`Backend::query_origin`), added to the message.
+    pub fn result(
+        self,
+        dtype: Dtype,
+        backend: &str,
+        origin: &dyn Fn(usize) -> Option<String>,
+    ) -> DsaResult {
         let indexer = self.indexer_name(dtype, backend);
         let failing = self.layers.iter().find(|l| !l.pass);
         let message = match failing {
@@ -326,7 +333,16 @@ impl RunSparse {
                 self.layers.len(),
                 self.ic.top_k
             ),
-            Some(l) => format!("DSA layer {}: {}", l.layer, l.failure()),
+            Some(l) => {
+                let at = l
+                    .selection
+                    .as_ref()
+                    .filter(|s| !s.pass)
+                    .and_then(|s| s.worst.as_ref())
+                    .and_then(|m| origin(m.query).map(|o| format!(" at {o} (query {})", m.query)))
+                    .unwrap_or_default();
+                format!("DSA layer {}{at}: {}", l.layer, l.failure())
+            }
         };
         DsaResult {
             top_k: self.ic.top_k,

@@ -634,7 +634,7 @@ pub fn run_from(
         dumps: dumped,
     };
     if let Some(sp) = sparse {
-        report.set_dsa(sp.result(opts.dtype, info.kind.name()));
+        report.set_dsa(sp.result(opts.dtype, info.kind.name(), &|t| backend.query_origin(t)));
     }
     if let Some(rc) = backend.runner_checks() {
         report.set_runner_checks(rc.of_layers(&report.run.layers));

@@ -659,3 +659,138 @@ fn assert_manifest_valid(cap: &Path) {
     let errors = common::schema_errors(&v, &m);
     assert!(errors.is_empty(), "{}: {errors:#?}", cap.display());
 }
+
+/// DSA past top_k: a capture's `topk` is the engine's selection, checked against the reference's
+/// (tie-aware, the `dsa` section) with its attention against fp64 over it; a clean capture passes, one
+/// key swapped in one decode row fails naming the layer, step and position; a sparse capture without
+/// `topk` and a `topk` key in the query's future are refused (exit 2).
+#[test]
+fn dsa_topk_is_checked_against_the_reference_selection() {
+    let f = common::selftest_dsa_fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let clean = dir.path().join("clean");
+    // 27 tokens past top_k 16: six steps (three prefill chunks of 8, three decodes).
+    let sched = ["--prompt-len", "24", "--chunk", "8", "--decode-steps", "3"];
+    let mut a = vec![
+        "run",
+        f.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--mode",
+        "shadow",
+        "-q",
+        "--write-capture",
+        clean.to_str().unwrap(),
+    ];
+    a.extend_from_slice(&sched);
+    let o = run(&a);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_manifest_valid(&clean);
+    let (code, rep) = check(&f, &[&clean], &[]);
+    assert_eq!(code, 0, "{}", rep["verdict"]["message"]);
+    let dsa = &rep["dsa"];
+    assert_eq!(dsa["pass"], true);
+    assert_eq!(dsa["layers"].as_array().unwrap().len(), 3);
+    assert!(
+        dsa["layers"][1]["selection"]["sparse_queries"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    assert!(
+        dsa["indexer"].as_str().unwrap().contains("captured topk"),
+        "{}",
+        dsa["indexer"]
+    );
+    assert!(!rep.to_string().contains("not compared"));
+
+    let copy = |name: &str| -> PathBuf {
+        let d = dir.path().join(name);
+        for e in walk(&clean) {
+            let to = d.join(e.strip_prefix(&clean).unwrap());
+            std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+            std::fs::copy(&e, &to).unwrap();
+        }
+        d
+    };
+    let topk = |cap: &Path, file: &str| -> (Vec<usize>, Vec<i32>) {
+        let b = std::fs::read(cap.join(file)).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&b).unwrap();
+        let t = st.tensor("topk").unwrap();
+        assert_eq!(t.dtype(), safetensors::Dtype::I32);
+        let v = t
+            .data()
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        (t.shape().to_vec(), v)
+    };
+    let put = |cap: &Path, file: &str, shape: Vec<usize>, v: &[i32]| {
+        let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        edit_tensor(
+            cap,
+            file,
+            "topk",
+            "topk",
+            Some((safetensors::Dtype::I32, shape, bytes)),
+        );
+    };
+    // Layer 1, step 4 (the first decode, position 25): its first selected key swapped for an unselected
+    // visible one.
+    let bad = copy("bad");
+    let file = "layer1/step4.safetensors";
+    let (shape, mut v) = topk(&bad, file);
+    assert_eq!(shape[0], 1);
+    let other = (0..=25).find(|k| !v.contains(k)).unwrap();
+    v[0] = other;
+    put(&bad, file, shape.clone(), &v);
+    let (code, rep) = check(&f, &[&bad], &[]);
+    assert_eq!(code, 1);
+    let dsa = &rep["dsa"];
+    assert_eq!(dsa["pass"], false);
+    assert_eq!(dsa["first_layer"], 1);
+    let msg = dsa["message"].as_str().unwrap();
+    assert!(
+        msg.starts_with("DSA layer 1 at request 0 step 4 position 25 (query 25)"),
+        "{msg}"
+    );
+    assert!(msg.contains(&format!("key {other}")), "{msg}");
+    assert_eq!(dsa["layers"][0]["pass"], true);
+    assert!(rep["verdict"]["message"].as_str().unwrap().contains(msg));
+
+    // Refused: a key in the query's future; a sparse capture without topk.
+    let future = copy("future");
+    let (shape, mut v) = topk(&future, file);
+    v[0] = 26;
+    put(&future, file, shape, &v);
+    let o = run(&[
+        "run",
+        f.to_str().unwrap(),
+        "--capture",
+        future.to_str().unwrap(),
+    ]);
+    assert_clean_error(
+        &o,
+        "layer 1: topk of request 0 position 25 selects position 26",
+    );
+    let none = copy("none");
+    drop_stages(&none, &["topk"]);
+    let o = run(&[
+        "run",
+        f.to_str().unwrap(),
+        "--capture",
+        none.to_str().unwrap(),
+    ]);
+    assert_clean_error(&o, "has no topk");
+    let tp = copy("tp");
+    edit_manifest(&tp, |m| {
+        m["tp"] = serde_json::json!({"rank": 0, "world_size": 2, "heads": [0, 1]});
+    });
+    let o = run(&[
+        "run",
+        f.to_str().unwrap(),
+        "--capture",
+        tp.to_str().unwrap(),
+    ]);
+    assert_clean_error(&o, "a tensor-parallel capture past the DSA indexer's top_k");
+}

@@ -21,7 +21,7 @@ FAMILIES = {
     "deepseek-v3": {},
     "deepseek-v2-lite": {},
     # GLM-5 with index_topk (32) ≥ the tokens: the indexer runs and its top-k is captured, attention is
-    # dense; past top_k a capture is not compared yet (run --capture refuses it, docs/captures.md).
+    # dense; past top_k run --capture checks the captured top-k against the reference's (docs/captures.md).
     "glm-5": {"rms_norm_eps": 1e-6},
     "minicpm3": {"rms_norm_eps": 1e-6},
 }

@@ -52,6 +52,15 @@ pub fn exec(a: &Args, file: &GgufFile, cfg: &MlaConfig) -> Result<i32, Error> {
         }
         spec => mla_diff::run::parse_layers(spec, cfg.n_layer)?,
     };
+    // Before the step files are read (a rank's head slice is checked there).
+    if caps[0].manifest.tp.world_size > 1 {
+        let s = caps[0].schedule(caps[0].request(a.capture_request)?)?;
+        if mla_diff::run::dsa::sparse_for(file, cfg, &s)?.is_some() {
+            return Err(Error::Usage(
+                "a tensor-parallel capture past the DSA indexer's top_k is not compared yet (its ranks would be judged on dense attention): capture at most top_k tokens, or tp.world_size 1".into(),
+            ));
+        }
+    }
     let read = caps
         .into_iter()
         .map(|c| {
@@ -62,12 +71,17 @@ pub fn exec(a: &Args, file: &GgufFile, cfg: &MlaConfig) -> Result<i32, Error> {
     let captured = &read[0].1;
     let sched = captured.sched.clone();
     sched.check_memory(cfg)?;
+    // Past top_k the run checks the engine's selection (its captured topk) and its attention over it.
     if mla_diff::run::dsa::sparse_for(file, cfg, &sched)?.is_some() {
-        return Err(Error::Unsupported(
-            "this DSA capture's queries see more keys than the indexer's top_k: a capture's sparse attention is not compared yet (docs/captures.md)".into(),
-        ));
+        if let Some((c, _)) = read.iter().find(|(_, r)| r.topk.is_empty()) {
+            return Err(Error::Usage(format!(
+                "capture {}: this DSA capture's queries see more keys than the indexer's top_k but it has no topk: capture the engine's selection (docs/captures.md)",
+                c.dir.display()
+            )));
+        }
+    } else {
+        super::check_dense_beyond_top_k(file, cfg, &sched, a.allow_dense_beyond_topk)?;
     }
-    super::check_dense_beyond_top_k(file, cfg, &sched, a.allow_dense_beyond_topk)?;
     let (tolerances, tolerance_source) = a.tol.table(dtype)?;
     let mut backend = CaptureBackend::new(cfg, &read, dtype, tolerances.clone())?;
     let dirs: Vec<String> = read
