@@ -80,8 +80,8 @@ pub fn decode_variant(d: &Dims, caps: &Caps, l: &Launch) -> (&'static str, &'sta
                 && d.dtype != Dtype::F32
                 && t.wm == 1
                 && t.bn == 32
-                && (d.lkv + d.r) % 8 == 0
-                && d.lkv % 64 == 0
+                && (d.lkv + d.r).is_multiple_of(8)
+                && d.lkv.is_multiple_of(64)
                 && l.page.is_multiple_of(32)
                 && small_rule(keys, splits);
             match (small, l.page > 32) {
