@@ -165,6 +165,9 @@ fn coverage(c: &crate::coverage::Coverage) -> String {
     if let Some(d) = &c.dsa {
         writeln!(s, "- {}", d.line()).ok();
     }
+    if let Some(v) = &c.variants {
+        writeln!(s, "- {}", v.line()).ok();
+    }
     writeln!(s, "\n| phase | class | count |\n|---|---|---|").ok();
     for cl in &c.classes {
         let n = match cl.count {

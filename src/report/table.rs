@@ -244,6 +244,9 @@ fn coverage_lines(c: &crate::coverage::Coverage, style: &Style) -> String {
     if let Some(d) = &c.dsa {
         writeln!(s, "{:<10}{}", "", d.line()).ok();
     }
+    if let Some(v) = &c.variants {
+        writeln!(s, "{:<10}{}", "", v.line()).ok();
+    }
     for w in &c.warnings {
         writeln!(s, "{}", style.red(&format!("WARNING: {w}"))).ok();
     }

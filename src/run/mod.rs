@@ -577,6 +577,18 @@ pub fn run_from(
         opts.dtype,
         info.kind.name(),
     )?;
+    // The production variants the selection rules can pick for these dims (issue #35), on the device the
+    // rules model: sm_90a (H200), the production device, whichever backend ran.
+    let (variants, missed) = crate::coverage::variants(
+        &cfg,
+        &opts.sched,
+        &backend.decode_extra(&opts.sched),
+        &crate::tiles::choice::HOPPER,
+        "sm_90a (H200) assumed",
+        coverage.dsa.as_ref().map(|d| (d.top_k, d.sparse_queries)),
+    );
+    coverage.warnings.extend(missed);
+    coverage.variants = Some(variants);
     let mut report = Report {
         schema_version: SCHEMA_VERSION,
         tool: ToolInfo {

@@ -8,6 +8,7 @@
 pub mod choice;
 #[cfg(test)]
 mod tests;
+pub mod variants;
 
 use crate::faults::Active;
 use crate::precision::Dtype;
