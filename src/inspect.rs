@@ -60,7 +60,7 @@ pub fn inspect_json(f: &GgufFile) -> Result<serde_json::Value> {
         .flat_map(|l| l["tensors"].as_array().unwrap().iter())
         .filter_map(|t| t["bytes"].as_u64())
         .sum();
-    Ok(json!({
+    let mut out = json!({
         "schema_version": 1,
         "file": f.path.display().to_string(),
         "file_size": f.file_size,
@@ -75,7 +75,17 @@ pub fn inspect_json(f: &GgufFile) -> Result<serde_json::Value> {
         "cache_row": cfg.cache_row(),
         "attention_bytes": attn_bytes,
         "layers": layers,
-    }))
+    });
+    // glm5-next only (absent elsewhere, so other files' JSON is unchanged): which layers are MLA and
+    // which are linear attention (skipped), and the k-pool indexer keys.
+    if let Some(h) = crate::model::HybridLayout::from_gguf(f)? {
+        out["hybrid_layout"] = json!({ "mla_layers": h.mla_layers, "linear_layers": h.linear_layers, "skipped": h.skip_message() });
+    }
+    if let Some(k) = crate::model::KpoolConfig::from_gguf(f, &cfg)? {
+        out["indexer_kpool"] =
+            json!({ "kpool": k.kpool, "select_tail": k.select_tail, "full": k.full });
+    }
+    Ok(out)
 }
 
 /// Human-readable inspect report.
@@ -182,6 +192,53 @@ pub fn inspect_text(f: &GgufFile) -> Result<String> {
         c.qk_head_dim()
     )
     .ok();
+    if let Some(h) = crate::model::HybridLayout::from_gguf(f)? {
+        writeln!(
+            s,
+            "mla layers    {} ({} of {})",
+            crate::model::config::ranges(&h.mla_layers),
+            h.mla_layers.len(),
+            c.n_layer
+        )
+        .ok();
+        if let Some(m) = h.skip_message() {
+            writeln!(s, "skipped       {m}").ok();
+        }
+    }
+    if c.arch == crate::model::Arch::Glm5Next && c.qk_rope == 0 {
+        writeln!(
+            s,
+            "nope          no rope part (rope.dimension_count 0): cache row = kv_lora_rank {}",
+            c.kv_lora_rank
+        )
+        .ok();
+    }
+    if let Some(k) = crate::model::KpoolConfig::from_gguf(f, &c)? {
+        let shared = match &k.full {
+            Some(_) => {
+                let mla: Vec<usize> = match crate::model::HybridLayout::from_gguf(f)? {
+                    Some(h) => h.mla_layers,
+                    None => (0..c.n_layer).collect(),
+                };
+                let sh = k.shared_layers(&mla);
+                if sh.is_empty() {
+                    "every MLA layer full".to_string()
+                } else {
+                    format!(
+                        "shared (reuse the previous full layer's top-k) on layers {}",
+                        crate::model::config::ranges(&sh)
+                    )
+                }
+            }
+            None => "no indexer.types (every layer full)".to_string(),
+        };
+        writeln!(
+            s,
+            "dsa k-pool    kpool {} (keys pooled {} tokens at a time), select tail {}; {shared}",
+            k.kpool, k.kpool, k.select_tail
+        )
+        .ok();
+    }
     if let Some(ic) = crate::model::indexer::IndexerConfig::from_gguf(f, &c)? {
         writeln!(
             s,

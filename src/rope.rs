@@ -80,9 +80,10 @@ impl RopeTables {
         n_pos: usize,
     ) -> Result<RopeTables> {
         let half = rope.dim / 2;
-        if rope.dim == 0 || !rope.dim.is_multiple_of(2) {
+        // dim 0 is NoPE MLA (glm5-next): empty tables, rotations that do nothing.
+        if !rope.dim.is_multiple_of(2) {
             return Err(Error::Unsupported(format!(
-                "rope dims {} must be even and non-zero",
+                "rope dims {} must be even",
                 rope.dim
             )));
         }

@@ -241,7 +241,11 @@ fn dims(m: &Meta, arch: Arch, out: &mut Findings) {
     let lkv_meta = m.required("attention.kv_lora_rank", out);
     let r_meta = m.required("rope.dimension_count", out);
     let lq_meta = m.uint("attention.q_lora_rank", out).filter(|&r| r > 0);
-    let h_kv = m.uint("attention.head_count_kv", out);
+    let hybrid = glm5_next_layout(m, arch, out);
+    let h_kv = match &hybrid {
+        Some(h) => Some(h.n_head_kv as u64),
+        None => m.uint("attention.head_count_kv", out),
+    };
     let (k_mla, v_mla) = (
         m.uint("attention.key_length_mla", out),
         m.uint("attention.value_length_mla", out),
@@ -506,7 +510,9 @@ fn dims(m: &Meta, arch: Arch, out: &mut Findings) {
 
     // The head-size rules on the metadata itself (what an engine reads).
     if let (Some(r), Some(qk)) = (r_meta, qk_meta) {
-        if (r == 0 || r % 2 != 0 || r >= qk)
+        let nope = arch == Arch::Glm5Next && r == 0;
+        if !nope
+            && (r == 0 || r % 2 != 0 || r >= qk)
             && !out.has(Severity::Error, &m.key("rope.dimension_count"))
         {
             out.error(
@@ -581,7 +587,8 @@ fn dims(m: &Meta, arch: Arch, out: &mut Findings) {
             .iter()
             .all(|&d| d <= DIM_LIMIT)
         {
-            tensors(f, n_layer, [e, h, lkv, p, r, dv], lq, out);
+            let skip = hybrid.map(|h| h.linear_layers).unwrap_or_default();
+            tensors(f, n_layer, &skip, [e, h, lkv, p, r, dv], lq, out);
         }
     }
     rope_factor_tensors(m, r, out);
@@ -589,12 +596,19 @@ fn dims(m: &Meta, arch: Arch, out: &mut Findings) {
 
 /// Each layer's attention tensors against the dims `[hidden, heads, kv_lora, qk_nope, rope, v]`; one
 /// finding per tensor role and problem, naming the first layer and how many share it.
-fn tensors(f: &GgufFile, n_layer: usize, d: [u64; 6], lq: Option<u64>, out: &mut Findings) {
+fn tensors(
+    f: &GgufFile,
+    n_layer: usize,
+    skip: &[usize],
+    d: [u64; 6],
+    lq: Option<u64>,
+    out: &mut Findings,
+) {
     let [e, h, lkv, p, r, dv] = d;
     // (role, found shape or None for absent) → layers; expected per role.
     let mut bad: BTreeMap<(&'static str, Option<Vec<u64>>), Vec<usize>> = BTreeMap::new();
     let mut expect: BTreeMap<&'static str, (Vec<u64>, String)> = BTreeMap::new();
-    for l in 0..n_layer {
+    for l in (0..n_layer).filter(|l| !skip.contains(l)) {
         let mut want: Vec<(&'static str, Vec<u64>, String)> =
             vec![("attn_norm", vec![e], "{hidden}".into())];
         match lq {
@@ -791,7 +805,7 @@ fn rope_and_scaling(m: &Meta, arch: Arch, out: &mut Findings) {
             "a finite base above 1",
             "the rope angle is pos·base^(−2i/rope): a base of 1 or less does not rotate or diverges",
         ),
-        None if !m.present("rope.freq_base") && arch != Arch::Minicpm3 => out.warning(
+        None if !m.present("rope.freq_base") && !matches!(arch, Arch::Minicpm3 | Arch::Glm5Next) => out.warning(
             &m.key("rope.freq_base"),
             "absent",
             "present (10000 DeepSeek, 50000 Kimi-K2, 1e6 GLM)",
@@ -986,6 +1000,97 @@ fn norms(m: &Meta, out: &mut Findings) {
         ),
         _ => {}
     }
+}
+
+/// glm5-next's hybrid layout (`head_count_kv` per block, 0 on a linear-attention layer; llama.cpp's
+/// conversion/glm.py `Glm5NextModel`) and its k-pool indexer keys. `None` for every other file.
+fn glm5_next_layout(
+    m: &Meta,
+    arch: Arch,
+    out: &mut Findings,
+) -> Option<crate::model::HybridLayout> {
+    let key = m.key("attention.head_count_kv");
+    let h = match crate::model::HybridLayout::from_gguf(m.f) {
+        Ok(Some(h)) => h,
+        Ok(None) => return None,
+        Err(e) => {
+            out.error(
+                &key,
+                e.to_string(),
+                "one entry per block: 0 (linear attention) or 1 (MLA)",
+                "llama.cpp's glm5-next converter writes head_count_kv per block",
+            );
+            return Some(crate::model::HybridLayout {
+                mla_layers: vec![],
+                linear_layers: vec![],
+                n_head_kv: 1,
+            });
+        }
+    };
+    if arch != Arch::Glm5Next {
+        out.warning(&key, "a per-layer array", format!("one number for {}", m.arch), "only glm5-next writes head_count_kv per layer; mla-diff reads it as glm5-next's layout");
+    }
+    out.note(
+        &key,
+        format!("MLA layers {}", crate::model::config::ranges(&h.mla_layers)),
+        h.skip_message()
+            .unwrap_or_else(|| "every trunk layer is MLA".into()),
+    );
+    if arch == Arch::Glm5Next {
+        let ik = |k: &str| m.key(&format!("attention.indexer.{k}"));
+        match m.uint("attention.indexer.kpool", out) {
+            Some(0) => out.error(
+                &ik("kpool"),
+                "0",
+                "at least 1",
+                "the k-pool pools `kpool` keys into one before the indexer's top-k",
+            ),
+            Some(k) => {
+                let tail = m
+                    .raw("attention.indexer.kpool_select_tail")
+                    .and_then(|v| v.as_bool())
+                    .unwrap_or(true);
+                out.note(&ik("kpool"), format!("{k}, select tail {tail}"), "glm5-next's DSA indexer scores pools of `kpool` keys (gated softmax pooling with a per-slot APE), expands the chosen pools back to tokens and always selects the visible tail; mla-diff checks the MLA layers densely (no k-pool model yet)");
+            }
+            None => out.warning(
+                &ik("kpool"),
+                "absent",
+                "present (16: transformers Glm5NextTextConfig.index_kpool)",
+                "llama.cpp's glm5-next converter always writes it",
+            ),
+        }
+        if let Some(v) = m.raw("attention.indexer.types") {
+            match v {
+                crate::gguf::Value::Array(a) => {
+                    let full: Option<Vec<bool>> = a.iter().map(|v| v.as_bool()).collect();
+                    match full {
+                        Some(full) => {
+                            let shared: Vec<usize> = h
+                                .mla_layers
+                                .iter()
+                                .copied()
+                                .filter(|&l| full.get(l) == Some(&false))
+                                .collect();
+                            out.note(&ik("types"), if shared.is_empty() { "every MLA layer full".to_string() } else { format!("shared on layers {}", crate::model::config::ranges(&shared)) }, "a shared layer reuses the previous full layer's top-k (transformers indexer_types)");
+                        }
+                        None => out.error(
+                            &ik("types"),
+                            v.display_short(),
+                            "an array of bools (true = full)",
+                            "llama.cpp's converter writes [t == \"full\" for t in indexer_types]",
+                        ),
+                    }
+                }
+                _ => out.error(
+                    &ik("types"),
+                    v.display_short(),
+                    "an array of bools (true = full)",
+                    "llama.cpp's converter writes [t == \"full\" for t in indexer_types]",
+                ),
+            }
+        }
+    }
+    Some(h)
 }
 
 /// The DSA indexer of glm-dsa / deepseek32 files.

@@ -7,6 +7,15 @@
 
 use super::config::{Arch, RopePairing};
 
+/// glm5-next's k-pool size (`index_kpool`, transformers 5.24.0 `Glm5NextTextConfig` default).
+pub const GLM5_NEXT_KPOOL: u32 = 16;
+
+/// glm5-next's default layer layout (`Glm5NextTextConfig.__post_init__`): layer `l` is MLA
+/// ("indexed_attention") where `l % 4 == 3`, linear attention (KDA) elsewhere.
+pub fn glm5_next_is_mla(l: usize) -> bool {
+    l % 4 == 3
+}
+
 /// A model of the catalogue (the `--preset` values). The variant names appear in the fixture files'
 /// `general.description` (Debug formatting): renaming one changes the shipped fixtures' bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -18,6 +27,7 @@ pub enum Preset {
     Glm5,
     DeepseekV32,
     Minicpm3,
+    Glm5Next,
     Tiny,
 }
 
@@ -89,7 +99,7 @@ const DEEPSEEK_YARN: YarnSpec = YarnSpec {
 };
 
 /// Every model, in `Preset` order.
-pub const CATALOGUE: [Entry; 8] = [
+pub const CATALOGUE: [Entry; 9] = [
     Entry {
         preset: Preset::DeepseekV3,
         name: "deepseek-v3",
@@ -280,6 +290,48 @@ pub const CATALOGUE: [Entry; 8] = [
         indexer: None,
         note: "",
     },
+    // GLM-5's NoPE successor (GLM-5.3-Flash, the converter's example), from transformers 5.24.0's
+    // `Glm5NextTextConfig` defaults (models/glm5_next/configuration_glm5_next.py; the released
+    // config.json was not available here): hidden_size 4096, num_hidden_layers 45, num_attention_heads 64,
+    // q_lora_rank 1536, kv_lora_rank 512, qk_rope_head_dim 0, qk_nope_head_dim 256, v_head_dim 256,
+    // rms_norm_eps 1e-5, max_position_embeddings 1048576, index_n_heads 32, index_head_dim 128,
+    // index_topk 2048, index_kpool 16, index_kpool_always_select_tail True; `layer_types` default: layer i
+    // is MLA ("indexed_attention") where i % 4 == 3, linear attention (KDA) elsewhere (11 MLA layers of 45);
+    // `indexer_types` default (index_topk_freq 1): every layer "full". llama.cpp's `Glm5NextModel`
+    // converter (conversion/glm.py) writes arch `glm5-next`, `head_count_kv` as a per-block array (0 on a
+    // linear layer), rope.dimension_count 0, key_length = kv_lora_rank (512: no rope part, no 576 pad),
+    // key_length_mla 256, value_length_mla 256, the indexer keys plus `indexer.kpool` and
+    // `indexer.kpool_select_tail`, and `indexer.types` when config.json has `indexer_types`. No rope, so
+    // no freq_base. The fixture writes the MLA layers' attention tensors and the indexer tensors GLM-5
+    // has (`blk.N.indexer.*`), not the k-pool gate/APE, linear-attention or hyper-connection tensors;
+    // `run` checks the MLA layers densely (the k-pool indexer is not modelled yet).
+    Entry {
+        preset: Preset::Glm5Next,
+        name: "glm5-next",
+        model_name: "GLM-5.3-Flash",
+        arch: Arch::Glm5Next,
+        layers: 45,
+        hidden: 4096,
+        heads: 64,
+        q_lora: Some(1536),
+        kv_lora: 512,
+        qk_nope: 256,
+        qk_rope: 0,
+        v_head: 256,
+        rope: RopePairing::Norm,
+        rope_base: None,
+        yarn: None,
+        longrope: false,
+        rms_eps: 1e-5,
+        context_length: 1048576,
+        unsplit_kv_b: false,
+        indexer: Some(Indexer {
+            heads: 32,
+            key_length: 128,
+            top_k: 2048,
+        }),
+        note: "NoPE MLA (no rope), a hybrid: MLA on layers 3, 7, .., 43, linear attention elsewhere (skipped)",
+    },
     Entry {
         preset: Preset::Tiny,
         name: "tiny",
@@ -310,7 +362,7 @@ pub const CATALOGUE: [Entry; 8] = [
 ];
 
 impl Preset {
-    pub const ALL: [Preset; 8] = [
+    pub const ALL: [Preset; 9] = [
         Preset::DeepseekV3,
         Preset::DeepseekV2Lite,
         Preset::KimiK2,
@@ -318,6 +370,7 @@ impl Preset {
         Preset::Glm5,
         Preset::DeepseekV32,
         Preset::Minicpm3,
+        Preset::Glm5Next,
         Preset::Tiny,
     ];
 

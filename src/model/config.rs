@@ -22,16 +22,21 @@ pub enum Arch {
     Minicpm3,
     /// No q-LoRA, unsplit kv_b.
     Plm,
+    /// GLM-5's NoPE successor (transformers `glm5_next`, llama.cpp `glm5-next`): MLA without rope
+    /// (`rope.dimension_count` 0), a DSA indexer with k-pool compression, and linear-attention (KDA) layers
+    /// between the MLA layers (`head_count_kv` is a per-layer array, 0 on a linear layer; `HybridLayout`).
+    Glm5Next,
 }
 
 impl Arch {
-    pub const ALL: [(&'static str, Arch); 6] = [
+    pub const ALL: [(&'static str, Arch); 7] = [
         ("deepseek2", Arch::Deepseek2),
         ("glm-dsa", Arch::GlmDsa),
         ("deepseek32", Arch::Deepseek32),
         ("mistral4", Arch::Mistral4),
         ("minicpm3", Arch::Minicpm3),
         ("plm", Arch::Plm),
+        ("glm5-next", Arch::Glm5Next),
     ];
     pub fn from_gguf(name: &str) -> Option<Arch> {
         Self::ALL.iter().find(|(n, _)| *n == name).map(|&(_, a)| a)
@@ -146,6 +151,105 @@ pub struct MlaConfig {
     /// The softmax scale: `mscale² / sqrt(qk_nope + qk_rope)`.
     pub softmax_scale: f64,
     pub vocab_size: Option<usize>,
+}
+
+/// The layer layout of a hybrid file: llama.cpp's glm5-next converter (conversion/glm.py
+/// `Glm5NextModel.set_gguf_parameters`) writes `head_count_kv` as one entry per block, 0 where the HF
+/// `layer_types` entry is `linear_attention` (KDA) and 1 on an MLA (`indexed_attention`) layer; the
+/// appended NextN/MTP blocks get 1. mla-diff checks the MLA layers and skips the linear ones.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HybridLayout {
+    /// Trunk layers with MLA attention.
+    pub mla_layers: Vec<usize>,
+    /// Trunk layers with linear attention (not MLA: skipped).
+    pub linear_layers: Vec<usize>,
+    /// The MLA layers' head_count_kv (1).
+    pub n_head_kv: usize,
+}
+
+impl HybridLayout {
+    /// `Ok(None)` where `head_count_kv` is absent or a single number (every other MLA file).
+    pub fn from_gguf(f: &GgufFile) -> Result<Option<HybridLayout>> {
+        let Some(a) = f.architecture() else {
+            return Ok(None);
+        };
+        let k = format!("{a}.attention.head_count_kv");
+        let Some(Value::Array(arr)) = f.get(&k) else {
+            return Ok(None);
+        };
+        let bad = |msg: String| Error::Unsupported(format!("{}: {k} {msg}", f.path.display()));
+        let block_count = req_u64(f, a, "block_count")?;
+        let nextn = opt_u64(f, a, "nextn_predict_layers")?.unwrap_or(0);
+        if arr.len() != block_count {
+            return Err(bad(format!(
+                "has {} entries; block_count is {block_count} (the converter writes one per block)",
+                arr.len()
+            )));
+        }
+        let n_layer = block_count.saturating_sub(nextn);
+        let (mut mla_layers, mut linear_layers, mut kv) = (Vec::new(), Vec::new(), None);
+        for (l, v) in arr.iter().take(n_layer).enumerate() {
+            match v.as_u64() {
+                Some(0) => linear_layers.push(l),
+                Some(n) => {
+                    if kv.is_some_and(|k| k != n) {
+                        return Err(bad(format!(
+                            "mixes {} and {n} on MLA layers; one latent head (1) expected",
+                            kv.unwrap()
+                        )));
+                    }
+                    kv = Some(n);
+                    mla_layers.push(l);
+                }
+                None => {
+                    return Err(bad(format!(
+                        "entry {l} is {}, expected an unsigned integer",
+                        v.display_short()
+                    )))
+                }
+            }
+        }
+        let Some(n_head_kv) = kv else {
+            return Err(bad(
+                "is 0 on every trunk layer: no MLA layer to check (all linear attention)".into(),
+            ));
+        };
+        Ok(Some(HybridLayout {
+            mla_layers,
+            linear_layers,
+            n_head_kv: n_head_kv as usize,
+        }))
+    }
+
+    /// The message `inspect`/`lint`/`run` give for the layers they skip.
+    pub fn skip_message(&self) -> Option<String> {
+        (!self.linear_layers.is_empty()).then(|| {
+            format!(
+                "layers {} are linear attention (head_count_kv 0), not MLA: skipped (mla-diff checks the MLA layers {})",
+                ranges(&self.linear_layers),
+                ranges(&self.mla_layers)
+            )
+        })
+    }
+}
+
+/// `[0,1,2,4]` → "0-2,4".
+pub fn ranges(v: &[usize]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < v.len() {
+        let mut j = i;
+        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
+            j += 1;
+        }
+        out.push(if j == i {
+            v[i].to_string()
+        } else {
+            format!("{}-{}", v[i], v[j])
+        });
+        i = j + 1;
+    }
+    out.join(",")
 }
 
 fn key<'a>(f: &'a GgufFile, arch: &str, k: &str) -> Option<&'a Value> {
@@ -267,7 +371,11 @@ impl MlaConfig {
         }
         let hidden = req_u64(f, a, "embedding_length")?;
         let n_head = req_u64(f, a, "attention.head_count")?;
-        let n_head_kv = opt_u64(f, a, "attention.head_count_kv")?.unwrap_or(n_head);
+        let n_head_kv = match HybridLayout::from_gguf(f)? {
+            // A per-layer head_count_kv (glm5-next): the MLA layers' value.
+            Some(h) => h.n_head_kv,
+            None => opt_u64(f, a, "attention.head_count_kv")?.unwrap_or(n_head),
+        };
         let kv_lora_rank = req_u64(f, a, "attention.kv_lora_rank")?;
         let q_lora_rank = opt_u64(f, a, "attention.q_lora_rank")?.filter(|&r| r > 0);
         let qk_rope = req_u64(f, a, "rope.dimension_count")?;
@@ -301,7 +409,14 @@ impl MlaConfig {
                 "zero-sized attention (block_count {n_layer}, embedding_length {hidden}, head_count {n_head}, kv_lora_rank {kv_lora_rank}, v_head_dim {v_head_dim})"
             )));
         }
-        if qk_rope == 0 || qk_rope % 2 != 0 || qk <= qk_rope {
+        // glm5-next is NoPE MLA: its converter asserts qk_rope_head_dim == 0 and writes rope dims 0.
+        let nope_ok = arch == Arch::Glm5Next && qk_rope == 0;
+        if arch == Arch::Glm5Next && qk_rope != 0 {
+            return Err(bad(format!(
+                "rope.dimension_count is {qk_rope}, but glm5-next is NoPE MLA (transformers glm5_next: qk_rope_head_dim = 0; llama.cpp's converter asserts it)"
+            )));
+        }
+        if !nope_ok && (qk_rope == 0 || qk_rope % 2 != 0 || qk <= qk_rope) {
             return Err(bad(format!(
                 "rope dims {qk_rope} must be even and smaller than the qk head dim {qk}"
             )));

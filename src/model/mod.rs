@@ -7,7 +7,7 @@ pub mod rope_factors;
 pub mod synthetic;
 pub mod weights;
 
-pub use config::{yarn_scales, Arch, MlaConfig, RopeConfig, RopePairing, Yarn};
-pub use indexer::{IndexerConfig, IndexerWeights};
+pub use config::{yarn_scales, Arch, HybridLayout, MlaConfig, RopeConfig, RopePairing, Yarn};
+pub use indexer::{IndexerConfig, IndexerWeights, KpoolConfig};
 pub use rope_factors::RopeFactors;
 pub use weights::{KvBLayout, LayerWeights, QProj};

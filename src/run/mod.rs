@@ -269,6 +269,27 @@ pub fn run_from(
             cfg.n_layer
         )));
     }
+    // A hybrid file (glm5-next): the linear-attention layers are not MLA. They are skipped, with a
+    // notice; a selection with no MLA layer left is an error naming the MLA layers.
+    let hybrid = crate::model::HybridLayout::from_gguf(file)?;
+    let layers: Vec<usize> = match &hybrid {
+        None => layers,
+        Some(h) => {
+            let kept: Vec<usize> = layers
+                .iter()
+                .copied()
+                .filter(|l| !h.linear_layers.contains(l))
+                .collect();
+            if kept.is_empty() {
+                return Err(Error::Usage(format!(
+                    "layers {} are linear attention (head_count_kv 0), not MLA: mla-diff checks the MLA layers {}",
+                    crate::model::config::ranges(&layers),
+                    crate::model::config::ranges(&h.mla_layers)
+                )));
+            }
+            kept
+        }
+    };
     let inputs = load_inputs(file, &cfg, &opts.input, &opts.sched)?;
     // Free mode needs each side to feed its own output forward, but per-layer captures restart the
     // reference at every layer: the "drift" would compare two different streams.
@@ -620,6 +641,7 @@ pub fn run_from(
                 .flatten()
                 .into_iter()
                 .chain(backend.notices())
+                .chain(hybrid.as_ref().and_then(|h| h.skip_message()))
                 .collect(),
             shard: None,
         },

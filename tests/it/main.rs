@@ -23,6 +23,7 @@ mod fixtures;
 mod flash;
 mod floors;
 mod gguf_crosscheck;
+mod glm5_next;
 mod golden;
 mod input;
 mod lint;
