@@ -82,6 +82,9 @@ pub struct Options {
     /// An external runner command (docs/runners.md) over the chosen backend: its ops replace the
     /// backend's stages.
     pub runner: Option<String>,
+    /// `(schedule's page, page run)` when the run's page was moved to one the runner takes
+    /// (`runner::protocol::page_for`): the runner backend's notice says so.
+    pub runner_page_moved: Option<(usize, usize)>,
 }
 
 /// The facts of an opened backend, for the report.
@@ -145,7 +148,7 @@ impl Factory {
             }
         };
         if let Some(cmd) = &o.runner {
-            b = Box::new(RunnerBackend::open(cmd, b, o.dtype)?);
+            b = Box::new(RunnerBackend::open(cmd, b, o.dtype, o.runner_page_moved)?);
         }
         let info = BackendInfo::of(kind, b.as_ref());
         Ok((b, info))

@@ -110,13 +110,18 @@ impl Args {
     /// The run's schedule: the options given over the classic default, or, given none (and random
     /// inputs, which the schedule is free to fit), the kernel-aware schedule that crosses every coverage
     /// class of the kernels this model's dims may run on (docs/coverage.md); with a runner, also of the
-    /// tiles it declares, within what its `supports` allows (docs/runners.md).
-    fn default_schedule(&self, cfg: &MlaConfig) -> Result<mla_diff::schedule::Schedule, Error> {
+    /// tiles it declares, within what its `supports` allows (docs/runners.md). With that runner, also
+    /// the page choice it made: `(page the schedule wanted, page taken)`.
+    fn default_schedule(
+        &self,
+        cfg: &MlaConfig,
+    ) -> Result<(mla_diff::schedule::Schedule, Option<(usize, usize)>), Error> {
         let fixed =
             self.schedule.given() || self.input.tokens.is_some() || self.input.hidden.is_some();
         if fixed {
-            return self.schedule.schedule();
+            return Ok((self.schedule.schedule()?, None));
         }
+        let mut choice = None;
         let s = match &self.backend.runner {
             Some(cmd) => {
                 use mla_diff::backend::runner as r;
@@ -126,13 +131,14 @@ impl Args {
                 // The page the schedule wants, then the runner's (`page_for`: the one choice, and
                 // the notice); the q_len search then runs at that page.
                 let want = for_runner(cfg, &declared, &limits).page_size;
-                limits.page = Some(r::protocol::page_for(&d, want));
+                let page = r::protocol::page_for(&d, want);
+                (limits.page, choice) = (Some(page), Some((want, page)));
                 for_runner(cfg, &declared, &limits)
             }
             None => mla_diff::coverage::covering::covering(cfg),
         };
         s.validate()?;
-        Ok(s)
+        Ok((s, choice))
     }
 
     /// A `--gpus` worker (`gpus::Worker`): its shard, its JSON report where the parent reads it, and
@@ -202,23 +208,27 @@ impl Args {
     }
 
     /// The library's options for a run on `file`, every choice checked against the model (with the
-    /// notes a choice calls for on stderr).
+    /// notes a choice calls for on stderr); and `(schedule's page, page run)` when the page was moved
+    /// to one the runner takes (the runner backend's notice).
     fn options(
         &self,
         file: &GgufFile,
         cfg: &MlaConfig,
         faults: FaultSet,
-    ) -> Result<RunOptions, Error> {
+    ) -> Result<(RunOptions, Option<(usize, usize)>), Error> {
         // The runner is asked to describe itself from here on (page choice, --inject): timed already.
         mla_diff::backend::runner::protocol::set_timeout(self.backend.runner_timeout);
-        let mut sched = self.default_schedule(cfg)?;
+        let (mut sched, mut choice) = self.default_schedule(cfg)?;
         // A runner that does not take the schedule's page gets one it does (the report says so); the
-        // default schedule has one already (`default_schedule`), which this keeps.
-        if let (Some(cmd), None) = (&self.backend.runner, self.schedule.page_size) {
+        // default schedule chose its own already (`default_schedule`).
+        if let (Some(cmd), None, None) = (&self.backend.runner, self.schedule.page_size, choice) {
             use mla_diff::backend::runner::protocol;
-            sched.page_size = protocol::page_for(&protocol::describe(cmd)?, sched.page_size);
+            let want = sched.page_size;
+            sched.page_size = protocol::page_for(&protocol::describe(cmd)?, want);
+            choice = Some((want, sched.page_size));
             sched.validate()?;
         }
+        let page_moved = choice.filter(|(want, page)| want != page);
         if let Some(cmd) = &self.backend.runner {
             refuse_inject_under_runner(&faults, cmd)?;
         }
@@ -252,7 +262,7 @@ impl Args {
             }
             (None, _) => ModeArg::Both,
         };
-        Ok(RunOptions {
+        let opts = RunOptions {
             layers: Some(layers),
             input: self.input.spec(),
             sched,
@@ -268,7 +278,8 @@ impl Args {
             progress: !self.report.formats.quiet,
             repeat: self.repeat as usize,
             indexer_keys: self.indexer_keys,
-        })
+        };
+        Ok((opts, page_moved))
     }
 }
 
@@ -328,7 +339,8 @@ pub fn exec(mut a: Args) -> Result<i32, Error> {
         .as_deref()
         .map(mla_diff::shard::Shard::parse)
         .transpose()?;
-    let opts = a.options(&file, &cfg, faults)?;
+    let (opts, page_moved) = a.options(&file, &cfg, faults)?;
+    a.backend.runner_page_moved = page_moved;
     if let Some(s) = shard {
         // Before the run: a shard count larger than the layers is a usage error.
         let n = opts.layers.as_ref().map_or(cfg.n_layer, Vec::len);

@@ -72,6 +72,7 @@ pub fn exec(a: Args) -> Result<i32, Error> {
             dtype,
             kernels_dir: a.kernels.clone(),
             runner: None,
+            runner_page_moved: None,
         };
         backends.open(Choice::from(a.backend), &o)
     };
@@ -116,6 +117,7 @@ fn sensitivity(a: &Args) -> Result<i32, Error> {
             dtype,
             kernels_dir: a.kernels.clone(),
             runner: None,
+            runner_page_moved: None,
         },
     )?;
     let sched = mla_diff::schedule::Schedule::default();

@@ -33,8 +33,8 @@
 
 use super::{num, Findings, Options};
 use crate::backend::runner::keep_io;
-use crate::backend::runner::protocol::{self, Describe, LseBase, Outcome, Process, Request};
-use crate::backend::runner::tensors::{self, floats, ints, Named, Outputs};
+use crate::backend::runner::protocol::{self, Describe, LseBase, Outcome, Process};
+use crate::backend::runner::tensors::{floats, ints, Named, Outputs};
 use crate::error::Result;
 use crate::model::MlaConfig;
 use crate::precision::Dtype;
@@ -153,18 +153,10 @@ impl Prober<'_> {
         lse_shape: Vec<usize>,
         findings: &mut Findings,
     ) -> Result<Option<Answer>> {
-        let (id, input, output) = self.proc.next_paths();
-        tensors::write(&input, inputs)?;
         let meta = self.meta(extra);
-        let req = Request {
-            id,
-            op,
-            layer: 0,
-            input: &input,
-            output: &output,
-            meta: &meta,
-        };
-        if let Outcome::Unsupported(reason) = self.proc.call(&req)? {
+        let ex = self.proc.request(op, 0, inputs, &meta)?;
+        let (input, output) = (ex.input, ex.output);
+        if let Outcome::Unsupported(reason) = ex.outcome? {
             findings.warning(
                 &format!("runner.{op}.probe"),
                 format!("declined: {reason}"),

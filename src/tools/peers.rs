@@ -3,8 +3,8 @@
 //! cache and block table, read back from the device — timed by the runner with CUDA events (`meta.bench`),
 //! their outputs checked against our scalar kernel and our fastest tile.
 
-use crate::backend::runner::protocol::{self, Describe, Outcome, Process, Request, Timing};
-use crate::backend::runner::tensors::{self, Named, Outputs};
+use crate::backend::runner::protocol::{self, Describe, Outcome, Process, Timing};
+use crate::backend::runner::tensors::{Named, Outputs};
 use crate::error::{Error, Result};
 
 /// The shipped runners by the names `--peers` takes.
@@ -69,18 +69,9 @@ impl Peer {
         name: &str,
         shape: &[usize],
     ) -> Result<(Timing, Vec<f64>)> {
-        let (id, input, output) = self.proc.next_paths();
-        tensors::write(&input, inputs)?;
-        let req = Request {
-            id,
-            op,
-            layer: 0,
-            input: &input,
-            output: &output,
-            meta,
-        };
-        let outcome = self.proc.call(&req);
-        let _ = std::fs::remove_file(&input);
+        let ex = self.proc.request(op, 0, inputs, meta)?;
+        let (outcome, output) = (ex.outcome, ex.output);
+        let _ = std::fs::remove_file(&ex.input);
         let timing = match outcome? {
             Outcome::Ok(Some(t)) => t,
             Outcome::Ok(None) => {

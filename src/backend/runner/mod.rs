@@ -12,6 +12,7 @@ pub(crate) mod decode;
 pub mod fp8_cache;
 pub mod local;
 mod prefill;
+pub(crate) mod process;
 pub mod protocol;
 mod sparse;
 mod sparse_decode;
@@ -23,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::precision::Dtype;
 use crate::trace::{LayerTrace, Stage, StageSet};
 use ndarray::{Array2, Array3};
-use protocol::{Describe, LseBase, LseLayout, Outcome, Process, Request};
+use protocol::{Describe, LseBase, LseLayout, Outcome, Process};
 use tensors::{Named, Output, Outputs};
 
 /// A runner over an inner optimized path.
@@ -48,6 +49,8 @@ pub struct RunnerBackend {
     mutations: std::collections::BTreeMap<(usize, String, &'static str), (usize, usize)>,
     /// Empty splits whose `split_out` the runner left holding something (don't-care, `decode`).
     unwritten_splits: usize,
+    /// `(schedule's page, page run)` when the run's page was moved to one the runner takes.
+    page_moved: Option<(usize, usize)>,
 }
 
 /// The kernels a runner declares a geometry for (`describe` `ops.OP.geometry.key_tile`), as coverage
@@ -100,7 +103,14 @@ enum Link {
 
 impl RunnerBackend {
     /// Ask `cmd --describe`, then start `cmd --serve` (or take the in-process runner `inproc:NAME`).
-    pub fn open(cmd: &str, inner: Box<dyn Backend>, dtype: Dtype) -> Result<RunnerBackend> {
+    /// `page_moved`: `(schedule's page, page run)` when the run's page was moved to one the runner
+    /// takes ([`protocol::page_for`]), for the report's notice.
+    pub fn open(
+        cmd: &str,
+        inner: Box<dyn Backend>,
+        dtype: Dtype,
+        page_moved: Option<(usize, usize)>,
+    ) -> Result<RunnerBackend> {
         let (desc, link) = match protocol::take_in_process(cmd) {
             Some(r) => {
                 let mut r = r?;
@@ -125,6 +135,7 @@ impl RunnerBackend {
             requests: 0,
             mutations: Default::default(),
             unwritten_splits: 0,
+            page_moved,
         })
     }
 
@@ -213,17 +224,9 @@ impl RunnerBackend {
                 };
             }
         };
-        let (id, input, output) = proc.next_paths();
-        tensors::write(&input, inputs)?;
-        let req = Request {
-            id,
-            op,
-            layer,
-            input: &input,
-            output: &output,
-            meta,
-        };
-        match proc.call(&req)? {
+        let ex = proc.request(op, layer, inputs, meta)?;
+        let (input, output) = (ex.input, ex.output);
+        match ex.outcome? {
             Outcome::Ok(_) => {}
             Outcome::Unsupported(reason) => {
                 return Err(Error::Unsupported(format!(
@@ -401,7 +404,7 @@ impl Backend for RunnerBackend {
                 ));
             }
         }
-        if let Some((default, chosen)) = protocol::page_chosen() {
+        if let Some((default, chosen)) = self.page_moved {
             v.push(format!(
                 "page size {chosen}: runner {} does not take the schedule's page {default} (its supports.page_sizes: {}), so the run uses the largest page it takes below that, else its smallest (--page-size picks another)",
                 self.desc.name,

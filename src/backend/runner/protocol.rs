@@ -4,12 +4,11 @@
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::io::Read;
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 // The version lives with the file format that stamps it (tensors.rs imports nothing from here).
@@ -28,7 +27,7 @@ pub const DEFAULT_TIMEOUT_S: u64 = 300;
 pub fn set_timeout(seconds: u64) {
     TIMEOUT_S.store(seconds.max(1), Ordering::Relaxed);
 }
-fn timeout() -> Duration {
+pub(super) fn timeout() -> Duration {
     Duration::from_secs(TIMEOUT_S.load(Ordering::Relaxed))
 }
 
@@ -209,16 +208,16 @@ pub struct Request<'a> {
 }
 
 #[derive(Debug, Deserialize)]
-struct Reply {
-    id: u64,
-    status: String,
+pub(super) struct Reply {
+    pub(super) id: u64,
+    pub(super) status: String,
     #[serde(default)]
-    reason: Option<String>,
+    pub(super) reason: Option<String>,
     #[serde(default)]
-    message: Option<String>,
+    pub(super) message: Option<String>,
     /// Kernel time when the request asked for it (`meta.bench`, `mla-diff bench --peers`).
     #[serde(default)]
-    time_us: Option<Timing>,
+    pub(super) time_us: Option<Timing>,
 }
 
 /// A runner's own timing of its kernel (CUDA events), µs.
@@ -238,19 +237,15 @@ pub fn split_command(cmd: &str) -> Result<Vec<String>> {
     Ok(words)
 }
 
-fn spawn_error(cmd: &str, e: std::io::Error) -> Error {
+pub(super) fn spawn_error(cmd: &str, e: std::io::Error) -> Error {
     Error::Environment(format!("--runner '{cmd}': cannot start it: {e}"))
 }
 
 /// The last non-empty lines of a runner's stderr, on one line (errors are one line).
-fn tail(s: &str, n: usize) -> String {
+pub(super) fn tail(s: &str, n: usize) -> String {
     let lines: Vec<&str> = s.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
     lines[lines.len().saturating_sub(n)..].join(" | ")
 }
-
-/// The page size chosen for a runner whose `page_sizes` excludes the schedule's page (wanted, chosen),
-/// for the report's notice.
-static PAGE_CHOSEN: Mutex<Option<(usize, usize)>> = Mutex::new(None);
 
 /// The page of a runner that takes `pages` for a schedule that wants `want`: `want` if it is listed,
 /// else the largest listed one below it (still inside the tiles the schedule aims at), else the
@@ -269,25 +264,15 @@ pub fn pick_page(want: usize, pages: &[usize]) -> usize {
 
 /// The page of a run through the runner described by `d` without --page-size, the schedule wanting `want` (the
 /// default schedule's covering page, or the one other schedule options give): [`pick_page`] within its
-/// `supports.page_sizes`. The one place a runner's page is chosen; a move is recorded for the
-/// report's notice ([`page_chosen`]).
+/// `supports.page_sizes`. The one place a runner's page is chosen; a move reaches the report's
+/// notice through the runner backend's options (`backend::Options::runner_page_moved`).
 pub fn page_for(d: &Describe, want: usize) -> usize {
     let decodes = d.ops.decode.is_some() || d.ops.sparse_decode.is_some();
     let page = match d.supports.page_sizes.as_deref() {
         Some(l) if decodes => pick_page(want, l),
         _ => want,
     };
-    if page != want {
-        if let Ok(mut g) = PAGE_CHOSEN.lock() {
-            *g = Some((want, page));
-        }
-    }
     page
-}
-
-/// `(default, chosen)` when [`page_for`] moved the page.
-pub fn page_chosen() -> Option<(usize, usize)> {
-    PAGE_CHOSEN.lock().ok().and_then(|g| *g)
 }
 
 /// `Command::output`, killed past the timeout (a runner that hangs while importing, say).
@@ -539,210 +524,8 @@ pub fn take_in_process(cmd: &str) -> Option<Result<Box<dyn InProcess>>> {
     }))
 }
 
-/// The serving process and its scratch directory.
-pub struct Process {
-    cmd: String,
-    name: String,
-    child: Child,
-    stdin: Option<ChildStdin>,
-    /// Reply lines, read on a thread so that a silent runner can be timed out.
-    replies: Receiver<std::io::Result<String>>,
-    stderr: Arc<Mutex<String>>,
-    pub scratch: PathBuf,
-    keep_scratch: bool,
-    next_id: u64,
-}
-
-/// How one request ended.
-pub enum Outcome {
-    /// Done, with the kernel's time when it was asked for.
-    Ok(Option<Timing>),
-    Unsupported(String),
-}
-
-impl Process {
-    /// Start `CMD --serve`; tensors go through `scratch` (made here, removed on drop unless `keep`).
-    pub fn start(cmd: &str, name: &str, keep: bool) -> Result<Process> {
-        let words = split_command(cmd)?;
-        let scratch = std::env::temp_dir().join(format!(
-            "mla-diff-runner-{}-{}",
-            std::process::id(),
-            name.replace(|c: char| !c.is_ascii_alphanumeric(), "_")
-        ));
-        std::fs::create_dir_all(&scratch)
-            .map_err(|e| Error::io(format!("creating {}", scratch.display()), e))?;
-        if keep {
-            eprintln!(
-                "mla-diff: note: MLA_DIFF_KEEP_RUNNER_IO: runner {name}'s requests stay in {} (N.in.safetensors, N.out.safetensors)",
-                scratch.display()
-            );
-        }
-        let mut child = Command::new(&words[0])
-            .args(&words[1..])
-            .arg("--serve")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| spawn_error(cmd, e))?;
-        // Drain stderr on a thread so that a chatty runner never blocks on a full pipe.
-        let stderr = Arc::new(Mutex::new(String::new()));
-        let mut err_pipe = child.stderr.take().expect("piped");
-        let sink = Arc::clone(&stderr);
-        std::thread::spawn(move || {
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = err_pipe.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                if let Ok(mut s) = sink.lock() {
-                    s.push_str(&String::from_utf8_lossy(&buf[..n]));
-                }
-            }
-        });
-        let (tx, replies) = channel();
-        let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
-        std::thread::spawn(move || loop {
-            let mut line = String::new();
-            let r = stdout.read_line(&mut line);
-            let end = !matches!(r, Ok(n) if n > 0);
-            if tx.send(r.map(|_| line)).is_err() || end {
-                break;
-            }
-        });
-        Ok(Process {
-            cmd: cmd.to_string(),
-            name: name.to_string(),
-            stdin: child.stdin.take(),
-            replies,
-            child,
-            stderr,
-            scratch,
-            keep_scratch: keep,
-            next_id: 0,
-        })
-    }
-
-    fn stderr_tail(&self, n: usize) -> String {
-        // Give the drain thread a moment to collect what a dying runner printed last.
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        self.stderr.lock().map(|s| tail(&s, n)).unwrap_or_default()
-    }
-
-    /// The runner stopped answering: unsupported (exit 3) or an error with its stderr.
-    fn died(&mut self, what: &str) -> Error {
-        let status = self.child.wait().ok();
-        let err = self.stderr_tail(12);
-        match status.and_then(|s| s.code()) {
-            Some(EXIT_UNSUPPORTED) => Error::Unsupported(format!(
-                "runner {} cannot take this case: {}",
-                self.name,
-                tail(&err, 1)
-            )),
-            _ => Error::Environment(format!(
-                "runner {} ({}) {what} ({}): {err}",
-                self.name,
-                self.cmd,
-                status
-                    .map(|s| s.to_string())
-                    .unwrap_or("unknown status".into())
-            )),
-        }
-    }
-
-    /// Paths of the next request's input and output files.
-    pub fn next_paths(&mut self) -> (u64, PathBuf, PathBuf) {
-        self.next_id += 1;
-        let id = self.next_id;
-        (
-            id,
-            self.scratch.join(format!("{id}.in.safetensors")),
-            self.scratch.join(format!("{id}.out.safetensors")),
-        )
-    }
-
-    /// Send one request (its input file already written) and wait for the reply.
-    pub fn call(&mut self, req: &Request) -> Result<Outcome> {
-        let line = serde_json::to_string(req).expect("request serializes");
-        let sent = match self.stdin.as_mut() {
-            Some(w) => writeln!(w, "{line}").and_then(|_| w.flush()),
-            None => Err(std::io::Error::other("stdin closed")),
-        };
-        if sent.is_err() {
-            return Err(self.died("stopped before a request"));
-        }
-        let reply = match self.replies.recv_timeout(timeout()) {
-            Ok(Ok(line)) if !line.is_empty() => line,
-            Err(RecvTimeoutError::Timeout) => {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                return Err(Error::Environment(format!(
-                    "runner {} did not answer layer {} {} within {} s (--runner-timeout); killed",
-                    self.name,
-                    req.layer,
-                    req.op,
-                    timeout().as_secs()
-                )));
-            }
-            _ => return Err(self.died("exited without replying")),
-        };
-        let r: Reply = serde_json::from_str(reply.trim()).map_err(|e| {
-            Error::Environment(format!(
-                "runner {} printed a line that is not a reply ({e}): {} (stdout carries only replies; print logs to stderr)",
-                self.name,
-                reply.trim()
-            ))
-        })?;
-        if r.id != req.id {
-            return Err(Error::Environment(format!(
-                "runner {} answered request {} while {} was asked",
-                self.name, r.id, req.id
-            )));
-        }
-        match r.status.as_str() {
-            "ok" => Ok(Outcome::Ok(r.time_us)),
-            "unsupported" => Ok(Outcome::Unsupported(
-                r.reason.unwrap_or_else(|| "no reason given".into()),
-            )),
-            "error" => Err(Error::Environment(format!(
-                "runner {} failed on layer {} {}: {} | {}",
-                self.name,
-                req.layer,
-                req.op,
-                r.message.unwrap_or_default(),
-                self.stderr_tail(8)
-            ))),
-            other => Err(Error::Environment(format!(
-                "runner {} replied status '{other}' (expected ok, unsupported or error)",
-                self.name
-            ))),
-        }
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        // Closing stdin ends the serve loop; a runner that ignores it is killed.
-        drop(self.stdin.take());
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        loop {
-            match self.child.try_wait() {
-                Ok(Some(_)) => break,
-                Ok(None) if std::time::Instant::now() < deadline => {
-                    std::thread::sleep(std::time::Duration::from_millis(20))
-                }
-                _ => {
-                    let _ = self.child.kill();
-                    let _ = self.child.wait();
-                    break;
-                }
-            }
-        }
-        if !self.keep_scratch {
-            let _ = std::fs::remove_dir_all(&self.scratch);
-        }
-    }
-}
+// The serving process lives in its own file; its names stay reachable from here.
+pub use super::process::{Exchange, Outcome, Process};
 
 #[cfg(test)]
 mod tests {

@@ -135,6 +135,10 @@ pub struct BackendArgs {
     /// run stops (exit 2) — a hung kernel must not hang the run.
     #[arg(long, value_name = "SECONDS", default_value_t = mla_diff::backend::runner::protocol::DEFAULT_TIMEOUT_S, value_parser = clap::value_parser!(u64).range(1..))]
     pub runner_timeout: u64,
+    /// `(schedule's page, page run)` when `run` moved its page to one the runner takes
+    /// (`protocol::page_for`), for the runner backend's notice; not an option.
+    #[arg(skip)]
+    pub runner_page_moved: Option<(usize, usize)>,
 }
 
 impl BackendArgs {
@@ -147,6 +151,7 @@ impl BackendArgs {
                 dtype,
                 kernels_dir: self.kernels.clone(),
                 runner: self.runner.clone(),
+                runner_page_moved: self.runner_page_moved,
             },
         )
     }
