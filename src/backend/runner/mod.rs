@@ -17,6 +17,8 @@ pub mod protocol;
 mod sparse;
 mod sparse_decode;
 pub mod tensors;
+#[cfg(test)]
+mod tests;
 
 use super::cpu::front::{o_proj, MirrorWeights};
 use super::{Backend, LayerCtx};
