@@ -71,6 +71,7 @@ fn run() -> Result<bool> {
             dtype,
             kernels_dir: None,
             runner: None,
+            runner_page_moved: None,
         },
     )?;
     let ctx = tables.ctx(&cfg, &w, &sched, Active::NONE);
