@@ -440,7 +440,7 @@ mod tests {
         for p in Preset::ALL {
             let e = p.entry();
             let mut spec = p.spec();
-            spec.layers = 1;
+            spec.layers = min_layers(p);
             let mut w = GgufWriter::new();
             for (k, v) in spec.metadata() {
                 w.add(k, v).unwrap();
@@ -457,6 +457,15 @@ mod tests {
         }
     }
 
+    /// The fewest layers with an MLA layer among them (glm5-next's first is layer 3: the rest of its
+    /// first four are linear attention, which a file of only those is refused for).
+    fn min_layers(p: Preset) -> usize {
+        match p {
+            Preset::Glm5Next => 4,
+            _ => 1,
+        }
+    }
+
     /// The same through the whole writer (values included) at reduced hidden size and heads.
     #[test]
     fn every_entry_round_trips_through_a_written_fixture() {
@@ -467,7 +476,7 @@ mod tests {
             let e = p.entry();
             let spec = crate::fixture::Spec::from_options(&crate::fixture::Options {
                 preset: p,
-                layers: Some(1),
+                layers: Some(min_layers(p)),
                 quant: GgmlType::from_name("F32").unwrap(),
                 seed: 1,
                 legacy_kv_b: false,
@@ -505,6 +514,9 @@ mod tests {
                     };
                     assert_eq!(ic.rope, want, "{}", e.name);
                 }
+                // glm5-next's k-pool indexer is read (`KpoolConfig`) but not modelled yet (#37): the
+                // run stays dense, so no `IndexerConfig`.
+                (None, Some(_)) if e.arch == Arch::Glm5Next => {}
                 (a, b) => panic!("{}: indexer {a:?} vs {b:?}", e.name),
             }
         }
@@ -519,7 +531,7 @@ mod tests {
     ) {
         let n = e.name;
         assert_eq!(cfg.arch, e.arch, "{n}");
-        assert_eq!(cfg.n_layer, 1, "{n}");
+        assert_eq!(cfg.n_layer, min_layers(e.preset), "{n}");
         assert_eq!(
             (cfg.hidden, cfg.n_head, cfg.q_lora_rank),
             (hidden, heads, q),
