@@ -20,6 +20,11 @@ const SCHED: [&str; 6] = ["--prompt-len", "20", "--chunk", "8", "--decode-steps"
 
 /// `run FILE --backend cpu --write-capture DIR` plus `extra`, in shadow mode; its exit code.
 fn write_capture(file: &Path, dir: &Path, extra: &[&str]) -> i32 {
+    write_capture_with(file, dir, &SCHED, extra)
+}
+
+/// The same on schedule `sched`.
+fn write_capture_with(file: &Path, dir: &Path, sched: &[&str], extra: &[&str]) -> i32 {
     let mut a = vec![
         "run",
         file.to_str().unwrap(),
@@ -31,7 +36,7 @@ fn write_capture(file: &Path, dir: &Path, extra: &[&str]) -> i32 {
         "--write-capture",
         dir.to_str().unwrap(),
     ];
-    a.extend_from_slice(&SCHED);
+    a.extend_from_slice(sched);
     a.extend_from_slice(extra);
     let o = run(&a);
     assert!(
@@ -671,20 +676,7 @@ fn dsa_topk_is_checked_against_the_reference_selection() {
     let clean = dir.path().join("clean");
     // 27 tokens past top_k 16: six steps (three prefill chunks of 8, three decodes).
     let sched = ["--prompt-len", "24", "--chunk", "8", "--decode-steps", "3"];
-    let mut a = vec![
-        "run",
-        f.to_str().unwrap(),
-        "--backend",
-        "cpu",
-        "--mode",
-        "shadow",
-        "-q",
-        "--write-capture",
-        clean.to_str().unwrap(),
-    ];
-    a.extend_from_slice(&sched);
-    let o = run(&a);
-    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(write_capture_with(&f, &clean, &sched, &[]), 0);
     assert_manifest_valid(&clean);
     let (code, rep) = check(&f, &[&clean], &[]);
     assert_eq!(code, 0, "{}", rep["verdict"]["message"]);
