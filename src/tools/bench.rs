@@ -551,15 +551,10 @@ impl Session {
             lse: lse.ptr,
             part_out: po.ptr,
             part_lse: pl.ptr,
-            q_bs: (h * row) as i64,
-            out_bs: (h * lkv) as i64,
-            table_bs: (s / page) as i64,
             n_keys: s as i32,
-            n_q: 1,
             num_splits: splits as i32,
-            causal: 1,
             scale_log2,
-            ..AttnArgs::decode_layout(h, lkv, r)
+            ..AttnArgs::decode_batch(h, lkv, r, s / page)
         };
         // Reference output for the self-check: the scalar kernel, one split.
         let scalar = Attn::load(&mut self.k, &self.gpu, "decode.cu", &dims, &[], true)?;

@@ -74,6 +74,18 @@ impl AttnArgs {
             ..Default::default()
         }
     }
+    /// `decode_layout` for a batch of requests of one query each (`batch` in `Attn::run`): entry `b`'s
+    /// query at `b·H·(Lkv+R)`, its output at `b·H·Lkv`, its block-table row at `b·table_bs`.
+    pub fn decode_batch(h: usize, lkv: usize, r: usize, table_bs: usize) -> AttnArgs {
+        AttnArgs {
+            q_bs: (h * (lkv + r)) as i64,
+            out_bs: (h * lkv) as i64,
+            table_bs: table_bs as i64,
+            n_q: 1,
+            causal: 1,
+            ..AttnArgs::decode_layout(h, lkv, r)
+        }
+    }
 }
 
 #[cfg(test)]

@@ -45,16 +45,14 @@ impl Layer<'_> {
         pool.extend(std::iter::repeat_n(f64::NAN, page * row));
         let (table, max_pages) = batch.flat_table();
         let lens: Vec<i32> = batch.lens().iter().map(|&l| l as i32).collect();
-        let q: Vec<f64> = queries
+        // Each request's query rows as stored: decode token `q.query`'s `[H, Lkv + R]` block of qfull.
+        let q: Vec<f64> = batch
+            .reqs
             .iter()
-            .flat_map(|qq| {
-                (0..h).flat_map(|hh| {
-                    let (qa, qp) = (
-                        &qq.q_abs[hh * lkv..(hh + 1) * lkv],
-                        &qq.q_pe[hh * (row - lkv)..(hh + 1) * (row - lkv)],
-                    );
-                    qa.iter().chain(qp).copied().collect::<Vec<_>>()
-                })
+            .flat_map(|q| {
+                qf[q.query * h * row..(q.query + 1) * h * row]
+                    .iter()
+                    .copied()
             })
             .collect();
         let (pool_d, table_d, lens_d) = (
@@ -78,16 +76,11 @@ impl Layer<'_> {
             lse: lse_d.ptr,
             part_out: po_d.ptr,
             part_lse: pl_d.ptr,
-            q_bs: (h * row) as i64,
-            out_bs: (h * lkv) as i64,
-            table_bs: max_pages as i64,
             // The launch's key count picks the kernel variant (`Attn::run`); each entry reads its own.
             n_keys: *lens.iter().max().unwrap_or(&1),
-            n_q: 1,
             num_splits: ns as i32,
-            causal: 1,
             scale_log2: z.scale_log2,
-            ..AttnArgs::decode_layout(h, lkv, row - lkv)
+            ..AttnArgs::decode_batch(h, lkv, row - lkv, max_pages)
         };
         let dec = &self.k.decode;
         dec.run(&args, n as u32)?;
