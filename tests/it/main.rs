@@ -40,5 +40,6 @@ mod runners_sparse;
 mod schedule_invariance;
 mod selftest;
 mod shard;
+mod sizes;
 mod sweep;
 mod tp;
