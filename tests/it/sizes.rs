@@ -19,7 +19,6 @@ const LONG_FNS: &[(&str, &str, usize)] = &[
     ("compare/local.rs", "finish", 414),
     ("tools/validate.rs", "run", 380),
     ("fuzz/mutate.rs", "mutate_doc", 276),
-    ("backend/runner/batch.rs", "batch_checks", 252),
     ("backend/runner/sparse_decode.rs", "sparse_decode", 224),
     ("tools/check.rs", "kernels_check", 203),
     ("inspect.rs", "inspect_text", 198),

@@ -11,6 +11,26 @@ use super::RunnerBackend;
 use crate::backend::LayerCtx;
 use crate::error::{Error, Result};
 
+/// One layer's serving batch as sent: the requests, their entries and the runner's reply.
+struct Batch<'a> {
+    ctx: &'a LayerCtx<'a>,
+    rows: &'a [f64],
+    reqs: Vec<crate::batch::Request>,
+    entries: Vec<Entry>,
+    ret: Returned,
+    /// The kernel chooses its own split partition (`geometry.split_partition own`).
+    own: bool,
+    scope: String,
+}
+
+impl Batch<'_> {
+    /// Products per output: the longest request's keys (or the sequence) times the cache row.
+    fn terms(&self) -> usize {
+        let cfg = self.ctx.cfg;
+        crate::batch::LONG.max(self.ctx.sched.total_tokens()) * (cfg.kv_lora_rank + cfg.qk_rope)
+    }
+}
+
 impl RunnerBackend {
     /// Judge `o` against fp64 `r` at the `@runner` bound of `dtype` over `terms` products.
     #[allow(clippy::too_many_arguments)]
@@ -48,7 +68,7 @@ impl RunnerBackend {
         rows: &[f64],
     ) -> Result<()> {
         let (cfg, sched) = (ctx.cfg, ctx.sched);
-        let (h, lkv, r, layer) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_rope, ctx.layer);
+        let (h, lkv, r) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_rope);
         let t = sched.total_tokens();
         let reqs = crate::batch::serving(sched);
         if reqs.is_empty() {
@@ -68,17 +88,38 @@ impl RunnerBackend {
         let ret = self.send_decode(ctx, &entries, 1, rows)?;
         let own = self.desc.decode_partition() == super::protocol::SplitPartition::Own;
 
-        // Against fp64 from the batch's own inputs.
+        let b = Batch {
+            ctx,
+            rows,
+            reqs,
+            entries,
+            ret,
+            own,
+            scope,
+        };
+        let mut out = self.serving_vs_fp64(&b);
+        self.padding(&b, &mut out)?;
+        self.alone(&b, &mut out)?;
+        self.checks.extend(out);
+        Ok(())
+    }
+
+    /// The batch against fp64 from its own inputs (a kernel with its own split partition: its partials
+    /// by merge consistency).
+    fn serving_vs_fp64(&self, b: &Batch) -> Vec<RunnerCheck> {
+        let (ctx, rows, entries, ret, own, scope) =
+            (b.ctx, b.rows, &b.entries, &b.ret, b.own, &b.scope);
+        let (lkv, layer) = (ctx.cfg.kv_lora_rank, ctx.layer);
+        let terms = b.terms();
         let (mut l_out, mut l_lse, mut l_sout, mut l_slse) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for en in &entries {
+        for en in entries.iter() {
             let l = Self::local_entry(ctx, en, 1, rows);
             l_out.extend(l.out);
             l_lse.extend(l.lse);
             l_sout.extend(l.sout);
             l_slse.extend(l.slse);
         }
-        let terms = crate::batch::LONG.max(t) * (lkv + r);
         let mut out = vec![
             self.against_fp64(
                 layer,
@@ -89,7 +130,7 @@ impl RunnerBackend {
                 ret.lat.dtype,
                 terms,
                 |_| false,
-                &scope,
+                scope,
             ),
             self.against_fp64(
                 layer,
@@ -100,7 +141,7 @@ impl RunnerBackend {
                 ret.lse_dtype,
                 terms,
                 |_| false,
-                &scope,
+                scope,
             ),
         ];
         if let Some((so, sl, sl_dtype, s)) = &ret.split {
@@ -116,7 +157,7 @@ impl RunnerBackend {
                     so.dtype,
                     terms,
                     empty,
-                    &scope,
+                    scope,
                 ));
                 out.push(self.against_fp64(
                     layer,
@@ -127,14 +168,26 @@ impl RunnerBackend {
                     sl_dtype,
                     terms,
                     |_| false,
-                    &scope,
+                    scope,
                 ));
             } else {
-                out.extend(self.merge_consistency_of(layer, &ret, *s, terms, "serving batch"));
+                out.extend(self.merge_consistency_of(layer, ret, *s, terms, "serving batch"));
             }
         }
+        out
+    }
 
-        // Padded entries appended, as a CUDA graph's batch: the real rows bit for bit.
+    /// Padded entries appended, as a CUDA graph's batch: the real rows bit for bit.
+    fn padding(&mut self, b: &Batch, out: &mut Vec<RunnerCheck>) -> Result<()> {
+        let (ctx, rows, reqs, entries, ret, own, scope) =
+            (b.ctx, b.rows, &b.reqs, &b.entries, &b.ret, b.own, &b.scope);
+        let (h, lkv, r, layer) = (
+            ctx.cfg.n_head,
+            ctx.cfg.kv_lora_rank,
+            ctx.cfg.qk_rope,
+            ctx.layer,
+        );
+        let terms = b.terms();
         let mut padded: Vec<Entry> = entries
             .iter()
             .map(|e| Entry {
@@ -186,7 +239,7 @@ impl RunnerBackend {
                 ));
             }
             Ok(p) => {
-                let diffs = differing(&ret, &p, reqs.len());
+                let diffs = differing(ret, &p, reqs.len());
                 let status = if diffs.is_empty() {
                     Status::Pass
                 } else {
@@ -227,8 +280,13 @@ impl RunnerBackend {
             )),
             Err(e) => return Err(e),
         }
+        Ok(())
+    }
 
-        // Two requests alone (the longest, the whole sequence) against their rows in the batch.
+    /// Two requests alone (the longest, the whole sequence) against their rows in the batch.
+    fn alone(&mut self, b: &Batch, out: &mut Vec<RunnerCheck>) -> Result<()> {
+        let (ctx, rows, reqs, entries, ret) = (b.ctx, b.rows, &b.reqs, &b.entries, &b.ret);
+        let (h, lkv, layer) = (ctx.cfg.n_head, ctx.cfg.kv_lora_rank, ctx.layer);
         for i in [0, 3.min(reqs.len() - 1)] {
             let alone = [Entry {
                 q_nope: entries[i].q_nope.clone(),
@@ -289,7 +347,6 @@ impl RunnerBackend {
                 detail,
             ));
         }
-        self.checks.extend(out);
         Ok(())
     }
 
