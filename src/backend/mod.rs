@@ -180,6 +180,13 @@ pub trait Backend {
         Vec::new()
     }
 
+    /// Decode launches it ran at another page, split count or head slice than the schedule's: the
+    /// batches aimed at production variants (`serving::aims`); the coverage section's variants count
+    /// them.
+    fn decode_launches(&self) -> Vec<crate::tiles::variants::Launch> {
+        Vec::new()
+    }
+
     /// Coverage warnings of its own: what it kept the schedule from reaching (a runner's `supports`).
     fn coverage_notes(&self, _sched: &Schedule) -> Vec<String> {
         Vec::new()

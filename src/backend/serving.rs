@@ -12,14 +12,21 @@ use crate::backend::runner::decode::Entry;
 use crate::backend::runner::RunnerBackend;
 use crate::backend::LayerCtx;
 use crate::batch::Request;
+use crate::model::MlaConfig;
 use crate::precision::Dtype;
+use crate::schedule::Schedule;
+use crate::tiles::variants::{self as tv, Launch};
+use crate::tiles::Dims;
 
 /// A backend's record of the batches it ran: their checks, once per layer whatever the modes and
-/// repeats, and what the report takes from them (`Backend::decode_extra`, `Backend::runner_checks`).
+/// repeats, and what the report takes from them (`Backend::decode_extra`, `Backend::decode_launches`,
+/// `Backend::runner_checks`).
 #[derive(Debug, Clone, Default)]
 pub struct Record {
     checks: Vec<RunnerCheck>,
     layers: std::collections::BTreeSet<usize>,
+    /// The aimed batches' launches (`aims`), once they ran.
+    launches: Vec<Launch>,
 }
 
 impl Record {
@@ -32,12 +39,25 @@ impl Record {
         self.checks.extend(checks);
     }
 
+    /// An aimed batch's checks and its launch.
+    pub fn add_aimed(&mut self, launch: Launch, checks: Vec<RunnerCheck>) {
+        if !checks.is_empty() && !self.launches.contains(&launch) {
+            self.launches.push(launch);
+        }
+        self.checks.extend(checks);
+    }
+
     /// The batch's requests, for the coverage section: none when no batch ran.
     pub fn decode_extra(&self, sched: &crate::schedule::Schedule) -> Vec<Request> {
         match self.checks.is_empty() {
             true => Vec::new(),
             false => crate::batch::serving(sched),
         }
+    }
+
+    /// The aimed batches' launches, for the coverage section's variants.
+    pub fn decode_launches(&self) -> Vec<Launch> {
+        self.launches.clone()
     }
 
     /// The checks for the report's `runner_checks` (labelled "batch"); `None` when no batch ran.
@@ -50,6 +70,80 @@ impl Record {
             )),
         }
     }
+}
+
+/// A production decode variant (`tiles::variants`) that the schedule's own decode launches do not
+/// select (issue #35), and a launch of the serving matrix that does: a batch is aimed at it, run at
+/// that launch's page, split count and head slice, and judged as the serving batch is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Aim {
+    pub id: String,
+    pub launch: Launch,
+}
+
+impl Aim {
+    /// The config and schedule the aimed batch runs under: the launch's heads (the first `heads`: rank
+    /// 0's slice under tensor parallelism), page and split count.
+    pub fn frame(&self, cfg: &MlaConfig, sched: &Schedule) -> (MlaConfig, Schedule) {
+        let l = &self.launch;
+        let mut c = cfg.clone();
+        c.n_head = l.heads.min(cfg.n_head);
+        let s = Schedule {
+            page_size: l.page,
+            num_splits: l.splits,
+            ..sched.clone()
+        };
+        (c, s)
+    }
+
+    /// How the checks' scope names it, for a model of `n_head` heads.
+    pub fn label_of(&self, n_head: usize) -> String {
+        let l = &self.launch;
+        format!(
+            "aimed at {}: heads {} of {n_head}, page {}, {} split(s), {} keys",
+            self.id, l.heads, l.page, l.splits, l.n_keys
+        )
+    }
+}
+
+/// The decode launches of `sched` itself, at the model's heads: one per decode step (the keys its last
+/// query sees), and the serving batch's one launch (its longest request).
+pub fn own_launches(cfg: &MlaConfig, sched: &Schedule) -> Vec<Launch> {
+    let at = |n_keys: usize, q_len: usize| Launch {
+        heads: cfg.n_head,
+        q_len,
+        page: sched.page_size,
+        splits: sched.num_splits,
+        n_keys,
+    };
+    let mut out: Vec<Launch> = sched
+        .decode_ranges()
+        .iter()
+        .map(|r| at(r.end, r.len()))
+        .collect();
+    if let Some(long) = crate::batch::serving(sched).iter().map(|q| q.seq_len).max() {
+        out.push(at(long, 1));
+    }
+    out
+}
+
+/// The batches a run's decode aims at: every production decode variant of the model's dims (on sm_90a,
+/// the production device, whichever backend runs) that `own_launches` do not select. None without a
+/// decode step.
+pub fn aims(cfg: &MlaConfig, sched: &Schedule) -> Vec<Aim> {
+    if sched.decode_tokens() == 0 {
+        return Vec::new();
+    }
+    let d = Dims::of_model(cfg, Dtype::Bf16);
+    let caps = crate::tiles::choice::HOPPER;
+    let hit = tv::reached(&d, &caps, &own_launches(cfg, sched));
+    tv::variants(&d, &caps, None)
+        .into_iter()
+        .filter_map(|v| match v.launch {
+            Some(launch) if !hit.contains(&v.id) => Some(Aim { id: v.id, launch }),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The batch of a schedule laid out in one paged pool.
@@ -67,7 +161,17 @@ pub struct Batch {
 impl Batch {
     /// The serving batch of `ctx.sched`; `None` when the schedule has no decode step.
     pub fn of(ctx: &LayerCtx) -> Option<Batch> {
-        let reqs = crate::batch::serving(ctx.sched);
+        Batch::laid_out(ctx, crate::batch::serving(ctx.sched))
+    }
+
+    /// The batch aimed at a variant, for a `ctx` framed by `Aim::frame` (its page and splits).
+    pub fn aimed(ctx: &LayerCtx, aim: &Aim) -> Option<Batch> {
+        let reqs = crate::batch::variant(ctx.sched, aim.launch.n_keys, ctx.sched.page_size);
+        Batch::laid_out(ctx, reqs)
+    }
+
+    /// `reqs` in a pool of `ctx.sched`'s pages.
+    fn laid_out(ctx: &LayerCtx, reqs: Vec<Request>) -> Option<Batch> {
         if reqs.is_empty() {
             return None;
         }
@@ -148,8 +252,11 @@ pub struct Query {
 }
 
 /// The batch's checks: fp64 from the batch's own inputs (the queries and the run's cache rows `rows`,
-/// `[T, width]`, as stored) against `out`, labelled `who` ("our decode", …).
+/// `[T, width]`, as stored) against `out`, labelled `who` ("our decode", …), as check `check`
+/// (`serving_batch`, `variant_batch`).
+#[allow(clippy::too_many_arguments)]
 pub fn judge(
+    check_name: &str,
     ctx: &LayerCtx,
     batch: &Batch,
     queries: &[Query],
@@ -186,17 +293,7 @@ pub fn judge(
     let terms = crate::batch::LONG.max(t) * batch.width;
     let (run, layer) = (dt.name(), ctx.layer);
     let check = |what: &str, ro: (&[f64], &[f64]), dtype: &str, skip: &dyn Fn(usize) -> bool| {
-        against_fp64(
-            run,
-            layer,
-            "serving_batch",
-            what,
-            ro,
-            dtype,
-            terms,
-            skip,
-            &scope,
-        )
+        against_fp64(run, layer, check_name, what, ro, dtype, terms, skip, &scope)
     };
     // An empty split's out is don't-care: its lse (−inf) weighs it 0 in the merge.
     let empty = |i: usize| l_slse[i / lkv] == f64::NEG_INFINITY;
@@ -213,6 +310,48 @@ pub fn judge(
 
 #[cfg(test)]
 mod tests {
+    use crate::model::catalogue::Preset;
+
+    #[test]
+    fn aims_are_the_variants_the_schedule_misses_each_at_its_own_launch() {
+        // GLM-5's test dims (64 heads, 576/512) on the covering schedule (page 16, 2 splits): every
+        // decode variant but the schedule's own attn_wgmma by ld.global is aimed at, at the launch that
+        // selects it (a head slice for the few-heads kernels).
+        let cfg = Preset::Glm5.test_config();
+        let s = crate::coverage::covering::covering(&cfg);
+        let aims = super::aims(&cfg, &s);
+        let ids: Vec<&str> = aims.iter().map(|a| a.id.as_str()).collect();
+        assert_eq!(
+            ids,
+            [
+                "decode/attn_mma/ld.global",
+                "decode/attn_small/tma-ring-multi-tile-page",
+                "decode/attn_wgmma/tma",
+                "decode/attn_wgmma/tma-multi-tile-page",
+                "decode/attn_wgmma_pairs/tma",
+                "decode/attn_wgmma_pairs/tma-multi-tile-page",
+            ]
+        );
+        for a in &aims {
+            let (c, fs) = a.frame(&cfg, &s);
+            assert_eq!(
+                (c.n_head, fs.page_size, fs.num_splits),
+                (a.launch.heads, a.launch.page, a.launch.splits)
+            );
+            // The frame keeps the run's tokens: the batch's queries are the run's decode queries.
+            assert_eq!(fs.total_tokens(), s.total_tokens());
+        }
+        assert!(
+            aims[1].launch.heads < cfg.n_head,
+            "attn_small from a TP slice"
+        );
+        // The schedule's own launches reach the rest; nothing is aimed at without a decode step.
+        let none = crate::schedule::Schedule {
+            decode_steps: 0,
+            ..s.clone()
+        };
+        assert!(super::aims(&cfg, &none).is_empty());
+    }
     #[test]
     fn tables_interleave_the_requests_pages() {
         let (t, n) = super::tables(&[5, 1, 9], 4);

@@ -148,6 +148,10 @@ impl Backend for CpuMirror {
         self.batch.decode_extra(sched)
     }
 
+    fn decode_launches(&self) -> Vec<crate::tiles::variants::Launch> {
+        self.batch.decode_launches()
+    }
+
     fn runner_checks(&self) -> Option<crate::backend::runner::checks::RunnerChecks> {
         self.batch.runner_checks()
     }
@@ -227,10 +231,12 @@ impl Backend for CpuMirror {
                 &acfg, &mw, &f, &cache, r, sched, dt, fx, sel, &mut dec, &mut heads, &mut lse,
             );
         }
-        if self.batch.first_at(ctx.layer) {
-            let checks = serving::checks(ctx, &acfg, &dec.q_abs, &f.q_pe, &cache, dt, self.plant);
-            self.batch.add(checks);
-        }
+        let stored = serving::Stored {
+            q_abs: &dec.q_abs,
+            q_pe: &f.q_pe,
+            cache: &cache,
+        };
+        serving::run(ctx, &acfg, &stored, dt, self.plant, &mut self.batch);
         let attn_out = match fx.on(Fault::HeadStrideQk) {
             // Fault: o_proj's view of the heads uses the qk head dim as head stride (llama.cpp #7327).
             true => front::o_proj(&mw, &front::restride_heads(&heads, cfg.qk_head_dim()), dt),

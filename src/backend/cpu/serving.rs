@@ -7,7 +7,7 @@ use super::decode::split_partial;
 use super::flash::{merge, Partial};
 use super::row3;
 use crate::backend::runner::checks::RunnerCheck;
-use crate::backend::serving::{judge, Batch, Outputs, Query};
+use crate::backend::serving::{aims, judge, Batch, Outputs, Query, Record};
 use crate::backend::LayerCtx;
 use crate::model::MlaConfig;
 use crate::precision::Dtype;
@@ -22,23 +22,72 @@ pub enum Plant {
     EmptySplitWeightOne,
 }
 
-/// Run the serving batch of `ctx.sched` at this layer: `acfg` the kernels' view of the config,
-/// `q_abs` `[D, H, Lkv]` and `q_pe` `[T, H, R]` the stored queries, `cache` the run's cache after all
-/// writes. Empty when the schedule has no decode step.
-#[allow(clippy::too_many_arguments)]
-pub fn checks(
+/// The stored queries and cache a layer's decode left, which its batches read: `q_abs` `[D, H, Lkv]`
+/// and `q_pe` `[T, H, R]`, `cache` the run's cache after all writes.
+pub struct Stored<'a> {
+    pub q_abs: &'a Array3<f32>,
+    pub q_pe: &'a Array3<f32>,
+    pub cache: &'a PagedCache,
+}
+
+/// Run the serving batch of `ctx.sched` at this layer and the batches aimed at the variants the
+/// schedule does not reach (`serving::aims`), once per layer, each recorded in `record`: `acfg` the
+/// kernels' view of the config.
+pub fn run(
     ctx: &LayerCtx,
     acfg: &MlaConfig,
-    q_abs: &Array3<f32>,
-    q_pe: &Array3<f32>,
-    cache: &PagedCache,
+    st: &Stored,
     dt: Dtype,
     plant: Option<Plant>,
+    record: &mut Record,
+) {
+    if !record.first_at(ctx.layer) {
+        return;
+    }
+    if let Some(batch) = Batch::of(ctx) {
+        record.add(checks(
+            "serving_batch",
+            ctx,
+            acfg,
+            &batch,
+            st,
+            dt,
+            plant,
+            "our decode",
+        ));
+    }
+    for aim in aims(ctx.cfg, ctx.sched) {
+        let (cfg, sched) = aim.frame(ctx.cfg, ctx.sched);
+        let mut a = acfg.clone();
+        a.n_head = cfg.n_head;
+        let framed = LayerCtx {
+            cfg: &cfg,
+            sched: &sched,
+            ..*ctx
+        };
+        let Some(batch) = Batch::aimed(&framed, &aim) else {
+            continue;
+        };
+        let who = format!("our decode, {}", aim.label_of(ctx.cfg.n_head));
+        let c = checks("variant_batch", &framed, &a, &batch, st, dt, plant, &who);
+        record.add_aimed(aim.launch, c);
+    }
+}
+
+/// One batch through the mirror's decode, judged (`serving::judge`) as check `check_name`.
+#[allow(clippy::too_many_arguments)]
+fn checks(
+    check_name: &str,
+    ctx: &LayerCtx,
+    acfg: &MlaConfig,
+    batch: &Batch,
+    st: &Stored,
+    dt: Dtype,
+    plant: Option<Plant>,
+    who: &str,
 ) -> Vec<RunnerCheck> {
     let (cfg, sched) = (ctx.cfg, ctx.sched);
-    let Some(batch) = Batch::of(ctx) else {
-        return Vec::new();
-    };
+    let (q_abs, q_pe, cache) = (st.q_abs, st.q_pe, st.cache);
     let (h, lkv, t) = (cfg.n_head, cfg.kv_lora_rank, sched.total_tokens());
     let rows: Vec<f32> = cache.gather(0..t).iter().copied().collect();
     let mut bc = PagedCache::from_pool(
@@ -123,5 +172,5 @@ pub fn checks(
                 .collect(),
         })
         .collect();
-    judge(ctx, &batch, &queries, &rows, &out, dt, "our decode")
+    judge(check_name, ctx, batch, &queries, &rows, &out, dt, who)
 }
