@@ -304,9 +304,12 @@ impl Backend for CaptureBackend {
             .map(|i| self.judge_rank(ctx, x, i))
             .collect::<Result<Vec<_>>>()?;
         if self.ranks.len() == self.world {
-            return Ok(crate::tp::slice::gather(&traces, self.dtype));
+            let mut out = crate::tp::slice::gather(&traces, self.dtype);
+            out.storage = traces[0].storage.clone();
+            return Ok(out);
         }
         let mut out = LayerTrace::new(ctx.layer);
+        out.storage = traces[0].storage.clone();
         for t in &traces[0].stages {
             if self.provided.contains(t.stage) {
                 out.push(t.clone());

@@ -33,11 +33,14 @@ Tensors of the `deepseek2` graph (src/models/deepseek2.cpp, per layer L) and the
 | `kqv_out-L` | `attn_heads` (flat, heads × v) |
 | the MUL_MAT of `attn_output.weight` with `kqv_out-L` | `attn_out` |
 
-Precision: llama.cpp computes the projections in f32; its K cache is f16 unless `type_k="f32"`, and its
-CPU flash attention converts Q, K and V to f16. The capture's `dtype` is `f32`; with an f16 cache or
-flash attention the stages computed from f16 storage (`F16_STAGES`) are named in the engine detail, and
-one capture-wide dtype cannot bound both them and the f32 projections: such a capture fails at
-`cache_rows` today (docs/captures.md, "llama.cpp"). `flash_attn=False, type_k="f32"` is f32 throughout.
+Precision: llama.cpp computes the projections in f32; its K cache is f16 unless `type_k="f32"`, and
+its attention reads it in that type (CPU flash attention converts Q to K's type and sums P·V in V's;
+without flash attention the KQ and KQV products convert their f32 operand to the cache's type). The
+capture's `dtype` is `f32`, and each stage is tapped with the ggml type of the node it was read from
+(`GGML_DTYPES`): the cache rows in the K cache's type, every other node f32. The manifest's
+`stage_dtypes` then says `cache_rows: fp16` where the cache is f16, and `mla-diff run --capture` bounds
+the cache (an exact copy after rounding to f16) and the attention that reads it at f16, the projections
+at f32 (docs/captures.md, "llama.cpp"). `flash_attn=False, type_k="f32"` is f32 throughout.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ GGML_TYPE_F16 = 1
 GGML_TYPE_I32 = 26
 GGML_TYPE_I64 = 27
 _NP = {GGML_TYPE_F32: np.float32, GGML_TYPE_F16: np.float16, GGML_TYPE_I32: np.int32, GGML_TYPE_I64: np.int64}
+#: The capture format's name of each ggml value type a tapped node may have (`stage_dtypes`).
+GGML_DTYPES = {GGML_TYPE_F32: "f32", GGML_TYPE_F16: "fp16"}
 
 # ggml.h: GGML_MAX_DIMS 4, GGML_MAX_OP_PARAMS 64, GGML_MAX_SRC 10, GGML_MAX_NAME 64.
 class GgmlTensor(ctypes.Structure):
@@ -148,9 +153,6 @@ WANT = {
     "kqv_out": None,
 }
 
-#: Stages llama.cpp computes from f16 storage when its K cache is f16 or flash attention is on.
-F16_STAGES = ("cache_rows", "attn_latent", "attn_heads", "attn_out")
-
 NAMES = {
     "embd | l_out-{L-1}": "x",
     "attn_norm-{L}": "attn_in",
@@ -225,6 +227,10 @@ class _Graph:
 
     def take(self, t: int, stage: str, layer: int) -> None:
         a = self.g.read(t)
+        # The node's own ggml type: for cache_rows the SET_ROWS destination's, the K cache's.
+        gtype = self.g.struct(t).type
+        if gtype not in GGML_DTYPES:
+            raise CaptureError(f"llama.cpp capture: {self.g.name(t)} has ggml type {gtype}, not f32/f16")
         n = self.rows
         if stage == "cache_rows":
             s = self.g.struct(t)
@@ -239,7 +245,7 @@ class _Graph:
             a = a.reshape(n, -1)  # x, attn_in, kv_latent, k_pe, attn_heads (flat heads × v), attn_out
         if stage == "attn_heads":
             self.kqv_out[self._addr] = layer
-        self.sess.tap(stage, a, layer=layer)
+        self.sess.tap(stage, a, layer=layer, dtype=GGML_DTYPES[gtype])
 
     def callback(self, t, ask, _ud) -> bool:
         if self.error is not None:
@@ -268,10 +274,10 @@ def run(model_file, directory, *, prompt: Sequence[int], n_decode: int = 4, n_ub
     """Run llama.cpp on `model_file` (a GGUF): decode `prompt` (token ids; ubatches of `n_ubatch`), then
     `n_decode` tokens greedily, capturing every step into `directory`. Returns the generated token ids.
 
-    The capture's dtype is f32 (llama.cpp's activations). With an f16 K cache or flash attention
-    (llama.cpp's defaults) the stages from `cache_rows` on are computed from f16 storage, which one
-    capture-wide dtype cannot bound: such a capture fails there today (docs/captures.md, "llama.cpp").
-    `flash_attn=False, type_k="f32"` runs llama.cpp in f32 throughout."""
+    The capture's dtype is f32 (llama.cpp's activations); each stage's own ggml type goes into the
+    manifest's `stage_dtypes` (with llama.cpp's defaults, f16 K cache and flash attention: `cache_rows`
+    fp16, read by an attention computed in f16). `flash_attn=False, type_k="f32"` runs llama.cpp in f32
+    throughout."""
     import llama_cpp
     from llama_cpp import llama_cpp as L
 
@@ -293,8 +299,6 @@ def run(model_file, directory, *, prompt: Sequence[int], n_decode: int = 4, n_ub
         n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
         detail = f"llama-cpp-python {llama_cpp.__version__}, CPU, flash_attn={'on' if flash_attn else 'off'}, type_k={type_k}"
         dtype = "f32"
-        if type_k == "f16" or flash_attn:
-            detail += f"; computed from f16 storage: {', '.join(F16_STAGES)}"
         sess = _open_session(directory, model_file=model_file, engine="llama.cpp", engine_version=llama_cpp.__version__,
                              engine_detail=detail, dtype=dtype, rope_order="file", names=dict(NAMES), overwrite=overwrite)
         graph = _Graph(sess, Ggml(), n_layer)
