@@ -143,6 +143,18 @@ impl CaptureBackend {
             has.join(", "),
             if lacks.is_empty() { "none".to_string() } else { lacks.join(", ") },
         )];
+        if !m.stage_dtypes.is_empty() {
+            let per: Vec<String> = m
+                .stage_dtypes
+                .iter()
+                .map(|(k, d)| format!("{k} {}", d.name()))
+                .collect();
+            notices.push(format!(
+                "capture: stored in {}, except {}: each stage bounded by its own type (end to end by the coarsest up to it)",
+                m.dtype.name(),
+                per.join(", ")
+            ));
+        }
         if world > 1 {
             let present: Vec<usize> = ranks.iter().map(|(r, _)| *r).collect();
             notices.push(if ranks.len() == world {

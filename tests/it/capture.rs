@@ -873,6 +873,11 @@ fn an_f16_cache_next_to_f32_projections_is_bounded_by_its_own_dtype() {
     assert_manifest_valid(&f16);
     let (code, rep) = check(&f, &[&f16], &["--mode", "shadow"]);
     assert_eq!(code, 0, "{}", rep["verdict"]["message"]);
+    let notices = rep["run"]["notices"].to_string();
+    assert!(
+        notices.contains("stored in f32, except cache_rows fp16"),
+        "{notices}"
+    );
     let checks = rep["modes"][0]["layers"][1]["checks"].as_array().unwrap();
     let of = |name: &str| checks.iter().find(|c| c["check"] == name).unwrap();
     // The projections at f32's tolerance, the cache and everything after it at fp16's.
