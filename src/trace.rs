@@ -302,6 +302,33 @@ impl LayerTrace {
 mod table_tests {
     use super::*;
 
+    /// A declared storage type bounds its stage and every stage after it in dataflow order, the
+    /// coarsest winning; nothing declared, the run's dtype.
+    #[test]
+    fn a_stage_is_bounded_by_the_coarsest_type_up_to_it() {
+        use crate::precision::Dtype;
+        let mut t = LayerTrace::new(0);
+        for s in [
+            Stage::KvLatent,
+            Stage::CacheRows,
+            Stage::AttnLatent,
+            Stage::AttnOut,
+        ] {
+            t.push(StageTensor::new(s, vec![1; s.axes().len()], vec![0.0]));
+        }
+        assert_eq!(t.tolerance_dtype(Stage::AttnOut, Dtype::F32), Dtype::F32);
+        t.storage = vec![(Stage::CacheRows, Dtype::F16), (Stage::AttnOut, Dtype::F32)];
+        assert_eq!(t.tolerance_dtype(Stage::KvLatent, Dtype::F32), Dtype::F32);
+        assert_eq!(t.tolerance_dtype(Stage::CacheRows, Dtype::F32), Dtype::F16);
+        assert_eq!(t.tolerance_dtype(Stage::AttnOut, Dtype::F32), Dtype::F16);
+        assert_eq!(t.dtype_of(Stage::AttnOut, Dtype::Bf16), Dtype::F32);
+        t.storage.push((Stage::KvLatent, Dtype::Bf16));
+        assert_eq!(
+            t.tolerance_dtype(Stage::AttnLatent, Dtype::F32),
+            Dtype::Bf16
+        );
+    }
+
     /// `Stage::info` indexes the table by the variant's value: each row must sit at its own index, and
     /// names must be unique (they key traces, reports and `--tol`).
     #[test]
