@@ -161,6 +161,7 @@ impl Capture {
                 self.read_file(f, step, req, &dims, &mut rows)?;
             }
             let mut trace = LayerTrace::new(l);
+            trace.storage = m.storage();
             let mut set = StageSet::NONE;
             for (name, per_tok) in rows {
                 if name == "topk" {

@@ -880,6 +880,11 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
     // DSA: the keys query t attends to (all visible ones on a dense layer).
     let keep = |t: usize, j: usize| sp.is_none_or(|sp| sp.selection.allows(t, j));
     let (cfg, dt, sched) = (f.cfg, f.dtype, f.sched);
+    // Each stage's storage type: the backend's declared one (a capture's `stage_dtypes`), else the
+    // run's. The attention computes in the type of the cache it reads (ggml converts the query to K's
+    // type, MMA kernels take their operands in it): its P, keys, values and a wider query's rounding.
+    let dt_of = |st: Stage| opt.dtype_of(st, dt);
+    let adt = dt_of(Stage::CacheRows);
     let rope = RopeF32::new(f.rope, Active::NONE);
     let (h, p, r, dv, lkv) = (
         cfg.n_head,
@@ -919,7 +924,7 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
     // q is stored before rope.
     Zip::from(vq.slice_mut(s![.., p..]))
         .and(q.slice(s![.., p..]))
-        .for_each(|v, &y| *v += hidden_round(dt, y));
+        .for_each(|v, &y| *v += hidden_round(dt_of(Stage::QPe), y));
     rope_rows(&mut q, &mut vq, &rope, p..dk, |row| row / h);
     out.push(
         Stage::QPe,
@@ -928,9 +933,14 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
     );
 
     // kv ← attn_in: stored, then the latent normed and k_pe roped.
-    Zip::from(&mut vkv)
-        .and(&kv)
-        .for_each(|v, &y| *v += hidden_round(dt, y));
+    for (cols, st) in [
+        (s![.., ..lkv], Stage::KvLatent),
+        (s![.., lkv..], Stage::KPe),
+    ] {
+        Zip::from(vkv.slice_mut(cols))
+            .and(kv.slice(cols))
+            .for_each(|v, &y| *v += hidden_round(dt_of(st), y));
+    }
     let (lat, vlat) = rms_norm(
         kv.slice(s![.., ..lkv]),
         vkv.slice(s![.., ..lkv]),
@@ -956,6 +966,10 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
     let mut rows = Vec::with_capacity(t_all * (lkv + r));
     for t in 0..t_all {
         rows.extend(o_lat.row(t).iter().chain(o_kpe.row(t).iter()));
+    }
+    // In a cache of a type of its own (an f16 cache of f32 rows): a copy rounded to it.
+    if let Some(c) = opt.declared(Stage::CacheRows) {
+        rows.iter_mut().for_each(|v| *v = Store::from(c).round(*v));
     }
     let n_rows = rows.len();
     out.push(Stage::CacheRows, rows, vec![0.0; n_rows]);
@@ -986,10 +1000,28 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
     // Our kernels (the mirror's and CUDA's) store every LSE, split or merged, in f32.
     let lse_store = f.known_attention.then_some(Store::F32);
     let path = Path {
-        dt,
+        dt: adt,
         online: f.known_attention,
         sum,
     };
+    // A query stored wider than the attention's type is rounded to it on the way in: the variance
+    // that adds to a score against key `(k, kr)` (nothing where q is stored in the attention's type).
+    let widen = |qs: Stage| dt_of(qs).round_unit() < adt.round_unit();
+    let (qn_wide, qp_wide) = (widen(Stage::QNope), widen(Stage::QPe));
+    let q_round = |wide: bool, q: &[f64], k: &[f64]| -> f64 {
+        match wide {
+            true => q
+                .iter()
+                .zip(k)
+                .map(|(&a, &b)| b * b * hidden_round(adt, a))
+                .sum(),
+            false => 0.0,
+        }
+    };
+    // An engine whose attention is unknown, over a cache in a type of its own, may attend in latent
+    // space (llama.cpp's absorbed MLA prefill: P·V over the cache's latent rows, summed in its type,
+    // then W_UV): each key's value rounded there, carried through W_UV, as well as in v space.
+    let latent_values = !f.known_attention && opt.declared(Stage::CacheRows).is_some();
     // attn_heads[decode] needs the stored attn_latent.
     let mut heads_ok = true;
 
@@ -1007,11 +1039,15 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
                     let (k, mut vk) = linear(lat, &uk);
                     Zip::from(&mut vk)
                         .and(&k)
-                        .for_each(|v, &y| *v += hidden_round(dt, y));
+                        .for_each(|v, &y| *v += hidden_round(adt, y));
                     let (v, mut vv) = linear(lat, &uv);
                     Zip::from(&mut vv)
                         .and(&v)
-                        .for_each(|x, &y| *x += hidden_round(dt, y));
+                        .for_each(|x, &y| *x += hidden_round(adt, y));
+                    if latent_values {
+                        let r = lat.mapv(|y| Store::from(adt).worst_round_var(y));
+                        vv += &r.dot(&uv.mapv(|w| w * w).t());
+                    }
                     (k, vk, v, vv)
                 };
                 let own = decompress(o_lat.slice(s![..pl, ..]));
@@ -1047,7 +1083,12 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
                                         sl(kpe.row(j)),
                                         sum,
                                     );
-                                    score(d, scale, sum)
+                                    let mut sc = score(d, scale, sum);
+                                    sc.var += scale
+                                        * scale
+                                        * (q_round(qn_wide, sl(qn), sl(k.row(j)))
+                                            + q_round(qp_wide, sl(qp), sl(kpe.row(j))));
+                                    sc
                                 })
                                 .collect();
                             let cs = |j: usize, k: usize| match &gram {
@@ -1073,7 +1114,7 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
                             let mut parts = [part(0..c.start, ctx, &kpe_ctx), mine];
                             for pa in parts.iter_mut() {
                                 for (v, &o) in pa.var.iter_mut().zip(&pa.out) {
-                                    *v += hidden_round(dt, o);
+                                    *v += hidden_round(adt, o);
                                 }
                             }
                             merge(&parts)
@@ -1127,7 +1168,7 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
                 let mut v = vqabs.clone();
                 Zip::from(&mut v)
                     .and(&qabs)
-                    .for_each(|x, &y| *x += hidden_round(dt, y));
+                    .for_each(|x, &y| *x += hidden_round(adt, y));
                 (qabs.clone(), v)
             }
         };
@@ -1169,7 +1210,9 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
                     );
                     let score_of = |j: usize| {
                         let (lt, kp) = row(&cache, j).split_at(lkv);
-                        score(dot_var(lt, qa, vqa, kp, qp, sum), scale, sum)
+                        let mut sc = score(dot_var(lt, qa, vqa, kp, qp, sum), scale, sum);
+                        sc.var += scale * scale * q_round(qp_wide, qp, kp);
+                        sc
                     };
                     let parts: Vec<Attn> = splits
                         .iter()
@@ -1257,7 +1300,7 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
         // way, `runner::decode::put_decode_outputs`). A no-op for paths that store it in the dtype.
         if let Some(o_att) = opt2(opt, Stage::AttnLatent) {
             let o_att = o_att
-                .mapv(|v| dt.round(v as f32) as f64)
+                .mapv(|v| dt_of(Stage::AttnLatent).round(v as f32) as f64)
                 .into_shape_with_order((nd * h, lkv))
                 .expect("[D, H, Lkv]");
             for hh in 0..h {
@@ -1287,6 +1330,10 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
             y.into_raw_vec_and_offset().0,
             v.into_raw_vec_and_offset().0,
         );
+    }
+    // A declared storage type is the stage's contract (as our kernels' f32 LSE is).
+    for l in out.stages.iter_mut().filter(|l| l.store.is_none()) {
+        l.store = opt.declared(l.stage).map(Store::from);
     }
     out
 }

@@ -515,6 +515,8 @@ pub fn compare_layer(
             let o = optimized
                 .get(check.stage)
                 .ok_or_else(|| missing("optimized backend, which claims to provide it,"))?;
+            // A stage stored in a type of its own (a capture's `stage_dtypes`) is bounded by it.
+            let dtype = optimized.tolerance_dtype(check.stage, dtype);
             let mut tol = tols.get(dtype, &check)?;
             let effect = optimized
                 .cache_effect
