@@ -15,7 +15,7 @@
 #   batch      the serving batch on our decode kernel (#32 item 6: 5 requests of mixed lengths in one launch,
 #              per-entry seq_lens and block tables): every fixture at page 16 and 64 (bf16, fp16) must pass
 #              with its batch checks in the JSON; planted combine faults must fail the batch's own checks
-#   variants   every fixture's plain run (bf16, fp16) reaches every production decode variant, those its schedule
+#   variants   every fixture's plain run (bf16, fp16) reaches every production variant (the sparse one by a fixed selection), those its schedule
 #              does not by batches aimed at them (#35 item 2), each aimed batch on the kernel it names; then the
 #              kernel probes pairs-handover-stale, small-ring-wrap and tma-page-tile (bench/probes) must fail a
 #              plain bf16 run of every fixture whose variants include their kernel and leave the others passing
@@ -143,14 +143,15 @@ variant_checks() {
 import json, re, sys
 r = json.load(open(sys.argv[1]))
 v = (r.get("coverage") or {}).get("variants") or {}
-bad = [x["id"] for x in v.get("list", []) if not x["reached"] and "sparse" not in x["id"]]
+bad = [x["id"] for x in v.get("list", []) if not x["reached"]]
 checks = [c for c in (r.get("runner_checks") or {}).get("checks", []) if c.get("check") == "variant_batch"]
 seen = {}
 for c in checks:
-    m = re.search(r"aimed at decode/([a-z_]+)/(\S+?):.*\(([a-z_]+), one launch\)", c["detail"])
-    if not m:
+    m = re.search(r"aimed at decode/([a-z_]+)/(\S+?):", c["detail"])
+    k = re.search(r"\(([a-z_]+), one launch", c["detail"])
+    if not m or not k:
         bad.append("unparsed: " + c["detail"][:120]); continue
-    want, loads, ran = m.group(1), m.group(2), m.group(3)
+    want, loads, ran = m.group(1), m.group(2), k.group(1)
     if want != ran:
         bad.append(f"aimed at {want}/{loads} but ran {ran}")
     worst = seen.get((want, loads), (0.0, None))
@@ -175,6 +176,12 @@ variants() {
             variant_checks "$D/variants-$n-$dt.json" || { echo "FAIL  variants $n $dt: a variant not reached or on another kernel"; fail=1; }
         done
     done
+    # The sparse kernel's aimed batch (GLM-5: a DSA file within top_k) catches a sparse index fault.
+    timeout "$(tmo 120)" "$B" run $G5 --backend cuda "${KX[@]}" --inject sparse_index_page_base \
+        --json "$D/variants-g5-sparse-index.json" > "$D/variants-g5-sparse-index.txt" 2>&1
+    expect 1 $? "variants g5 --inject sparse_index_page_base"
+    python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); f=[c for c in (r.get("runner_checks") or {}).get("checks",[]) if c["status"]=="fail"]; print("    failed:", "; ".join(c["what"]+" "+c["detail"][:100] for c in f[:2])); sys.exit(0 if any("sparse_attn/past-top-k" in c["detail"] for c in f) else 1)' "$D/variants-g5-sparse-index.json" \
+        || { echo "FAIL  sparse_index_page_base: the sparse aimed batch did not fail"; fail=1; }
     for p in pairs-handover-stale:attn_wgmma_pairs small-ring-wrap:attn_small tma-page-tile:tma-multi-tile-page; do
         k=$(kdir "bench/probes/${p%%:*}.patch") || { fail=1; continue; }
         for f in fixtures/*.gguf; do

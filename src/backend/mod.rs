@@ -180,10 +180,9 @@ pub trait Backend {
         Vec::new()
     }
 
-    /// Decode launches it ran at another page, split count or head slice than the schedule's: the
-    /// batches aimed at production variants (`serving::aims`); the coverage section's variants count
-    /// them.
-    fn decode_launches(&self) -> Vec<crate::tiles::variants::Launch> {
+    /// The production variants (`tiles::variants` ids) it ran batches aimed at (`serving::aims`,
+    /// `serving::sparse_aim`): the coverage section lists them reached.
+    fn aimed_variants(&self) -> Vec<String> {
         Vec::new()
     }
 

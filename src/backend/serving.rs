@@ -12,8 +12,10 @@ use crate::backend::runner::decode::Entry;
 use crate::backend::runner::RunnerBackend;
 use crate::backend::LayerCtx;
 use crate::batch::Request;
+use crate::model::config::Arch;
 use crate::model::MlaConfig;
 use crate::precision::Dtype;
+use crate::reference::sparse::Selection;
 use crate::schedule::Schedule;
 use crate::tiles::variants::{self as tv, Launch};
 use crate::tiles::Dims;
@@ -25,8 +27,8 @@ use crate::tiles::Dims;
 pub struct Record {
     checks: Vec<RunnerCheck>,
     layers: std::collections::BTreeSet<usize>,
-    /// The aimed batches' launches (`aims`), once they ran.
-    launches: Vec<Launch>,
+    /// The variants batches were aimed at (`aims`, `sparse_aim`), once they ran.
+    aimed: Vec<String>,
 }
 
 impl Record {
@@ -39,10 +41,10 @@ impl Record {
         self.checks.extend(checks);
     }
 
-    /// An aimed batch's checks and its launch.
-    pub fn add_aimed(&mut self, launch: Launch, checks: Vec<RunnerCheck>) {
-        if !checks.is_empty() && !self.launches.contains(&launch) {
-            self.launches.push(launch);
+    /// An aimed batch's checks and the variant it was aimed at.
+    pub fn add_aimed(&mut self, id: &str, checks: Vec<RunnerCheck>) {
+        if !checks.is_empty() && !self.aimed.iter().any(|a| a == id) {
+            self.aimed.push(id.to_string());
         }
         self.checks.extend(checks);
     }
@@ -55,9 +57,9 @@ impl Record {
         }
     }
 
-    /// The aimed batches' launches, for the coverage section's variants.
-    pub fn decode_launches(&self) -> Vec<Launch> {
-        self.launches.clone()
+    /// The variants aimed batches ran for, for the coverage section.
+    pub fn aimed_variants(&self) -> Vec<String> {
+        self.aimed.clone()
     }
 
     /// The checks for the report's `runner_checks` (labelled "batch"); `None` when no batch ran.
@@ -144,6 +146,89 @@ pub fn aims(cfg: &MlaConfig, sched: &Schedule) -> Vec<Aim> {
             _ => None,
         })
         .collect()
+}
+
+/// Keys per query of the batch aimed at the DSA sparse kernel (`sparse_aim`).
+pub const SPARSE_KEYS: usize = 32;
+
+/// The selection of the batch aimed at `decode/sparse_attn/past-top-k` on a DSA file whose run stays
+/// within top_k (issue #35): each decode query of the schedule keeps `SPARSE_KEYS` of its visible keys
+/// (half of them, when it sees fewer than twice that), spread evenly over them from the first to its own, so the sparse kernel decodes indices through the
+/// run's (shuffled) block table for a query that sees more keys than it attends to. `None`: not a DSA
+/// architecture, a run already sparse (past top_k: the variant runs there), or no decode query.
+pub fn sparse_aim(ctx: &LayerCtx) -> Option<Selection> {
+    let dsa = matches!(ctx.cfg.arch, Arch::GlmDsa | Arch::Deepseek32);
+    let s = ctx.sched;
+    if !dsa || ctx.selection.is_some() || s.decode_tokens() == 0 {
+        return None;
+    }
+    let keys = (0..s.total_tokens())
+        .map(|t| match t < s.prompt_len {
+            true => Vec::new(),
+            // Fewer keys than the query sees (half of them up to `SPARSE_KEYS`): past "top_k".
+            false => spread(t + 1, SPARSE_KEYS.min((t + 1).div_ceil(2))),
+        })
+        .collect();
+    Some(Selection::new(SPARSE_KEYS, keys))
+}
+
+/// `k` of the keys `0..n`, evenly spread, the first and the last included (all of them when n ≤ k).
+fn spread(n: usize, k: usize) -> Vec<u32> {
+    match n <= k {
+        true => (0..n as u32).collect(),
+        false => (0..k).map(|i| (i * (n - 1) / (k - 1)) as u32).collect(),
+    }
+}
+
+/// The checks of the sparse aimed batch: fp64 over each decode query's selected keys (`sel`, from
+/// `sparse_aim`) of the run's cache rows `rows` (`[T, width]`, token order, as stored) against `out`
+/// (`lat` `[D, H, Lkv]`, `lse` `[D, H]`; one split: no partials), the queries `queries` one per decode
+/// token, as check `variant_batch`.
+pub fn judge_sparse(
+    ctx: &LayerCtx,
+    sel: &Selection,
+    queries: &[Query],
+    rows: &[f64],
+    out: &Outputs,
+    dt: Dtype,
+    who: &str,
+) -> Vec<RunnerCheck> {
+    let p0 = ctx.sched.prompt_len;
+    let (mut l_out, mut l_lse) = (Vec::new(), Vec::new());
+    for (d, qq) in queries.iter().enumerate() {
+        let en = Entry {
+            q_nope: qq.q_abs.clone(),
+            q_pe: qq.q_pe.clone(),
+            keys: sel.keys[p0 + d].iter().map(|&j| Some(j as usize)).collect(),
+        };
+        let l = RunnerBackend::local_entry(ctx, &en, 1, rows);
+        l_out.extend(l.out);
+        l_lse.extend(l.lse);
+    }
+    let scope = format!(
+        "{who}, aimed at {}: {} decode queries over {SPARSE_KEYS} of their keys each (at most half), spread from the first to their own (a fixed selection, not the indexer's)",
+        tv::SPARSE_ID,
+        queries.len()
+    );
+    let terms = rows.len();
+    let (run, layer) = (dt.name(), ctx.layer);
+    let check = |what: &str, ro: (&[f64], &[f64]), dtype: &str| {
+        against_fp64(
+            run,
+            layer,
+            "variant_batch",
+            what,
+            ro,
+            dtype,
+            terms,
+            &|_| false,
+            &scope,
+        )
+    };
+    vec![
+        check("attn_latent", (&l_out, &out.lat), run),
+        check("lse", (&l_lse, &out.lse), "f32"),
+    ]
 }
 
 /// The batch of a schedule laid out in one paged pool.

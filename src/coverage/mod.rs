@@ -200,14 +200,14 @@ impl Variants {
 
 /// The production variants of `cfg` on `caps` (`device` says which and why) and which of them this
 /// run reached: the prompt's prefill kernel, every decode launch of the schedule and of `extra` (with
-/// the run's heads, q_len, page and splits), the backend's `launches` at other pages, splits or head
-/// slices (the batches aimed at variants: `backend::serving::aims`), and `sparse_attn` when
-/// `sparse_queries > 0` on a DSA file (`top_k`). Each variant not reached adds a warning.
+/// the run's heads, q_len, page and splits), the variants the backend aimed batches at (`aimed`:
+/// `backend::serving::aims`, `sparse_aim`), and `sparse_attn` when `sparse_queries > 0` on a DSA file
+/// (`top_k`). Each variant not reached adds a warning.
 pub fn variants(
     cfg: &MlaConfig,
     s: &Schedule,
     extra: &[crate::batch::Request],
-    launches: &[crate::tiles::variants::Launch],
+    aimed: &[String],
     caps: &crate::tiles::choice::Caps,
     device: &str,
     dsa: Option<(usize, usize)>,
@@ -236,7 +236,6 @@ pub fn variants(
             hit.push(tv::decode_id(k, loads));
         }
     }
-    let aimed = tv::reached(&d, caps, launches);
     if dsa.is_some_and(|(_, sparse)| sparse > 0) {
         hit.push(tv::SPARSE_ID.into());
     }

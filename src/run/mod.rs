@@ -604,7 +604,7 @@ pub fn run_from(
         &cfg,
         &opts.sched,
         &backend.decode_extra(&opts.sched),
-        &backend.decode_launches(),
+        &backend.aimed_variants(),
         &crate::tiles::choice::HOPPER,
         "sm_90a (H200) assumed",
         coverage.dsa.as_ref().map(|d| (d.top_k, d.sparse_queries)),

@@ -410,3 +410,77 @@ fn coverage_probe_faults_are_caught_by_the_default_run_only() {
         }
     }
 }
+
+#[test]
+fn a_dsa_run_within_top_k_aims_a_batch_at_the_sparse_kernel() {
+    // The DSA golden (top_k 8) on 8 tokens: the run stays dense, and a batch aimed at the sparse kernel
+    // (a fixed selection of half of each decode query's keys, through the shuffled block table) reaches
+    // `decode/sparse_attn/past-top-k`; a sparse reader that skips the block table fails there.
+    let fx = fixture("golden/glm-5-dsa.gguf");
+    let args = |extra: &[&str]| {
+        let mut a = vec![
+            "run",
+            fx.to_str().unwrap(),
+            "--backend",
+            "cpu",
+            "--mode",
+            "shadow",
+            "-q",
+            "--json",
+            "-",
+            "--prompt-len",
+            "4",
+            "--chunk",
+            "4",
+            "--decode-steps",
+            "4",
+            "--page-size",
+            "2",
+        ];
+        a.extend_from_slice(extra);
+        let o = run(&a);
+        let j: serde_json::Value =
+            serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stderr(&o)));
+        (o.status.code(), j)
+    };
+    let (code, j) = args(&[]);
+    assert_eq!(code, Some(0), "{}", j["verdict"]);
+    let sparse = j["coverage"]["variants"]["list"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["id"] == "decode/sparse_attn/past-top-k")
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        (&sparse["reached"], &sparse["aimed"]),
+        (&true.into(), &true.into())
+    );
+    let aimed = |j: &serde_json::Value| -> Vec<serde_json::Value> {
+        j["runner_checks"]["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| {
+                c["detail"]
+                    .as_str()
+                    .unwrap()
+                    .contains("aimed at decode/sparse_attn/past-top-k")
+            })
+            .cloned()
+            .collect()
+    };
+    let ok = aimed(&j);
+    let layers = j["run"]["layers"].as_array().unwrap().len();
+    assert_eq!(ok.len(), 2 * layers, "attn_latent and lse of each layer");
+    assert!(ok
+        .iter()
+        .all(|c| c["status"] == "pass" && c["check"] == "variant_batch"));
+    let (code, bad) = args(&["--inject", "sparse_index_page_base"]);
+    assert_eq!(code, Some(1), "{}", bad["verdict"]);
+    assert!(
+        aimed(&bad).iter().any(|c| c["status"] == "fail"),
+        "{}",
+        bad["runner_checks"]
+    );
+}

@@ -148,8 +148,8 @@ impl Backend for CpuMirror {
         self.batch.decode_extra(sched)
     }
 
-    fn decode_launches(&self) -> Vec<crate::tiles::variants::Launch> {
-        self.batch.decode_launches()
+    fn aimed_variants(&self) -> Vec<String> {
+        self.batch.aimed_variants()
     }
 
     fn runner_checks(&self) -> Option<crate::backend::runner::checks::RunnerChecks> {

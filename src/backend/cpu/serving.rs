@@ -3,14 +3,18 @@
 //! partition, the mirror's split partials and combine.
 
 use super::cache::PagedCache;
-use super::decode::split_partial;
+use super::decode::{split_partial, split_partial_fx};
 use super::flash::{merge, Partial};
 use super::row3;
 use crate::backend::runner::checks::RunnerCheck;
-use crate::backend::serving::{aims, judge, Batch, Outputs, Query, Record};
+use crate::backend::serving::{
+    aims, judge, judge_sparse, sparse_aim, Batch, Outputs, Query, Record,
+};
 use crate::backend::LayerCtx;
 use crate::model::MlaConfig;
 use crate::precision::Dtype;
+use crate::reference::sparse::Selection;
+use crate::tiles::variants::SPARSE_ID;
 use ndarray::Array3;
 
 /// A bug planted in the batch's combine, only for tests (no catalogue entry: the catalogue's faults
@@ -70,8 +74,64 @@ pub fn run(
         };
         let who = format!("our decode, {}", aim.label_of(ctx.cfg.n_head));
         let c = checks("variant_batch", &framed, &a, &batch, st, dt, plant, &who);
-        record.add_aimed(aim.launch, c);
+        record.add_aimed(&aim.id, c);
     }
+    if let Some(sel) = sparse_aim(ctx) {
+        record.add_aimed(SPARSE_ID, sparse(ctx, acfg, &sel, st, dt));
+    }
+}
+
+/// The batch aimed at the sparse kernel (`serving::sparse_aim`): each decode query over its selected
+/// keys of the run's cache, one split, with the layer's faults (a sparse reader's index faults show
+/// here), judged by `serving::judge_sparse`.
+fn sparse(
+    ctx: &LayerCtx,
+    acfg: &MlaConfig,
+    sel: &Selection,
+    st: &Stored,
+    dt: Dtype,
+) -> Vec<RunnerCheck> {
+    let (sched, h, lkv) = (ctx.sched, ctx.cfg.n_head, ctx.cfg.kv_lora_rank);
+    let (p0, d) = (sched.prompt_len, sched.decode_tokens());
+    let mut out = Outputs {
+        lat: vec![0f64; d * h * lkv],
+        lse: vec![0f64; d * h],
+        sout: Vec::new(),
+        slse: Vec::new(),
+    };
+    let mut queries = Vec::with_capacity(d);
+    for i in 0..d {
+        let t = p0 + i;
+        let mut q = Query {
+            q_abs: Vec::with_capacity(h * lkv),
+            q_pe: Vec::new(),
+        };
+        for hh in 0..h {
+            let (qa, qp) = (row3(st.q_abs, i, hh), row3(st.q_pe, t, hh));
+            q.q_abs.extend(qa.iter().map(|&v| v as f64));
+            q.q_pe.extend(qp.iter().map(|&v| v as f64));
+            let keys = 0..t + 1;
+            let p = split_partial_fx(acfg, st.cache, qa, qp, keys, dt, ctx.faults, Some((sel, t)));
+            let m = merge(&[p]).rounded(dt);
+            let row = i * h + hh;
+            for (o, &v) in out.lat[row * lkv..(row + 1) * lkv].iter_mut().zip(&m.out) {
+                *o = v as f64;
+            }
+            out.lse[row] = m.lse as f64;
+        }
+        queries.push(q);
+    }
+    let t = sched.total_tokens();
+    let rows: Vec<f64> = st.cache.gather(0..t).iter().map(|&v| v as f64).collect();
+    judge_sparse(
+        ctx,
+        sel,
+        &queries,
+        &rows,
+        &out,
+        dt,
+        "our decode (sparse_attn, one split)",
+    )
 }
 
 /// One batch through the mirror's decode, judged (`serving::judge`) as check `check_name`.

@@ -290,8 +290,8 @@ impl Backend for CudaBackend {
         self.batch.decode_extra(sched)
     }
 
-    fn decode_launches(&self) -> Vec<crate::tiles::variants::Launch> {
-        self.batch.decode_launches()
+    fn aimed_variants(&self) -> Vec<String> {
+        self.batch.aimed_variants()
     }
 
     fn runner_checks(&self) -> Option<crate::backend::runner::checks::RunnerChecks> {
@@ -416,7 +416,13 @@ impl Backend for CudaBackend {
                     self.opts.force_scalar,
                 )?;
                 let checks = layer.aimed_batch(&framed, &aim, &dec)?;
-                self.batch.add_aimed(aim.launch, checks);
+                self.batch.add_aimed(&aim.id, checks);
+            }
+            if let Some(sel) = crate::backend::serving::sparse_aim(ctx) {
+                let sp = launch::Sparse::load(&mut self.kernels, &dims, &sel, ctx.block_table)?;
+                let checks = layer.sparse_aimed(ctx, &sp)?;
+                self.batch
+                    .add_aimed(crate::tiles::variants::SPARSE_ID, checks);
             }
         }
         let t2 = std::time::Instant::now();
