@@ -221,7 +221,7 @@ pub fn judge_sparse(
             ro,
             dtype,
             terms,
-            &|_| false,
+            |_| false,
             &scope,
         )
     };
