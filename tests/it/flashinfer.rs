@@ -841,3 +841,53 @@ fn cuda_graph_replays_pair_with_the_plan_before_each() {
         "no MLA call to check",
     );
 }
+
+/// Append a changed copy of a call folder's last metadata record (the reader takes the last).
+fn edit_meta(call: &Path, f: impl Fn(&mut Value)) {
+    let p = call.join("metadata.jsonl");
+    let text = std::fs::read_to_string(&p).unwrap();
+    let mut last: Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    f(&mut last);
+    DumpWriter::append(&p, &last);
+}
+
+#[test]
+fn unmodelled_calls_are_not_checked_and_bad_scalars_exit_2() {
+    let t = tempfile::tempdir().unwrap();
+    let (scale, _) = model_scale();
+    let mut w = DumpWriter::new(t.path());
+    let pool = Pool::new(7);
+    let b = Batch::new(4, vec![(2, 40, vec![9, 0, 3]), (2, 2, vec![11])]);
+    trtllm(&mut w, &b, &pool, scale, Bug::None);
+    let sparse = trtllm(&mut w, &b, &pool, scale, Bug::TableOffByOne);
+    edit_meta(&sparse, |m| {
+        m["input_metadata"]["kwarg_sparse_mla_top_k"] = json!(64)
+    });
+    let (o, j, text) = check(t.path(), &[]);
+    assert_eq!(o.status.code(), Some(0), "{text}");
+    assert_eq!(j["calls"][1]["verdict"], "not_checked", "{text}");
+    assert!(j["calls"][1]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("sparse MLA"));
+    assert!(
+        text.lines()
+            .last()
+            .unwrap()
+            .contains("1 MLA calls within the fp64 bound, 1 not checked"),
+        "{text}"
+    );
+    // A plan with page_size 0: one line, no panic.
+    let zero = t.path().join("zero");
+    let mut w = DumpWriter::new(&zero);
+    let b = Batch::new(2, vec![(1, 20, vec![3, 11])]);
+    plan(&mut w, 0xB, &b, scale);
+    let p = std::fs::read_dir(&zero)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.is_dir())
+        .unwrap();
+    edit_meta(&p, |m| m["input_metadata"]["arg_8"] = json!(0));
+    wrapper_run(&mut w, 0xB, &b, &pool, scale, Bug::None);
+    assert_clean_error(&run(&["flashinfer", zero.to_str().unwrap()]), "page_size 0");
+}

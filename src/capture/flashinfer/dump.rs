@@ -245,8 +245,8 @@ pub struct Floats {
 pub struct CallArgs<'a> {
     pub call: &'a CallDir,
     params: Vec<String>,
-    inputs: Option<Vec<u8>>,
-    outputs: Option<Vec<u8>>,
+    inputs: Option<memmap2::Mmap>,
+    outputs: Option<memmap2::Mmap>,
 }
 
 /// The parameter names of a Python signature as `inspect.signature` prints it:
@@ -294,13 +294,19 @@ pub fn signature_params(sig: &str) -> Vec<String> {
         .collect()
 }
 
-fn read_opt(path: &Path) -> Result<Option<Vec<u8>>> {
-    match path.is_file() {
-        false => Ok(None),
-        true => std::fs::read(path)
-            .map(Some)
-            .map_err(|e| Error::io(format!("cannot read {}", path.display()), e)),
+/// A call's tensor file, mapped (a dump's cache pool can be gigabytes; only the pages a call's table
+/// reaches are read); `None` when the call has none.
+fn read_opt(path: &Path) -> Result<Option<memmap2::Mmap>> {
+    if !path.is_file() {
+        return Ok(None);
     }
+    let f = std::fs::File::open(path)
+        .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+    // SAFETY: a read-only mapping of a finished dump file; one changed underneath us while mapped
+    // (the engine still writing the dump) is outside the contract, as for the GGUF reader.
+    let m = unsafe { memmap2::Mmap::map(&f) }
+        .map_err(|e| Error::io(format!("cannot map {}", path.display()), e))?;
+    Ok(Some(m))
 }
 
 fn st<'b>(bytes: &'b [u8], what: &Path) -> Result<SafeTensors<'b>> {

@@ -475,6 +475,9 @@ fn wrapper_run(a: &CallArgs, plan: &CallArgs) -> Result<Decoded> {
         ));
     }
     let page = page as usize;
+    if page == 0 {
+        return Err(bad(pc, "page_size 0"));
+    }
     let (_, qo) = plan.ints("qo_indptr")?;
     let (_, kv_indptr) = plan.ints("kv_indptr")?;
     let (_, kv_indices) = plan.ints("kv_indices")?;
@@ -780,6 +783,12 @@ fn decode_call(a: &CallArgs) -> Result<Decoded> {
         [_, g, _] | [_, 1, g, _] => g,
         _ => return Err(bad(call, format!("kv_cache has shape {ksh:?}; a paged cache is [pages, page_size, width] or [pages, 1, page_size, width]"))),
     };
+    if page == 0 {
+        return Err(bad(
+            call,
+            format!("kv_cache has shape {ksh:?}: pages of 0 rows"),
+        ));
+    }
     let mut tables = Vec::new();
     for i in 0..b {
         let len = idx(call, "seq_lens", lens[i])?;
