@@ -891,3 +891,47 @@ fn unmodelled_calls_are_not_checked_and_bad_scalars_exit_2() {
     wrapper_run(&mut w, 0xB, &b, &pool, scale, Bug::None);
     assert_clean_error(&run(&["flashinfer", zero.to_str().unwrap()]), "page_size 0");
 }
+
+#[test]
+fn trtllm_lse_base_follows_return_lse_base() {
+    let t = tempfile::tempdir().unwrap();
+    let (scale, _) = model_scale();
+    let mut w = DumpWriter::new(t.path());
+    let pool = Pool::new(7);
+    let b = Batch::new(4, vec![(2, 40, vec![9, 0, 3]), (2, 2, vec![11])]);
+    // Both return natural-log LSEs: right when the base is left to the backend, wrong for "base2".
+    trtllm(&mut w, &b, &pool, scale, Bug::None);
+    let c2 = trtllm(&mut w, &b, &pool, scale, Bug::None);
+    edit_meta(&c2, |m| {
+        m["input_metadata"]["kwarg_return_lse_base"] = json!("base2")
+    });
+    let (o, j, text) = check(t.path(), &[]);
+    assert_eq!(o.status.code(), Some(1), "{text}");
+    let lse = |i: usize| -> Value {
+        j["calls"][i]["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["what"] == "lse")
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(lse(0)["status"], "pass", "{text}");
+    assert!(
+        lse(0)["detail"]
+            .as_str()
+            .unwrap()
+            .contains("nearer natural log"),
+        "{}",
+        lse(0)
+    );
+    assert_eq!(lse(1)["status"], "fail", "{text}");
+    assert!(
+        lse(1)["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("lse (base 2"),
+        "{}",
+        lse(1)
+    );
+}
