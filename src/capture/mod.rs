@@ -9,6 +9,7 @@
 //! sits in whichever step. Padding rows and other requests' rows are never read.
 
 pub mod backend;
+pub mod flashinfer;
 pub mod manifest;
 pub mod write;
 

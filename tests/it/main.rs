@@ -21,6 +21,7 @@ mod dsa_v32;
 mod fixture_roundtrip;
 mod fixtures;
 mod flash;
+mod flashinfer;
 mod floors;
 mod gguf_crosscheck;
 mod glm5_next;
