@@ -63,7 +63,8 @@ pub fn schedule_for(needs: &[Need]) -> Schedule {
             | Need::QkNotV
             | Need::LargeQAbs
             | Need::F32
-            | Need::Prefill => {}
+            | Need::Prefill
+            | Need::KvCache => {}
         }
     }
     // Split lengths follow from the whole schedule (3 splits of `MultiSplit` share the keys): grow the
