@@ -230,6 +230,9 @@ pub struct LayerTrace {
     pub at_runner: Vec<AtRunner>,
     /// Where a runner's kernel reads a cache of lower precision than the rows it was sent.
     pub cache_effect: Vec<CacheEffect>,
+    /// The byte format the path stored its latent cache in (`auto`: the run's dtype); `cache_rows` is
+    /// then the rows as its reader decodes them, and the judge bounds them by the format's rounding.
+    pub cache_format: crate::kv_format::KvFormat,
 }
 
 impl LayerTrace {
@@ -239,6 +242,7 @@ impl LayerTrace {
             stages: Vec::new(),
             at_runner: Vec::new(),
             cache_effect: Vec::new(),
+            cache_format: Default::default(),
         }
     }
     pub fn push(&mut self, t: StageTensor) {

@@ -73,6 +73,7 @@ pub fn exec(a: Args) -> Result<i32, Error> {
             kernels_dir: a.kernels.clone(),
             runner: None,
             runner_page_moved: None,
+            kv_format: Default::default(),
         };
         backends.open(Choice::from(a.backend), &o)
     };
@@ -118,6 +119,7 @@ fn sensitivity(a: &Args) -> Result<i32, Error> {
             kernels_dir: a.kernels.clone(),
             runner: None,
             runner_page_moved: None,
+            kv_format: Default::default(),
         },
     )?;
     let sched = mla_diff::schedule::Schedule::default();
