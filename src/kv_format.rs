@@ -445,7 +445,7 @@ impl Codec {
     }
 
     /// The format's rounding bound per element of `row` (the values the path stored): half the element
-    /// type's spacing at `x / s` times `s`, plus the f32 product `q · s`'s rounding; for the bf16 rope of
+    /// type's spacing at `x / s` times `s`, plus the f32 roundings of `x / s` and `q · s`; for the bf16 rope of
     /// the ds_mla formats, half a bf16 step (0 where the values are bf16 already). With the scales of
     /// the format's rule (no faults).
     pub fn bound(&self, row: &[f64]) -> Vec<f64> {
@@ -469,7 +469,8 @@ impl Codec {
                     KvFormat::Fp4V41 => e2m1_half_step(x / s),
                     _ => e4m3_half_step(x / s),
                 };
-                half * s + x.abs() * u32_
+                // The quotient x / s is rounded to f32 before its conversion, the product q · s after.
+                half * s + 2.0 * x.abs() * u32_
             })
             .collect()
     }
