@@ -202,6 +202,22 @@ fn a_format_that_does_not_fit_is_refused() {
     ]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("only the CPU mirror"), "{}", stderr(&o));
+    // A capture would not keep the format: refused.
+    let dir = tempfile::tempdir().unwrap();
+    let cap = dir.path().join("cap");
+    let o = run(&[
+        "run",
+        f.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--kv-cache-dtype",
+        "fp8",
+        "--write-capture",
+        cap.to_str().unwrap(),
+        "-q",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("captures"), "{}", stderr(&o));
 }
 
 #[test]
