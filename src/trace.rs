@@ -234,6 +234,9 @@ pub struct LayerTrace {
     /// docs/captures.md); every other stage is in the run's dtype. It sets the stage's end-to-end
     /// tolerance ([`LayerTrace::tolerance_dtype`]) and the stage-local view's rounding model.
     pub storage: Vec<(Stage, crate::precision::Dtype)>,
+    /// The byte format the path stored its latent cache in (`auto`: the run's dtype); `cache_rows` is
+    /// then the rows as its reader decodes them, and the judge bounds them by the format's rounding.
+    pub cache_format: crate::kv_format::KvFormat,
 }
 
 impl LayerTrace {
@@ -244,6 +247,7 @@ impl LayerTrace {
             at_runner: Vec::new(),
             cache_effect: Vec::new(),
             storage: Vec::new(),
+            cache_format: Default::default(),
         }
     }
     pub fn push(&mut self, t: StageTensor) {

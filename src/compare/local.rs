@@ -5,7 +5,9 @@
 //!
 //! Inputs of each stage, as the serving path has them:
 //! - `attn_in` ← the layer input in the dtype; `q_nope`, `q_pe`, `kv_latent`, `k_pe` ← `attn_in`;
-//! - `cache_rows` ← `kv_latent`, `k_pe` (an exact copy);
+//! - `cache_rows` ← `kv_latent`, `k_pe` (an exact copy; in a quantized cache format, the trace's
+//!   `cache_format`, within the format's rounding bound per element, `kv_format::Codec::bound`; the
+//!   stages below read the stored, dequantized rows, so they carry the cache's rounding themselves);
 //! - `q_absorbed` ← `q_nope`; `split_out`/`split_lse` ← `q_absorbed`, `q_pe`, `cache_rows`;
 //!   `attn_latent`, `lse[decode]` ← the splits (or, when the backend does not expose them, the whole
 //!   decode attention from `q_nope`, `q_pe`, `cache_rows`); `attn_heads[decode]` ← `attn_latent`;
@@ -43,8 +45,11 @@ pub struct LocalStage {
     /// rounding moves the whole row): the part of the row's hidden variance that does, and how many
     /// independent sources it has. The judge's degrees of freedom come from it.
     pub coherent: Option<Vec<(f64, f64)>>,
-    /// A copy of values already stored in their type (the cache): must match exactly.
+    /// A copy of values already stored in their type (the cache): must match exactly (within `bound`).
     pub exact: bool,
+    /// Per element: the largest error a quantized cache format's rounding allows (`cache_rows` in a
+    /// format other than the dtype); any element beyond it fails the check.
+    pub bound: Option<Vec<f64>>,
     /// Per element: the bias a truncating tensor-core accumulator puts into the scores, carried here,
     /// at κ = 1 (`noise::Prediction::truncation`); `None` where the backend's accumulators round to
     /// nearest or the stage does not depend on scores.
@@ -68,6 +73,7 @@ impl Local {
             hidden_var,
             coherent: None,
             exact: false,
+            bound: None,
             truncation: None,
             store: None,
         });
@@ -265,6 +271,11 @@ fn rope_rows(
             xs[b] = yb;
         }
     }
+}
+
+/// Stored values (f32-exact) as f32.
+fn rows_f32(v: &[f64]) -> Vec<f32> {
+    v.iter().map(|&x| x as f32).collect()
 }
 
 /// A row of a standard-layout array (or a contiguous view) as a slice.
@@ -972,8 +983,23 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
         rows.iter_mut().for_each(|v| *v = Store::from(c).round(*v));
     }
     let n_rows = rows.len();
-    out.push(Stage::CacheRows, rows, vec![0.0; n_rows]);
-    out.stages.last_mut().expect("pushed").exact = true;
+    // A quantized cache: each element within the format's rounding bound b, its variance b²/3 (rounding
+    // uniform over a step of 2b).
+    let bound = (!opt.cache_format.is_auto()).then(|| {
+        let codec = crate::kv_format::Codec::new(opt.cache_format, lkv, r)
+            .with_tensor_scale(crate::kv_format::tensor_scale(&rows_f32(&rows)));
+        rows.chunks(lkv + r)
+            .flat_map(|x| codec.bound(x))
+            .collect::<Vec<f64>>()
+    });
+    let var = match &bound {
+        Some(b) => b.iter().map(|b| b * b / 3.0).collect(),
+        None => vec![0.0; n_rows],
+    };
+    out.push(Stage::CacheRows, rows, var);
+    let last = out.stages.last_mut().expect("pushed");
+    last.exact = true;
+    last.bound = bound;
 
     let (Some(o_qn), Some(o_qpe), Some(cache)) = (
         opt2(opt, Stage::QNope),

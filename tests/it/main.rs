@@ -27,6 +27,7 @@ mod gguf_crosscheck;
 mod glm5_next;
 mod golden;
 mod input;
+mod kv_format;
 mod lint;
 mod mirror;
 mod no_false_alarms;
