@@ -15,6 +15,10 @@
 #   batch      the serving batch on our decode kernel (#32 item 6: 5 requests of mixed lengths in one launch,
 #              per-entry seq_lens and block tables): every fixture at page 16 and 64 (bf16, fp16) must pass
 #              with its batch checks in the JSON; planted combine faults must fail the batch's own checks
+#   variants   every fixture's plain run (bf16, fp16) reaches every production variant (the sparse one by a fixed selection), those its schedule
+#              does not by batches aimed at them (#35 item 2), each aimed batch on the kernel it names; then the
+#              kernel probes pairs-handover-stale, small-ring-wrap and tma-page-tile (bench/probes) must fail a
+#              plain bf16 run of every fixture whose variants include their kernel and leave the others passing
 #   contract   split_lse_bf16 (an LSE stored in bf16 before the combine) fails a plain run of every fixture first
 #              at split_lse (the LSE's f32 storage contract, #35)
 #   coverage   every fixture's plain run names the Hopper decode kernel without warnings; wg2_keys_dropped and
@@ -130,6 +134,67 @@ batch() {
         expect 1 $? "batch g5 --inject $fault"
         python3 -c 'import json,sys; r=json.load(open(sys.argv[1])).get("runner_checks") or {}; f=[c for c in r.get("checks",[]) if c.get("check")=="serving_batch" and c.get("status")=="fail"]; print("    batch checks failed:", ", ".join(c["what"] for c in f)); sys.exit(0 if f else 1)' "$D/batch-g5-$fault.json" \
             || { echo "FAIL  $fault: the serving batch's own checks did not fail"; fail=1; }
+    done
+}
+# variant_checks JSON: every production variant reached (the sparse one aside) and each aimed batch on the
+# kernel its variant names; one line per aimed variant.
+variant_checks() {
+    python3 - "$1" <<'PYEOF'
+import json, re, sys
+r = json.load(open(sys.argv[1]))
+v = (r.get("coverage") or {}).get("variants") or {}
+bad = [x["id"] for x in v.get("list", []) if not x["reached"]]
+checks = [c for c in (r.get("runner_checks") or {}).get("checks", []) if c.get("check") == "variant_batch"]
+seen = {}
+for c in checks:
+    m = re.search(r"aimed at decode/([a-z_]+)/(\S+?):", c["detail"])
+    k = re.search(r"\(([a-z_]+), one launch", c["detail"])
+    if not m or not k:
+        bad.append("unparsed: " + c["detail"][:120]); continue
+    want, loads, ran = m.group(1), m.group(2), k.group(1)
+    if want != ran:
+        bad.append(f"aimed at {want}/{loads} but ran {ran}")
+    worst = seen.get((want, loads), (0.0, None))
+    if c.get("what") == "attn_latent":
+        seen[(want, loads)] = (c.get("value") or float("nan"), c.get("bound"))
+for (k, l), (val, b) in sorted(seen.items()):
+    print(f"    aimed {k}/{l}: attn_latent {val:.2e} (bound {b})")
+for b in bad:
+    print("    BAD " + b)
+sys.exit(1 if bad or not checks else 0)
+PYEOF
+}
+variants() {
+    local f n dt rc p k want first
+    for f in fixtures/*.gguf; do
+        n=$(basename "$f" .gguf)
+        for dt in bf16 fp16; do
+            [ "$(left)" -gt 40 ] || { echo "skip variants $n: budget"; fail=1; return 0; }
+            timeout "$(tmo 120)" "$B" run "$f" --backend cuda "${KX[@]}" --dtype $dt \
+                --json "$D/variants-$n-$dt.json" > "$D/variants-$n-$dt.txt" 2>&1
+            expect 0 $? "variants $n $dt"
+            variant_checks "$D/variants-$n-$dt.json" || { echo "FAIL  variants $n $dt: a variant not reached or on another kernel"; fail=1; }
+        done
+    done
+    # The sparse kernel's aimed batch (GLM-5: a DSA file within top_k) catches a sparse index fault.
+    timeout "$(tmo 120)" "$B" run $G5 --backend cuda "${KX[@]}" --inject sparse_index_page_base \
+        --json "$D/variants-g5-sparse-index.json" > "$D/variants-g5-sparse-index.txt" 2>&1
+    expect 1 $? "variants g5 --inject sparse_index_page_base"
+    python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); f=[c for c in (r.get("runner_checks") or {}).get("checks",[]) if c["status"]=="fail"]; print("    failed:", "; ".join(c["what"]+" "+c["detail"][:100] for c in f[:2])); sys.exit(0 if any("sparse_attn/past-top-k" in c["detail"] for c in f) else 1)' "$D/variants-g5-sparse-index.json" \
+        || { echo "FAIL  sparse_index_page_base: the sparse aimed batch did not fail"; fail=1; }
+    for p in pairs-handover-stale:attn_wgmma_pairs small-ring-wrap:attn_small tma-page-tile:tma-multi-tile-page; do
+        k=$(kdir "bench/probes/${p%%:*}.patch") || { fail=1; continue; }
+        for f in fixtures/*.gguf; do
+            n=$(basename "$f" .gguf)
+            [ "$(left)" -gt 40 ] || { echo "skip probe ${p%%:*} $n: budget"; fail=1; return 0; }
+            want=0
+            grep -q "${p#*:}" "$D/variants-$n-bf16.json" && want=1
+            timeout "$(tmo 120)" "$B" run "$f" --backend cuda --kernels "$k" --json "$D/probe-${p%%:*}-$n.json" > "$D/probe-${p%%:*}-$n.txt" 2>&1
+            rc=$?
+            expect $want $rc "probe ${p%%:*} on $n"
+            first=$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); f=[c for c in (r.get("runner_checks") or {}).get("checks",[]) if c["status"]=="fail"]; print(r["verdict"].get("first_check"), "| batch:", f[0]["check"]+" "+f[0]["what"]+" "+f[0]["detail"][:90] if f else "-")' "$D/probe-${p%%:*}-$n.json" 2>/dev/null)
+            echo "    first: $first"
+        done
     done
 }
 contract() {

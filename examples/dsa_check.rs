@@ -72,6 +72,7 @@ fn run() -> Result<bool> {
             kernels_dir: None,
             runner: None,
             runner_page_moved: None,
+            kv_format: Default::default(),
         },
     )?;
     let ctx = tables.ctx(&cfg, &w, &sched, Active::NONE);

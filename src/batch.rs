@@ -61,6 +61,36 @@ pub fn serving(s: &Schedule) -> Vec<Request> {
         .collect()
 }
 
+/// The batch aimed at one production decode variant (`backend::serving::aims`, issue #35): the
+/// variant's launch length `n_keys` (the longest request: a launch's kernel is chosen by its longest),
+/// one key, shorter than a page, and one key past a page of `page` rows, one query each. Empty when the
+/// schedule has no decode step.
+pub fn variant(s: &Schedule, n_keys: usize, page: usize) -> Vec<Request> {
+    let d = s.decode_tokens();
+    if d == 0 {
+        return Vec::new();
+    }
+    let p = page.max(1);
+    let lens: [(usize, &'static str); 4] = [
+        (n_keys, "the variant's launch length"),
+        (1, "one key: every split past the first is empty"),
+        (
+            (p / 2 + 1).min(p.saturating_sub(1)).max(1),
+            "shorter than a page",
+        ),
+        (p + 1, "one key past a page"),
+    ];
+    lens.iter()
+        .enumerate()
+        .map(|(r, &(seq_len, why))| Request {
+            seq_len: seq_len.min(n_keys.max(1)),
+            q_len: 1,
+            query: d - 1 - (r * 7) % d,
+            why,
+        })
+        .collect()
+}
+
 /// The padded entries a CUDA-graph engine appends to reach a captured batch size (vLLM PR #37442/#37815,
 /// flashinfer#2883, sglang PR #19902): one of zero length, one whose query is NaN over a one-key cache
 /// of NaN. Their outputs are don't-care; the real entries' must not change, bit for bit.

@@ -49,6 +49,11 @@ pub enum Fault {
     SparseIndexPageBase,
     IndexerFp8Scale,
     SplitLseBf16,
+    KvScaleTwice,
+    KvScaleInverted,
+    KvRopeQuantized,
+    KvScaleWrongGroup,
+    KvSaturate240,
 }
 
 /// What a run needs for a fault to be visible at all. Model needs are properties of the file; run
@@ -99,6 +104,9 @@ pub enum Need {
     /// tokens on the selftest's DSA fixture) for a per-key fault of a few σ to show in the count of far
     /// flips (`compare::selection::FLIP_SIGMAS`).
     Fp8Keys,
+    /// A quantized latent cache (`run --kv-cache-dtype`, a run option) in a format the fault applies to
+    /// (`kv_format::fault_fits`).
+    KvCache,
 }
 
 impl Need {
@@ -121,6 +129,7 @@ impl Need {
             Need::DecodeRows64 => "q_len×heads ≥ 64",
             Need::Dsa => "DSA past top_k",
             Need::Fp8Keys => "fp8 indexer keys",
+            Need::KvCache => "a quantized kv cache",
         }
     }
     /// Whether the model and schedule provide this; `None` when it depends on values or the dtype.
@@ -131,7 +140,7 @@ impl Need {
             Need::NeoxRope => cfg.rope.pairing == RopePairing::Neox,
             Need::Yarn => (cfg.mscale - 1.0).abs() > 1e-3,
             Need::QkNotV => cfg.qk_head_dim() != cfg.v_head_dim,
-            Need::LargeQAbs | Need::F32 | Need::Dsa | Need::Fp8Keys => return None,
+            Need::LargeQAbs | Need::F32 | Need::Dsa | Need::Fp8Keys | Need::KvCache => return None,
             Need::Prefill => s.prompt_len >= 2 && s.chunk >= 2,
             Need::Positions => s.pos_offset > 0 || s.total_tokens() >= 2,
             Need::Decode => decode,
@@ -190,7 +199,7 @@ pub struct Info {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 26] = [
+    pub const ALL: [Fault; 31] = [
         Fault::RopeNeox,
         Fault::RopeNorm,
         Fault::YarnMscaleMissing,
@@ -217,6 +226,11 @@ impl Fault {
         Fault::SparseIndexPageBase,
         Fault::IndexerFp8Scale,
         Fault::SplitLseBf16,
+        Fault::KvScaleTwice,
+        Fault::KvScaleInverted,
+        Fault::KvRopeQuantized,
+        Fault::KvScaleWrongGroup,
+        Fault::KvSaturate240,
     ];
 
     /// A fault of the DSA indexer: caught by the selection check (`SELECTION_CHECK`), not a stage check.

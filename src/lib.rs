@@ -25,6 +25,7 @@ pub mod gpus;
 pub mod input;
 pub mod inspect;
 pub mod kernel_use;
+pub mod kv_format;
 pub mod linalg;
 pub mod lint;
 pub mod merge;

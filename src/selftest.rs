@@ -22,6 +22,7 @@ use crate::compare::ToleranceTable;
 use crate::error::{Error, Result};
 use crate::faults::{Fault, FaultSet, Injection, Need};
 use crate::gguf::GgufFile;
+use crate::kv_format::KvFormat;
 use crate::model::MlaConfig;
 use crate::precision::Dtype;
 use crate::report::Report;
@@ -44,8 +45,10 @@ pub struct Options {
 /// Makes the optimized path for a case's dtype (`backend::Factory::open`, which shares one GPU context
 /// across cases). The case's faults reach the backend through each layer's `LayerCtx`; they are passed
 /// here too so that a test can wrap a backend that misuses them.
+/// A case's cache format (`Case::kv`) is the second argument: a backend that stores no quantized cache
+/// refuses it, and those cases are left out.
 pub type BackendFactory<'a> =
-    dyn FnMut(Dtype, &FaultSet) -> Result<(Box<dyn Backend>, BackendInfo)> + 'a;
+    dyn FnMut(Dtype, KvFormat, &FaultSet) -> Result<(Box<dyn Backend>, BackendInfo)> + 'a;
 
 /// Run the selftest. `on_outcome` sees each outcome as it is made (for progress lines).
 pub fn run(
@@ -104,16 +107,24 @@ fn run_cases(
     // Indexer faults need the backend's own indexer (the stand-in takes none).
     let (sparse_ok, indexer_ok) = match cases.iter().find(|c| needs_sparse(c)) {
         Some(c) => {
-            let b = make_backend(c.dtype, &FaultSet::default())?.0;
+            let b = make_backend(c.dtype, KvFormat::Auto, &FaultSet::default())?.0;
             (b.sparse(), b.has_indexer())
         }
         None => (true, true),
+    };
+    // Cache faults need a backend that stores a quantized cache (the CPU mirror, issue #38).
+    let kv_ok = match cases.iter().find(|c| !c.kv.is_auto()) {
+        Some(c) => make_backend(c.dtype, c.kv, &FaultSet::default()).is_ok(),
+        None => true,
     };
     let cases: Vec<Case> = cases
         .iter()
         .filter(|c| {
             let why = match c.fault {
                 _ if !sparse_ok && needs_sparse(c) => "the backend has no sparse attention for DSA",
+                _ if !kv_ok && !c.kv.is_auto() => {
+                    "the backend stores no quantized kv cache (the CPU mirror only, issue #38)"
+                }
                 Some(f) if !indexer_ok && f.is_indexer() => {
                     "the backend has no indexer of its own; the CPU mirror's stands in, without faults"
                 }
@@ -182,7 +193,7 @@ fn run_case(
             })
             .unwrap_or_default(),
     );
-    let (mut backend, info) = make_backend(c.dtype, &faults)?;
+    let (mut backend, info) = make_backend(c.dtype, c.kv, &faults)?;
     let opts = RunOptions {
         layers: None,
         input: InputSpec::Random { seed: o.seed },

@@ -230,6 +230,13 @@ pub struct LayerTrace {
     pub at_runner: Vec<AtRunner>,
     /// Where a runner's kernel reads a cache of lower precision than the rows it was sent.
     pub cache_effect: Vec<CacheEffect>,
+    /// The storage type of each stage the backend declares one for (a capture's `stage_dtypes`:
+    /// docs/captures.md); every other stage is in the run's dtype. It sets the stage's end-to-end
+    /// tolerance ([`LayerTrace::tolerance_dtype`]) and the stage-local view's rounding model.
+    pub storage: Vec<(Stage, crate::precision::Dtype)>,
+    /// The byte format the path stored its latent cache in (`auto`: the run's dtype); `cache_rows` is
+    /// then the rows as its reader decodes them, and the judge bounds them by the format's rounding.
+    pub cache_format: crate::kv_format::KvFormat,
 }
 
 impl LayerTrace {
@@ -239,6 +246,8 @@ impl LayerTrace {
             stages: Vec::new(),
             at_runner: Vec::new(),
             cache_effect: Vec::new(),
+            storage: Vec::new(),
+            cache_format: Default::default(),
         }
     }
     pub fn push(&mut self, t: StageTensor) {
@@ -251,11 +260,78 @@ impl LayerTrace {
     pub fn get_mut(&mut self, stage: Stage) -> Option<&mut StageTensor> {
         self.stages.iter_mut().find(|s| s.stage == stage)
     }
+    /// The storage type declared for `stage` (`storage`), if any.
+    pub fn declared(&self, stage: Stage) -> Option<crate::precision::Dtype> {
+        self.storage
+            .iter()
+            .find(|(s, _)| *s == stage)
+            .map(|&(_, d)| d)
+    }
+    /// `stage`'s storage type: declared, else the run's `dtype`.
+    pub fn dtype_of(
+        &self,
+        stage: Stage,
+        dtype: crate::precision::Dtype,
+    ) -> crate::precision::Dtype {
+        self.declared(stage).unwrap_or(dtype)
+    }
+    /// The dtype whose calibrated end-to-end tolerance bounds `stage`: the coarsest storage type of it
+    /// and of the trace's stages before it in dataflow order, whose error it carries (an f32 o_proj
+    /// of heads from an f16 attention is f16-accurate). The run's `dtype` where nothing is declared.
+    pub fn tolerance_dtype(
+        &self,
+        stage: Stage,
+        dtype: crate::precision::Dtype,
+    ) -> crate::precision::Dtype {
+        if self.storage.is_empty() {
+            return dtype;
+        }
+        self.stages
+            .iter()
+            .map(|t| t.stage)
+            .filter(|s| s.order() <= stage.order())
+            .chain([stage])
+            .map(|s| self.dtype_of(s, dtype))
+            .fold(self.dtype_of(stage, dtype), |a, b| {
+                if b.round_unit() > a.round_unit() {
+                    b
+                } else {
+                    a
+                }
+            })
+    }
 }
 
 #[cfg(test)]
 mod table_tests {
     use super::*;
+
+    /// A declared storage type bounds its stage and every stage after it in dataflow order, the
+    /// coarsest winning; nothing declared, the run's dtype.
+    #[test]
+    fn a_stage_is_bounded_by_the_coarsest_type_up_to_it() {
+        use crate::precision::Dtype;
+        let mut t = LayerTrace::new(0);
+        for s in [
+            Stage::KvLatent,
+            Stage::CacheRows,
+            Stage::AttnLatent,
+            Stage::AttnOut,
+        ] {
+            t.push(StageTensor::new(s, vec![1; s.axes().len()], vec![0.0]));
+        }
+        assert_eq!(t.tolerance_dtype(Stage::AttnOut, Dtype::F32), Dtype::F32);
+        t.storage = vec![(Stage::CacheRows, Dtype::F16), (Stage::AttnOut, Dtype::F32)];
+        assert_eq!(t.tolerance_dtype(Stage::KvLatent, Dtype::F32), Dtype::F32);
+        assert_eq!(t.tolerance_dtype(Stage::CacheRows, Dtype::F32), Dtype::F16);
+        assert_eq!(t.tolerance_dtype(Stage::AttnOut, Dtype::F32), Dtype::F16);
+        assert_eq!(t.dtype_of(Stage::AttnOut, Dtype::Bf16), Dtype::F32);
+        t.storage.push((Stage::KvLatent, Dtype::Bf16));
+        assert_eq!(
+            t.tolerance_dtype(Stage::AttnLatent, Dtype::F32),
+            Dtype::Bf16
+        );
+    }
 
     /// `Stage::info` indexes the table by the variant's value: each row must sit at its own index, and
     /// names must be unique (they key traces, reports and `--tol`).

@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 import struct
 import tempfile
 import unittest
@@ -54,7 +55,9 @@ class CaptureApi(unittest.TestCase):
         with open(os.path.join(self.dir, "manifest.json")) as f:
             m = json.load(f)
         self.assertEqual(m["format"], "mla-diff-capture")
-        self.assertEqual(m["version"], 1)
+        self.assertEqual(m["version"], 2)
+        # The session's dtype is bf16 (the default); x was tapped in f32, and says so.
+        self.assertEqual(m["stage_dtypes"], {"x": "f32"})
         self.assertEqual(m["model"], mla_diff.gguf_identity(MODEL))
         self.assertEqual(m["requests"], [{"id": 0, "tokens": [5, 6, 7], "positions": [0, 1, 2], "prefill": 2}])
         self.assertEqual(m["steps"][0]["rows"], [None, [0, 0], [0, 1]])
@@ -122,6 +125,39 @@ class CaptureApi(unittest.TestCase):
         got = load_file(os.path.join(self.dir, "layer0", "step0.safetensors"))
         np.testing.assert_array_equal(got["attn_latent.rows"], [1, 0])
         np.testing.assert_array_equal(got["attn_latent"][:, 0, 0], [2.0, 1.0])
+
+    def test_stage_dtypes_are_each_tensors_own(self):
+        """Each stage's storage type is its tensors' own (f16 cache rows next to f32 projections), the
+        coarsest where taps differ, `dtype=` where the engine says; the session's dtype is not repeated;
+        indices and f64 record none."""
+        with self.session(dtype="f32") as s:
+            r = s.request([1, 2], prefill=1)
+            s.step("prefill", [(r, 0)])
+            capture.tap("x", np.zeros((1, 4), np.float32), layer=0)
+            capture.tap("kv_latent", np.zeros((1, 4), np.float64), layer=0)
+            capture.tap("cache_rows", np.zeros((1, 6), np.float16), layer=0)
+            capture.tap("attn_heads", np.zeros((1, 4), np.float32), layer=0, dtype="fp16")
+            capture.tap("topk", np.zeros((1, 2), np.int32), layer=0)
+            capture.tap("lse", np.zeros((1, 2), np.float16), layer=0)
+            s.step("decode", [(r, 1)])
+            capture.tap("lse", np.zeros((1, 2), ml_dtypes.bfloat16), layer=0)
+        with open(os.path.join(self.dir, "manifest.json")) as f:
+            m = json.load(f)
+        self.assertEqual(m["stage_dtypes"], {"cache_rows": "fp16", "lse": "bf16", "attn_heads": "fp16"})
+        # None differing from the session's dtype: no key (a version-1-shaped manifest).
+        shutil.rmtree(self.dir)
+        with self.session(dtype="fp16", stage_dtypes={"attn_out": "fp16"}) as s:
+            r = s.request([1])
+            s.step("prefill", [(r, 0)])
+            capture.tap("cache_rows", np.zeros((1, 6), np.float16), layer=0)
+        with open(os.path.join(self.dir, "manifest.json")) as f:
+            self.assertNotIn("stage_dtypes", json.load(f))
+        with self.assertRaisesRegex(capture.CaptureError, "stage_dtypes\\['topk'\\]: not a stage with values"):
+            capture.session(os.path.join(self.tmp.name, "b"), model_file=MODEL, stage_dtypes={"topk": "f32"})
+        with self.assertRaisesRegex(capture.CaptureError, "dtype must be one of"):
+            with self.session(overwrite=True) as s:
+                s.step("prefill", [(s.request([1]), 0)])
+                capture.tap("x", np.zeros((1, 4), np.float32), layer=0, dtype="f8")
 
     @unittest.skipUnless(torch is not None, "torch not installed")
     def test_torch_bf16_is_copied_bit_for_bit(self):

@@ -180,6 +180,12 @@ pub trait Backend {
         Vec::new()
     }
 
+    /// The production variants (`tiles::variants` ids) it ran batches aimed at (`serving::aims`,
+    /// `serving::sparse_aim`): the coverage section lists them reached.
+    fn aimed_variants(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// Coverage warnings of its own: what it kept the schedule from reaching (a runner's `supports`).
     fn coverage_notes(&self, _sched: &Schedule) -> Vec<String> {
         Vec::new()

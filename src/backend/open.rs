@@ -85,6 +85,9 @@ pub struct Options {
     /// `(schedule's page, page run)` when the run's page was moved to one the runner takes
     /// (`runner::protocol::page_for`): the runner backend's notice says so.
     pub runner_page_moved: Option<(usize, usize)>,
+    /// The latent cache's byte format (`run --kv-cache-dtype`): only the CPU mirror stores other
+    /// formats than the dtype so far.
+    pub kv_format: crate::kv_format::KvFormat,
 }
 
 /// The facts of an opened backend, for the report.
@@ -127,8 +130,16 @@ impl Factory {
                 d.display()
             )));
         }
+        // Issue #38: the CUDA kernels and runners read the dtype's cache only; their fp8 formats are a
+        // later step.
+        if !o.kv_format.is_auto() && (kind != Kind::Cpu || o.runner.is_some()) {
+            return Err(crate::error::Error::Usage(format!(
+                "--kv-cache-dtype {}: only the CPU mirror stores a quantized cache so far (--backend cpu, no --runner); the CUDA kernels and the runner protocol read the run's dtype (issue #38, later steps)",
+                o.kv_format.name()
+            )));
+        }
         let mut b: Box<dyn Backend> = match kind {
-            Kind::Cpu => Box::new(CpuMirror::new(o.dtype)),
+            Kind::Cpu => Box::new(CpuMirror::new(o.dtype).with_kv_format(o.kv_format)),
             Kind::Capture => {
                 return Err(crate::error::Error::Usage(
                     "a capture is opened by run --capture, not by a backend choice".into(),

@@ -143,6 +143,18 @@ impl CaptureBackend {
             has.join(", "),
             if lacks.is_empty() { "none".to_string() } else { lacks.join(", ") },
         )];
+        if !m.stage_dtypes.is_empty() {
+            let per: Vec<String> = m
+                .stage_dtypes
+                .iter()
+                .map(|(k, d)| format!("{k} {}", d.name()))
+                .collect();
+            notices.push(format!(
+                "capture: stored in {}, except {}: each stage bounded by its own type (end to end by the coarsest up to it)",
+                m.dtype.name(),
+                per.join(", ")
+            ));
+        }
         if world > 1 {
             let present: Vec<usize> = ranks.iter().map(|(r, _)| *r).collect();
             notices.push(if ranks.len() == world {
@@ -304,9 +316,12 @@ impl Backend for CaptureBackend {
             .map(|i| self.judge_rank(ctx, x, i))
             .collect::<Result<Vec<_>>>()?;
         if self.ranks.len() == self.world {
-            return Ok(crate::tp::slice::gather(&traces, self.dtype));
+            let mut out = crate::tp::slice::gather(&traces, self.dtype);
+            out.storage = traces[0].storage.clone();
+            return Ok(out);
         }
         let mut out = LayerTrace::new(ctx.layer);
+        out.storage = traces[0].storage.clone();
         for t in &traces[0].stages {
             if self.provided.contains(t.stage) {
                 out.push(t.clone());

@@ -6,7 +6,10 @@ use serde::{Deserialize, Serialize};
 use std::path::{Component, Path};
 
 pub const FORMAT: &str = "mla-diff-capture";
-pub const VERSION: u32 = 1;
+/// The version written. 2 added `stage_dtypes`; a version-1 manifest (without it) reads unchanged.
+pub const VERSION: u32 = 2;
+/// The versions read.
+pub const VERSIONS: std::ops::RangeInclusive<u32> = 1..=VERSION;
 pub const MANIFEST: &str = "manifest.json";
 
 /// The names a step file may hold (docs/captures.md, "Stages in a step file"), besides `NAME.rows`.
@@ -38,6 +41,10 @@ pub struct Manifest {
     pub engine: Engine,
     pub model: ModelId,
     pub dtype: crate::precision::Dtype,
+    /// Version 2: the storage type of each stage named, where it is not `dtype` (llama.cpp's f16
+    /// cache rows next to its f32 projections). Stages not named are in `dtype`.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub stage_dtypes: std::collections::BTreeMap<String, crate::precision::Dtype>,
     #[serde(default)]
     pub conventions: Conventions,
     #[serde(default)]
@@ -202,10 +209,11 @@ impl Manifest {
             )));
         }
         match v.get("version").and_then(|f| f.as_u64()) {
-            Some(n) if n == VERSION as u64 => {}
+            Some(n) if u32::try_from(n).is_ok_and(|n| VERSIONS.contains(&n)) => {}
             Some(n) => {
                 return Err(bad(format!(
-                    "format version {n}; this mla-diff reads version {VERSION}"
+                    "format version {n}; this mla-diff reads versions {} to {VERSION}",
+                    VERSIONS.start()
                 )))
             }
             None => return Err(bad(format!("{MANIFEST} has no integer version"))),
@@ -327,6 +335,36 @@ impl Manifest {
                 ));
             }
         }
+        if !self.stage_dtypes.is_empty() && self.version < 2 {
+            return Err("stage_dtypes needs format version 2".into());
+        }
+        if let Some(k) = self
+            .stage_dtypes
+            .keys()
+            .find(|k| !NAMES.contains(&k.as_str()) || matches!(k.as_str(), "slot_mapping" | "topk"))
+        {
+            return Err(format!(
+                "stage_dtypes names {k:?}, which is not a stage with values (stages: {})",
+                NAMES
+                    .iter()
+                    .filter(|n| !matches!(**n, "slot_mapping" | "topk"))
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
+        if let (Some(a), Some(b)) = (
+            self.stage_dtypes.get("cache_rows"),
+            self.stage_dtypes.get("kv_cache"),
+        ) {
+            if a != b {
+                return Err(format!(
+                    "stage_dtypes gives cache_rows {} but kv_cache {}: one cache, one type",
+                    a.name(),
+                    b.name()
+                ));
+            }
+        }
         if let Some((k, v)) = self
             .names
             .iter()
@@ -335,6 +373,18 @@ impl Manifest {
             return Err(format!("names[{k:?}] = {v:?} is not a stage"));
         }
         Ok(())
+    }
+
+    /// The storage types declared for the trace's stages (`stage_dtypes`; `kv_cache` is the cache
+    /// rows'), for `LayerTrace::storage`.
+    pub fn storage(&self) -> Vec<(crate::trace::Stage, crate::precision::Dtype)> {
+        self.stage_dtypes
+            .iter()
+            .filter_map(|(k, &d)| {
+                let name = if k == "kv_cache" { "cache_rows" } else { k };
+                crate::trace::Stage::from_name(name).map(|s| (s, d))
+            })
+            .collect()
     }
 
     /// The model identity of `file`, as this manifest records one.

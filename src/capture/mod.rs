@@ -9,6 +9,7 @@
 //! sits in whichever step. Padding rows and other requests' rows are never read.
 
 pub mod backend;
+pub mod flashinfer;
 pub mod manifest;
 pub mod write;
 
@@ -161,6 +162,7 @@ impl Capture {
                 self.read_file(f, step, req, &dims, &mut rows)?;
             }
             let mut trace = LayerTrace::new(l);
+            trace.storage = m.storage();
             let mut set = StageSet::NONE;
             for (name, per_tok) in rows {
                 if name == "topk" {

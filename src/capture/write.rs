@@ -221,6 +221,7 @@ impl<'a> WriteCapture<'a> {
             },
             model: self.model.clone(),
             dtype: self.dtype,
+            stage_dtypes: Default::default(),
             conventions: Default::default(),
             tp: manifest::Tp {
                 rank,

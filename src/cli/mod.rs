@@ -8,6 +8,7 @@ mod bench;
 mod calibrate;
 mod export;
 mod fixture;
+mod flashinfer;
 mod gpu_validate;
 mod inspect;
 mod kernels;
@@ -55,6 +56,11 @@ enum Cmd {
     /// Replay a capsule written by `export`: check its weights still give its reference, run its layer
     /// through the fp64 reference and the optimized path, and write the same reports as `run`.
     Replay(Box<replay::Args>),
+    /// Check every MLA call of a FlashInfer API-logging dump (FLASHINFER_LOGLEVEL=10,
+    /// FLASHINFER_DUMP_SAFETENSORS=1) against fp64 attention from the call's own inputs: one line per
+    /// call. A kernel-level check of the engine's calls (no layer weights); --model adds the model's
+    /// softmax scale and dims.
+    Flashinfer(flashinfer::Args),
     /// Measure the CPU mirror's noise on GGUF files and write the tolerance table it implies.
     Calibrate(calibrate::Args),
     /// Plant every bug of the fault catalogue in the optimized path, one run each on small fixtures, and
@@ -81,6 +87,7 @@ pub fn exec(cli: Cli) -> Result<i32, Error> {
         Cmd::Merge(a) => merge::exec(a),
         Cmd::Export(a) => export::exec(*a),
         Cmd::Replay(a) => replay::exec(*a),
+        Cmd::Flashinfer(a) => flashinfer::exec(a),
         Cmd::Calibrate(a) => calibrate::exec(a),
         Cmd::Selftest(a) => selftest::exec(a),
         Cmd::Kernels(a) => kernels::exec(a),

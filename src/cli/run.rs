@@ -329,6 +329,14 @@ pub fn exec(mut a: Args) -> Result<i32, Error> {
         a.become_worker(w);
     }
     let faults = a.faults()?;
+    // A capture neither says nor keeps the cache's byte format yet (issue #38, the runner protocol's
+    // `cache.format`): refused rather than judged as the dtype's cache.
+    let kv = a.backend.kv_cache_dtype;
+    if !kv.is_auto() && (!a.capture.is_empty() || a.write_capture.is_some()) {
+        return Err(Error::Usage(format!(
+            "--kv-cache-dtype {kv}: captures (--capture, --write-capture) carry the dtype's cache only so far (issue #38)"
+        )));
+    }
     let file = GgufFile::open(&a.file)?;
     let cfg = MlaConfig::from_gguf(&file)?;
     if !a.capture.is_empty() {

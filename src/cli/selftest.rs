@@ -67,12 +67,13 @@ pub fn exec(a: Args) -> Result<i32, Error> {
     println!("mla-diff selftest: backend {}, every fault injected into layer {} of a {}-layer fixture, shadow mode", a.backend.name(), selftest::TARGET, selftest::LAYERS);
     // One GPU context and kernel cache for all cases (opened by the first case).
     let mut backends = Factory::new();
-    let factory: &mut selftest::BackendFactory = &mut |dtype, _faults| {
+    let factory: &mut selftest::BackendFactory = &mut |dtype, kv_format, _faults| {
         let o = mla_diff::backend::Options {
             dtype,
             kernels_dir: a.kernels.clone(),
             runner: None,
             runner_page_moved: None,
+            kv_format,
         };
         backends.open(Choice::from(a.backend), &o)
     };
@@ -118,6 +119,7 @@ fn sensitivity(a: &Args) -> Result<i32, Error> {
             kernels_dir: a.kernels.clone(),
             runner: None,
             runner_page_moved: None,
+            kv_format: Default::default(),
         },
     )?;
     let sched = mla_diff::schedule::Schedule::default();

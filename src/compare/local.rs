@@ -5,7 +5,9 @@
 //!
 //! Inputs of each stage, as the serving path has them:
 //! - `attn_in` ← the layer input in the dtype; `q_nope`, `q_pe`, `kv_latent`, `k_pe` ← `attn_in`;
-//! - `cache_rows` ← `kv_latent`, `k_pe` (an exact copy);
+//! - `cache_rows` ← `kv_latent`, `k_pe` (an exact copy; in a quantized cache format, the trace's
+//!   `cache_format`, within the format's rounding bound per element, `kv_format::Codec::bound`; the
+//!   stages below read the stored, dequantized rows, so they carry the cache's rounding themselves);
 //! - `q_absorbed` ← `q_nope`; `split_out`/`split_lse` ← `q_absorbed`, `q_pe`, `cache_rows`;
 //!   `attn_latent`, `lse[decode]` ← the splits (or, when the backend does not expose them, the whole
 //!   decode attention from `q_nope`, `q_pe`, `cache_rows`); `attn_heads[decode]` ← `attn_latent`;
@@ -43,8 +45,11 @@ pub struct LocalStage {
     /// rounding moves the whole row): the part of the row's hidden variance that does, and how many
     /// independent sources it has. The judge's degrees of freedom come from it.
     pub coherent: Option<Vec<(f64, f64)>>,
-    /// A copy of values already stored in their type (the cache): must match exactly.
+    /// A copy of values already stored in their type (the cache): must match exactly (within `bound`).
     pub exact: bool,
+    /// Per element: the largest error a quantized cache format's rounding allows (`cache_rows` in a
+    /// format other than the dtype); any element beyond it fails the check.
+    pub bound: Option<Vec<f64>>,
     /// Per element: the bias a truncating tensor-core accumulator puts into the scores, carried here,
     /// at κ = 1 (`noise::Prediction::truncation`); `None` where the backend's accumulators round to
     /// nearest or the stage does not depend on scores.
@@ -68,6 +73,7 @@ impl Local {
             hidden_var,
             coherent: None,
             exact: false,
+            bound: None,
             truncation: None,
             store: None,
         });
@@ -265,6 +271,11 @@ fn rope_rows(
             xs[b] = yb;
         }
     }
+}
+
+/// Stored values (f32-exact) as f32.
+fn rows_f32(v: &[f64]) -> Vec<f32> {
+    v.iter().map(|&x| x as f32).collect()
 }
 
 /// A row of a standard-layout array (or a contiguous view) as a slice.
@@ -880,6 +891,11 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
     // DSA: the keys query t attends to (all visible ones on a dense layer).
     let keep = |t: usize, j: usize| sp.is_none_or(|sp| sp.selection.allows(t, j));
     let (cfg, dt, sched) = (f.cfg, f.dtype, f.sched);
+    // Each stage's storage type: the backend's declared one (a capture's `stage_dtypes`), else the
+    // run's. The attention computes in the type of the cache it reads (ggml converts the query to K's
+    // type, MMA kernels take their operands in it): its P, keys, values and a wider query's rounding.
+    let dt_of = |st: Stage| opt.dtype_of(st, dt);
+    let adt = dt_of(Stage::CacheRows);
     let rope = RopeF32::new(f.rope, Active::NONE);
     let (h, p, r, dv, lkv) = (
         cfg.n_head,
@@ -919,7 +935,7 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
     // q is stored before rope.
     Zip::from(vq.slice_mut(s![.., p..]))
         .and(q.slice(s![.., p..]))
-        .for_each(|v, &y| *v += hidden_round(dt, y));
+        .for_each(|v, &y| *v += hidden_round(dt_of(Stage::QPe), y));
     rope_rows(&mut q, &mut vq, &rope, p..dk, |row| row / h);
     out.push(
         Stage::QPe,
@@ -928,9 +944,14 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
     );
 
     // kv ← attn_in: stored, then the latent normed and k_pe roped.
-    Zip::from(&mut vkv)
-        .and(&kv)
-        .for_each(|v, &y| *v += hidden_round(dt, y));
+    for (cols, st) in [
+        (s![.., ..lkv], Stage::KvLatent),
+        (s![.., lkv..], Stage::KPe),
+    ] {
+        Zip::from(vkv.slice_mut(cols))
+            .and(kv.slice(cols))
+            .for_each(|v, &y| *v += hidden_round(dt_of(st), y));
+    }
     let (lat, vlat) = rms_norm(
         kv.slice(s![.., ..lkv]),
         vkv.slice(s![.., ..lkv]),
@@ -957,9 +978,28 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
     for t in 0..t_all {
         rows.extend(o_lat.row(t).iter().chain(o_kpe.row(t).iter()));
     }
+    // In a cache of a type of its own (an f16 cache of f32 rows): a copy rounded to it.
+    if let Some(c) = opt.declared(Stage::CacheRows) {
+        rows.iter_mut().for_each(|v| *v = Store::from(c).round(*v));
+    }
     let n_rows = rows.len();
-    out.push(Stage::CacheRows, rows, vec![0.0; n_rows]);
-    out.stages.last_mut().expect("pushed").exact = true;
+    // A quantized cache: each element within the format's rounding bound b, its variance b²/3 (rounding
+    // uniform over a step of 2b).
+    let bound = (!opt.cache_format.is_auto()).then(|| {
+        let codec = crate::kv_format::Codec::new(opt.cache_format, lkv, r)
+            .with_tensor_scale(crate::kv_format::tensor_scale(&rows_f32(&rows)));
+        rows.chunks(lkv + r)
+            .flat_map(|x| codec.bound(x))
+            .collect::<Vec<f64>>()
+    });
+    let var = match &bound {
+        Some(b) => b.iter().map(|b| b * b / 3.0).collect(),
+        None => vec![0.0; n_rows],
+    };
+    out.push(Stage::CacheRows, rows, var);
+    let last = out.stages.last_mut().expect("pushed");
+    last.exact = true;
+    last.bound = bound;
 
     let (Some(o_qn), Some(o_qpe), Some(cache)) = (
         opt2(opt, Stage::QNope),
@@ -986,10 +1026,28 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
     // Our kernels (the mirror's and CUDA's) store every LSE, split or merged, in f32.
     let lse_store = f.known_attention.then_some(Store::F32);
     let path = Path {
-        dt,
+        dt: adt,
         online: f.known_attention,
         sum,
     };
+    // A query stored wider than the attention's type is rounded to it on the way in: the variance
+    // that adds to a score against key `(k, kr)` (nothing where q is stored in the attention's type).
+    let widen = |qs: Stage| dt_of(qs).round_unit() < adt.round_unit();
+    let (qn_wide, qp_wide) = (widen(Stage::QNope), widen(Stage::QPe));
+    let q_round = |wide: bool, q: &[f64], k: &[f64]| -> f64 {
+        match wide {
+            true => q
+                .iter()
+                .zip(k)
+                .map(|(&a, &b)| b * b * hidden_round(adt, a))
+                .sum(),
+            false => 0.0,
+        }
+    };
+    // An engine whose attention is unknown, over a cache in a type of its own, may attend in latent
+    // space (llama.cpp's absorbed MLA prefill: P·V over the cache's latent rows, summed in its type,
+    // then W_UV): each key's value rounded there, carried through W_UV, as well as in v space.
+    let latent_values = !f.known_attention && opt.declared(Stage::CacheRows).is_some();
     // attn_heads[decode] needs the stored attn_latent.
     let mut heads_ok = true;
 
@@ -1007,11 +1065,15 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
                     let (k, mut vk) = linear(lat, &uk);
                     Zip::from(&mut vk)
                         .and(&k)
-                        .for_each(|v, &y| *v += hidden_round(dt, y));
+                        .for_each(|v, &y| *v += hidden_round(adt, y));
                     let (v, mut vv) = linear(lat, &uv);
                     Zip::from(&mut vv)
                         .and(&v)
-                        .for_each(|x, &y| *x += hidden_round(dt, y));
+                        .for_each(|x, &y| *x += hidden_round(adt, y));
+                    if latent_values {
+                        let r = lat.mapv(|y| Store::from(adt).worst_round_var(y));
+                        vv += &r.dot(&uv.mapv(|w| w * w).t());
+                    }
                     (k, vk, v, vv)
                 };
                 let own = decompress(o_lat.slice(s![..pl, ..]));
@@ -1047,7 +1109,12 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
                                         sl(kpe.row(j)),
                                         sum,
                                     );
-                                    score(d, scale, sum)
+                                    let mut sc = score(d, scale, sum);
+                                    sc.var += scale
+                                        * scale
+                                        * (q_round(qn_wide, sl(qn), sl(k.row(j)))
+                                            + q_round(qp_wide, sl(qp), sl(kpe.row(j))));
+                                    sc
                                 })
                                 .collect();
                             let cs = |j: usize, k: usize| match &gram {
@@ -1073,7 +1140,7 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
                             let mut parts = [part(0..c.start, ctx, &kpe_ctx), mine];
                             for pa in parts.iter_mut() {
                                 for (v, &o) in pa.var.iter_mut().zip(&pa.out) {
-                                    *v += hidden_round(dt, o);
+                                    *v += hidden_round(adt, o);
                                 }
                             }
                             merge(&parts)
@@ -1127,7 +1194,7 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
                 let mut v = vqabs.clone();
                 Zip::from(&mut v)
                     .and(&qabs)
-                    .for_each(|x, &y| *x += hidden_round(dt, y));
+                    .for_each(|x, &y| *x += hidden_round(adt, y));
                 (qabs.clone(), v)
             }
         };
@@ -1169,7 +1236,9 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
                     );
                     let score_of = |j: usize| {
                         let (lt, kp) = row(&cache, j).split_at(lkv);
-                        score(dot_var(lt, qa, vqa, kp, qp, sum), scale, sum)
+                        let mut sc = score(dot_var(lt, qa, vqa, kp, qp, sum), scale, sum);
+                        sc.var += scale * scale * q_round(qp_wide, qp, kp);
+                        sc
                     };
                     let parts: Vec<Attn> = splits
                         .iter()
@@ -1257,7 +1326,7 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
         // way, `runner::decode::put_decode_outputs`). A no-op for paths that store it in the dtype.
         if let Some(o_att) = opt2(opt, Stage::AttnLatent) {
             let o_att = o_att
-                .mapv(|v| dt.round(v as f32) as f64)
+                .mapv(|v| dt_of(Stage::AttnLatent).round(v as f32) as f64)
                 .into_shape_with_order((nd * h, lkv))
                 .expect("[D, H, Lkv]");
             for hh in 0..h {
@@ -1287,6 +1356,10 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
             y.into_raw_vec_and_offset().0,
             v.into_raw_vec_and_offset().0,
         );
+    }
+    // A declared storage type is the stage's contract (as our kernels' f32 LSE is).
+    for l in out.stages.iter_mut().filter(|l| l.store.is_none()) {
+        l.store = opt.declared(l.stage).map(Store::from);
     }
     out
 }

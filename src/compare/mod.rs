@@ -432,7 +432,55 @@ fn judge_local(
         truncation: loc.truncation.as_ref().map(|b| &b[span.clone()]),
         store: loc.store,
     };
-    noise::judge(&opt.data[span.clone()], &values[span], &pred, &pos)
+    let mut l = noise::judge(&opt.data[span.clone()], &values[span.clone()], &pred, &pos);
+    if let Some(b) = &loc.bound {
+        beyond_bound(
+            &mut l,
+            &opt.data[span.clone()],
+            &values[span.clone()],
+            &b[span],
+            &pos,
+        );
+    }
+    l
+}
+
+/// A quantized cache's rows against the format's rounding bound per element (`LocalStage::bound`): the
+/// worst |error| ÷ bound joins the check's ratio, and any element beyond it fails the check.
+fn beyond_bound(
+    l: &mut noise::LocalResult,
+    opt: &[f64],
+    local: &[f64],
+    bound: &[f64],
+    pos: &dyn Fn(usize) -> Position,
+) {
+    let (mut worst, mut at) = (0f64, None);
+    for (i, ((&o, &v), &b)) in opt.iter().zip(local).zip(bound).enumerate() {
+        if !(o.is_finite() && v.is_finite()) {
+            continue;
+        }
+        let e = (o - v).abs();
+        let q = match b > 0.0 {
+            true => e / b,
+            false if e > 0.0 => f64::INFINITY,
+            false => 0.0,
+        };
+        if q > worst {
+            (worst, at) = (q, Some(i));
+        }
+    }
+    l.ratio = l.ratio.max(worst);
+    if let (true, Some(i)) = (worst > 1.0, at) {
+        l.reasons.push(format!(
+            "an element beyond the cache format's rounding bound: |error| {:.4e} > {:.4e} at {} (stored {:.6e}, read back {:.6e})",
+            (opt[i] - local[i]).abs(),
+            bound[i],
+            pos(i),
+            local[i],
+            opt[i]
+        ));
+        l.pass = false;
+    }
 }
 
 /// Widen `tol` by the exact effect of a runner's cache precision on this check (`trace::CacheEffect`):
@@ -517,6 +565,8 @@ pub fn compare_layer(
             let o = optimized
                 .get(check.stage)
                 .ok_or_else(|| missing("optimized backend, which claims to provide it,"))?;
+            // A stage stored in a type of its own (a capture's `stage_dtypes`) is bounded by it.
+            let dtype = optimized.tolerance_dtype(check.stage, dtype);
             let mut tol = tols.get(dtype, &check)?;
             let effect = optimized
                 .cache_effect

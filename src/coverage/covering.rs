@@ -23,9 +23,7 @@
 
 use super::count;
 use crate::backend::cpu::mirror_kernels;
-use crate::faults::Active;
 use crate::kernel_use::{Geometry, KernelUse, Phase};
-use crate::model::config::RopePairing;
 use crate::model::MlaConfig;
 use crate::precision::Dtype;
 use crate::schedule::Schedule;
@@ -34,18 +32,7 @@ use crate::tiles::Dims;
 
 /// The CUDA dims of a model (page size and faults do not change the tile choice).
 pub fn cuda_dims(cfg: &MlaConfig, dtype: Dtype) -> Dims {
-    Dims {
-        dtype,
-        lkv: cfg.kv_lora_rank,
-        r: cfg.qk_rope,
-        p: cfg.qk_nope,
-        dv: cfg.v_head_dim,
-        h: cfg.n_head,
-        page: 16,
-        neox: cfg.rope.pairing == RopePairing::Neox,
-        debug: true,
-        faults: Active::NONE,
-    }
+    Dims::of_model(cfg, dtype)
 }
 
 /// The CUDA kernels the host predicts for `cfg` on `caps` in `dtype`, at `q_rows` decode rows.

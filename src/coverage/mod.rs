@@ -167,6 +167,10 @@ pub struct VariantRun {
     /// prompt; on a DSA file a query past top_k) selects it on `device`: on the CUDA backend of that
     /// device the kernel ran; on the CPU mirror the same launch shapes ran.
     pub reached: bool,
+    /// Reached only by a batch aimed at it (`backend::serving::aims`, checked as `variant_batch` in
+    /// `runner_checks`), not by the schedule's own launches.
+    #[serde(skip_serializing_if = "std::ops::Not::not", default)]
+    pub aimed: bool,
 }
 
 impl Variants {
@@ -179,7 +183,15 @@ impl Variants {
             self.list.len(),
             self.list
                 .iter()
-                .map(|v| format!("{} {}", v.id, if v.reached { "yes" } else { "NO" }))
+                .map(|v| format!(
+                    "{} {}",
+                    v.id,
+                    match (v.reached, v.aimed) {
+                        (true, false) => "yes",
+                        (true, true) => "yes (aimed batch)",
+                        _ => "NO",
+                    }
+                ))
                 .collect::<Vec<_>>()
                 .join(", ")
         )
@@ -188,12 +200,14 @@ impl Variants {
 
 /// The production variants of `cfg` on `caps` (`device` says which and why) and which of them this
 /// run reached: the prompt's prefill kernel, every decode launch of the schedule and of `extra` (with
-/// the run's heads, q_len, page and splits), and `sparse_attn` when `sparse_queries > 0` on a DSA file
+/// the run's heads, q_len, page and splits), the variants the backend aimed batches at (`aimed`:
+/// `backend::serving::aims`, `sparse_aim`), and `sparse_attn` when `sparse_queries > 0` on a DSA file
 /// (`top_k`). Each variant not reached adds a warning.
 pub fn variants(
     cfg: &MlaConfig,
     s: &Schedule,
     extra: &[crate::batch::Request],
+    aimed: &[String],
     caps: &crate::tiles::choice::Caps,
     device: &str,
     dsa: Option<(usize, usize)>,
@@ -228,7 +242,8 @@ pub fn variants(
     let list: Vec<VariantRun> = all
         .into_iter()
         .map(|v| VariantRun {
-            reached: hit.contains(&v.id),
+            reached: hit.contains(&v.id) || aimed.contains(&v.id),
+            aimed: !hit.contains(&v.id) && aimed.contains(&v.id),
             phase: v.phase,
             id: v.id,
             kernel: v.kernel.into(),

@@ -4,7 +4,7 @@
 use super::{Fault, Info, Need};
 
 /// The catalogue, one row per fault in `Fault` order (docs/faults.md is generated from it).
-pub const CATALOGUE: [Info; 26] = [
+pub const CATALOGUE: [Info; 31] = [
     Info {
         fault: Fault::RopeNeox,
         name: "rope_neox",
@@ -319,5 +319,63 @@ pub const CATALOGUE: [Info; 26] = [
         // and combine even one.
         needs: &[Need::Decode],
         cuda_site: "kernels/attention.cuh `att_store_lse` (every dense decode kernel's partial LSE store: attn_scalar, attn_mma, attn_wgmma, attn_wgmma_pairs, attn_small) and kernels/sparse_attn.cu's partial store: the f32 value rounded to bf16 (round to nearest even) before it is written",
+    },
+    Info {
+        fault: Fault::KvScaleTwice,
+        name: "kv_scale_twice",
+        define: "MLA_FAULT_KV_SCALE_TWICE",
+        summary: "the quantized cache's scale applied twice when it is read (q·s·s)",
+        models: "a descale applied in two places for one latent: the k_scale folded into BMM1's softmax scale and the dequantized cache multiplied by it again, the class of sglang PR #34765 / #18396 (k_scale applied where the cache was already in the compute dtype)",
+        sources: &[
+            "https://github.com/sgl-project/sglang/pull/18396",
+            "https://github.com/sgl-project/sglang/pull/34765",
+        ],
+        expected: "cache_rows",
+        needs: &[Need::KvCache],
+        cuda_site: "not in the CUDA kernels yet (fp8 caches run on the CPU mirror only, issue #38): src/kv_format.rs `Codec::decode`",
+    },
+    Info {
+        fault: Fault::KvScaleInverted,
+        name: "kv_scale_inverted",
+        define: "MLA_FAULT_KV_SCALE_INVERTED",
+        summary: "the cache's scale used as a divisor when it is read (q/s instead of q·s)",
+        models: "the two fp8 scale conventions mixed: vLLM stores x/scale and reads q·scale, an inverse-scale convention (x·scale_inv) read with the other's rule",
+        sources: &["https://github.com/vllm-project/vllm/pull/37054"],
+        expected: "cache_rows",
+        needs: &[Need::KvCache],
+        cuda_site: "not in the CUDA kernels yet (issue #38): src/kv_format.rs `Codec::decode`",
+    },
+    Info {
+        fault: Fault::KvRopeQuantized,
+        name: "kv_rope_quantized",
+        define: "MLA_FAULT_KV_ROPE_QUANTIZED",
+        summary: "fp8_ds_mla's rope part quantized to e4m3 (with the last latent tile's scale) where the format keeps it bf16",
+        models: "a writer whose tile loop runs on over the 64 rope columns: k_pe loses its precision and saturates (vLLM PR #42956: k_pe clipped by a scale calibrated on the latent only)",
+        sources: &["https://github.com/vllm-project/vllm/pull/42956"],
+        expected: "cache_rows",
+        needs: &[Need::KvCache],
+        cuda_site: "not in the CUDA kernels yet (issue #38): src/kv_format.rs `Codec::encode`",
+    },
+    Info {
+        fault: Fault::KvScaleWrongGroup,
+        name: "kv_scale_wrong_group",
+        define: "MLA_FAULT_KV_SCALE_WRONG_GROUP",
+        summary: "each value of a grouped-scale cache read with the next group's scale (an off-by-one scale index)",
+        models: "a packed-cache layout mismatch between writer and reader (fp8_ds_mla's 4 tile scales, V4.1's per-32/per-16 scales): sglang PR #16678, aiter PR #4919",
+        sources: &["https://github.com/sgl-project/sglang/pull/16678"],
+        expected: "cache_rows",
+        needs: &[Need::KvCache],
+        cuda_site: "not in the CUDA kernels yet (issue #38): src/kv_format.rs `Codec::decode`",
+    },
+    Info {
+        fault: Fault::KvSaturate240,
+        name: "kv_saturate_240",
+        define: "MLA_FAULT_KV_SATURATE_240",
+        summary: "the fp8 cache writer saturates at 240 (e4m3fnuz's largest value) instead of 448 (e4m3fn's)",
+        models: "AMD's e4m3fnuz range used for an e4m3fn cache (or the reverse): every value above 240·scale clipped",
+        sources: &["https://github.com/ROCm/ATOM/pull/1772"],
+        expected: "cache_rows",
+        needs: &[Need::KvCache],
+        cuda_site: "not in the CUDA kernels yet (issue #38): src/kv_format.rs `Codec::encode`",
     },
 ];

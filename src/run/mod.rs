@@ -604,6 +604,7 @@ pub fn run_from(
         &cfg,
         &opts.sched,
         &backend.decode_extra(&opts.sched),
+        &backend.aimed_variants(),
         &crate::tiles::choice::HOPPER,
         "sm_90a (H200) assumed",
         coverage.dsa.as_ref().map(|d| (d.top_k, d.sparse_queries)),

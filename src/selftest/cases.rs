@@ -3,6 +3,7 @@
 
 use super::fixtures::{Model, HEADS};
 use crate::faults::{Fault, Need};
+use crate::kv_format::KvFormat;
 use crate::precision::{Dtype, KeyPrecision};
 use crate::schedule::Schedule;
 
@@ -63,7 +64,8 @@ pub fn schedule_for(needs: &[Need]) -> Schedule {
             | Need::QkNotV
             | Need::LargeQAbs
             | Need::F32
-            | Need::Prefill => {}
+            | Need::Prefill
+            | Need::KvCache => {}
         }
     }
     // Split lengths follow from the whole schedule (3 splits of `MultiSplit` share the keys): grow the
@@ -97,6 +99,9 @@ pub struct Case {
     pub sched: Schedule,
     /// How the optimized indexer stores q and k (`Need::Fp8Keys`: fp8).
     pub keys: KeyPrecision,
+    /// How the optimized path stores its latent cache (`Need::KvCache`: `fp8_ds_mla`, which every cache
+    /// fault fits on the selftest's DeepSeek-V3 fixture).
+    pub kv: KvFormat,
 }
 
 /// A control: a fault on a run that lacks one of its needs (and has the others), where it must not be
@@ -266,6 +271,10 @@ impl Case {
                 true => KeyPrecision::Fp8,
                 false => KeyPrecision::Storage,
             },
+            kv: match needs.contains(&Need::KvCache) {
+                true => KvFormat::Fp8DsMla,
+                false => KvFormat::Auto,
+            },
         }
     }
     pub(super) fn clean(&self) -> Case {
@@ -277,13 +286,17 @@ impl Case {
     }
     pub(super) fn setup_key(&self) -> String {
         format!(
-            "{} {} {}{}",
+            "{} {} {}{}{}",
             self.model.name(),
             self.dtype.name(),
             self.params(),
             match self.keys {
                 KeyPrecision::Fp8 => " fp8-keys",
                 KeyPrecision::Storage => "",
+            },
+            match self.kv {
+                KvFormat::Auto => String::new(),
+                kv => format!(" kv={kv}"),
             }
         )
     }

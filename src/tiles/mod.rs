@@ -30,6 +30,23 @@ pub struct Dims {
 }
 
 impl Dims {
+    /// The dims of a model's layer as the CUDA backend compiles them (page 16: page size and faults
+    /// do not change the tile choice).
+    pub fn of_model(cfg: &crate::model::MlaConfig, dtype: Dtype) -> Dims {
+        Dims {
+            dtype,
+            lkv: cfg.kv_lora_rank,
+            r: cfg.qk_rope,
+            p: cfg.qk_nope,
+            dv: cfg.v_head_dim,
+            h: cfg.n_head,
+            page: 16,
+            neox: cfg.rope.pairing == crate::model::config::RopePairing::Neox,
+            debug: true,
+            faults: Active::NONE,
+        }
+    }
+
     /// Whether the tensor-core attention applies (16-bit storage, dims multiples of 8).
     pub fn mma_ok(&self, decode: bool) -> bool {
         let dims = if decode {

@@ -32,6 +32,8 @@ pub struct Variant {
     pub kernel: &'static str,
     /// When the rules select it (a launch that does, first in the matrix's order).
     pub when: String,
+    /// That launch (decode variants; `None` for prefill and the sparse path).
+    pub launch: Option<Launch>,
 }
 
 /// One decode launch, as the rules see it.
@@ -98,6 +100,21 @@ pub fn decode_id(kernel: &str, loads: &str) -> String {
     format!("decode/{kernel}/{loads}")
 }
 
+/// The ids of the decode variants `launches` select on `caps` for dims `d` (16-bit storage).
+pub fn reached(d: &Dims, caps: &Caps, launches: &[Launch]) -> Vec<String> {
+    let d = Dims {
+        dtype: Dtype::Bf16,
+        ..*d
+    };
+    launches
+        .iter()
+        .map(|l| {
+            let (k, loads) = decode_variant(&d, caps, l);
+            decode_id(k, loads)
+        })
+        .collect()
+}
+
 /// The DSA variant's id.
 pub const SPARSE_ID: &str = "decode/sparse_attn/past-top-k";
 
@@ -120,6 +137,7 @@ pub fn variants(d: &Dims, caps: &Caps, dsa_top_k: Option<usize>) -> Vec<Variant>
         id: format!("prefill/{kernel}"),
         kernel,
         when: format!("every prompt ({})", plan::label(pre)),
+        launch: None,
     });
     for tp in TP {
         if d.h < tp || !d.h.is_multiple_of(tp) {
@@ -150,6 +168,7 @@ pub fn variants(d: &Dims, caps: &Caps, dsa_top_k: Option<usize>) -> Vec<Variant>
                                 l.heads,
                                 if tp > 1 { format!(" (TP slice H/{tp})") } else { String::new() }
                             ),
+                            launch: Some(l),
                         });
                     }
                 }
@@ -162,6 +181,7 @@ pub fn variants(d: &Dims, caps: &Caps, dsa_top_k: Option<usize>) -> Vec<Variant>
             id: SPARSE_ID.into(),
             kernel: "sparse_attn",
             when: format!("a query that sees more than top_k = {k} keys"),
+            launch: None,
         });
     }
     out.sort_by(|a, b| a.id.cmp(&b.id));

@@ -81,6 +81,7 @@ pub fn rank_weights(cfg: &MlaConfig, w: &LayerWeights, size: usize, rank: usize)
 pub fn gather(ranks: &[LayerTrace], dtype: Dtype) -> LayerTrace {
     let first = &ranks[0];
     let mut out = LayerTrace::new(first.layer);
+    out.cache_format = first.cache_format;
     for t in &first.stages {
         let parts: Vec<&StageTensor> = ranks.iter().filter_map(|r| r.get(t.stage)).collect();
         if parts.len() != ranks.len() {

@@ -437,9 +437,23 @@ fn bad_captures_are_one_line_errors() {
     let c = fresh("notjson");
     std::fs::write(c.join("manifest.json"), "{").unwrap();
     err(&c, "manifest.json is not JSON");
-    let c = fresh("v2");
-    edit_manifest(&c, |m| m["version"] = J::from(2));
-    err(&c, "format version 2; this mla-diff reads version 1");
+    let c = fresh("v3");
+    edit_manifest(&c, |m| m["version"] = J::from(3));
+    err(&c, "format version 3; this mla-diff reads versions 1 to 2");
+    let c = fresh("v1dtypes");
+    edit_manifest(&c, |m| {
+        m["version"] = J::from(1);
+        m["stage_dtypes"] = serde_json::json!({"cache_rows": "fp16"})
+    });
+    err(&c, "stage_dtypes needs format version 2");
+    let c = fresh("dtypestage");
+    edit_manifest(&c, |m| {
+        m["stage_dtypes"] = serde_json::json!({"topk": "fp16"})
+    });
+    err(
+        &c,
+        "stage_dtypes names \"topk\", which is not a stage with values",
+    );
     let c = fresh("field");
     edit_manifest(&c, |m| m["extra"] = J::from(1));
     err(&c, "unknown field `extra`");
@@ -785,4 +799,123 @@ fn dsa_topk_is_checked_against_the_reference_selection() {
         tp.to_str().unwrap(),
     ]);
     assert_clean_error(&o, "a tensor-parallel capture past the DSA indexer's top_k");
+}
+
+/// `cap`'s cache rows as an f16 cache holds them: every step file's `cache_rows` rounded to f16 and
+/// stored F16, with `bump` f16 ulps added to every element of token `row`'s cache row in `layer`.
+fn cache_to_f16(cap: &Path, bump: Option<(usize, usize, i16)>) {
+    let m: J =
+        serde_json::from_str(&std::fs::read_to_string(cap.join("manifest.json")).unwrap()).unwrap();
+    for e in m["layers"].as_array().unwrap() {
+        let file = e["file"].as_str().unwrap();
+        let bytes = std::fs::read(cap.join(file)).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let t = st.tensor("cache_rows").unwrap();
+        let width = *t.shape().last().unwrap();
+        let step_rows = &m["steps"][e["step"].as_u64().unwrap() as usize]["rows"];
+        let raw: Vec<u8> = t
+            .data()
+            .chunks_exact(4)
+            .enumerate()
+            .map(|(i, b)| {
+                let h = half::f16::from_f32(f32::from_le_bytes(b.try_into().unwrap()));
+                // The batch row's position is its token (one request from position 0).
+                let pos = step_rows[i / width][1].as_u64().unwrap() as usize;
+                match bump {
+                    Some((l, r, k)) if e["layer"] == l && pos == r => {
+                        half::f16::from_bits((h.to_bits() as i16 + k) as u16)
+                    }
+                    _ => h,
+                }
+            })
+            .flat_map(|h| h.to_le_bytes())
+            .collect();
+        let shape = t.shape().to_vec();
+        edit_tensor(
+            cap,
+            file,
+            "cache_rows",
+            "cache_rows",
+            Some((safetensors::Dtype::F16, shape, raw)),
+        );
+    }
+}
+
+/// Per-stage storage dtypes (format version 2, `stage_dtypes`): an engine with f32 projections and an
+/// f16 cache (llama.cpp's defaults) passes when its manifest says `cache_rows: fp16` — the cache an
+/// exact copy of kv_latent | k_pe after rounding to f16, the attention that reads it bounded at f16,
+/// the projections still at f32 — and fails at `cache_rows` without the declaration (the f32 copy
+/// check) or with one token's cache row off by 5 f16 ulps (10× the rounding's largest error).
+#[test]
+fn an_f16_cache_next_to_f32_projections_is_bounded_by_its_own_dtype() {
+    let f = model();
+    let dir = tempfile::tempdir().unwrap();
+    let f32cap = dir.path().join("f32");
+    assert_eq!(write_capture(&f, &f32cap, &["--dtype", "f32"]), 0);
+    let copy = |name: &str| -> PathBuf {
+        let d = dir.path().join(name);
+        std::fs::create_dir_all(d.join("layer0")).unwrap();
+        std::fs::create_dir_all(d.join("layer1")).unwrap();
+        for p in walk(&f32cap) {
+            let rel = p.strip_prefix(&f32cap).unwrap();
+            std::fs::copy(&p, d.join(rel)).unwrap();
+        }
+        d
+    };
+    let declare = |c: &Path| {
+        edit_manifest(c, |m| {
+            m["stage_dtypes"] = serde_json::json!({"cache_rows": "fp16"})
+        })
+    };
+    let f16 = copy("f16");
+    cache_to_f16(&f16, None);
+    declare(&f16);
+    assert_manifest_valid(&f16);
+    let (code, rep) = check(&f, &[&f16], &["--mode", "shadow"]);
+    assert_eq!(code, 0, "{}", rep["verdict"]["message"]);
+    let notices = rep["run"]["notices"].to_string();
+    assert!(
+        notices.contains("stored in f32, except cache_rows fp16"),
+        "{notices}"
+    );
+    let checks = rep["modes"][0]["layers"][1]["checks"].as_array().unwrap();
+    let of = |name: &str| checks.iter().find(|c| c["check"] == name).unwrap();
+    // The projections at f32's tolerance, the cache and everything after it at fp16's.
+    let tol = |name: &str| of(name)["tolerance"]["rel_l2"].as_f64().unwrap();
+    assert!(
+        tol("kv_latent") < 1e-5 && tol("q_pe") < 1e-5,
+        "{}",
+        tol("kv_latent")
+    );
+    assert!(tol("cache_rows") > 1e-3 && tol("attn_latent") > 1e-3);
+    assert_eq!(of("cache_rows")["local"]["store"], "fp16");
+    assert_eq!(of("cache_rows")["local"]["rel_l2"], 0.0);
+    assert_eq!(of("q_pe")["local"]["store"], "f32");
+    for name in [
+        "lse[prefill]",
+        "attn_heads[prefill]",
+        "attn_latent",
+        "attn_out[decode]",
+    ] {
+        assert_eq!(of(name)["pass"], true, "{name}: {}", of(name));
+    }
+
+    // Undeclared: an f32 capture whose cache rows are not an f32 copy.
+    let undeclared = copy("undeclared");
+    cache_to_f16(&undeclared, None);
+    let (code, rep) = check(&f, &[&undeclared], &["--mode", "shadow"]);
+    assert_eq!(code, 1);
+    assert_eq!(rep["verdict"]["first_layer"], 0);
+    assert_eq!(rep["verdict"]["first_check"], "cache_rows");
+
+    // Declared, one cache row of layer 1 off by 5 ulps: named there.
+    let bad = copy("bad");
+    cache_to_f16(&bad, Some((1, 13, 5)));
+    declare(&bad);
+    let (code, rep) = check(&f, &[&bad], &["--mode", "shadow"]);
+    assert_eq!(code, 1);
+    assert_eq!(rep["verdict"]["first_layer"], 1);
+    assert_eq!(rep["verdict"]["first_check"], "cache_rows");
+    let reasons = rep["verdict"]["reasons"].to_string();
+    assert!(reasons.contains("exact copy"), "{reasons}");
 }

@@ -15,7 +15,16 @@ const FLOORS: &[(usize, &[&str])] = &[
     (
         1,
         &[
-            "gguf", "model", "rope", "schedule", "batch", "faults", "linalg", "input", "trace",
+            "gguf",
+            "model",
+            "rope",
+            "schedule",
+            "batch",
+            "faults",
+            "linalg",
+            "input",
+            "trace",
+            "kv_format",
         ],
     ),
     (2, &["reference"]),

@@ -65,10 +65,11 @@ impl Backend for Mirror {
 
 fn mirror(
     dtype: Dtype,
+    kv: mla_diff::kv_format::KvFormat,
     faults: Option<Active>,
 ) -> mla_diff::Result<(Box<dyn Backend>, BackendInfo)> {
     let b = Mirror {
-        inner: CpuMirror::new(dtype),
+        inner: CpuMirror::new(dtype).with_kv_format(kv),
         faults,
     };
     let info = BackendInfo::of(Kind::Cpu, &b);
@@ -92,7 +93,7 @@ fn fault_outcomes(s: &Summary) -> impl Iterator<Item = &Outcome> {
 
 #[test]
 fn every_fault_is_caught_in_its_layer_at_its_stage() {
-    let s = selftest_with(&mut |dt, _| mirror(dt, None));
+    let s = selftest_with(&mut |dt, kv, _| mirror(dt, kv, None));
     let failing: Vec<String> = s
         .outcomes
         .iter()
@@ -124,7 +125,7 @@ fn every_fault_is_caught_in_its_layer_at_its_stage() {
 /// A backend that drops the injection: no fault is found, so the selftest fails (and says why).
 #[test]
 fn selftest_fails_when_the_backend_ignores_faults() {
-    let s = selftest_with(&mut |dt, _ignored| mirror(dt, Some(Active::NONE)));
+    let s = selftest_with(&mut |dt, kv, _ignored| mirror(dt, kv, Some(Active::NONE)));
     assert!(!s.pass());
     for o in fault_outcomes(&s) {
         assert!(!o.ok && !o.detected, "{}", o.line());
@@ -140,13 +141,13 @@ fn selftest_fails_when_the_backend_ignores_faults() {
 /// reports as a wrong attribution.
 #[test]
 fn selftest_fails_when_a_fault_leaks_into_other_layers() {
-    let s = selftest_with(&mut |dt, set: &FaultSet| {
+    let s = selftest_with(&mut |dt, kv, set: &FaultSet| {
         let everywhere = set
             .0
             .iter()
             .map(|i| Injection { layer: None, ..*i })
             .collect();
-        mirror(dt, Some(FaultSet(everywhere).active(0)))
+        mirror(dt, kv, Some(FaultSet(everywhere).active(0)))
     });
     assert!(!s.pass());
     for o in fault_outcomes(&s) {

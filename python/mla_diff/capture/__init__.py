@@ -19,6 +19,12 @@ bf16: numpy has no bfloat16, so host copies of bf16 tensors are `ml_dtypes.bfloa
 untouched: a torch bf16 tensor is copied as its 16-bit pattern and viewed as ml_dtypes' type), which
 `safetensors.numpy` writes as BF16 by dtype name. The alternative, raw uint16 bits, would need
 safetensors' private serialization structures (they changed in 0.8) or a hand-written header.
+
+Storage types (format version 2): each tap records its tensor's own type (torch or numpy bf16, f16,
+f32), and the manifest's `stage_dtypes` names every stage whose type is not the session's `dtype` (an
+engine's f16 cache next to its f32 projections), so `mla-diff run --capture` bounds each stage by its
+own precision. A stage tapped in several types is recorded in the coarsest; float8 (widened on the
+copy) and f64 record nothing; `tap(..., dtype=)` and `session(stage_dtypes=)` say it explicitly.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import numpy as np
 from .. import __version__, gguf_identity
 
 FORMAT = "mla-diff-capture"
-VERSION = 1
+VERSION = 2
 
 #: The stage names a step file may hold (docs/captures.md, "Stages in a step file").
 STAGES = (
@@ -59,6 +65,16 @@ INDEX_STAGES = ("slot_mapping", "topk")
 WHOLE_STAGES = ("kv_cache",)
 
 DTYPES = ("bf16", "fp16", "f32")
+#: Coarsest first: a stage tapped in several types is bounded by the coarsest.
+_COARSE = ("bf16", "fp16", "f32")
+
+
+def storage_dtype(tensor: Any) -> Optional[str]:
+    """The storage type of `tensor` as the format names it (`bf16`, `fp16`, `f32`), or None for a type
+    the format has no name for (f64, float8, integers)."""
+    name = str(getattr(tensor, "dtype", ""))
+    name = name.rsplit(".", 1)[-1]  # torch.bfloat16 -> bfloat16
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "f32"}.get(name)
 
 __all__ = [
     "FORMAT",
@@ -71,6 +87,7 @@ __all__ = [
     "tap",
     "active",
     "to_host",
+    "storage_dtype",
 ]
 
 
@@ -148,6 +165,7 @@ class Session:
         tp_world_size: int = 1,
         heads: Optional[Sequence[int]] = None,
         names: Optional[dict] = None,
+        stage_dtypes: Optional[dict] = None,
         overwrite: bool = False,
     ):
         if (model_file is None) == (model is None):
@@ -164,6 +182,11 @@ class Session:
             heads = [int(heads[0]), int(heads[1])]
             if not heads[0] < heads[1]:
                 raise CaptureError(f"session: heads {heads} is not a range [A, B) with A < B")
+        for k, v in (stage_dtypes or {}).items():
+            if k not in STAGES or k in INDEX_STAGES:
+                raise CaptureError(f"session: stage_dtypes[{k!r}]: not a stage with values")
+            if v not in DTYPES:
+                raise CaptureError(f"session: stage_dtypes[{k!r}] must be one of {DTYPES}, got {v!r}")
         for k, v in (names or {}).items():
             if v not in STAGES:
                 raise CaptureError(f"session: names[{k!r}] = {v!r} is not a stage ({', '.join(STAGES)})")
@@ -179,6 +202,9 @@ class Session:
         self.conventions = {"rope_order": rope_order, "lse_base": lse_base}
         self.tp = {"rank": tp_rank, "world_size": tp_world_size, "heads": heads}
         self.names = dict(names or {})
+        # Declared per-stage storage types (session(stage_dtypes=)) and those the taps observed.
+        self.declared = dict(stage_dtypes or {})
+        self.observed: dict = {}
         self.requests: dict = {}
         self.steps: list = []
         self.files: list = []
@@ -251,10 +277,14 @@ class Session:
 
     # -- taps --------------------------------------------------------------------------------------
 
-    def tap(self, name: str, tensor: Any, *, layer: int, step: Optional[int] = None, rows=None) -> None:
+    def tap(self, name: str, tensor: Any, *, layer: int, step: Optional[int] = None, rows=None,
+            dtype: Optional[str] = None) -> None:
         """Copy `tensor` to host as stage `name` of `layer` in `step` (default: the current step).
         `rows`: which rows of the step it holds (default all); taps of one stage with disjoint rows
-        are merged."""
+        are merged. `dtype`: the type the engine stored the stage in, where the tensor handed over is
+        not in it; by default the tensor's own (`storage_dtype`)."""
+        if dtype is not None and dtype not in DTYPES:
+            raise CaptureError(f"tap {name!r}: dtype must be one of {DTYPES}, got {dtype!r}")
         if name not in STAGES:
             raise CaptureError(f"tap: unknown stage {name!r} (stages: {', '.join(STAGES)})")
         if not self.steps:
@@ -266,6 +296,7 @@ class Session:
         key = (int(layer), s)
         if key in self._written:
             raise CaptureError(f"tap: layer {layer} step {s} was already written (a later step started)")
+        stored = None if name in INDEX_STAGES else (dtype or storage_dtype(tensor))
         a = _storable(to_host(tensor), name)
         n = len(st["rows"])
         if rows is not None:
@@ -283,6 +314,9 @@ class Session:
             if parts and (rows is None or parts[0][0] is None):
                 raise CaptureError(f"tap {name!r}: layer {layer} step {s} already has it")
             parts.append((rows, a))
+            if stored is not None:
+                was = self.observed.get(name, stored)
+                self.observed[name] = min(was, stored, key=_COARSE.index)
 
     # -- writing -----------------------------------------------------------------------------------
 
@@ -309,6 +343,11 @@ class Session:
             save_file(tensors, os.path.join(self.dir, rel))
             self.files.append({"layer": layer, "step": s, "file": rel, "stages": sorted(stages, key=STAGES.index)})
 
+    def stage_dtypes(self) -> dict:
+        """The stages whose storage type is not the session's dtype: declared, else as tapped."""
+        both = dict(self.observed, **self.declared)
+        return {k: both[k] for k in sorted(both, key=STAGES.index) if both[k] != self.dtype}
+
     def manifest(self) -> dict:
         requests = []
         for rid in sorted(self.requests):
@@ -323,6 +362,7 @@ class Session:
                 }
                 r["prefill"] = len(seen)
             requests.append(r)
+        stage_dtypes = self.stage_dtypes()
         return {
             "format": FORMAT,
             "version": VERSION,
@@ -330,6 +370,7 @@ class Session:
             "engine": self.engine,
             "model": self.model,
             "dtype": self.dtype,
+            **({"stage_dtypes": stage_dtypes} if stage_dtypes else {}),
             "conventions": self.conventions,
             "tp": self.tp,
             "requests": requests,
@@ -401,8 +442,9 @@ def step(kind: str, rows, **kwargs) -> Optional[int]:
     return None if s is None else s.step(kind, rows, **kwargs)
 
 
-def tap(name: str, tensor: Any, *, layer: int, step: Optional[int] = None, rows=None) -> None:
+def tap(name: str, tensor: Any, *, layer: int, step: Optional[int] = None, rows=None,
+        dtype: Optional[str] = None) -> None:
     """Capture `tensor` as stage `name` of `layer` (see `Session.tap`); nothing when no session is open."""
     s = active()
     if s is not None:
-        s.tap(name, tensor, layer=layer, step=step, rows=rows)
+        s.tap(name, tensor, layer=layer, step=step, rows=rows, dtype=dtype)

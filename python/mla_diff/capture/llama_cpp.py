@@ -29,15 +29,21 @@ Tensors of the `deepseek2` graph (src/models/deepseek2.cpp, per layer L) and the
 | `kv_cmpr-L` after its norm (op MUL; the view before it has the same name) | `kv_latent` |
 | `k_pe-L` whose op is ROPE | `k_pe` |
 | the SET_ROWS node writing `Kcur-L` into the K cache, read back at its row indices | `cache_rows` (f16 by default, as stored) |
+| with flash attention over an f32 cache: FLASH_ATTN_EXT's K operand (the f16 cast it reads), at those rows | `cache_rows` |
 | FLASH_ATTN_EXT's output (flash attention) or `kqv-L` (without), decode steps | `attn_latent` |
 | `kqv_out-L` | `attn_heads` (flat, heads × v) |
 | the MUL_MAT of `attn_output.weight` with `kqv_out-L` | `attn_out` |
 
-Precision: llama.cpp computes the projections in f32; its K cache is f16 unless `type_k="f32"`, and its
-CPU flash attention converts Q, K and V to f16. The capture's `dtype` is `f32`; with an f16 cache or
-flash attention the stages computed from f16 storage (`F16_STAGES`) are named in the engine detail, and
-one capture-wide dtype cannot bound both them and the f32 projections: such a capture fails at
-`cache_rows` today (docs/captures.md, "llama.cpp"). `flash_attn=False, type_k="f32"` is f32 throughout.
+Precision: llama.cpp computes the projections in f32; its K cache is f16 unless `type_k="f32"`, and
+its attention reads it in that type (CPU flash attention converts Q to K's type and sums P·V in V's;
+without flash attention the KQ and KQV products convert their f32 operand to the cache's type). The
+capture's `dtype` is `f32`, and each stage is tapped with the ggml type of the node it was read from
+(`GGML_DTYPES`): the cache rows in the K cache's type, every other node f32. Flash attention reads an
+f32 cache through a cast to f16 (llama-graph.cpp, `build_attn_mha`): the cache rows are then taken
+from that cast, as the attention read them, in f16. The manifest's
+`stage_dtypes` then says `cache_rows: fp16` where the cache is f16, and `mla-diff run --capture` bounds
+the cache (an exact copy after rounding to f16) and the attention that reads it at f16, the projections
+at f32 (docs/captures.md, "llama.cpp"). `flash_attn=False, type_k="f32"` is f32 throughout.
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ GGML_TYPE_F16 = 1
 GGML_TYPE_I32 = 26
 GGML_TYPE_I64 = 27
 _NP = {GGML_TYPE_F32: np.float32, GGML_TYPE_F16: np.float16, GGML_TYPE_I32: np.int32, GGML_TYPE_I64: np.int64}
+#: The capture format's name of each ggml value type a tapped node may have (`stage_dtypes`).
+GGML_DTYPES = {GGML_TYPE_F32: "f32", GGML_TYPE_F16: "fp16"}
 
 # ggml.h: GGML_MAX_DIMS 4, GGML_MAX_OP_PARAMS 64, GGML_MAX_SRC 10, GGML_MAX_NAME 64.
 class GgmlTensor(ctypes.Structure):
@@ -148,9 +156,6 @@ WANT = {
     "kqv_out": None,
 }
 
-#: Stages llama.cpp computes from f16 storage when its K cache is f16 or flash attention is on.
-F16_STAGES = ("cache_rows", "attn_latent", "attn_heads", "attn_out")
-
 NAMES = {
     "embd | l_out-{L-1}": "x",
     "attn_norm-{L}": "attn_in",
@@ -178,6 +183,10 @@ class _Graph:
         self.kqv_out: dict = {}  # address → layer
         self.error: Optional[BaseException] = None
         self.rows = 0
+        # Cache rows written this step whose type the attention does not read them in (flash attention
+        # over an f32 cache reads an f16 cast): layer -> the cells written, taken at FLASH_ATTN_EXT.
+        self.cast_rows: dict = {}
+        self.flash_attn = False
 
     def want(self, t: int) -> Optional[tuple]:
         name = self.g.name(t)
@@ -209,7 +218,7 @@ class _Graph:
             m = _LAYER.match(named)
             if m and m.group("base") == "Kcur":
                 return ("cache_rows", int(m.group("il")))
-        if op == "FLASH_ATTN_EXT" and self.kind == "decode" and self.layer >= 0:
+        if op == "FLASH_ATTN_EXT" and self.layer >= 0:
             return ("attn_latent", self.layer)
         if op == "MUL_MAT" and s.src[1] in self.kqv_out:
             return ("attn_out", self.kqv_out[s.src[1]])
@@ -224,11 +233,24 @@ class _Graph:
         self.rows = n
 
     def take(self, t: int, stage: str, layer: int) -> None:
+        if stage == "attn_latent" and self.g.op(t) == "FLASH_ATTN_EXT":
+            self.attention_read(t, layer)
+            if self.kind != "decode":
+                return
         a = self.g.read(t)
+        # The node's own ggml type: for cache_rows the SET_ROWS destination's, the K cache's.
+        gtype = self.g.struct(t).type
+        if gtype not in GGML_DTYPES:
+            raise CaptureError(f"llama.cpp capture: {self.g.name(t)} has ggml type {gtype}, not f32/f16")
         n = self.rows
         if stage == "cache_rows":
             s = self.g.struct(t)
             idx = self.g.read(s.src[1]).reshape(-1).astype(np.int64)
+            if self.flash_attn and gtype != GGML_TYPE_F16:
+                # Flash attention casts K to f16 (llama-graph.cpp, build_attn_mha): the rows it read
+                # are the cast's, taken from its K operand (`attention_read`).
+                self.cast_rows[layer] = idx
+                return
             cache = a.reshape(-1, a.shape[-1])
             a = cache[idx]
         elif stage == "attn_latent" and self.g.op(t) == "MUL_MAT":
@@ -239,7 +261,21 @@ class _Graph:
             a = a.reshape(n, -1)  # x, attn_in, kv_latent, k_pe, attn_heads (flat heads × v), attn_out
         if stage == "attn_heads":
             self.kqv_out[self._addr] = layer
-        self.sess.tap(stage, a, layer=layer)
+        self.sess.tap(stage, a, layer=layer, dtype=GGML_DTYPES[gtype])
+
+    def attention_read(self, t: int, layer: int) -> None:
+        """At FLASH_ATTN_EXT: the cache rows written this step as its K operand holds them, where that is
+        not the cache itself (a cast of an f32 cache)."""
+        idx = self.cast_rows.pop(layer, None)
+        if idx is None:
+            return
+        k = self.g.struct(t).src[1]
+        ks = self.g.struct(k)
+        if self.g.op(k) != "CPY" or ks.type not in GGML_DTYPES:
+            raise CaptureError(f"llama.cpp capture: layer {layer}'s flash attention reads an f32 cache through "
+                               f"{self.g.op(k)} of ggml type {ks.type}, not a cast to f16")
+        rows = self.g.read(k)
+        self.sess.tap("cache_rows", rows.reshape(-1, rows.shape[-1])[idx], layer=layer, dtype=GGML_DTYPES[ks.type])
 
     def callback(self, t, ask, _ud) -> bool:
         if self.error is not None:
@@ -268,10 +304,10 @@ def run(model_file, directory, *, prompt: Sequence[int], n_decode: int = 4, n_ub
     """Run llama.cpp on `model_file` (a GGUF): decode `prompt` (token ids; ubatches of `n_ubatch`), then
     `n_decode` tokens greedily, capturing every step into `directory`. Returns the generated token ids.
 
-    The capture's dtype is f32 (llama.cpp's activations). With an f16 K cache or flash attention
-    (llama.cpp's defaults) the stages from `cache_rows` on are computed from f16 storage, which one
-    capture-wide dtype cannot bound: such a capture fails there today (docs/captures.md, "llama.cpp").
-    `flash_attn=False, type_k="f32"` runs llama.cpp in f32 throughout."""
+    The capture's dtype is f32 (llama.cpp's activations); each stage's own ggml type goes into the
+    manifest's `stage_dtypes` (with llama.cpp's defaults, f16 K cache and flash attention: `cache_rows`
+    fp16, read by an attention computed in f16). `flash_attn=False, type_k="f32"` runs llama.cpp in f32
+    throughout."""
     import llama_cpp
     from llama_cpp import llama_cpp as L
 
@@ -293,11 +329,10 @@ def run(model_file, directory, *, prompt: Sequence[int], n_decode: int = 4, n_ub
         n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
         detail = f"llama-cpp-python {llama_cpp.__version__}, CPU, flash_attn={'on' if flash_attn else 'off'}, type_k={type_k}"
         dtype = "f32"
-        if type_k == "f16" or flash_attn:
-            detail += f"; computed from f16 storage: {', '.join(F16_STAGES)}"
         sess = _open_session(directory, model_file=model_file, engine="llama.cpp", engine_version=llama_cpp.__version__,
                              engine_detail=detail, dtype=dtype, rope_order="file", names=dict(NAMES), overwrite=overwrite)
         graph = _Graph(sess, Ggml(), n_layer)
+        graph.flash_attn = flash_attn
         cb = L.ggml_backend_sched_eval_callback(graph.callback)
         cp = L.llama_context_default_params()
         cp.n_ctx = max(64, len(prompt) + n_decode + 8)

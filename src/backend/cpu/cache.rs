@@ -1,8 +1,14 @@
 //! The paged latent cache: a pool of `pool_pages · page_size` rows `[latent | k_pe]`, every row NaN until
 //! written, addressed through the schedule's block table (vLLM's `concat_and_cache_mla` layout). A read
 //! beyond the block table sees a NaN row too (a kernel would read memory the sequence does not own).
+//!
+//! With a quantized format (`run --kv-cache-dtype`, `crate::kv_format`), each written row is stored as the
+//! format's bytes (`bytes`, `Codec::bytes()` per slot), and `pool` holds the row as a reader decodes
+//! those bytes (decoded once, when written: the bytes do not change afterwards, so every read sees the
+//! same values a kernel dequantizing at read time would).
 
 use crate::faults::{Active, Fault};
+use crate::kv_format::Codec;
 use crate::schedule::Schedule;
 use ndarray::Array2;
 use std::ops::Range;
@@ -18,6 +24,9 @@ pub struct PagedCache {
     poison: Vec<f32>,
     /// Planted bugs of the cache writer.
     faults: Active,
+    /// The cache's byte format, where it is not the run's dtype; `bytes` holds its rows.
+    codec: Option<Codec>,
+    pub bytes: Vec<u8>,
 }
 
 impl PagedCache {
@@ -30,6 +39,8 @@ impl PagedCache {
             pool: vec![f32::NAN; sched.pool_pages() * sched.page_size * width],
             poison: vec![f32::NAN; width],
             faults: Active::NONE,
+            codec: None,
+            bytes: Vec::new(),
         }
     }
 
@@ -48,7 +59,17 @@ impl PagedCache {
             pool,
             poison: vec![f32::NAN; width],
             faults: Active::NONE,
+            codec: None,
+            bytes: Vec::new(),
         }
+    }
+
+    /// The cache stored in `codec`'s byte format (its width the cache's).
+    pub fn with_codec(mut self, codec: Codec) -> PagedCache {
+        assert_eq!(codec.width(), self.width, "the codec's row is the cache's");
+        self.bytes = vec![0u8; self.pool.len() / self.width * codec.bytes()];
+        self.codec = Some(codec);
+        self
     }
 
     pub fn with_faults(mut self, fx: Active) -> PagedCache {
@@ -81,6 +102,13 @@ impl PagedCache {
                 row[..latent.len()].copy_from_slice(latent);
                 row[latent.len()..].copy_from_slice(k_pe);
             }
+        }
+        // A quantized format: the row's bytes stored, the row read back from them.
+        if let Some(c) = &self.codec {
+            let n = c.bytes();
+            let bytes = &mut self.bytes[slot * n..(slot + 1) * n];
+            c.encode(row, bytes);
+            c.decode(bytes, row);
         }
     }
 

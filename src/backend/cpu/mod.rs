@@ -87,6 +87,8 @@ pub struct CpuMirror {
     batch: crate::backend::serving::Record,
     /// A bug planted in the serving batch's combine (tests only, `serving::Plant`).
     plant: Option<serving::Plant>,
+    /// The latent cache's byte format (`run --kv-cache-dtype`; `auto`: the dtype).
+    kv: crate::kv_format::KvFormat,
 }
 
 impl CpuMirror {
@@ -95,7 +97,14 @@ impl CpuMirror {
             dtype,
             batch: Default::default(),
             plant: None,
+            kv: Default::default(),
         }
+    }
+
+    /// The mirror storing its latent cache in `kv` (`crate::kv_format`).
+    pub fn with_kv_format(mut self, kv: crate::kv_format::KvFormat) -> CpuMirror {
+        self.kv = kv;
+        self
     }
 
     /// The mirror with a bug planted in its serving batch's combine (`serving::Plant`).
@@ -111,7 +120,14 @@ fn stage<D: Dimension>(s: Stage, a: &Array<f32, D>) -> StageTensor {
 
 impl Backend for CpuMirror {
     fn describe(&self) -> String {
-        format!("cpu-mirror ({}, f32 accumulation)", self.dtype.name())
+        match self.kv.is_auto() {
+            true => format!("cpu-mirror ({}, f32 accumulation)", self.dtype.name()),
+            false => format!(
+                "cpu-mirror ({}, f32 accumulation, {} kv cache)",
+                self.dtype.name(),
+                self.kv.name()
+            ),
+        }
     }
 
     fn provides(&self) -> StageSet {
@@ -148,6 +164,10 @@ impl Backend for CpuMirror {
         self.batch.decode_extra(sched)
     }
 
+    fn aimed_variants(&self) -> Vec<String> {
+        self.batch.aimed_variants()
+    }
+
     fn runner_checks(&self) -> Option<crate::backend::runner::checks::RunnerChecks> {
         self.batch.runner_checks()
     }
@@ -175,6 +195,9 @@ impl Backend for CpuMirror {
         let t = sched.total_tokens();
         let dt = self.dtype;
         let fx = ctx.faults;
+        self.kv
+            .fits(cfg.kv_lora_rank, cfg.qk_rope)
+            .map_err(crate::error::Error::Usage)?;
         // DSA: attention over the selection the run gives (the reference's, or the mirror's own).
         let sel = ctx.selection;
         let rope = front::RopeF32::new(tables, fx);
@@ -195,62 +218,117 @@ impl Backend for CpuMirror {
         };
 
         let (h, dv, lkv) = (cfg.n_head, cfg.v_head_dim, cfg.kv_lora_rank);
-        let mut cache = cache::PagedCache::new(sched, cfg.cache_row()).with_faults(fx);
-        let write = |cache: &mut cache::PagedCache, r: std::ops::Range<usize>| {
-            for tt in r {
-                let raw = f.kv_raw.row(tt).to_slice().expect("contiguous");
-                // Faults: the cache written from the kv_a output before kv_a_norm / before rope.
-                let latent = match fx.on(Fault::LatentBeforeNorm) {
-                    true => &raw[..lkv],
-                    false => f.latent.row(tt).to_slice().expect("contiguous"),
-                };
-                let k_pe = match fx.on(Fault::KPeBeforeRope) {
-                    true => &raw[lkv..],
-                    false => f.k_pe.row(tt).to_slice().expect("contiguous"),
-                };
-                cache.write(tt, latent, k_pe);
-            }
+        // The row parts token `tt` writes to the cache.
+        let parts = |tt: usize| {
+            let raw = f.kv_raw.row(tt).to_slice().expect("contiguous");
+            // Faults: the cache written from the kv_a output before kv_a_norm / before rope.
+            let latent = match fx.on(Fault::LatentBeforeNorm) {
+                true => &raw[..lkv],
+                false => f.latent.row(tt).to_slice().expect("contiguous"),
+            };
+            let k_pe = match fx.on(Fault::KPeBeforeRope) {
+                true => &raw[lkv..],
+                false => f.k_pe.row(tt).to_slice().expect("contiguous"),
+            };
+            (latent, k_pe)
         };
+        let codec = (!self.kv.is_auto()).then(|| {
+            // `fp8`'s one scale per layer, calibrated on the rows the layer writes.
+            let scale = crate::kv_format::tensor_scale((0..t).flat_map(|tt| {
+                let (a, b) = parts(tt);
+                a.iter().chain(b)
+            }));
+            crate::kv_format::Codec::new(self.kv, lkv, cfg.qk_rope)
+                .with_tensor_scale(scale)
+                .with_faults(fx)
+        });
         // The attention kernels' view of the config: the same model, the softmax scale they are given.
         let mut acfg = cfg.clone();
         acfg.softmax_scale = kernel_scale(cfg, fx);
-        let mut heads = Array3::<f32>::zeros((t, h, dv));
-        let mut lse = Array2::<f32>::zeros((t, h));
-        for c in sched.prefill_chunks() {
-            write(&mut cache, c.clone());
-            prefill::chunk(&acfg, &mw, &f, &cache, c, dt, fx, sel, &mut heads, &mut lse);
-        }
-        let mut dec = decode::DecodeStages::new(cfg, sched);
-        for r in sched.decode_ranges() {
-            write(&mut cache, r.clone());
-            decode::step(
-                &acfg, &mw, &f, &cache, r, sched, dt, fx, sel, &mut dec, &mut heads, &mut lse,
-            );
-        }
-        if self.batch.first_at(ctx.layer) {
-            let checks = serving::checks(ctx, &acfg, &dec.q_abs, &f.q_pe, &cache, dt, self.plant);
-            self.batch.add(checks);
-        }
-        let attn_out = match fx.on(Fault::HeadStrideQk) {
-            // Fault: o_proj's view of the heads uses the qk head dim as head stride (llama.cpp #7327).
-            true => front::o_proj(&mw, &front::restride_heads(&heads, cfg.qk_head_dim()), dt),
-            false => front::o_proj(&mw, &heads, dt),
+        // Cache writes, prefill, decode and o_proj over a cache in `codec`'s format (`None`: the dtype's).
+        let attention = |codec: Option<crate::kv_format::Codec>| {
+            let mut cache = cache::PagedCache::new(sched, cfg.cache_row()).with_faults(fx);
+            if let Some(c) = codec {
+                cache = cache.with_codec(c);
+            }
+            let write = |cache: &mut cache::PagedCache, r: std::ops::Range<usize>| {
+                for tt in r {
+                    let (latent, k_pe) = parts(tt);
+                    cache.write(tt, latent, k_pe);
+                }
+            };
+            let mut heads = Array3::<f32>::zeros((t, h, dv));
+            let mut lse = Array2::<f32>::zeros((t, h));
+            for c in sched.prefill_chunks() {
+                write(&mut cache, c.clone());
+                prefill::chunk(&acfg, &mw, &f, &cache, c, dt, fx, sel, &mut heads, &mut lse);
+            }
+            let mut dec = decode::DecodeStages::new(cfg, sched);
+            for r in sched.decode_ranges() {
+                write(&mut cache, r.clone());
+                decode::step(
+                    &acfg, &mw, &f, &cache, r, sched, dt, fx, sel, &mut dec, &mut heads, &mut lse,
+                );
+            }
+            let attn_out = match fx.on(Fault::HeadStrideQk) {
+                // Fault: o_proj's view of the heads uses the qk head dim as head stride (llama.cpp #7327).
+                true => front::o_proj(&mw, &front::restride_heads(&heads, cfg.qk_head_dim()), dt),
+                false => front::o_proj(&mw, &heads, dt),
+            };
+            let stages = [
+                stage(Stage::CacheRows, &cache.gather(0..t)),
+                stage(Stage::QAbsorbed, &dec.q_abs),
+                stage(Stage::SplitOut, &dec.split_out),
+                stage(Stage::SplitLse, &dec.split_lse),
+                stage(Stage::AttnLatent, &dec.attn_latent),
+                stage(Stage::Lse, &lse),
+                stage(Stage::AttnHeads, &heads),
+                stage(Stage::AttnOut, &attn_out),
+            ];
+            (cache, dec, stages)
         };
+        let (cache, dec, stages) = attention(codec);
+        let stored = serving::Stored {
+            q_abs: &dec.q_abs,
+            q_pe: &f.q_pe,
+            cache: &cache,
+        };
+        serving::run(ctx, &acfg, &stored, dt, self.plant, &mut self.batch);
 
         let mut tr = LayerTrace::new(ctx.layer);
+        tr.cache_format = self.kv;
         tr.push(stage(Stage::AttnIn, &f.attn_in));
         tr.push(stage(Stage::QNope, &f.q_nope));
         tr.push(stage(Stage::QPe, &f.q_pe));
         tr.push(stage(Stage::KvLatent, &f.latent));
         tr.push(stage(Stage::KPe, &f.k_pe));
-        tr.push(stage(Stage::CacheRows, &cache.gather(0..t)));
-        tr.push(stage(Stage::QAbsorbed, &dec.q_abs));
-        tr.push(stage(Stage::SplitOut, &dec.split_out));
-        tr.push(stage(Stage::SplitLse, &dec.split_lse));
-        tr.push(stage(Stage::AttnLatent, &dec.attn_latent));
-        tr.push(stage(Stage::Lse, &lse));
-        tr.push(stage(Stage::AttnHeads, &heads));
-        tr.push(stage(Stage::AttnOut, &attn_out));
+        // A quantized cache: its effect on each stage it reaches (this layer with the format's cache minus
+        // with the dtype's), which widens the end-to-end checks as a runner's fp8 cache does
+        // (`trace::CacheEffect`); the stage-local view bounds them by the format's rounding instead.
+        if codec.is_some() {
+            let (_, _, plain) = attention(None);
+            for (q, p) in stages.iter().zip(&plain) {
+                let effect: Vec<f64> = q.data.iter().zip(&p.data).map(|(a, b)| a - b).collect();
+                if effect.iter().all(|&e| e == 0.0) {
+                    continue;
+                }
+                let checks = match q.stage.info().phased {
+                    true => vec![
+                        format!("{}[prefill]", q.stage.name()),
+                        format!("{}[decode]", q.stage.name()),
+                    ],
+                    false => vec![q.stage.name().to_string()],
+                };
+                for check in checks {
+                    tr.cache_effect.push(crate::trace::CacheEffect {
+                        check,
+                        cache: self.kv.name(),
+                        effect: StageTensor::new(q.stage, q.shape.clone(), effect.clone()),
+                    });
+                }
+            }
+        }
+        tr.stages.extend(stages);
         Ok(tr)
     }
 }

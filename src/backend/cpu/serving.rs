@@ -3,14 +3,18 @@
 //! partition, the mirror's split partials and combine.
 
 use super::cache::PagedCache;
-use super::decode::split_partial;
+use super::decode::{split_partial, split_partial_fx};
 use super::flash::{merge, Partial};
 use super::row3;
 use crate::backend::runner::checks::RunnerCheck;
-use crate::backend::serving::{judge, Batch, Outputs, Query};
+use crate::backend::serving::{
+    aims, judge, judge_sparse, sparse_aim, Batch, Outputs, Query, Record,
+};
 use crate::backend::LayerCtx;
 use crate::model::MlaConfig;
 use crate::precision::Dtype;
+use crate::reference::sparse::Selection;
+use crate::tiles::variants::SPARSE_ID;
 use ndarray::Array3;
 
 /// A bug planted in the batch's combine, only for tests (no catalogue entry: the catalogue's faults
@@ -22,23 +26,128 @@ pub enum Plant {
     EmptySplitWeightOne,
 }
 
-/// Run the serving batch of `ctx.sched` at this layer: `acfg` the kernels' view of the config,
-/// `q_abs` `[D, H, Lkv]` and `q_pe` `[T, H, R]` the stored queries, `cache` the run's cache after all
-/// writes. Empty when the schedule has no decode step.
-#[allow(clippy::too_many_arguments)]
-pub fn checks(
+/// The stored queries and cache a layer's decode left, which its batches read: `q_abs` `[D, H, Lkv]`
+/// and `q_pe` `[T, H, R]`, `cache` the run's cache after all writes.
+pub struct Stored<'a> {
+    pub q_abs: &'a Array3<f32>,
+    pub q_pe: &'a Array3<f32>,
+    pub cache: &'a PagedCache,
+}
+
+/// Run the serving batch of `ctx.sched` at this layer and the batches aimed at the variants the
+/// schedule does not reach (`serving::aims`), once per layer, each recorded in `record`: `acfg` the
+/// kernels' view of the config.
+pub fn run(
     ctx: &LayerCtx,
     acfg: &MlaConfig,
-    q_abs: &Array3<f32>,
-    q_pe: &Array3<f32>,
-    cache: &PagedCache,
+    st: &Stored,
     dt: Dtype,
     plant: Option<Plant>,
+    record: &mut Record,
+) {
+    if !record.first_at(ctx.layer) {
+        return;
+    }
+    if let Some(batch) = Batch::of(ctx) {
+        record.add(checks(
+            "serving_batch",
+            ctx,
+            acfg,
+            &batch,
+            st,
+            dt,
+            plant,
+            "our decode",
+        ));
+    }
+    for aim in aims(ctx.cfg, ctx.sched) {
+        let (cfg, sched) = aim.frame(ctx.cfg, ctx.sched);
+        let mut a = acfg.clone();
+        a.n_head = cfg.n_head;
+        let framed = LayerCtx {
+            cfg: &cfg,
+            sched: &sched,
+            ..*ctx
+        };
+        let Some(batch) = Batch::aimed(&framed, &aim) else {
+            continue;
+        };
+        let who = format!("our decode, {}", aim.label_of(ctx.cfg.n_head));
+        let c = checks("variant_batch", &framed, &a, &batch, st, dt, plant, &who);
+        record.add_aimed(&aim.id, c);
+    }
+    if let Some(sel) = sparse_aim(ctx) {
+        record.add_aimed(SPARSE_ID, sparse(ctx, acfg, &sel, st, dt));
+    }
+}
+
+/// The batch aimed at the sparse kernel (`serving::sparse_aim`): each decode query over its selected
+/// keys of the run's cache, one split, with the layer's faults (a sparse reader's index faults show
+/// here), judged by `serving::judge_sparse`.
+fn sparse(
+    ctx: &LayerCtx,
+    acfg: &MlaConfig,
+    sel: &Selection,
+    st: &Stored,
+    dt: Dtype,
+) -> Vec<RunnerCheck> {
+    let (sched, h, lkv) = (ctx.sched, ctx.cfg.n_head, ctx.cfg.kv_lora_rank);
+    let (p0, d) = (sched.prompt_len, sched.decode_tokens());
+    let mut out = Outputs {
+        lat: vec![0f64; d * h * lkv],
+        lse: vec![0f64; d * h],
+        sout: Vec::new(),
+        slse: Vec::new(),
+    };
+    let mut queries = Vec::with_capacity(d);
+    for i in 0..d {
+        let t = p0 + i;
+        let mut q = Query {
+            q_abs: Vec::with_capacity(h * lkv),
+            q_pe: Vec::new(),
+        };
+        for hh in 0..h {
+            let (qa, qp) = (row3(st.q_abs, i, hh), row3(st.q_pe, t, hh));
+            q.q_abs.extend(qa.iter().map(|&v| v as f64));
+            q.q_pe.extend(qp.iter().map(|&v| v as f64));
+            let keys = 0..t + 1;
+            let p = split_partial_fx(acfg, st.cache, qa, qp, keys, dt, ctx.faults, Some((sel, t)));
+            let m = merge(&[p]).rounded(dt);
+            let row = i * h + hh;
+            for (o, &v) in out.lat[row * lkv..(row + 1) * lkv].iter_mut().zip(&m.out) {
+                *o = v as f64;
+            }
+            out.lse[row] = m.lse as f64;
+        }
+        queries.push(q);
+    }
+    let t = sched.total_tokens();
+    let rows: Vec<f64> = st.cache.gather(0..t).iter().map(|&v| v as f64).collect();
+    judge_sparse(
+        ctx,
+        sel,
+        &queries,
+        &rows,
+        &out,
+        dt,
+        "our decode (sparse_attn, one split)",
+    )
+}
+
+/// One batch through the mirror's decode, judged (`serving::judge`) as check `check_name`.
+#[allow(clippy::too_many_arguments)]
+fn checks(
+    check_name: &str,
+    ctx: &LayerCtx,
+    acfg: &MlaConfig,
+    batch: &Batch,
+    st: &Stored,
+    dt: Dtype,
+    plant: Option<Plant>,
+    who: &str,
 ) -> Vec<RunnerCheck> {
     let (cfg, sched) = (ctx.cfg, ctx.sched);
-    let Some(batch) = Batch::of(ctx) else {
-        return Vec::new();
-    };
+    let (q_abs, q_pe, cache) = (st.q_abs, st.q_pe, st.cache);
     let (h, lkv, t) = (cfg.n_head, cfg.kv_lora_rank, sched.total_tokens());
     let rows: Vec<f32> = cache.gather(0..t).iter().copied().collect();
     let mut bc = PagedCache::from_pool(
@@ -123,5 +232,5 @@ pub fn checks(
                 .collect(),
         })
         .collect();
-    judge(ctx, &batch, &queries, &rows, &out, dt, "our decode")
+    judge(check_name, ctx, batch, &queries, &rows, &out, dt, who)
 }

@@ -152,13 +152,71 @@ impl Drop for Module {
 /// A compiled unit: file name and its `-D` defines.
 type ModuleKey = (String, Vec<(String, String)>);
 
-/// Compiles kernels on first use for the device's architecture and keeps the modules.
+/// Compiles kernels on first use for the device's architecture and keeps the modules, in the process and
+/// on disk (`DiskCache`).
 pub struct Kernels {
     pub src: Sources,
     pub arch: String,
     cache: HashMap<ModuleKey, Rc<Module>>,
+    disk: Option<DiskCache>,
     /// Milliseconds spent in NVRTC.
     pub compile_ms: f64,
+}
+
+/// Environment variable naming the folder of compiled modules kept between runs; `0` (or empty): none.
+pub const CACHE_ENV: &str = "MLA_DIFF_KERNEL_CACHE";
+
+/// Compiled modules kept between runs, one file per `nvrtc::cache_key`: a run compiles ~10–20 modules
+/// (a second decode module per production variant its batches aim at, issue #35), seconds of NVRTC each
+/// time for the same sources. The key covers every input of the compile, so an entry is never stale;
+/// an entry that does not load is compiled again.
+struct DiskCache {
+    dir: std::path::PathBuf,
+    nvrtc: (i32, i32),
+}
+
+impl DiskCache {
+    /// `MLA_DIFF_KERNEL_CACHE`, else `$XDG_CACHE_HOME/mla-diff/kernels`, else `~/.cache/mla-diff/kernels`.
+    fn open() -> Option<DiskCache> {
+        let dir = cache_dir(
+            std::env::var_os(CACHE_ENV),
+            std::env::var_os("XDG_CACHE_HOME"),
+            std::env::var_os("HOME"),
+        )?;
+        let nvrtc = super::nvrtc::nvrtc_version().ok()?;
+        Some(DiskCache { dir, nvrtc })
+    }
+    fn path(&self, key: &str) -> std::path::PathBuf {
+        self.dir.join(format!("{key}.bin"))
+    }
+    fn get(&self, key: &str) -> Option<Vec<u8>> {
+        std::fs::read(self.path(key)).ok()
+    }
+    /// Written whole or not at all (a temporary file renamed); a cache that cannot be written is no error.
+    fn put(&self, key: &str, image: &[u8]) {
+        let tmp = self.dir.join(format!("{key}.{}.tmp", std::process::id()));
+        let ok = std::fs::create_dir_all(&self.dir).is_ok() && std::fs::write(&tmp, image).is_ok();
+        if !ok || std::fs::rename(&tmp, self.path(key)).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
+}
+
+/// The cache folder from the environment's values (see `DiskCache::open`); `None`: no cache.
+fn cache_dir(
+    env: Option<std::ffi::OsString>,
+    xdg: Option<std::ffi::OsString>,
+    home: Option<std::ffi::OsString>,
+) -> Option<std::path::PathBuf> {
+    let nonempty = |v: Option<std::ffi::OsString>| v.filter(|v| !v.is_empty());
+    match nonempty(env) {
+        Some(v) if v == "0" => None,
+        Some(v) => Some(v.into()),
+        None => nonempty(xdg)
+            .map(std::path::PathBuf::from)
+            .or_else(|| nonempty(home).map(|h| std::path::PathBuf::from(h).join(".cache")))
+            .map(|c| c.join("mla-diff").join("kernels")),
+    }
 }
 
 impl Kernels {
@@ -167,6 +225,7 @@ impl Kernels {
             src,
             arch: gpu.info.arch(),
             cache: HashMap::new(),
+            disk: DiskCache::open(),
             compile_ms: 0.0,
         }
     }
@@ -175,13 +234,33 @@ impl Kernels {
         if let Some(m) = self.cache.get(&key) {
             return Ok(m.clone());
         }
-        let t = std::time::Instant::now();
-        let c = nvrtc::compile(&self.src, unit, &key.1, &self.arch, false)?;
-        self.compile_ms += t.elapsed().as_secs_f64() * 1e3;
-        let image = c.cubin.unwrap_or(c.ptx);
-        let m = unsafe { drv::module::load_data(image.as_ptr() as *const c_void) }.map_err(
-            drv_err(&format!("loading module {unit} (arch {})", self.arch)),
-        )?;
+        let load =
+            |image: &[u8]| unsafe { drv::module::load_data(image.as_ptr() as *const c_void) };
+        let disk_key = self
+            .disk
+            .as_ref()
+            .map(|d| nvrtc::cache_key(&self.src, unit, &key.1, &self.arch, d.nvrtc));
+        let kept = match (&self.disk, &disk_key) {
+            (Some(d), Some(k)) => d.get(k).and_then(|image| load(&image).ok()),
+            _ => None,
+        };
+        let m = match kept {
+            Some(m) => m,
+            None => {
+                let t = std::time::Instant::now();
+                let c = nvrtc::compile(&self.src, unit, &key.1, &self.arch, false)?;
+                self.compile_ms += t.elapsed().as_secs_f64() * 1e3;
+                let image = c.cubin.unwrap_or(c.ptx);
+                let m = load(&image).map_err(drv_err(&format!(
+                    "loading module {unit} (arch {})",
+                    self.arch
+                )))?;
+                if let (Some(d), Some(k)) = (&self.disk, &disk_key) {
+                    d.put(k, &image);
+                }
+                m
+            }
+        };
         let m = Rc::new(Module {
             m,
             unit: unit.to_string(),
@@ -213,6 +292,57 @@ pub fn launch(
 mod tests {
     use super::*;
     use crate::faults::Active;
+
+    #[test]
+    fn the_kernel_cache_folder_follows_the_environment() {
+        let os = |s: &str| Some(std::ffi::OsString::from(s));
+        let p = |s: &str| Some(std::path::PathBuf::from(s));
+        assert_eq!(cache_dir(os("/c"), os("/x"), os("/h")), p("/c"));
+        assert_eq!(cache_dir(os("0"), os("/x"), os("/h")), None);
+        assert_eq!(
+            cache_dir(None, os("/x"), os("/h")),
+            p("/x/mla-diff/kernels")
+        );
+        assert_eq!(
+            cache_dir(os(""), None, os("/h")),
+            p("/h/.cache/mla-diff/kernels")
+        );
+        assert_eq!(cache_dir(None, None, None), None);
+    }
+
+    #[test]
+    fn a_cache_key_changes_with_every_input_of_the_compile() {
+        use super::super::nvrtc::{cache_key, Sources};
+        let src = Sources::embedded();
+        let d = |v: &str| vec![("MLA_H".to_string(), v.to_string())];
+        let k = cache_key(&src, "decode.cu", &d("4"), "sm_90a", (13, 0));
+        assert_eq!(k, cache_key(&src, "decode.cu", &d("4"), "sm_90a", (13, 0)));
+        assert_eq!(k.len(), 64);
+        for other in [
+            cache_key(&src, "decode.cu", &d("8"), "sm_90a", (13, 0)),
+            cache_key(&src, "prefill.cu", &d("4"), "sm_90a", (13, 0)),
+            cache_key(&src, "decode.cu", &d("4"), "sm_80", (13, 0)),
+            cache_key(&src, "decode.cu", &d("4"), "sm_90a", (13, 1)),
+        ] {
+            assert_ne!(k, other);
+        }
+        // An edited header is another key (a `--kernels` copy).
+        let dir = tempfile::tempdir().unwrap();
+        for (n, text) in super::super::nvrtc::KERNEL_FILES {
+            let p = dir.path().join(n);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            let text = match n.ends_with("wgmma.cuh") {
+                true => format!("{text}\n// edited"),
+                false => text.to_string(),
+            };
+            std::fs::write(p, text).unwrap();
+        }
+        let edited = Sources::from_dir(dir.path()).unwrap();
+        assert_ne!(
+            k,
+            cache_key(&edited, "decode.cu", &d("4"), "sm_90a", (13, 0))
+        );
+    }
 
     #[test]
     fn kernel_faults_are_exactly_the_defines_the_kernels_test() {

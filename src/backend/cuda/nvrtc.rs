@@ -122,6 +122,36 @@ impl Sources {
     }
 }
 
+/// A compiled module's identity in the disk cache (`kernels::DiskCache`): SHA-256 over everything the
+/// compile reads — the NVRTC version, the target, the include paths, the unit, every kernel source and
+/// header text (an edited `--kernels` copy is another key) and the defines — as hex.
+pub fn cache_key(
+    src: &Sources,
+    unit: &str,
+    defines: &[(String, String)],
+    arch: &str,
+    nvrtc: (i32, i32),
+) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    let mut put = |b: &[u8]| {
+        h.update((b.len() as u64).to_le_bytes());
+        h.update(b);
+    };
+    put(format!("nvrtc {}.{} {arch} {unit}", nvrtc.0, nvrtc.1).as_bytes());
+    for inc in include_paths() {
+        put(inc.as_bytes());
+    }
+    for (n, text) in &src.files {
+        put(n.as_bytes());
+        put(text.as_bytes());
+    }
+    for (k, v) in defines {
+        put(format!("-D{k}={v}").as_bytes());
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Check that libnvrtc can be loaded (cudarc panics on first use otherwise).
 pub fn nvrtc_present() -> Result<()> {
     // SAFETY: only tries to dlopen the library.

@@ -6,11 +6,12 @@
 //! request, as `Attn::run` chooses for any launch.
 
 use super::args::AttnArgs;
+use super::attn::Attn;
 use super::device::{encode, DevBuf};
 use super::layer::Layer;
 use super::trace::down;
 use crate::backend::runner::checks::RunnerCheck;
-use crate::backend::serving::{judge, Batch, Outputs, Query};
+use crate::backend::serving::{judge, Aim, Batch, Outputs, Query};
 use crate::backend::LayerCtx;
 use crate::error::Result;
 
@@ -21,22 +22,54 @@ impl Layer<'_> {
         let Some(batch) = Batch::of(ctx) else {
             return Ok(Vec::new());
         };
+        self.batch_on("serving_batch", ctx, &batch, &self.k.decode, "our decode")
+    }
+
+    /// Run and judge the batch aimed at `aim` (`serving::aims`) on `dec`, the decode module compiled
+    /// for the aim's page and head slice (`framed`: the layer's context framed by `Aim::frame`).
+    pub fn aimed_batch(
+        &self,
+        framed: &LayerCtx,
+        aim: &Aim,
+        dec: &Attn,
+    ) -> Result<Vec<RunnerCheck>> {
+        let Some(batch) = Batch::aimed(framed, aim) else {
+            return Ok(Vec::new());
+        };
+        let who = format!("our decode, {}", aim.label_of(self.z.h));
+        self.batch_on("variant_batch", framed, &batch, dec, &who)
+    }
+
+    /// One batch on `dec` in one launch, judged as `check_name`: the queries of the first
+    /// `ctx.cfg.n_head` heads of the layer's decode queries (all of them but for a head slice).
+    fn batch_on(
+        &self,
+        check_name: &str,
+        ctx: &LayerCtx,
+        batch: &Batch,
+        dec: &Attn,
+        who: &str,
+    ) -> Result<Vec<RunnerCheck>> {
         let (z, a) = (&self.z, self.a);
-        let (dt, es, h, lkv, row, ns) = (z.dt, z.es, z.h, z.lkv, z.row, z.ns);
+        let (dt, es, lkv, row) = (z.dt, z.es, z.lkv, z.row);
+        // The layer's heads (the stride of its stored queries) and the batch's (a slice: the first).
+        let (hz, h, ns) = (z.h, ctx.cfg.n_head, ctx.sched.num_splits);
         let (n, page) = (batch.reqs.len(), batch.page);
 
         // The run's cache rows and decode queries `[q_abs | q_pe]`, as stored.
         let rows = down(&a.ctx_rows, dt, 0, z.t_all * row)?;
-        let qf = down(&a.qfull, dt, 0, z.td * h * row)?;
+        let qf = down(&a.qfull, dt, 0, z.td * hz * row)?;
+        let head = |t: usize, hh: usize| &qf[(t * hz + hh) * row..(t * hz + hh + 1) * row];
         let queries: Vec<Query> = batch
             .reqs
             .iter()
-            .map(|q| {
-                let head = |hh: usize| &qf[(q.query * h + hh) * row..(q.query * h + hh + 1) * row];
-                Query {
-                    q_abs: (0..h).flat_map(|hh| head(hh)[..lkv].to_vec()).collect(),
-                    q_pe: (0..h).flat_map(|hh| head(hh)[lkv..].to_vec()).collect(),
-                }
+            .map(|q| Query {
+                q_abs: (0..h)
+                    .flat_map(|hh| head(q.query, hh)[..lkv].to_vec())
+                    .collect(),
+                q_pe: (0..h)
+                    .flat_map(|hh| head(q.query, hh)[lkv..].to_vec())
+                    .collect(),
             })
             .collect();
 
@@ -45,15 +78,11 @@ impl Layer<'_> {
         pool.extend(std::iter::repeat_n(f64::NAN, page * row));
         let (table, max_pages) = batch.flat_table();
         let lens: Vec<i32> = batch.lens().iter().map(|&l| l as i32).collect();
-        // Each request's query rows as stored: decode token `q.query`'s `[H, Lkv + R]` block of qfull.
+        // Each request's query rows as stored: decode token `q.query`'s `[h, Lkv + R]` block of qfull.
         let q: Vec<f64> = batch
             .reqs
             .iter()
-            .flat_map(|q| {
-                qf[q.query * h * row..(q.query + 1) * h * row]
-                    .iter()
-                    .copied()
-            })
+            .flat_map(|q| (0..h).flat_map(move |hh| head(q.query, hh).iter().copied()))
             .collect();
         let (pool_d, table_d, lens_d) = (
             DevBuf::upload(&encode(dt, pool.into_iter()))?,
@@ -82,41 +111,33 @@ impl Layer<'_> {
             scale_log2: z.scale_log2,
             ..AttnArgs::decode_batch(h, lkv, row - lkv, max_pages)
         };
-        let dec = &self.k.decode;
         dec.run(&args, n as u32)?;
         let partials = self.debug || ns > 1;
         if partials {
             dec.combine(&args, n * h)?;
         }
-        self.gpu.sync("the serving batch's decode")?;
+        self.gpu.sync("a decode batch")?;
+        let f32s = |b: &DevBuf, len: usize| -> Result<Vec<f64>> {
+            Ok(b.read::<f32>(0, len)?.into_iter().map(f64::from).collect())
+        };
         let out = Outputs {
             lat: down(&lat_d, dt, 0, n * h * lkv)?,
-            lse: lse_d
-                .read::<f32>(0, n * h)?
-                .into_iter()
-                .map(f64::from)
-                .collect(),
+            lse: f32s(&lse_d, n * h)?,
             sout: match partials {
-                true => po_d
-                    .read::<f32>(0, n * h * ns * lkv)?
-                    .into_iter()
-                    .map(f64::from)
-                    .collect(),
+                true => f32s(&po_d, n * h * ns * lkv)?,
                 false => Vec::new(),
             },
             slse: match partials {
-                true => pl_d
-                    .read::<f32>(0, n * h * ns)?
-                    .into_iter()
-                    .map(f64::from)
-                    .collect(),
+                true => f32s(&pl_d, n * h * ns)?,
                 false => Vec::new(),
             },
         };
         let who = format!(
-            "our decode ({}, one launch)",
+            "{who} ({}, one launch)",
             dec.launches(args.n_keys, args.num_splits)
         );
-        Ok(judge(ctx, &batch, &queries, &rows, &out, dt, &who))
+        Ok(judge(
+            check_name, ctx, batch, &queries, &rows, &out, dt, &who,
+        ))
     }
 }

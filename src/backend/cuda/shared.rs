@@ -69,6 +69,9 @@ impl Backend for SharedCuda {
     fn decode_extra(&self, sched: &crate::schedule::Schedule) -> Vec<crate::batch::Request> {
         self.batch.decode_extra(sched)
     }
+    fn aimed_variants(&self) -> Vec<String> {
+        self.batch.aimed_variants()
+    }
     fn runner_checks(&self) -> Option<crate::backend::runner::checks::RunnerChecks> {
         self.batch.runner_checks()
     }

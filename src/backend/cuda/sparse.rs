@@ -14,6 +14,10 @@ use super::device::{arg, DevBuf};
 use super::kernels::launch;
 use super::launch::Sparse;
 use super::layer::Layer;
+use super::trace::down;
+use crate::backend::runner::checks::RunnerCheck;
+use crate::backend::serving::{judge_sparse, Outputs, Query};
+use crate::backend::LayerCtx;
 use crate::error::Result;
 use crate::faults::{Active, Fault};
 use crate::reference::sparse::{flashmla_indices, Selection};
@@ -296,6 +300,62 @@ impl Layer<'_> {
             part_lse: a.part_lse.at(d0 * h * ns, 4),
         };
         self.sparse_launch(sp, &rows, &l)
+    }
+}
+
+impl Layer<'_> {
+    /// The batch aimed at the sparse kernel on a run that stays within top_k
+    /// (`serving::sparse_aim`: `sp` holds its selection and the run's block table): every decode
+    /// query in one `sparse_attn` launch over its selected keys of the layer's cache pool, one split,
+    /// into buffers of its own (after `finish`: the cache rows are gathered); judged by
+    /// `serving::judge_sparse`.
+    pub fn sparse_aimed(&self, ctx: &LayerCtx, sp: &Sparse) -> Result<Vec<RunnerCheck>> {
+        let (z, a) = (&self.z, self.a);
+        let (dt, es, h, lkv, row) = (z.dt, z.es, z.h, z.lkv, z.row);
+        let (p0, d) = (z.p0, z.td);
+        let rows = index_rows(
+            sp.sel,
+            p0..p0 + d,
+            std::slice::from_ref(&(0..z.t_all)),
+            sp.table,
+            ctx.sched.page_size,
+            self.fx,
+        );
+        let (lat, lse) = (DevBuf::alloc(d * h * lkv * es)?, DevBuf::alloc(d * h * 4)?);
+        let l = Launch {
+            q: a.qfull.ptr,
+            n_q: d,
+            splits: 1,
+            partials: false,
+            out: lat.ptr,
+            lse: lse.ptr,
+            part_out: a.part_out.ptr,
+            part_lse: a.part_lse.ptr,
+        };
+        self.sparse_launch(sp, &rows, &l)?;
+        let qf = down(&a.qfull, dt, 0, d * h * row)?;
+        let queries: Vec<Query> = (0..d)
+            .map(|i| {
+                let head = |hh: usize| &qf[(i * h + hh) * row..(i * h + hh + 1) * row];
+                Query {
+                    q_abs: (0..h).flat_map(|hh| head(hh)[..lkv].to_vec()).collect(),
+                    q_pe: (0..h).flat_map(|hh| head(hh)[lkv..].to_vec()).collect(),
+                }
+            })
+            .collect();
+        let out = Outputs {
+            lat: down(&lat, dt, 0, d * h * lkv)?,
+            lse: lse
+                .read::<f32>(0, d * h)?
+                .into_iter()
+                .map(f64::from)
+                .collect(),
+            sout: Vec::new(),
+            slse: Vec::new(),
+        };
+        let cache = down(&a.ctx_rows, dt, 0, z.t_all * row)?;
+        let who = "our decode (sparse_attn, one launch, one split)";
+        Ok(judge_sparse(ctx, sp.sel, &queries, &cache, &out, dt, who))
     }
 }
 

@@ -31,7 +31,8 @@ pub struct RunnerCheck {
     /// The layer; absent for a check over the whole run (inputs unchanged in every request).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub layer: Option<usize>,
-    /// `serving_batch`, `padding`, `batch_invariance`, `input_mutation`, `merge_consistency`.
+    /// `serving_batch`, `variant_batch` (our own batches aimed at production variants), `padding`,
+    /// `batch_invariance`, `input_mutation`, `merge_consistency`.
     pub check: String,
     pub status: Status,
     /// What was compared: an output (`attn_latent`), a request, an input tensor.

@@ -46,6 +46,74 @@ pub(crate) struct Local {
     pub slse: Vec<f64>,
 }
 
+/// The dims of an absorbed decode: query heads, latent width, rope width, softmax scale.
+pub(crate) struct Dims {
+    pub heads: usize,
+    pub lkv: usize,
+    pub rope: usize,
+    pub scale: f64,
+}
+
+/// fp64 attention of `e` (all keys real) from its rows (`[slot, lkv + rope]`, value = the latent part),
+/// causal within the entry's `s_q` queries (query `i` sees the first `len − s_q + i + 1` keys), with
+/// the partials over `splits(len)` (none for an empty list): the yardstick of every `@runner` decode
+/// check, a run's (`RunnerBackend::local_entry`) or an engine's logged kernel call's
+/// (`capture::flashinfer`).
+pub(crate) fn local_attention(
+    d: &Dims,
+    e: &Entry,
+    s_q: usize,
+    rows: &[f64],
+    splits: impl Fn(usize) -> Vec<std::ops::Range<usize>>,
+) -> Local {
+    let (h, lkv, r, scale) = (d.heads, d.lkv, d.rope, d.scale);
+    let row = lkv + r;
+    let seq_len = e.keys.len();
+    let key = |j: usize| e.keys[j].expect("a real entry's keys are rows");
+    let split_ranges = splits(seq_len);
+    let n_splits = split_ranges.len();
+    // Rows (query, head) in parallel: a GLM-5 layer's yardstick is ~10¹⁰ products.
+    let rows_out: Vec<LocalRow> = (0..s_q * h)
+        .into_par_iter()
+        .map(|d| {
+            let i = d / h;
+            let visible = (seq_len + i + 1).saturating_sub(s_q);
+            let qa = &e.q_nope[d * lkv..(d + 1) * lkv];
+            let qp = &e.q_pe[d * r..(d + 1) * r];
+            let score = |j: usize| {
+                let k = &rows[key(j) * row..(key(j) + 1) * row];
+                (local::dot(qa, &k[..lkv]) + local::dot(qp, &k[lkv..])) * scale
+            };
+            let value = |j: usize| &rows[key(j) * row..key(j) * row + lkv];
+            let (o, ls) = local::attend(0..visible, lkv, score, value);
+            let parts = split_ranges
+                .iter()
+                .map(|kr| {
+                    let keys = kr.start..kr.end.min(visible);
+                    let keys = keys.start..keys.end.max(keys.start);
+                    local::attend(keys, lkv, score, value)
+                })
+                .collect();
+            (o, ls, parts)
+        })
+        .collect();
+    let mut l = Local {
+        out: Vec::with_capacity(s_q * h * lkv),
+        lse: Vec::with_capacity(s_q * h),
+        sout: Vec::with_capacity(s_q * h * n_splits * lkv),
+        slse: Vec::with_capacity(s_q * h * n_splits),
+    };
+    for (o, ls, parts) in rows_out {
+        l.out.extend(o);
+        l.lse.push(ls);
+        for (so, sl) in parts {
+            l.sout.extend(so);
+            l.slse.push(sl);
+        }
+    }
+    l
+}
+
 impl RunnerBackend {
     /// Send one decode request of `entries` (each `s_q` queries; keys in their own shuffled pages, one
     /// spare page of NaN where unused table slots point) and read the reply.
@@ -146,51 +214,13 @@ impl RunnerBackend {
     /// the run's `num_splits`.
     pub(crate) fn local_entry(ctx: &LayerCtx, e: &Entry, s_q: usize, rows: &[f64]) -> Local {
         let (cfg, sched) = (ctx.cfg, ctx.sched);
-        let (h, lkv, r) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_rope);
-        let (row, splits, scale) = (lkv + r, sched.num_splits, cfg.softmax_scale);
-        let seq_len = e.keys.len();
-        let key = |j: usize| e.keys[j].expect("a real entry's keys are rows");
-        let split_ranges = sched.split_ranges(seq_len);
-        // Rows (query, head) in parallel: a GLM-5 layer's yardstick is ~10¹⁰ products.
-        let rows_out: Vec<LocalRow> = (0..s_q * h)
-            .into_par_iter()
-            .map(|d| {
-                let i = d / h;
-                let visible = (seq_len + i + 1).saturating_sub(s_q);
-                let qa = &e.q_nope[d * lkv..(d + 1) * lkv];
-                let qp = &e.q_pe[d * r..(d + 1) * r];
-                let score = |j: usize| {
-                    let k = &rows[key(j) * row..(key(j) + 1) * row];
-                    (local::dot(qa, &k[..lkv]) + local::dot(qp, &k[lkv..])) * scale
-                };
-                let value = |j: usize| &rows[key(j) * row..key(j) * row + lkv];
-                let (o, ls) = local::attend(0..visible, lkv, score, value);
-                let parts = split_ranges
-                    .iter()
-                    .map(|kr| {
-                        let keys = kr.start..kr.end.min(visible);
-                        let keys = keys.start..keys.end.max(keys.start);
-                        local::attend(keys, lkv, score, value)
-                    })
-                    .collect();
-                (o, ls, parts)
-            })
-            .collect();
-        let mut l = Local {
-            out: Vec::with_capacity(s_q * h * lkv),
-            lse: Vec::with_capacity(s_q * h),
-            sout: Vec::with_capacity(s_q * h * splits * lkv),
-            slse: Vec::with_capacity(s_q * h * splits),
+        let dims = Dims {
+            heads: cfg.n_head,
+            lkv: cfg.kv_lora_rank,
+            rope: cfg.qk_rope,
+            scale: cfg.softmax_scale,
         };
-        for (o, ls, parts) in rows_out {
-            l.out.extend(o);
-            l.lse.push(ls);
-            for (so, sl) in parts {
-                l.sout.extend(so);
-                l.slse.push(sl);
-            }
-        }
-        l
+        local_attention(&dims, e, s_q, rows, |n| sched.split_ranges(n))
     }
 
     /// The decode op: one request per layer, one batch entry per decode step; the first time a layer

@@ -135,6 +135,11 @@ pub struct BackendArgs {
     /// run stops (exit 2) — a hung kernel must not hang the run.
     #[arg(long, value_name = "SECONDS", default_value_t = mla_diff::backend::runner::protocol::DEFAULT_TIMEOUT_S, value_parser = clap::value_parser!(u64).range(1..))]
     pub runner_timeout: u64,
+    /// How the optimized path stores its latent cache: `auto` (the run's --dtype), `fp8` (e4m3, one scale
+    /// per layer), `fp8_ds_mla` (656 B/token), `fp8_ds_mla_nope`, `fp8_v41` (528 B), `fp4_v41` (288 B);
+    /// docs/cache-formats.md. CPU mirror only for now.
+    #[arg(long, value_enum, default_value = "auto", value_name = "FORMAT")]
+    pub kv_cache_dtype: mla_diff::kv_format::KvFormat,
     /// `(schedule's page, page run)` when `run` moved its page to one the runner takes
     /// (`protocol::page_for`), for the runner backend's notice; not an option.
     #[arg(skip)]
@@ -152,6 +157,7 @@ impl BackendArgs {
                 kernels_dir: self.kernels.clone(),
                 runner: self.runner.clone(),
                 runner_page_moved: self.runner_page_moved,
+                kv_format: self.kv_cache_dtype,
             },
         )
     }

@@ -10,6 +10,21 @@ use mla_diff::gguf::GgufFile;
 use mla_diff::model::MlaConfig;
 use mla_diff::run::{InputSpec, Modes, RunOptions};
 
+/// ` (stage_dtypes: cache_rows fp16, …)`, or nothing.
+fn stage_dtypes(m: &mla_diff::capture::Manifest) -> String {
+    match m.stage_dtypes.is_empty() {
+        true => String::new(),
+        false => format!(
+            " (stage_dtypes: {})",
+            m.stage_dtypes
+                .iter()
+                .map(|(k, d)| format!("{k} {}", d.name()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
 pub fn exec(a: &Args, file: &GgufFile, cfg: &MlaConfig) -> Result<i32, Error> {
     let caps = a
         .capture
@@ -22,13 +37,17 @@ pub fn exec(a: &Args, file: &GgufFile, cfg: &MlaConfig) -> Result<i32, Error> {
         })
         .collect::<Result<Vec<_>, Error>>()?;
     let dtype = caps[0].manifest.dtype;
-    if let Some(c) = caps.iter().find(|c| c.manifest.dtype != dtype) {
+    if let Some(c) = caps.iter().find(|c| {
+        c.manifest.dtype != dtype || c.manifest.stage_dtypes != caps[0].manifest.stage_dtypes
+    }) {
         return Err(Error::Usage(format!(
-            "capture {} is {} but {} is {}: captures of one run share their dtype",
+            "capture {} is {}{} but {} is {}{}: captures of one run share their dtypes",
             c.dir.display(),
             c.manifest.dtype.name(),
+            stage_dtypes(&c.manifest),
             caps[0].dir.display(),
-            dtype.name()
+            dtype.name(),
+            stage_dtypes(&caps[0].manifest)
         )));
     }
     // `--layers all` (the default): the layers the capture has.

@@ -45,8 +45,8 @@ fn reports_validate_and_parse() {
         doc.descendants()
             .filter(|n| n.has_tag_name("testcase"))
             .count(),
-        8 + 4 * 4,
-        "4 layers x 2 modes, and the serving batch's 4 checks of each layer"
+        8 + 2 * 4 * 4,
+        "4 layers x 2 modes, and the 4 checks of each layer's serving batch and of its batch aimed at attn_small"
     );
     let svg = std::fs::read_to_string(p("r.svg")).unwrap();
     let doc = roxmltree::Document::parse(&svg).unwrap();
