@@ -293,7 +293,7 @@ mod tests {
         let special = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 0.0, -0.0];
         for case in 0..300 {
             let n = rng.random_range(0..200);
-            let mut v = |rng: &mut rand::rngs::StdRng| match rng.random_range(0..30) {
+            let v = |rng: &mut rand::rngs::StdRng| match rng.random_range(0..30) {
                 0 if case % 3 == 0 => special[rng.random_range(0..special.len())],
                 _ => rng.random_range(-2.0..2.0) * 10f64.powi(rng.random_range(-5..5)),
             };
