@@ -350,8 +350,8 @@ fn part(x: &[f64], y: &[f64]) -> (f64, f64) {
 /// 16-wide k-step by k-step: the partial sums after each step are the truncation model's.
 fn dot_var(x: &[f64], y: &[f64], w: &[f64], xr: &[f64], yr: &[f64], sum: ScoreSum) -> Dot {
     #[cfg(target_arch = "x86_64")]
-    if x.len() % 16 == 0
-        && xr.len() % 16 == 0
+    if x.len().is_multiple_of(16)
+        && xr.len().is_multiple_of(16)
         && y.len() == x.len()
         && w.len() >= x.len()
         && yr.len() == xr.len()

@@ -167,8 +167,8 @@ fn lanes8_of(l8: &[__m256d; 4]) -> f64 {
 #[target_feature(enable = "avx2")]
 pub(super) unsafe fn dot_terms(x: &[f64], y: &[f64], w: &[f64], xr: &[f64], yr: &[f64]) -> Terms {
     assert!(
-        x.len() % 16 == 0
-            && xr.len() % 16 == 0
+        x.len().is_multiple_of(16)
+            && xr.len().is_multiple_of(16)
             && y.len() == x.len()
             && w.len() >= x.len()
             && yr.len() == xr.len()
