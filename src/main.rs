@@ -25,6 +25,15 @@ fn main() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // No transparent huge pages for this process: mimalloc asks for them on its regions, and a run's
+    // large short-lived arrays then fault in (and are zeroed by the kernel) 2 MB at a time, pages
+    // partly used and returned included. Measured on the CPU path (GLM-5 fixture, 2 cores, paired
+    // runs): system time 6.1 -> 2.7 s, user time +5 %.
+    #[cfg(target_os = "linux")]
+    // SAFETY: PR_SET_THP_DISABLE only sets a flag of this process's memory map.
+    unsafe {
+        libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
+    }
     let cli = match cli::Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

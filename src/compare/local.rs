@@ -26,6 +26,7 @@ use crate::trace::{LayerTrace, Stage, StageSet};
 use ndarray::{s, Array1, Array2, ArrayView1, ArrayView2, Zip};
 use rayon::prelude::*;
 
+mod simd;
 pub mod sparse;
 pub use sparse::Sparse;
 
@@ -321,6 +322,12 @@ fn lanes8(x: &[f64], y: &[f64]) -> (f64, f64) {
         acc[l] += xy;
         v8[l] += xy * xy + acc[l] * acc[l];
     }
+    lanes8_finish(&acc, &v8)
+}
+
+/// [`lanes8`]'s tree over its lanes' sums `acc` and their terms `v8`.
+#[inline(always)]
+fn lanes8_finish(acc: &[f64; 8], v8: &[f64; 8]) -> (f64, f64) {
     let p: [f64; 4] = std::array::from_fn(|k| acc[k] + acc[k + 4]);
     let (a, b) = (p[0] + p[1], p[2] + p[3]);
     let t = a + b;
@@ -353,6 +360,28 @@ fn part(x: &[f64], y: &[f64]) -> (f64, f64) {
 /// The score `x·y + xr·yr` (the kernels' K order: x's part, then xr's) with its variance terms, summed
 /// 16-wide k-step by k-step: the partial sums after each step are the truncation model's.
 fn dot_var(x: &[f64], y: &[f64], w: &[f64], xr: &[f64], yr: &[f64], sum: ScoreSum) -> Dot {
+    #[cfg(target_arch = "x86_64")]
+    if x.len().is_multiple_of(16)
+        && xr.len().is_multiple_of(16)
+        && y.len() == x.len()
+        && w.len() >= x.len()
+        && yr.len() == xr.len()
+        && simd::avx2()
+    {
+        // SAFETY: the CPU has AVX2; the lengths are checked above.
+        let f = unsafe { simd::dot_terms(x, y, w, xr, yr) };
+        return dot_of(f, x.len() + xr.len(), sum);
+    }
+    let lanes = sum == ScoreSum::Lanes8;
+    dot_of(
+        terms_scalar(x, y, w, xr, yr, lanes),
+        x.len() + xr.len(),
+        sum,
+    )
+}
+
+/// [`dot_var`]'s terms without SIMD ([`lanes8`]'s only where `lanes`).
+fn terms_scalar(x: &[f64], y: &[f64], w: &[f64], xr: &[f64], yr: &[f64], lanes: bool) -> Terms {
     let (mut a, mut sq, mut steps, mut steps2) = (0.0, 0.0, 0.0, 0.0);
     let n = x.len();
     let k = n + xr.len();
@@ -387,13 +416,51 @@ fn dot_var(x: &[f64], y: &[f64], w: &[f64], xr: &[f64], yr: &[f64], sum: ScoreSu
         p4[0] += xv * xv * wv;
     }
     let prop = (p4[0] + p4[1]) + (p4[2] + p4[3]);
+    let lanes = match lanes {
+        true => (lanes8(x, y).1, lanes8(xr, yr).1),
+        false => (0.0, 0.0),
+    };
+    Terms {
+        a,
+        sq,
+        steps,
+        steps2,
+        prop,
+        lanes,
+    }
+}
+
+/// What [`dot_var`] sums over a score's elements, each in its own fixed order (the SIMD path's sums
+/// are the scalar path's, lane for lane: the same bits).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Terms {
+    a: f64,
+    sq: f64,
+    steps: f64,
+    steps2: f64,
+    prop: f64,
+    /// [`lanes8`]'s variance of x·y and of xr·yr (`ScoreSum::Lanes8` only; else unused).
+    lanes: (f64, f64),
+}
+
+/// [`Dot`] from its terms, `k` elements in all.
+#[inline(always)]
+fn dot_of(f: Terms, k: usize, sum: ScoreSum) -> Dot {
+    let Terms {
+        a,
+        sq,
+        steps,
+        steps2,
+        prop,
+        lanes,
+    } = f;
     let acc = match sum {
         // Tensor cores: one rounding of the accumulator per k-step (a truncation's spread is at most
         // its ulp, ≤ 2u of the partial sum: ≤ F32_OP of its square), doubled for the MMA's internal
         // alignment; the products are exact.
         ScoreSum::TensorCore => 2.0 * F32_OP * steps2,
         // The mirror: two `ops::dot`s (x's part, xr's), then their sum.
-        ScoreSum::Lanes8 => lanes8(x, y).1 + lanes8(xr, yr).1 + F32_OP * a * a,
+        ScoreSum::Lanes8 => lanes.0 + lanes.1 + F32_OP * a * a,
         // Unknown: a sequential sum's, conservative for any order.
         ScoreSum::Sequential => acc_var(k, sq, a),
     };
@@ -493,6 +560,88 @@ impl Attn {
     }
 }
 
+/// One key's pass over the value columns in [`attend`] (`f` = its P rounding's, its score's and its p):
+/// each column's terms added to `a`, `sq`, `tot`, and the key's own sum in four lanes (column mod 4).
+#[inline(always)]
+fn key_cols(
+    vj: &[f64],
+    out: &[f64],
+    a: &mut [f64],
+    sq: &mut [f64],
+    tot: &mut [f64],
+    f: [f64; 3],
+) -> [f64; 4] {
+    let mut key4 = [0.0f64; 4];
+    #[cfg(target_arch = "x86_64")]
+    if simd::avx2() {
+        // SAFETY: the CPU has AVX2 (the slices' lengths are checked there).
+        let d0 = unsafe { simd::key_cols(vj, out, a, sq, tot, f, &mut key4) };
+        key_cols_from(vj, out, a, sq, tot, f, &mut key4, d0);
+        return key4;
+    }
+    key_cols_from(vj, out, a, sq, tot, f, &mut key4, 0);
+    key4
+}
+
+/// [`key_cols`] without SIMD.
+#[cfg(test)]
+fn key_cols_scalar(
+    vj: &[f64],
+    out: &[f64],
+    a: &mut [f64],
+    sq: &mut [f64],
+    tot: &mut [f64],
+    f: [f64; 3],
+) -> [f64; 4] {
+    let mut key4 = [0.0f64; 4];
+    key_cols_from(vj, out, a, sq, tot, f, &mut key4, 0);
+    key4
+}
+
+/// [`key_cols`]' scalar loop from column `d0` (a multiple of 4) on.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn key_cols_from(
+    vj: &[f64],
+    out: &[f64],
+    a: &mut [f64],
+    sq: &mut [f64],
+    tot: &mut [f64],
+    f: [f64; 3],
+    key4: &mut [f64; 4],
+    d0: usize,
+) {
+    let [round, ppv, pj] = f;
+    let dim = vj.len();
+    let col = |x: f64, o: f64, ad: &mut f64, sqd: &mut f64, td: &mut f64| {
+        let dev = (x - o) * (x - o);
+        // P's rounding moves the numerator only, or numerator and sum (kernels differ): the larger.
+        let c = round * (x * x).max(dev) + ppv * dev;
+        *ad += c;
+        let px = pj * x;
+        *sqd += px * px;
+        *td += px;
+        c
+    };
+    let cols = vj[d0..]
+        .chunks_exact(4)
+        .zip(out[d0..].chunks_exact(4))
+        .zip(a[d0..].chunks_exact_mut(4))
+        .zip(
+            sq[d0..]
+                .chunks_exact_mut(4)
+                .zip(tot[d0..].chunks_exact_mut(4)),
+        );
+    for (((xc, oc), ac), (sqc, tc)) in cols {
+        for l in 0..4 {
+            key4[l] += col(xc[l], oc[l], &mut ac[l], &mut sqc[l], &mut tc[l]);
+        }
+    }
+    for d in (dim - dim % 4).max(d0)..dim {
+        key4[0] += col(vj[d], out[d], &mut a[d], &mut sq[d], &mut tot[d]);
+    }
+}
+
 /// Softmax attention in fp64 of pre-computed scores `(s, var_s)` over values `v` (with their hidden
 /// variances `vv`, if any): P is rounded to `dt` before P·V (the kernels' MMA input), the rest is f32.
 fn attend(
@@ -501,7 +650,33 @@ fn attend(
     vv: Option<&[&[f64]]>,
     dim: usize,
     path: Path,
-    gram: Option<&dyn Fn(usize, usize) -> f64>,
+    gram: Option<Gram>,
+) -> Attn {
+    #[cfg(target_arch = "x86_64")]
+    if simd::avx2() {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { simd::attend(scores, v, vv, dim, path, gram) };
+    }
+    attend_in(scores, v, vv, dim, path, gram)
+}
+
+/// cos² between the values of an attention's keys `j`, `k`: `g[keys[j]·stride + keys[k]]`.
+#[derive(Clone, Copy)]
+struct Gram<'a> {
+    g: &'a [f32],
+    stride: usize,
+    keys: &'a [usize],
+}
+
+/// [`attend`]'s body (compiled twice: for the host's baseline and, where the CPU has it, AVX2).
+#[inline(always)]
+fn attend_in(
+    scores: &[Score],
+    v: &[&[f64]],
+    vv: Option<&[&[f64]]>,
+    dim: usize,
+    path: Path,
+    gram: Option<Gram>,
 ) -> Attn {
     let (dt, online) = (path.dt, path.online);
     if scores.is_empty() {
@@ -568,33 +743,14 @@ fn attend(
     for j in 0..n {
         let (round, pj) = (rv[j], p[j]);
         let ppv = pj * pj * pv[j];
-        // Four columns at a time, the key's sum in four lanes: one f64 chain would keep the compiler
-        // from vectorizing the loop (this is the local view's hottest).
-        let mut key4 = [0.0f64; 4];
-        let col = |x: f64, o: f64, ad: &mut f64, sqd: &mut f64, td: &mut f64| {
-            let dev = (x - o) * (x - o);
-            // P's rounding moves the numerator only, or numerator and sum (kernels differ): the larger.
-            let c = round * (x * x).max(dev) + ppv * dev;
-            *ad += c;
-            let px = pj * x;
-            *sqd += px * px;
-            *td += px;
-            c
-        };
-        let vj = &v[j][..dim];
-        let cols = vj
-            .chunks_exact(4)
-            .zip(out.chunks_exact(4))
-            .zip(a.chunks_exact_mut(4))
-            .zip(sq.chunks_exact_mut(4).zip(tot.chunks_exact_mut(4)));
-        for (((xc, oc), ac), (sqc, tc)) in cols {
-            for l in 0..4 {
-                key4[l] += col(xc[l], oc[l], &mut ac[l], &mut sqc[l], &mut tc[l]);
-            }
-        }
-        for d in dim - dim % 4..dim {
-            key4[0] += col(vj[d], out[d], &mut a[d], &mut sq[d], &mut tot[d]);
-        }
+        let key4 = key_cols(
+            &v[j][..dim],
+            &out,
+            &mut a,
+            &mut sq,
+            &mut tot,
+            [round, ppv, pj],
+        );
         let key = (key4[0] + key4[1]) + (key4[2] + key4[3]);
         if let Some(vv) = vv {
             a.iter_mut()
@@ -641,8 +797,9 @@ fn attend(
             let mut t2: f64 = rest.iter().map(|&j| per_key[j] * per_key[j]).sum();
             for (a, &j) in top.iter().enumerate() {
                 t2 += per_key[j] * per_key[j];
+                let (twice, row) = (2.0 * per_key[j], &g.g[g.keys[j] * g.stride..]);
                 for &k in &top[a + 1..] {
-                    t2 += 2.0 * per_key[j] * per_key[k] * g(j, k);
+                    t2 += twice * per_key[k] * row[g.keys[k]] as f64;
                 }
             }
             t2
@@ -1117,12 +1274,11 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
                                     sc
                                 })
                                 .collect();
-                            let cs = |j: usize, k: usize| match &gram {
-                                Some(g) => g[keys[j] * pl + keys[k]] as f64,
-                                None => 0.0,
-                            };
-                            let g: Option<&dyn Fn(usize, usize) -> f64> =
-                                gram.as_ref().map(|_| &cs as &dyn Fn(usize, usize) -> f64);
+                            let g = gram.as_ref().map(|g| Gram {
+                                g,
+                                stride: pl,
+                                keys: &keys,
+                            });
                             let vals: Vec<&[f64]> = keys
                                 .iter()
                                 .map(|&j| v.row(j).to_slice().expect("row"))
@@ -1249,12 +1405,11 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
                             let sc: Vec<Score> = keys.iter().map(|&j| score_of(j)).collect();
                             let vals: Vec<&[f64]> =
                                 keys.iter().map(|&j| &row(&cache, j)[..lkv]).collect();
-                            let cos2 = |j: usize, k: usize| match &gram {
-                                Some(g) => g[keys[j] * t_all + keys[k]] as f64,
-                                None => 0.0,
-                            };
-                            let g: Option<&dyn Fn(usize, usize) -> f64> =
-                                gram.as_ref().map(|_| &cos2 as &dyn Fn(usize, usize) -> f64);
+                            let g = gram.as_ref().map(|g| Gram {
+                                g,
+                                stride: t_all,
+                                keys: &keys,
+                            });
                             attend(&sc, &vals, None, lkv, path, g)
                         })
                         .collect();

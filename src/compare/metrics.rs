@@ -171,9 +171,170 @@ pub fn nonfinite(r: &[f64], o: &[f64]) -> NonFinite {
     nf
 }
 
+/// Every metric a check reports ([`All`]), in two passes over the pair (the first for rms(r), which
+/// sets the second's floors) instead of one pass per metric: each sum in its own function's order,
+/// so the same bits as those functions (`all_is_each` below), with their chains side by side.
+#[derive(Debug, Clone, PartialEq)]
+pub struct All {
+    pub ref_l2: f64,
+    pub opt_l2: f64,
+    pub ref_rms: f64,
+    /// [`max_abs_diff`], [`max_rel_diff`] (floor `REL_FLOOR_RMS`·rms(r)), [`count_outside`] (atol
+    /// `atol_rms`·rms(r)).
+    pub max_abs: (f64, Option<usize>),
+    pub max_rel: (f64, Option<usize>),
+    pub outside: (usize, Option<usize>),
+    pub nonfinite: NonFinite,
+    pub mean_abs: f64,
+    pub rel_l2: f64,
+    pub cos_diff: f64,
+    pub sqnr_db: Option<f64>,
+    pub tol_factor_needed: f64,
+}
+
+/// [`All`] of `r` against `o` with `atol = atol_rms·rms(r)` and `rtol`.
+pub fn all(r: &[f64], o: &[f64], atol_rms: f64, rtol: f64) -> All {
+    // The start of a `sum()` (the l2 norms are sums).
+    let zero: f64 = std::iter::empty::<f64>().sum();
+    let (mut rr, mut oo, mut nr) = (zero, zero, 0usize);
+    for (&a, &b) in r.iter().zip(o) {
+        if a.is_finite() {
+            rr += a * a;
+            nr += 1;
+        }
+        if b.is_finite() {
+            oo += b * b;
+        }
+    }
+    // `l2_norm(o)` runs over all of o, `zip` over the shorter.
+    for &b in o.iter().skip(r.len()) {
+        if b.is_finite() {
+            oo += b * b;
+        }
+    }
+    let ref_l2 = rr.sqrt();
+    let ref_rms = match nr {
+        0 => 0.0,
+        n => ref_l2 / (n as f64).sqrt(),
+    };
+    let (atol, floor) = (atol_rms * ref_rms, REL_FLOOR_RMS * ref_rms);
+    let mut nf = NonFinite::default();
+    let (mut max_abs, mut max_rel) = ((0.0, None), (0.0, None));
+    let (mut outside, mut first_out) = (0usize, None);
+    let (mut s_abs, mut n_fin) = (0.0, 0usize);
+    let (mut num, mut den, mut xy, mut xx, mut tf) = (0.0, 0.0, 0.0, 0.0, 0.0f64);
+    for (i, (&a, &b)) in r.iter().zip(o).enumerate() {
+        nf.ref_nan += a.is_nan() as usize;
+        nf.ref_inf += a.is_infinite() as usize;
+        nf.opt_nan += b.is_nan() as usize;
+        nf.opt_inf += b.is_infinite() as usize;
+        let same_inf = a.is_infinite() && a == b;
+        if (!a.is_finite() || !b.is_finite()) && !same_inf {
+            nf.mismatches += 1;
+            if nf.first_mismatches.len() < 8 {
+                nf.first_mismatches.push(i);
+            }
+        }
+        if !both_finite(a, b) {
+            continue;
+        }
+        let d = (b - a).abs();
+        if d > max_abs.0 || max_abs.1.is_none() {
+            max_abs = (d, Some(i));
+        }
+        let rel = d / a.abs().max(floor).max(f64::MIN_POSITIVE);
+        if rel > max_rel.0 || max_rel.1.is_none() {
+            max_rel = (rel, Some(i));
+        }
+        if d > atol + rtol * a.abs() {
+            outside += 1;
+            first_out.get_or_insert(i);
+        }
+        s_abs += d;
+        n_fin += 1;
+        num += (b - a) * (b - a);
+        den += a * a;
+        xy += a * b;
+        xx = xx + a * a + b * b;
+        tf = tf.max(d / (atol + rtol * a.abs()).max(f64::MIN_POSITIVE));
+    }
+    All {
+        ref_l2,
+        opt_l2: oo.sqrt(),
+        ref_rms,
+        max_abs,
+        max_rel,
+        outside: (outside, first_out),
+        nonfinite: nf,
+        mean_abs: match n_fin {
+            0 => 0.0,
+            n => s_abs / n as f64,
+        },
+        rel_l2: match den == 0.0 {
+            true => num.sqrt(),
+            false => (num / den).sqrt(),
+        },
+        cos_diff: 1.0 - 2.0 * xy / xx.max(1e-12),
+        // sqnr's sums are rel_l2's: ‖r‖² and ‖o − r‖² over the finite pairs, in the same order.
+        sqnr_db: (num > 0.0).then(|| 10.0 * (den / num).log10()),
+        tol_factor_needed: tf.min(f64::MAX),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// [`all`] is each metric's own function, bit for bit, non-finite values and empty pairs included.
+    #[test]
+    fn all_is_each() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let special = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 0.0, -0.0];
+        for case in 0..300 {
+            let n = rng.random_range(0..200);
+            let v = |rng: &mut rand::rngs::StdRng| match rng.random_range(0..30) {
+                0 if case % 3 == 0 => special[rng.random_range(0..special.len())],
+                _ => rng.random_range(-2.0..2.0) * 10f64.powi(rng.random_range(-5..5)),
+            };
+            let r: Vec<f64> = (0..n).map(|_| v(&mut rng)).collect();
+            let o: Vec<f64> = r
+                .iter()
+                .map(|&x| match rng.random_range(0..4) {
+                    0 => v(&mut rng),
+                    _ => x * (1.0 + rng.random_range(-1e-3..1e-3)),
+                })
+                .collect();
+            let (atol_rms, rtol) = (rng.random_range(0.0..0.1), rng.random_range(0.0..0.1));
+            let got = all(&r, &o, atol_rms, rtol);
+            let ref_rms = rms(&r);
+            let atol = atol_rms * ref_rms;
+            let bits = |x: f64| x.to_bits();
+            assert_eq!(bits(got.ref_l2), bits(l2_norm(&r)), "{case}");
+            assert_eq!(bits(got.opt_l2), bits(l2_norm(&o)), "{case}");
+            assert_eq!(bits(got.ref_rms), bits(ref_rms), "{case}");
+            let (ma, mi) = max_abs_diff(&r, &o);
+            assert_eq!(
+                (bits(got.max_abs.0), got.max_abs.1),
+                (bits(ma), mi),
+                "{case}"
+            );
+            let (mr, ri) = max_rel_diff(&r, &o, REL_FLOOR_RMS * ref_rms);
+            assert_eq!(
+                (bits(got.max_rel.0), got.max_rel.1),
+                (bits(mr), ri),
+                "{case}"
+            );
+            assert_eq!(got.outside, count_outside(&r, &o, atol, rtol), "{case}");
+            assert_eq!(got.nonfinite, nonfinite(&r, &o), "{case}");
+            assert_eq!(bits(got.mean_abs), bits(mean_abs_diff(&r, &o)), "{case}");
+            assert_eq!(bits(got.rel_l2), bits(rel_l2(&r, &o)), "{case}");
+            assert_eq!(bits(got.cos_diff), bits(cos_diff(&r, &o)), "{case}");
+            assert_eq!(got.sqnr_db.map(bits), sqnr_db(&r, &o).map(bits), "{case}");
+            let tf = tolerance_factor_needed(&r, &o, atol, rtol);
+            assert_eq!(bits(got.tol_factor_needed), bits(tf), "{case}");
+        }
+    }
 
     #[test]
     fn nan_never_agrees() {

@@ -282,15 +282,16 @@ pub fn compare_check(
         data: Vec::new(),
     };
     let pos = |flat: usize| position(ctx, check.stage, &view, rows.start, flat);
-    let ref_rms = metrics::rms(rv);
-    let atol = tol.atol_rms * ref_rms;
-    let (max_abs, max_abs_i) = metrics::max_abs_diff(rv, ov);
-    let (max_rel, max_rel_i) = metrics::max_rel_diff(rv, ov, metrics::REL_FLOOR_RMS * ref_rms);
-    let (outside, first_out) = metrics::count_outside(rv, ov, atol, tol.rtol);
-    let nf = metrics::nonfinite(rv, ov);
+    // Every metric in two passes over the pair, each the same bits as its own function's.
+    let all = metrics::all(rv, ov, tol.atol_rms, tol.rtol);
+    let ref_rms = all.ref_rms;
+    let (max_abs, max_abs_i) = all.max_abs;
+    let (max_rel, max_rel_i) = all.max_rel;
+    let (outside, first_out) = all.outside;
+    let nf = all.nonfinite;
     let m = Metrics {
-        ref_l2: metrics::l2_norm(rv),
-        opt_l2: metrics::l2_norm(ov),
+        ref_l2: all.ref_l2,
+        opt_l2: all.opt_l2,
         ref_rms,
         max_abs,
         max_abs_at: max_abs_i.map(pos),
@@ -298,10 +299,10 @@ pub fn compare_check(
         max_abs_opt: max_abs_i.map(|i| ov[i]),
         max_rel,
         max_rel_at: max_rel_i.map(pos),
-        mean_abs: metrics::mean_abs_diff(rv, ov),
-        rel_l2: metrics::rel_l2(rv, ov),
-        cos_diff: metrics::cos_diff(rv, ov),
-        sqnr_db: metrics::sqnr_db(rv, ov),
+        mean_abs: all.mean_abs,
+        rel_l2: all.rel_l2,
+        cos_diff: all.cos_diff,
+        sqnr_db: all.sqnr_db,
         outside,
         outside_share: if rv.is_empty() {
             0.0
@@ -311,7 +312,7 @@ pub fn compare_check(
         first_outside_at: first_out.map(pos),
         first_nonfinite_at: nf.first_mismatches.iter().map(|&i| pos(i)).collect(),
         nonfinite: nf,
-        tol_factor_needed: metrics::tolerance_factor_needed(rv, ov, atol, tol.rtol),
+        tol_factor_needed: all.tol_factor_needed,
     };
     let mut reasons = Vec::new();
     if m.nonfinite.mismatches > 0 {
