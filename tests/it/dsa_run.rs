@@ -184,7 +184,8 @@ fn sparse_index_page_base_is_caught_at_the_first_attention_stage() {
     for l in r["dsa"]["layers"].as_array().unwrap() {
         assert_eq!(l["selection"]["pass"], true, "{l}");
     }
-    // Within top_k 8 the run is dense: nothing reads through index rows.
+    // Within top_k 8 the run is dense: no stage reads through index rows, but the batch aimed at the
+    // sparse kernel does (issue #35), and fails at layer 1 only.
     let (o, r) = run_json(&[
         "--inject",
         "sparse_index_page_base@layer=1",
@@ -193,6 +194,27 @@ fn sparse_index_page_base_is_caught_at_the_first_attention_stage() {
         "--decode-steps",
         "2",
     ]);
-    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(r.get("dsa").is_none(), "{r}");
+    assert!(
+        r["modes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|m| m["verdict"]["pass"] == true),
+        "{r}"
+    );
+    let failed: Vec<&serde_json::Value> = r["runner_checks"]["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["status"] == "fail")
+        .collect();
+    assert!(!failed.is_empty());
+    assert!(failed.iter().all(|c| c["check"] == "variant_batch"
+        && c["layer"] == 1
+        && c["detail"]
+            .as_str()
+            .unwrap()
+            .contains("sparse_attn/past-top-k")));
 }
