@@ -15,14 +15,37 @@ use crate::backend::serving::{judge, Aim, Batch, Outputs, Query};
 use crate::backend::LayerCtx;
 use crate::error::Result;
 
+/// The layer's cache rows `[T, Lkv + R]` (token order) and decode queries `[D, H, Lkv + R]`, as stored,
+/// read back once for all the batches of a layer (`Layer::stored`).
+pub struct Stored {
+    pub rows: Vec<f64>,
+    pub qf: Vec<f64>,
+}
+
 impl Layer<'_> {
-    /// Run and judge the serving batch of `ctx.sched` (after `finish`: the cache rows are gathered).
-    /// Empty when the schedule has no decode step.
-    pub fn serving_batch(&self, ctx: &LayerCtx) -> Result<Vec<RunnerCheck>> {
+    /// The layer's stored cache rows and decode queries (after `finish`: the cache rows are gathered).
+    pub fn stored(&self) -> Result<Stored> {
+        let (z, a) = (&self.z, self.a);
+        Ok(Stored {
+            rows: down(&a.ctx_rows, z.dt, 0, z.t_all * z.row)?,
+            qf: down(&a.qfull, z.dt, 0, z.td * z.h * z.row)?,
+        })
+    }
+
+    /// Run and judge the serving batch of `ctx.sched` over `st` (`stored`). Empty when the schedule
+    /// has no decode step.
+    pub fn serving_batch(&self, ctx: &LayerCtx, st: &Stored) -> Result<Vec<RunnerCheck>> {
         let Some(batch) = Batch::of(ctx) else {
             return Ok(Vec::new());
         };
-        self.batch_on("serving_batch", ctx, &batch, &self.k.decode, "our decode")
+        self.batch_on(
+            "serving_batch",
+            ctx,
+            &batch,
+            &self.k.decode,
+            "our decode",
+            st,
+        )
     }
 
     /// Run and judge the batch aimed at `aim` (`serving::aims`) on `dec`, the decode module compiled
@@ -32,12 +55,13 @@ impl Layer<'_> {
         framed: &LayerCtx,
         aim: &Aim,
         dec: &Attn,
+        st: &Stored,
     ) -> Result<Vec<RunnerCheck>> {
         let Some(batch) = Batch::aimed(framed, aim) else {
             return Ok(Vec::new());
         };
         let who = format!("our decode, {}", aim.label_of(self.z.h));
-        self.batch_on("variant_batch", framed, &batch, dec, &who)
+        self.batch_on("variant_batch", framed, &batch, dec, &who, st)
     }
 
     /// One batch on `dec` in one launch, judged as `check_name`: the queries of the first
@@ -49,16 +73,15 @@ impl Layer<'_> {
         batch: &Batch,
         dec: &Attn,
         who: &str,
+        st: &Stored,
     ) -> Result<Vec<RunnerCheck>> {
-        let (z, a) = (&self.z, self.a);
+        let z = &self.z;
         let (dt, es, lkv, row) = (z.dt, z.es, z.lkv, z.row);
         // The layer's heads (the stride of its stored queries) and the batch's (a slice: the first).
         let (hz, h, ns) = (z.h, ctx.cfg.n_head, ctx.sched.num_splits);
         let (n, page) = (batch.reqs.len(), batch.page);
 
-        // The run's cache rows and decode queries `[q_abs | q_pe]`, as stored.
-        let rows = down(&a.ctx_rows, dt, 0, z.t_all * row)?;
-        let qf = down(&a.qfull, dt, 0, z.td * hz * row)?;
+        let (rows, qf) = (&st.rows, &st.qf);
         let head = |t: usize, hh: usize| &qf[(t * hz + hh) * row..(t * hz + hh + 1) * row];
         let queries: Vec<Query> = batch
             .reqs
@@ -74,7 +97,7 @@ impl Layer<'_> {
             .collect();
 
         // The pool, then one NaN page that every unused table slot points at.
-        let mut pool = batch.pool(&rows, f64::NAN);
+        let mut pool = batch.pool(rows, f64::NAN);
         pool.extend(std::iter::repeat_n(f64::NAN, page * row));
         let (table, max_pages) = batch.flat_table();
         let lens: Vec<i32> = batch.lens().iter().map(|&l| l as i32).collect();
@@ -137,7 +160,7 @@ impl Layer<'_> {
             dec.launches(args.n_keys, args.num_splits)
         );
         Ok(judge(
-            check_name, ctx, batch, &queries, &rows, &out, dt, &who,
+            check_name, ctx, batch, &queries, rows, &out, dt, &who,
         ))
     }
 }

@@ -309,7 +309,12 @@ impl Layer<'_> {
     /// query in one `sparse_attn` launch over its selected keys of the layer's cache pool, one split,
     /// into buffers of its own (after `finish`: the cache rows are gathered); judged by
     /// `serving::judge_sparse`.
-    pub fn sparse_aimed(&self, ctx: &LayerCtx, sp: &Sparse) -> Result<Vec<RunnerCheck>> {
+    pub fn sparse_aimed(
+        &self,
+        ctx: &LayerCtx,
+        sp: &Sparse,
+        st: &super::serving::Stored,
+    ) -> Result<Vec<RunnerCheck>> {
         let (z, a) = (&self.z, self.a);
         let (dt, es, h, lkv, row) = (z.dt, z.es, z.h, z.lkv, z.row);
         let (p0, d) = (z.p0, z.td);
@@ -333,7 +338,7 @@ impl Layer<'_> {
             part_lse: a.part_lse.ptr,
         };
         self.sparse_launch(sp, &rows, &l)?;
-        let qf = down(&a.qfull, dt, 0, d * h * row)?;
+        let qf = &st.qf;
         let queries: Vec<Query> = (0..d)
             .map(|i| {
                 let head = |hh: usize| &qf[(i * h + hh) * row..(i * h + hh + 1) * row];
@@ -353,9 +358,8 @@ impl Layer<'_> {
             sout: Vec::new(),
             slse: Vec::new(),
         };
-        let cache = down(&a.ctx_rows, dt, 0, z.t_all * row)?;
         let who = "our decode (sparse_attn, one launch, one split)";
-        Ok(judge_sparse(ctx, sp.sel, &queries, &cache, &out, dt, who))
+        Ok(judge_sparse(ctx, sp.sel, &queries, &st.rows, &out, dt, who))
     }
 }
 
