@@ -39,7 +39,6 @@ const LONG_FNS: &[(&str, &str, usize)] = &[
     ("capture/backend.rs", "new", 141),
     ("sweep/mod.rs", "sweep_lengths", 138),
     ("fuzz/mod.rs", "supervise", 137),
-    ("backend/cuda/mod.rs", "run_layer", 135),
     ("capture/mod.rs", "read", 129),
     ("capture/flashinfer/mod.rs", "check", 128),
     ("sweep/render.rs", "table", 127),

@@ -391,41 +391,13 @@ impl Backend for CudaBackend {
         layer.decode(sched)?;
         layer.finish()?;
         if self.batch.first_at(ctx.layer) {
-            // Read back once for the serving batch and every aimed batch of the layer.
-            let stored = layer.stored()?;
-            self.batch.add(layer.serving_batch(ctx, &stored)?);
-            // Each aim's decode module, compiled for its page and head slice once for all layers
-            // (`tiles::variants` says which kernel that selects on sm_90a; another device takes
-            // its own choice).
-            for aim in crate::backend::serving::aims(cfg, sched) {
-                let (fcfg, fsched) = aim.frame(cfg, sched);
-                let framed = LayerCtx {
-                    cfg: &fcfg,
-                    sched: &fsched,
-                    ..*ctx
-                };
-                let fdims = Dims {
-                    h: fcfg.n_head,
-                    page: fsched.page_size,
-                    ..dims
-                };
-                let dec = attn::Attn::load(
-                    &mut self.kernels,
-                    &self.gpu,
-                    "decode.cu",
-                    &fdims,
-                    &crate::tiles::decode_tiles(aim.launch.q_len * fcfg.n_head),
-                    self.opts.force_scalar,
-                )?;
-                let checks = layer.aimed_batch(&framed, &aim, &dec, &stored)?;
-                self.batch.add_aimed(&aim.id, checks);
-            }
-            if let Some(sel) = crate::backend::serving::sparse_aim(ctx) {
-                let sp = launch::Sparse::load(&mut self.kernels, &dims, &sel, ctx.block_table)?;
-                let checks = layer.sparse_aimed(ctx, &sp, &stored)?;
-                self.batch
-                    .add_aimed(crate::tiles::variants::SPARSE_ID, checks);
-            }
+            layer.batches(
+                ctx,
+                &dims,
+                &mut self.kernels,
+                &mut self.batch,
+                self.opts.force_scalar,
+            )?;
         }
         let t2 = std::time::Instant::now();
         let trace = layer.trace(ctx.layer);

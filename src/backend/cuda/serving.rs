@@ -8,12 +8,15 @@
 use super::args::AttnArgs;
 use super::attn::Attn;
 use super::device::{encode, DevBuf};
+use super::kernels::Kernels;
+use super::launch::Sparse;
 use super::layer::Layer;
 use super::trace::down;
 use crate::backend::runner::checks::RunnerCheck;
-use crate::backend::serving::{judge, Aim, Batch, Outputs, Query};
+use crate::backend::serving::{aims, judge, sparse_aim, Aim, Batch, Outputs, Query, Record};
 use crate::backend::LayerCtx;
 use crate::error::Result;
+use crate::tiles::Dims;
 
 /// The layer's cache rows `[T, Lkv + R]` (token order) and decode queries `[D, H, Lkv + R]`, as stored,
 /// read back once for all the batches of a layer (`Layer::stored`).
@@ -30,6 +33,45 @@ impl Layer<'_> {
             rows: down(&a.ctx_rows, z.dt, 0, z.t_all * z.row)?,
             qf: down(&a.qfull, z.dt, 0, z.td * z.h * z.row)?,
         })
+    }
+
+    /// Every batch of the layer (once per run, at the first layer `Record` asks for): the serving
+    /// batch, one aimed batch per production variant the schedule misses, the sparse aim. The cache
+    /// rows and queries are read back once for all of them.
+    pub fn batches(
+        &self,
+        ctx: &LayerCtx,
+        dims: &Dims,
+        kernels: &mut Kernels,
+        record: &mut Record,
+        force_scalar: bool,
+    ) -> Result<()> {
+        let stored = self.stored()?;
+        record.add(self.serving_batch(ctx, &stored)?);
+        // Each aim's decode module, compiled for its page and head slice once for all layers
+        // (`tiles::variants` says which kernel that selects on sm_90a; another device takes its own).
+        for aim in aims(ctx.cfg, ctx.sched) {
+            let (fcfg, fsched) = aim.frame(ctx.cfg, ctx.sched);
+            let framed = LayerCtx {
+                cfg: &fcfg,
+                sched: &fsched,
+                ..*ctx
+            };
+            let fdims = Dims {
+                h: fcfg.n_head,
+                page: fsched.page_size,
+                ..*dims
+            };
+            let tiles = crate::tiles::decode_tiles(aim.launch.q_len * fcfg.n_head);
+            let dec = Attn::load(kernels, self.gpu, "decode.cu", &fdims, &tiles, force_scalar)?;
+            record.add_aimed(&aim.id, self.aimed_batch(&framed, &aim, &dec, &stored)?);
+        }
+        if let Some(sel) = sparse_aim(ctx) {
+            let sp = Sparse::load(kernels, dims, &sel, ctx.block_table)?;
+            let checks = self.sparse_aimed(ctx, &sp, &stored)?;
+            record.add_aimed(crate::tiles::variants::SPARSE_ID, checks);
+        }
+        Ok(())
     }
 
     /// Run and judge the serving batch of `ctx.sched` over `st` (`stored`). Empty when the schedule
