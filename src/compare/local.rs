@@ -924,11 +924,14 @@ fn merge(parts: &[Attn]) -> Attn {
         let a = wk / total;
         let lv = p.var_lse + EXP_REL_VAR + ((p.lse - m) * U32).powi(2);
         var_lse += a * a * lv;
-        let mut shift = 0.0;
+        let (mut shift, mut weight) = (0.0, 0.0);
         for d in 0..dim {
             let dev = lv * (p.out[d] - out[d]).powi(2);
             shift += dev;
-            var[d] += a * a * (p.var[d] + dev + 2.0 * F32_OP * p.out[d].powi(2));
+            // The part's weight `w/Σw` is rounded once for the whole row: a shared scaling of its o.
+            let wr = F32_OP * p.out[d].powi(2);
+            weight += wr;
+            var[d] += a * a * (p.var[d] + dev + wr + 2.0 * F32_OP * p.out[d].powi(2));
         }
         let own = a * a * p.coh;
         coh += own;
@@ -936,7 +939,18 @@ fn merge(parts: &[Attn]) -> Attn {
             coh2 += own * own / p.n_eff.max(1.0);
         }
         shifts += a * a * shift;
+        coh += a * a * weight;
+        coh2 += (a * a * weight).powi(2);
     }
+    // Σw's roundings (one per part added) scale the whole merged row: one source.
+    let n_sum = w.iter().filter(|&&x| x > 0.0).count().saturating_sub(1) as f64;
+    let mut total_round = 0.0;
+    for (v, &o) in var.iter_mut().zip(&out) {
+        *v += n_sum * F32_OP * o * o;
+        total_round += n_sum * F32_OP * o * o;
+    }
+    coh += total_round;
+    coh2 += total_round * total_round;
     // A part's lse error moves the whole row along its output's difference from the merged one; with
     // two parts both move it along one direction (a₁(o₁ − o) = −a₂(o₂ − o)): all of them one source.
     coh += shifts;

@@ -36,10 +36,9 @@ const CACHE_FAULTS: [Fault; 5] = [
 fn opts(dtype: Dtype, layers: Option<Vec<usize>>, faults: FaultSet, free: bool) -> RunOptions {
     RunOptions {
         layers,
-        // Seed 0: with seed 1, glm-5's f32 run fails attn_latent's row criterion (1.06× its bound) with
-        // the dtype's own cache as well (main at 96120f4): a false alarm of the noise model there,
-        // not of a cache format.
-        input: InputSpec::Random { seed: 0 },
+        // Seed 1 failed glm-5's f32 attn_latent row criterion (1.06×) with the plain cache too, until
+        // the combine's weight roundings were modelled (no_false_alarms::f32_runs_…).
+        input: InputSpec::Random { seed: 1 },
         sched: Schedule::default(),
         dtype,
         modes: Modes { shadow: true, free },
