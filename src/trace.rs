@@ -192,7 +192,7 @@ impl StageTensor {
     }
 }
 
-/// A stage an external runner produced (`crate::backend::runner`), next to fp64 attention computed
+/// A stage an external runner produced (docs/runners.md), next to fp64 attention computed
 /// from exactly the tensors the runner was given: compared as `CHECK@runner`, it isolates the error
 /// the runner's kernel itself introduces from the rounding upstream of it.
 #[derive(Debug, Clone, PartialEq)]

@@ -20,6 +20,7 @@ pub mod open;
 pub mod runner;
 pub mod serving;
 
+pub use crate::tiles::{KeyTile, KeyTiles};
 pub use open::{open, BackendInfo, Choice, Factory, Kind, Options};
 
 use crate::error::Result;
@@ -29,7 +30,6 @@ use crate::rope::RopeTables;
 use crate::schedule::Schedule;
 use crate::trace::{LayerTrace, StageSet};
 use ndarray::Array2;
-use serde::{Deserialize, Serialize};
 
 /// Everything one layer run needs, made once per run by the driver (`crate::run`), so that every backend
 /// sees the same tables and faults.
@@ -214,30 +214,5 @@ pub trait Backend {
                 production: None,
             })
             .collect()
-    }
-}
-
-/// The key-count periods of a backend's attention kernels (`Backend::key_tiles`): each a name and a
-/// number of keys counted from the start of a key range (a prefill chunk's context or own keys, a decode
-/// split's keys).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KeyTiles {
-    pub prefill: Vec<KeyTile>,
-    pub decode: Vec<KeyTile>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KeyTile {
-    /// What it is: "flash tile", "mma tile 4x2w bn64 …", "warp key slice", …
-    pub name: String,
-    pub keys: usize,
-}
-
-impl KeyTile {
-    pub fn new(name: impl Into<String>, keys: usize) -> KeyTile {
-        KeyTile {
-            name: name.into(),
-            keys,
-        }
     }
 }

@@ -7,7 +7,8 @@
 //! is actually needed.
 
 use super::dtype::GgmlType;
-use super::file::{GgufFile, TensorInfo, TensorType};
+use super::file::GgufFile;
+use super::tensor::{TensorInfo, TensorType};
 use crate::error::{Error, Result};
 use candle_core::quantized::{QStorage, QTensor};
 use candle_core::Device;

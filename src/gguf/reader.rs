@@ -2,7 +2,7 @@
 //! against the bytes actually left before anything is allocated.
 
 use super::dtype::GgmlType;
-use super::file::{Shard, TensorInfo, TensorType};
+use super::tensor::{Shard, TensorInfo, TensorType};
 use super::value::{Array, Value};
 use crate::error::{quote, Error, Result};
 use std::collections::HashMap;

@@ -11,8 +11,8 @@
 //! count and tile width with the sizes the compiled PTX holds for every job it compiles and fails if they
 //! ever disagree, so the restatement cannot drift silently.
 
+use super::KeyTile;
 use super::{decode_tiles, prefill_tiles, Dims, Tile};
-use crate::backend::KeyTile;
 use crate::kernel_use::{Family, Geometry, KernelUse, Phase, Production};
 use crate::precision::Dtype;
 

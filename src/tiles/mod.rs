@@ -12,6 +12,7 @@ pub mod variants;
 
 use crate::faults::Active;
 use crate::precision::Dtype;
+use serde::{Deserialize, Serialize};
 
 /// Model dims and schedule constants compiled into the kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -235,4 +236,29 @@ fn split_rule(n_keys: i32, splits: i32, max_splits: i32, min_keys: i32) -> bool 
         0
     };
     splits <= max_splits || per >= min_keys as i64
+}
+
+/// The key-count periods of a backend's attention kernels (`Backend::key_tiles`): each a name and a
+/// number of keys counted from the start of a key range (a prefill chunk's context or own keys, a decode
+/// split's keys).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyTiles {
+    pub prefill: Vec<KeyTile>,
+    pub decode: Vec<KeyTile>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyTile {
+    /// What it is: "flash tile", "mma tile 4x2w bn64 …", "warp key slice", …
+    pub name: String,
+    pub keys: usize,
+}
+
+impl KeyTile {
+    pub fn new(name: impl Into<String>, keys: usize) -> KeyTile {
+        KeyTile {
+            name: name.into(),
+            keys,
+        }
+    }
 }

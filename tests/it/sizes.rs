@@ -48,7 +48,7 @@ const LONG_FNS: &[(&str, &str, usize)] = &[
 
 /// Files over `MAX_FILE` lines: (file under src/, its length now).
 const LONG_FILES: &[(&str, usize)] = &[
-    ("compare/local.rs", 1552),
+    ("compare/local.rs", 1566),
     ("capture/flashinfer/mod.rs", 1155),
     ("run/mod.rs", 937),
     ("kv_format.rs", 682),
