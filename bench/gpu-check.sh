@@ -37,6 +37,10 @@
 #   dsa_flashmla  FlashMLA's sparse prefill and decode through runners/flashmla_sparse.py on a GLM-5 layer
 #              (64 heads, 3072 + 4), beside our CUDA sparse path; the kernels alone first
 #              (bench/probes/flashmla_sparse*.py); needs .carry/peers
+#   formats    quantized KV caches on CUDA (#38, kernels/cache_write.cu `cache_write_format`): every fixture with
+#              a 512 + 64 row × fp8_ds_mla × bf16/fp16 and a generated glm5-next (512 + 0) × fp8_ds_mla_nope /
+#              fp8_v41 / fp4_v41 × bf16 must pass; each planted cache fault must fail (exit 1) first at
+#              cache_rows; `--kv-cache-dtype fp8` (per-tensor) must be refused (exit 2)
 # KERNELS: a kernel directory or a probe patch (bench/probes/*.patch, applied to a copy of kernels/)
 # passed to selftest / validate / runs / sanitize as `--kernels`, to check a kernel before it is embedded.
 # B defaults to target/release/mla-diff, or .carry/check/mla-diff.xz when carried. Outputs go to
@@ -324,6 +328,33 @@ lint() {
     lint1 minicpm3-flashmla 1 $MC --page-size 64 --runner "$P/flashmla.py"
     # 2 while FlashInfer is not installable on the device image; 0 once it is.
     lint1 v2lite-flashinfer "${FLASHINFER_RC:-2}" fixtures/deepseek-v2-lite-bf16.gguf --runner "$P/flashinfer_mla.py"
+}
+# first_check JSON: the shadow mode's first failing check ("-" when none).
+first_check() {
+    python3 -c 'import json,sys; m=json.load(open(sys.argv[1]))["modes"][0]["verdict"]; print(m.get("first_check") or "-")' "$1" 2>/dev/null || echo "?"
+}
+formats() {
+    local f n dt kv fault
+    for f in fixtures/deepseek-v2-lite-bf16.gguf fixtures/deepseek-v3-legacy-kv-b-q8_0.gguf $V3 $G5; do
+        n=$(basename "$f" .gguf)
+        for dt in bf16 fp16; do
+            run1 "fmt-$n-fp8_ds_mla-$dt" 0 "$f" --dtype $dt --kv-cache-dtype fp8_ds_mla --json "$D/fmt-$n-fp8_ds_mla-$dt.json"
+        done
+    done
+    "$B" fixture --preset glm5-next --layers 4 --hidden 256 --heads 4 -o /tmp/g5n.gguf > /dev/null
+    for kv in fp8_ds_mla_nope fp8_v41 fp4_v41; do
+        run1 "fmt-g5n-$kv-bf16" 0 /tmp/g5n.gguf --dtype bf16 --kv-cache-dtype $kv --json "$D/fmt-g5n-$kv-bf16.json"
+    done
+    for fault in kv_scale_twice kv_scale_inverted kv_rope_quantized kv_scale_wrong_group kv_saturate_240; do
+        run1 "fmt-v3-$fault" 1 $V3 --dtype bf16 --kv-cache-dtype fp8_ds_mla --inject $fault --json "$D/fmt-v3-$fault.json"
+        echo "    first check: $(first_check "$D/fmt-v3-$fault.json") (want cache_rows)"
+    done
+    for kv in fp8_v41 fp4_v41; do
+        run1 "fmt-g5n-$kv-wrong_group" 1 /tmp/g5n.gguf --dtype bf16 --kv-cache-dtype $kv --inject kv_scale_wrong_group \
+            --json "$D/fmt-g5n-$kv-wrong_group.json"
+        echo "    first check: $(first_check "$D/fmt-g5n-$kv-wrong_group.json") (want cache_rows)"
+    done
+    run1 fmt-v3-fp8-refused 2 $V3 --dtype bf16 --kv-cache-dtype fp8
 }
 # dsa1 NAME GGUF DTYPE PROMPT CHUNK DECODE SPLITS [ARGS…]: one sparse run in the background.
 dsa1() {

@@ -85,8 +85,8 @@ pub struct Options {
     /// `(schedule's page, page run)` when the run's page was moved to one the runner takes
     /// (`runner::protocol::page_for`): the runner backend's notice says so.
     pub runner_page_moved: Option<(usize, usize)>,
-    /// The latent cache's byte format (`run --kv-cache-dtype`): only the CPU mirror stores other
-    /// formats than the dtype so far.
+    /// The latent cache's byte format (`run --kv-cache-dtype`): the CPU mirror stores every format,
+    /// the CUDA kernels the per-row ones; runners the dtype's only so far.
     pub kv_format: crate::kv_format::KvFormat,
 }
 
@@ -130,13 +130,18 @@ impl Factory {
                 d.display()
             )));
         }
-        // Issue #38: the CUDA kernels and runners read the dtype's cache only; their fp8 formats are a
-        // later step.
-        if !o.kv_format.is_auto() && (kind != Kind::Cpu || o.runner.is_some()) {
+        // Issue #38: runners read the dtype's cache only so far; the CUDA kernels write and read every
+        // per-row format (kernels/cache_write.cu), not the per-tensor `fp8`.
+        let kv = o.kv_format;
+        if !kv.is_auto() && o.runner.is_some() {
             return Err(crate::error::Error::Usage(format!(
-                "--kv-cache-dtype {}: only the CPU mirror stores a quantized cache so far (--backend cpu, no --runner); the CUDA kernels and the runner protocol read the run's dtype (issue #38, later steps)",
-                o.kv_format.name()
+                "--kv-cache-dtype {kv}: the runner protocol carries the dtype's cache only so far (issue #38)"
             )));
+        }
+        if kv == crate::kv_format::KvFormat::Fp8 && kind == Kind::Cuda {
+            return Err(crate::error::Error::Usage(
+                "--kv-cache-dtype fp8: the per-tensor scale is calibrated on every row the layer writes, which the CUDA path writes step by step (no calibration pass yet), and its dequantized rows q·s are not exact in bf16/fp16; use --backend cpu, or a per-row format (fp8_ds_mla, fp8_ds_mla_nope, fp8_v41, fp4_v41)".into(),
+            ));
         }
         let mut b: Box<dyn Backend> = match kind {
             Kind::Cpu => Box::new(CpuMirror::new(o.dtype).with_kv_format(o.kv_format)),
@@ -152,7 +157,7 @@ impl Factory {
                     debug: true,
                     force_scalar: false,
                 };
-                let b = SharedCuda::open(&mut self.gpu, opts)?;
+                let b = SharedCuda::open(&mut self.gpu, opts)?.with_kv_format(kv);
                 // The reference's and the local view's fp64 products on the same GPU.
                 super::cuda::dgemm::install()?;
                 Box::new(b)

@@ -332,7 +332,7 @@ pub const CATALOGUE: [Info; 31] = [
         ],
         expected: "cache_rows",
         needs: &[Need::KvCache],
-        cuda_site: "not in the CUDA kernels yet (fp8 caches run on the CPU mirror only, issue #38): src/kv_format.rs `Codec::decode`",
+        cuda_site: "kernels/cache_write.cu `kv_read` (the reader of `cache_write_format`); CPU: src/kv_format.rs `Codec::decode`",
     },
     Info {
         fault: Fault::KvScaleInverted,
@@ -343,7 +343,7 @@ pub const CATALOGUE: [Info; 31] = [
         sources: &["https://github.com/vllm-project/vllm/pull/37054"],
         expected: "cache_rows",
         needs: &[Need::KvCache],
-        cuda_site: "not in the CUDA kernels yet (issue #38): src/kv_format.rs `Codec::decode`",
+        cuda_site: "kernels/cache_write.cu `kv_read` (the reader of `cache_write_format`); CPU: src/kv_format.rs `Codec::decode`",
     },
     Info {
         fault: Fault::KvRopeQuantized,
@@ -354,7 +354,7 @@ pub const CATALOGUE: [Info; 31] = [
         sources: &["https://github.com/vllm-project/vllm/pull/42956"],
         expected: "cache_rows",
         needs: &[Need::KvCache],
-        cuda_site: "not in the CUDA kernels yet (issue #38): src/kv_format.rs `Codec::encode`",
+        cuda_site: "kernels/cache_write.cu `cache_write_format` (the writer); CPU: src/kv_format.rs `Codec::encode`",
     },
     Info {
         fault: Fault::KvScaleWrongGroup,
@@ -365,7 +365,7 @@ pub const CATALOGUE: [Info; 31] = [
         sources: &["https://github.com/sgl-project/sglang/pull/16678"],
         expected: "cache_rows",
         needs: &[Need::KvCache],
-        cuda_site: "not in the CUDA kernels yet (issue #38): src/kv_format.rs `Codec::decode`",
+        cuda_site: "kernels/cache_write.cu `kv_read` (the reader of `cache_write_format`); CPU: src/kv_format.rs `Codec::decode`",
     },
     Info {
         fault: Fault::KvSaturate240,
@@ -376,6 +376,6 @@ pub const CATALOGUE: [Info; 31] = [
         sources: &["https://github.com/ROCm/ATOM/pull/1772"],
         expected: "cache_rows",
         needs: &[Need::KvCache],
-        cuda_site: "not in the CUDA kernels yet (issue #38): src/kv_format.rs `Codec::encode`",
+        cuda_site: "kernels/cache_write.cu `cache_write_format` (the writer); CPU: src/kv_format.rs `Codec::encode`",
     },
 ];

@@ -2,9 +2,11 @@
 //! architectures, model dims and storage types; report ptxas registers, spills and shared memory.
 
 use crate::backend::cuda::kernels::KERNEL_FAULTS;
+use crate::backend::cuda::launch::kv_format_code;
 use crate::backend::cuda::nvrtc::{self, parse_ptxas, Sources};
 use crate::error::{Error, Result};
 use crate::faults::Active;
+use crate::kv_format::KvFormat;
 use crate::precision::Dtype;
 use crate::tiles::choice::{self as plan, smem_limit, Widths};
 use crate::tiles::{decode_tiles, prefill_tiles, Dims, Tile};
@@ -12,10 +14,12 @@ use std::collections::HashMap;
 use std::fmt::Write;
 
 /// Named dim sets: (name, Lkv, R, P, Dv, H, NEOX rope).
-pub const DIM_SETS: [(&str, usize, usize, usize, usize, usize, bool); 4] = [
+pub const DIM_SETS: [(&str, usize, usize, usize, usize, usize, bool); 5] = [
     ("deepseek-v3", 512, 64, 128, 128, 128, false),
     ("glm-5", 512, 64, 192, 256, 64, false),
     ("minicpm3", 256, 32, 64, 64, 40, true),
+    // DeepSeek-V4's 448 + 64 row: FlashMLA V4.1's cache formats (fp8_v41, fp4_v41)
+    ("v4-row", 448, 64, 128, 128, 64, false),
     // dims that are not multiples of 8: only the scalar attention applies
     ("odd", 20, 6, 10, 12, 3, false),
 ];
@@ -54,34 +58,58 @@ fn fault_arch(archs: &[String]) -> Option<&String> {
         .or(archs.first())
 }
 
-/// One compile job: unit and attention tile.
-type Job = (&'static str, Option<Tile>);
+/// One compile job: unit, attention tile, and the quantized cache format cache_write.cu's writer is
+/// compiled for (`MLA_KV_FORMAT`).
+type Job = (&'static str, Option<Tile>, Option<KvFormat>);
 
-fn jobs() -> Vec<Job> {
-    vec![
-        ("norm_rope.cu", None),
-        ("cache_write.cu", None),
-        ("fill.cu", None),
-        ("sparse_attn.cu", None),
-        ("indexer.cu", None),
-        ("prefill.cu", Some(prefill_tiles()[0])),
-        ("decode.cu", Some(decode_tiles(64)[0])),
-        ("decode.cu", Some(decode_tiles(1)[0])),
-    ]
+/// The jobs of a model's dims: every unit, and cache_write.cu once per per-row cache format the dims fit.
+fn jobs(lkv: usize, r: usize) -> Vec<Job> {
+    let mut j: Vec<Job> = vec![
+        ("norm_rope.cu", None, None),
+        ("cache_write.cu", None, None),
+        ("fill.cu", None, None),
+        ("sparse_attn.cu", None, None),
+        ("indexer.cu", None, None),
+        ("prefill.cu", Some(prefill_tiles()[0]), None),
+        ("decode.cu", Some(decode_tiles(64)[0]), None),
+        ("decode.cu", Some(decode_tiles(1)[0]), None),
+    ];
+    for f in KvFormat::ALL {
+        if kv_format_code(f).is_some() && f.fits(lkv, r).is_ok() {
+            j.push(("cache_write.cu", None, Some(f)));
+        }
+    }
+    j
 }
 
-fn job_defines(dims: &Dims, tile: Option<Tile>) -> Vec<(String, String)> {
+fn job_defines(dims: &Dims, tile: Option<Tile>, kv: Option<KvFormat>) -> Vec<(String, String)> {
     let mut defs = dims.defines();
     if let Some(t) = tile {
         defs.extend(t.defines());
     }
+    if let Some(code) = kv.and_then(kv_format_code) {
+        defs.push(("MLA_KV_FORMAT".into(), code.to_string()));
+    }
     defs
 }
 
-fn job_label(unit: &str, tile: Option<Tile>) -> String {
-    match tile {
-        Some(t) => format!("{unit} ({})", t.label()),
-        None => unit.to_string(),
+/// The file name (without extension) `--dump` writes a job's PTX and CUBIN under.
+fn dump_stem(arch: &str, name: &str, dt: Dtype, (unit, tile, kv): Job) -> String {
+    format!(
+        "{arch}-{name}-{}-{}{}{}",
+        dt.name(),
+        unit.trim_end_matches(".cu"),
+        tile.map(|t| format!("-{}", t.label().replace([' ', ':', '/'], "-")))
+            .unwrap_or_default(),
+        kv.map(|f| format!("-{f}")).unwrap_or_default()
+    )
+}
+
+fn job_label(unit: &str, tile: Option<Tile>, kv: Option<KvFormat>) -> String {
+    match (tile, kv) {
+        (Some(t), _) => format!("{unit} ({})", t.label()),
+        (None, Some(f)) => format!("{unit} ({f})"),
+        (None, None) => unit.to_string(),
     }
 }
 
@@ -137,12 +165,13 @@ fn check_faults(
                 debug: true,
                 faults: Active::NONE.with(f),
             };
-            for (unit, tile) in jobs() {
-                let c = nvrtc::compile(src, unit, &job_defines(&dims, tile), arch, true).map_err(
-                    |e| Error::Environment(format!("{unit} with {define}=1 for {arch}: {e}")),
-                )?;
+            for (unit, tile, kv) in jobs(lkv, r) {
+                let c = nvrtc::compile(src, unit, &job_defines(&dims, tile, kv), arch, true)
+                    .map_err(|e| {
+                        Error::Environment(format!("{unit} with {define}=1 for {arch}: {e}"))
+                    })?;
                 compiles += 1;
-                let label = job_label(unit, tile);
+                let label = job_label(unit, tile, kv);
                 let base = clean
                     .get(&(name.to_string(), dt, label.clone()))
                     .expect("the clean compile of every job");
@@ -246,7 +275,7 @@ fn check_all_tiles(src: &Sources, arch: &str, rep: &mut String) -> Result<usize>
         debug: true,
         faults: Active::NONE,
     };
-    let mut jobs: Vec<Job> = Vec::new();
+    let mut jobs: Vec<(&str, Option<Tile>)> = Vec::new();
     for t in prefill_tiles() {
         jobs.push(("prefill.cu", Some(t)));
     }
@@ -257,7 +286,7 @@ fn check_all_tiles(src: &Sources, arch: &str, rep: &mut String) -> Result<usize>
     }
     let mut checked = 0;
     for &(unit, tile) in &jobs {
-        let c = nvrtc::compile(src, unit, &job_defines(&dims, tile), arch, false)?;
+        let c = nvrtc::compile(src, unit, &job_defines(&dims, tile, None), arch, false)?;
         let ptx = String::from_utf8_lossy(&c.ptx);
         let t = tile.expect("attention jobs have a tile");
         let mut found = 0;
@@ -378,12 +407,14 @@ pub fn kernels_check(
                     debug: true,
                     faults: Active::NONE,
                 };
-                for (unit, tile) in jobs() {
-                    let c = nvrtc::compile(&src, unit, &job_defines(&dims, tile), arch, true)?;
+                for (unit, tile, kv) in jobs(lkv, r) {
+                    let c = nvrtc::compile(&src, unit, &job_defines(&dims, tile, kv), arch, true)?;
                     compiles += 1;
                     if Some(arch) == fault_arch && FAULT_SETS.contains(&(name, dt)) {
-                        clean_ptx
-                            .insert((name.to_string(), dt, job_label(unit, tile)), c.ptx.clone());
+                        clean_ptx.insert(
+                            (name.to_string(), dt, job_label(unit, tile, kv)),
+                            c.ptx.clone(),
+                        );
                     }
                     if c.cubin
                         .as_ref()
@@ -394,13 +425,7 @@ pub fn kernels_check(
                         )));
                     }
                     if let Some(d) = dump {
-                        let stem = format!(
-                            "{arch}-{name}-{}-{}{}",
-                            dt.name(),
-                            unit.trim_end_matches(".cu"),
-                            tile.map(|t| format!("-{}", t.label().replace([' ', ':', '/'], "-")))
-                                .unwrap_or_default()
-                        );
+                        let stem = dump_stem(arch, name, dt, (unit, tile, kv));
                         let w = |ext: &str, bytes: &[u8]| {
                             let p = d.join(format!("{stem}.{ext}"));
                             std::fs::write(&p, bytes)

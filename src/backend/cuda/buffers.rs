@@ -42,6 +42,8 @@ pub struct Sizes {
     pub eps: f32,
     /// The softmax scale the attention kernels are given, times log2(e).
     pub scale_log2: f32,
+    /// A quantized cache's bytes per token (`kv_format`; 0: the cache is the run's dtype).
+    pub kv_bytes: usize,
 }
 
 impl Sizes {
@@ -65,7 +67,19 @@ impl Sizes {
             ns: sched.num_splits,
             eps: cfg.rms_eps as f32,
             scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
+            kv_bytes: 0,
         }
+    }
+
+    /// The sizes with the latent cache stored in `kv` (`kv_bytes`); a format the model's dims do not
+    /// fit is refused, naming the dims it needs.
+    pub fn with_kv_format(mut self, kv: crate::kv_format::KvFormat) -> Result<Sizes> {
+        kv.fits(self.lkv, self.r)
+            .map_err(crate::error::Error::Usage)?;
+        if !kv.is_auto() {
+            self.kv_bytes = kv.bytes_per_token(self.lkv, self.r, self.es);
+        }
+        Ok(self)
     }
 }
 
@@ -172,8 +186,12 @@ pub struct Acts {
     pub q: DevBuf,
     /// kv_a's output, normed and roped in place: `[T, Lkv+R]`.
     pub kv: DevBuf,
-    /// The NaN-poisoned paged cache and its block table.
+    /// The NaN-poisoned paged cache and its block table. With a quantized cache, the rows its reader
+    /// dequantizes from `kv` (kernels/cache_write.cu `cache_write_format`).
     pub pool: DevBuf,
+    /// A quantized cache's bytes, `[pool slots, kv_bytes]`, every byte 0xff until written (an e4m3 NaN,
+    /// an f32 NaN scale); empty for the run's dtype.
+    pub kv_bytes: DevBuf,
     pub table: DevBuf,
     pub cos: DevBuf,
     pub sin: DevBuf,
@@ -215,6 +233,10 @@ impl Acts {
         let kv = DevBuf::alloc(t_all * row * es)?;
         let pool = DevBuf::alloc(sched.pool_pages() * page * row * es)?;
         pool.fill_nan(dt)?;
+        let kv_b = match z.kv_bytes {
+            0 => DevBuf::alloc(0)?,
+            n => DevBuf::upload(&vec![0xffu8; sched.pool_pages() * page * n])?,
+        };
         let table: Vec<i32> = ctx.block_table.iter().map(|&v| v as i32).collect();
         let table_b = DevBuf::upload(&table)?;
         let (cos, sin) = ctx.rope.to_f32();
@@ -257,6 +279,7 @@ impl Acts {
             q,
             kv,
             pool,
+            kv_bytes: kv_b,
             table: table_b,
             cos: cos_b,
             sin: sin_b,

@@ -1,7 +1,7 @@
 //! The token-local part of a prefill chunk or decode step (attn_norm, q / q-LoRA through cuBLAS, rope,
 //! kv_a, kv_a_norm) and the write of its rows `[latent | k_pe]` into the paged cache.
 
-use super::launch::{CacheWrite, RmsNorm, Rope};
+use super::launch::{CacheWrite, CacheWriteFormat, RmsNorm, Rope};
 use super::layer::Layer;
 use crate::error::Result;
 use crate::faults::Fault;
@@ -95,13 +95,7 @@ impl Layer<'_> {
             }
             .launch(k.rope, kv_rows, a.cos.ptr, a.sin.ptr)
         };
-        let write = || {
-            CacheWrite {
-                rows: n,
-                first_token: t0,
-            }
-            .launch(k.cache_write, kv_rows, a.pool.ptr, a.table.ptr)
-        };
+        let write = || self.write_rows(t0, n, kv_rows);
         // Host faults latent_before_norm / k_pe_before_rope: the cache row written before the
         // in-place norm of the latent columns / rope of the k_pe columns (the two touch disjoint
         // columns, so the order of the others is unchanged).
@@ -123,5 +117,27 @@ impl Layer<'_> {
             kv_rope()?;
         }
         Ok(())
+    }
+}
+
+impl Layer<'_> {
+    /// The cache rows of tokens `[t0, t0+n)` (at `kv_rows`) into the paged pool: as the run's dtype
+    /// (`cache_write`), or a quantized cache's bytes and the pool rows read back from them
+    /// (`cache_write_format`; `kv_bytes` 0 — the pass that measures the format's effect,
+    /// `cache_effect` — writes the dtype's).
+    fn write_rows(&self, t0: usize, n: usize, kv_rows: u64) -> Result<()> {
+        let (a, k) = (self.a, self.k);
+        match k.cache_write_format.filter(|_| self.z.kv_bytes > 0) {
+            Some(f) => CacheWriteFormat {
+                rows: n,
+                first_token: t0,
+            }
+            .launch(f, kv_rows, a.pool.ptr, a.kv_bytes.ptr, a.table.ptr),
+            None => CacheWrite {
+                rows: n,
+                first_token: t0,
+            }
+            .launch(k.cache_write, kv_rows, a.pool.ptr, a.table.ptr),
+        }
     }
 }

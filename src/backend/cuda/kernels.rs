@@ -14,7 +14,7 @@ use std::rc::Rc;
 
 /// The faults switched inside the kernels (kernels/*.cu); every other fault is a host switch in the
 /// layer's host code (mod.rs, buffers.rs, front.rs, decode.rs; `faults::Info::cuda_site` says which).
-pub const KERNEL_FAULTS: [Fault; 16] = [
+pub const KERNEL_FAULTS: [Fault; 21] = [
     Fault::RopeNeox,
     Fault::RopeNorm,
     Fault::CachePeFirst,
@@ -32,6 +32,12 @@ pub const KERNEL_FAULTS: [Fault; 16] = [
     Fault::IndexerNoRelu,
     Fault::IndexerTopkOffByOne,
     Fault::IndexerFp8Scale,
+    // kernels/cache_write.cu `cache_write_format` (a quantized cache's writer and reader).
+    Fault::KvScaleTwice,
+    Fault::KvScaleInverted,
+    Fault::KvRopeQuantized,
+    Fault::KvScaleWrongGroup,
+    Fault::KvSaturate240,
 ];
 
 // The defines NVRTC compiles the host model's dims and tiles (src/tiles) with.

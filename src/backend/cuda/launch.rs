@@ -7,6 +7,7 @@ use super::attn::{Attn, PrefillLaunch};
 use super::device::{arg, Gpu};
 use super::kernels::{launch, Kernels, Module};
 use crate::error::{Error, Result};
+use crate::kv_format::KvFormat;
 use crate::reference::sparse::Selection;
 use crate::tiles::{decode_tiles, prefill_tiles, Dims, Tile};
 use cudarc::driver::sys::CUfunction;
@@ -103,6 +104,40 @@ impl CacheWrite {
             0,
             &mut [arg(&src), arg(&pool), arg(&table), arg(&t0)],
         )
+    }
+}
+
+/// `cache_write_format` (compiled with `MLA_KV_FORMAT`, a quantized cache): the rows of tokens
+/// `first_token..first_token+rows` quantized into their slots of the byte pool `kv`, and read back from
+/// those bytes into the paged pool the attention kernels read.
+pub struct CacheWriteFormat {
+    pub rows: usize,
+    pub first_token: usize,
+}
+
+impl CacheWriteFormat {
+    pub fn launch(&self, f: CUfunction, src: u64, pool: u64, kv: u64, table: u64) -> Result<()> {
+        let t0 = self.first_token as i32;
+        launch(
+            f,
+            "cache_write_format",
+            (self.rows as u32, 1, 1),
+            128,
+            0,
+            &mut [arg(&src), arg(&pool), arg(&kv), arg(&table), arg(&t0)],
+        )
+    }
+}
+
+/// kernels/cache_write.cu's `MLA_KV_FORMAT` for a cache format; `None`: no CUDA writer (the dtype's
+/// cache, and the per-tensor `fp8`, whose scale is calibrated on every row of the layer).
+pub fn kv_format_code(kv: KvFormat) -> Option<u32> {
+    match kv {
+        KvFormat::Auto | KvFormat::Fp8 => None,
+        KvFormat::Fp8DsMla => Some(2),
+        KvFormat::Fp8DsMlaNope => Some(3),
+        KvFormat::Fp8V41 => Some(4),
+        KvFormat::Fp4V41 => Some(5),
     }
 }
 
@@ -210,6 +245,8 @@ pub struct LayerKernels {
     pub rmsnorm: CUfunction,
     pub rope: CUfunction,
     pub cache_write: CUfunction,
+    /// A quantized cache's writer (`with_kv_format`); `None`: the run's dtype, `cache_write`.
+    pub cache_write_format: Option<CUfunction>,
     pub cache_gather: CUfunction,
     pub copy_heads: CUfunction,
     pub merge_states: CUfunction,
@@ -273,6 +310,7 @@ impl LayerKernels {
             rmsnorm,
             rope,
             cache_write,
+            cache_write_format: None,
             cache_gather,
             copy_heads,
             merge_states,
@@ -280,6 +318,26 @@ impl LayerKernels {
             prefill_wgmma,
             decode: dec,
         })
+    }
+
+    /// The writer of a quantized cache in `kv`'s byte format (kernels/cache_write.cu, compiled with
+    /// `MLA_KV_FORMAT`; a plain run's modules and their cache keys are unchanged). The per-tensor `fp8`
+    /// has no kernel (its scale is calibrated on every row of the layer: refused on CUDA).
+    pub fn with_kv_format(mut self, k: &mut Kernels, dims: &Dims, kv: KvFormat) -> Result<Self> {
+        if kv.is_auto() {
+            return Ok(self);
+        }
+        let Some(code) = kv_format_code(kv) else {
+            return Err(Error::Usage(format!(
+                "--kv-cache-dtype {kv} has no CUDA cache writer"
+            )));
+        };
+        let mut d = dims.defines();
+        d.push(("MLA_KV_FORMAT".into(), code.to_string()));
+        let m = k.module("cache_write.cu", d)?;
+        self.cache_write_format = Some(m.func("cache_write_format")?);
+        self._modules.push(m);
+        Ok(self)
     }
 
     /// Which attention kernels run: "prefill: mma (…); decode: scalar".

@@ -105,6 +105,9 @@ pub struct CudaBackend {
     /// The serving batch's checks of every layer run so far (`serving.rs`, JSON `runner_checks`); a
     /// `SharedCuda` view swaps in its own for each layer it runs.
     pub batch: crate::backend::serving::Record,
+    /// The latent cache's byte format (`run --kv-cache-dtype`; `auto`: the dtype). Not in `opts`: a
+    /// `SharedCuda` view sets it, as its dtype, for each layer it runs.
+    pub kv_format: crate::kv_format::KvFormat,
 }
 
 impl CudaBackend {
@@ -128,6 +131,7 @@ impl CudaBackend {
             spent: [0.0; 3],
             uploaded: None,
             batch: Default::default(),
+            kv_format: Default::default(),
         })
     }
 }
@@ -207,7 +211,7 @@ impl Backend for CudaBackend {
     fn describe(&self) -> String {
         let i = &self.gpu.info;
         format!(
-            "cuda: {} (sm_{}{}, {} SMs), {}{}",
+            "cuda: {} (sm_{}{}, {} SMs), {}{}{}",
             i.name,
             i.cc.0,
             i.cc.1,
@@ -217,6 +221,10 @@ impl Backend for CudaBackend {
                 ", scalar attention"
             } else {
                 ""
+            },
+            match self.kv_format.is_auto() {
+                true => String::new(),
+                false => format!(", {} kv cache", self.kv_format.name()),
             }
         )
     }
@@ -316,7 +324,8 @@ impl Backend for CudaBackend {
         let fx = ctx.faults;
         // The softmax scale the attention kernels are given (host faults: mscale² missing, 1/sqrt(Lkv+R)).
         let scale = crate::backend::common::kernel_scale(cfg, fx);
-        let z = Sizes::new(ctx, dt, scale);
+        let kv = self.kv_format;
+        let z = Sizes::new(ctx, dt, scale).with_kv_format(kv)?;
         let dims = Dims {
             dtype: dt,
             lkv: z.lkv,
@@ -335,7 +344,8 @@ impl Backend for CudaBackend {
             &dims,
             sched.q_len * z.h,
             self.opts.force_scalar,
-        )?;
+        )?
+        .with_kv_format(&mut self.kernels, &dims, kv)?;
         self.last_paths = k.paths();
         self.last_tiles = crate::backend::KeyTiles {
             prefill: k.prefill.key_tiles(),
@@ -400,7 +410,9 @@ impl Backend for CudaBackend {
             )?;
         }
         let t2 = std::time::Instant::now();
-        let trace = layer.trace(ctx.layer);
+        let trace = layer
+            .trace(ctx.layer)
+            .and_then(|t| layer.cache_effect(ctx, x, w.lq, kv, t));
         let t3 = std::time::Instant::now();
         for (s, d) in self.spent.iter_mut().zip([t1 - t0, t2 - t1, t3 - t2]) {
             *s += d.as_secs_f64();

@@ -18,6 +18,8 @@ pub struct SharedGpu(Option<Rc<RefCell<CudaBackend>>>);
 pub struct SharedCuda {
     inner: Rc<RefCell<CudaBackend>>,
     dtype: Dtype,
+    /// This view's latent cache format (`run --kv-cache-dtype`).
+    kv_format: crate::kv_format::KvFormat,
     /// This view's serving batches (the shared backend holds the running view's during `run_layer`).
     batch: crate::backend::serving::Record,
 }
@@ -36,13 +38,20 @@ impl SharedCuda {
         Ok(SharedCuda {
             inner,
             dtype: o.dtype,
+            kv_format: Default::default(),
             batch: Default::default(),
         })
+    }
+    /// This view storing its latent cache in `kv` (kernels/cache_write.cu `cache_write_format`).
+    pub fn with_kv_format(mut self, kv: crate::kv_format::KvFormat) -> SharedCuda {
+        self.kv_format = kv;
+        self
     }
     /// Point the shared backend at this view's settings.
     fn bind(&self) -> std::cell::RefMut<'_, CudaBackend> {
         let mut b = self.inner.borrow_mut();
         b.opts.dtype = self.dtype;
+        b.kv_format = self.kv_format;
         b
     }
 }
@@ -61,6 +70,7 @@ impl Backend for SharedCuda {
         let inner = self.inner.clone();
         let mut b = inner.borrow_mut();
         b.opts.dtype = self.dtype;
+        b.kv_format = self.kv_format;
         std::mem::swap(&mut b.batch, &mut self.batch);
         let tr = b.run_layer(ctx, x);
         std::mem::swap(&mut b.batch, &mut self.batch);

@@ -4,8 +4,9 @@
 use super::device::{decode, elem_bytes, DevBuf};
 use super::layer::Layer;
 use crate::error::Result;
+use crate::kv_format::KvFormat;
 use crate::precision::Dtype;
-use crate::trace::{LayerTrace, Stage, StageTensor};
+use crate::trace::{CacheEffect, LayerTrace, Stage, StageTensor};
 
 /// Download `n` storage-type elements starting at element `off`.
 pub fn down(b: &DevBuf, dt: Dtype, off: usize, n: usize) -> Result<Vec<f64>> {
@@ -110,6 +111,74 @@ impl Layer<'_> {
             vec![t_all, e],
             down(&a.out, dt, 0, t_all * e)?,
         ));
+        Ok(tr)
+    }
+}
+
+impl Layer<'_> {
+    /// `tr` (this layer over a cache in `kv`) with the format named and its effect on each stage it
+    /// reaches, as the CPU mirror pushes it (`trace::CacheEffect`, which widens the end-to-end checks;
+    /// the stage-local view bounds the stages by the format's rounding instead): the layer run again
+    /// over the dtype's cache (the same kernels with `cache_write`, fresh activations; no batches), its
+    /// stages subtracted from `tr`'s. `auto`: `tr` unchanged.
+    pub fn cache_effect(
+        &self,
+        ctx: &crate::backend::LayerCtx,
+        x: &ndarray::Array2<f64>,
+        lq: usize,
+        kv: KvFormat,
+        mut tr: LayerTrace,
+    ) -> Result<LayerTrace> {
+        tr.cache_format = kv;
+        if kv.is_auto() {
+            return Ok(tr);
+        }
+        let z = super::buffers::Sizes {
+            kv_bytes: 0,
+            ..self.z
+        };
+        let a = super::buffers::Acts::alloc(ctx, &z, x, lq)?;
+        let plain = Layer { a: &a, z, ..*self };
+        plain.prefill(ctx.sched)?;
+        plain.decode(ctx.sched)?;
+        plain.finish()?;
+        let plain = plain.trace(ctx.layer)?;
+        let mut effects = Vec::new();
+        // The stages a cache reaches (the mirror's `attention` stages); the token-local ones are the same.
+        let reached = [
+            Stage::CacheRows,
+            Stage::QAbsorbed,
+            Stage::SplitOut,
+            Stage::SplitLse,
+            Stage::AttnLatent,
+            Stage::Lse,
+            Stage::AttnHeads,
+            Stage::AttnOut,
+        ];
+        for q in tr.stages.iter().filter(|q| reached.contains(&q.stage)) {
+            let Some(p) = plain.stages.iter().find(|p| p.stage == q.stage) else {
+                continue;
+            };
+            let effect: Vec<f64> = q.data.iter().zip(&p.data).map(|(a, b)| a - b).collect();
+            if effect.iter().all(|&e| e == 0.0) {
+                continue;
+            }
+            let checks = match q.stage.info().phased {
+                true => vec![
+                    format!("{}[prefill]", q.stage.name()),
+                    format!("{}[decode]", q.stage.name()),
+                ],
+                false => vec![q.stage.name().to_string()],
+            };
+            for check in checks {
+                effects.push(CacheEffect {
+                    check,
+                    cache: kv.name(),
+                    effect: StageTensor::new(q.stage, q.shape.clone(), effect.clone()),
+                });
+            }
+        }
+        tr.cache_effect = effects;
         Ok(tr)
     }
 }

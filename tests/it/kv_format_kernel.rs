@@ -1,0 +1,165 @@
+//! kernels/cache_write.cu's quantized-cache writer and reader (`cache_write_format`, issue #38) against
+//! `kv_format::Codec`, without a GPU: the kernel source compiled for the host with its CUDA built-ins
+//! shimmed (tests/data/cache_write_host.cpp), fed rows at every scale the formats meet (e4m3 normals
+//! and subnormals, the 1e-4 scale floor, zeros, outliers, midpoints between e4m3 values), and each
+//! planted cache fault compiled in as its `MLA_FAULT_*` define. Every byte and every value read back
+//! must be the codec's, bit for bit. Needs a C++ compiler (`CXX`, else `c++`); skipped without one
+//! unless `CI` is set.
+
+use mla_diff::faults::{Active, Fault};
+use mla_diff::kv_format::{Codec, KvFormat};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// Rows of `w` bf16-valued f32s: six kinds, by row (|x| ≤ 3; ≤ 1e-3; outliers to 900; zeros; ≤ 1e-6,
+/// below the scale floor; values on a 1/16 grid plus 1/32, the midpoints of some e4m3 steps).
+fn rows(w: usize, n: usize) -> Vec<f32> {
+    let mut s = 0x9e37_79b9_7f4a_7c15u64;
+    (0..n * w)
+        .map(|i| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let u = (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
+            let v = match (i / w) % 6 {
+                0 => u * 3.0,
+                1 => u * 1e-3,
+                2 if i % 37 == 0 => u * 900.0,
+                2 => u,
+                3 => 0.0,
+                4 => u * 1e-6,
+                _ => (u * 64.0).round() / 16.0 + 1.0 / 32.0,
+            };
+            half::bf16::from_f64(v).to_f32()
+        })
+        .collect()
+}
+
+fn compiler() -> Option<String> {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let ok = Command::new(&cxx)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok && std::env::var_os("CI").is_some() {
+        panic!("{cxx}: no C++ compiler (CI is set)");
+    }
+    ok.then_some(cxx)
+}
+
+/// Compile the kernel for `(lkv, r)`, format `code`, with `fault`'s define; the binary's path.
+fn build(cxx: &str, dir: &Path, lkv: usize, r: usize, code: u32, fault: Option<Fault>) -> PathBuf {
+    let name = format!("cw-{code}-{}", fault.map_or("clean", |f| f.info().name));
+    let out = dir.join(&name);
+    let mut c = Command::new(cxx);
+    c.args(["-O1", "-ffp-contract=off", "-std=c++17"])
+        .arg(format!("-DMLA_LKV={lkv}"))
+        .arg(format!("-DMLA_R={r}"))
+        .arg("-DMLA_PAGE=16")
+        .arg(format!("-DMLA_KV_FORMAT={code}"))
+        .arg(format!("-I{}", dir.display()));
+    if let Some(f) = fault {
+        c.arg(format!("-D{}=1", f.info().define));
+    }
+    let host = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/cache_write_host.cpp");
+    let o = c
+        .arg(host)
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .expect("running the compiler");
+    assert!(
+        o.status.success(),
+        "{name}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    out
+}
+
+#[test]
+fn cache_write_format_is_the_codec_bit_for_bit() {
+    let Some(cxx) = compiler() else {
+        eprintln!("skipped: no C++ compiler");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let src = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/cache_write.cu"),
+    )
+    .unwrap();
+    let inc: String = src
+        .lines()
+        .filter(|l| !l.starts_with("#include \"common.cuh\""))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(dir.path().join("cw.inc"), inc).unwrap();
+    use Fault::*;
+    use KvFormat::*;
+    let mut cases = Vec::new();
+    for (f, lkv, r, code) in [
+        (Fp8DsMla, 512, 64, 2),
+        (Fp8DsMlaNope, 512, 0, 3),
+        (Fp8V41, 448, 64, 4),
+        (Fp4V41, 448, 64, 5),
+    ] {
+        cases.push((f, lkv, r, code, None));
+        for fault in [
+            KvScaleTwice,
+            KvScaleInverted,
+            KvRopeQuantized,
+            KvScaleWrongGroup,
+            KvSaturate240,
+        ] {
+            if mla_diff::kv_format::fault_fits(fault, f) {
+                cases.push((f, lkv, r, code, Some(fault)));
+            }
+        }
+    }
+    let n = 96;
+    for (f, lkv, r, code, fault) in cases {
+        let bin = build(&cxx, dir.path(), lkv, r, code, fault);
+        let w = lkv + r;
+        let x = rows(w, n);
+        let input: String = x.iter().map(|v| format!("{:08x} ", v.to_bits())).collect();
+        let mut child = Command::new(&bin)
+            .arg(n.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        let text = String::from_utf8(out.stdout).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        let what = format!("{f} {}", fault.map_or("clean", |f| f.info().name));
+        assert_eq!(lines.len(), 2 * n, "{what}");
+        let fx = fault.map_or(Active::NONE, |ff| Active::NONE.with(ff));
+        let c = Codec::new(f, lkv, r).with_faults(fx);
+        for t in 0..n {
+            let row = &x[t * w..(t + 1) * w];
+            let mut b = vec![0u8; c.bytes()];
+            c.encode(row, &mut b);
+            let mut d = vec![0f32; w];
+            c.decode(&b, &mut d);
+            let hex: String = b.iter().map(|v| format!("{v:02x}")).collect();
+            assert_eq!(hex, lines[2 * t], "{what}: row {t}'s bytes");
+            let got: Vec<u32> = lines[2 * t + 1]
+                .split_whitespace()
+                .map(|s| u32::from_str_radix(s, 16).unwrap())
+                .collect();
+            for (i, (&a, &g)) in d.iter().zip(&got).enumerate() {
+                let g = f32::from_bits(g);
+                assert!(
+                    a.to_bits() == g.to_bits() || (a.is_nan() && g.is_nan()),
+                    "{what}: row {t} column {i}: codec {a}, kernel {g}"
+                );
+            }
+        }
+    }
+}
