@@ -318,26 +318,7 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
                         v.reasons.join("; ")
                     ));
                 }
-                let dsa_layers = rep.dsa.iter().flat_map(|d| &d.layers);
-                let batch_layers = rep.runner_checks.iter().flat_map(|r| &r.checks);
-                let mut others: Vec<usize> = shadow
-                    .layers
-                    .iter()
-                    .filter(|l| l.layer != TARGET && !l.pass)
-                    .map(|l| l.layer)
-                    .chain(
-                        dsa_layers
-                            .filter(|l| l.layer != TARGET && !l.pass)
-                            .map(|l| l.layer),
-                    )
-                    .chain(
-                        batch_layers
-                            .filter(|b| b.status == Status::Fail)
-                            .filter_map(|b| b.layer.filter(|&l| l != TARGET)),
-                    )
-                    .collect();
-                others.sort_unstable();
-                others.dedup();
+                let others = other_failing_layers(rep);
                 if !others.is_empty() {
                     problems.push(format!(
                         "layers {others:?} fail too; only {TARGET} was injected"
@@ -370,6 +351,31 @@ fn dsa_verdict(rep: &Report) -> Option<crate::compare::Verdict> {
         reasons: vec![l.failure()],
         message: d.message.clone(),
     })
+}
+
+/// The layers other than `TARGET` that fail a stage check (shadow mode), the DSA selection or a batch.
+fn other_failing_layers(rep: &Report) -> Vec<usize> {
+    let dsa_layers = rep.dsa.iter().flat_map(|d| &d.layers);
+    let batches = rep.runner_checks.iter().flat_map(|r| &r.checks);
+    let mut others: Vec<usize> = rep.modes[0]
+        .layers
+        .iter()
+        .filter(|l| l.layer != TARGET && !l.pass)
+        .map(|l| l.layer)
+        .chain(
+            dsa_layers
+                .filter(|l| l.layer != TARGET && !l.pass)
+                .map(|l| l.layer),
+        )
+        .chain(
+            batches
+                .filter(|b| b.status == Status::Fail)
+                .filter_map(|b| b.layer.filter(|&l| l != TARGET)),
+        )
+        .collect();
+    others.sort_unstable();
+    others.dedup();
+    others
 }
 
 /// The first failing batch aimed at a variant (`faults::VARIANT_CHECK`, in `runner_checks`) as a stage
