@@ -55,7 +55,7 @@ G5=fixtures/glm-5-q4_0.gguf
 MC=fixtures/minicpm3-f32.gguf
 
 selftest() {
-    timed "selftest --backend cuda" 120 "$D/selftest-cuda.txt" "$B" selftest --backend cuda "${KX[@]}"
+    timed "selftest --backend cuda" 300 "$D/selftest-cuda.txt" "$B" selftest --backend cuda "${KX[@]}"
     grep -E "FAIL|MISSED|ERROR" "$D/selftest-cuda.txt" | head -5
 }
 validate() {
