@@ -19,6 +19,9 @@
 #              does not by batches aimed at them (#35 item 2), each aimed batch on the kernel it names; then the
 #              kernel probes pairs-handover-stale, small-ring-wrap and tma-page-tile (bench/probes) must fail a
 #              plain bf16 run of every fixture whose variants include their kernel and leave the others passing
+#   faults35   the kernel-variant catalogue faults (#35 item 4): `run --inject pairs_handover_stale | small_ring_wrap |
+#              tma_page_tile` on every fixture (bf16) must exit 1 with a failing variant_batch aimed at the fault's
+#              kernel where the fixture's variants include it, 0 elsewhere; one line per case
 #   contract   split_lse_bf16 (an LSE stored in bf16 before the combine) fails a plain run of every fixture first
 #              at split_lse (the LSE's f32 storage contract, #35)
 #   coverage   every fixture's plain run names the Hopper decode kernel without warnings; wg2_keys_dropped and
@@ -56,7 +59,7 @@ G5=fixtures/glm-5-q4_0.gguf
 MC=fixtures/minicpm3-f32.gguf
 
 selftest() {
-    timed "selftest --backend cuda" 120 "$D/selftest-cuda.txt" "$B" selftest --backend cuda "${KX[@]}"
+    timed "selftest --backend cuda" 300 "$D/selftest-cuda.txt" "$B" selftest --backend cuda "${KX[@]}"
     grep -E "FAIL|MISSED|ERROR" "$D/selftest-cuda.txt" | head -5
 }
 validate() {
@@ -198,6 +201,27 @@ variants() {
             expect $want $rc "probe ${p%%:*} on $n"
             first=$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); f=[c for c in (r.get("runner_checks") or {}).get("checks",[]) if c["status"]=="fail"]; print(r["verdict"].get("first_check"), "| batch:", f[0]["check"]+" "+f[0]["what"]+" "+f[0]["detail"][:90] if f else "-")' "$D/probe-${p%%:*}-$n.json" 2>/dev/null)
             echo "    first: $first"
+        done
+    done
+}
+faults35() {
+    local f n p fault k want rc got
+    for p in pairs_handover_stale:attn_wgmma_pairs/ small_ring_wrap:attn_small/ tma_page_tile:tma-multi-tile-page; do
+        fault=${p%%:*} k=${p#*:}
+        for f in fixtures/*.gguf; do
+            n=$(basename "$f" .gguf)
+            [ "$(left)" -gt 40 ] || { echo "skip faults35 $fault $n: budget"; fail=1; return 0; }
+            want=0
+            [ -f "$D/variants-$n-bf16.json" ] || timeout "$(tmo 120)" "$B" run "$f" --backend cuda "${KX[@]}" \
+                --json "$D/variants-$n-bf16.json" > "$D/variants-$n-bf16.txt" 2>&1
+            grep -q "\"id\": \"decode/[^\"]*$k" "$D/variants-$n-bf16.json" 2>/dev/null && want=1
+            timeout "$(tmo 120)" "$B" run "$f" --backend cuda "${KX[@]}" --inject "$fault" \
+                --json "$D/faults35-$fault-$n.json" > "$D/faults35-$fault-$n.txt" 2>&1
+            rc=$?
+            got=$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); f=[c for c in (r.get("runner_checks") or {}).get("checks",[]) if c["status"]=="fail"]; print(r["verdict"].get("first_check"), "| batch:", (f[0]["check"]+" "+f[0]["what"]+" %.3g/%.3g "%(f[0].get("value") or float("nan"), f[0].get("bound") or float("nan"))+f[0]["detail"][:80]) if f else "-", "| aimed at the kernel:", bool(f) and all(c["check"]=="variant_batch" and sys.argv[2] in c["detail"] for c in f))' "$D/faults35-$fault-$n.json" "$k" 2>/dev/null)
+            expect $want $rc "faults35 $fault on $n"
+            [ $want -eq 0 ] || [[ "$got" == *"aimed at the kernel: True" ]] || { echo "FAIL  faults35 $fault $n: not at a variant_batch aimed at $k"; fail=1; }
+            echo "    $fault $n: exit $rc (want $want); first $got"
         done
     done
 }

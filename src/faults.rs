@@ -54,6 +54,9 @@ pub enum Fault {
     KvRopeQuantized,
     KvScaleWrongGroup,
     KvSaturate240,
+    PairsHandoverStale,
+    SmallRingWrap,
+    TmaPageTile,
 }
 
 /// What a run needs for a fault to be visible at all. Model needs are properties of the file; run
@@ -107,6 +110,15 @@ pub enum Need {
     /// A quantized latent cache (`run --kv-cache-dtype`, a run option) in a format the fault applies to
     /// (`kv_format::fault_fits`).
     KvCache,
+    /// Decode on a model whose production variants (`tiles::variants`, sm_90a) include
+    /// `attn_wgmma_pairs`: 576/512 rows and 64+ decode rows (a plain run's batch aimed at it reaches it
+    /// where its own launches do not).
+    PairsKernel,
+    /// Decode on a model whose production variants include `attn_small` (fewer than 64 rows, 16-bit).
+    SmallKernel,
+    /// Decode on a model whose production variants include `attn_wgmma` or `attn_wgmma_pairs` taking
+    /// key tiles by TMA from pages of two or more 64-key tiles (page 128).
+    MultiTilePage,
 }
 
 impl Need {
@@ -130,9 +142,13 @@ impl Need {
             Need::Dsa => "DSA past top_k",
             Need::Fp8Keys => "fp8 indexer keys",
             Need::KvCache => "a quantized kv cache",
+            Need::PairsKernel => "the attn_wgmma_pairs kernel",
+            Need::SmallKernel => "the attn_small kernel",
+            Need::MultiTilePage => "attn_wgmma by TMA on multi-tile pages",
         }
     }
-    /// Whether the model and schedule provide this; `None` when it depends on values or the dtype.
+    /// Whether the model and schedule provide this; `None` when it depends on values, the dtype or the
+    /// kernels' selection rules (`tiles::variants::need_met` answers those).
     pub fn met(self, cfg: &MlaConfig, s: &Schedule) -> Option<bool> {
         let decode = s.decode_steps > 0;
         Some(match self {
@@ -157,6 +173,8 @@ impl Need {
             Need::SplitOverHalfTile => decode_split_lens(s).any(|n| n > 32),
             Need::SplitTail => decode_split_lens(s).any(|n| n > 64 && n % 32 != 0),
             Need::DecodeRows64 => decode && s.q_len.saturating_mul(cfg.n_head) >= 64,
+            // The kernel selection rules' answer (`tiles::variants::need_met`, a floor above).
+            Need::PairsKernel | Need::SmallKernel | Need::MultiTilePage => return None,
         })
     }
 }
@@ -175,6 +193,10 @@ pub fn decode_split_lens(s: &Schedule) -> impl Iterator<Item = usize> + '_ {
 /// The name an indexer fault's first check has: the DSA selection check of `run::dsa`, beside the
 /// stage checks.
 pub const SELECTION_CHECK: &str = "selection";
+
+/// The name a kernel-variant fault's first check has: the batch aimed at its kernel's variant
+/// (`backend::serving::aims`, reported in `runner_checks`), beside the stage checks.
+pub const VARIANT_CHECK: &str = "variant_batch";
 
 /// A fault's row of the catalogue.
 #[derive(Debug, Clone, Copy)]
@@ -199,7 +221,7 @@ pub struct Info {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 31] = [
+    pub const ALL: [Fault; 34] = [
         Fault::RopeNeox,
         Fault::RopeNorm,
         Fault::YarnMscaleMissing,
@@ -231,11 +253,20 @@ impl Fault {
         Fault::KvRopeQuantized,
         Fault::KvScaleWrongGroup,
         Fault::KvSaturate240,
+        Fault::PairsHandoverStale,
+        Fault::SmallRingWrap,
+        Fault::TmaPageTile,
     ];
 
     /// A fault of the DSA indexer: caught by the selection check (`SELECTION_CHECK`), not a stage check.
     pub fn is_indexer(self) -> bool {
         self.info().expected == SELECTION_CHECK
+    }
+
+    /// A fault of one kernel variant (`tiles::variants`): caught by the batch aimed at that variant
+    /// (`VARIANT_CHECK`), which a plain run runs where its schedule does not reach the kernel.
+    pub fn is_variant(self) -> bool {
+        self.info().expected == VARIANT_CHECK
     }
 
     /// The fault's row of the catalogue.
@@ -261,15 +292,18 @@ impl std::fmt::Display for Fault {
 
 /// The faults active in one layer.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub struct Active(u32);
+pub struct Active(u64);
 
 impl Active {
     pub const NONE: Active = Active(0);
     pub fn on(self, f: Fault) -> bool {
-        self.0 & (1 << f as u32) != 0
+        self.0 & (1u64 << f as u32) != 0
     }
     pub fn with(self, f: Fault) -> Active {
-        Active(self.0 | 1 << f as u32)
+        Active(self.0 | 1u64 << f as u32)
+    }
+    pub fn without(self, f: Fault) -> Active {
+        Active(self.0 & !(1u64 << f as u32))
     }
     pub fn is_empty(self) -> bool {
         self.0 == 0
@@ -364,8 +398,9 @@ impl FaultSet {
         }
         Ok(())
     }
-    /// Faults this run may not show, each with the needs it lacks (value and dtype needs are not checked).
-    pub fn blind_spots(&self, cfg: &MlaConfig, sched: &Schedule) -> Vec<String> {
+    /// Faults this run may not show, each with the needs it lacks (value and dtype needs are not checked):
+    /// `met` answers each need (`Need::met`, or `tiles::variants::need_met` with the kernel rules).
+    pub fn blind_spots(&self, met: &dyn Fn(Need) -> Option<bool>) -> Vec<String> {
         self.0
             .iter()
             .filter_map(|i| {
@@ -374,7 +409,7 @@ impl FaultSet {
                     .info()
                     .needs
                     .iter()
-                    .filter(|n| n.met(cfg, sched) == Some(false))
+                    .filter(|&&n| met(n) == Some(false))
                     .map(|n| n.name())
                     .collect();
                 (!missing.is_empty()).then(|| format!("{i} (needs {})", missing.join(", ")))
@@ -409,7 +444,9 @@ mod tests {
             assert!(names.insert(i.name), "duplicate {}", i.name);
             assert_eq!(i.define, format!("MLA_FAULT_{}", i.name.to_uppercase()));
             assert!(
-                Check::parse(i.expected).is_some() || i.expected == SELECTION_CHECK,
+                Check::parse(i.expected).is_some()
+                    || i.expected == SELECTION_CHECK
+                    || i.expected == VARIANT_CHECK,
                 "{}: {}",
                 i.name,
                 i.expected

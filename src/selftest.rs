@@ -17,6 +17,7 @@ pub use cases::{controls, schedule_for, Case, Control, CONTROLS, MINIMAL};
 pub use fixtures::{scale_tensors, Fixture, Model, FIXTURES, LARGE_QABS_LOG2};
 pub use matrix::{Outcome, Summary};
 
+use crate::backend::runner::checks::Status;
 use crate::backend::{Backend, BackendInfo};
 use crate::compare::ToleranceTable;
 use crate::error::{Error, Result};
@@ -27,6 +28,7 @@ use crate::model::MlaConfig;
 use crate::precision::Dtype;
 use crate::report::Report;
 use crate::run::{InputSpec, Modes, RunOptions};
+use crate::tiles::variants::need_met;
 use std::path::{Path, PathBuf};
 
 /// Layers of every selftest fixture, and the layer each fault is injected into.
@@ -220,11 +222,16 @@ fn run_case(
 /// not be detected, on a run that really lacks the need it is about.
 fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Outcome {
     let shadow = &rep.modes[0];
-    // The stage checks first (dataflow order); where they pass, a failing DSA selection check.
+    // The stage checks first (dataflow order); where they pass, a failing DSA selection check; where
+    // those pass, for a clean run and a kernel-variant fault (its cases and controls), a failing batch
+    // aimed at a variant (`faults::VARIANT_CHECK`). (Other faults' controls lack a need of the stage
+    // checks: a batch aimed at a variant has it, and catches them there.)
     let dsa_v = dsa_verdict(rep);
-    let v = match (&shadow.verdict, &dsa_v) {
-        (s, Some(d)) if s.pass => d,
-        (s, _) => s,
+    let batch_v = batch_verdict(rep).filter(|_| c.fault.is_none_or(|f| f.is_variant()));
+    let v = match (&shadow.verdict, &dsa_v, &batch_v) {
+        (s, Some(d), _) if s.pass => d,
+        (s, None, Some((b, _))) if s.pass => b,
+        (s, _, _) => s,
     };
     let first_margin = shadow
         .layers
@@ -232,7 +239,8 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
         .find(|l| !l.pass)
         .and_then(|l| l.checks.iter().find(|ch| !ch.pass))
         .map(|ch| ch.ratio())
-        .or_else(|| dsa_margin(rep));
+        .or_else(|| dsa_margin(rep))
+        .or_else(|| batch_v.as_ref().and_then(|(_, m)| *m));
     let mut problems = Vec::new();
     let q_abs_large = q_abs_rms(rep).map(|r| (r, r > 65504.0));
     let cfg = MlaConfig::from_gguf(file);
@@ -252,7 +260,7 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
                 _ => cfg
                     .as_ref()
                     .ok()
-                    .and_then(|cfg| n.met(cfg, &c.sched).map(|m| !m)),
+                    .and_then(|cfg| need_met(n, cfg, &c.sched).map(|m| !m)),
             };
             if lacks != Some(true) {
                 problems.push(format!("the control run does not lack {}", n.name()));
@@ -273,7 +281,7 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
             }
             if let Ok(cfg) = &cfg {
                 for n in info.needs {
-                    if n.met(cfg, &c.sched) == Some(false) {
+                    if need_met(*n, cfg, &c.sched) == Some(false) {
                         problems.push(format!("the run lacks what the fault needs: {}", n.name()));
                     }
                 }
@@ -310,20 +318,7 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
                         v.reasons.join("; ")
                     ));
                 }
-                let dsa_layers = rep.dsa.iter().flat_map(|d| &d.layers);
-                let mut others: Vec<usize> = shadow
-                    .layers
-                    .iter()
-                    .filter(|l| l.layer != TARGET && !l.pass)
-                    .map(|l| l.layer)
-                    .chain(
-                        dsa_layers
-                            .filter(|l| l.layer != TARGET && !l.pass)
-                            .map(|l| l.layer),
-                    )
-                    .collect();
-                others.sort_unstable();
-                others.dedup();
+                let others = other_failing_layers(rep);
                 if !others.is_empty() {
                     problems.push(format!(
                         "layers {others:?} fail too; only {TARGET} was injected"
@@ -356,6 +351,54 @@ fn dsa_verdict(rep: &Report) -> Option<crate::compare::Verdict> {
         reasons: vec![l.failure()],
         message: d.message.clone(),
     })
+}
+
+/// The layers other than `TARGET` that fail a stage check (shadow mode), the DSA selection or a batch.
+fn other_failing_layers(rep: &Report) -> Vec<usize> {
+    let dsa_layers = rep.dsa.iter().flat_map(|d| &d.layers);
+    let batches = rep.runner_checks.iter().flat_map(|r| &r.checks);
+    let mut others: Vec<usize> = rep.modes[0]
+        .layers
+        .iter()
+        .filter(|l| l.layer != TARGET && !l.pass)
+        .map(|l| l.layer)
+        .chain(
+            dsa_layers
+                .filter(|l| l.layer != TARGET && !l.pass)
+                .map(|l| l.layer),
+        )
+        .chain(
+            batches
+                .filter(|b| b.status == Status::Fail)
+                .filter_map(|b| b.layer.filter(|&l| l != TARGET)),
+        )
+        .collect();
+    others.sort_unstable();
+    others.dedup();
+    others
+}
+
+/// The first failing batch aimed at a variant (`faults::VARIANT_CHECK`, in `runner_checks`) as a stage
+/// check's verdict would read, with its value ÷ bound.
+fn batch_verdict(rep: &Report) -> Option<(crate::compare::Verdict, Option<f64>)> {
+    let rc = rep.runner_checks.as_ref()?;
+    let b = rc
+        .checks
+        .iter()
+        .find(|b| b.status == Status::Fail && b.check == crate::faults::VARIANT_CHECK)?;
+    let margin = match (b.value, b.bound) {
+        (Some(v), Some(t)) if t > 0.0 => Some(v / t),
+        // A non-finite value has no figure.
+        _ => Some(f64::INFINITY),
+    };
+    let v = crate::compare::Verdict {
+        pass: false,
+        first_layer: b.layer,
+        first_check: Some(b.check.clone()),
+        reasons: vec![b.line()],
+        message: rc.message.clone(),
+    };
+    Some((v, margin))
 }
 
 /// The first failing DSA layer's worst selection gap ÷ its noise margin.

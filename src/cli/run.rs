@@ -430,7 +430,8 @@ pub fn execute(
     let Job { file, cfg, opts } = job;
     let Prepared { outputs, baseline } = ready;
     if !r.formats.quiet {
-        for b in opts.faults.blind_spots(cfg, &opts.sched) {
+        let met = |n| mla_diff::tiles::variants::need_met(n, cfg, &opts.sched);
+        for b in opts.faults.blind_spots(&met) {
             eprintln!("mla-diff: note: injected fault {b} may not show on this run");
         }
     }

@@ -4,7 +4,7 @@
 use super::{Fault, Info, Need};
 
 /// The catalogue, one row per fault in `Fault` order (docs/faults.md is generated from it).
-pub const CATALOGUE: [Info; 31] = [
+pub const CATALOGUE: [Info; 34] = [
     Info {
         fault: Fault::RopeNeox,
         name: "rope_neox",
@@ -377,5 +377,38 @@ pub const CATALOGUE: [Info; 31] = [
         expected: "cache_rows",
         needs: &[Need::KvCache],
         cuda_site: "kernels/cache_write.cu `cache_write_format` (the writer); CPU: src/kv_format.rs `Codec::encode`",
+    },
+    Info {
+        fault: Fault::PairsHandoverStale,
+        name: "pairs_handover_stale",
+        define: "MLA_FAULT_PAIRS_HANDOVER_STALE",
+        summary: "attn_wgmma_pairs: at each pair's hand-over warpgroup 0 takes warpgroup 1's running max without rescaling its O columns and row sum to it",
+        models: "a kernel-variant probe (#35; bench/probes/pairs-handover-stale.patch): an online-softmax state handed between warpgroups (FlashMLA's schedule of alternating tiles) with its max but not its rescale. Only the kernel taken at 576/512 with TMA pages and at most 2 splits (or splits of 512+ keys) has it, which a page-16 default run never launched; a plain run's batch aimed at that variant catches it",
+        sources: &[],
+        expected: "variant_batch",
+        needs: &[Need::Decode, Need::PairsKernel],
+        cuda_site: "kernels/sm90/decode/attn_wgmma_pairs.cuh `attn_wgmma_pairs`: warpgroup 0's hand-over after readyB sets m = m_B and skips l *= α_B and wa_scale_o (the probe's site)",
+    },
+    Info {
+        fault: Fault::SmallRingWrap,
+        name: "small_ring_wrap",
+        define: "MLA_FAULT_SMALL_RING_WRAP",
+        summary: "attn_small: past the ring's first round the producer fetches the tile of the ring slot (tile it % SM_NS) instead of tile it",
+        models: "a kernel-variant probe (#35; bench/probes/small-ring-wrap.patch): a multi-stage TMA ring whose producer indexes keys by the stage instead of the tile, the class of pipeline wrap-around bugs. Only attn_small (fewer than 64 decode rows, 16-bit, pages of 32-key multiples) has it, and only where a split holds more tiles than the ring's stages",
+        sources: &[],
+        expected: "variant_batch",
+        needs: &[Need::Decode, Need::SmallKernel],
+        cuda_site: "kernels/sm90/decode/attn_small.cuh `attn_small` `tile_row`: key j = jb + (it % SM_NS)·32 (the probe's site)",
+    },
+    Info {
+        fault: Fault::TmaPageTile,
+        name: "tma_page_tile",
+        define: "MLA_FAULT_TMA_PAGE_TILE",
+        summary: "the TMA box of attn_wgmma's key tiles starts at the page's first row, whichever 64-key tile of the page it loads",
+        models: "a kernel-variant probe (#35; bench/probes/tma-page-tile.patch): a tile address that drops the offset inside a page (the paged-addressing class of page_off_by_one), visible only where a page holds two or more 64-key tiles (page 128 and up), which a page-16 default run never launched",
+        sources: &[],
+        expected: "variant_batch",
+        needs: &[Need::Decode, Need::MultiTilePage],
+        cuda_site: "kernels/sm90/decode/attn_wgmma.cuh `wg_tma_k` (attn_wgmma's and attn_wgmma_pairs's TMA key tiles): row = the page's first pool row, without j0 % MLA_PAGE (the probe's site)",
     },
 ];

@@ -20,6 +20,10 @@ pub const MINIMAL: Schedule = Schedule {
     pos_offset: 0,
 };
 
+/// Prompt tokens of the kernel-variant faults' runs: the aimed batches' longest request (256 keys, each
+/// the run's row `j mod T`) then reads rows that do not repeat within a 64-key tile pair.
+pub const VARIANT_PROMPT: usize = 128;
+
 /// The schedule for a fault's needs: `MINIMAL` grown by each need.
 pub fn schedule_for(needs: &[Need]) -> Schedule {
     let mut s = MINIMAL;
@@ -57,6 +61,16 @@ pub fn schedule_for(needs: &[Need]) -> Schedule {
             Need::Fp8Keys => {
                 s.prompt_len = s.prompt_len.max(176);
                 s.chunk = s.chunk.max(16);
+            }
+            // The default run's page (16): no launch of the schedule's own takes the kernel (TMA needs
+            // pages of 64+ keys), a batch aimed at it does (`backend::serving::aims`: 256 keys), over
+            // stored rows that do not repeat within it, so that a key read from another key's row shows.
+            Need::PairsKernel | Need::SmallKernel | Need::MultiTilePage => {
+                s.decode_steps = s.decode_steps.max(3);
+                s.page_size = 16;
+                s.spare_pages = 2;
+                s.prompt_len = s.prompt_len.max(VARIANT_PROMPT);
+                s.chunk = s.chunk.max(VARIANT_PROMPT);
             }
             Need::NormRope
             | Need::NeoxRope
@@ -116,7 +130,7 @@ pub struct Control {
     pub sched: Option<Schedule>,
 }
 
-pub const CONTROLS: [Control; 12] = [
+pub const CONTROLS: [Control; 14] = [
     Control {
         fault: Fault::RopeNeox,
         lacking: Need::NormRope,
@@ -222,6 +236,21 @@ pub const CONTROLS: [Control; 12] = [
             pos_offset: 0,
         }),
     },
+    // The kernel-variant faults' run on 4 heads: 4 (or 8) decode rows, below the Hopper kernels' 64,
+    // so neither attn_wgmma_pairs nor attn_wgmma by TMA is among its production variants; the faults
+    // must not show (no false pass: the report says "needs the … kernel", `FaultSet::blind_spots`).
+    Control {
+        fault: Fault::PairsHandoverStale,
+        lacking: Need::PairsKernel,
+        model: Some(Model::DeepseekV3),
+        sched: None,
+    },
+    Control {
+        fault: Fault::TmaPageTile,
+        lacking: Need::MultiTilePage,
+        model: Some(Model::DeepseekV3),
+        sched: None,
+    },
 ];
 
 /// The controls as runs.
@@ -245,6 +274,13 @@ impl Model {
     pub fn for_needs(needs: &[Need]) -> Model {
         if needs.contains(&Need::Dsa) {
             Model::Glm5Dsa
+        } else if needs.iter().any(|n| {
+            matches!(
+                n,
+                Need::PairsKernel | Need::SmallKernel | Need::MultiTilePage
+            )
+        }) {
+            Model::DeepseekV3Wide
         } else if needs.contains(&Need::NeoxRope) {
             Model::Minicpm3
         } else if needs.contains(&Need::LargeQAbs) {
@@ -360,7 +396,7 @@ mod tests {
             let (f, n) = (c.fault.unwrap(), c.lacking.unwrap());
             assert!(f.info().needs.contains(&n), "{f}: {}", n.name());
             c.sched.validate().unwrap();
-            if let Some(met) = n.met(&cfg, &c.sched).filter(|_| {
+            if let Some(met) = crate::tiles::variants::need_met(n, &cfg, &c.sched).filter(|_| {
                 !matches!(
                     n,
                     Need::NormRope | Need::NeoxRope | Need::Yarn | Need::QkNotV
@@ -368,6 +404,45 @@ mod tests {
             }) {
                 assert!(!met, "{f}: the control run has {}", n.name());
             }
+        }
+    }
+
+    /// The kernel-variant faults run on the 64-head fixture at the default run's page, where each
+    /// fault's kernel runs only in a batch aimed at it; on the 4-head fixtures neither Hopper kernel
+    /// can run (their controls), attn_small can.
+    #[test]
+    fn variant_faults_run_where_only_an_aimed_batch_reaches_their_kernel() {
+        use super::super::fixtures::WIDE_HEADS;
+        use crate::tiles::variants::need_met;
+        let mut wide = crate::model::catalogue::Preset::DeepseekV3.test_config();
+        wide.n_head = WIDE_HEADS;
+        let mut narrow = wide.clone();
+        narrow.n_head = HEADS;
+        for f in [
+            Fault::PairsHandoverStale,
+            Fault::SmallRingWrap,
+            Fault::TmaPageTile,
+        ] {
+            let c = Case::for_fault(f);
+            assert_eq!((c.model, c.sched.page_size), (Model::DeepseekV3Wide, 16));
+            let need = *f.info().needs.last().unwrap();
+            assert_eq!(need_met(need, &wide, &c.sched), Some(true), "{f}");
+            assert_eq!(
+                need_met(need, &narrow, &c.sched),
+                Some(f == Fault::SmallRingWrap),
+                "{f}"
+            );
+            // Its kernel is not among the schedule's own launches: a batch aimed at it runs it.
+            let aimed: Vec<String> = crate::backend::serving::aims(&wide, &c.sched)
+                .into_iter()
+                .map(|a| a.id)
+                .collect();
+            let kernel = match f {
+                Fault::PairsHandoverStale => "attn_wgmma_pairs/",
+                Fault::SmallRingWrap => "attn_small/",
+                _ => "/tma-multi-tile-page",
+            };
+            assert!(aimed.iter().any(|id| id.contains(kernel)), "{f}: {aimed:?}");
         }
     }
 }

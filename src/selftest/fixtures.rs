@@ -17,12 +17,18 @@ pub enum Model {
     V2LiteLargeQAbs,
     Glm5,
     Glm5Dsa,
+    DeepseekV3Wide,
 }
 
-/// Query heads of every selftest fixture.
+/// Query heads of every selftest fixture but `Model::DeepseekV3Wide`.
 pub const HEADS: usize = 4;
 
-/// One selftest fixture: a catalogue model at hidden 256, `HEADS` heads, 3 layers, vocab 64, BF16.
+/// Query heads of `Model::DeepseekV3Wide`: 64 decode rows per query, what the Hopper kernels
+/// `attn_wgmma` and `attn_wgmma_pairs` take (the 4-head fixtures reach only `attn_small`).
+pub const WIDE_HEADS: usize = 64;
+
+/// One selftest fixture: a catalogue model at hidden 256, `HEADS` heads (`WIDE_HEADS` for one), 3
+/// layers, vocab 64, BF16.
 #[derive(Debug, Clone, Copy)]
 pub struct Fixture {
     pub model: Model,
@@ -38,6 +44,8 @@ pub struct Fixture {
     pub purpose: &'static str,
     /// `Some(K)`: the DSA indexer's top_k set to K (runs past it exercise the sparse model).
     pub dsa_top_k: Option<u32>,
+    /// Query heads.
+    pub heads: usize,
 }
 
 /// The top_k of `Model::Glm5Dsa`: the indexer faults' runs (`Need::Dsa`) see up to 43 keys.
@@ -54,7 +62,7 @@ pub const DSA_HEADS: u32 = 2;
 pub const LARGE_QABS_LOG2: i32 = 18;
 
 /// Every selftest fixture, in `Model` order.
-pub const FIXTURES: [Fixture; 5] = [
+pub const FIXTURES: [Fixture; 6] = [
     Fixture {
         model: Model::DeepseekV3,
         name: "deepseek-v3",
@@ -63,6 +71,7 @@ pub const FIXTURES: [Fixture; 5] = [
         scale_log2: None,
         purpose: "NORM rope, YaRN factor 40 (mscale² 1.87), P+R ≠ Dv: the default",
         dsa_top_k: None,
+        heads: HEADS,
     },
     Fixture {
         model: Model::Minicpm3,
@@ -72,6 +81,7 @@ pub const FIXTURES: [Fixture; 5] = [
         scale_log2: None,
         purpose: "NEOX rope, LongRoPE factors",
         dsa_top_k: None,
+        heads: HEADS,
     },
     // No q-LoRA, the model of llama.cpp #13137. The scaling makes q_absorbed = W_UKᵀ·q_nope leave the
     // fp16 range (and the latent shrink by 2^-K), while scores, k_nope, v, the heads, attn_out and so every
@@ -85,6 +95,7 @@ pub const FIXTURES: [Fixture; 5] = [
         scale_log2: Some(LARGE_QABS_LOG2),
         purpose: "q_absorbed beyond the fp16 range",
         dsa_top_k: None,
+        heads: HEADS,
     },
     Fixture {
         model: Model::Glm5,
@@ -94,6 +105,7 @@ pub const FIXTURES: [Fixture; 5] = [
         scale_log2: None,
         purpose: "no YaRN, P+R = Dv: for the controls",
         dsa_top_k: None,
+        heads: HEADS,
     },
     // GLM-5's indexer (heads of 128, interleaved rope) with a small top_k, so that sparsity bites at a
     // few dozen tokens, and 2 heads (`DSA_HEADS`): the indexer faults' fixture.
@@ -105,6 +117,21 @@ pub const FIXTURES: [Fixture; 5] = [
         scale_log2: None,
         purpose: "DSA indexer, 2 heads of 128, top_k 16: for the indexer faults",
         dsa_top_k: Some(DSA_TOP_K),
+        heads: HEADS,
+    },
+    // DeepSeek-V3's 576/512 at 64 heads: its production decode variants (sm_90a) are every Hopper
+    // kernel, attn_wgmma and attn_wgmma_pairs by TMA (pages of one and of two 64-key tiles) and
+    // attn_small from a TP slice, which a run at page 16 reaches through batches aimed at them: the
+    // kernel-variant faults' fixture. No q-LoRA keeps it small (q: 256 → 64 × 192).
+    Fixture {
+        model: Model::DeepseekV3Wide,
+        name: "deepseek-v3-64h",
+        preset: Preset::DeepseekV3,
+        q_lora: None,
+        scale_log2: None,
+        purpose: "576/512 at 64 heads: every Hopper decode kernel, for the kernel-variant faults",
+        dsa_top_k: None,
+        heads: WIDE_HEADS,
     },
 ];
 
@@ -128,7 +155,7 @@ impl Model {
             seed: 0,
             legacy_kv_b: false,
             hidden: Some(256),
-            heads: Some(HEADS),
+            heads: Some(f.heads),
             // 0: no q-LoRA.
             q_lora_rank: Some(f.q_lora.unwrap_or(0)),
             vocab: Some(64),

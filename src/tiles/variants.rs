@@ -8,6 +8,7 @@
 
 use super::choice::{self as plan, Caps};
 use super::{decode_tiles, pairs_rule, small_rule, Dims};
+use crate::faults::{Active, Fault, Need};
 use crate::kernel_use::Phase;
 use crate::precision::Dtype;
 
@@ -115,6 +116,70 @@ pub fn reached(d: &Dims, caps: &Caps, launches: &[Launch]) -> Vec<String> {
         .collect()
 }
 
+/// Whether kernel-variant fault `f` (`Fault::is_variant`) is in the kernel the rules pick: `kernel`
+/// and `loads` of `decode_variant`. (Every other fault is in every kernel: true.)
+pub fn fault_in(f: Fault, kernel: &str, loads: &str) -> bool {
+    match f {
+        // attn_wgmma_pairs's hand-over of the running max (sm90/decode/attn_wgmma_pairs.cuh).
+        Fault::PairsHandoverStale => kernel == "attn_wgmma_pairs",
+        // attn_small's ring of key stages (sm90/decode/attn_small.cuh).
+        Fault::SmallRingWrap => kernel == "attn_small",
+        // The TMA box of attn_wgmma's key tiles (`wg_tma_k`, which attn_wgmma_pairs shares) on pages of
+        // several 64-key tiles; attn_small's 32-key boxes address their rows themselves.
+        Fault::TmaPageTile => kernel.starts_with("attn_wgmma") && loads == "tma-multi-tile-page",
+        _ => true,
+    }
+}
+
+/// The layer's faults `fx` as decode launch `l` runs them on sm_90a for a model of dims `d` in its
+/// dtype (the CPU mirror's model of the CUDA kernels): a kernel-variant fault only where the rules pick
+/// its kernel for that launch, every other fault as it is.
+pub fn faults_at(fx: Active, d: &Dims, l: &Launch) -> Active {
+    if !VARIANT_FAULTS.iter().any(|&f| fx.on(f)) {
+        return fx;
+    }
+    let (kernel, loads) = decode_variant(d, &super::choice::HOPPER, l);
+    VARIANT_FAULTS
+        .into_iter()
+        .filter(|&f| !fault_in(f, kernel, loads))
+        .fold(fx, |a, f| a.without(f))
+}
+
+/// The faults of one dense decode kernel each (`fault_in`).
+pub const VARIANT_FAULTS: [Fault; 3] = [
+    Fault::PairsHandoverStale,
+    Fault::SmallRingWrap,
+    Fault::TmaPageTile,
+];
+
+/// The layer's faults `fx` as the DSA sparse kernel (`sparse_attn`) runs them: none of the dense
+/// kernels' variant faults.
+pub fn sparse_faults(fx: Active) -> Active {
+    VARIANT_FAULTS.into_iter().fold(fx, |a, f| a.without(f))
+}
+
+/// `n.met(cfg, s)`, with the needs of the kernel-variant faults answered by the rules: decode steps on
+/// a model whose production decode variants (bf16, sm_90a) include the kernel (a plain run reaches each
+/// of them, by its own launches or a batch aimed at it: `backend::serving::aims`).
+pub fn need_met(
+    n: Need,
+    cfg: &crate::model::MlaConfig,
+    s: &crate::schedule::Schedule,
+) -> Option<bool> {
+    let f = match n {
+        Need::PairsKernel => Fault::PairsHandoverStale,
+        Need::SmallKernel => Fault::SmallRingWrap,
+        Need::MultiTilePage => Fault::TmaPageTile,
+        _ => return n.met(cfg, s),
+    };
+    let d = Dims::of_model(cfg, Dtype::Bf16);
+    let has = variants(&d, &super::choice::HOPPER, None)
+        .iter()
+        .filter_map(|v| v.id.rsplit_once('/').map(|(_, loads)| (v.kernel, loads)))
+        .any(|(kernel, loads)| fault_in(f, kernel, loads));
+    Some(s.decode_steps > 0 && has)
+}
+
 /// The DSA variant's id.
 pub const SPARSE_ID: &str = "decode/sparse_attn/past-top-k";
 
@@ -191,7 +256,6 @@ pub fn variants(d: &Dims, caps: &Caps, dsa_top_k: Option<usize>) -> Vec<Variant>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::faults::Active;
     use crate::tiles::choice::{AMPERE, HOPPER};
 
     /// DeepSeek-V3 / GLM-5 sized: 576/512, 128 heads.
@@ -270,5 +334,59 @@ mod tests {
         assert_eq!(pick(l(16, 32, 2, 256)), ("attn_small", "tma-ring"));
         assert_eq!(pick(l(16, 64, 8, 256)), ("attn_mma", "ld.global"));
         assert_eq!(pick(l(16, 16, 1, 256)), ("attn_mma", "ld.global"));
+    }
+
+    #[test]
+    fn a_variant_fault_runs_only_where_the_rules_pick_its_kernel() {
+        let all = Active::NONE
+            .with(Fault::PairsHandoverStale)
+            .with(Fault::SmallRingWrap)
+            .with(Fault::TmaPageTile)
+            .with(Fault::SplitDropLast);
+        let at = |d: &Dims, heads, page, splits| {
+            let l = Launch {
+                heads,
+                q_len: 1,
+                page,
+                splits,
+                n_keys: 256,
+            };
+            let fx = faults_at(all, d, &l);
+            VARIANT_FAULTS
+                .into_iter()
+                .filter(|&f| fx.on(f))
+                .map(|f| f.name())
+                .collect::<Vec<_>>()
+        };
+        let d = deepseek(128);
+        // Page 16: no TMA, no kernel of theirs; the other faults stay.
+        assert!(at(&d, 128, 16, 1).is_empty());
+        assert!(faults_at(
+            all,
+            &d,
+            &Launch {
+                heads: 128,
+                q_len: 1,
+                page: 16,
+                splits: 1,
+                n_keys: 256
+            }
+        )
+        .on(Fault::SplitDropLast));
+        assert_eq!(at(&d, 128, 64, 1), ["pairs_handover_stale"]);
+        assert_eq!(
+            at(&d, 128, 128, 1),
+            ["pairs_handover_stale", "tma_page_tile"]
+        );
+        assert_eq!(at(&d, 128, 128, 8), ["tma_page_tile"]);
+        assert_eq!(at(&d, 16, 64, 2), ["small_ring_wrap"]);
+        // f32: the scalar kernel, none of them.
+        let f32 = Dims {
+            dtype: Dtype::F32,
+            ..d
+        };
+        assert!(at(&f32, 128, 128, 1).is_empty() && at(&f32, 16, 64, 2).is_empty());
+        // The sparse kernel has none of them.
+        assert_eq!(sparse_faults(all), Active::NONE.with(Fault::SplitDropLast));
     }
 }

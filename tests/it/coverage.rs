@@ -405,13 +405,13 @@ fn coverage_probe_faults_are_caught_by_the_default_run_only() {
                 "{f} {fault}: default run"
             );
             // The pre-#14 default: every split within one tile's first half, so no stage check sees the
-            // fault. (On GLM-5, a DSA file, the batch aimed at the sparse kernel reads keys in the upper
-            // half of a tile, so it sees wg2_keys_dropped: exit 1 with every stage passing; its ≤ 64
-            // keys per query hold no partial tile after a full one.)
+            // fault. The run's batches do (exit 1 with every stage passing): they run the layer's
+            // kernels with its faults, as the CUDA batches do, over requests of 256 keys in one split
+            // (batches aimed at the variants the schedule misses) and a page + 1 (a partial tile after
+            // a full one).
             let (code, first) = inject(f, fault, &pre14_flags);
             assert_eq!(first, None, "{f} {fault}: pre-#14 default");
-            let want = i32::from(f.starts_with("glm-5") && fault == "wg2_keys_dropped");
-            assert_eq!(code, want, "{f} {fault}: pre-#14 default");
+            assert_eq!(code, 1, "{f} {fault}: pre-#14 default, the batches");
         }
     }
 }
@@ -488,4 +488,88 @@ fn a_dsa_run_within_top_k_aims_a_batch_at_the_sparse_kernel() {
         "{}",
         bad["runner_checks"]
     );
+}
+
+/// `run FIXTURE --inject FAULT` (shadow mode) with `extra`: the exit code, the verdict's first stage
+/// check, the failing batch checks (`check what: detail`) and stderr.
+fn inject_batches(
+    f: &str,
+    fault: &str,
+    extra: &[&str],
+) -> (i32, Option<String>, Vec<String>, String) {
+    let fx = fixture(f);
+    let mut a = vec![
+        "run",
+        fx.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--mode",
+        "shadow",
+        "--json",
+        "-",
+        "--inject",
+        fault,
+    ];
+    a.extend_from_slice(extra);
+    let o = run(&a);
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("{f} {fault}: {e}: {}", stderr(&o)));
+    let failed = j["runner_checks"]["checks"]
+        .as_array()
+        .map(|v| {
+            v.iter()
+                .filter(|c| c["status"] == "fail")
+                .map(|c| format!("{} {}: {}", c["check"], c["what"], c["detail"]))
+                .collect()
+        })
+        .unwrap_or_default();
+    (
+        o.status.code().unwrap_or(-1),
+        j["verdict"]["first_check"].as_str().map(String::from),
+        failed,
+        stderr(&o),
+    )
+}
+
+#[test]
+fn kernel_variant_faults_fail_a_plain_run_where_their_kernel_runs() {
+    // #35 item 4: the catalogue's kernel-variant faults (the bench/probes patches as `--inject`). A plain
+    // run at page 16 reaches their kernels only through batches aimed at the variants it misses: each
+    // fails there (every stage check passing) where the rules pick its kernel, and nowhere else.
+    let glm = ["--layers", "0"];
+    for (fault, aimed) in [
+        ("pairs_handover_stale", "aimed at decode/attn_wgmma_pairs/"),
+        ("tma_page_tile", "tma-multi-tile-page"),
+        ("small_ring_wrap", "aimed at decode/attn_small/"),
+    ] {
+        let (code, first, failed, err) = inject_batches("glm-5-q4_0.gguf", fault, &glm);
+        assert_eq!((code, first), (1, None), "glm-5 {fault}: {err}");
+        assert!(!failed.is_empty(), "glm-5 {fault}");
+        assert!(
+            failed
+                .iter()
+                .all(|c| c.starts_with("\"variant_batch\"") && c.contains(aimed)),
+            "glm-5 {fault}: {failed:#?}"
+        );
+    }
+    // 8 heads: 8 or 16 decode rows, below the Hopper kernels' 64 — said, and nothing fails; attn_small
+    // runs, and fails, but not in f32 (no attn_small there).
+    let v3 = "deepseek-v3-yarn-q4_k.gguf";
+    for fault in ["pairs_handover_stale", "tma_page_tile"] {
+        let (code, _, failed, err) = inject_batches(v3, fault, &[]);
+        assert_eq!((code, failed.len()), (0, 0), "{v3} {fault}");
+        assert!(
+            err.contains(&format!("injected fault {fault} (needs ")),
+            "{err}"
+        );
+    }
+    let (code, _, failed, _) = inject_batches(v3, "small_ring_wrap", &[]);
+    assert!(
+        code == 1
+            && failed
+                .iter()
+                .all(|c| c.contains("aimed at decode/attn_small/"))
+    );
+    let (code, _, failed, _) = inject_batches(v3, "small_ring_wrap", &["--dtype", "f32"]);
+    assert_eq!((code, failed.len()), (0, 0), "{v3} small_ring_wrap f32");
 }

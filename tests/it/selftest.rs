@@ -44,6 +44,16 @@ impl Backend for Mirror {
     fn sparse(&self) -> bool {
         self.inner.sparse()
     }
+    // The batches' checks (where the kernel-variant faults show: `variant_batch`).
+    fn runner_checks(&self) -> Option<mla_diff::backend::runner::checks::RunnerChecks> {
+        self.inner.runner_checks()
+    }
+    fn aimed_variants(&self) -> Vec<String> {
+        self.inner.aimed_variants()
+    }
+    fn decode_extra(&self, sched: &Schedule) -> Vec<mla_diff::batch::Request> {
+        self.inner.decode_extra(sched)
+    }
     fn has_indexer(&self) -> bool {
         self.inner.has_indexer()
     }

@@ -42,7 +42,6 @@ const LONG_FNS: &[(&str, &str, usize)] = &[
     ("capture/mod.rs", "read", 129),
     ("capture/flashinfer/mod.rs", "check", 128),
     ("sweep/render.rs", "table", 127),
-    ("selftest.rs", "judge", 125),
     ("report/table.rs", "render", 121),
 ];
 

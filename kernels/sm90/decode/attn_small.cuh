@@ -117,7 +117,12 @@ extern "C" __global__ void __launch_bounds__(SM_NT, 1)
     // The pool row of tile it's first key (the request's first pool row + its page's slot).
     const long long rb = a.ka_rs > 0 ? b * a.ka_bs / a.ka_rs : 0;
     auto tile_row = [&](int it) {
+#ifdef MLA_FAULT_SMALL_RING_WRAP
+        // Planted bug (src/faults.rs): past the ring's first round the tile index wraps with the stage index.
+        const int j = jb + (it % SM_NS) * 32;
+#else
         const int j = jb + it * 32;
+#endif
         return (int)(rb + (long long)table[j / MLA_PAGE] * MLA_PAGE + j % MLA_PAGE);
     };
     // Tile it into stage it % SM_NS, once the group that read that stage last released it.

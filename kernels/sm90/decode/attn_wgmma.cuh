@@ -76,7 +76,12 @@ extern "C" __device__ const int attn_wgmma_pairs_on = WG_PAIRS;
 template <int B0, int B1>
 __device__ __forceinline__ void wg_tma_k(const TmaMap* km, const AttnArgs& a, const int* table, long long rb, int j0,
                                          unsigned dst, unsigned bar) {
+#ifdef MLA_FAULT_TMA_PAGE_TILE
+    // Planted bug (src/faults.rs): the box starts at the page's first row, whichever 64-key tile of the page j0 is.
+    const int row = (int)(rb + (long long)table[j0 / MLA_PAGE] * MLA_PAGE);
+#else
     const int row = (int)(rb + key_slot(a, table, j0));
+#endif
     mbar_expect_tx(bar, (B1 - B0) * WG_BLK);
 #pragma unroll
     for (int k = B0; k < B1; ++k) tma_load_2d(dst + k * WG_BLK, km, 64 * k, row, bar);

@@ -366,6 +366,11 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
             wa_own(own, oph);
             if (next_a) wa_load(0, 4, jA + 2 * WG_BN, sK0, full + 0);
             mbar_wait(readyB, k & 1);  // P_B, m_B in; wg1 is done reading P_A
+#ifdef MLA_FAULT_PAIRS_HANDOVER_STALE
+            // Planted bug (src/faults.rs): the hand-over takes wg1's running max without rescaling wg0's O and l to it.
+#pragma unroll
+            for (int e = 0; e < 2; ++e) m[e] = sMB[wr + g + 8 * e];
+#else
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const float mn = sMB[wr + g + 8 * e];
@@ -375,6 +380,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
             l[0] *= al[0];
             l[1] *= al[1];
             wa_scale_o(o, al);
+#endif
             if (has_b) {
                 wa_mbar_wait(full + 16, ph);  // stage 1's left half (landed before S_B)
                 wg_fence_smem();

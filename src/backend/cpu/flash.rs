@@ -81,6 +81,67 @@ pub fn attend<'a>(
     }
 }
 
+/// `attend` as `attn_wgmma_pairs` runs it with the `pairs_handover_stale` fault
+/// (kernels/sm90/decode/attn_wgmma_pairs.cuh): `TILE`-key tiles from `keys.start` rounded down to a tile,
+/// the even ones (A) summed into warpgroup 0's row sum, the odd ones (B) into warpgroup 1's; each holds
+/// half of the value columns of every tile. At the hand-over after a B tile warpgroup 0 takes the new
+/// running max without rescaling its half and its sum (warpgroup 1 rescales as it should); the sums
+/// are added at the end.
+pub fn attend_handover_stale<'a>(
+    keys: Range<usize>,
+    dim: usize,
+    dt: Dtype,
+    score: impl Fn(usize) -> f32,
+    value: impl Fn(usize) -> &'a [f32],
+) -> Partial {
+    if keys.is_empty() {
+        return Partial::empty(dim);
+    }
+    let half = dim / 2;
+    let (mut m, mut l) = (f32::NEG_INFINITY, [0f32; 2]);
+    let mut acc = vec![0f32; dim];
+    let mut k0 = keys.start / TILE * TILE;
+    for i in 0.. {
+        if k0 >= keys.end {
+            break;
+        }
+        let tile = k0.max(keys.start)..(k0 + TILE).min(keys.end);
+        let s: Vec<f32> = tile.clone().map(&score).collect();
+        let m_new = s.iter().copied().fold(m, f32::max);
+        let mu = if m_new == f32::NEG_INFINITY {
+            0.0
+        } else {
+            m_new
+        };
+        let alpha = (m - mu).exp();
+        // Tile B (odd): warpgroup 0 keeps its half and its sum at the old max (the fault).
+        let (b, from) = (i % 2, if i % 2 == 1 { half } else { 0 });
+        if b == 0 {
+            l[0] *= alpha;
+        }
+        l[1] *= alpha;
+        acc[from..].iter_mut().for_each(|a| *a *= alpha);
+        for (j, &sj) in tile.zip(&s) {
+            let p = (sj - mu).exp();
+            l[b] += p;
+            let pr = dt.round(p);
+            for (a, &v) in acc.iter_mut().zip(value(j)) {
+                *a += pr * v;
+            }
+        }
+        m = m_new;
+        k0 += TILE;
+    }
+    let l = l[0] + l[1];
+    if m == f32::NEG_INFINITY && l == 0.0 {
+        return Partial::empty(dim);
+    }
+    Partial {
+        out: acc.iter().map(|a| a / l).collect(),
+        lse: m + l.ln(),
+    }
+}
+
 /// Combine partial results over disjoint key sets by their lse (vLLM `merge_attn_states` for two,
 /// the Triton decode stage 2 for the splits), in f32: `m = max lse`, weights `exp(lse − m)` (0 for an
 /// empty part, lse −inf), `out = Σ w·o / Σ w`, `lse = m + ln Σ w`. The output is not rounded here.

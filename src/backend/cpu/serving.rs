@@ -3,7 +3,7 @@
 //! partition, the mirror's split partials and combine.
 
 use super::cache::PagedCache;
-use super::decode::{split_partial, split_partial_fx};
+use super::decode::{decode_faults, query_row, split_partial_fx};
 use super::flash::{merge, Partial};
 use super::row3;
 use crate::backend::runner::checks::RunnerCheck;
@@ -48,7 +48,11 @@ pub fn run(
     if !record.first_at(ctx.layer) {
         return;
     }
+    // Every batch runs with the layer's faults (`ctx.faults`), as the CUDA batches run the layer's
+    // kernels: each at its own launch (`decode::decode_faults`: a kernel-variant fault where the rules
+    // pick its kernel for that launch).
     if let Some(batch) = Batch::of(ctx) {
+        let q_len = ctx.sched.q_len;
         record.add(checks(
             "serving_batch",
             ctx,
@@ -56,7 +60,7 @@ pub fn run(
             &batch,
             st,
             dt,
-            plant,
+            (plant, q_len),
             "our decode",
         ));
     }
@@ -73,7 +77,8 @@ pub fn run(
             continue;
         };
         let who = format!("our decode, {}", aim.label_of(ctx.cfg.n_head));
-        let c = checks("variant_batch", &framed, &a, &batch, st, dt, plant, &who);
+        let how = (plant, aim.launch.q_len);
+        let c = checks("variant_batch", &framed, &a, &batch, st, dt, how, &who);
         record.add_aimed(&aim.id, c);
     }
     if let Some(sel) = sparse_aim(ctx) {
@@ -111,7 +116,8 @@ fn sparse(
             q.q_abs.extend(qa.iter().map(|&v| v as f64));
             q.q_pe.extend(qp.iter().map(|&v| v as f64));
             let keys = 0..t + 1;
-            let p = split_partial_fx(acfg, st.cache, qa, qp, keys, dt, ctx.faults, Some((sel, t)));
+            let fx = crate::tiles::variants::sparse_faults(ctx.faults);
+            let p = split_partial_fx(acfg, st.cache, qa, qp, keys, dt, fx, Some((sel, t)));
             let m = merge(&[p]).rounded(dt);
             let row = i * h + hh;
             for (o, &v) in out.lat[row * lkv..(row + 1) * lkv].iter_mut().zip(&m.out) {
@@ -134,7 +140,8 @@ fn sparse(
     )
 }
 
-/// One batch through the mirror's decode, judged (`serving::judge`) as check `check_name`.
+/// One batch through the mirror's decode with the layer's faults, judged (`serving::judge`) as check
+/// `check_name`: `how` the test plant and the launch's queries per step (the module's rows per query).
 #[allow(clippy::too_many_arguments)]
 fn checks(
     check_name: &str,
@@ -143,9 +150,10 @@ fn checks(
     batch: &Batch,
     st: &Stored,
     dt: Dtype,
-    plant: Option<Plant>,
+    how: (Option<Plant>, usize),
     who: &str,
 ) -> Vec<RunnerCheck> {
+    let (plant, q_len) = how;
     let (cfg, sched) = (ctx.cfg, ctx.sched);
     let (q_abs, q_pe, cache) = (st.q_abs, st.q_pe, st.cache);
     let (h, lkv, t) = (cfg.n_head, cfg.kv_lora_rank, sched.total_tokens());
@@ -166,6 +174,9 @@ fn checks(
         sout: vec![0f64; n * h * s * lkv],
         slse: vec![0f64; n * h * s],
     };
+    // One launch over the batch: its key count is the longest request's.
+    let n_keys = batch.lens().into_iter().max().unwrap_or(1);
+    let fx = decode_faults(ctx.faults, acfg, sched, dt, q_len, n_keys);
     for (i, q) in batch.reqs.iter().enumerate() {
         bc.table = batch.tables[i].clone();
         let splits = sched.split_ranges(q.seq_len);
@@ -174,10 +185,7 @@ fn checks(
                 row3(q_abs, q.query, hh),
                 row3(q_pe, sched.prompt_len + q.query, hh),
             );
-            let parts: Vec<Partial> = splits
-                .iter()
-                .map(|sr| split_partial(acfg, &bc, qa, qp, sr.clone(), dt))
-                .collect();
+            let (parts, merged) = query_row(acfg, &bc, qa, qp, &splits, q.seq_len, dt, fx, None);
             let row = i * h + hh;
             for (k, p) in parts.iter().enumerate() {
                 let at = (row * s + k) * lkv;
@@ -202,11 +210,10 @@ fn checks(
                             false => p.clone(),
                         })
                         .collect();
-                    merge(&moved)
+                    merge(&moved).rounded(dt)
                 }
-                None => merge(&parts),
-            }
-            .rounded(dt);
+                None => merged,
+            };
             for (o, &v) in out.lat[row * lkv..(row + 1) * lkv].iter_mut().zip(&m.out) {
                 *o = v as f64;
             }

@@ -14,7 +14,7 @@ use std::rc::Rc;
 
 /// The faults switched inside the kernels (kernels/*.cu); every other fault is a host switch in the
 /// layer's host code (mod.rs, buffers.rs, front.rs, decode.rs; `faults::Info::cuda_site` says which).
-pub const KERNEL_FAULTS: [Fault; 21] = [
+pub const KERNEL_FAULTS: [Fault; 24] = [
     Fault::RopeNeox,
     Fault::RopeNorm,
     Fault::CachePeFirst,
@@ -27,6 +27,10 @@ pub const KERNEL_FAULTS: [Fault; 21] = [
     Fault::SplitDropLast,
     Fault::Wg2KeysDropped,
     Fault::SplitTailDropped,
+    // kernels/sm90/decode: one kernel variant each (`tiles::variants::fault_in`).
+    Fault::PairsHandoverStale,
+    Fault::SmallRingWrap,
+    Fault::TmaPageTile,
     // kernels/indexer.cu (the DSA indexer's scores and top-k).
     Fault::IndexerNonCausal,
     Fault::IndexerNoRelu,
