@@ -1,4 +1,4 @@
-//! The noise model of the stage-local view (`local.rs`): how far an optimized stage may honestly sit
+//! The noise model of the stage-local view (`local/`): how far an optimized stage may honestly sit
 //! from fp64 recomputed from its own stored inputs, per element, and the judge that turns that into a
 //! pass or a failure.
 //!
@@ -7,7 +7,7 @@
 //!   is all bf16 numbers), `ulp²/12`;
 //! - roundings the path makes on the way but does not store in the trace (q-LoRA's latent, kv before its
 //!   norm, q/k before rope, P before P·V, prefill's decompressed k/v, a prefill part before its merge),
-//!   propagated to the output by `local.rs`;
+//!   propagated to the output by `local/`;
 //! - f32 arithmetic: sums (their random part and the part common to all partial sums), products, exp.
 //!
 //! The judge bounds three statistics by `K` × the model's prediction, each with a chi-square or
@@ -205,7 +205,7 @@ pub struct Prediction<'a> {
     /// Per row: the hidden variance its elements share and its number of sources (`LocalStage::coherent`).
     pub coherent: Option<&'a [(f64, f64)]>,
     /// Per element: the bias a tensor-core accumulator that truncates toward zero after each 16-wide
-    /// k-step puts into the scores, carried to this stage, at κ = 1 (`local.rs`). Fitted over the check
+    /// k-step puts into the scores, carried to this stage, at κ = 1 (`local/`). Fitted over the check
     /// with κ ∈ [0, KAPPA_MAX] and taken out before judging: one-signed and bounded, so it explains only
     /// what truncation can (on the H200 it was 58 % of a GLM-5 split_lse's error energy; its fit leaves
     /// the CPU mirror's round-to-nearest noise: `bench/probes/split_lse.py`).

@@ -125,7 +125,7 @@ pub fn run_layer(
     })
 }
 
-// ---- `mla-diff run` on a DSA file (src/run/mod.rs calls these) ----
+// ---- `mla-diff run` on a DSA file (src/run/layers.rs calls these) ----
 
 /// The run-level DSA state: the indexer, once some query of the schedule sees more than top_k keys.
 pub struct RunSparse {

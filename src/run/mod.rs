@@ -9,22 +9,25 @@
 //! the attention-only one. That is enough to see whether an attention error grows or washes out.
 
 use crate::backend::{Backend, BackendInfo, RunTables};
-use crate::compare::{self, LayerResult, ToleranceTable};
+use crate::compare::ToleranceTable;
 use crate::error::{Error, Result};
 use crate::faults::FaultSet;
 use crate::gguf::GgufFile;
 use crate::input::LayerInputs;
 use crate::model::rope_factors::RopeFactors;
-use crate::model::{LayerWeights, MlaConfig};
+use crate::model::MlaConfig;
 use crate::precision::Dtype;
-use crate::report::{Environment, FileInfo, ModeResult, Report, RunInfo, ToolInfo, SCHEMA_VERSION};
+use crate::report::Report;
 use crate::schedule::Schedule;
 use crate::trace::{LayerTrace, Stage};
 use ndarray::Array2;
 use std::path::PathBuf;
 
+mod assemble;
 mod baseline;
 pub mod dsa;
+mod judge;
+mod layers;
 pub mod profile;
 pub mod repeat;
 
@@ -240,7 +243,8 @@ pub struct Start {
     pub h_opt: Array2<f64>,
 }
 
-/// [`run`], or with `start` the slice of it that begins there.
+/// [`run`], or with `start` the slice of it that begins there: the run checked and set up, every layer
+/// through both paths and judged ([`layers::run_layers`]), then the report ([`assemble::report`]).
 pub fn run_from(
     file: &GgufFile,
     backend: &mut dyn Backend,
@@ -248,31 +252,111 @@ pub fn run_from(
     opts: &RunOptions,
     start: Option<Start>,
 ) -> Result<Report> {
-    let cfg = MlaConfig::from_gguf(file)?;
-    opts.sched.validate()?;
-    // Before the inputs, the rope tables or any layer buffer is allocated.
-    opts.sched.check_memory(&cfg)?;
-    if !opts.modes.shadow && !opts.modes.free {
-        return Err(Error::Usage("--mode selects no mode".into()));
-    }
-    if opts.repeat == 0 {
-        return Err(Error::Usage("--repeat must be at least 1".into()));
-    }
-    let layers = match (&start, &opts.layers) {
-        (Some(s), _) => s.layers.clone(),
-        (None, Some(l)) => l.clone(),
-        (None, None) => (0..cfg.n_layer).collect(),
+    let mut setup = Setup::new(file, backend, info, opts, start.as_ref().map(|s| &s.layers))?;
+    let bar = layers::progress_bar(opts, setup.layers.len());
+    let streams = match start {
+        Some(s) => (s.h_ref, s.h_opt),
+        None => {
+            let h = setup.inputs.layer(setup.layers[0])?;
+            (h.clone(), h)
+        }
     };
-    if let Some(&l) = layers.iter().find(|&&l| l >= cfg.n_layer) {
-        return Err(Error::Usage(format!(
-            "layer {l} does not exist: the model has {} layers",
-            cfg.n_layer
-        )));
+    let (done, prof) = layers::run_layers(file, backend, opts, &mut setup, streams, &bar)?;
+    crate::linalg::check_engine()?;
+    bar.finish_and_clear();
+    prof.finish();
+    assemble::report(file, backend, info, opts, setup, done)
+}
+
+/// A run checked and ready for its layers: the model, the layers it runs (a hybrid file's MLA ones),
+/// their inputs, the rope tables, the stages the backend provides, and (DSA past top_k) the sparse
+/// model.
+struct Setup {
+    cfg: MlaConfig,
+    layers: Vec<usize>,
+    hybrid: Option<crate::model::HybridLayout>,
+    inputs: LayerInputs,
+    tables: RunTables,
+    provided: crate::trace::StageSet,
+    sparse: Option<dsa::RunSparse>,
+}
+
+impl Setup {
+    /// The run's options checked against the file and the backend; `layers`: a shard's own.
+    fn new(
+        file: &GgufFile,
+        backend: &dyn Backend,
+        info: &BackendInfo,
+        opts: &RunOptions,
+        layers: Option<&Vec<usize>>,
+    ) -> Result<Setup> {
+        let cfg = MlaConfig::from_gguf(file)?;
+        opts.sched.validate()?;
+        // Before the inputs, the rope tables or any layer buffer is allocated.
+        opts.sched.check_memory(&cfg)?;
+        if !opts.modes.shadow && !opts.modes.free {
+            return Err(Error::Usage("--mode selects no mode".into()));
+        }
+        if opts.repeat == 0 {
+            return Err(Error::Usage("--repeat must be at least 1".into()));
+        }
+        let layers = match (layers, &opts.layers) {
+            (Some(s), _) => s.clone(),
+            (None, Some(l)) => l.clone(),
+            (None, None) => (0..cfg.n_layer).collect(),
+        };
+        if let Some(&l) = layers.iter().find(|&&l| l >= cfg.n_layer) {
+            return Err(Error::Usage(format!(
+                "layer {l} does not exist: the model has {} layers",
+                cfg.n_layer
+            )));
+        }
+        let hybrid = crate::model::HybridLayout::from_gguf(file)?;
+        let layers = mla_layers(layers, hybrid.as_ref())?;
+        let inputs = load_inputs(file, &cfg, &opts.input, &opts.sched)?;
+        // Free mode needs each side to feed its own output forward, but per-layer captures restart the
+        // reference at every layer: the "drift" would compare two different streams.
+        if opts.modes.free {
+            if let LayerInputs::PerLayer(_) = inputs {
+                return Err(Error::Usage(
+                    "free-running mode cannot use per-layer captures ([layers, T, hidden] .npy): the reference would restart from each capture while the optimized path runs on; use --mode shadow, or a [T, hidden] capture".into(),
+                ));
+            }
+        }
+        let factors = RopeFactors::load(file, &cfg)?;
+        let tables = RunTables::new(&cfg, factors.as_ref(), &opts.sched)?;
+        let provided = backend.provides();
+        // A DSA file past top_k runs the sparse model (`dsa`); otherwise DSA is dense attention exactly.
+        let mut sparse = dsa::sparse_for(file, &cfg, &opts.sched)?;
+        if let Some(sp) = sparse.as_mut() {
+            sp.keys = opts.indexer_keys;
+        }
+        if sparse.is_some() && !backend.sparse() {
+            return Err(Error::Unsupported(format!(
+                "{} has no sparse attention, but this DSA file's queries see more than its indexer's top_k ({} keys): run it on --backend cpu, or on at most top_k tokens",
+                info.description,
+                opts.sched.total_tokens()
+            )));
+        }
+        Ok(Setup {
+            cfg,
+            layers,
+            hybrid,
+            inputs,
+            tables,
+            provided,
+            sparse,
+        })
     }
-    // A hybrid file (glm5-next): the linear-attention layers are not MLA. They are skipped, with a
-    // notice; a selection with no MLA layer left is an error naming the MLA layers.
-    let hybrid = crate::model::HybridLayout::from_gguf(file)?;
-    let layers: Vec<usize> = match &hybrid {
+}
+
+/// A hybrid file (glm5-next): the linear-attention layers are not MLA. They are skipped, with a
+/// notice; a selection with no MLA layer left is an error naming the MLA layers.
+fn mla_layers(
+    layers: Vec<usize>,
+    hybrid: Option<&crate::model::HybridLayout>,
+) -> Result<Vec<usize>> {
+    Ok(match hybrid {
         None => layers,
         Some(h) => {
             let kept: Vec<usize> = layers
@@ -289,623 +373,7 @@ pub fn run_from(
             }
             kept
         }
-    };
-    let inputs = load_inputs(file, &cfg, &opts.input, &opts.sched)?;
-    // Free mode needs each side to feed its own output forward, but per-layer captures restart the
-    // reference at every layer: the "drift" would compare two different streams.
-    if opts.modes.free {
-        if let LayerInputs::PerLayer(_) = inputs {
-            return Err(Error::Usage(
-                "free-running mode cannot use per-layer captures ([layers, T, hidden] .npy): the reference would restart from each capture while the optimized path runs on; use --mode shadow, or a [T, hidden] capture".into(),
-            ));
-        }
-    }
-    let factors = RopeFactors::load(file, &cfg)?;
-    let tables = RunTables::new(&cfg, factors.as_ref(), &opts.sched)?;
-    let provided = backend.provides();
-    // A DSA file past top_k runs the sparse model (`dsa`); otherwise DSA is dense attention exactly.
-    let mut sparse = dsa::sparse_for(file, &cfg, &opts.sched)?;
-    if let Some(sp) = sparse.as_mut() {
-        sp.keys = opts.indexer_keys;
-    }
-    if sparse.is_some() && !backend.sparse() {
-        return Err(Error::Unsupported(format!(
-            "{} has no sparse attention, but this DSA file's queries see more than its indexer's top_k ({} keys): run it on --backend cpu, or on at most top_k tokens",
-            info.description,
-            opts.sched.total_tokens()
-        )));
-    }
-
-    let bar = if opts.progress && layers.len() > 1 {
-        let b = indicatif::ProgressBar::with_draw_target(
-            Some(layers.len() as u64),
-            indicatif::ProgressDrawTarget::stderr(),
-        );
-        b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{prefix} [{bar:30}] {pos}/{len} layers {msg} ({elapsed})",
-            )
-            .expect("template")
-            .progress_chars("=> "),
-        );
-        b.set_prefix("mla-diff");
-        b
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-
-    let (mut h_ref, mut h_opt) = match start {
-        Some(s) => (s.h_ref, s.h_opt),
-        None => {
-            let h = inputs.layer(layers[0])?;
-            (h.clone(), h)
-        }
-    };
-    // Per mode, the layers' results; the dumps written.
-    let mut results = (Vec::<LayerResult>::new(), Vec::new(), Vec::new());
-    let mut repeats = Vec::new();
-    let mut prof = profile::Profile::from_env();
-    // Each layer's stage-local view and comparison (its "judge") run on their own thread next to the
-    // next layer's reference and optimized path (they need nothing of them, nor they of it), collected
-    // in layer order, so that results and dumps come out as a sequential run's. Two judges at a time
-    // where the threads are there for them (on the H200 host's 16 cores one judge kept ~8 busy and set
-    // the pace); one when only the first failing layer is dumped (an earlier dump must be known).
-    let max_judges = match &opts.dump {
-        Some((_, DumpLayers::First)) => 1,
-        _ if rayon::current_num_threads() >= 12 => 2,
-        _ => 1,
-    };
-    std::thread::scope(|judges| -> Result<()> {
-        let mut judging = std::collections::VecDeque::new();
-        let collect = |j: std::thread::ScopedJoinHandle<Result<Judged>>,
-                       prof: &mut profile::Profile,
-                       out: &mut (Vec<LayerResult>, Vec<LayerResult>, Vec<PathBuf>)|
-         -> Result<()> {
-            let j = j.join().unwrap_or_else(|e| std::panic::resume_unwind(e))?;
-            // A device error in the fp64 products ends the run (exit 2), not a report of host sums.
-            crate::linalg::check_engine()?;
-            out.0.extend(j.shadow);
-            out.1.extend(j.free);
-            out.2.extend(j.dump);
-            prof.add("stage-local view", j.local);
-            prof.add("compare + reports", j.took);
-            Ok(())
-        };
-        for (i, &l) in layers.iter().enumerate() {
-            bar.set_message(format!("layer {l}"));
-            // Captured per-layer inputs replace the attention-only residual stream in shadow mode. A
-            // capture's replace both streams: the engine's own stream is the captured one (it ran the
-            // FFN, which is not modelled), so free mode's drift is each layer's attention error in the
-            // residual it adds to (`docs/captures.md`).
-            if i > 0 {
-                match inputs {
-                    LayerInputs::PerLayer(_) => h_ref = inputs.layer(l)?,
-                    LayerInputs::Captured(_) => {
-                        h_ref = inputs.layer(l)?;
-                        h_opt = h_ref.clone();
-                    }
-                    LayerInputs::Shared(_) => {}
-                }
-            }
-            // Loaded here, not ahead beside the reference: one layer's weights alive at a time (a
-            // preloaded next layer cost 0.5 GB of peak RSS at GLM-5 dims for ~10 % of the time:
-            // docs/scale.md).
-            let (w, t_load) = load_layer(file, &cfg, l);
-            prof.add("load + dequantize", t_load);
-            let w = w?;
-            let dense_ctx = tables.ctx(&cfg, &w, &opts.sched, opts.faults.active(l));
-            let sel = match &sparse {
-                Some(sp) => {
-                    Some(prof.time("DSA selection", || sp.select(file, &dense_ctx, &h_ref))?)
-                }
-                None => None,
-            };
-            let ref_sel = sel.as_ref().map(|s| &s.reference);
-            // Shadow mode's optimized path attends over the reference's selection: its stage checks then
-            // see kernel errors only; the selections are checked apart (`dsa::RunSparse::check_layer`).
-            let layer_ctx = crate::backend::LayerCtx {
-                selection: ref_sel,
-                ..dense_ctx
-            };
-            let ctx = compare::Ctx {
-                elementwise: true,
-                layer: l,
-                sched: &opts.sched,
-                block_table: &tables.block_table,
-                provided,
-            };
-            let free_ctx = compare::Ctx {
-                elementwise: false,
-                ..ctx
-            };
-            // The fp64 reference on its own thread, next to what of the layer does not need it: shadow
-            // mode's optimized path, its repeats and its stage-local view (or, without shadow mode, free
-            // mode's). Each side computes what it did alone, so the results are the same.
-            // No view for an absorbed sparse prefill (not modelled: docs/dsa.md).
-            let view_wanted = !(sel.is_some() && backend.sparse_prefill_absorbed());
-            let (reference, optimized) = std::thread::scope(|sc| {
-                let (c, w, rope, h, sched) = (&cfg, &w, &tables.rope, &h_ref, &opts.sched);
-                let r = sc.spawn(move || {
-                    let t0 = std::time::Instant::now();
-                    let r = crate::reference::run_layer_sel(c, w, rope, h, sched, ref_sel);
-                    (r, t0.elapsed())
-                });
-                let optimized = (|| -> Result<OptTraces> {
-                    let mut shadow_opt = None;
-                    if opts.modes.shadow {
-                        let opt =
-                            prof.time("optimized path", || backend.run_layer(&layer_ctx, &h_ref))?;
-                        if opts.repeat > 1 {
-                            repeats.push(repeat::repeat_layer(
-                                backend,
-                                &layer_ctx,
-                                &h_ref,
-                                &opt,
-                                opts.repeat,
-                                &ctx,
-                            )?);
-                        }
-                        shadow_opt = Some(opt);
-                    }
-                    // The stage-local view's products against the weights: made here, on their own
-                    // thread next to free mode's pass (and the reference), not in the judge, so the
-                    // layer's weights are let go before the next layer loads (two layers alive at
-                    // once cost 0.66 GB of peak at GLM-5 dims: docs/scale.md).
-                    let (pre, free_opt) = std::thread::scope(|ps| -> Result<_> {
-                        let pre = shadow_opt.as_ref().filter(|_| view_wanted).map(|opt| {
-                            let w = &w;
-                            ps.spawn(move || {
-                                let t0 = std::time::Instant::now();
-                                let p = compare::local::prepare(c, w, opts.dtype, opt);
-                                (p, t0.elapsed())
-                            })
-                        });
-                        let free_opt = match opts.modes.free {
-                            true => Some(free_layer(
-                                backend,
-                                &layer_ctx,
-                                &h_opt,
-                                opts,
-                                &free_ctx,
-                                &mut repeats,
-                                &mut prof,
-                            )?),
-                            false => None,
-                        };
-                        let pre = pre.map(|j| {
-                            let (p, took) =
-                                j.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
-                            prof.add("stage-local view (weights)", took);
-                            p
-                        });
-                        Ok((pre, free_opt))
-                    })?;
-                    Ok((shadow_opt.map(|o| (o, pre)), free_opt))
-                })();
-                let (r, took) = r.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
-                prof.add("reference (fp64)", took);
-                (r, optimized)
-            });
-            let reference = reference?;
-            let (shadow_opt, free_opt) = optimized?;
-            // The reference residual after this layer: the next layer's shadow input and free mode's
-            // yardstick; the optimized one: free mode's next input.
-            let next_ref = residual_after(&h_ref, &reference)?;
-            let free_opt = match free_opt {
-                Some(opt) => {
-                    add_residual(&mut h_opt, attn_out(&opt)?);
-                    let drift = compare::metrics::rel_l2(
-                        next_ref.as_slice().expect("standard layout"),
-                        h_opt.as_slice().expect("standard layout"),
-                    );
-                    Some((opt, drift))
-                }
-                None => None,
-            };
-            // What shadow mode's stage-local view needs, taken before the DSA check takes the selection:
-            // the selection the path attended over (the reference's); no view for an absorbed sparse
-            // prefill (not modelled: docs/dsa.md).
-            let shadow = shadow_opt.map(|(opt, pre)| {
-                let view = pre.map(|pre| View {
-                    pre,
-                    x: h_ref.clone(),
-                    known_attention: backend.known_attention(),
-                    score_sum: backend.score_sum(),
-                    outside: backend.outside_local_view(),
-                    selection: sel.as_ref().map(|s| s.reference.clone()),
-                });
-                (opt, view)
-            });
-            if let (Some(sp), Some(sel)) = (sparse.as_mut(), sel) {
-                let t_dsa = std::time::Instant::now();
-                sp.check_layer(
-                    &dense_ctx,
-                    &ctx,
-                    sel,
-                    backend,
-                    &h_ref,
-                    &reference,
-                    opts.dtype,
-                    &opts.tolerances,
-                )?;
-                prof.add("DSA selection check", t_dsa.elapsed());
-            }
-            while judging.len() >= max_judges {
-                let j = judging.pop_front().expect("a judge in flight");
-                collect(j, &mut prof, &mut results)?;
-            }
-            let layer = Computed {
-                reference,
-                shadow,
-                free: free_opt,
-            };
-            let dumped_before = !results.2.is_empty();
-            let (cfg, tables) = (&cfg, &tables);
-            judging.push_back(judges.spawn(move || {
-                let env = JudgeEnv {
-                    cfg,
-                    rope: &tables.rope,
-                    opts,
-                    provided,
-                };
-                judge(layer, &env, &ctx, &free_ctx, dumped_before)
-            }));
-            h_ref = next_ref;
-            release_memory();
-            bar.inc(1);
-        }
-        while let Some(j) = judging.pop_front() {
-            collect(j, &mut prof, &mut results)?;
-        }
-        Ok(())
-    })?;
-    crate::linalg::check_engine()?;
-    let (shadow, free, dumped) = results;
-    bar.finish_and_clear();
-    prof.finish();
-
-    let mut modes = Vec::new();
-    if opts.modes.shadow {
-        modes.push(ModeResult {
-            mode: "shadow".into(),
-            verdict: compare::verdict(&shadow),
-            layers: shadow,
-        });
-    }
-    if opts.modes.free {
-        modes.push(ModeResult {
-            mode: "free".into(),
-            verdict: compare::verdict(&free),
-            layers: free,
-        });
-    }
-    let verdict = Report::overall_verdict(&modes);
-    // After the run: a backend may choose its kernels per layer (CUDA compiles them for the layer's dims).
-    let mut coverage = crate::coverage::compute(
-        &backend.kernels(&cfg, &opts.sched),
-        &cfg,
-        &opts.sched,
-        &backend.decode_extra(&opts.sched),
-    );
-    coverage
-        .warnings
-        .extend(backend.coverage_notes(&opts.sched));
-    coverage.dsa = dsa_coverage(
-        file,
-        &cfg,
-        &opts.sched,
-        sparse.as_ref(),
-        opts.dtype,
-        info.kind.name(),
-    )?;
-    // The production variants the selection rules can pick for these dims (issue #35), on the device the
-    // rules model: sm_90a (H200), the production device, whichever backend ran.
-    let (variants, missed) = crate::coverage::variants(
-        &cfg,
-        &opts.sched,
-        &backend.decode_extra(&opts.sched),
-        &backend.aimed_variants(),
-        &crate::tiles::choice::HOPPER,
-        "sm_90a (H200) assumed",
-        coverage.dsa.as_ref().map(|d| (d.top_k, d.sparse_queries)),
-    );
-    coverage.warnings.extend(missed);
-    coverage.variants = Some(variants);
-    let mut report = Report {
-        schema_version: SCHEMA_VERSION,
-        tool: ToolInfo {
-            name: "mla-diff".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
-        },
-        file: FileInfo {
-            path: file.path.display().to_string(),
-            architecture: cfg.arch.gguf_name().into(),
-            name: file
-                .get("general.name")
-                .and_then(|v| v.as_str())
-                .map(String::from),
-            size: file.file_size,
-        },
-        config: serde_json::to_value(&cfg).expect("config serialises"),
-        run: RunInfo {
-            backend: info.kind.name().into(),
-            dtype: opts.dtype.name().into(),
-            modes: modes.iter().map(|m| m.mode.clone()).collect(),
-            layers,
-            schedule: opts.sched.clone(),
-            input: input_json(&opts.input),
-            tolerances: opts.tolerance_source.clone(),
-            injected: opts.faults.0.clone(),
-            notices: sparse
-                .is_none()
-                .then(|| dense_beyond_top_k(file, &cfg, &opts.sched))
-                .flatten()
-                .into_iter()
-                .chain(backend.notices())
-                .chain(hybrid.as_ref().and_then(|h| h.skip_message()))
-                .collect(),
-            shard: None,
-        },
-        environment: Environment {
-            backend: match opts.faults.is_empty() {
-                true => info.description.clone(),
-                false => format!("{} with injected faults: {}", info.description, opts.faults),
-            },
-            gpu: info.gpu.clone(),
-            crate_version: env!("CARGO_PKG_VERSION").into(),
-            os: std::env::consts::OS.into(),
-            arch: std::env::consts::ARCH.into(),
-            fp64_products: crate::linalg::engine(),
-            runner: backend.runner(),
-        },
-        modes,
-        verdict,
-        baseline: None,
-        repeat: None,
-        coverage: Some(coverage),
-        tp: None,
-        dsa: None,
-        runner_checks: None,
-        dumps: dumped,
-    };
-    if let Some(sp) = sparse {
-        report.set_dsa(sp.result(opts.dtype, info.kind.name(), &|t| backend.query_origin(t)));
-    }
-    if let Some(rc) = backend.runner_checks() {
-        report.set_runner_checks(rc.of_layers(&report.run.layers));
-    }
-    if opts.repeat > 1 {
-        let mode = if opts.modes.shadow { "shadow" } else { "free" };
-        report.set_repeat(crate::report::repeat::RepeatResult::new(
-            opts.repeat,
-            mode,
-            repeats,
-        ));
-    }
-    Ok(report)
-}
-
-/// One layer's weights, dequantized, and the time it took; the file's pages of the layer are released
-/// (the weights are copies: those pages are not read again).
-fn load_layer(
-    file: &GgufFile,
-    cfg: &MlaConfig,
-    l: usize,
-) -> (Result<LayerWeights>, std::time::Duration) {
-    let t0 = std::time::Instant::now();
-    let w = LayerWeights::load(file, cfg, l);
-    file.release(
-        crate::model::weights::tensor_names(l)
-            .iter()
-            .filter_map(|n| file.tensor(n)),
-    );
-    (w, t0.elapsed())
-}
-
-/// Hand the memory freed during the layer back to the system, through the hook the binary installs
-/// ([`crate::alloc::set_release`]). The binary's allocator (mimalloc) keeps freed pages for reuse, per
-/// thread, until the owning thread collects them: the run loop's and the ended threads' (reference,
-/// judges) here, every rayon worker's by a broadcast — 0.1–0.3 GB of a GLM-5 run's peak resident set
-/// each. Once per layer, not at every free (`MIMALLOC_PURGE_DELAY=0` cost 5× the system time). A no-op
-/// without a hook.
-fn release_memory() {
-    if let Some(release) = crate::alloc::release_hook() {
-        release();
-        rayon::broadcast(|_| release());
-    }
-}
-
-/// A layer's optimized traces computed next to its reference: shadow mode's, with its stage-local
-/// view's products against the weights where it has a view, and free mode's.
-type OptTraces = (
-    Option<(LayerTrace, Option<compare::local::Prepared>)>,
-    Option<LayerTrace>,
-);
-
-/// A layer's traces, computed, for [`judge`]: the reference, shadow mode's optimized trace with what
-/// its stage-local view needs (none where it is not modelled), free mode's with its drift.
-struct Computed {
-    reference: LayerTrace,
-    shadow: Option<(LayerTrace, Option<View>)>,
-    free: Option<(LayerTrace, f64)>,
-}
-
-/// What a layer's stage-local view needs besides the run's tables: the layer's weights and input, the
-/// backend's answers about its path, and (DSA) the selection the path attended over.
-struct View {
-    /// The view's products against the layer's weights, made next to the reference
-    /// ([`compare::local::prepare`]): a judge holds no copy of the layer.
-    pre: compare::local::Prepared,
-    x: Array2<f64>,
-    known_attention: bool,
-    score_sum: crate::precision::ScoreSum,
-    outside: crate::trace::StageSet,
-    selection: Option<crate::reference::sparse::Selection>,
-}
-
-/// What every layer's [`judge`] shares.
-struct JudgeEnv<'a> {
-    cfg: &'a MlaConfig,
-    rope: &'a crate::rope::RopeTables,
-    opts: &'a RunOptions,
-    provided: crate::trace::StageSet,
-}
-
-/// A layer's comparisons: its results per mode, its dump, and how long its local view and the rest took.
-struct Judged {
-    shadow: Option<LayerResult>,
-    free: Option<LayerResult>,
-    dump: Option<PathBuf>,
-    local: std::time::Duration,
-    took: std::time::Duration,
-}
-
-/// The stage-local view of shadow mode's trace, from its products against the weights made already.
-fn local_view(env: &JudgeEnv, opt: &LayerTrace, v: Option<View>) -> compare::local::Local {
-    let Some(v) = v else {
-        return Default::default();
-    };
-    let frame = compare::local::Frame {
-        cfg: env.cfg,
-        rope: env.rope,
-        sched: &env.opts.sched,
-        x: &v.x,
-        dtype: env.opts.dtype,
-        provided: env.provided,
-        known_attention: v.known_attention,
-        score_sum: v.score_sum,
-    };
-    let sp = v
-        .selection
-        .as_ref()
-        .map(|selection| compare::local::Sparse { selection });
-    let mut local = compare::local::finish(frame, opt, v.pre, sp);
-    local.stages.retain(|s| !v.outside.contains(s.stage));
-    local
-}
-
-/// A computed layer's stage-local view and comparison in each mode, and its dump as `--dump-dir` asks
-/// (`dumped_before`: an earlier layer was dumped).
-fn judge(
-    c: Computed,
-    env: &JudgeEnv,
-    ctx: &compare::Ctx,
-    free_ctx: &compare::Ctx,
-    dumped_before: bool,
-) -> Result<Judged> {
-    let opts = env.opts;
-    let t_local = std::time::Instant::now();
-    let shadow_opt = c.shadow.map(|(opt, v)| {
-        let local = local_view(env, &opt, v);
-        (opt, local)
-    });
-    let local = t_local.elapsed();
-    let t0 = std::time::Instant::now();
-    // The traces are kept for `--dump-dir` only: each is dropped once compared, with its local view.
-    let keep = opts.dump.is_some();
-    let mut traces: Vec<(LayerTrace, bool)> = Vec::new();
-    let mut shadow = None;
-    if let Some((opt, local)) = shadow_opt {
-        let r = compare::compare_layer(
-            ctx,
-            &c.reference,
-            &opt,
-            opts.dtype,
-            &opts.tolerances,
-            Some(&local),
-        )?;
-        if keep {
-            traces.push((opt, r.pass));
-        }
-        shadow = Some(r);
-    }
-    let mut free = None;
-    if let Some((opt, drift)) = c.free {
-        let mut r = compare::compare_layer(
-            free_ctx,
-            &c.reference,
-            &opt,
-            opts.dtype,
-            &opts.tolerances,
-            None,
-        )?;
-        r.drift = Some(drift);
-        if keep {
-            traces.push((opt, r.pass));
-        }
-        free = Some(r);
-    }
-    let mut dump = None;
-    if let Some((dir, which)) = &opts.dump {
-        let failing = traces.iter().find(|(_, pass)| !pass).map(|(t, _)| t);
-        let chosen = match which {
-            DumpLayers::All => traces.first().map(|(t, _)| t),
-            DumpLayers::List(ls) if ls.contains(&ctx.layer) => traces.first().map(|(t, _)| t),
-            DumpLayers::First if !dumped_before => failing,
-            _ => None,
-        };
-        if let Some(opt) = chosen {
-            dump = Some(crate::report::npy::dump_layer(dir, &c.reference, opt)?);
-        }
-    }
-    Ok(Judged {
-        shadow,
-        free,
-        dump,
-        local,
-        took: t0.elapsed(),
     })
-}
-
-/// Free mode's optimized path of one layer on the optimized stream `h_opt` (and, without shadow mode,
-/// its repeats).
-fn free_layer(
-    backend: &mut dyn Backend,
-    layer_ctx: &crate::backend::LayerCtx,
-    h_opt: &Array2<f64>,
-    opts: &RunOptions,
-    free_ctx: &compare::Ctx,
-    repeats: &mut Vec<crate::report::repeat::LayerRepeat>,
-    prof: &mut profile::Profile,
-) -> Result<LayerTrace> {
-    // DSA: over the reference's selection too, so that the stages stay comparable (a near-tie flip
-    // makes whole split partials incomparable); what selections cost is the `dsa` section's.
-    let opt = prof.time("optimized path", || backend.run_layer(layer_ctx, h_opt))?;
-    // Without shadow mode the repeats take free mode's input (the optimized stream).
-    if opts.repeat > 1 && !opts.modes.shadow {
-        repeats.push(repeat::repeat_layer(
-            backend,
-            layer_ctx,
-            h_opt,
-            &opt,
-            opts.repeat,
-            free_ctx,
-        )?);
-    }
-    Ok(opt)
-}
-
-/// What a run on a DSA file covered: whether the sparsity bit (queries past top_k) and the optimized
-/// indexer's precision; `None` for a dense architecture or a DSA file without indexer keys.
-fn dsa_coverage(
-    file: &GgufFile,
-    cfg: &MlaConfig,
-    sched: &Schedule,
-    sparse: Option<&dsa::RunSparse>,
-    dtype: Dtype,
-    backend: &str,
-) -> Result<Option<crate::coverage::DsaCoverage>> {
-    let Some(ic) = crate::model::IndexerConfig::from_gguf(file, cfg)? else {
-        return Ok(None);
-    };
-    let t = sched.total_tokens();
-    Ok(Some(crate::coverage::DsaCoverage {
-        top_k: ic.top_k,
-        max_keys: t,
-        // Causal: query i (0-based) sees i + 1 keys.
-        sparse_queries: t.saturating_sub(ic.top_k),
-        indexer: sparse.map(|sp| sp.indexer_name(dtype, backend)),
-    }))
 }
 
 /// The lightning indexer's `top_k` of a DSA model (GLM-5 `glm-dsa`, DeepSeek-V3.2 `deepseek32`), `None`

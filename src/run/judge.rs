@@ -1,0 +1,145 @@
+//! Each layer's judge: its stage-local view and its comparison in each mode, and its dump, on a thread
+//! of its own next to the next layer's paths (`layers::run_layers`).
+
+use super::{DumpLayers, RunOptions};
+use crate::compare::{self, LayerResult};
+use crate::error::Result;
+use crate::model::MlaConfig;
+use crate::trace::LayerTrace;
+use ndarray::Array2;
+use std::path::PathBuf;
+
+/// A layer's traces, computed, for [`judge`]: the reference, shadow mode's optimized trace with what
+/// its stage-local view needs (none where it is not modelled), free mode's with its drift.
+pub(super) struct Computed {
+    pub(super) reference: LayerTrace,
+    pub(super) shadow: Option<(LayerTrace, Option<View>)>,
+    pub(super) free: Option<(LayerTrace, f64)>,
+}
+
+/// What a layer's stage-local view needs besides the run's tables: the layer's weights and input, the
+/// backend's answers about its path, and (DSA) the selection the path attended over.
+pub(super) struct View {
+    /// The view's products against the layer's weights, made next to the reference
+    /// ([`compare::local::prepare`]): a judge holds no copy of the layer.
+    pub(super) pre: compare::local::Prepared,
+    pub(super) x: Array2<f64>,
+    pub(super) known_attention: bool,
+    pub(super) score_sum: crate::precision::ScoreSum,
+    pub(super) outside: crate::trace::StageSet,
+    pub(super) selection: Option<crate::reference::sparse::Selection>,
+}
+
+/// What every layer's [`judge`] shares.
+pub(super) struct JudgeEnv<'a> {
+    pub(super) cfg: &'a MlaConfig,
+    pub(super) rope: &'a crate::rope::RopeTables,
+    pub(super) opts: &'a RunOptions,
+    pub(super) provided: crate::trace::StageSet,
+}
+
+/// A layer's comparisons: its results per mode, its dump, and how long its local view and the rest took.
+pub(super) struct Judged {
+    pub(super) shadow: Option<LayerResult>,
+    pub(super) free: Option<LayerResult>,
+    pub(super) dump: Option<PathBuf>,
+    pub(super) local: std::time::Duration,
+    pub(super) took: std::time::Duration,
+}
+
+/// The stage-local view of shadow mode's trace, from its products against the weights made already.
+fn local_view(env: &JudgeEnv, opt: &LayerTrace, v: Option<View>) -> compare::local::Local {
+    let Some(v) = v else {
+        return Default::default();
+    };
+    let frame = compare::local::Frame {
+        cfg: env.cfg,
+        rope: env.rope,
+        sched: &env.opts.sched,
+        x: &v.x,
+        dtype: env.opts.dtype,
+        provided: env.provided,
+        known_attention: v.known_attention,
+        score_sum: v.score_sum,
+    };
+    let sp = v
+        .selection
+        .as_ref()
+        .map(|selection| compare::local::Sparse { selection });
+    let mut local = compare::local::finish(frame, opt, v.pre, sp);
+    local.stages.retain(|s| !v.outside.contains(s.stage));
+    local
+}
+
+/// A computed layer's stage-local view and comparison in each mode, and its dump as `--dump-dir` asks
+/// (`dumped_before`: an earlier layer was dumped).
+pub(super) fn judge(
+    c: Computed,
+    env: &JudgeEnv,
+    ctx: &compare::Ctx,
+    free_ctx: &compare::Ctx,
+    dumped_before: bool,
+) -> Result<Judged> {
+    let opts = env.opts;
+    let t_local = std::time::Instant::now();
+    let shadow_opt = c.shadow.map(|(opt, v)| {
+        let local = local_view(env, &opt, v);
+        (opt, local)
+    });
+    let local = t_local.elapsed();
+    let t0 = std::time::Instant::now();
+    // The traces are kept for `--dump-dir` only: each is dropped once compared, with its local view.
+    let keep = opts.dump.is_some();
+    let mut traces: Vec<(LayerTrace, bool)> = Vec::new();
+    let mut shadow = None;
+    if let Some((opt, local)) = shadow_opt {
+        let r = compare::compare_layer(
+            ctx,
+            &c.reference,
+            &opt,
+            opts.dtype,
+            &opts.tolerances,
+            Some(&local),
+        )?;
+        if keep {
+            traces.push((opt, r.pass));
+        }
+        shadow = Some(r);
+    }
+    let mut free = None;
+    if let Some((opt, drift)) = c.free {
+        let mut r = compare::compare_layer(
+            free_ctx,
+            &c.reference,
+            &opt,
+            opts.dtype,
+            &opts.tolerances,
+            None,
+        )?;
+        r.drift = Some(drift);
+        if keep {
+            traces.push((opt, r.pass));
+        }
+        free = Some(r);
+    }
+    let mut dump = None;
+    if let Some((dir, which)) = &opts.dump {
+        let failing = traces.iter().find(|(_, pass)| !pass).map(|(t, _)| t);
+        let chosen = match which {
+            DumpLayers::All => traces.first().map(|(t, _)| t),
+            DumpLayers::List(ls) if ls.contains(&ctx.layer) => traces.first().map(|(t, _)| t),
+            DumpLayers::First if !dumped_before => failing,
+            _ => None,
+        };
+        if let Some(opt) = chosen {
+            dump = Some(crate::report::npy::dump_layer(dir, &c.reference, opt)?);
+        }
+    }
+    Ok(Judged {
+        shadow,
+        free,
+        dump,
+        local,
+        took: t0.elapsed(),
+    })
+}

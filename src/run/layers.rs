@@ -1,0 +1,445 @@
+//! The run's layers, one after another: each layer's weights loaded, its reference and optimized paths
+//! side by side ([`paths`]), its DSA selections checked, and its judge (`judge.rs`) started on a thread
+//! of its own next to the next layer's paths, collected in layer order.
+
+use super::judge::{judge, Computed, JudgeEnv, Judged, View};
+use super::{
+    add_residual, attn_out, profile, repeat, residual_after, DumpLayers, RunOptions, Setup,
+};
+use crate::backend::{Backend, LayerCtx};
+use crate::compare::{self, LayerResult};
+use crate::error::Result;
+use crate::gguf::GgufFile;
+use crate::input::LayerInputs;
+use crate::model::{LayerWeights, MlaConfig};
+use crate::report::repeat::LayerRepeat;
+use crate::trace::LayerTrace;
+use ndarray::Array2;
+use std::path::PathBuf;
+
+/// What the layers gave: each mode's results, the dumps written and the repeats' comparisons.
+#[derive(Default)]
+pub(super) struct Done {
+    pub(super) shadow: Vec<LayerResult>,
+    pub(super) free: Vec<LayerResult>,
+    pub(super) dumped: Vec<PathBuf>,
+    pub(super) repeats: Vec<LayerRepeat>,
+}
+
+/// The progress bar on stderr (hidden for a single layer or without `progress`).
+pub(super) fn progress_bar(opts: &RunOptions, layers: usize) -> indicatif::ProgressBar {
+    if opts.progress && layers > 1 {
+        let b = indicatif::ProgressBar::with_draw_target(
+            Some(layers as u64),
+            indicatif::ProgressDrawTarget::stderr(),
+        );
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{prefix} [{bar:30}] {pos}/{len} layers {msg} ({elapsed})",
+            )
+            .expect("template")
+            .progress_chars("=> "),
+        );
+        b.set_prefix("mla-diff");
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    }
+}
+
+/// Every layer of `s` from the residual streams `(h_ref, h_opt)`, and the run's profile.
+pub(super) fn run_layers(
+    file: &GgufFile,
+    backend: &mut dyn Backend,
+    opts: &RunOptions,
+    s: &mut Setup,
+    (mut h_ref, mut h_opt): (Array2<f64>, Array2<f64>),
+    bar: &indicatif::ProgressBar,
+) -> Result<(Done, profile::Profile)> {
+    let Setup {
+        cfg,
+        layers,
+        inputs,
+        tables,
+        provided,
+        sparse,
+        ..
+    } = s;
+    let (cfg, tables, provided) = (&*cfg, &*tables, *provided);
+    let mut done = Done::default();
+    let mut prof = profile::Profile::from_env();
+    let max_judges = max_judges(opts);
+    std::thread::scope(|judges| -> Result<()> {
+        let mut judging = std::collections::VecDeque::new();
+        for (i, &l) in layers.iter().enumerate() {
+            bar.set_message(format!("layer {l}"));
+            if i > 0 {
+                next_inputs(inputs, l, &mut h_ref, &mut h_opt)?;
+            }
+            // Loaded here, not ahead beside the reference: one layer's weights alive at a time (a
+            // preloaded next layer cost 0.5 GB of peak RSS at GLM-5 dims for ~10 % of the time:
+            // docs/scale.md).
+            let (w, t_load) = load_layer(file, cfg, l);
+            prof.add("load + dequantize", t_load);
+            let w = w?;
+            let dense_ctx = tables.ctx(cfg, &w, &opts.sched, opts.faults.active(l));
+            let sel = match &sparse {
+                Some(sp) => {
+                    Some(prof.time("DSA selection", || sp.select(file, &dense_ctx, &h_ref))?)
+                }
+                None => None,
+            };
+            let ref_sel = sel.as_ref().map(|s| &s.reference);
+            // Shadow mode's optimized path attends over the reference's selection: its stage checks then
+            // see kernel errors only; the selections are checked apart (`dsa::RunSparse::check_layer`).
+            let layer_ctx = LayerCtx {
+                selection: ref_sel,
+                ..dense_ctx
+            };
+            let (ctx, free_ctx) = contexts(l, opts, tables, provided);
+            let lr = LayerRun {
+                cfg,
+                w: &w,
+                rope: &tables.rope,
+                opts,
+                layer_ctx: &layer_ctx,
+                ctx: &ctx,
+                free_ctx: &free_ctx,
+                ref_sel,
+                // No view for an absorbed sparse prefill (not modelled: docs/dsa.md).
+                view_wanted: !(sel.is_some() && backend.sparse_prefill_absorbed()),
+            };
+            let (reference, optimized) =
+                paths(&lr, backend, (&h_ref, &h_opt), &mut done.repeats, &mut prof);
+            let reference = reference?;
+            let (shadow_opt, free_opt) = optimized?;
+            // The reference residual after this layer: the next layer's shadow input and free mode's
+            // yardstick; the optimized one: free mode's next input.
+            let next_ref = residual_after(&h_ref, &reference)?;
+            let free_opt = match free_opt {
+                Some(opt) => Some(free_drift(opt, &mut h_opt, &next_ref)?),
+                None => None,
+            };
+            // What shadow mode's stage-local view needs, taken before the DSA check takes the selection:
+            // the selection the path attended over (the reference's); no view for an absorbed sparse
+            // prefill (not modelled: docs/dsa.md).
+            let shadow = shadow_opt.map(|(opt, pre)| {
+                let view = pre.map(|pre| shadow_view(backend, pre, &h_ref, sel.as_ref()));
+                (opt, view)
+            });
+            if let (Some(sp), Some(sel)) = (sparse.as_mut(), sel) {
+                let t_dsa = std::time::Instant::now();
+                let checked = (&dense_ctx, &ctx, &h_ref, &reference);
+                check_selection(sp, sel, checked, backend, opts)?;
+                prof.add("DSA selection check", t_dsa.elapsed());
+            }
+            while judging.len() >= max_judges {
+                let j = judging.pop_front().expect("a judge in flight");
+                collect(j, &mut prof, &mut done)?;
+            }
+            let layer = Computed {
+                reference,
+                shadow,
+                free: free_opt,
+            };
+            let dumped_before = !done.dumped.is_empty();
+            judging.push_back(judges.spawn(move || {
+                let env = JudgeEnv {
+                    cfg,
+                    rope: &tables.rope,
+                    opts,
+                    provided,
+                };
+                judge(layer, &env, &ctx, &free_ctx, dumped_before)
+            }));
+            h_ref = next_ref;
+            release_memory();
+            bar.inc(1);
+        }
+        while let Some(j) = judging.pop_front() {
+            collect(j, &mut prof, &mut done)?;
+        }
+        Ok(())
+    })?;
+    Ok((done, prof))
+}
+
+/// How many judges may be in flight. Each layer's stage-local view and comparison (its "judge") run on
+/// their own thread next to the next layer's reference and optimized path (they need nothing of them,
+/// nor they of it), collected in layer order, so that results and dumps come out as a sequential
+/// run's. Two judges at a time where the threads are there for them (on the H200 host's 16 cores one
+/// judge kept ~8 busy and set the pace); one when only the first failing layer is dumped (an earlier
+/// dump must be known).
+fn max_judges(opts: &RunOptions) -> usize {
+    match &opts.dump {
+        Some((_, DumpLayers::First)) => 1,
+        _ if rayon::current_num_threads() >= 12 => 2,
+        _ => 1,
+    }
+}
+
+/// Layer `l`'s comparison contexts: shadow mode's (elementwise) and free mode's.
+fn contexts<'a>(
+    l: usize,
+    opts: &'a RunOptions,
+    tables: &'a crate::backend::RunTables,
+    provided: crate::trace::StageSet,
+) -> (compare::Ctx<'a>, compare::Ctx<'a>) {
+    let ctx = compare::Ctx {
+        elementwise: true,
+        layer: l,
+        sched: &opts.sched,
+        block_table: &tables.block_table,
+        provided,
+    };
+    let free_ctx = compare::Ctx {
+        elementwise: false,
+        ..ctx
+    };
+    (ctx, free_ctx)
+}
+
+/// Free mode's trace `opt` added to the optimized stream `h_opt`, with its drift from the reference's
+/// `next_ref`.
+fn free_drift(
+    opt: LayerTrace,
+    h_opt: &mut Array2<f64>,
+    next_ref: &Array2<f64>,
+) -> Result<(LayerTrace, f64)> {
+    add_residual(h_opt, attn_out(&opt)?);
+    let drift = compare::metrics::rel_l2(
+        next_ref.as_slice().expect("standard layout"),
+        h_opt.as_slice().expect("standard layout"),
+    );
+    Ok((opt, drift))
+}
+
+/// The DSA check of a layer's selections (`dsa::RunSparse::check_layer`), from its contexts, its input
+/// and its reference trace.
+fn check_selection(
+    sp: &mut super::dsa::RunSparse,
+    sel: super::dsa::LayerSelection,
+    (dense_ctx, ctx, h_ref, reference): (&LayerCtx, &compare::Ctx, &Array2<f64>, &LayerTrace),
+    backend: &mut dyn Backend,
+    opts: &RunOptions,
+) -> Result<()> {
+    sp.check_layer(
+        dense_ctx,
+        ctx,
+        sel,
+        backend,
+        h_ref,
+        reference,
+        opts.dtype,
+        &opts.tolerances,
+    )
+}
+
+/// A judge's results, collected in layer order.
+fn collect(
+    j: std::thread::ScopedJoinHandle<Result<Judged>>,
+    prof: &mut profile::Profile,
+    out: &mut Done,
+) -> Result<()> {
+    let j = j.join().unwrap_or_else(|e| std::panic::resume_unwind(e))?;
+    // A device error in the fp64 products ends the run (exit 2), not a report of host sums.
+    crate::linalg::check_engine()?;
+    out.shadow.extend(j.shadow);
+    out.free.extend(j.free);
+    out.dumped.extend(j.dump);
+    prof.add("stage-local view", j.local);
+    prof.add("compare + reports", j.took);
+    Ok(())
+}
+
+/// Layer `l`'s inputs after the first layer. Captured per-layer inputs replace the attention-only
+/// residual stream in shadow mode. A capture's replace both streams: the engine's own stream is the
+/// captured one (it ran the FFN, which is not modelled), so free mode's drift is each layer's attention
+/// error in the residual it adds to (`docs/captures.md`).
+fn next_inputs(
+    inputs: &LayerInputs,
+    l: usize,
+    h_ref: &mut Array2<f64>,
+    h_opt: &mut Array2<f64>,
+) -> Result<()> {
+    match inputs {
+        LayerInputs::PerLayer(_) => *h_ref = inputs.layer(l)?,
+        LayerInputs::Captured(_) => {
+            *h_ref = inputs.layer(l)?;
+            *h_opt = h_ref.clone();
+        }
+        LayerInputs::Shared(_) => {}
+    }
+    Ok(())
+}
+
+/// What a layer's [`paths`] read.
+struct LayerRun<'a> {
+    cfg: &'a MlaConfig,
+    w: &'a LayerWeights,
+    rope: &'a crate::rope::RopeTables,
+    opts: &'a RunOptions,
+    layer_ctx: &'a LayerCtx<'a>,
+    ctx: &'a compare::Ctx<'a>,
+    free_ctx: &'a compare::Ctx<'a>,
+    /// The reference's DSA selection, which the optimized paths attend over too.
+    ref_sel: Option<&'a crate::reference::sparse::Selection>,
+    /// Whether shadow mode's trace gets a stage-local view.
+    view_wanted: bool,
+}
+
+/// The fp64 reference on its own thread, next to what of the layer does not need it: shadow mode's
+/// optimized path, its repeats and its stage-local view (or, without shadow mode, free mode's), from
+/// the streams `(h_ref, h_opt)`. Each side computes what it did alone, so the results are the same.
+fn paths(
+    lr: &LayerRun,
+    backend: &mut dyn Backend,
+    (h_ref, h_opt): (&Array2<f64>, &Array2<f64>),
+    repeats: &mut Vec<LayerRepeat>,
+    prof: &mut profile::Profile,
+) -> (Result<LayerTrace>, Result<OptTraces>) {
+    let opts = lr.opts;
+    std::thread::scope(|sc| {
+        let (c, w, rope, sched, ref_sel) = (lr.cfg, lr.w, lr.rope, &opts.sched, lr.ref_sel);
+        let r = sc.spawn(move || {
+            let t0 = std::time::Instant::now();
+            let r = crate::reference::run_layer_sel(c, w, rope, h_ref, sched, ref_sel);
+            (r, t0.elapsed())
+        });
+        let optimized = (|| -> Result<OptTraces> {
+            let mut shadow_opt = None;
+            if opts.modes.shadow {
+                let opt = prof.time("optimized path", || backend.run_layer(lr.layer_ctx, h_ref))?;
+                if opts.repeat > 1 {
+                    repeats.push(repeat::repeat_layer(
+                        backend,
+                        lr.layer_ctx,
+                        h_ref,
+                        &opt,
+                        opts.repeat,
+                        lr.ctx,
+                    )?);
+                }
+                shadow_opt = Some(opt);
+            }
+            // The stage-local view's products against the weights: made here, on their own
+            // thread next to free mode's pass (and the reference), not in the judge, so the
+            // layer's weights are let go before the next layer loads (two layers alive at
+            // once cost 0.66 GB of peak at GLM-5 dims: docs/scale.md).
+            let (pre, free_opt) = std::thread::scope(|ps| -> Result<_> {
+                let pre = shadow_opt.as_ref().filter(|_| lr.view_wanted).map(|opt| {
+                    ps.spawn(move || {
+                        let t0 = std::time::Instant::now();
+                        let p = compare::local::prepare(c, w, opts.dtype, opt);
+                        (p, t0.elapsed())
+                    })
+                });
+                let free_opt = match opts.modes.free {
+                    true => Some(free_layer(
+                        backend,
+                        lr.layer_ctx,
+                        h_opt,
+                        opts,
+                        lr.free_ctx,
+                        repeats,
+                        prof,
+                    )?),
+                    false => None,
+                };
+                let pre = pre.map(|j| {
+                    let (p, took) = j.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+                    prof.add("stage-local view (weights)", took);
+                    p
+                });
+                Ok((pre, free_opt))
+            })?;
+            Ok((shadow_opt.map(|o| (o, pre)), free_opt))
+        })();
+        let (r, took) = r.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+        prof.add("reference (fp64)", took);
+        (r, optimized)
+    })
+}
+
+/// What shadow mode's stage-local view needs besides the run's tables: the products `pre`, the
+/// layer's input `x`, the backend's answers about its path, and (DSA) the reference's selection.
+fn shadow_view(
+    backend: &dyn Backend,
+    pre: compare::local::Prepared,
+    x: &Array2<f64>,
+    sel: Option<&super::dsa::LayerSelection>,
+) -> View {
+    View {
+        pre,
+        x: x.clone(),
+        known_attention: backend.known_attention(),
+        score_sum: backend.score_sum(),
+        outside: backend.outside_local_view(),
+        selection: sel.map(|s| s.reference.clone()),
+    }
+}
+
+/// One layer's weights, dequantized, and the time it took; the file's pages of the layer are released
+/// (the weights are copies: those pages are not read again).
+fn load_layer(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    l: usize,
+) -> (Result<LayerWeights>, std::time::Duration) {
+    let t0 = std::time::Instant::now();
+    let w = LayerWeights::load(file, cfg, l);
+    file.release(
+        crate::model::weights::tensor_names(l)
+            .iter()
+            .filter_map(|n| file.tensor(n)),
+    );
+    (w, t0.elapsed())
+}
+
+/// Hand the memory freed during the layer back to the system, through the hook the binary installs
+/// ([`crate::alloc::set_release`]). The binary's allocator (mimalloc) keeps freed pages for reuse, per
+/// thread, until the owning thread collects them: the run loop's and the ended threads' (reference,
+/// judges) here, every rayon worker's by a broadcast — 0.1–0.3 GB of a GLM-5 run's peak resident set
+/// each. Once per layer, not at every free (`MIMALLOC_PURGE_DELAY=0` cost 5× the system time). A no-op
+/// without a hook.
+fn release_memory() {
+    if let Some(release) = crate::alloc::release_hook() {
+        release();
+        rayon::broadcast(|_| release());
+    }
+}
+
+/// A layer's optimized traces computed next to its reference: shadow mode's, with its stage-local
+/// view's products against the weights where it has a view, and free mode's.
+type OptTraces = (
+    Option<(LayerTrace, Option<compare::local::Prepared>)>,
+    Option<LayerTrace>,
+);
+
+/// Free mode's optimized path of one layer on the optimized stream `h_opt` (and, without shadow mode,
+/// its repeats).
+fn free_layer(
+    backend: &mut dyn Backend,
+    layer_ctx: &crate::backend::LayerCtx,
+    h_opt: &Array2<f64>,
+    opts: &RunOptions,
+    free_ctx: &compare::Ctx,
+    repeats: &mut Vec<crate::report::repeat::LayerRepeat>,
+    prof: &mut profile::Profile,
+) -> Result<LayerTrace> {
+    // DSA: over the reference's selection too, so that the stages stay comparable (a near-tie flip
+    // makes whole split partials incomparable); what selections cost is the `dsa` section's.
+    let opt = prof.time("optimized path", || backend.run_layer(layer_ctx, h_opt))?;
+    // Without shadow mode the repeats take free mode's input (the optimized stream).
+    if opts.repeat > 1 && !opts.modes.shadow {
+        repeats.push(repeat::repeat_layer(
+            backend,
+            layer_ctx,
+            h_opt,
+            &opt,
+            opts.repeat,
+            free_ctx,
+        )?);
+    }
+    Ok(opt)
+}
