@@ -11,6 +11,10 @@ What it runs:
   has out 0 and lse −inf (the same partition mla-diff's reference uses).
 - prefill: decompressed attention of one chunk: query `i` sees keys `0 .. context_len + i + 1`.
 
+Quantized caches (`run --kv-cache-dtype fp8_ds_mla`, `fp8_ds_mla_nope`; `supports.cache_formats`): the
+decode op's `kv_cache` then holds the format's bytes, dequantized here in numpy (`protocol.
+dequantize_cache`: e4m3 latent times its tile's float32 scale, bf16 rope) before the same attention.
+
 Conventions: float32 arithmetic on the given inputs (BF16/FP16 widened exactly); `attn_latent` and
 `attn_heads` rounded to the run's dtype (meta `dtype`); `lse`, `split_out`, `split_lse` float32;
 natural-log LSE, `token_head` layout. Any dims, dtypes bf16/fp16/f32, any page size, any q_len.
@@ -86,6 +90,7 @@ class NumpyMLA(protocol.NumpyRunner):
                 "qk_head_dim": None,
                 "v_head_dim": None,
                 "max_q_len": None,
+                "cache_formats": list(protocol.CACHE_FORMATS),
             },
             "conventions": {"lse_base": "e", "lse_layout": "token_head"},
             "batch_invariant": True,
@@ -98,6 +103,10 @@ class NumpyMLA(protocol.NumpyRunner):
 
     def page_size(self, meta, cache):
         return int(meta.get("page_size") or cache.shape[1])
+
+    def dequantize_cache(self, cache, fmt, kv_lora_rank, qk_rope):
+        """A quantized `kv_cache` (u8 bytes in `fmt`) -> float32 rows `[..., kv_lora_rank + qk_rope]`."""
+        return protocol.dequantize_cache(cache, fmt, kv_lora_rank, qk_rope)
 
     def split_cache_rows(self, rows, kv_lora_rank, qk_rope):
         """Cache rows `[latent | k_pe]` -> (latent, k_pe)."""
@@ -149,6 +158,9 @@ class NumpyMLA(protocol.NumpyRunner):
         table, seqlens = x["block_table"], x["cache_seqlens"]
         b_n, s_q, heads, r = q_nope.shape
         rope = q_pe.shape[-1]
+        fmt = (meta.get("cache") or {}).get("format")
+        if fmt:
+            cache = self.dequantize_cache(cache, fmt, r, rope)
         if cache.shape[-1] != r + rope:
             raise ValueError(f"kv_cache rows are {cache.shape[-1]} wide, expected {r} + {rope}")
         dtype = meta["dtype"]

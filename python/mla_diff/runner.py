@@ -116,6 +116,50 @@ def to_bf16_bits(x):
     return rounded
 
 
+# ----------------------------------------------------------------------------------------------
+# quantized caches (`run --kv-cache-dtype`; docs/cache-formats.md for the byte layouts)
+
+#: The cache formats `dequantize_cache` reads (a runner lists those it takes in
+#: `supports.cache_formats`; the decode request then carries `kv_cache` as u8 bytes, `meta.cache`).
+CACHE_FORMATS = ("fp8_ds_mla", "fp8_ds_mla_nope")
+
+
+def e4m3_to_f32(codes):
+    """uint8 float8 e4m3fn codes -> float32 values (exact; 0x7f and 0xff are NaN)."""
+    np = _np()
+    b = np.asarray(codes, dtype=np.uint8)
+    e = ((b >> 3) & 0xF).astype(np.float64)
+    m = (b & 0x7).astype(np.float64)
+    v = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1.0 + m / 8.0) * np.exp2(e - 7.0))
+    v = np.where((b & 0x7F) == 0x7F, np.nan, v)
+    return np.where(b & 0x80, -v, v).astype(np.float32)
+
+
+def ds_mla_parts(cache, qk_rope):
+    """An `fp8_ds_mla` cache `[..., 656]` u8 -> (the 512 latent e4m3 values `[..., 512]`, the four
+    float32 tile scales `[..., 4]`, the bf16 rope `[..., qk_rope]`), all float32, not yet scaled."""
+    np = _np()
+    cache = np.ascontiguousarray(cache, dtype=np.uint8)
+    latent = e4m3_to_f32(cache[..., :512])
+    scales = np.ascontiguousarray(cache[..., 512:528]).view("<f4")
+    rope = bf16_bits_to_f32(np.ascontiguousarray(cache[..., 528 : 528 + 2 * qk_rope]).view("<u2"))
+    return latent, scales, rope
+
+
+def dequantize_cache(cache, fmt, kv_lora_rank, qk_rope):
+    """A decode request's `kv_cache` in the byte format `fmt` (`meta["cache"]["format"]`) -> float32
+    rows `[..., kv_lora_rank + qk_rope]` as a kernel reads them: each latent value q·s with its tile's
+    scale, the rope as stored (bf16). Unwritten slots (0xff bytes) read as NaN."""
+    np = _np()
+    if fmt not in CACHE_FORMATS:
+        raise Unsupported(f"cache format {fmt} (this SDK reads {', '.join(CACHE_FORMATS)})")
+    if kv_lora_rank != 512:
+        raise Unsupported(f"cache format {fmt} needs kv_lora_rank 512, got {kv_lora_rank}")
+    latent, scales, rope = ds_mla_parts(cache, qk_rope)
+    latent = latent * np.repeat(scales, 128, axis=-1)
+    return np.concatenate([latent, rope], axis=-1).astype(np.float32)
+
+
 def round_to(x, dtype):
     """Round float32/float64 values to the storage dtype `dtype` ('bf16', 'fp16', 'f32') and return
     them as float32 (the value the runner would return)."""

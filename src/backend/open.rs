@@ -86,7 +86,7 @@ pub struct Options {
     /// (`runner::protocol::page_for`): the runner backend's notice says so.
     pub runner_page_moved: Option<(usize, usize)>,
     /// The latent cache's byte format (`run --kv-cache-dtype`): the CPU mirror stores every format,
-    /// the CUDA kernels the per-row ones; runners the dtype's only so far.
+    /// the CUDA kernels the per-row ones; a runner those its `supports.cache_formats` lists (decode).
     pub kv_format: crate::kv_format::KvFormat,
 }
 
@@ -130,14 +130,9 @@ impl Factory {
                 d.display()
             )));
         }
-        // Issue #38: runners read the dtype's cache only so far; the CUDA kernels write and read every
-        // per-row format (kernels/cache_write.cu), not the per-tensor `fp8`.
+        // The CUDA kernels write and read every per-row format (kernels/cache_write.cu), not the
+        // per-tensor `fp8`; a runner takes the formats its describe lists (`RunnerBackend::open`).
         let kv = o.kv_format;
-        if !kv.is_auto() && o.runner.is_some() {
-            return Err(crate::error::Error::Usage(format!(
-                "--kv-cache-dtype {kv}: the runner protocol carries the dtype's cache only so far (issue #38)"
-            )));
-        }
         if kv == crate::kv_format::KvFormat::Fp8 && kind == Kind::Cuda {
             return Err(crate::error::Error::Usage(
                 "--kv-cache-dtype fp8: the per-tensor scale is calibrated on every row the layer writes, which the CUDA path writes step by step (no calibration pass yet), and its dequantized rows q·s are not exact in bf16/fp16; use --backend cpu, or a per-row format (fp8_ds_mla, fp8_ds_mla_nope, fp8_v41, fp4_v41)".into(),
@@ -164,7 +159,9 @@ impl Factory {
             }
         };
         if let Some(cmd) = &o.runner {
-            b = Box::new(RunnerBackend::open(cmd, b, o.dtype, o.runner_page_moved)?);
+            b = Box::new(
+                RunnerBackend::open(cmd, b, o.dtype, o.runner_page_moved)?.with_kv_format(kv)?,
+            );
         }
         let info = BackendInfo::of(kind, b.as_ref());
         Ok((b, info))

@@ -37,6 +37,7 @@ mod reference_ab;
 mod rope;
 mod run_options;
 mod run_report;
+mod runner_cache;
 mod runners;
 mod runners_reach;
 mod runners_sparse;

@@ -52,6 +52,11 @@ pub struct RunnerBackend {
     unwritten_splits: usize,
     /// `(schedule's page, page run)` when the run's page was moved to one the runner takes.
     page_moved: Option<(usize, usize)>,
+    /// The cache's byte format (`run --kv-cache-dtype`; `auto`: the run's dtype).
+    kv: crate::kv_format::KvFormat,
+    /// This layer's cache rows in `kv`'s bytes (`Codec::bytes()` per row, as `cache_rows` orders
+    /// them), with the codec that wrote them: what `send_decode` sends in place of the rows.
+    cache_bytes: Option<(crate::kv_format::Codec, Vec<u8>)>,
 }
 
 /// The kernels a runner declares a geometry for (`describe` `ops.OP.geometry.key_tile`), as coverage
@@ -137,7 +142,31 @@ impl RunnerBackend {
             mutations: Default::default(),
             unwritten_splits: 0,
             page_moved,
+            kv: Default::default(),
+            cache_bytes: None,
         })
+    }
+
+    /// The cache in `kv`'s bytes for the decode op: refused, before any layer runs, unless the
+    /// runner's `supports.cache_formats` lists the format, and (so far) for a runner with sparse ops.
+    pub fn with_kv_format(mut self, kv: crate::kv_format::KvFormat) -> Result<RunnerBackend> {
+        if kv.is_auto() {
+            return Ok(self);
+        }
+        let (name, ops) = (&self.desc.name, &self.desc.ops);
+        let listed = self.desc.supports.cache_formats.clone().unwrap_or_default();
+        if !listed.iter().any(|f| f == kv.name()) {
+            return Err(Error::Usage(format!(
+                "--kv-cache-dtype {kv}: runner {name} does not read a {kv} cache (its describe's supports.cache_formats: {listed:?}); drop --kv-cache-dtype or use a runner that lists it"
+            )));
+        }
+        if ops.sparse_decode.is_some() || ops.sparse_prefill.is_some() {
+            return Err(Error::Usage(format!(
+                "--kv-cache-dtype {kv}: runner {name} has sparse ops, and the protocol carries a quantized cache to the decode op only so far (issue #38)"
+            )));
+        }
+        self.kv = kv;
+        Ok(self)
     }
 
     /// The scratch directory the tensors go through (none in process).

@@ -139,8 +139,9 @@ impl OpSpec {
 }
 
 /// The keys of `supports`, every one of which [`Supports`] reads.
-pub const SUPPORTS_KEYS: [&str; 8] = [
+pub const SUPPORTS_KEYS: [&str; 9] = [
     "dtypes",
+    "cache_formats",
     "page_sizes",
     "heads",
     "kv_lora_rank",
@@ -169,6 +170,11 @@ pub struct Supports {
     pub v_head_dim: Option<Vec<usize>>,
     #[serde(default)]
     pub max_q_len: Option<usize>,
+    /// The quantized cache byte formats (`run --kv-cache-dtype`, `crate::kv_format` names) the decode
+    /// op reads from `kv_cache` as u8 bytes with `meta.cache.format`. Unlike the other keys, absent or
+    /// null is none: the cache then travels in the run's dtype only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_formats: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
