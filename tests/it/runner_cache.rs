@@ -7,39 +7,13 @@
 //! Needs MLA_DIFF_PYTHON with numpy and safetensors (skips without it, fails under CI).
 
 use crate::common::{assert_clean_error, fixture, python, run, runner, stderr};
+use crate::runners::checks;
 use serde_json::Value as J;
 
-/// `run FILE --backend cpu --mode shadow --runner CMD --kv-cache-dtype FMT --json -` plus `extra`.
+/// `runners::run_json` of a shipped fixture with `--kv-cache-dtype FMT` plus `extra`.
 fn run_json(file: &str, cmd: &str, fmt: &str, extra: &[&str]) -> (Option<i32>, J, String) {
-    let f = fixture(file);
-    let mut args = vec![
-        "run",
-        f.to_str().unwrap(),
-        "--backend",
-        "cpu",
-        "--mode",
-        "shadow",
-        "--runner",
-        cmd,
-        "--kv-cache-dtype",
-        fmt,
-        "--json",
-        "-",
-        "-q",
-    ];
-    args.extend_from_slice(extra);
-    let o = run(&args);
-    let j = serde_json::from_slice(&o.stdout).unwrap_or(J::Null);
-    (o.status.code(), j, stderr(&o))
-}
-
-fn checks(report: &J) -> Vec<&J> {
-    report["modes"][0]["layers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|l| l["checks"].as_array().unwrap())
-        .collect()
+    let args = [&["--kv-cache-dtype", fmt], extra].concat();
+    crate::runners::run_json(&fixture(file), cmd, &args)
 }
 
 /// The shipped fixtures `fp8_ds_mla` fits (kv_lora_rank 512, qk_rope 64; minicpm3's 256 + 32 does not).

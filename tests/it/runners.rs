@@ -11,7 +11,7 @@ use serde_json::Value as J;
 use std::path::{Path, PathBuf};
 
 /// `run FILE --backend cpu --runner CMD --mode shadow --json -` plus `extra`; exit code and report.
-fn run_json(file: &Path, cmd: &str, extra: &[&str]) -> (Option<i32>, J, String) {
+pub(crate) fn run_json(file: &Path, cmd: &str, extra: &[&str]) -> (Option<i32>, J, String) {
     let mut args = vec![
         "run",
         file.to_str().unwrap(),
@@ -31,7 +31,7 @@ fn run_json(file: &Path, cmd: &str, extra: &[&str]) -> (Option<i32>, J, String) 
     (o.status.code(), j, stderr(&o))
 }
 
-fn checks(report: &J) -> Vec<&J> {
+pub(crate) fn checks(report: &J) -> Vec<&J> {
     report["modes"][0]["layers"]
         .as_array()
         .unwrap()

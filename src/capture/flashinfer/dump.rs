@@ -430,14 +430,18 @@ impl<'a> CallArgs<'a> {
         ))
     }
 
-    /// Tensor argument `name`, decoded to f64 (bf16, fp16, f32, f64).
-    pub fn floats(&self, name: &str) -> Result<Floats> {
+    /// Tensor argument `name` from inputs.safetensors, under any of its keys.
+    fn tensor(&self, name: &str) -> Result<safetensors::tensor::TensorView<'_>> {
         let s = self.input_st()?.ok_or_else(|| self.missing(name))?;
-        let t = self
-            .keys(name)
+        self.keys(name)
             .iter()
             .find_map(|k| s.tensor(k).ok())
-            .ok_or_else(|| self.missing(name))?;
+            .ok_or_else(|| self.missing(name))
+    }
+
+    /// Tensor argument `name`, decoded to f64 (bf16, fp16, f32, f64).
+    pub fn floats(&self, name: &str) -> Result<Floats> {
+        let t = self.tensor(name)?;
         self.decode(&t, name)
     }
 
@@ -463,29 +467,9 @@ impl<'a> CallArgs<'a> {
 
     /// Integer tensor argument `name` (I32 or I64).
     pub fn ints(&self, name: &str) -> Result<(Vec<usize>, Vec<i64>)> {
-        let s = self.input_st()?.ok_or_else(|| self.missing(name))?;
-        let t = self
-            .keys(name)
-            .iter()
-            .find_map(|k| s.tensor(k).ok())
-            .ok_or_else(|| self.missing(name))?;
-        let d = t.data();
-        let v = match t.dtype() {
-            St::I32 => d
-                .chunks_exact(4)
-                .map(|b| i32::from_le_bytes(b.try_into().expect("4 bytes")) as i64)
-                .collect(),
-            St::I64 => d
-                .chunks_exact(8)
-                .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
-                .collect(),
-            other => {
-                return Err(bad(format!(
-                    "{}: '{name}' has dtype {other:?}; index tensors are I32 or I64",
-                    self.call.name
-                )))
-            }
-        };
+        let t = self.tensor(name)?;
+        let v = crate::capture::ints(&t)
+            .map_err(|e| bad(format!("{}: '{name}' has {e}", self.call.name)))?;
         Ok((t.shape().to_vec(), v))
     }
 
@@ -496,12 +480,7 @@ impl<'a> CallArgs<'a> {
         name: &str,
         pages: &[usize],
     ) -> Result<(Vec<f64>, usize, usize, &'static str)> {
-        let s = self.input_st()?.ok_or_else(|| self.missing(name))?;
-        let t = self
-            .keys(name)
-            .iter()
-            .find_map(|k| s.tensor(k).ok())
-            .ok_or_else(|| self.missing(name))?;
+        let t = self.tensor(name)?;
         let sh = t.shape();
         let (n_pages, page, width) = match sh {
             [p, g, w] => (*p, *g, *w),

@@ -356,6 +356,36 @@ fn is_fp8(d: St) -> bool {
     matches!(d, St::F8_E4M3 | St::F8_E5M2 | St::U8 | St::I8)
 }
 
+/// The first of `args` the call was given (arguments that change what the check models), or the first
+/// of `tensors` that is fp8: why the call is not checked. A tensor missing from the dump is an error.
+fn unmodelled(a: &CallArgs, args: &[&str], tensors: &[&str]) -> Result<Option<NotChecked>> {
+    if let Some(f) = args.iter().find(|f| a.given(f)) {
+        return Ok(Some(NotChecked(format!(
+            "{f} given, which this check does not model"
+        ))));
+    }
+    for t in tensors {
+        match a.meta_of(t)? {
+            None => {
+                return Err(bad(
+                    a.call,
+                    format!(
+                        "{} has no tensor '{t}' in inputs.safetensors",
+                        a.call.function
+                    ),
+                ))
+            }
+            Some((d, _)) if is_fp8(d) => {
+                return Ok(Some(NotChecked(format!(
+                    "{t} is {d:?}: an fp8 tensor, which this check does not model"
+                ))))
+            }
+            _ => {}
+        }
+    }
+    Ok(None)
+}
+
 /// The call did not return a result the check can read: why, if so.
 fn incomplete(a: &CallArgs) -> Option<NotChecked> {
     match a.status() {
@@ -420,36 +450,14 @@ fn wrapper_run(a: &CallArgs, plan: &CallArgs) -> Result<Decoded> {
         }
     }
     // flashinfer 0.7's run also takes these; they change the scores or the scale the plan set.
-    for f in [
+    let args = [
         "sinks",
         "skip_softmax_threshold_scale_factor",
         "bmm1_scale",
         "bmm2_scale",
-    ] {
-        if a.given(f) {
-            return Ok(Err(NotChecked(format!(
-                "{f} given, which this check does not model"
-            ))));
-        }
-    }
-    for t in ["q_nope", "q_pe", "ckv_cache", "kpe_cache"] {
-        match a.meta_of(t)? {
-            None => {
-                return Err(bad(
-                    call,
-                    format!(
-                        "{} has no tensor '{t}' in inputs.safetensors",
-                        call.function
-                    ),
-                ))
-            }
-            Some((d, _)) if is_fp8(d) => {
-                return Ok(Err(NotChecked(format!(
-                    "{t} is {d:?}: an fp8 tensor, which this check does not model"
-                ))))
-            }
-            _ => {}
-        }
+    ];
+    if let Some(n) = unmodelled(a, &args, &["q_nope", "q_pe", "ckv_cache", "kpe_cache"])? {
+        return Ok(Err(n));
     }
     let q_nope = a.floats("q_nope")?;
     let q_pe = a.floats("q_pe")?;
@@ -727,39 +735,20 @@ fn decode_call(a: &CallArgs) -> Result<Decoded> {
     if a.number("sparse_mla_top_k").unwrap_or(0.0) > 0.0 {
         return Ok(Err(NotChecked("sparse MLA (sparse_mla_top_k > 0): the keys are the sparse indices, which this check does not model".into())));
     }
-    for f in [
+    let args = [
         "sinks",
         "skip_softmax_threshold_scale_factor",
         "cum_seq_lens_q",
         "causal_seqlens_kv_global",
-    ] {
-        if a.given(f) {
-            return Ok(Err(NotChecked(format!(
-                "{f} given, which this check does not model"
-            ))));
-        }
+    ];
+    if let Some(n) = unmodelled(a, &args, &[])? {
+        return Ok(Err(n));
     }
     if !a.flag("uses_shared_paged_kv_idx", true) || a.flag("enable_dcp", false) {
         return Ok(Err(NotChecked("TRT-LLM's separate K/V page indices or decode context parallelism, which this check does not model".into())));
     }
-    for t in ["query", "kv_cache"] {
-        match a.meta_of(t)? {
-            None => {
-                return Err(bad(
-                    call,
-                    format!(
-                        "{} has no tensor '{t}' in inputs.safetensors",
-                        call.function
-                    ),
-                ))
-            }
-            Some((d, _)) if is_fp8(d) => {
-                return Ok(Err(NotChecked(format!(
-                    "{t} is {d:?}: an fp8 tensor, which this check does not model"
-                ))))
-            }
-            _ => {}
-        }
+    if let Some(n) = unmodelled(a, &[], &["query", "kv_cache"])? {
+        return Ok(Err(n));
     }
     let q = a.floats("query")?;
     let (b, s_q, h, w) = match q.shape[..] {
