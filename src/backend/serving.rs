@@ -180,6 +180,29 @@ fn spread(n: usize, k: usize) -> Vec<u32> {
     }
 }
 
+/// fp64 from the batch's own inputs: for query `i`, attention over the cache rows `keys(i)` — its
+/// output, lse, split outputs and split lses, each concatenated over the queries.
+fn fp64_of(
+    ctx: &LayerCtx,
+    queries: &[Query],
+    rows: &[f64],
+    keys: impl Fn(usize) -> Vec<Option<usize>>,
+) -> [Vec<f64>; 4] {
+    let mut all: [Vec<f64>; 4] = Default::default();
+    for (i, qq) in queries.iter().enumerate() {
+        let en = Entry {
+            q_nope: qq.q_abs.clone(),
+            q_pe: qq.q_pe.clone(),
+            keys: keys(i),
+        };
+        let l = RunnerBackend::local_entry(ctx, &en, 1, rows);
+        for (a, v) in all.iter_mut().zip([l.out, l.lse, l.sout, l.slse]) {
+            a.extend(v);
+        }
+    }
+    all
+}
+
 /// The checks of the sparse aimed batch: fp64 over each decode query's selected keys (`sel`, from
 /// `sparse_aim`) of the run's cache rows `rows` (`[T, width]`, token order, as stored) against `out`
 /// (`lat` `[D, H, Lkv]`, `lse` `[D, H]`; one split: no partials), the queries `queries` one per decode
@@ -194,17 +217,9 @@ pub fn judge_sparse(
     who: &str,
 ) -> Vec<RunnerCheck> {
     let p0 = ctx.sched.prompt_len;
-    let (mut l_out, mut l_lse) = (Vec::new(), Vec::new());
-    for (d, qq) in queries.iter().enumerate() {
-        let en = Entry {
-            q_nope: qq.q_abs.clone(),
-            q_pe: qq.q_pe.clone(),
-            keys: sel.keys[p0 + d].iter().map(|&j| Some(j as usize)).collect(),
-        };
-        let l = RunnerBackend::local_entry(ctx, &en, 1, rows);
-        l_out.extend(l.out);
-        l_lse.extend(l.lse);
-    }
+    let [l_out, l_lse, _, _] = fp64_of(ctx, queries, rows, |d| {
+        sel.keys[p0 + d].iter().map(|&j| Some(j as usize)).collect()
+    });
     let scope = format!(
         "{who}, aimed at {}: {} decode queries over {SPARSE_KEYS} of their keys each (at most half), spread from the first to their own (a fixed selection, not the indexer's)",
         tv::SPARSE_ID,
@@ -352,20 +367,9 @@ pub fn judge(
 ) -> Vec<RunnerCheck> {
     let lkv = ctx.cfg.kv_lora_rank;
     let t = rows.len() / batch.width;
-    let (mut l_out, mut l_lse, mut l_sout, mut l_slse) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for (q, qq) in batch.reqs.iter().zip(queries) {
-        let en = Entry {
-            q_nope: qq.q_abs.clone(),
-            q_pe: qq.q_pe.clone(),
-            keys: (0..q.seq_len).map(|j| Some(j % t)).collect(),
-        };
-        let l = RunnerBackend::local_entry(ctx, &en, 1, rows);
-        l_out.extend(l.out);
-        l_lse.extend(l.lse);
-        l_sout.extend(l.sout);
-        l_slse.extend(l.slse);
-    }
+    let [l_out, l_lse, l_sout, l_slse] = fp64_of(ctx, queries, rows, |i| {
+        (0..batch.reqs[i].seq_len).map(|j| Some(j % t)).collect()
+    });
     let lens = batch.lens();
     let scope = format!(
         "{who}, {} requests of {} keys",

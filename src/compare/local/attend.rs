@@ -519,8 +519,9 @@ pub(super) fn merge(parts: &[Attn]) -> Attn {
     let n_sum = w.iter().filter(|&&x| x > 0.0).count().saturating_sub(1) as f64;
     let mut total_round = 0.0;
     for (v, &o) in var.iter_mut().zip(&out) {
-        *v += n_sum * F32_OP * o * o;
-        total_round += n_sum * F32_OP * o * o;
+        let r = n_sum * F32_OP * o * o;
+        *v += r;
+        total_round += r;
     }
     coh += total_round;
     coh2 += total_round * total_round;
