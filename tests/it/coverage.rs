@@ -385,7 +385,7 @@ fn inject(f: &str, fault: &str, extra: &[&str]) -> (i32, Option<String>) {
 }
 
 #[test]
-fn coverage_probe_faults_are_caught_by_the_default_run_only() {
+fn coverage_probe_faults_fail_the_default_run_at_split_out_and_older_schedules_in_batches() {
     let pre14_flags = [
         "--prompt-len",
         "48",
