@@ -24,7 +24,7 @@ class MtpNonCausal(numpy_mla.NumpyMLA):
         rows = self.gather_rows(cache, table_row, length, page).astype(np.float32)
         latent, k_pe = self.split_cache_rows(rows, r, rope)
         keys = np.concatenate([latent, k_pe], axis=-1)
-        return (np.matmul(q_b, keys.T) * scale).astype(np.float32), latent
+        return (numpy_mla.matmul(q_b, keys.T) * scale).astype(np.float32), latent
 
 
 if __name__ == "__main__":

@@ -25,14 +25,18 @@ class PvFp16Accum(numpy_mla.NumpyMLA):
     chunk = int(os.environ.get("MLA_DIFF_BUG_PV_CHUNK", "8"))
 
     def pv(self, p, values):
-        total = np.zeros(p.shape[:-1] + values.shape[-1:], np.float32)
-        for j0 in range(0, values.shape[0], self.chunk):
-            acc = np.zeros(total.shape, np.float16)
-            for j in range(j0, min(j0 + self.chunk, values.shape[0])):
-                term = p[..., j : j + 1].astype(np.float16) * values[j].astype(np.float16)
-                acc = (acc + term).astype(np.float16)
-            total += acc.astype(np.float32)
-        return total
+        # Every k-step at once: key j of each chunk is added to that chunk's fp16 sum in turn (keys
+        # padded with zero to whole chunks add nothing), then the chunk sums in f32.
+        n, c = values.shape[0], self.chunk
+        pad = -n % c
+        p16 = np.concatenate([p, np.zeros(p.shape[:-1] + (pad,), p.dtype)], axis=-1).astype(np.float16)
+        v16 = np.concatenate([values, np.zeros((pad,) + values.shape[1:], values.dtype)]).astype(np.float16)
+        p16 = p16.reshape(p.shape[:-1] + (-1, c))  # [..., chunks, c]
+        v16 = v16.reshape(-1, c, values.shape[-1])  # [chunks, c, D]
+        acc = np.zeros(p16.shape[:-1] + values.shape[-1:], np.float16)  # [..., chunks, D]
+        for j in range(c):
+            acc = (acc + p16[..., j, None] * v16[:, j, :]).astype(np.float16)
+        return acc.astype(np.float32).sum(axis=-2)
 
 
 if __name__ == "__main__":

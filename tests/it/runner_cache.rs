@@ -85,6 +85,12 @@ fn a_reader_that_applies_the_scale_twice_is_caught_at_the_runner() {
         "--runner",
         &bug,
         "-q",
+        "--prompt-len",
+        "40",
+        "--decode-steps",
+        "2",
+        "--num-splits",
+        "2",
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
 }
@@ -138,6 +144,12 @@ fn a_runner_that_does_not_list_the_format_is_refused_before_any_layer() {
         "--runner",
         &plain,
         "-q",
+        "--prompt-len",
+        "40",
+        "--decode-steps",
+        "2",
+        "--num-splits",
+        "2",
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
 }

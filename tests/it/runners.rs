@@ -60,6 +60,18 @@ const RUNNER_CHECKS: [&str; 6] = [
     "lse[decode]",
 ];
 
+/// A short schedule that still has a chunked prefill and a split decode: for runs whose point is not
+/// the default schedule (a default run of a 64-head fixture through a Python runner costs ~20 CPU s
+/// here, this one ~1).
+pub const SHORT: &[&str] = &[
+    "--prompt-len",
+    "40",
+    "--decode-steps",
+    "2",
+    "--num-splits",
+    "2",
+];
+
 #[test]
 fn numpy_runner_passes_on_every_shipped_fixture() {
     let Some(py) = python("runners", "numpy and safetensors") else {
@@ -397,12 +409,19 @@ fn every_output_dtype_combination_passes() {
             }
         }
     }
-    for (run_dt, combo) in &cases {
+    for (i, (run_dt, combo)) in cases.iter().enumerate() {
         let cmd = format!(
             "env MLA_DIFF_NUMPY_DTYPES={combo} {py} {}",
             script.display()
         );
-        let (code, rep, err) = run_json(&f, &cmd, &["--dtype", run_dt]);
+        // The dtypes are bounded per element, whatever the schedule: one mixed combination on the
+        // default schedule (its batches and runner checks), the rest on a short one that still has
+        // a chunked prefill and split decode (a default run costs ~20 CPU s here, the short one ~1).
+        let mut args = vec!["--dtype", run_dt];
+        if i != 3 {
+            args.extend(SHORT);
+        }
+        let (code, rep, err) = run_json(&f, &cmd, &args);
         assert_eq!(code, Some(0), "{run_dt} run, {combo}: {err}");
         // The report records the dtypes as returned.
         let notes = rep["run"]["notices"].to_string();
@@ -422,7 +441,7 @@ fn the_report_records_the_runner_in_its_environment() {
         "env MLA_DIFF_NUMPY_DTYPES=decode.lse=bf16 {}",
         runner(&py, "numpy_mla.py")
     );
-    let (code, rep, err) = run_json(&fixture("glm-5-q4_0.gguf"), &cmd, &["--layers", "0"]);
+    let (code, rep, err) = run_json(&fixture("glm-5-q4_0.gguf"), &cmd, SHORT);
     assert_eq!(code, Some(0), "{err}");
     let errors = crate::common::schema_errors(&crate::common::report_validator(), &rep);
     assert!(errors.is_empty(), "{errors:?}");
@@ -454,8 +473,8 @@ fn the_report_records_the_runner_in_its_environment() {
         f.to_str().unwrap(),
         "--backend",
         "cpu",
-        "--layers",
-        "0",
+        "--prompt-len",
+        "40",
         "--json",
         "-",
         "-q",
@@ -479,7 +498,21 @@ fn a_kernel_error_fails_at_the_runner_by_the_local_model() {
     };
     let f = fixture("deepseek-v3-yarn-q4_k.gguf");
     let cmd = runner(&py, "bugs/pv_fp16_accum.py");
-    let (code, rep, err) = run_json(&f, &cmd, &["--dtype", "fp16"]);
+    // The classic schedule (16 single-token decode steps in 4 splits) shows it; the default one too,
+    // at many times the cost (the bug's fp16 arithmetic is emulated in numpy, per key chunk).
+    let classic = [
+        "--dtype",
+        "fp16",
+        "--prompt-len",
+        "48",
+        "--chunk",
+        "32",
+        "--decode-steps",
+        "16",
+        "--num-splits",
+        "4",
+    ];
+    let (code, rep, err) = run_json(&f, &cmd, &classic);
     assert_eq!(code, Some(1), "{err}");
     let layer = &rep["modes"][0]["layers"][0];
     assert_eq!(layer["first_failure"], "split_out", "{err}");

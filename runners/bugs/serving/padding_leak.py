@@ -52,7 +52,7 @@ class PaddingLeak(numpy_mla.NumpyMLA):
                 continue
             e = np.exp(scores - gmax[None, :, None]).astype(np.float32)
             z = e.sum(axis=-1)
-            out[b] = np.matmul(e, latent) / z[..., None]
+            out[b] = numpy_mla.matmul(e, latent) / z[..., None]
             lse[b] = gmax[None, :] + np.log(z)
         return {"attn_latent": protocol.storage(out, meta["dtype"]), "lse": lse}
 

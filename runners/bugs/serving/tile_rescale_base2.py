@@ -37,7 +37,7 @@ def online_softmax(scores, values):
             alpha = np.where(np.isfinite(m), np.exp2(m - safe), np.float32(0)).astype(np.float32)
         p = np.exp(s - safe[..., None]).astype(np.float32)
         l = l * alpha + p.sum(axis=-1)
-        acc = acc * alpha[..., None] + np.matmul(p, values[t0 : t0 + TILE])
+        acc = acc * alpha[..., None] + numpy_mla.matmul(p, values[t0 : t0 + TILE])
         m = m_new
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.where(l[..., None] > 0, acc / l[..., None], np.float32(0))
