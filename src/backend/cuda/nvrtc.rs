@@ -112,6 +112,31 @@ impl Sources {
     fn headers(&self) -> impl Iterator<Item = &(String, String)> {
         self.files.iter().filter(|(n, _)| n.ends_with(".cuh"))
     }
+    /// Whether `word` occurs in `unit` or in a header it includes, transitively (`#include "…"` by
+    /// its name here): a define the text does not mention cannot change the unit's code.
+    pub fn mentions(&self, unit: &str, word: &str) -> bool {
+        let mut seen = vec![unit];
+        let mut next = 0;
+        while next < seen.len() {
+            let Some((_, text)) = self.files.iter().find(|(n, _)| n == seen[next]) else {
+                next += 1;
+                continue;
+            };
+            if text.contains(word) {
+                return true;
+            }
+            for l in text.lines() {
+                let inc = l.trim_start().strip_prefix("#include \"");
+                if let Some(name) = inc.and_then(|r| r.split('"').next()) {
+                    if !seen.contains(&name) {
+                        seen.push(name);
+                    }
+                }
+            }
+            next += 1;
+        }
+        false
+    }
     /// The compiled translation units.
     pub fn units(&self) -> Vec<&str> {
         self.files
@@ -247,6 +272,32 @@ pub fn rewrite_log(log: &str, dir: &Path) -> String {
         })
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// One [`compile`]'s arguments: unit, defines, arch, ptxas_verbose.
+pub type Job<'a> = (&'a str, Vec<(String, String)>, &'a str, bool);
+
+/// [`compile`] every job, on as many threads as the machine has cores (NVRTC compiles independent
+/// programs concurrently; `kernels check` is hundreds of compiles), the results in the jobs' order.
+pub fn compile_all(src: &Sources, jobs: &[Job]) -> Vec<Result<Compiled>> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let done = std::sync::Mutex::new(Vec::with_capacity(jobs.len()));
+    std::thread::scope(|s| {
+        for _ in 0..threads.min(jobs.len()) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some((unit, defines, arch, verbose)) = jobs.get(i) else {
+                    break;
+                };
+                let r = compile(src, unit, defines, arch, *verbose);
+                done.lock().unwrap_or_else(|e| e.into_inner()).push((i, r));
+            });
+        }
+    });
+    let mut done = done.into_inner().unwrap_or_else(|e| e.into_inner());
+    done.sort_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, r)| r).collect()
 }
 
 /// Compile one `.cu` file with `-D` defines for `arch` ("sm_90", "compute_90").
@@ -407,6 +458,17 @@ pub fn parse_ptxas(log: &str) -> Vec<KernelResources> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_unit_mentions_what_its_headers_say() {
+        let src = Sources::embedded();
+        // attn_small.cuh is reached from decode.cu only, through no other header.
+        assert!(src.mentions("decode.cu", "MLA_FAULT_SMALL_RING_WRAP"));
+        assert!(!src.mentions("prefill.cu", "MLA_FAULT_SMALL_RING_WRAP"));
+        // Two levels down: decode.cu -> sm90/decode/attn_wgmma.cuh -> sm90/decode/attn_wgmma_pairs.cuh.
+        assert!(src.mentions("decode.cu", "MLA_FAULT_PAIRS_HANDOVER_STALE"));
+        assert!(!src.mentions("fill.cu", "attn_wgmma"));
+    }
 
     #[test]
     fn log_locations_become_path_line() {
