@@ -253,3 +253,46 @@ fn commands_not_built_for_v4_exit_2_in_one_line() {
         assert_clean_error(&o, "no optimized path is built for DeepSeek-V4");
     }
 }
+
+/// `fixture --preset deepseek-v4` writes DeepSeek-V4-Flash's attention dims (here at hidden 256, 8
+/// heads): the file lints clean, `inspect` reads its real head dims, and the reference runs each layer
+/// kind from it to finite outputs.
+#[test]
+fn the_v4_fixture_lints_clean_and_runs_through_the_reference() {
+    use mla_diff::gguf::GgufFile;
+    use mla_diff::model::v4::{LayerKind, V4Config, V4Weights};
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("v4.gguf");
+    let ps = p.to_str().unwrap();
+    let args = ["fixture", "--preset", "deepseek-v4", "--layers", "3"];
+    let o = run(&[&args[..], &["--hidden", "256", "--heads", "8", "-o", ps]].concat());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let (code, j) = lint_json(&p, &[]);
+    assert_eq!(code, Some(0), "{j:#}");
+    assert!(
+        of(&j, "error").is_empty() && of(&j, "warning").is_empty(),
+        "{j:#}"
+    );
+    let f = GgufFile::open(&p).unwrap();
+    let c = V4Config::from_gguf(&f).unwrap();
+    assert_eq!((c.head_dim, c.rope_dim, c.q_lora_rank), (512, 64, 1024));
+    assert_eq!(
+        (c.o_groups, c.o_lora_rank, c.sliding_window),
+        (8, 1024, 128)
+    );
+    assert_eq!(c.kinds, [LayerKind::Window, LayerKind::Csa, LayerKind::Hca]);
+    let x = ndarray::Array2::from_shape_fn((9, 256), |(t, e)| {
+        ((t * 31 + e * 7) % 13) as f64 / 6.0 - 1.0
+    });
+    for l in 0..3 {
+        let w = V4Weights::load(&f, &c, l).unwrap();
+        let out = mla_diff::reference::v4::run_layer(&c, &w, l, x.view());
+        assert!(out.attn_out.iter().all(|v| v.is_finite()), "layer {l}");
+        assert_eq!(out.attn_out.dim(), (9, 256));
+    }
+    // MLA-only options are refused in one line.
+    assert_clean_error(
+        &run(&[&args[..], &["--legacy-kv-b", "-o", ps]].concat()),
+        "MLA options",
+    );
+}
