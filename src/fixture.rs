@@ -15,6 +15,7 @@ use crate::gguf::GgmlType;
 use crate::model::Arch;
 
 mod metadata;
+pub mod v4;
 mod values;
 mod write;
 

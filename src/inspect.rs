@@ -2,6 +2,7 @@
 
 use crate::error::Result;
 use crate::gguf::GgufFile;
+use crate::model::v4::{self, V4Config};
 use crate::model::MlaConfig;
 use serde_json::json;
 use std::fmt::Write;
@@ -51,6 +52,9 @@ fn shards_json(f: &GgufFile) -> serde_json::Value {
 
 /// The inspect report as JSON (stable keys; `schema_version` bumps on breaking change).
 pub fn inspect_json(f: &GgufFile) -> Result<serde_json::Value> {
+    if f.architecture() == Some(v4::ARCH) {
+        return v4_json(f);
+    }
     let cfg = MlaConfig::from_gguf(f)?;
     let layers: Vec<_> = (0..cfg.n_layer)
         .map(|l| json!({ "layer": l, "tensors": layer_tensors(f, l), "indexer_tensors": indexer_tensors(f, l) }))
@@ -86,6 +90,97 @@ pub fn inspect_json(f: &GgufFile) -> Result<serde_json::Value> {
             json!({ "kpool": k.kpool, "select_tail": k.select_tail, "full": k.full });
     }
     Ok(out)
+}
+
+/// Human-readable inspect report of any file `inspect` reads (MLA, DeepSeek-V4).
+pub fn text(f: &GgufFile) -> Result<String> {
+    if f.architecture() == Some(v4::ARCH) {
+        v4_text(f)
+    } else {
+        inspect_text(f)
+    }
+}
+
+/// A DeepSeek-V4 file's attention tensors of one layer, as stored.
+fn v4_layer_tensors(f: &GgufFile, c: &V4Config, layer: usize) -> Vec<serde_json::Value> {
+    c.attention_tensors(layer)
+        .iter()
+        .filter_map(|(n, _)| f.tensor(n))
+        .map(|t| json!({ "name": t.name, "type": t.ty.to_string(), "ne": t.ne, "bytes": t.n_bytes() }))
+        .collect()
+}
+
+/// `inspect --json` of a DeepSeek-V4 file: its `V4Config` and each layer's kind and attention tensors.
+fn v4_json(f: &GgufFile) -> Result<serde_json::Value> {
+    let c = V4Config::from_gguf(f)?;
+    let layers: Vec<_> = (0..c.n_layer)
+        .map(|l| json!({ "layer": l, "kind": c.kind(l), "tensors": v4_layer_tensors(f, &c, l) }))
+        .collect();
+    Ok(json!({
+        "schema_version": 1,
+        "file": f.path.display().to_string(),
+        "file_size": f.file_size,
+        "gguf_version": f.version,
+        "name": f.get("general.name").and_then(|v| v.as_str()),
+        "tensor_count": f.tensors.len(),
+        "shards": shards_json(f),
+        "architecture": v4::ARCH,
+        "deepseek_v4": c,
+        "cache_row": c.head_dim,
+        "layers": layers,
+    }))
+}
+
+/// `inspect` of a DeepSeek-V4 file.
+fn v4_text(f: &GgufFile) -> Result<String> {
+    let c = V4Config::from_gguf(f)?;
+    let name = f.get("general.name").and_then(|v| v.as_str());
+    let kinds: Vec<String> = c
+        .kinds
+        .iter()
+        .enumerate()
+        .map(|(l, k)| format!("{l}:{}", serde_json::to_value(k).unwrap().as_str().unwrap()))
+        .collect();
+    let compress = match &c.yarn {
+        Some(y) => format!(
+            "θ={}, YaRN factor {}, original context {}, β {}/{}, cos/sin × 1",
+            c.compress_rope_base, y.factor, y.original_context, y.beta_fast, y.beta_slow
+        ),
+        None => format!("θ={}, no scaling", c.compress_rope_base),
+    };
+    let e = &c.experts;
+    let opt = |v: Option<usize>| v.map_or("-".to_string(), |x| x.to_string());
+    let bytes: u64 = (0..c.n_layer)
+        .flat_map(|l| v4_layer_tensors(f, &c, l))
+        .filter_map(|t| t["bytes"].as_u64())
+        .sum();
+    let lines = [
+        format!(
+            "{}  GGUF v{}, {} tensors, {}",
+            f.path.display(),
+            f.version,
+            f.tensors.len(),
+            human_bytes(f.file_size)
+        ),
+        format!("name          {}", name.unwrap_or("(unnamed)")),
+        "architecture  deepseek4 (DeepSeek-V4: not latent MLA, one shared K = V head; docs/deepseek-v4.md)".into(),
+        format!("layers        {} (+{} MTP)  kinds {}", c.n_layer, c.nextn_predict_layers, kinds.join(" ")),
+        format!("hidden        {}   heads {}   head_dim {} = nope {} + rope {} (trailing, interleaved pairs); K = V, cache row {}",
+            c.hidden, c.n_head, c.head_dim, c.nope_dim(), c.rope_dim, c.head_dim),
+        format!("q_lora        {} (each head's q: RMSNorm without weight)", c.q_lora_rank),
+        format!("output        {} groups x o_lora {} (grouped low-rank o_proj)", c.o_groups, c.o_lora_rank),
+        format!("window        {} tokens", c.sliding_window),
+        format!("rope main     θ={} (window-only layers)", c.rope_base),
+        format!("rope compress {compress} (CSA/HCA layers, compressors, indexer)"),
+        format!("indexer       {} heads x {}, top_k {} (CSA layers)", c.indexer.n_head, c.indexer.head_dim, c.indexer.top_k),
+        format!("softmax scale {:.6} = 1/sqrt({}), a sink logit per head", c.softmax_scale, c.head_dim),
+        format!("rms eps       {:e}", c.rms_eps),
+        format!("hyper-conn.   {} streams, sinkhorn {}, eps {:e} (outside attention)", c.hc.count, c.hc.sinkhorn_iterations, c.hc.epsilon),
+        format!("experts       {} ({} used, ff {}, shared {}, gating func {}), hash layers {}",
+            opt(e.count), opt(e.used), opt(e.feed_forward_length), opt(e.shared), opt(e.gating_func), e.hash_layer_count),
+        format!("attention weights: {} in {} layers", human_bytes(bytes), c.n_layer),
+    ];
+    Ok(lines.join("\n") + "\n")
 }
 
 /// Human-readable inspect report.

@@ -88,6 +88,59 @@ pub const STAGES: [StageInfo; 13] = [
     StageInfo { stage: Stage::AttnOut, name: "attn_out", short: "out", axes: TOKEN_HIDDEN, phased: true, mirror_roundings: 20, after_q: true },
 ];
 
+/// DeepSeek-V4's stages (docs/deepseek-v4.md, "The math, in stages"), in dataflow order. V4 is not
+/// latent MLA, so its stages are a vocabulary of their own: `reference::v4` records them; the MLA
+/// stage table above (and every MLA report) is unchanged by them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub enum V4Stage {
+    /// RMSNorm(x)·attn_norm: `[token, hidden]`.
+    AttnIn,
+    /// RMSNorm(W_qa·attn_in)·q_a_norm (transformers' `q_residual`): `[token, q_lora]`.
+    QA,
+    /// Per head: unweighted RMSNorm of W_qb·q_a, rope on the trailing R: `[token, head, dim]`.
+    Q,
+    /// RMSNorm(W_kv·attn_in)·kv_norm, rope on the trailing R: the K = V row: `[token, dim]`.
+    CacheRows,
+    /// The compressed entries of the closed windows (CSA/HCA): `[entry, dim]`.
+    Compressed,
+    /// The CSA indexer's score of each entry for each query (−inf past the causal threshold).
+    IndexScores,
+    /// The CSA indexer's top-k entries per query (−1: none).
+    TopkIndices,
+    /// Attention over window rows, entries and the sink: `[token, head, dim]`.
+    AttnHeads,
+    /// Log-sum-exp per query and head, the sink included: `[token, head]`.
+    Lse,
+    /// attn_heads with the trailing R rotated back by −p: `[token, head, dim]`.
+    AttnDerot,
+    /// The grouped output projection: `[token, hidden]`.
+    AttnOut,
+}
+
+/// `(stage, name, axes)` of each V4 stage, in `V4Stage` order.
+pub const V4_STAGES: [(V4Stage, &str, &[&str]); 11] = [
+    (V4Stage::AttnIn, "attn_in", TOKEN_HIDDEN),
+    (V4Stage::QA, "q_a", &["token", "q_lora"]),
+    (V4Stage::Q, "q", TOKEN_HEAD_DIM),
+    (V4Stage::CacheRows, "cache_rows", TOKEN_DIM),
+    (V4Stage::Compressed, "compressed", &["entry", "dim"]),
+    (V4Stage::IndexScores, "index_scores", &["token", "entry"]),
+    (V4Stage::TopkIndices, "topk_indices", &["token", "k"]),
+    (V4Stage::AttnHeads, "attn_heads", TOKEN_HEAD_DIM),
+    (V4Stage::Lse, "lse", &["token", "head"]),
+    (V4Stage::AttnDerot, "attn_derot", TOKEN_HEAD_DIM),
+    (V4Stage::AttnOut, "attn_out", TOKEN_HIDDEN),
+];
+
+impl V4Stage {
+    pub fn name(self) -> &'static str {
+        V4_STAGES[self as usize].1
+    }
+    pub fn axes(self) -> &'static [&'static str] {
+        V4_STAGES[self as usize].2
+    }
+}
+
 impl Stage {
     /// All stages in dataflow order.
     pub const ALL: [Stage; 13] = {

@@ -4,10 +4,46 @@ use mla_diff::error::Error;
 use mla_diff::fixture::{self, Preset};
 use std::path::PathBuf;
 
+/// `--preset`: a catalogue MLA model, or DeepSeek-V4 (a kind of its own: `fixture::v4`).
+#[derive(Clone, Copy, Debug)]
+enum PresetArg {
+    Mla(Preset),
+    DeepseekV4,
+}
+
+const PRESET_ARGS: [PresetArg; 10] = [
+    PresetArg::Mla(Preset::ALL[0]),
+    PresetArg::Mla(Preset::ALL[1]),
+    PresetArg::Mla(Preset::ALL[2]),
+    PresetArg::Mla(Preset::ALL[3]),
+    PresetArg::Mla(Preset::ALL[4]),
+    PresetArg::Mla(Preset::ALL[5]),
+    PresetArg::Mla(Preset::ALL[6]),
+    PresetArg::Mla(Preset::ALL[7]),
+    PresetArg::Mla(Preset::ALL[8]),
+    PresetArg::DeepseekV4,
+];
+
+impl clap::ValueEnum for PresetArg {
+    fn value_variants<'a>() -> &'a [Self] {
+        &PRESET_ARGS
+    }
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        match self {
+            PresetArg::Mla(p) => p.to_possible_value(),
+            PresetArg::DeepseekV4 => {
+                Some(clap::builder::PossibleValue::new("deepseek-v4").help(
+                    "DeepSeek-V4-Flash attention (not MLA): window, CSA and HCA layers in turn",
+                ))
+            }
+        }
+    }
+}
+
 #[derive(clap::Args)]
 pub struct Args {
     #[arg(long, value_enum)]
-    preset: Preset,
+    preset: PresetArg,
     /// Number of layers (default: the model's).
     #[arg(long)]
     layers: Option<usize>,
@@ -46,8 +82,11 @@ impl Args {
                 fixture::quant_names().join(", ")
             ))
         })?;
+        let PresetArg::Mla(preset) = self.preset else {
+            unreachable!("deepseek-v4 is written by exec_v4")
+        };
         Ok(fixture::Options {
-            preset: self.preset,
+            preset,
             layers: self.layers,
             quant,
             seed: self.seed,
@@ -60,7 +99,35 @@ impl Args {
     }
 }
 
+/// `--preset deepseek-v4`: DeepSeek-V4-Flash's attention dims; the MLA-only options are refused.
+fn exec_v4(a: &Args) -> Result<i32, Error> {
+    if a.legacy_kv_b || a.q_lora_rank.is_some() || a.vocab.is_some() {
+        return Err(Error::Usage(
+            "--legacy-kv-b, --q-lora-rank and --vocab are MLA options; --preset deepseek-v4 takes --layers, --hidden, --heads, --quant (f32, f16, bf16) and --seed".into(),
+        ));
+    }
+    let quant = mla_diff::gguf::GgmlType::from_name(&a.quant)
+        .ok_or_else(|| Error::Usage(format!("--quant {}: unknown type", a.quant)))?;
+    let o = fixture::v4::V4Options {
+        layers: a.layers,
+        hidden: a.hidden,
+        heads: a.heads,
+        quant,
+        seed: a.seed,
+    };
+    let (n, bytes) = fixture::v4::write(&o, &a.output)?;
+    println!(
+        "wrote {}: {n} tensors, {:.1} MB",
+        a.output.display(),
+        bytes as f64 / 1e6
+    );
+    Ok(0)
+}
+
 pub fn exec(a: Args) -> Result<i32, Error> {
+    if matches!(a.preset, PresetArg::DeepseekV4) {
+        return exec_v4(&a);
+    }
     let spec = fixture::Spec::from_options(&a.options()?)?;
     let s = fixture::write(&spec, &a.output)?;
     let types: Vec<String> = s.types.iter().map(|(t, n)| format!("{n} {t}")).collect();

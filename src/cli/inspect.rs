@@ -31,7 +31,7 @@ pub fn exec(a: Args) -> Result<i32, Error> {
             serde_json::to_string_pretty(&inspect::inspect_json(&f)?).expect("json")
         );
     } else {
-        print!("{}", inspect::inspect_text(&f)?);
+        print!("{}", inspect::text(&f)?);
     }
     Ok(0)
 }

@@ -226,6 +226,21 @@ pub fn lint(path: &Path, opts: &Options) -> Result<LintReport> {
     let f = GgufFile::open(path)?;
     let mut out = Findings::default();
     let facts = model::lint(&f, &mut out)?;
+    if f.architecture() == Some(crate::model::v4::ARCH) {
+        if let Some(what) = [
+            opts.target.map(|_| "--backend cuda"),
+            opts.runner.as_ref().map(|_| "--runner"),
+        ]
+        .into_iter()
+        .flatten()
+        .next()
+        {
+            return Err(Error::Unsupported(format!(
+                "{}: lint {what}: no optimized path is built for DeepSeek-V4 (deepseek4) yet (#37, docs/deepseek-v4.md); `lint FILE` checks its keys and tensors",
+                path.display()
+            )));
+        }
+    }
     if let Some(t) = opts.target {
         kernel::lint(facts.cfg.as_ref(), t, opts, &mut out)?;
     }

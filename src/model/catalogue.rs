@@ -361,6 +361,9 @@ pub const CATALOGUE: [Entry; 9] = [
     },
 ];
 
+/// DeepSeek-V4 is a kind of its own (not latent MLA): its models' dims live with its config.
+pub use super::v4::{V4Model, V4_CATALOGUE};
+
 impl Preset {
     pub const ALL: [Preset; 9] = [
         Preset::DeepseekV3,

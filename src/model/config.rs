@@ -252,6 +252,20 @@ pub fn ranges(v: &[usize]) -> String {
     out.join(",")
 }
 
+/// The one line for a file whose architecture is not MLA; DeepSeek-V4's names what reads it.
+pub fn not_mla(f: &GgufFile, name: &str) -> Error {
+    if name == crate::model::v4::ARCH {
+        return crate::model::v4::not_built(f);
+    }
+    let known: Vec<&str> = Arch::ALL.iter().map(|(n, _)| *n).collect();
+    Error::Unsupported(format!(
+        "{}: architecture {} does not use Multi-head Latent Attention (MLA architectures: {})",
+        f.path.display(),
+        quote(name),
+        known.join(", ")
+    ))
+}
+
 fn key<'a>(f: &'a GgufFile, arch: &str, k: &str) -> Option<&'a Value> {
     f.get(&format!("{arch}.{k}"))
 }
@@ -339,15 +353,7 @@ impl MlaConfig {
                 f.path.display()
             ))
         })?;
-        let arch = Arch::from_gguf(name).ok_or_else(|| {
-            let known: Vec<&str> = Arch::ALL.iter().map(|(n, _)| *n).collect();
-            Error::Unsupported(format!(
-                "{}: architecture {} does not use Multi-head Latent Attention (MLA architectures: {})",
-                f.path.display(),
-                quote(name),
-                known.join(", ")
-            ))
-        })?;
+        let arch = Arch::from_gguf(name).ok_or_else(|| not_mla(f, name))?;
         let a = name;
         let block_count = req_u64(f, a, "block_count")?;
         // block_count also counts the NextN/MTP blocks the converter appends after the trunk (GLM-4.7-Flash,

@@ -5,6 +5,7 @@ pub mod config;
 pub mod indexer;
 pub mod rope_factors;
 pub mod synthetic;
+pub mod v4;
 pub mod weights;
 
 pub use config::{yarn_scales, Arch, HybridLayout, MlaConfig, RopeConfig, RopePairing, Yarn};

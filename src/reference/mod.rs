@@ -10,6 +10,7 @@ pub mod front;
 pub mod indexer;
 pub mod mha;
 pub mod sparse;
+pub mod v4;
 
 use crate::error::{Error, Result};
 use crate::model::{LayerWeights, MlaConfig, QProj};

@@ -86,7 +86,9 @@ fn every_shipped_file_lints_clean() {
     files.extend(gguf_files(&fixtures_dir().join("golden")));
     assert!(files.len() >= 14, "{files:?}");
     for f in &files {
-        let (code, j, err) = lint(f, &["--backend", "cuda"]);
+        // DeepSeek-V4 has no CUDA path yet (lint --backend cuda exits 2 on it: v4_reader.rs).
+        let v4 = f.ends_with("deepseek-v4.gguf");
+        let (code, j, err) = lint(f, if v4 { &[] } else { &["--backend", "cuda"] });
         consistent(code, &j);
         assert_eq!(code, Some(0), "{}: {err}", f.display());
         assert!(

@@ -47,3 +47,4 @@ mod shard;
 mod sizes;
 mod sweep;
 mod tp;
+mod v4_reader;

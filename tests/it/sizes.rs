@@ -25,7 +25,7 @@ const LONG_FNS: &[(&str, &str, usize)] = &[
     ("compare/noise.rs", "judge", 190),
     ("capture/mod.rs", "read_file", 190),
     ("backend/runner/sparse.rs", "sparse_prefill", 183),
-    ("model/config.rs", "from_gguf", 175),
+    ("model/config.rs", "from_gguf", 167),
     ("report/junit.rs", "render", 173),
     ("backend/runner/prefill.rs", "prefill", 153),
     ("fixture/metadata.rs", "metadata", 153),

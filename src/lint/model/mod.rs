@@ -16,9 +16,10 @@ mod layout;
 mod meta;
 mod rope;
 mod tensors;
+mod v4;
 
 use super::{Findings, Severity};
-use crate::error::{quote, Error, Result};
+use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::model::config::Arch;
 use crate::model::MlaConfig;
@@ -47,15 +48,12 @@ pub fn lint(f: &GgufFile, out: &mut Findings) -> Result<Facts> {
             f.path.display()
         ))
     })?;
-    let arch = Arch::from_gguf(arch_name).ok_or_else(|| {
-        let known: Vec<&str> = Arch::ALL.iter().map(|(n, _)| *n).collect();
-        Error::Unsupported(format!(
-            "{}: architecture {} does not use Multi-head Latent Attention (MLA architectures: {})",
-            f.path.display(),
-            quote(arch_name),
-            known.join(", ")
-        ))
-    })?;
+    if arch_name == crate::model::v4::ARCH {
+        v4::lint(f, out);
+        return Ok(Facts { cfg: None });
+    }
+    let arch =
+        Arch::from_gguf(arch_name).ok_or_else(|| crate::model::config::not_mla(f, arch_name))?;
     let m = Meta { f, arch: arch_name };
     dims::dims(&m, arch, out);
     rope::rope_and_scaling(&m, arch, out);

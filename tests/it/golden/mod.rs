@@ -10,6 +10,7 @@
 
 mod convention_errors;
 mod converter;
+mod v4;
 
 use crate::common::golden_per_layer;
 use mla_diff::compare::metrics::rel_l2;
