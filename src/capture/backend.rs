@@ -51,60 +51,8 @@ impl CaptureBackend {
         dtype: Dtype,
         tolerances: ToleranceTable,
     ) -> Result<CaptureBackend> {
-        let (cap0, c0) = &caps[0];
-        let m = &cap0.manifest;
-        let world = m.tp.world_size;
-        let mut ranks: Vec<(usize, Captured)> = Vec::new();
-        for (cap, c) in caps {
-            let tp = cap.manifest.tp;
-            let bad = |msg: String| Error::Usage(format!("capture {}: {msg}", cap.dir.display()));
-            if tp.world_size != world {
-                return Err(bad(format!(
-                    "tp.world_size {} but {} has {world}: captures of one run share it",
-                    tp.world_size,
-                    cap0.dir.display()
-                )));
-            }
-            if world > 1 {
-                crate::tp::slice::check_size(cfg, world)?;
-                let h = crate::tp::slice::heads(cfg, world, tp.rank);
-                if c.heads != h {
-                    return Err(bad(format!(
-                        "rank {} of {world} holds heads {}..{}, but an even split gives it {}..{}",
-                        tp.rank, c.heads.start, c.heads.end, h.start, h.end
-                    )));
-                }
-            } else if c.heads != (0..cfg.n_head) {
-                return Err(bad(format!(
-                    "holds heads {}..{} of the model's {} with tp.world_size 1",
-                    c.heads.start, c.heads.end, cfg.n_head
-                )));
-            }
-            if ranks.iter().any(|(r, _)| *r == tp.rank) {
-                return Err(bad(format!("a second capture of rank {}", tp.rank)));
-            }
-            if c.sched != c0.sched || c.inputs.keys().ne(c0.inputs.keys()) {
-                return Err(bad(format!(
-                    "request {} or its layers differ from {}'s",
-                    c.request,
-                    cap0.dir.display()
-                )));
-            }
-            // Every rank saw the same layer input; a difference means the captures are not of one run.
-            if let Some(l) = c
-                .inputs
-                .iter()
-                .find(|(l, x)| c0.inputs[*l] != **x)
-                .map(|(l, _)| *l)
-            {
-                return Err(bad(format!(
-                    "its x of layer {l} differs from {}'s: not the same run",
-                    cap0.dir.display()
-                )));
-            }
-            ranks.push((tp.rank, c.clone()));
-        }
-        ranks.sort_by_key(|(r, _)| *r);
+        let world = caps[0].0.manifest.tp.world_size;
+        let ranks = ranks(cfg, caps)?;
         let every = ranks
             .iter()
             .fold(StageSet::ALL, |s, (_, c)| s.intersect(c.provided));
@@ -116,64 +64,8 @@ impl CaptureBackend {
                 .filter(|&&s| every.contains(s))
                 .fold(StageSet::NONE, |s, &st| s.with(st))
         };
-        let mut engine = m.engine.name.clone();
-        if let Some(v) = &m.engine.version {
-            engine.push(' ');
-            engine.push_str(v);
-        }
-        if let Some(d) = &m.engine.detail {
-            engine.push_str(&format!(" ({d})"));
-        }
-        let lacks: Vec<&str> = names(StageSet::ALL.minus(every))
-            .into_iter()
-            .filter(|n| !matches!(*n, "split_out" | "split_lse"))
-            .collect();
-        let dirs: Vec<String> = caps
-            .iter()
-            .map(|(c, _)| c.dir.display().to_string())
-            .collect();
-        let has = names(every);
-        let mut notices = vec![format!(
-            "capture {} of {engine}, request {} ({} tokens, {} prefill): stages captured: x{}{}; not captured: {}",
-            dirs.join(", "),
-            c0.request,
-            c0.sched.total_tokens(),
-            c0.sched.prompt_len,
-            if has.is_empty() { "" } else { ", " },
-            has.join(", "),
-            if lacks.is_empty() { "none".to_string() } else { lacks.join(", ") },
-        )];
-        if !m.stage_dtypes.is_empty() {
-            let per: Vec<String> = m
-                .stage_dtypes
-                .iter()
-                .map(|(k, d)| format!("{k} {}", d.name()))
-                .collect();
-            notices.push(format!(
-                "capture: stored in {}, except {}: each stage bounded by its own type (end to end by the coarsest up to it)",
-                m.dtype.name(),
-                per.join(", ")
-            ));
-        }
-        if world > 1 {
-            let present: Vec<usize> = ranks.iter().map(|(r, _)| *r).collect();
-            notices.push(if ranks.len() == world {
-                format!(
-                    "capture: tensor parallel {world}, every rank captured: the ranks' heads gathered and their partial attn_out summed are compared with the whole layer, each rank with its own slice (tp section)"
-                )
-            } else {
-                format!(
-                    "capture: tensor parallel {world}, rank(s) {} captured: each compared as its slice of the heads (tp section); the whole layer only on the replicated stages ({})",
-                    crate::report::layer_list(&present),
-                    names(provided).join(", ")
-                )
-            });
-        }
-        if !c0.topk.is_empty() {
-            notices.push(
-                "capture: topk is the engine's DSA selection, checked against the reference's (dsa section) and its attention against fp64 over it".into(),
-            );
-        }
+        let engine = engine_name(&caps[0].0.manifest);
+        let notices = notices(caps, &ranks, every, provided, &engine);
         let results = ranks.iter().map(|(r, _)| (*r, Vec::new())).collect();
         Ok(CaptureBackend {
             ranks,
@@ -378,4 +270,140 @@ impl Backend for CaptureBackend {
             .get(t)
             .map(|(s, p)| format!("request {} step {s} position {p}", c.request))
     }
+}
+
+/// The captures as TP ranks, in rank order: each of the run's world size, holding its even split
+/// of the heads, once, of the same request and layers and the same layer inputs as the first.
+fn ranks(cfg: &MlaConfig, caps: &[(Capture, Captured)]) -> Result<Vec<(usize, Captured)>> {
+    let (cap0, c0) = &caps[0];
+    let world = cap0.manifest.tp.world_size;
+    let mut ranks: Vec<(usize, Captured)> = Vec::new();
+    for (cap, c) in caps {
+        let tp = cap.manifest.tp;
+        let bad = |msg: String| Error::Usage(format!("capture {}: {msg}", cap.dir.display()));
+        if tp.world_size != world {
+            return Err(bad(format!(
+                "tp.world_size {} but {} has {world}: captures of one run share it",
+                tp.world_size,
+                cap0.dir.display()
+            )));
+        }
+        if world > 1 {
+            crate::tp::slice::check_size(cfg, world)?;
+            let h = crate::tp::slice::heads(cfg, world, tp.rank);
+            if c.heads != h {
+                return Err(bad(format!(
+                    "rank {} of {world} holds heads {}..{}, but an even split gives it {}..{}",
+                    tp.rank, c.heads.start, c.heads.end, h.start, h.end
+                )));
+            }
+        } else if c.heads != (0..cfg.n_head) {
+            return Err(bad(format!(
+                "holds heads {}..{} of the model's {} with tp.world_size 1",
+                c.heads.start, c.heads.end, cfg.n_head
+            )));
+        }
+        if ranks.iter().any(|(r, _)| *r == tp.rank) {
+            return Err(bad(format!("a second capture of rank {}", tp.rank)));
+        }
+        if c.sched != c0.sched || c.inputs.keys().ne(c0.inputs.keys()) {
+            return Err(bad(format!(
+                "request {} or its layers differ from {}'s",
+                c.request,
+                cap0.dir.display()
+            )));
+        }
+        // Every rank saw the same layer input; a difference means the captures are not of one run.
+        if let Some(l) = c
+            .inputs
+            .iter()
+            .find(|(l, x)| c0.inputs[*l] != **x)
+            .map(|(l, _)| *l)
+        {
+            return Err(bad(format!(
+                "its x of layer {l} differs from {}'s: not the same run",
+                cap0.dir.display()
+            )));
+        }
+        ranks.push((tp.rank, c.clone()));
+    }
+    ranks.sort_by_key(|(r, _)| *r);
+    Ok(ranks)
+}
+
+/// The engine as the manifest names it: `name version (detail)`.
+fn engine_name(m: &super::Manifest) -> String {
+    let mut engine = m.engine.name.clone();
+    if let Some(v) = &m.engine.version {
+        engine.push(' ');
+        engine.push_str(v);
+    }
+    if let Some(d) = &m.engine.detail {
+        engine.push_str(&format!(" ({d})"));
+    }
+    engine
+}
+
+/// The run's notices: what was captured and not, the stored types, the TP ranks, the DSA selection.
+fn notices(
+    caps: &[(Capture, Captured)],
+    ranks: &[(usize, Captured)],
+    every: StageSet,
+    provided: StageSet,
+    engine: &str,
+) -> Vec<String> {
+    let (cap0, c0) = &caps[0];
+    let m = &cap0.manifest;
+    let world = m.tp.world_size;
+    let lacks: Vec<&str> = names(StageSet::ALL.minus(every))
+        .into_iter()
+        .filter(|n| !matches!(*n, "split_out" | "split_lse"))
+        .collect();
+    let dirs: Vec<String> = caps
+        .iter()
+        .map(|(c, _)| c.dir.display().to_string())
+        .collect();
+    let has = names(every);
+    let mut notices = vec![format!(
+        "capture {} of {engine}, request {} ({} tokens, {} prefill): stages captured: x{}{}; not captured: {}",
+        dirs.join(", "),
+        c0.request,
+        c0.sched.total_tokens(),
+        c0.sched.prompt_len,
+        if has.is_empty() { "" } else { ", " },
+        has.join(", "),
+        if lacks.is_empty() { "none".to_string() } else { lacks.join(", ") },
+    )];
+    if !m.stage_dtypes.is_empty() {
+        let per: Vec<String> = m
+            .stage_dtypes
+            .iter()
+            .map(|(k, d)| format!("{k} {}", d.name()))
+            .collect();
+        notices.push(format!(
+            "capture: stored in {}, except {}: each stage bounded by its own type (end to end by the coarsest up to it)",
+            m.dtype.name(),
+            per.join(", ")
+        ));
+    }
+    if world > 1 {
+        let present: Vec<usize> = ranks.iter().map(|(r, _)| *r).collect();
+        notices.push(if ranks.len() == world {
+            format!(
+                "capture: tensor parallel {world}, every rank captured: the ranks' heads gathered and their partial attn_out summed are compared with the whole layer, each rank with its own slice (tp section)"
+            )
+        } else {
+            format!(
+                "capture: tensor parallel {world}, rank(s) {} captured: each compared as its slice of the heads (tp section); the whole layer only on the replicated stages ({})",
+                crate::report::layer_list(&present),
+                names(provided).join(", ")
+            )
+        });
+    }
+    if !c0.topk.is_empty() {
+        notices.push(
+            "capture: topk is the engine's DSA selection, checked against the reference's (dsa section) and its attention against fp64 over it".into(),
+        );
+    }
+    notices
 }

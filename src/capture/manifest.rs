@@ -225,6 +225,15 @@ impl Manifest {
 
     /// The manifest's own consistency (everything that does not need the model or the files).
     fn check(&self) -> std::result::Result<(), String> {
+        self.check_header()?;
+        self.check_requests()?;
+        let steps = self.check_steps()?;
+        self.check_layers(&steps)?;
+        self.check_stage_names()
+    }
+
+    /// The engine is named, the model identity is a SHA-256, the TP rank and heads are in range.
+    fn check_header(&self) -> std::result::Result<(), String> {
         if self.engine.name.is_empty() {
             return Err("engine.name is empty".into());
         }
@@ -251,6 +260,12 @@ impl Manifest {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// At least one request; ids unique, each with as many positions as tokens, contiguous, and a
+    /// prefill within them.
+    fn check_requests(&self) -> std::result::Result<(), String> {
         if self.requests.is_empty() {
             return Err("no requests".into());
         }
@@ -285,6 +300,11 @@ impl Manifest {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// Step numbers unique, each row a position of a listed request. Returns the step numbers.
+    fn check_steps(&self) -> std::result::Result<std::collections::BTreeSet<u64>, String> {
         let mut steps = std::collections::BTreeSet::new();
         for s in &self.steps {
             if !steps.insert(s.step) {
@@ -305,6 +325,15 @@ impl Manifest {
                 }
             }
         }
+        Ok(steps)
+    }
+
+    /// Each layer file of a listed step, listed once, a relative path inside the folder, naming
+    /// stages of the vocabulary.
+    fn check_layers(
+        &self,
+        steps: &std::collections::BTreeSet<u64>,
+    ) -> std::result::Result<(), String> {
         let mut seen = std::collections::BTreeSet::new();
         for l in &self.layers {
             if !steps.contains(&l.step) {
@@ -335,6 +364,12 @@ impl Manifest {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// `stage_dtypes` (format version 2) and `names` name stages of the vocabulary; the cache has one
+    /// type.
+    fn check_stage_names(&self) -> std::result::Result<(), String> {
         if !self.stage_dtypes.is_empty() && self.version < 2 {
             return Err("stage_dtypes needs format version 2".into());
         }

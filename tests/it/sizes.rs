@@ -17,38 +17,26 @@ const MAX_FILE: usize = 600;
 const LONG_FNS: &[(&str, &str, usize)] = &[
     ("tools/validate.rs", "run", 380),
     ("fuzz/mutate.rs", "mutate_doc", 276),
-    ("capture/flashinfer/mod.rs", "wrapper_run", 216),
-    ("backend/runner/sparse_decode.rs", "sparse_decode", 224),
     ("tools/check.rs", "kernels_check", 203),
-    ("capture/flashinfer/mod.rs", "decode_call", 181),
     ("inspect.rs", "inspect_text", 198),
     ("compare/noise.rs", "judge", 190),
-    ("capture/mod.rs", "read_file", 190),
-    ("backend/runner/sparse.rs", "sparse_prefill", 183),
     ("model/config.rs", "from_gguf", 167),
     ("report/junit.rs", "render", 173),
-    ("backend/runner/prefill.rs", "prefill", 153),
     ("fixture/metadata.rs", "metadata", 153),
     ("report/svg.rs", "render", 151),
-    ("capture/manifest.rs", "check", 150),
     ("backend/cpu/mod.rs", "run_layer", 142),
     ("report/markdown.rs", "render", 142),
-    ("capture/backend.rs", "new", 141),
     ("sweep/mod.rs", "sweep_lengths", 138),
     ("fuzz/mod.rs", "supervise", 137),
-    ("capture/mod.rs", "read", 129),
-    ("capture/flashinfer/mod.rs", "check", 128),
     ("sweep/render.rs", "table", 127),
     ("report/table.rs", "render", 121),
 ];
 
 /// Files over `MAX_FILE` lines: (file under src/, its length now).
 const LONG_FILES: &[(&str, usize)] = &[
-    ("capture/flashinfer/mod.rs", 1144),
     ("kv_format.rs", 682),
     ("coverage/mod.rs", 619),
     ("compare/mod.rs", 616),
-    ("capture/mod.rs", 605),
 ];
 
 /// `(name, first line (1-based), length)` of each function of `src`.

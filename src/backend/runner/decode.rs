@@ -1,17 +1,17 @@
 //! The decode op: the absorbed query over the paged latent cache, one request per layer with one batch
 //! entry per decode step (each with its own pages, as an engine's batch of requests at different lengths).
 
-use super::local;
+use super::local::{self, Yardstick};
 use super::protocol::{LseBase, SplitPartition};
 use super::tensors::{floats, ints, Named, Output};
-use super::{missing, set, RunnerBackend};
+use super::{missing, set, stage, RunnerBackend};
 use crate::backend::cpu::front::MirrorWeights;
 use crate::backend::cpu::ops::round_all;
 use crate::backend::LayerCtx;
 use crate::error::Result;
 use crate::kv_format::{tensor_scale, Codec, KvFormat};
 use crate::precision::Dtype;
-use crate::trace::{AtRunner, LayerTrace, Stage, StageTensor};
+use crate::trace::{AtRunner, LayerTrace, Stage};
 use ndarray::{s, Array3};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -115,6 +115,89 @@ pub(crate) fn local_attention(
     l
 }
 
+/// The decode steps as the entries of one request: entry `b` is step `b`, its queries `q_abs`
+/// `[s_q, H, Lkv]` and `q_pe` (the decode rows) `[s_q, H, R]`, its keys the cache as it stood after the
+/// step's rows were written.
+pub(super) fn step_entries(ctx: &LayerCtx, q_abs: &[f64], q_pe: &[f64]) -> Vec<Entry> {
+    let (cfg, sched) = (ctx.cfg, ctx.sched);
+    let (h, lkv, r) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_rope);
+    let (s_q, prompt) = (sched.q_len, sched.prompt_len);
+    (0..sched.decode_steps)
+        .map(|b| Entry {
+            q_nope: q_abs[b * s_q * h * lkv..(b + 1) * s_q * h * lkv].to_vec(),
+            q_pe: q_pe[b * s_q * h * r..(b + 1) * s_q * h * r].to_vec(),
+            keys: (0..prompt + (b + 1) * s_q).map(Some).collect(),
+        })
+        .collect()
+}
+
+/// The paged latent cache a decode request carries, `[total pages, page_size, Lkv + R]`: each
+/// entry's keys in its own pages, taken in an order shuffled by `seed` (the schedule's, salted per
+/// op) as an engine's pages are, and one spare page; every slot no key is written to is NaN.
+pub(super) struct Paged {
+    pub pool: Vec<f32>,
+    /// Per entry, its physical pages in order.
+    pub tables: Vec<Vec<usize>>,
+    pub total: usize,
+    /// The spare page, all NaN: where an entry's unused table slots point.
+    pub spare: usize,
+}
+
+impl Paged {
+    pub(super) fn new(
+        entries: &[Entry],
+        page: usize,
+        row: usize,
+        rows: &[f64],
+        seed: Option<u64>,
+    ) -> Paged {
+        let pages: Vec<usize> = entries
+            .iter()
+            .map(|e| e.keys.len().div_ceil(page))
+            .collect();
+        let total = pages.iter().sum::<usize>() + 1;
+        let mut phys: Vec<usize> = (0..total).collect();
+        if let Some(seed) = seed {
+            phys.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
+        }
+        let mut pool = vec![f32::NAN; total * page * row];
+        let mut tables = Vec::with_capacity(entries.len());
+        let mut next = 0;
+        for (b, e) in entries.iter().enumerate() {
+            let mut table = Vec::with_capacity(pages[b]);
+            for p in 0..pages[b] {
+                let ph = phys[next];
+                next += 1;
+                table.push(ph);
+                for j in p * page..((p + 1) * page).min(e.keys.len()) {
+                    let Some(k) = e.keys[j] else { continue };
+                    let dst = (ph * page + j % page) * row;
+                    for (d, &v) in pool[dst..dst + row]
+                        .iter_mut()
+                        .zip(&rows[k * row..(k + 1) * row])
+                    {
+                        *d = v as f32;
+                    }
+                }
+            }
+            tables.push(table);
+        }
+        Paged {
+            pool,
+            tables,
+            total,
+            spare: phys[total - 1],
+        }
+    }
+}
+
+/// The decode rows `v` `[D, H]` as the run's `lse` `[T, H]`, the prompt rows 0.
+pub(super) fn decode_lse(v: &[f64], prompt: usize, h: usize) -> Vec<f64> {
+    let mut f = vec![0.0; prompt * h + v.len()];
+    f[prompt * h..].copy_from_slice(v);
+    f
+}
+
 impl RunnerBackend {
     /// Send one decode request of `entries` (each `s_q` queries; keys in their own shuffled pages, one
     /// spare page of NaN where unused table slots point) and read the reply.
@@ -129,35 +212,18 @@ impl RunnerBackend {
         let (h, lkv, r, page) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_rope, sched.page_size);
         let row = lkv + r;
         let b_n = entries.len();
-        let pages: Vec<usize> = entries
-            .iter()
-            .map(|e| e.keys.len().div_ceil(page))
-            .collect();
-        let total = pages.iter().sum::<usize>() + 1;
-        let mut phys: Vec<usize> = (0..total).collect();
-        if let Some(seed) = sched.shuffle_seed {
-            phys.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed ^ 0x52554e));
-        }
-        let poison = phys[total - 1];
-        let max_pages = pages.iter().copied().max().unwrap_or(0).max(1);
-        let mut table = vec![poison as i32; b_n * max_pages];
-        let mut pool = vec![f32::NAN; total * page * row];
-        let mut next = 0;
-        for (b, e) in entries.iter().enumerate() {
-            for p in 0..pages[b] {
-                let ph = phys[next];
-                next += 1;
+        let seed = sched.shuffle_seed.map(|s| s ^ 0x52554e);
+        let Paged {
+            pool,
+            tables,
+            total,
+            spare,
+        } = Paged::new(entries, page, row, rows, seed);
+        let max_pages = tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let mut table = vec![spare as i32; b_n * max_pages];
+        for (b, t) in tables.iter().enumerate() {
+            for (p, &ph) in t.iter().enumerate() {
                 table[b * max_pages + p] = ph as i32;
-                for j in p * page..((p + 1) * page).min(e.keys.len()) {
-                    let Some(k) = e.keys[j] else { continue };
-                    let dst = (ph * page + j % page) * row;
-                    for (d, &v) in pool[dst..dst + row]
-                        .iter_mut()
-                        .zip(&rows[k * row..(k + 1) * row])
-                    {
-                        *d = v as f32;
-                    }
-                }
             }
         }
         let cat = |f: fn(&Entry) -> &Vec<f64>| -> Vec<f32> {
@@ -250,27 +316,11 @@ impl RunnerBackend {
         let (h, lkv, r) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_rope);
         let (b_n, s_q, prompt) = (sched.decode_steps, sched.q_len, sched.prompt_len);
         let row = lkv + r;
-        let get = |st: Stage| {
-            tr.get(st)
-                .map(|t| t.data.clone())
-                .ok_or_else(|| missing(st))
-        };
-        let q_abs = get(Stage::QAbsorbed)?;
-        let q_pe_all = get(Stage::QPe)?;
-        let rows = self.encode_cache(lkv, r, get(Stage::CacheRows)?);
+        let q_abs = stage(tr, Stage::QAbsorbed)?;
+        let q_pe_all = stage(tr, Stage::QPe)?;
+        let rows = self.encode_cache(lkv, r, stage(tr, Stage::CacheRows)?);
         let q_pe = &q_pe_all[prompt * h * r..];
-
-        // Entry b is step b, with the cache as it stood after that step's rows were written.
-        let seqlens: Vec<usize> = (0..b_n).map(|b| prompt + (b + 1) * s_q).collect();
-        let entries: Vec<Entry> = seqlens
-            .iter()
-            .enumerate()
-            .map(|(b, &l)| Entry {
-                q_nope: q_abs[b * s_q * h * lkv..(b + 1) * s_q * h * lkv].to_vec(),
-                q_pe: q_pe[b * s_q * h * r..(b + 1) * s_q * h * r].to_vec(),
-                keys: (0..l).map(Some).collect(),
-            })
-            .collect();
+        let entries = step_entries(ctx, &q_abs, q_pe);
         let ret = self.send_decode(ctx, &entries, s_q, &rows)?;
         let (lat, lse) = (&ret.lat, &ret.lse);
         let own = self.desc.decode_partition() == SplitPartition::Own;
@@ -287,56 +337,43 @@ impl RunnerBackend {
             l_sout.extend(l.sout);
             l_slse.extend(l.slse);
         }
-        let terms = (seqlens[b_n - 1]) * row;
+        let terms = entries[b_n - 1].keys.len() * row;
         let t_all = sched.total_tokens();
-        let tol = |o: &str| local::tolerance(dt.name(), o, terms);
-        at.push(AtRunner {
-            check: "attn_latent".into(),
-            reference: StageTensor::new(Stage::AttnLatent, vec![d_n, h, lkv], l_out),
-            optimized: StageTensor::new(Stage::AttnLatent, vec![d_n, h, lkv], lat.data.clone()),
-            tolerance: tol(lat.dtype),
-            out_dtype: lat.dtype,
-        });
-        let full = |v: &[f64]| {
-            let mut f = vec![0.0; t_all * h];
-            f[prompt * h..].copy_from_slice(v);
-            StageTensor::new(Stage::Lse, vec![t_all, h], f)
-        };
-        at.push(AtRunner {
-            check: "lse[decode]".into(),
-            reference: full(&l_lse),
-            optimized: full(lse),
-            tolerance: tol(ret.lse_dtype),
-            out_dtype: ret.lse_dtype,
-        });
+        let y = Yardstick { dtype: dt, terms };
+        at.push(y.check(
+            "attn_latent",
+            Stage::AttnLatent,
+            &[d_n, h, lkv],
+            [l_out, lat.data.clone()],
+            lat.dtype,
+        ));
+        at.push(y.check(
+            "lse[decode]",
+            Stage::Lse,
+            &[t_all, h],
+            [decode_lse(&l_lse, prompt, h), decode_lse(lse, prompt, h)],
+            ret.lse_dtype,
+        ));
         match &ret.split {
             Some((so, sl_nat, sl_dtype, _)) if !own => {
                 let (mut so_data, mut sl_nat, sl_dtype) =
                     (so.data.clone(), sl_nat.clone(), *sl_dtype);
                 self.unwritten_splits +=
                     empty_splits(&l_slse, &mut sl_nat, &mut so_data, splits, lkv);
-                at.push(AtRunner {
-                    check: "split_out".into(),
-                    reference: StageTensor::new(Stage::SplitOut, vec![d_n, h, splits, lkv], l_sout),
-                    optimized: StageTensor::new(
-                        Stage::SplitOut,
-                        vec![d_n, h, splits, lkv],
-                        so_data.clone(),
-                    ),
-                    tolerance: tol(so.dtype),
-                    out_dtype: so.dtype,
-                });
-                at.push(AtRunner {
-                    check: "split_lse".into(),
-                    reference: StageTensor::new(Stage::SplitLse, vec![d_n, h, splits], l_slse),
-                    optimized: StageTensor::new(
-                        Stage::SplitLse,
-                        vec![d_n, h, splits],
-                        sl_nat.clone(),
-                    ),
-                    tolerance: tol(sl_dtype),
-                    out_dtype: sl_dtype,
-                });
+                at.push(y.check(
+                    "split_out",
+                    Stage::SplitOut,
+                    &[d_n, h, splits, lkv],
+                    [l_sout, so_data.clone()],
+                    so.dtype,
+                ));
+                at.push(y.check(
+                    "split_lse",
+                    Stage::SplitLse,
+                    &[d_n, h, splits],
+                    [l_slse, sl_nat.clone()],
+                    sl_dtype,
+                ));
                 set(tr, Stage::SplitOut, so_data)?;
                 set(tr, Stage::SplitLse, sl_nat)?;
             }

@@ -1,7 +1,9 @@
 //! fp64 attention from exactly the tensors a runner was given: the yardstick of the `@runner` checks,
 //! where upstream rounding cancels and only the runner's own error is left.
 
+use crate::precision::Dtype;
 use crate::tolerance::Tolerance;
+use crate::trace::{AtRunner, Stage, StageTensor};
 
 /// One query's fp64 attention over `keys` (`score(j)` already scaled, `value(j)` its value row).
 /// No key: out 0, lse −inf.
@@ -68,6 +70,34 @@ pub fn tolerance(run_dtype: &str, out_dtype: &str, terms: usize) -> Tolerance {
         rel_l2: 4.0 * u,
         atol_rms: 16.0 * u,
         rtol: 4.0 * u,
+    }
+}
+
+/// The bound every `@runner` check of one op shares: the run's storage type and the number of
+/// products behind each output (`tolerance`'s `terms`).
+pub(crate) struct Yardstick {
+    pub dtype: Dtype,
+    pub terms: usize,
+}
+
+impl Yardstick {
+    /// The `@runner` check `name`: the runner's output (`[reference, optimized]`, the fp64 from its
+    /// inputs first) of `stage` in `shape`, judged at the bound of `out_dtype`, the type it came in.
+    pub(crate) fn check(
+        &self,
+        name: &str,
+        stage: Stage,
+        shape: &[usize],
+        [reference, optimized]: [Vec<f64>; 2],
+        out_dtype: &'static str,
+    ) -> AtRunner {
+        AtRunner {
+            check: name.into(),
+            reference: StageTensor::new(stage, shape.to_vec(), reference),
+            optimized: StageTensor::new(stage, shape.to_vec(), optimized),
+            tolerance: tolerance(self.dtype.name(), out_dtype, self.terms),
+            out_dtype,
+        }
     }
 }
 

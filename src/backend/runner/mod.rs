@@ -352,6 +352,13 @@ fn missing(st: Stage) -> Error {
     ))
 }
 
+/// A stage's values as the inner path under the runner computed them: what an op sends.
+fn stage(tr: &LayerTrace, st: Stage) -> Result<Vec<f64>> {
+    tr.get(st)
+        .map(|t| t.data.clone())
+        .ok_or_else(|| missing(st))
+}
+
 fn set(tr: &mut LayerTrace, st: Stage, data: Vec<f64>) -> Result<()> {
     let t = tr.get_mut(st).ok_or_else(|| missing(st))?;
     debug_assert_eq!(t.data.len(), data.len());
