@@ -187,10 +187,16 @@ fn v4_text(f: &GgufFile) -> Result<String> {
 pub fn inspect_text(f: &GgufFile) -> Result<String> {
     let c = MlaConfig::from_gguf(f)?;
     let mut s = String::new();
-    let name = f
-        .get("general.name")
-        .and_then(|v| v.as_str())
-        .unwrap_or("(unnamed)");
+    file_lines(&mut s, f);
+    config_lines(&mut s, f, &c);
+    sparse_lines(&mut s, f, &c)?;
+    writeln!(s).ok();
+    tensor_table(&mut s, f, &c);
+    Ok(s)
+}
+
+/// The file, its GGUF version and size, and its shards.
+fn file_lines(s: &mut String, f: &GgufFile) {
     writeln!(
         s,
         "{}  GGUF v{}, {} tensors, {}",
@@ -214,6 +220,14 @@ pub fn inspect_text(f: &GgufFile) -> Result<String> {
             .ok();
         }
     }
+}
+
+/// The attention's configuration: dims, rope, norms, softmax scale.
+fn config_lines(s: &mut String, f: &GgufFile, c: &MlaConfig) {
+    let name = f
+        .get("general.name")
+        .and_then(|v| v.as_str())
+        .unwrap_or("(unnamed)");
     writeln!(
         s,
         "model         {name}  (architecture {})",
@@ -287,6 +301,10 @@ pub fn inspect_text(f: &GgufFile) -> Result<String> {
         c.qk_head_dim()
     )
     .ok();
+}
+
+/// Hybrid layouts (which layers are MLA), NoPE, and the DSA indexer with glm5-next's k-pool.
+fn sparse_lines(s: &mut String, f: &GgufFile, c: &MlaConfig) -> Result<()> {
     if let Some(h) = crate::model::HybridLayout::from_gguf(f)? {
         writeln!(
             s,
@@ -342,7 +360,11 @@ pub fn inspect_text(f: &GgufFile) -> Result<String> {
         )
         .ok();
     }
-    writeln!(s).ok();
+    Ok(())
+}
+
+/// Every attention (and indexer) tensor of every layer, and the attention weights' total.
+fn tensor_table(s: &mut String, f: &GgufFile, c: &MlaConfig) {
     writeln!(
         s,
         "{:<32} {:>8} {:>22} {:>14}",
@@ -380,7 +402,6 @@ pub fn inspect_text(f: &GgufFile) -> Result<String> {
         c.n_layer
     )
     .ok();
-    Ok(s)
 }
 
 /// One loaded weight's L2 norm.

@@ -355,26 +355,7 @@ impl MlaConfig {
         })?;
         let arch = Arch::from_gguf(name).ok_or_else(|| not_mla(f, name))?;
         let a = name;
-        let block_count = req_u64(f, a, "block_count")?;
-        // block_count also counts the NextN/MTP blocks the converter appends after the trunk (GLM-4.7-Flash,
-        // GLM-5: nextn_predict_layers = 1); llama.cpp's n_layer() and the model's forward run the trunk only.
-        let nextn = opt_u64(f, a, "nextn_predict_layers")?.unwrap_or(0);
-        if nextn > 0 && nextn >= block_count {
-            return Err(Error::Unsupported(format!(
-                "{}: nextn_predict_layers {nextn} leaves no trunk layers of block_count {block_count} (an MTP-only file?)",
-                f.path.display()
-            )));
-        }
-        let n_layer = block_count - nextn;
-        // Bound the layer count by what the file can hold before anything loops over layers: every
-        // layer has its own attention tensors, so a file cannot have more layers than tensors.
-        if n_layer > f.tensors.len() {
-            return Err(Error::Unsupported(format!(
-                "{}: block_count {block_count} is impossible: the file has only {} tensors, and every layer needs its own attention tensors",
-                f.path.display(),
-                f.tensors.len()
-            )));
-        }
+        let n_layer = layer_count(f, a)?;
         let hidden = req_u64(f, a, "embedding_length")?;
         let n_head = req_u64(f, a, "attention.head_count")?;
         let n_head_kv = match HybridLayout::from_gguf(f)? {
@@ -385,30 +366,7 @@ impl MlaConfig {
         let kv_lora_rank = req_u64(f, a, "attention.kv_lora_rank")?;
         let q_lora_rank = opt_u64(f, a, "attention.q_lora_rank")?.filter(|&r| r > 0);
         let qk_rope = req_u64(f, a, "rope.dimension_count")?;
-        let k_mla = opt_u64(f, a, "attention.key_length_mla")?;
-        let v_mla = opt_u64(f, a, "attention.value_length_mla")?;
-        let (qk, v_head_dim, mla_keys) = match (k_mla, v_mla) {
-            (Some(k), Some(v)) => (k, v, true),
-            // llama.cpp defaults both head sizes to n_embd / n_head when the key is absent; the MiniCPM3
-            // converter relies on that and writes no value_length (conversion/minicpm.py).
-            (None, None) => {
-                let default = (n_head > 0 && hidden % n_head == 0).then(|| hidden / n_head);
-                let head = |k: &str| -> Result<usize> {
-                    match (opt_u64(f, a, k)?, default) {
-                        (Some(v), _) => Ok(v),
-                        (None, Some(d)) => Ok(d),
-                        (None, None) => req_u64(f, a, k),
-                    }
-                };
-                (head("attention.key_length")?, head("attention.value_length")?, false)
-            }
-            _ => {
-                return Err(Error::Unsupported(format!(
-                    "{}: only one of {a}.attention.key_length_mla / value_length_mla is present (llama.cpp needs both or neither)",
-                    f.path.display()
-                )))
-            }
-        };
+        let (qk, v_head_dim, mla_keys) = head_dims(f, a, hidden, n_head)?;
         let bad = |msg: String| Error::Unsupported(format!("{}: {msg}", f.path.display()));
         if n_layer == 0 || hidden == 0 || n_head == 0 || kv_lora_rank == 0 || v_head_dim == 0 {
             return Err(bad(format!(
@@ -451,31 +409,7 @@ impl MlaConfig {
         let rms_eps = opt_f64(f, a, "attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6);
         let base = opt_f64(f, a, "rope.freq_base")?.unwrap_or(10000.0);
 
-        let scaling = key(f, a, "rope.scaling.type")
-            .and_then(|v| v.as_str())
-            .unwrap_or("none")
-            .to_string();
-        let factor = opt_f64(f, a, "rope.scaling.factor")?.unwrap_or(1.0);
-        let yarn = if scaling == "yarn" && factor > 1.0 {
-            let raw = opt_f64(f, a, "rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0);
-            // TAG_DEEPSEEK2_YARN_LOG_MUL_FIX: the converter stores 0.1·mscale_all_dim; llama.cpp divides by 0.1.
-            // In f32 as llama.cpp does (`rope_yarn_log_mul /= 0.1f`), so 0.1f gives exactly 1.
-            let mscale_all_dim = (raw as f32 / 0.1f32) as f64;
-            Some(Yarn {
-                factor,
-                original_context: opt_u64(f, a, "rope.scaling.original_context_length")?
-                    .unwrap_or(4096) as u64,
-                mscale_all_dim,
-                log_multiplier_raw: raw,
-                beta_fast: opt_f64(f, a, "rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
-                beta_slow: opt_f64(f, a, "rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
-                ext_factor: opt_f64(f, a, "rope.scaling.yarn_ext_factor")?
-                    .filter(|&e| e >= 0.0)
-                    .unwrap_or(1.0),
-            })
-        } else {
-            None
-        };
+        let yarn = yarn_of(f, a)?;
         let rope_attn_factor = opt_f64(f, a, "rope.scaling.attn_factor")?.unwrap_or(1.0);
         let (attn_factor, mscale) = yarn_scales(arch, yarn.as_ref(), rope_attn_factor);
         let softmax_scale = mscale * mscale / (qk as f64).sqrt();
@@ -513,6 +447,88 @@ impl MlaConfig {
             vocab_size,
         })
     }
+}
+
+/// The trunk's layer count: `block_count` less the NextN/MTP blocks, bounded by the tensor count.
+fn layer_count(f: &GgufFile, a: &str) -> Result<usize> {
+    let block_count = req_u64(f, a, "block_count")?;
+    // block_count also counts the NextN/MTP blocks the converter appends after the trunk (GLM-4.7-Flash,
+    // GLM-5: nextn_predict_layers = 1); llama.cpp's n_layer() and the model's forward run the trunk only.
+    let nextn = opt_u64(f, a, "nextn_predict_layers")?.unwrap_or(0);
+    if nextn > 0 && nextn >= block_count {
+        return Err(Error::Unsupported(format!(
+            "{}: nextn_predict_layers {nextn} leaves no trunk layers of block_count {block_count} (an MTP-only file?)",
+            f.path.display()
+        )));
+    }
+    let n_layer = block_count - nextn;
+    // Bound the layer count by what the file can hold before anything loops over layers: every
+    // layer has its own attention tensors, so a file cannot have more layers than tensors.
+    if n_layer > f.tensors.len() {
+        return Err(Error::Unsupported(format!(
+            "{}: block_count {block_count} is impossible: the file has only {} tensors, and every layer needs its own attention tensors",
+            f.path.display(),
+            f.tensors.len()
+        )));
+    }
+    Ok(n_layer)
+}
+
+/// `(qk head dim, v head dim, whether from the *_mla keys)`.
+fn head_dims(f: &GgufFile, a: &str, hidden: usize, n_head: usize) -> Result<(usize, usize, bool)> {
+    let k_mla = opt_u64(f, a, "attention.key_length_mla")?;
+    let v_mla = opt_u64(f, a, "attention.value_length_mla")?;
+    Ok(match (k_mla, v_mla) {
+        (Some(k), Some(v)) => (k, v, true),
+        // llama.cpp defaults both head sizes to n_embd / n_head when the key is absent; the MiniCPM3
+        // converter relies on that and writes no value_length (conversion/minicpm.py).
+        (None, None) => {
+            let default = (n_head > 0 && hidden % n_head == 0).then(|| hidden / n_head);
+            let head = |k: &str| -> Result<usize> {
+                match (opt_u64(f, a, k)?, default) {
+                    (Some(v), _) => Ok(v),
+                    (None, Some(d)) => Ok(d),
+                    (None, None) => req_u64(f, a, k),
+                }
+            };
+            (head("attention.key_length")?, head("attention.value_length")?, false)
+        }
+        _ => {
+            return Err(Error::Unsupported(format!(
+                "{}: only one of {a}.attention.key_length_mla / value_length_mla is present (llama.cpp needs both or neither)",
+                f.path.display()
+            )))
+        }
+    })
+}
+
+/// YaRN's parameters where the file scales rope by YaRN with a factor above 1.
+fn yarn_of(f: &GgufFile, a: &str) -> Result<Option<Yarn>> {
+    let scaling = key(f, a, "rope.scaling.type")
+        .and_then(|v| v.as_str())
+        .unwrap_or("none")
+        .to_string();
+    let factor = opt_f64(f, a, "rope.scaling.factor")?.unwrap_or(1.0);
+    Ok(if scaling == "yarn" && factor > 1.0 {
+        let raw = opt_f64(f, a, "rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0);
+        // TAG_DEEPSEEK2_YARN_LOG_MUL_FIX: the converter stores 0.1·mscale_all_dim; llama.cpp divides by 0.1.
+        // In f32 as llama.cpp does (`rope_yarn_log_mul /= 0.1f`), so 0.1f gives exactly 1.
+        let mscale_all_dim = (raw as f32 / 0.1f32) as f64;
+        Some(Yarn {
+            factor,
+            original_context: opt_u64(f, a, "rope.scaling.original_context_length")?.unwrap_or(4096)
+                as u64,
+            mscale_all_dim,
+            log_multiplier_raw: raw,
+            beta_fast: opt_f64(f, a, "rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
+            beta_slow: opt_f64(f, a, "rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+            ext_factor: opt_f64(f, a, "rope.scaling.yarn_ext_factor")?
+                .filter(|&e| e >= 0.0)
+                .unwrap_or(1.0),
+        })
+    } else {
+        None
+    })
 }
 
 #[cfg(test)]
