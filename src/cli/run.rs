@@ -8,8 +8,9 @@ use mla_diff::model::MlaConfig;
 use mla_diff::precision::Dtype;
 use mla_diff::report::baseline::Identity;
 use mla_diff::report::{self, Report};
-use mla_diff::run::{Modes, RunOptions};
+use mla_diff::run::{plan, Modes, RunOptions};
 use outputs::Outputs;
+pub use plan::check_dense_beyond_top_k;
 use std::path::PathBuf;
 
 pub mod args;
@@ -108,10 +109,8 @@ pub struct Args {
 
 impl Args {
     /// The run's schedule: the options given over the classic default, or, given none (and random
-    /// inputs, which the schedule is free to fit), the kernel-aware schedule that crosses every coverage
-    /// class of the kernels this model's dims may run on (docs/coverage.md); with a runner, also of the
-    /// tiles it declares, within what its `supports` allows (docs/runners.md). With that runner, also
-    /// the page choice it made: `(page the schedule wanted, page taken)`.
+    /// inputs, which the schedule is free to fit), the kernel-aware one (`run::plan::default_schedule`),
+    /// with the page choice a runner made.
     fn default_schedule(
         &self,
         cfg: &MlaConfig,
@@ -121,24 +120,7 @@ impl Args {
         if fixed {
             return Ok((self.schedule.schedule()?, None));
         }
-        let mut choice = None;
-        let s = match &self.backend.runner {
-            Some(cmd) => {
-                use mla_diff::backend::runner as r;
-                use mla_diff::coverage::covering::{for_runner, Limits};
-                let d = r::protocol::describe(cmd)?;
-                let (declared, mut limits) = (r::declared_kernels(&d), Limits::of_runner(&d));
-                // The page the schedule wants, then the runner's (`page_for`: the one choice, and
-                // the notice); the q_len search then runs at that page.
-                let want = for_runner(cfg, &declared, &limits).page_size;
-                let page = r::protocol::page_for(&d, want);
-                (limits.page, choice) = (Some(page), Some((want, page)));
-                for_runner(cfg, &declared, &limits)
-            }
-            None => mla_diff::coverage::covering::covering(cfg),
-        };
-        s.validate()?;
-        Ok((s, choice))
+        plan::default_schedule(cfg, self.backend.runner.as_deref())
     }
 
     /// A `--gpus` worker (`gpus::Worker`): its shard, its JSON report where the parent reads it, and
@@ -222,15 +204,11 @@ impl Args {
         // A runner that does not take the schedule's page gets one it does (the report says so); the
         // default schedule chose its own already (`default_schedule`).
         if let (Some(cmd), None, None) = (&self.backend.runner, self.schedule.page_size, choice) {
-            use mla_diff::backend::runner::protocol;
-            let want = sched.page_size;
-            sched.page_size = protocol::page_for(&protocol::describe(cmd)?, want);
-            choice = Some((want, sched.page_size));
-            sched.validate()?;
+            choice = Some(plan::fit_runner_page(&mut sched, cmd)?);
         }
         let page_moved = choice.filter(|(want, page)| want != page);
         if let Some(cmd) = &self.backend.runner {
-            refuse_inject_under_runner(&faults, cmd)?;
+            plan::refuse_inject_under_runner(&faults, cmd)?;
         }
         let (tolerances, tolerance_source) = self.tol.table(self.dtype)?;
         let dump = self.report.dump(cfg.n_layer)?;
@@ -281,46 +259,6 @@ impl Args {
         };
         Ok((opts, page_moved))
     }
-}
-
-/// `--inject` of a fault whose first failing check is a stage the runner replaces: the bug would sit in
-/// code the runner stands in for and change nothing, and a pass would read as a fault mla-diff missed,
-/// so it is refused (docs/runners.md).
-fn refuse_inject_under_runner(faults: &FaultSet, cmd: &str) -> Result<(), Error> {
-    use mla_diff::backend::runner::{protocol, replaced_checks};
-    if faults.is_empty() {
-        return Ok(());
-    }
-    let d = protocol::describe(cmd)?;
-    let replaced = replaced_checks(&d);
-    for inj in &faults.0 {
-        let info = inj.name.info();
-        if replaced.contains(&info.expected) {
-            return Err(Error::Usage(format!(
-                "--inject {} plants its bug where it first shows, {}, which runner {} replaces: it would change nothing; inject a fault upstream of the runner (e.g. rope_neox) or run without --runner",
-                info.name, info.expected, d.name
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// A DSA model on a schedule beyond its indexer's top_k is refused unless allowed (then a note).
-pub fn check_dense_beyond_top_k(
-    file: &GgufFile,
-    cfg: &MlaConfig,
-    sched: &mla_diff::schedule::Schedule,
-    allow: bool,
-) -> Result<(), Error> {
-    if let Some(n) = mla_diff::run::dense_beyond_top_k(file, cfg, sched) {
-        if !allow {
-            return Err(Error::Usage(format!(
-                "{n}. Pass --allow-dense-beyond-topk to run anyway, or use at most top_k tokens"
-            )));
-        }
-        eprintln!("mla-diff: note: {n}");
-    }
-    Ok(())
 }
 
 pub fn exec(mut a: Args) -> Result<i32, Error> {

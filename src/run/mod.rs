@@ -28,6 +28,7 @@ mod baseline;
 pub mod dsa;
 mod judge;
 mod layers;
+pub mod plan;
 pub mod profile;
 pub mod repeat;
 

@@ -24,6 +24,8 @@ use ndarray::Array2;
 use rayon::prelude::*;
 
 impl RunnerBackend {
+    /// The decode steps in one request over their selections; the runner's latent and LSE replace the
+    /// inner path's decode stages, judged against fp64 over the rows the kernel reads.
     pub(super) fn sparse_decode(
         &mut self,
         ctx: &LayerCtx,

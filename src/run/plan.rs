@@ -1,0 +1,85 @@
+//! Run policy decided before a run starts, shared by `run` and the commands around it: the
+//! kernel-aware default schedule (and the page a runner takes), the `--inject` a runner would make
+//! meaningless, and a DSA file run dense past its indexer's top_k.
+
+use crate::backend::runner::{declared_kernels, protocol, replaced_checks};
+use crate::coverage::covering::{covering, for_runner, Limits};
+use crate::error::{Error, Result};
+use crate::faults::FaultSet;
+use crate::gguf::GgufFile;
+use crate::model::MlaConfig;
+use crate::schedule::Schedule;
+
+/// The kernel-aware schedule that crosses every coverage class of the kernels this model's dims may
+/// run on (docs/coverage.md); with a runner, also of the tiles it declares, within what its
+/// `supports` allows (docs/runners.md), and the page choice it made: `(page the schedule wanted,
+/// page taken)`.
+pub fn default_schedule(
+    cfg: &MlaConfig,
+    runner: Option<&str>,
+) -> Result<(Schedule, Option<(usize, usize)>)> {
+    let mut choice = None;
+    let s = match runner {
+        Some(cmd) => {
+            let d = protocol::describe(cmd)?;
+            let (declared, mut limits) = (declared_kernels(&d), Limits::of_runner(&d));
+            // The page the schedule wants, then the runner's (`page_for`: the one choice, and
+            // the notice); the q_len search then runs at that page.
+            let want = for_runner(cfg, &declared, &limits).page_size;
+            let page = protocol::page_for(&d, want);
+            (limits.page, choice) = (Some(page), Some((want, page)));
+            for_runner(cfg, &declared, &limits)
+        }
+        None => covering(cfg),
+    };
+    s.validate()?;
+    Ok((s, choice))
+}
+
+/// A runner that does not take the schedule's page gets one it does (the report says so):
+/// `(page the schedule wanted, page taken)`.
+pub fn fit_runner_page(sched: &mut Schedule, cmd: &str) -> Result<(usize, usize)> {
+    let want = sched.page_size;
+    sched.page_size = protocol::page_for(&protocol::describe(cmd)?, want);
+    sched.validate()?;
+    Ok((want, sched.page_size))
+}
+
+/// `--inject` of a fault whose first failing check is a stage the runner replaces: the bug would sit in
+/// code the runner stands in for and change nothing, and a pass would read as a fault mla-diff missed,
+/// so it is refused (docs/runners.md).
+pub fn refuse_inject_under_runner(faults: &FaultSet, cmd: &str) -> Result<()> {
+    if faults.is_empty() {
+        return Ok(());
+    }
+    let d = protocol::describe(cmd)?;
+    let replaced = replaced_checks(&d);
+    for inj in &faults.0 {
+        let info = inj.name.info();
+        if replaced.contains(&info.expected) {
+            return Err(Error::Usage(format!(
+                "--inject {} plants its bug where it first shows, {}, which runner {} replaces: it would change nothing; inject a fault upstream of the runner (e.g. rope_neox) or run without --runner",
+                info.name, info.expected, d.name
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A DSA model on a schedule beyond its indexer's top_k is refused unless allowed (then a note).
+pub fn check_dense_beyond_top_k(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    sched: &Schedule,
+    allow: bool,
+) -> Result<()> {
+    if let Some(n) = super::dense_beyond_top_k(file, cfg, sched) {
+        if !allow {
+            return Err(Error::Usage(format!(
+                "{n}. Pass --allow-dense-beyond-topk to run anyway, or use at most top_k tokens"
+            )));
+        }
+        eprintln!("mla-diff: note: {n}");
+    }
+    Ok(())
+}
