@@ -21,7 +21,6 @@ const LONG_FNS: &[(&str, &str, usize)] = &[
     ("tools/check.rs", "kernels_check", 203),
     ("capture/flashinfer/mod.rs", "decode_call", 181),
     ("inspect.rs", "inspect_text", 198),
-    ("compare/noise.rs", "judge", 190),
     ("capture/mod.rs", "read_file", 190),
     ("backend/runner/sparse.rs", "sparse_prefill", 183),
     ("model/config.rs", "from_gguf", 175),
@@ -45,7 +44,6 @@ const LONG_FILES: &[(&str, usize)] = &[
     ("capture/flashinfer/mod.rs", 1144),
     ("kv_format.rs", 682),
     ("coverage/mod.rs", 619),
-    ("compare/mod.rs", 616),
     ("capture/mod.rs", 605),
 ];
 
