@@ -24,19 +24,15 @@ const LONG_FNS: &[(&str, &str, usize)] = &[
     ("capture/mod.rs", "read_file", 190),
     ("backend/runner/sparse.rs", "sparse_prefill", 183),
     ("model/config.rs", "from_gguf", 175),
-    ("report/junit.rs", "render", 173),
     ("backend/runner/prefill.rs", "prefill", 153),
     ("fixture/metadata.rs", "metadata", 153),
-    ("report/svg.rs", "render", 151),
     ("capture/manifest.rs", "check", 150),
     ("backend/cpu/mod.rs", "run_layer", 142),
-    ("report/markdown.rs", "render", 142),
     ("capture/backend.rs", "new", 141),
     ("sweep/mod.rs", "sweep_lengths", 138),
     ("capture/mod.rs", "read", 129),
     ("capture/flashinfer/mod.rs", "check", 128),
     ("sweep/render.rs", "table", 127),
-    ("report/table.rs", "render", 121),
 ];
 
 /// Files over `MAX_FILE` lines: (file under src/, its length now).
