@@ -16,6 +16,9 @@
 
 use serde::{Deserialize, Serialize};
 
+mod residuals;
+use residuals::{ratio_of, whole_dof, Residuals};
+
 /// f32 unit roundoff.
 pub const U32: f64 = 1.0 / 16_777_216.0;
 
@@ -222,43 +225,12 @@ pub fn judge(
     pred: &Prediction,
     pos: &dyn Fn(usize) -> super::Position,
 ) -> LocalResult {
-    let (hidden, exact, row, coherent) = (pred.hidden, pred.exact, pred.row, pred.coherent);
     let store = pred.store.unwrap_or_else(|| Store::infer(opt));
     let nf = super::metrics::nonfinite(local, opt);
-    let var: Vec<f64> = opt
-        .iter()
-        .zip(hidden)
-        .map(|(&y, &h)| if exact { h } else { h + store.round_var(y) })
-        .collect();
-    let fin = |i: usize| local[i].is_finite() && opt[i].is_finite();
-    let n = opt.len();
-    // The truncation bias, fitted by inverse-variance least squares within its physical range.
-    let kappa = pred.truncation.map(|b| {
-        let (mut num, mut den) = (0.0, 0.0);
-        for i in (0..n).filter(|&i| fin(i) && var[i] > 0.0) {
-            num += (opt[i] - local[i]) * b[i] / var[i];
-            den += b[i] * b[i] / var[i];
-        }
-        if den > 0.0 {
-            (num / den).clamp(0.0, KAPPA_MAX)
-        } else {
-            0.0
-        }
-    });
-    let err: Vec<f64> = match (kappa, pred.truncation) {
-        (Some(k), Some(b)) => (0..n).map(|i| opt[i] - local[i] - k * b[i]).collect(),
-        _ => (0..n).map(|i| opt[i] - local[i]).collect(),
-    };
-    let (mut e_all, mut p_all, mut n_fin, mut raw_all) = (0.0, 0.0, 0usize, 0.0);
-    for i in (0..n).filter(|&i| fin(i)) {
-        let e = err[i];
-        e_all += e * e;
-        raw_all += (opt[i] - local[i]).powi(2);
-        p_all += var[i];
-        n_fin += 1;
-    }
+    let r = Residuals::new(opt, local, pred, store);
+    let (p_all, n) = (r.p_all, opt.len());
     // A floor for elements whose own σ is tiny (a value near 0): 5 % of the check's RMS σ.
-    let floor = 0.0025 * p_all / n_fin.max(1) as f64;
+    let floor = 0.0025 * p_all / r.n_fin.max(1) as f64;
     let x = (1.0 / ALPHA).ln();
     let mut reasons = Vec::new();
     if nf.mismatches > 0 {
@@ -269,54 +241,18 @@ pub fn judge(
             at.map(|p| format!(", first at {p}")).unwrap_or_default()
         ));
     }
-    let ratio_of = |e: f64, p: f64, bound: f64| -> f64 {
-        if p > 0.0 {
-            e / p / bound
-        } else if e > 0.0 {
-            f64::INFINITY
-        } else {
-            0.0
-        }
-    };
-    // Degrees of freedom per row (last axis): its elements', or fewer where they share sources
-    // (Satterthwaite: a shared part C with n sources, the rest with the elements' dof).
-    let row = row.max(1);
-    let rows = n / row;
-    let row_dof: Vec<(f64, f64)> = (0..rows)
-        .map(|r| {
-            let idx = (r * row..(r + 1) * row).filter(|&i| fin(i));
-            let p: f64 = idx.clone().map(|i| var[i]).sum();
-            let d_el = dof(idx.map(|i| var[i]));
-            let d = match coherent.and_then(|c| c.get(r)) {
-                Some(&(c, n_src)) if c > 0.0 && p > 0.0 => {
-                    let c = c.min(p);
-                    p * p / (c * c / n_src.max(1.0) + (p - c).powi(2) / d_el)
-                }
-                _ => d_el,
-            };
-            (p, d)
-        })
-        .collect();
+    let row = pred.row.max(1);
+    let row_dof = r.row_dof(row, pred.coherent);
     // Whole check.
-    let d_all = {
-        let (sp, sd) = row_dof.iter().fold((0.0, 0.0), |(a, b), &(p, d)| {
-            (a + p, b + p * p / d.max(1e-300))
-        });
-        if sd > 0.0 {
-            sp * sp / sd
-        } else {
-            1.0
-        }
-    };
-    let energy_bound = K * chi2_bound(d_all, x);
+    let energy_bound = K * chi2_bound(whole_dof(&row_dof), x);
     let energy = if p_all > 0.0 {
-        e_all / p_all
-    } else if e_all > 0.0 {
+        r.e_all / p_all
+    } else if r.e_all > 0.0 {
         f64::INFINITY
     } else {
         0.0
     };
-    let r_all = ratio_of(e_all, p_all, energy_bound);
+    let r_all = ratio_of(r.e_all, p_all, energy_bound);
     if r_all > 1.0 {
         reasons.push(match p_all > 0.0 {
             true => {
@@ -326,45 +262,20 @@ pub fn judge(
         });
     }
     // Rows of the last axis.
-    let row_x = x + (rows.max(1) as f64).ln();
-    let (mut row_ratio, mut row_energy, mut row_bound, mut row_i) = (0.0, 0.0, 0.0, None);
-    for (r, &(_, row_d)) in row_dof.iter().enumerate() {
-        let idx = (r * row..(r + 1) * row).filter(|&i| fin(i));
-        let (e, p) = idx.fold((0.0, 0.0), |(e, p), i| (e + err[i] * err[i], p + var[i]));
-        let b = K * chi2_bound(row_d, row_x);
-        let q = ratio_of(e, p, b);
-        if q > row_ratio {
-            row_ratio = q;
-            row_energy = if p > 0.0 { e / p } else { f64::INFINITY };
-            row_bound = b;
-            row_i = Some(r * row);
-        }
-    }
-    if row_ratio > 1.0 && r_all <= 1.0 && p_all > 0.0 {
+    let w = r.worst_row(row, &row_dof, x);
+    if w.ratio > 1.0 && r_all <= 1.0 && p_all > 0.0 {
         reasons.push(format!(
-            "one row's error energy {row_energy:.2}× its predicted noise (bound {row_bound:.2}×) at {}",
-            row_i.map(pos).map(|p| p.to_string()).unwrap_or_default()
+            "one row's error energy {:.2}× its predicted noise (bound {:.2}×) at {}",
+            w.energy,
+            w.bound,
+            w.at.map(pos).map(|p| p.to_string()).unwrap_or_default()
         ));
     }
     // Elements.
-    let sigma_bound = (K * 2.0 * (x + (n_fin.max(1) as f64).ln())).sqrt();
-    let (mut max_sig, mut max_i) = (0.0, None);
-    for i in (0..n).filter(|&i| fin(i)) {
-        let s = (var[i] + floor).sqrt();
-        let z = if s > 0.0 {
-            err[i].abs() / s
-        } else if err[i] != 0.0 {
-            f64::INFINITY
-        } else {
-            0.0
-        };
-        if z > max_sig {
-            max_sig = z;
-            max_i = Some(i);
-        }
-    }
+    let sigma_bound = (K * 2.0 * (x + (r.n_fin.max(1) as f64).ln())).sqrt();
+    let (max_sig, max_i) = r.worst_element(floor);
     let r_elem = max_sig / sigma_bound;
-    if r_elem > 1.0 && r_all <= 1.0 && row_ratio <= 1.0 && p_all > 0.0 {
+    if r_elem > 1.0 && r_all <= 1.0 && w.ratio <= 1.0 && p_all > 0.0 {
         let i = max_i.expect("an element");
         reasons.push(format!(
             "an element {max_sig:.1}σ from fp64 of its own inputs (bound {sigma_bound:.1}σ) at {} (local {:.6e}, opt {:.6e})",
@@ -376,9 +287,9 @@ pub fn judge(
     let ratio = if nf.mismatches > 0 {
         f64::INFINITY
     } else {
-        r_all.max(row_ratio).max(r_elem)
+        r_all.max(w.ratio).max(r_elem)
     };
-    let l2 = |f: &dyn Fn(usize) -> f64| (0..n).filter(|&i| fin(i)).map(f).sum::<f64>();
+    let l2 = |f: &dyn Fn(usize) -> f64| (0..n).filter(|&i| r.fin(i)).map(f).sum::<f64>();
     let ref_sq = l2(&|i| local[i] * local[i]);
     let rel = |x: f64| {
         if ref_sq > 0.0 {
@@ -391,19 +302,19 @@ pub fn judge(
     LocalResult {
         pass: reasons.is_empty(),
         store,
-        rel_l2: rel(raw_all),
+        rel_l2: rel(r.raw_all),
         predicted_rel_l2: rel(p_all),
         energy: json_num(energy),
         energy_bound,
-        row_energy: json_num(row_energy),
-        row_bound,
-        row_at: row_i.map(pos),
+        row_energy: json_num(w.energy),
+        row_bound: w.bound,
+        row_at: w.at.map(pos),
         max_sigmas: json_num(max_sig),
         sigma_bound,
         max_sigmas_at: max_i.map(pos),
         ratio: json_num(ratio),
         reasons,
-        truncation: kappa,
+        truncation: r.kappa,
     }
 }
 

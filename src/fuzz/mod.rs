@@ -367,81 +367,8 @@ pub fn supervise(o: &Options, worker_args: &[&str]) -> Result<Summary> {
     };
     let mut last_progress = Instant::now();
     while next < end {
-        let w = Options {
-            start: next,
-            execs: end - next,
-            ..o.clone()
-        };
-        let mut child = Command::new(&exe)
-            .args(worker_args)
-            .env(
-                WORKER_ENV,
-                serde_json::to_string(&w).expect("options serialise"),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| Error::io(format!("starting fuzz worker {}", exe.display()), e))?;
-        let mut err = child.stderr.take().expect("piped");
-        let err_tail = std::thread::spawn(move || {
-            let mut v = Vec::new();
-            let _ = err.read_to_end(&mut v);
-            let s = String::from_utf8_lossy(&v).into_owned();
-            s[s.floor_char_boundary(s.len().saturating_sub(4000))..].to_string()
-        });
-        let mut last_iter = None;
-        let mut seg = Summary::default();
-        let out = std::io::BufReader::new(child.stdout.take().expect("piped"));
-        for line in out.lines() {
-            let Ok(line) = line else { break };
-            // libtest may have printed `test fuzz_worker ... ` without a newline just before.
-            let Some(at) = line.find("@fuzz ") else {
-                continue;
-            };
-            let line = &line[at..];
-            let p: Vec<&str> = line.splitn(6, ' ').collect();
-            if p.len() < 3 {
-                continue;
-            }
-            match p[1] {
-                "I" => {
-                    last_iter = p[2].parse::<u64>().ok();
-                    sum.execs += 1;
-                }
-                "F" if p.len() == 6 => {
-                    let file = (p[4] != "-").then(|| PathBuf::from(p[4]));
-                    let iter = p[2].parse().unwrap_or(0);
-                    record(o, &mut sum, p[3], p[5], iter, file);
-                }
-                "S" => {
-                    let v: Vec<&str> = line.split(' ').skip(3).collect();
-                    if v.len() == 7 {
-                        let u = |i: usize| v[i].parse::<u64>().unwrap_or(0);
-                        let f = |i: usize| v[i].parse::<f64>().unwrap_or(f64::NAN);
-                        seg.stages = [u(0), u(1), u(2), u(3)];
-                        seg.peak_max = u(4);
-                        seg.peak_per_file_byte = f(5);
-                        seg.peak_per_allowance = f(6);
-                    }
-                }
-                _ => {}
-            }
-            if sum.finding_count() >= o.max_findings {
-                let _ = child.kill();
-                break;
-            }
-            if o.progress && last_progress.elapsed() > Duration::from_secs(10) {
-                last_progress = Instant::now();
-                eprintln!(
-                    "fuzz: {}/{} executions, {:.0}/s, {} findings",
-                    sum.execs,
-                    o.execs,
-                    sum.execs as f64 / t0.elapsed().as_secs_f64(),
-                    sum.finding_count()
-                );
-            }
-        }
+        let (mut child, err_tail) = spawn_worker(&exe, worker_args, o, next, end)?;
+        let (last_iter, seg) = follow_worker(o, &mut child, &mut sum, t0, &mut last_progress);
         let status = child
             .wait()
             .map_err(|e| Error::io("waiting for the fuzz worker", e))?;
@@ -461,33 +388,145 @@ pub fn supervise(o: &Options, worker_args: &[&str]) -> Result<Summary> {
                 tail.trim()
             )));
         };
-        let kind = if tail.contains("fuzz: over-allocation") {
-            "over-allocation"
-        } else if tail.contains("fuzz: hang") {
-            "hang"
-        } else {
-            "abort"
-        };
-        let msg = tail
-            .lines()
-            .rev()
-            .find(|l| l.starts_with("fuzz: "))
-            .or_else(|| tail.lines().rev().find(|l| l.contains("memory allocation")))
-            .or_else(|| tail.lines().rev().find(|l| !l.trim().is_empty()))
-            .unwrap_or("")
-            .to_string();
-        let msg = format!("{} ({status})", one_line(&msg));
-        let p = crash_path(o, iter, kind);
-        let file = std::fs::copy(o.work_dir.join("cur.gguf"), &p)
-            .is_ok()
-            .then_some(p);
-        record(o, &mut sum, kind, &msg, iter, file);
+        record_death(o, &mut sum, iter, status, &tail);
         sum.worker_restarts += 1;
         next = iter + 1;
     }
     sum.wall_s = t0.elapsed().as_secs_f64();
     std::fs::remove_dir_all(&o.work_dir).ok();
     Ok(sum)
+}
+
+/// A worker for iterations `next..end`, and a thread keeping the tail of its stderr (what a crash,
+/// hang or over-allocation says before the process dies).
+fn spawn_worker(
+    exe: &Path,
+    worker_args: &[&str],
+    o: &Options,
+    next: u64,
+    end: u64,
+) -> Result<(std::process::Child, std::thread::JoinHandle<String>)> {
+    let w = Options {
+        start: next,
+        execs: end - next,
+        ..o.clone()
+    };
+    let mut child = Command::new(exe)
+        .args(worker_args)
+        .env(
+            WORKER_ENV,
+            serde_json::to_string(&w).expect("options serialise"),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| Error::io(format!("starting fuzz worker {}", exe.display()), e))?;
+    let mut err = child.stderr.take().expect("piped");
+    let err_tail = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = err.read_to_end(&mut v);
+        let s = String::from_utf8_lossy(&v).into_owned();
+        s[s.floor_char_boundary(s.len().saturating_sub(4000))..].to_string()
+    });
+    Ok((child, err_tail))
+}
+
+/// Read a worker's progress lines until it ends (or enough findings are counted, when it is killed):
+/// executions and findings go into `sum` as they come; returns the last iteration it started and its
+/// own statistics (the `S` line: they cover only this worker's executions).
+fn follow_worker(
+    o: &Options,
+    child: &mut std::process::Child,
+    sum: &mut Summary,
+    t0: Instant,
+    last_progress: &mut Instant,
+) -> (Option<u64>, Summary) {
+    let mut last_iter = None;
+    let mut seg = Summary::default();
+    let out = std::io::BufReader::new(child.stdout.take().expect("piped"));
+    for line in out.lines() {
+        let Ok(line) = line else { break };
+        // libtest may have printed `test fuzz_worker ... ` without a newline just before.
+        let Some(at) = line.find("@fuzz ") else {
+            continue;
+        };
+        let line = &line[at..];
+        let p: Vec<&str> = line.splitn(6, ' ').collect();
+        if p.len() < 3 {
+            continue;
+        }
+        match p[1] {
+            "I" => {
+                last_iter = p[2].parse::<u64>().ok();
+                sum.execs += 1;
+            }
+            "F" if p.len() == 6 => {
+                let file = (p[4] != "-").then(|| PathBuf::from(p[4]));
+                let iter = p[2].parse().unwrap_or(0);
+                record(o, sum, p[3], p[5], iter, file);
+            }
+            "S" => {
+                let v: Vec<&str> = line.split(' ').skip(3).collect();
+                if v.len() == 7 {
+                    let u = |i: usize| v[i].parse::<u64>().unwrap_or(0);
+                    let f = |i: usize| v[i].parse::<f64>().unwrap_or(f64::NAN);
+                    seg.stages = [u(0), u(1), u(2), u(3)];
+                    seg.peak_max = u(4);
+                    seg.peak_per_file_byte = f(5);
+                    seg.peak_per_allowance = f(6);
+                }
+            }
+            _ => {}
+        }
+        if sum.finding_count() >= o.max_findings {
+            let _ = child.kill();
+            break;
+        }
+        if o.progress && last_progress.elapsed() > Duration::from_secs(10) {
+            *last_progress = Instant::now();
+            eprintln!(
+                "fuzz: {}/{} executions, {:.0}/s, {} findings",
+                sum.execs,
+                o.execs,
+                sum.execs as f64 / t0.elapsed().as_secs_f64(),
+                sum.finding_count()
+            );
+        }
+    }
+    (last_iter, seg)
+}
+
+/// A worker that died at iteration `iter`: a finding of the kind its stderr tail names (over-allocation,
+/// hang, else abort), with the input it died on kept as the reproducer.
+fn record_death(
+    o: &Options,
+    sum: &mut Summary,
+    iter: u64,
+    status: std::process::ExitStatus,
+    tail: &str,
+) {
+    let kind = if tail.contains("fuzz: over-allocation") {
+        "over-allocation"
+    } else if tail.contains("fuzz: hang") {
+        "hang"
+    } else {
+        "abort"
+    };
+    let msg = tail
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("fuzz: "))
+        .or_else(|| tail.lines().rev().find(|l| l.contains("memory allocation")))
+        .or_else(|| tail.lines().rev().find(|l| !l.trim().is_empty()))
+        .unwrap_or("")
+        .to_string();
+    let msg = format!("{} ({status})", one_line(&msg));
+    let p = crash_path(o, iter, kind);
+    let file = std::fs::copy(o.work_dir.join("cur.gguf"), &p)
+        .is_ok()
+        .then_some(p);
+    record(o, sum, kind, &msg, iter, file);
 }
 
 fn crash_path(o: &Options, iter: u64, kind: &str) -> PathBuf {

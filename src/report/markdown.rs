@@ -1,6 +1,6 @@
 //! Markdown for pull-request comments: the verdict, then a layer × check table of metric/tolerance.
 
-use super::Report;
+use super::{Gate, Report};
 use std::fmt::Write;
 
 fn cell(ratio: f64) -> String {
@@ -26,57 +26,8 @@ pub fn render(r: &Report) -> String {
     )
     .ok();
     writeln!(s, "**{}**\n", r.verdict.message).ok();
-    if let Some(b) = &r.baseline {
-        writeln!(s, "Baseline: {}\n", b.message).ok();
-        for reg in b.regressions.iter().take(10) {
-            writeln!(s, "- {reg}").ok();
-        }
-        if !b.regressions.is_empty() {
-            writeln!(s).ok();
-        }
-        if !b.across.is_empty() {
-            writeln!(s, "Compared across differences: {}\n", b.across.join("; ")).ok();
-        }
-    }
-    if let Some(rep) = &r.repeat {
-        writeln!(s, "Repeat ({} runs): {}\n", rep.runs, rep.message).ok();
-        let lines = super::table::repeat_lines(rep);
-        for l in lines.iter().take(10) {
-            writeln!(s, "- {l}").ok();
-        }
-        if !lines.is_empty() {
-            writeln!(s).ok();
-        }
-    }
-    if let Some(rc) = &r.runner_checks {
-        writeln!(s, "Runner checks: {}\n", rc.message).ok();
-        writeln!(
-            s,
-            "| layer | check | what | status | detail |\n|---|---|---|---|---|"
-        )
-        .ok();
-        for c in &rc.checks {
-            writeln!(
-                s,
-                "| {} | {} | {} | {} | {} |",
-                c.layer
-                    .map(|l| l.to_string())
-                    .unwrap_or_else(|| "all".into()),
-                c.check,
-                c.what,
-                c.status.name(),
-                c.detail.replace('|', "\\|")
-            )
-            .ok();
-        }
-        writeln!(s).ok();
-    }
-    if let Some(t) = &r.tp {
-        writeln!(s, "Tensor parallel {}: {}\n", t.size, t.message).ok();
-        for rk in &t.ranks {
-            writeln!(s, "- {}", rk.line(t.size)).ok();
-        }
-        writeln!(s).ok();
+    for g in r.gates() {
+        gate(&mut s, g);
     }
     for n in &r.run.notices {
         writeln!(s, "> ⚠️ **Notice:** {n}\n").ok();
@@ -97,46 +48,7 @@ pub fn render(r: &Report) -> String {
     )
     .ok();
     for m in &r.modes {
-        let Some(first) = m.layers.first() else {
-            continue;
-        };
-        let note = if r.decisive_mode() == Some(m.mode.as_str()) {
-            ""
-        } else {
-            " (informational: drift; it does not decide the verdict)"
-        };
-        writeln!(s, "#### {} mode{note}\n", m.mode).ok();
-        let names: Vec<&str> = first.checks.iter().map(|c| c.check.as_str()).collect();
-        writeln!(
-            s,
-            "| layer | {} |{}",
-            names.join(" | "),
-            if m.mode == "free" { " drift |" } else { "" }
-        )
-        .ok();
-        writeln!(
-            s,
-            "|---|{}{}",
-            "---|".repeat(names.len()),
-            if m.mode == "free" { "---|" } else { "" }
-        )
-        .ok();
-        for l in &m.layers {
-            let cells: Vec<String> = l.checks.iter().map(|c| cell(c.ratio())).collect();
-            let drift = l.drift.map(|d| format!(" {d:.2e} |")).unwrap_or_default();
-            writeln!(s, "| {} | {} |{drift}", l.layer, cells.join(" | ")).ok();
-        }
-        writeln!(s).ok();
-        let missing = m.not_provided();
-        if !missing.is_empty() {
-            let names: Vec<String> = missing.iter().map(|(c, _)| format!("`{c}`")).collect();
-            writeln!(
-                s,
-                "Not provided by the backend (not compared): {}\n",
-                names.join(", ")
-            )
-            .ok();
-        }
+        mode_table(&mut s, r, m);
     }
     if let Some(d) = &r.dsa {
         writeln!(
@@ -154,6 +66,110 @@ pub fn render(r: &Report) -> String {
         s.push_str(&coverage(c));
     }
     s
+}
+
+/// A gate's paragraph under the verdict: its message, then where it failed.
+fn gate(s: &mut String, g: Gate) {
+    match g {
+        Gate::Baseline(b) => {
+            writeln!(s, "Baseline: {}\n", b.message).ok();
+            for reg in b.regressions.iter().take(10) {
+                writeln!(s, "- {reg}").ok();
+            }
+            if !b.regressions.is_empty() {
+                writeln!(s).ok();
+            }
+            if !b.across.is_empty() {
+                writeln!(s, "Compared across differences: {}\n", b.across.join("; ")).ok();
+            }
+        }
+        Gate::Repeat(rep) => {
+            writeln!(s, "Repeat ({} runs): {}\n", rep.runs, rep.message).ok();
+            let lines = super::table::repeat_lines(rep);
+            for l in lines.iter().take(10) {
+                writeln!(s, "- {l}").ok();
+            }
+            if !lines.is_empty() {
+                writeln!(s).ok();
+            }
+        }
+        Gate::RunnerChecks(rc) => {
+            writeln!(s, "Runner checks: {}\n", rc.message).ok();
+            writeln!(
+                s,
+                "| layer | check | what | status | detail |\n|---|---|---|---|---|"
+            )
+            .ok();
+            for c in &rc.checks {
+                writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {} |",
+                    c.layer
+                        .map(|l| l.to_string())
+                        .unwrap_or_else(|| "all".into()),
+                    c.check,
+                    c.what,
+                    c.status.name(),
+                    c.detail.replace('|', "\\|")
+                )
+                .ok();
+            }
+            writeln!(s).ok();
+        }
+        Gate::Tp(t) => {
+            writeln!(s, "Tensor parallel {}: {}\n", t.size, t.message).ok();
+            for rk in &t.ranks {
+                writeln!(s, "- {}", rk.line(t.size)).ok();
+            }
+            writeln!(s).ok();
+        }
+        // Its own section after the modes, whose attention its selection decides.
+        Gate::Dsa(_) => {}
+    }
+}
+
+/// One mode's layer × check table (cells: worst metric ÷ tolerance), then the checks not provided.
+fn mode_table(s: &mut String, r: &Report, m: &super::ModeResult) {
+    let Some(first) = m.layers.first() else {
+        return;
+    };
+    let note = if r.decisive_mode() == Some(m.mode.as_str()) {
+        ""
+    } else {
+        " (informational: drift; it does not decide the verdict)"
+    };
+    writeln!(s, "#### {} mode{note}\n", m.mode).ok();
+    let names: Vec<&str> = first.checks.iter().map(|c| c.check.as_str()).collect();
+    writeln!(
+        s,
+        "| layer | {} |{}",
+        names.join(" | "),
+        if m.mode == "free" { " drift |" } else { "" }
+    )
+    .ok();
+    writeln!(
+        s,
+        "|---|{}{}",
+        "---|".repeat(names.len()),
+        if m.mode == "free" { "---|" } else { "" }
+    )
+    .ok();
+    for l in &m.layers {
+        let cells: Vec<String> = l.checks.iter().map(|c| cell(c.ratio())).collect();
+        let drift = l.drift.map(|d| format!(" {d:.2e} |")).unwrap_or_default();
+        writeln!(s, "| {} | {} |{drift}", l.layer, cells.join(" | ")).ok();
+    }
+    writeln!(s).ok();
+    let missing = m.not_provided();
+    if !missing.is_empty() {
+        let names: Vec<String> = missing.iter().map(|(c, _)| format!("`{c}`")).collect();
+        writeln!(
+            s,
+            "Not provided by the backend (not compared): {}\n",
+            names.join(", ")
+        )
+        .ok();
+    }
 }
 
 /// The coverage section: the kernel of each phase, then every class with its count.

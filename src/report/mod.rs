@@ -160,16 +160,49 @@ impl FileInfo {
     }
 }
 
+/// A check beside the modes that decides the verdict too (its `set_*` folds a failure into
+/// `verdict`). Every renderer walks `Report::gates` and matches on this: a new gate is one variant here,
+/// one line in `gates`, and an arm each renderer cannot forget.
+pub enum Gate<'a> {
+    /// `--baseline`: no metric more than the factor worse than the baseline report's.
+    Baseline(&'a baseline::BaselineResult),
+    /// `--repeat`: the optimized path's runs bit for bit identical.
+    Repeat(&'a repeat::RepeatResult),
+    /// `--runner`: the serving batch and input checks.
+    RunnerChecks(&'a crate::backend::runner::checks::RunnerChecks),
+    /// `--tp`: each tensor-parallel rank against the fp64 reference of its heads.
+    Tp(&'a tp::TpResult),
+    /// A DSA file past top_k: the selection checks.
+    Dsa(&'a dsa::DsaResult),
+}
+
+impl Gate<'_> {
+    pub fn pass(&self) -> bool {
+        match self {
+            Gate::Baseline(b) => b.pass,
+            Gate::Repeat(r) => r.pass,
+            Gate::RunnerChecks(r) => r.pass,
+            Gate::Tp(t) => t.pass,
+            Gate::Dsa(d) => d.pass,
+        }
+    }
+}
+
 impl Report {
     /// Overall pass: every mode passed, no baseline regression and no nondeterminism (the same as
     /// `verdict.pass` once set with [`Report::set_baseline`] and [`Report::set_repeat`]).
     pub fn pass(&self) -> bool {
-        self.verdict.pass
-            && self.baseline.as_ref().is_none_or(|b| b.pass)
-            && self.repeat.as_ref().is_none_or(|r| r.pass)
-            && self.tp.as_ref().is_none_or(|t| t.pass)
-            && self.dsa.as_ref().is_none_or(|d| d.pass)
-            && self.runner_checks.as_ref().is_none_or(|r| r.pass)
+        self.verdict.pass && self.gates().iter().all(Gate::pass)
+    }
+    /// The gates this run has, in the one order every renderer walks them.
+    pub fn gates(&self) -> Vec<Gate<'_>> {
+        let mut g = Vec::new();
+        g.extend(self.baseline.as_ref().map(Gate::Baseline));
+        g.extend(self.repeat.as_ref().map(Gate::Repeat));
+        g.extend(self.runner_checks.as_ref().map(Gate::RunnerChecks));
+        g.extend(self.tp.as_ref().map(Gate::Tp));
+        g.extend(self.dsa.as_ref().map(Gate::Dsa));
+        g
     }
     /// Record the baseline gate's result and fold it into the top-level verdict, so that the exit
     /// code, `verdict.pass`, JUnit and Markdown all say the same.

@@ -77,143 +77,15 @@ pub fn render(r: &Report) -> Result<String> {
         .map(|m| m.layers[0].checks.iter().map(|c| c.check.clone()).collect())
         .unwrap_or_default();
     let err = |e: &dyn std::fmt::Display| Error::Environment(format!("drawing the heat map: {e}"));
-    let label_font = font(13.0);
-    // Text extents from the shipped font, so that no label is cut off.
-    let text_w = |t: &str, f: &TextStyle| -> i32 {
-        plotters::style::FontDesc::box_size(&f.font, t)
-            .map(|(w, _)| w as i32)
-            .unwrap_or(8 * t.len() as i32)
-    };
-    let longest_check = names
-        .iter()
-        .map(|n| text_w(n, &label_font))
-        .max()
-        .unwrap_or(0);
-    let max_layer = modes
-        .iter()
-        .flat_map(|m| m.layers.iter().map(|l| l.layer))
-        .max()
-        .unwrap_or(0);
-    let layer_w = text_w(&max_layer.to_string(), &label_font);
-    let left = 30 + layer_w + 12; // axis title, numbers, gap
-    let bottom = 10 + longest_check + 34; // gap, rotated labels, axis title
-    let n_cols = names.len() as i32;
-    let grid_w = CELL_W * n_cols.max(1);
-    let bar_area = 150;
-    let width = (left + grid_w + bar_area).max(560);
-    let panel_h: Vec<i32> = modes
-        .iter()
-        .map(|m| TITLE_H + CELL_H * m.layers.len() as i32 + bottom)
-        .collect();
-    let height = panel_h.iter().sum::<i32>().max(200);
-
+    let lay = Layout::new(&modes, &names);
     let mut buf = String::new();
     {
-        let root =
-            SVGBackend::with_string(&mut buf, (width as u32, height as u32)).into_drawing_area();
+        let root = SVGBackend::with_string(&mut buf, (lay.width as u32, lay.height as u32))
+            .into_drawing_area();
         root.fill(&WHITE).map_err(|e| err(&e))?;
         let mut y0 = 0;
-        for (m, &ph) in modes.iter().zip(&panel_h) {
-            let decides = r.decisive_mode() == Some(m.mode.as_str());
-            let title = format!(
-                "{}: {} mode{}, {} backend, {}",
-                r.file.base_name(),
-                m.mode,
-                if decides {
-                    ""
-                } else {
-                    " (drift, informational)"
-                },
-                r.run.backend,
-                r.run.dtype
-            );
-            root.draw(&Text::new(title, (left, y0 + 10), font(17.0)))
-                .map_err(|e| err(&e))?;
-            let verdict = if m.verdict.pass {
-                "within tolerance".to_string()
-            } else {
-                format!(
-                    "first divergence: layer {}, {}",
-                    m.verdict
-                        .first_layer
-                        .map(|l| l.to_string())
-                        .unwrap_or_default(),
-                    m.verdict.first_check.as_deref().unwrap_or("?")
-                )
-            };
-            root.draw(&Text::new(
-                format!("cell = worst metric ÷ tolerance (≥ 1 fails); {verdict}"),
-                (left, y0 + 31),
-                font(13.0).color(&RGBColor(80, 80, 80)),
-            ))
-            .map_err(|e| err(&e))?;
-            let gy = y0 + TITLE_H;
-            let rows = m.layers.len() as i32;
-            // Rows: layers, top to bottom.
-            for (yi, l) in m.layers.iter().enumerate() {
-                let y = gy + CELL_H * yi as i32;
-                root.draw(&Text::new(
-                    l.layer.to_string(),
-                    (left - 8, y + CELL_H / 2),
-                    label_font.pos(Pos::new(HPos::Right, VPos::Center)),
-                ))
-                .map_err(|e| err(&e))?;
-                for (xi, c) in l.checks.iter().enumerate() {
-                    let x = left + CELL_W * xi as i32;
-                    let ratio = c.ratio();
-                    let fill = color(ratio);
-                    root.draw(&Rectangle::new(
-                        [(x + 1, y + 1), (x + CELL_W - 1, y + CELL_H - 1)],
-                        fill.filled(),
-                    ))
-                    .map_err(|e| err(&e))?;
-                    if !c.pass {
-                        root.draw(&Rectangle::new(
-                            [(x + 1, y + 1), (x + CELL_W - 2, y + CELL_H - 2)],
-                            BLACK.stroke_width(2),
-                        ))
-                        .map_err(|e| err(&e))?;
-                    }
-                    let dark = !ratio.is_finite() || ratio >= 1.0;
-                    root.draw(&Text::new(
-                        cell_label(ratio),
-                        (x + CELL_W / 2, y + CELL_H / 2),
-                        font(12.0)
-                            .color(if dark { &WHITE } else { &BLACK })
-                            .pos(Pos::new(HPos::Center, VPos::Center)),
-                    ))
-                    .map_err(|e| err(&e))?;
-                }
-            }
-            // Columns: checks, labels read upwards below the grid.
-            let gb = gy + CELL_H * rows;
-            for (xi, n) in names.iter().enumerate() {
-                let x = left + CELL_W * xi as i32 + CELL_W / 2;
-                root.draw(&Text::new(
-                    n.clone(),
-                    (x, gb + 8),
-                    label_font
-                        .transform(FontTransform::Rotate270)
-                        .pos(Pos::new(HPos::Right, VPos::Center)),
-                ))
-                .map_err(|e| err(&e))?;
-            }
-            root.draw(&Text::new(
-                "stage (check), in dataflow order",
-                (left + grid_w / 2, y0 + ph - 14),
-                font(14.0).pos(Pos::new(HPos::Center, VPos::Center)),
-            ))
-            .map_err(|e| err(&e))?;
-            root.draw(&Text::new(
-                "layer",
-                (12, gy + CELL_H * rows / 2),
-                font(14.0)
-                    .transform(FontTransform::Rotate270)
-                    .pos(Pos::new(HPos::Center, VPos::Center)),
-            ))
-            .map_err(|e| err(&e))?;
-            colour_bar(&root, left + grid_w + 24, gy, (CELL_H * rows).max(180))
-                .map_err(|e| err(&e))?;
+        for (m, &ph) in modes.iter().zip(&lay.panel_h) {
+            panel(&root, r, m, &names, &lay, y0, ph).map_err(|e| err(&e))?;
             y0 += ph;
         }
         root.present().map_err(|e| err(&e))?;
@@ -221,16 +93,174 @@ pub fn render(r: &Report) -> Result<String> {
     Ok(buf)
 }
 
+/// The picture's geometry, from the text extents of the shipped font so that no label is cut off.
+struct Layout {
+    /// Left of the grid: axis title, layer numbers, gap.
+    left: i32,
+    grid_w: i32,
+    width: i32,
+    height: i32,
+    /// Each mode panel's height: title, a row per layer, the rotated check labels and axis title.
+    panel_h: Vec<i32>,
+}
+
+impl Layout {
+    fn new(modes: &[&super::ModeResult], names: &[String]) -> Layout {
+        let label_font = font(13.0);
+        let longest_check = names
+            .iter()
+            .map(|n| text_w(n, &label_font))
+            .max()
+            .unwrap_or(0);
+        let max_layer = modes
+            .iter()
+            .flat_map(|m| m.layers.iter().map(|l| l.layer))
+            .max()
+            .unwrap_or(0);
+        let layer_w = text_w(&max_layer.to_string(), &label_font);
+        let left = 30 + layer_w + 12; // axis title, numbers, gap
+        let bottom = 10 + longest_check + 34; // gap, rotated labels, axis title
+        let n_cols = names.len() as i32;
+        let grid_w = CELL_W * n_cols.max(1);
+        let bar_area = 150;
+        let width = (left + grid_w + bar_area).max(560);
+        let panel_h: Vec<i32> = modes
+            .iter()
+            .map(|m| TITLE_H + CELL_H * m.layers.len() as i32 + bottom)
+            .collect();
+        let height = panel_h.iter().sum::<i32>().max(200);
+        Layout {
+            left,
+            grid_w,
+            width,
+            height,
+            panel_h,
+        }
+    }
+}
+
+fn text_w(t: &str, f: &TextStyle) -> i32 {
+    plotters::style::FontDesc::box_size(&f.font, t)
+        .map(|(w, _)| w as i32)
+        .unwrap_or(8 * t.len() as i32)
+}
+
+type Drawn = std::result::Result<(), DrawingAreaErrorKind<std::io::Error>>;
+
+/// One mode's panel from `y0`: title and verdict, the layer × check grid, the check labels below it,
+/// the axis titles and the colour bar.
+fn panel(
+    root: &Area,
+    r: &Report,
+    m: &super::ModeResult,
+    names: &[String],
+    lay: &Layout,
+    y0: i32,
+    ph: i32,
+) -> Drawn {
+    let (left, grid_w) = (lay.left, lay.grid_w);
+    let label_font = font(13.0);
+    let decides = r.decisive_mode() == Some(m.mode.as_str());
+    let title = format!(
+        "{}: {} mode{}, {} backend, {}",
+        r.file.base_name(),
+        m.mode,
+        if decides {
+            ""
+        } else {
+            " (drift, informational)"
+        },
+        r.run.backend,
+        r.run.dtype
+    );
+    root.draw(&Text::new(title, (left, y0 + 10), font(17.0)))?;
+    let verdict = if m.verdict.pass {
+        "within tolerance".to_string()
+    } else {
+        format!(
+            "first divergence: layer {}, {}",
+            m.verdict
+                .first_layer
+                .map(|l| l.to_string())
+                .unwrap_or_default(),
+            m.verdict.first_check.as_deref().unwrap_or("?")
+        )
+    };
+    root.draw(&Text::new(
+        format!("cell = worst metric ÷ tolerance (≥ 1 fails); {verdict}"),
+        (left, y0 + 31),
+        font(13.0).color(&RGBColor(80, 80, 80)),
+    ))?;
+    let gy = y0 + TITLE_H;
+    let rows = m.layers.len() as i32;
+    // Rows: layers, top to bottom.
+    for (yi, l) in m.layers.iter().enumerate() {
+        let y = gy + CELL_H * yi as i32;
+        root.draw(&Text::new(
+            l.layer.to_string(),
+            (left - 8, y + CELL_H / 2),
+            label_font.pos(Pos::new(HPos::Right, VPos::Center)),
+        ))?;
+        for (xi, c) in l.checks.iter().enumerate() {
+            grid_cell(root, left + CELL_W * xi as i32, y, c)?;
+        }
+    }
+    // Columns: checks, labels read upwards below the grid.
+    let gb = gy + CELL_H * rows;
+    for (xi, n) in names.iter().enumerate() {
+        let x = left + CELL_W * xi as i32 + CELL_W / 2;
+        root.draw(&Text::new(
+            n.clone(),
+            (x, gb + 8),
+            label_font
+                .transform(FontTransform::Rotate270)
+                .pos(Pos::new(HPos::Right, VPos::Center)),
+        ))?;
+    }
+    root.draw(&Text::new(
+        "stage (check), in dataflow order",
+        (left + grid_w / 2, y0 + ph - 14),
+        font(14.0).pos(Pos::new(HPos::Center, VPos::Center)),
+    ))?;
+    root.draw(&Text::new(
+        "layer",
+        (12, gy + CELL_H * rows / 2),
+        font(14.0)
+            .transform(FontTransform::Rotate270)
+            .pos(Pos::new(HPos::Center, VPos::Center)),
+    ))?;
+    colour_bar(root, left + grid_w + 24, gy, (CELL_H * rows).max(180))
+}
+
+/// One check's cell at (x, y): its colour, a frame when it fails, its ratio.
+fn grid_cell(root: &Area, x: i32, y: i32, c: &crate::compare::CheckResult) -> Drawn {
+    let ratio = c.ratio();
+    let fill = color(ratio);
+    root.draw(&Rectangle::new(
+        [(x + 1, y + 1), (x + CELL_W - 1, y + CELL_H - 1)],
+        fill.filled(),
+    ))?;
+    if !c.pass {
+        root.draw(&Rectangle::new(
+            [(x + 1, y + 1), (x + CELL_W - 2, y + CELL_H - 2)],
+            BLACK.stroke_width(2),
+        ))?;
+    }
+    let dark = !ratio.is_finite() || ratio >= 1.0;
+    root.draw(&Text::new(
+        cell_label(ratio),
+        (x + CELL_W / 2, y + CELL_H / 2),
+        font(12.0)
+            .color(if dark { &WHITE } else { &BLACK })
+            .pos(Pos::new(HPos::Center, VPos::Center)),
+    ))
+}
+
 type Area<'a> = DrawingArea<SVGBackend<'a>, plotters::coord::Shift>;
 
 /// A vertical log colour bar from 1e-4 (bottom) to 1e3 (top), 1 (the tolerance) marked by a line
 /// across, and a swatch for non-finite values below it.
-fn colour_bar(
-    root: &Area,
-    x: i32,
-    top: i32,
-    h: i32,
-) -> std::result::Result<(), DrawingAreaErrorKind<std::io::Error>> {
+fn colour_bar(root: &Area, x: i32, top: i32, h: i32) -> Drawn {
     let bar_h = h - 40;
     let to_y = |lg: f64| top + ((BAR_HI - lg) / (BAR_HI - BAR_LO) * bar_h as f64).round() as i32;
     let steps = 70;

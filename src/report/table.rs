@@ -1,7 +1,7 @@
 //! The compact terminal table: one row per layer, one column per check, each cell the worst
 //! metric ÷ tolerance (≥ 1 fails). Colour only on a terminal and never under NO_COLOR.
 
-use super::Report;
+use super::{Gate, Report};
 use std::fmt::Write;
 
 /// Short column headers, so that all checks fit in ~120 columns (`--tol` accepts them too).
@@ -92,50 +92,7 @@ pub fn render(r: &Report, style: &Style) -> String {
         writeln!(s, "{}", style.red(&format!("NOTICE: {n}"))).ok();
     }
     for m in &r.modes {
-        let Some(first) = m.layers.first() else {
-            continue;
-        };
-        let note = if r.decisive_mode() == Some(m.mode.as_str()) {
-            ""
-        } else {
-            ", informational: drift does not decide the verdict"
-        };
-        writeln!(s, "\n[{} mode{note}]", m.mode).ok();
-        let mut head = format!("{:>5} {:>4} ", "layer", "");
-        for c in &first.checks {
-            write!(head, "{:>7} ", short(&c.check)).ok();
-        }
-        if m.mode == "free" {
-            write!(head, " {:>8}", "drift").ok();
-        }
-        writeln!(s, "{head}").ok();
-        for l in &m.layers {
-            let verdict = if l.pass {
-                style.green("PASS")
-            } else {
-                style.red("FAIL")
-            };
-            let mut row = format!("{:>5} {} ", l.layer, verdict);
-            for c in &l.checks {
-                let mark = if c.pass { ' ' } else { '!' };
-                let txt = format!("{:>7}{mark}", cell(c.ratio()));
-                row.push_str(&if c.pass { txt } else { style.red(&txt) });
-            }
-            if let Some(d) = l.drift {
-                write!(row, " {d:>8.1e}").ok();
-            }
-            writeln!(s, "{row}").ok();
-        }
-        let missing = m.not_provided();
-        if !missing.is_empty() {
-            let names: Vec<&str> = missing.iter().map(|(c, _)| c.as_str()).collect();
-            writeln!(
-                s,
-                "not provided by the backend (not compared): {}",
-                names.join(", ")
-            )
-            .ok();
-        }
+        mode_table(&mut s, r, m, style);
     }
     if let Some(d) = &r.dsa {
         writeln!(
@@ -154,45 +111,102 @@ pub fn render(r: &Report, style: &Style) -> String {
     }
     writeln!(s).ok();
     s.push_str(&verdict_line(r, style));
-    if let Some(b) = &r.baseline {
-        // A failing gate's message is already part of the verdict line.
-        if b.pass {
-            writeln!(s, "{}", style.green(&b.message)).ok();
-        }
-        for reg in b.regressions.iter().take(10) {
-            writeln!(s, "  {reg}").ok();
-        }
-        if !b.across.is_empty() {
-            writeln!(s, "  compared across: {}", b.across.join("; ")).ok();
-        }
-    }
-    if let Some(r) = &r.repeat {
-        // A nondeterministic run's message is already part of the verdict line; list where.
-        if r.pass {
-            writeln!(s, "{}", style.green(&format!("repeat: {}", r.message))).ok();
-        }
-        for line in repeat_lines(r).iter().take(10) {
-            writeln!(s, "  {line}").ok();
-        }
-    }
-    // A runner's batch and input checks: the summary when they passed (a failure is in the verdict
-    // line), then every check that did not pass, and the reported batch-invariance figures.
-    if let Some(rc) = &r.runner_checks {
-        if rc.pass {
-            writeln!(s, "{}", style.green(&rc.message)).ok();
-        }
-        for line in runner_check_lines(rc).iter().take(12) {
-            writeln!(s, "  {line}").ok();
-        }
-    }
-    // --tp: each rank against its own fp64 slice (a failing one is already in the verdict line).
-    for rk in
-        r.tp.iter()
-            .flat_map(|t| t.ranks.iter().map(move |rk| rk.line(t.size)))
-    {
-        writeln!(s, "  {rk}").ok();
+    for g in r.gates() {
+        gate_lines(&mut s, g, style);
     }
     s
+}
+
+/// One mode's layer × check table (cells: worst metric ÷ tolerance), then the checks not provided.
+fn mode_table(s: &mut String, r: &Report, m: &super::ModeResult, style: &Style) {
+    let Some(first) = m.layers.first() else {
+        return;
+    };
+    let note = if r.decisive_mode() == Some(m.mode.as_str()) {
+        ""
+    } else {
+        ", informational: drift does not decide the verdict"
+    };
+    writeln!(s, "\n[{} mode{note}]", m.mode).ok();
+    let mut head = format!("{:>5} {:>4} ", "layer", "");
+    for c in &first.checks {
+        write!(head, "{:>7} ", short(&c.check)).ok();
+    }
+    if m.mode == "free" {
+        write!(head, " {:>8}", "drift").ok();
+    }
+    writeln!(s, "{head}").ok();
+    for l in &m.layers {
+        let verdict = if l.pass {
+            style.green("PASS")
+        } else {
+            style.red("FAIL")
+        };
+        let mut row = format!("{:>5} {} ", l.layer, verdict);
+        for c in &l.checks {
+            let mark = if c.pass { ' ' } else { '!' };
+            let txt = format!("{:>7}{mark}", cell(c.ratio()));
+            row.push_str(&if c.pass { txt } else { style.red(&txt) });
+        }
+        if let Some(d) = l.drift {
+            write!(row, " {d:>8.1e}").ok();
+        }
+        writeln!(s, "{row}").ok();
+    }
+    let missing = m.not_provided();
+    if !missing.is_empty() {
+        let names: Vec<&str> = missing.iter().map(|(c, _)| c.as_str()).collect();
+        writeln!(
+            s,
+            "not provided by the backend (not compared): {}",
+            names.join(", ")
+        )
+        .ok();
+    }
+}
+
+/// A gate's lines below the verdict line (a failing gate's message is already part of it: a passing
+/// one's is printed here), then where it failed.
+fn gate_lines(s: &mut String, g: Gate, style: &Style) {
+    match g {
+        Gate::Baseline(b) => {
+            if b.pass {
+                writeln!(s, "{}", style.green(&b.message)).ok();
+            }
+            for reg in b.regressions.iter().take(10) {
+                writeln!(s, "  {reg}").ok();
+            }
+            if !b.across.is_empty() {
+                writeln!(s, "  compared across: {}", b.across.join("; ")).ok();
+            }
+        }
+        Gate::Repeat(r) => {
+            if r.pass {
+                writeln!(s, "{}", style.green(&format!("repeat: {}", r.message))).ok();
+            }
+            for line in repeat_lines(r).iter().take(10) {
+                writeln!(s, "  {line}").ok();
+            }
+        }
+        // A runner's batch and input checks: every check that did not pass, and the reported
+        // batch-invariance figures.
+        Gate::RunnerChecks(rc) => {
+            if rc.pass {
+                writeln!(s, "{}", style.green(&rc.message)).ok();
+            }
+            for line in runner_check_lines(rc).iter().take(12) {
+                writeln!(s, "  {line}").ok();
+            }
+        }
+        // --tp: each rank against its own fp64 slice.
+        Gate::Tp(t) => {
+            for rk in t.ranks.iter().map(|rk| rk.line(t.size)) {
+                writeln!(s, "  {rk}").ok();
+            }
+        }
+        // Drawn after the modes, whose attention its selection decides.
+        Gate::Dsa(_) => {}
+    }
 }
 
 /// The runner checks worth a line: failures first, then the reported (no-verdict) figures.

@@ -289,21 +289,7 @@ pub fn sweep_lengths(
     let cfg = MlaConfig::from_gguf(file)?;
     let base = &opts.sched;
     let min = lengths::min_length(base);
-    if let Some((spec, ls, _)) = &plan.user {
-        if let Some(&l) = ls.iter().find(|&&l| l < min) {
-            return Err(Error::Usage(format!(
-                "--lengths {spec:?}: length {l} is shorter than the schedule's {} decode tokens (--decode-steps {} × --q-len {}); lengths start at {min}",
-                base.decode_tokens(),
-                base.decode_steps,
-                base.q_len
-            )));
-        }
-    }
-    if !plan.boundaries && plan.user.is_none() {
-        return Err(Error::Usage(
-            "--no-boundaries leaves no length: give --lengths".into(),
-        ));
-    }
+    plan.check(base, min)?;
     let start = plan
         .user
         .as_ref()
@@ -334,34 +320,8 @@ pub fn sweep_lengths(
         Some((_, _, r)) => r.clone(),
         None => min..=lengths::default_max(base, &bounds),
     };
-    // Checked before the long part: the longest length's memory, and on a DSA model its top_k.
-    let longest = lengths::schedule_at(base, *range.end())?;
-    longest.check_memory(&cfg)?;
-    if let Some(n) = crate::run::dense_beyond_top_k(file, &cfg, &longest) {
-        if !opts.allow_dense_beyond_topk {
-            return Err(Error::Usage(format!(
-                "{n}. Pass --allow-dense-beyond-topk to run anyway, or sweep at most top_k tokens (--lengths)"
-            )));
-        }
-    }
-    let mut todo: std::collections::BTreeMap<usize, Vec<String>> = if plan.boundaries {
-        lengths::boundary_lengths(base, &bounds, &range)
-    } else {
-        Default::default()
-    };
-    match &plan.user {
-        Some((_, ls, _)) => ls
-            .iter()
-            .for_each(|&l| todo.entry(l).or_default().push("--lengths".into())),
-        None => {
-            todo.entry(*range.start())
-                .or_default()
-                .push("range start".into());
-            todo.entry(*range.end())
-                .or_default()
-                .push("range end".into());
-        }
-    }
+    check_longest(file, &cfg, opts, *range.end())?;
+    let todo = plan.lengths(base, &bounds, &range);
     bar.set_length(todo.len() as u64);
     let mut rep = SweepReport::frame("lengths", opts, &first);
     let mut points = Vec::new();
@@ -419,6 +379,76 @@ pub fn sweep_lengths(
 }
 
 /// Probes a bisection of a gap takes: ceil(log2(gap)).
+impl LengthPlan {
+    /// The plan's own lengths start at the schedule's decode tokens, and there is some length to run.
+    fn check(&self, base: &Schedule, min: usize) -> Result<()> {
+        if let Some((spec, ls, _)) = &self.user {
+            if let Some(&l) = ls.iter().find(|&&l| l < min) {
+                return Err(Error::Usage(format!(
+                    "--lengths {spec:?}: length {l} is shorter than the schedule's {} decode tokens (--decode-steps {} × --q-len {}); lengths start at {min}",
+                    base.decode_tokens(),
+                    base.decode_steps,
+                    base.q_len
+                )));
+            }
+        }
+        if !self.boundaries && self.user.is_none() {
+            return Err(Error::Usage(
+                "--no-boundaries leaves no length: give --lengths".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Every length to run, with why: the boundary lengths within `range`, then the `--lengths` given
+    /// or else the range's two ends.
+    fn lengths(
+        &self,
+        base: &Schedule,
+        bounds: &[lengths::Boundary],
+        range: &std::ops::RangeInclusive<usize>,
+    ) -> std::collections::BTreeMap<usize, Vec<String>> {
+        let mut todo: std::collections::BTreeMap<usize, Vec<String>> = if self.boundaries {
+            lengths::boundary_lengths(base, bounds, range)
+        } else {
+            Default::default()
+        };
+        match &self.user {
+            Some((_, ls, _)) => ls
+                .iter()
+                .for_each(|&l| todo.entry(l).or_default().push("--lengths".into())),
+            None => {
+                todo.entry(*range.start())
+                    .or_default()
+                    .push("range start".into());
+                todo.entry(*range.end())
+                    .or_default()
+                    .push("range end".into());
+            }
+        }
+        todo
+    }
+}
+
+/// Checked before the long part: the longest length's memory, and on a DSA model its top_k.
+fn check_longest(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    opts: &SweepOptions,
+    longest: usize,
+) -> Result<()> {
+    let longest = lengths::schedule_at(&opts.sched, longest)?;
+    longest.check_memory(cfg)?;
+    if let Some(n) = crate::run::dense_beyond_top_k(file, cfg, &longest) {
+        if !opts.allow_dense_beyond_topk {
+            return Err(Error::Usage(format!(
+                "{n}. Pass --allow-dense-beyond-topk to run anyway, or sweep at most top_k tokens (--lengths)"
+            )));
+        }
+    }
+    Ok(())
+}
+
 fn bisect_probes(gap: usize) -> u64 {
     (usize::BITS - gap.saturating_sub(1).leading_zeros()) as u64
 }

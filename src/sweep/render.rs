@@ -1,6 +1,7 @@
 //! The sweep's terminal table, JUnit XML and Markdown, rendered from the `SweepReport` (the JSON is the
 //! source of truth; these add nothing to it).
 
+use super::splits::SplitSweep;
 use super::{LengthSweep, Outcome, SweepReport};
 use crate::report::table::Style;
 use quick_junit::{NonSuccessKind, Report as JReport, TestCase, TestCaseStatus, TestSuite};
@@ -83,115 +84,126 @@ pub fn table(r: &SweepReport, style: &Style) -> String {
     for n in &r.run.notices {
         writeln!(s, "NOTICE: {n}").ok();
     }
-    let mark = |pass: bool| {
-        if pass {
-            style.green("PASS")
-        } else {
-            style.red("FAIL")
-        }
-    };
     if let Some(ls) = &r.lengths {
-        let b: Vec<String> = ls.boundaries.iter().map(|b| b.to_string()).collect();
-        writeln!(
-            s,
-            "boundaries: {}",
-            if b.is_empty() {
-                "none".into()
-            } else {
-                b.join(", ")
-            }
-        )
-        .ok();
-        writeln!(s, "cells: worst metric / tolerance (>= 1 fails)\n").ok();
-        writeln!(
-            s,
-            "{:>7} {:>7} {:4} {:>6}  {:<28} {:<28} origin",
-            "length", "prompt", "", "worst", "worst check", "first failure"
-        )
-        .ok();
-        for p in &ls.points {
-            let (w, wc) = worst(&p.outcome);
-            writeln!(
-                s,
-                "{:>7} {:>7} {} {:>6}  {:<28} {:<28} {}",
-                p.length,
-                p.prompt_len,
-                mark(p.outcome.pass),
-                w,
-                wc,
-                failure(&p.outcome),
-                origins(&p.origins)
-            )
-            .ok();
-        }
-        writeln!(s, "\n{}", smallest_line(ls)).ok();
+        lengths_table(&mut s, ls, style);
     }
     if let Some(sp) = &r.splits {
-        writeln!(s, "\nruns against fp64:").ok();
-        writeln!(
-            s,
-            "{:>7} {:4} {:>6}  {:<28} first failure",
-            "splits", "", "worst", "worst check"
-        )
-        .ok();
-        for run in &sp.runs {
-            let (w, wc) = worst(&run.outcome);
-            writeln!(
-                s,
-                "{:>7} {} {:>6}  {:<28} {}",
-                run.num_splits,
-                mark(run.outcome.pass),
-                w,
-                wc,
-                failure(&run.outcome)
-            )
-            .ok();
-        }
-        writeln!(
-            s,
-            "\ndecode outputs against {} splits' (cells: metric / the check's tolerance):",
-            sp.base
-        )
-        .ok();
-        let checks: Vec<String> = super::splits::invariant_checks()
-            .iter()
-            .map(|c| c.name())
-            .filter(|n| sp.comparisons.iter().any(|c| &c.check == n))
-            .collect();
-        let mut head = format!("{:>7} {:>5} ", "splits", "layer");
-        for c in &checks {
-            write!(head, "{c:>19} ").ok();
-        }
-        writeln!(s, "{head}").ok();
-        let mut keys: Vec<(usize, usize)> = sp
-            .comparisons
-            .iter()
-            .map(|c| (c.num_splits, c.layer))
-            .collect();
-        keys.dedup();
-        for (n, l) in keys {
-            let mut row = format!("{n:>7} {l:>5} ");
-            for name in &checks {
-                match sp
-                    .comparisons
-                    .iter()
-                    .find(|c| c.num_splits == n && c.layer == l && &c.check == name)
-                {
-                    Some(c) => {
-                        let txt =
-                            format!("{:>18}{}", ratio(c.ratio), if c.pass { ' ' } else { '!' });
-                        row.push_str(&if c.pass { txt } else { style.red(&txt) });
-                        row.push(' ');
-                    }
-                    None => write!(row, "{:>19} ", "-").unwrap_or(()),
-                }
-            }
-            writeln!(s, "{row}").ok();
-        }
+        splits_tables(&mut s, sp, style);
     }
     writeln!(s).ok();
     s.push_str(&verdict_line(r, style));
     s
+}
+
+fn mark(pass: bool, style: &Style) -> String {
+    if pass {
+        style.green("PASS")
+    } else {
+        style.red("FAIL")
+    }
+}
+
+/// A length sweep: the boundaries, a row per length run, the smallest failing length.
+fn lengths_table(s: &mut String, ls: &LengthSweep, style: &Style) {
+    let b: Vec<String> = ls.boundaries.iter().map(|b| b.to_string()).collect();
+    writeln!(
+        s,
+        "boundaries: {}",
+        if b.is_empty() {
+            "none".into()
+        } else {
+            b.join(", ")
+        }
+    )
+    .ok();
+    writeln!(s, "cells: worst metric / tolerance (>= 1 fails)\n").ok();
+    writeln!(
+        s,
+        "{:>7} {:>7} {:4} {:>6}  {:<28} {:<28} origin",
+        "length", "prompt", "", "worst", "worst check", "first failure"
+    )
+    .ok();
+    for p in &ls.points {
+        let (w, wc) = worst(&p.outcome);
+        writeln!(
+            s,
+            "{:>7} {:>7} {} {:>6}  {:<28} {:<28} {}",
+            p.length,
+            p.prompt_len,
+            mark(p.outcome.pass, style),
+            w,
+            wc,
+            failure(&p.outcome),
+            origins(&p.origins)
+        )
+        .ok();
+    }
+    writeln!(s, "\n{}", smallest_line(ls)).ok();
+}
+
+/// A split sweep: each split count's run against fp64, then its decode outputs against the first
+/// count's, a row per (count, layer) and a column per invariant check.
+fn splits_tables(s: &mut String, sp: &SplitSweep, style: &Style) {
+    writeln!(s, "\nruns against fp64:").ok();
+    writeln!(
+        s,
+        "{:>7} {:4} {:>6}  {:<28} first failure",
+        "splits", "", "worst", "worst check"
+    )
+    .ok();
+    for run in &sp.runs {
+        let (w, wc) = worst(&run.outcome);
+        writeln!(
+            s,
+            "{:>7} {} {:>6}  {:<28} {}",
+            run.num_splits,
+            mark(run.outcome.pass, style),
+            w,
+            wc,
+            failure(&run.outcome)
+        )
+        .ok();
+    }
+    writeln!(
+        s,
+        "\ndecode outputs against {} splits' (cells: metric / the check's tolerance):",
+        sp.base
+    )
+    .ok();
+    let checks: Vec<String> = super::splits::invariant_checks()
+        .iter()
+        .map(|c| c.name())
+        .filter(|n| sp.comparisons.iter().any(|c| &c.check == n))
+        .collect();
+    let mut head = format!("{:>7} {:>5} ", "splits", "layer");
+    for c in &checks {
+        write!(head, "{c:>19} ").ok();
+    }
+    writeln!(s, "{head}").ok();
+    let mut keys: Vec<(usize, usize)> = sp
+        .comparisons
+        .iter()
+        .map(|c| (c.num_splits, c.layer))
+        .collect();
+    keys.dedup();
+    for (n, l) in keys {
+        let mut row = format!("{n:>7} {l:>5} ");
+        for name in &checks {
+            match sp
+                .comparisons
+                .iter()
+                .find(|c| c.num_splits == n && c.layer == l && &c.check == name)
+            {
+                Some(c) => {
+                    let txt = format!("{:>18}{}", ratio(c.ratio), if c.pass { ' ' } else { '!' });
+                    row.push_str(&if c.pass { txt } else { style.red(&txt) });
+                    row.push(' ');
+                }
+                None => write!(row, "{:>19} ", "-").unwrap_or(()),
+            }
+        }
+        writeln!(s, "{row}").ok();
+    }
 }
 
 /// The smallest failing length and how it was found.

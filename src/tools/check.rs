@@ -1,7 +1,6 @@
 //! `mla-diff kernels check`: compile every kernel with NVRTC (no GPU needed) to PTX and CUBIN for several
 //! architectures, model dims and storage types; report ptxas registers, spills and shared memory.
 
-use crate::backend::cuda::kernels::KERNEL_FAULTS;
 use crate::backend::cuda::launch::kv_format_code;
 use crate::backend::cuda::nvrtc::{self, parse_ptxas, Sources};
 use crate::error::{Error, Result};
@@ -12,6 +11,8 @@ use crate::tiles::choice::{self as plan, smem_limit, Widths};
 use crate::tiles::{decode_tiles, prefill_tiles, Dims, Tile};
 use std::collections::HashMap;
 use std::fmt::Write;
+
+mod variants;
 
 /// Named dim sets: (name, Lkv, R, P, Dv, H, NEOX rope).
 pub const DIM_SETS: [(&str, usize, usize, usize, usize, usize, bool); 5] = [
@@ -113,111 +114,6 @@ fn job_label(unit: &str, tile: Option<Tile>, kv: Option<KvFormat>) -> String {
     }
 }
 
-/// Kernels a module may hold beside another that does the same work, so a planted fault that changes
-/// the first must change the second: (first, second, what the second is).
-const SAME_WORK: [(&str, &str, &str); 3] = [
-    ("attn_mma", "attn_wgmma", "the Hopper kernel"),
-    (
-        "attn_wgmma",
-        "attn_wgmma_pairs",
-        "the alternating-tile kernel",
-    ),
-    ("attn_mma", "attn_small", "the few-heads TMA kernel"),
-];
-
-/// Compile every unit with each kernel fault's define (`-D MLA_FAULT_…=1`): each must compile, and
-/// must change the PTX of at least one unit (a misspelt switch changes nothing). `clean` holds the
-/// clean PTX of the same jobs, by (dim set, dtype, job label).
-fn check_faults(
-    src: &Sources,
-    arch: &str,
-    clean: &HashMap<(String, Dtype, String), Vec<u8>>,
-    rep: &mut String,
-) -> Result<usize> {
-    let mut compiles = 0;
-    writeln!(
-        rep,
-        "\nkernel faults, {arch}, on {}:",
-        FAULT_SETS
-            .iter()
-            .map(|(n, d)| format!("{n} {}", d.name()))
-            .collect::<Vec<_>>()
-            .join(" and ")
-    )
-    .unwrap();
-    for f in KERNEL_FAULTS {
-        let define = f.info().define;
-        let mut changed = Vec::new();
-        for &(name, dt) in FAULT_SETS.iter() {
-            let &(_, lkv, r, p, dv, h, neox) = DIM_SETS
-                .iter()
-                .find(|d| d.0 == name)
-                .expect("a named dim set");
-            let dims = Dims {
-                dtype: dt,
-                lkv,
-                r,
-                p,
-                dv,
-                h,
-                page: 64,
-                neox,
-                debug: true,
-                faults: Active::NONE.with(f),
-            };
-            for (unit, tile, kv) in jobs(lkv, r) {
-                let c = nvrtc::compile(src, unit, &job_defines(&dims, tile, kv), arch, true)
-                    .map_err(|e| {
-                        Error::Environment(format!("{unit} with {define}=1 for {arch}: {e}"))
-                    })?;
-                compiles += 1;
-                let label = job_label(unit, tile, kv);
-                let base = clean
-                    .get(&(name.to_string(), dt, label.clone()))
-                    .expect("the clean compile of every job");
-                let (before, after) = (
-                    String::from_utf8_lossy(base),
-                    String::from_utf8_lossy(&c.ptx),
-                );
-                let (before, after) = (ptx_entries(&before), ptx_entries(&after));
-                let kernels: Vec<&str> = after
-                    .iter()
-                    .filter(|(k, body)| {
-                        before.iter().find(|(b, _)| b == k).map(|(_, b)| b) != Some(body)
-                    })
-                    .map(|(k, _)| *k)
-                    .collect();
-                if kernels.is_empty() {
-                    continue;
-                }
-                // A fault in the attention core must reach every kernel of the module that does the
-                // same work: where it changes `from`, it must change `to` too (when the module has it).
-                for (from, to, what) in SAME_WORK {
-                    let has = after.iter().any(|(k, _)| *k == to);
-                    if has && kernels.contains(&from) && !kernels.contains(&to) {
-                        return Err(Error::Environment(format!(
-                            "{define}=1 changes {from} but not {to} ({name} {} {unit}): {what} misses the fault's switch",
-                            dt.name()
-                        )));
-                    }
-                }
-                changed.push(format!(
-                    "{name} {} {label} [{}]",
-                    dt.name(),
-                    kernels.join(", ")
-                ));
-            }
-        }
-        if changed.is_empty() {
-            return Err(Error::Environment(format!(
-                "{define}=1 compiles but changes no kernel's PTX: its switch in kernels/ is missing or misspelt"
-            )));
-        }
-        writeln!(rep, "  {define}: changes {}", changed.join("; ")).unwrap();
-    }
-    Ok(compiles)
-}
-
 /// The host's model of a tensor-core kernel (`plan`: shared memory, threads, rows per CTA, keys per tile;
 /// what the tile choice is predicted from and coverage's geometry) against the kernel's own
 /// `attn_*_config`, so that a kernel edit that changes its layout cannot leave the two apart.
@@ -256,62 +152,6 @@ fn check_plan(dims: &Dims, unit: &str, t: Tile, kernel: &str, c: [i32; 4]) -> Re
         )));
     }
     Ok(())
-}
-
-/// Every tile a device may choose (not only the first ones the table shows), at DeepSeek dims in bf16:
-/// each module's own config against the host's model (`check_plan`), so that the tile the host predicts
-/// for a device with less shared memory is the one that loads there.
-fn check_all_tiles(src: &Sources, arch: &str, rep: &mut String) -> Result<usize> {
-    let &(_, lkv, r, p, dv, h, neox) = &DIM_SETS[0];
-    let dims = Dims {
-        dtype: Dtype::Bf16,
-        lkv,
-        r,
-        p,
-        dv,
-        h,
-        page: 64,
-        neox,
-        debug: true,
-        faults: Active::NONE,
-    };
-    let mut jobs: Vec<(&str, Option<Tile>)> = Vec::new();
-    for t in prefill_tiles() {
-        jobs.push(("prefill.cu", Some(t)));
-    }
-    for t in decode_tiles(64).into_iter().chain(decode_tiles(1)) {
-        if !jobs.contains(&("decode.cu", Some(t))) {
-            jobs.push(("decode.cu", Some(t)));
-        }
-    }
-    let mut checked = 0;
-    for &(unit, tile) in &jobs {
-        let c = nvrtc::compile(src, unit, &job_defines(&dims, tile, None), arch, false)?;
-        let ptx = String::from_utf8_lossy(&c.ptx);
-        let t = tile.expect("attention jobs have a tile");
-        let mut found = 0;
-        for k in ["attn_mma", "attn_wgmma"] {
-            if let Some(cfg) = ptx_attn_config(&ptx, k) {
-                check_plan(&dims, unit, t, k, cfg)
-                    .map_err(|e| Error::Environment(format!("{arch} deepseek-v3 {e}")))?;
-                found += 1;
-                checked += 1;
-            }
-        }
-        if found == 0 {
-            return Err(Error::Environment(format!(
-                "{arch} deepseek-v3 bf16 {unit} ({}): no attn_*_config in the PTX to check the tile model against",
-                t.label()
-            )));
-        }
-    }
-    writeln!(
-        rep,
-        "\ntile model (src/tiles/choice.rs), {arch}, deepseek-v3 bf16: {} tiles, {checked} kernel configs match",
-        jobs.len()
-    )
-    .unwrap();
-    Ok(jobs.len())
 }
 
 /// A compiler log line worth failing on: a warning, or ptxas's C75xx "Potential Performance Loss" notes
@@ -357,41 +197,8 @@ pub fn kernels_check(
         std::fs::create_dir_all(d)
             .map_err(|e| Error::io(format!("creating --dump {}", d.display()), e))?;
     }
-    let inc = nvrtc::include_paths();
-    let mut rep = String::new();
-    writeln!(
-        rep,
-        "NVRTC {maj}.{min}; kernels from {}; include path {}",
-        src.dir.display(),
-        if inc.is_empty() {
-            "(none: set MLA_DIFF_CUDA_INCLUDE)".to_string()
-        } else {
-            inc.join(":")
-        }
-    )
-    .unwrap();
-    writeln!(
-        rep,
-        "{:<7} {:<12} {:<5} {:<15} {:<28} {:<15} {:>5} {:>7} {:>7} {:>6} {:>9}",
-        "arch",
-        "dims",
-        "dtype",
-        "unit",
-        "tile",
-        "kernel",
-        "regs",
-        "spill-st",
-        "spill-ld",
-        "stack",
-        "dyn-smem"
-    )
-    .unwrap();
-    let mut compiles = 0;
-    let mut spilling = Vec::new();
-    let mut warnings = Vec::new();
-    let mut smem_model = Vec::new();
+    let mut sv = Survey::new(&src, maj, min);
     let fault_arch = fault_arch(archs);
-    let mut clean_ptx = HashMap::new();
     for arch in archs {
         for &(name, lkv, r, p, dv, h, neox) in DIM_SETS.iter() {
             for dt in [Dtype::Bf16, Dtype::F16, Dtype::F32] {
@@ -407,142 +214,233 @@ pub fn kernels_check(
                     debug: true,
                     faults: Active::NONE,
                 };
-                for (unit, tile, kv) in jobs(lkv, r) {
-                    let c = nvrtc::compile(&src, unit, &job_defines(&dims, tile, kv), arch, true)?;
-                    compiles += 1;
-                    if Some(arch) == fault_arch && FAULT_SETS.contains(&(name, dt)) {
-                        clean_ptx.insert(
-                            (name.to_string(), dt, job_label(unit, tile, kv)),
-                            c.ptx.clone(),
-                        );
-                    }
-                    if c.cubin
-                        .as_ref()
-                        .is_none_or(|b| b.len() < 4 || &b[..4] != b"\x7fELF")
-                    {
-                        return Err(Error::Environment(format!(
-                            "{unit} for {arch}: NVRTC returned no ELF CUBIN"
-                        )));
-                    }
-                    if let Some(d) = dump {
-                        let stem = dump_stem(arch, name, dt, (unit, tile, kv));
-                        let w = |ext: &str, bytes: &[u8]| {
-                            let p = d.join(format!("{stem}.{ext}"));
-                            std::fs::write(&p, bytes)
-                                .map_err(|e| Error::io(format!("writing {}", p.display()), e))
-                        };
-                        w("ptx", c.ptx.strip_suffix(&[0]).unwrap_or(&c.ptx))?;
-                        w("cubin", c.cubin.as_deref().unwrap_or_default())?;
-                    }
-                    let ptx = String::from_utf8_lossy(&c.ptx);
-                    if !ptx.contains(".target") {
-                        return Err(Error::Environment(format!(
-                            "{unit} for {arch}: NVRTC returned no PTX"
-                        )));
-                    }
-                    for w in c.log.lines().filter(|l| is_ptxas_warning(l)) {
-                        warnings.push(format!("{arch} {name} {} {unit}: {}", dt.name(), w.trim()));
-                    }
-                    let kernels = parse_ptxas(&c.log);
-                    // On sm_90a a decode module carries both tensor-core kernels: show the one its tile runs.
-                    let runs_wgmma = tile.is_some_and(|t| t.wgmma)
-                        && kernels.iter().any(|k| k.name == "attn_wgmma");
-                    // The host's model of the attention kernels' shared memory (src/tiles/choice.rs, which `lint`
-                    // reports from) must say what the compiled kernel says, for every kernel built.
-                    for k in kernels
-                        .iter()
-                        .filter(|k| k.name == "attn_mma" || k.name == "attn_wgmma")
-                    {
-                        let (Some(t), Some(cfg)) = (tile, ptx_attn_config(&ptx, &k.name)) else {
-                            continue;
-                        };
-                        let w = if unit == "decode.cu" {
-                            Widths::decode(&dims)
-                        } else {
-                            Widths::prefill(&dims)
-                        };
-                        let host = if k.name == "attn_wgmma" {
-                            plan::wgmma_smem(&w, &t)
-                        } else {
-                            plan::mma_smem(&w, &t)
-                        };
-                        if host != cfg[0] as usize {
-                            smem_model.push(format!(
-                                "{arch} {name} {} {unit} {} {}: kernel {} bytes, src/tiles/choice.rs {host}",
-                                dt.name(),
-                                t.label(),
-                                k.name,
-                                cfg[0]
-                            ));
-                        }
-                    }
-                    for k in kernels {
-                        if (k.name == "attn_wgmma" && !runs_wgmma)
-                            || (k.name == "attn_mma" && runs_wgmma)
-                        {
-                            continue;
-                        }
-                        if let (Some(t), Some(c)) = (tile, ptx_attn_config(&ptx, &k.name)) {
-                            check_plan(&dims, unit, t, &k.name, c)
-                                .map_err(|e| Error::Environment(format!("{arch} {name} {e}")))?;
-                        }
-                        let smem = if k.name == "attn_mma" || k.name == "attn_wgmma" {
-                            ptx_attn_config(&ptx, &k.name)
-                                .map(|c| {
-                                    let fits = smem_limit(arch)
-                                        .map(|l| if c[0] as usize <= l { "" } else { " (too big)" })
-                                        .unwrap_or("");
-                                    format!("{}{fits}", c[0])
-                                })
-                                .unwrap_or_default()
-                        } else {
-                            String::new()
-                        };
-                        writeln!(
-                            rep,
-                            "{:<7} {:<12} {:<5} {:<15} {:<28} {:<15} {:>5} {:>7} {:>7} {:>6} {:>9}",
-                            arch,
-                            name,
-                            dt.name(),
-                            unit,
-                            tile.map(|t| Tile {
-                                wgmma: runs_wgmma,
-                                ..t
-                            }
-                            .label())
-                                .unwrap_or("-".into()),
-                            k.name,
-                            k.registers,
-                            k.spill_stores,
-                            k.spill_loads,
-                            k.stack,
-                            smem
-                        )
-                        .unwrap();
-                        if k.spill_stores > 0 || k.spill_loads > 0 {
-                            spilling.push(format!("{arch} {name} {} {unit} {}", dt.name(), k.name));
-                        }
-                    }
+                let keep_clean = Some(arch) == fault_arch && FAULT_SETS.contains(&(name, dt));
+                for job in jobs(lkv, r) {
+                    sv.compile(&src, arch, name, &dims, job, keep_clean, dump)?;
                 }
             }
         }
     }
-    if !smem_model.is_empty() {
+    if !sv.smem_model.is_empty() {
         return Err(Error::Environment(format!(
             "the host's shared-memory model of the attention kernels (src/tiles/choice.rs, used by `lint`) disagrees with the compiled kernels: {}",
-            smem_model.join("; ")
+            sv.smem_model.join("; ")
         )));
     }
     if let Some(arch) = fault_arch {
-        compiles += check_faults(&src, arch, &clean_ptx, &mut rep)?;
-        compiles += check_all_tiles(&src, arch, &mut rep)?;
+        sv.compiles += variants::check_faults(&src, arch, &sv.clean_ptx, &mut sv.rep)?;
+        sv.compiles += variants::check_all_tiles(&src, arch, &mut sv.rep)?;
     }
     Ok(CheckSummary {
-        report: rep,
-        compiles,
-        spilling,
-        warnings,
+        report: sv.rep,
+        compiles: sv.compiles,
+        spilling: sv.spilling,
+        warnings: sv.warnings,
     })
+}
+
+/// What the table's compiles found so far: the report, what spills or warns, where the host's
+/// shared-memory model disagrees with a kernel, and the clean PTX the fault compiles are diffed against.
+struct Survey {
+    rep: String,
+    compiles: usize,
+    spilling: Vec<String>,
+    warnings: Vec<String>,
+    smem_model: Vec<String>,
+    clean_ptx: HashMap<(String, Dtype, String), Vec<u8>>,
+}
+
+impl Survey {
+    /// The report's first lines: the compiler and sources, then the table's header.
+    fn new(src: &Sources, maj: i32, min: i32) -> Survey {
+        let inc = nvrtc::include_paths();
+        let mut rep = String::new();
+        writeln!(
+            rep,
+            "NVRTC {maj}.{min}; kernels from {}; include path {}",
+            src.dir.display(),
+            if inc.is_empty() {
+                "(none: set MLA_DIFF_CUDA_INCLUDE)".to_string()
+            } else {
+                inc.join(":")
+            }
+        )
+        .unwrap();
+        writeln!(
+            rep,
+            "{:<7} {:<12} {:<5} {:<15} {:<28} {:<15} {:>5} {:>7} {:>7} {:>6} {:>9}",
+            "arch",
+            "dims",
+            "dtype",
+            "unit",
+            "tile",
+            "kernel",
+            "regs",
+            "spill-st",
+            "spill-ld",
+            "stack",
+            "dyn-smem"
+        )
+        .unwrap();
+        Survey {
+            rep,
+            compiles: 0,
+            spilling: Vec::new(),
+            warnings: Vec::new(),
+            smem_model: Vec::new(),
+            clean_ptx: HashMap::new(),
+        }
+    }
+
+    /// One job compiled for `arch` at `dims` (dim set `name`): it must give PTX and an ELF CUBIN; its
+    /// ptxas warnings, its kernels' shared memory against the host's model, and a row per kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn compile(
+        &mut self,
+        src: &Sources,
+        arch: &str,
+        name: &str,
+        dims: &Dims,
+        job: Job,
+        keep_clean: bool,
+        dump: Option<&std::path::Path>,
+    ) -> Result<()> {
+        let (unit, tile, kv) = job;
+        let dt = dims.dtype;
+        let c = nvrtc::compile(src, unit, &job_defines(dims, tile, kv), arch, true)?;
+        self.compiles += 1;
+        if keep_clean {
+            self.clean_ptx.insert(
+                (name.to_string(), dt, job_label(unit, tile, kv)),
+                c.ptx.clone(),
+            );
+        }
+        if c.cubin
+            .as_ref()
+            .is_none_or(|b| b.len() < 4 || &b[..4] != b"\x7fELF")
+        {
+            return Err(Error::Environment(format!(
+                "{unit} for {arch}: NVRTC returned no ELF CUBIN"
+            )));
+        }
+        if let Some(d) = dump {
+            let stem = dump_stem(arch, name, dt, job);
+            let w = |ext: &str, bytes: &[u8]| {
+                let p = d.join(format!("{stem}.{ext}"));
+                std::fs::write(&p, bytes)
+                    .map_err(|e| Error::io(format!("writing {}", p.display()), e))
+            };
+            w("ptx", c.ptx.strip_suffix(&[0]).unwrap_or(&c.ptx))?;
+            w("cubin", c.cubin.as_deref().unwrap_or_default())?;
+        }
+        let ptx = String::from_utf8_lossy(&c.ptx);
+        if !ptx.contains(".target") {
+            return Err(Error::Environment(format!(
+                "{unit} for {arch}: NVRTC returned no PTX"
+            )));
+        }
+        for w in c.log.lines().filter(|l| is_ptxas_warning(l)) {
+            self.warnings
+                .push(format!("{arch} {name} {} {unit}: {}", dt.name(), w.trim()));
+        }
+        let kernels = parse_ptxas(&c.log);
+        // On sm_90a a decode module carries both tensor-core kernels: show the one its tile runs.
+        let runs_wgmma =
+            tile.is_some_and(|t| t.wgmma) && kernels.iter().any(|k| k.name == "attn_wgmma");
+        // The host's model of the attention kernels' shared memory (src/tiles/choice.rs, which `lint`
+        // reports from) must say what the compiled kernel says, for every kernel built.
+        for k in kernels
+            .iter()
+            .filter(|k| k.name == "attn_mma" || k.name == "attn_wgmma")
+        {
+            let (Some(t), Some(cfg)) = (tile, ptx_attn_config(&ptx, &k.name)) else {
+                continue;
+            };
+            let w = if unit == "decode.cu" {
+                Widths::decode(dims)
+            } else {
+                Widths::prefill(dims)
+            };
+            let host = if k.name == "attn_wgmma" {
+                plan::wgmma_smem(&w, &t)
+            } else {
+                plan::mma_smem(&w, &t)
+            };
+            if host != cfg[0] as usize {
+                self.smem_model.push(format!(
+                    "{arch} {name} {} {unit} {} {}: kernel {} bytes, src/tiles/choice.rs {host}",
+                    dt.name(),
+                    t.label(),
+                    k.name,
+                    cfg[0]
+                ));
+            }
+        }
+        for k in kernels {
+            if (k.name == "attn_wgmma" && !runs_wgmma) || (k.name == "attn_mma" && runs_wgmma) {
+                continue;
+            }
+            if let (Some(t), Some(c)) = (tile, ptx_attn_config(&ptx, &k.name)) {
+                check_plan(dims, unit, t, &k.name, c)
+                    .map_err(|e| Error::Environment(format!("{arch} {name} {e}")))?;
+            }
+            self.row(arch, name, dt, unit, tile, runs_wgmma, &k, &ptx);
+        }
+        Ok(())
+    }
+
+    /// A kernel's row of the table (its dynamic shared memory, for the attention kernels, against the
+    /// architecture's limit); a spilling kernel is listed.
+    #[allow(clippy::too_many_arguments)]
+    fn row(
+        &mut self,
+        arch: &str,
+        name: &str,
+        dt: Dtype,
+        unit: &str,
+        tile: Option<Tile>,
+        runs_wgmma: bool,
+        k: &nvrtc::KernelResources,
+        ptx: &str,
+    ) {
+        let smem = if k.name == "attn_mma" || k.name == "attn_wgmma" {
+            ptx_attn_config(ptx, &k.name)
+                .map(|c| {
+                    let fits = smem_limit(arch)
+                        .map(|l| if c[0] as usize <= l { "" } else { " (too big)" })
+                        .unwrap_or("");
+                    format!("{}{fits}", c[0])
+                })
+                .unwrap_or_default()
+        } else {
+            String::new()
+        };
+        writeln!(
+            self.rep,
+            "{:<7} {:<12} {:<5} {:<15} {:<28} {:<15} {:>5} {:>7} {:>7} {:>6} {:>9}",
+            arch,
+            name,
+            dt.name(),
+            unit,
+            tile.map(|t| Tile {
+                wgmma: runs_wgmma,
+                ..t
+            }
+            .label())
+                .unwrap_or("-".into()),
+            k.name,
+            k.registers,
+            k.spill_stores,
+            k.spill_loads,
+            k.stack,
+            smem
+        )
+        .unwrap();
+        if k.spill_stores > 0 || k.spill_loads > 0 {
+            self.spilling
+                .push(format!("{arch} {name} {} {unit} {}", dt.name(), k.name));
+        }
+    }
 }
 
 #[cfg(test)]

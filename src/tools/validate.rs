@@ -5,16 +5,13 @@
 //! The GPU runs are serial; the CPU work (reference and mirror of every case) runs on all cores at once,
 //! so a whole sweep fits a short lease.
 
-use crate::backend::cpu::CpuMirror;
-use crate::backend::cuda::{CudaBackend, CudaOptions};
-use crate::backend::{Backend, RunTables};
+use crate::backend::cuda::CudaBackend;
+use crate::backend::Backend;
 use crate::compare::{self, metrics, ToleranceTable};
 use crate::error::{Error, Result};
-use crate::faults::Active;
 use crate::model::rope_factors::RopeFactors;
 use crate::model::{LayerWeights, MlaConfig};
 use crate::precision::Dtype;
-use crate::rope::RopeTables;
 use crate::trace::{LayerTrace, Stage};
 use std::fmt::Write;
 use std::path::PathBuf;
@@ -38,7 +35,9 @@ pub struct Options {
 
 pub mod cases;
 pub mod dgemm;
+mod jobs;
 pub use cases::{cases, Case, CaseSpec, CASES};
+use jobs::{GpuRes, Job};
 
 pub fn case_layer(c: &Case) -> (MlaConfig, LayerWeights, Option<RopeFactors>) {
     c.layer()
@@ -122,38 +121,6 @@ fn rounding_level(dt: Dtype, cm: &[StageFig], mr: &[StageFig]) -> Vec<String> {
     bad
 }
 
-/// One unit of work of the sweep.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Job {
-    /// CUDA (tensor-core and scalar kernels) for a case and dtype.
-    Gpu(usize, Dtype),
-    /// The fp64 reference of a case.
-    Reference(usize),
-    /// The CPU mirror of a case in a dtype.
-    Mirror(usize, Dtype),
-}
-
-enum JobOut {
-    Gpu {
-        mma: LayerTrace,
-        sc: LayerTrace,
-        ms: f64,
-        paths: String,
-        /// What src/tiles/choice.rs (and so `lint --backend cuda`) says the layer launches.
-        planned: String,
-    },
-    Cpu(LayerTrace),
-}
-
-struct GpuRes {
-    mma: LayerTrace,
-    sc: LayerTrace,
-    ms: f64,
-    paths: String,
-    planned: String,
-    dt: Dtype,
-}
-
 /// Each stage of `got` (vs the reference) within twice the mirror's distance to the reference (floor:
 /// a quarter ulp of the dtype), with no non-finite mismatch.
 fn within_mirror_error(dt: Dtype, what: &str, got: &[StageFig], mr: &[StageFig]) -> Vec<String> {
@@ -186,14 +153,11 @@ fn within_mirror_error(dt: Dtype, what: &str, got: &[StageFig], mr: &[StageFig])
 }
 
 pub fn run(a: &Options) -> Result<i32> {
-    let opts = |dt, scalar| CudaOptions {
-        dtype: dt,
-        kernels_dir: a.kernels.clone(),
-        debug: true,
-        force_scalar: scalar,
-    };
     // Fail early and clearly when there is no GPU.
-    println!("{}", CudaBackend::new(opts(Dtype::Bf16, false))?.describe());
+    println!(
+        "{}",
+        CudaBackend::new(jobs::cuda_options(a, Dtype::Bf16, false))?.describe()
+    );
     let tols = ToleranceTable::defaults();
     let cases: Vec<Case> = cases(a.quick)
         .into_iter()
@@ -207,342 +171,195 @@ pub fn run(a: &Options) -> Result<i32> {
                 .unwrap_or(2)
         })
         .max(1);
-
-    // Layers and inputs, built in parallel.
-    let layers: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = cases
-            .iter()
-            .enumerate()
-            .map(|(ci, c)| {
-                s.spawn(move || {
-                    let (cfg, w, rf) = case_layer(c);
-                    let x = crate::input::random_hidden(
-                        cfg.hidden,
-                        c.sched.total_tokens(),
-                        77 + ci as u64,
-                    );
-                    (cfg, w, x, rf)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().expect("layer generation"))
-            .collect()
-    });
-
-    // Every job on a pool of workers; GPU jobs first (their NVRTC compiles run in parallel too), then
-    // the CPU jobs, longest cases first.
-    let mut jobs: Vec<Job> = Vec::new();
-    for ci in 0..cases.len() {
-        for &dt in &a.dtype {
-            jobs.push(Job::Gpu(ci, dt));
-        }
-    }
-    let mut order: Vec<usize> = (0..cases.len()).collect();
-    order.sort_by_key(|&ci| {
-        std::cmp::Reverse(cases[ci].sched.prompt_len * cases[ci].sched.prompt_len)
-    });
-    for &ci in &order {
-        jobs.push(Job::Reference(ci));
-        for &dt in &a.dtype {
-            jobs.push(Job::Mirror(ci, dt));
-        }
-    }
-    let results: std::sync::Mutex<Vec<(Job, Result<JobOut>)>> = std::sync::Mutex::new(Vec::new());
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    std::thread::scope(|s| {
-        for _ in 0..threads.min(jobs.len()) {
-            s.spawn(|| {
-                let mut gpu: Option<(CudaBackend, CudaBackend)> = None;
-                loop {
-                    let j = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    let Some(&job) = jobs.get(j) else { break };
-                    let t = std::time::Instant::now();
-                    let out = (|| -> Result<JobOut> {
-                        match job {
-                            Job::Gpu(ci, dt) => {
-                                if gpu.is_none() {
-                                    gpu = Some((
-                                        CudaBackend::new(opts(dt, false))?,
-                                        CudaBackend::new(opts(dt, true))?,
-                                    ));
-                                }
-                                let (cu, sc) = gpu.as_mut().unwrap();
-                                let (cfg, w, x, rf) = &layers[ci];
-                                for b in [&mut *cu, &mut *sc] {
-                                    b.opts.dtype = dt;
-                                }
-                                let sched = &cases[ci].sched;
-                                let tables = RunTables::new(cfg, rf.as_ref(), sched)?;
-                                let ctx = tables.ctx(cfg, w, sched, Active::NONE);
-                                let t = std::time::Instant::now();
-                                let mma = cu.run_layer(&ctx, x)?;
-                                let ms = t.elapsed().as_secs_f64() * 1e3;
-                                let sct = sc.run_layer(&ctx, x)?;
-                                let dims = crate::tiles::Dims {
-                                    dtype: dt,
-                                    lkv: cfg.kv_lora_rank,
-                                    r: cfg.qk_rope,
-                                    p: cfg.qk_nope,
-                                    dv: cfg.v_head_dim,
-                                    h: cfg.n_head,
-                                    page: sched.page_size,
-                                    neox: false,
-                                    debug: false,
-                                    faults: Active::NONE,
-                                };
-                                let info = &cu.gpu.info;
-                                Ok(JobOut::Gpu {
-                                    mma,
-                                    sc: sct,
-                                    ms,
-                                    paths: cu.last_paths.clone(),
-                                    planned: crate::tiles::choice::paths(
-                                        &dims,
-                                        sched.q_len * cfg.n_head,
-                                        &info.arch(),
-                                        info.smem_optin,
-                                    ),
-                                })
-                            }
-                            Job::Reference(ci) => {
-                                let (cfg, w, x, rf) = &layers[ci];
-                                let sched = &cases[ci].sched;
-                                let rt = RopeTables::for_run(
-                                    cfg,
-                                    rf.as_ref(),
-                                    sched.pos_offset,
-                                    sched.total_tokens(),
-                                )?;
-                                Ok(JobOut::Cpu(crate::reference::run_layer(
-                                    cfg, w, &rt, x, sched,
-                                )?))
-                            }
-                            Job::Mirror(ci, dt) => {
-                                let (cfg, w, x, rf) = &layers[ci];
-                                let sched = &cases[ci].sched;
-                                let tables = RunTables::new(cfg, rf.as_ref(), sched)?;
-                                Ok(JobOut::Cpu(
-                                    CpuMirror::new(dt)
-                                        .run_layer(&tables.ctx(cfg, w, sched, Active::NONE), x)?,
-                                ))
-                            }
-                        }
-                    })();
-                    let ci = match job {
-                        Job::Gpu(c, _) | Job::Reference(c) | Job::Mirror(c, _) => c,
-                    };
-                    eprintln!(
-                        "{:?} {} ({:.1} s){}",
-                        job,
-                        cases[ci].name,
-                        t.elapsed().as_secs_f64(),
-                        out.as_ref()
-                            .err()
-                            .map(|e| format!(": ERROR {e}"))
-                            .unwrap_or_default()
-                    );
-                    results.lock().unwrap().push((job, out));
-                }
-            });
-        }
-    });
-    let mut results = results.into_inner().unwrap();
-    let mut take = |job: Job| -> Result<JobOut> {
-        let i = results
-            .iter()
-            .position(|(j, _)| *j == job)
-            .ok_or_else(|| Error::Environment(format!("missing result of {job:?}")))?;
-        results.swap_remove(i).1
-    };
-    let cpu = |o: Result<JobOut>| -> Result<LayerTrace> {
-        match o? {
-            JobOut::Cpu(t) => Ok(t),
-            JobOut::Gpu { .. } => unreachable!("CPU job"),
-        }
-    };
+    let layers = jobs::layers(&cases);
+    let mut results = jobs::run_all(a, &cases, &layers, threads);
 
     // Compare.
     let mut out = Vec::new();
     let mut text = String::new();
     let mut errors = Vec::new();
-    for ci in 0..cases.len() {
-        let reference = match cpu(take(Job::Reference(ci))) {
+    for (ci, c) in cases.iter().enumerate() {
+        let reference = match results.cpu(Job::Reference(ci)) {
             Ok(r) => r,
             Err(e) => {
-                errors.push(format!("{}: fp64 reference: {e}", cases[ci].name));
+                errors.push(format!("{}: fp64 reference: {e}", c.name));
                 continue;
             }
         };
         for &dt in &a.dtype {
-            let (g_mma, g_sc, g_ms, g_paths, g_planned) = match take(Job::Gpu(ci, dt)) {
-                Ok(JobOut::Gpu {
-                    mma,
-                    sc,
-                    ms,
-                    paths,
-                    planned,
-                }) => (mma, sc, ms, paths, planned),
-                Ok(JobOut::Cpu(_)) => unreachable!("GPU job"),
+            let g = match results.gpu(ci, dt) {
+                Ok(g) => g,
                 Err(e) => {
-                    errors.push(format!("{} [{}]: CUDA: {e}", cases[ci].name, dt.name()));
+                    errors.push(format!("{} [{}]: CUDA: {e}", c.name, dt.name()));
                     continue;
                 }
             };
-            let mirror = match cpu(take(Job::Mirror(ci, dt))) {
+            let mirror = match results.cpu(Job::Mirror(ci, dt)) {
                 Ok(m) => m,
                 Err(e) => {
-                    errors.push(format!("{} [{}]: mirror: {e}", cases[ci].name, dt.name()));
+                    errors.push(format!("{} [{}]: mirror: {e}", c.name, dt.name()));
                     continue;
                 }
             };
-            let reference = &reference;
-            let c = &cases[ci];
-            let cfg = &layers[ci].0;
-            let g = GpuRes {
-                mma: g_mma,
-                sc: g_sc,
-                ms: g_ms,
-                paths: g_paths,
-                planned: g_planned,
-                dt,
-            };
-            let table = c.sched.block_table();
-            let ctx = compare::Ctx {
-                elementwise: true,
-                layer: 0,
-                sched: &c.sched,
-                block_table: &table,
-                // Both GPU backends run with `debug` on: every stage.
-                provided: crate::trace::StageSet::ALL,
-            };
-            let cm = figs(&g.mma, &mirror);
-            let mr = figs(&mirror, reference);
-            let cr = figs(&g.mma, reference);
-            let sr = figs(&g.sc, reference);
-            let mut failures = rounding_level(g.dt, &cm, &mr);
-            // `lint --backend cuda` reports src/tiles/choice.rs's choice without a GPU: it must be what ran.
-            if g.planned != g.paths {
-                failures.push(format!(
-                    "kernel plan (src/tiles/choice.rs, what lint reports) says \"{}\", the backend launched \"{}\"",
-                    g.planned, g.paths
-                ));
-            }
-            // Against the reference: the calibrated tolerance table when it covers this dtype; otherwise
-            // (an uncalibrated table) each stage may be at most twice as far from the reference as the
-            // mirror is: the same algorithm, so the same rounding error up to summation order.
-            let verdict = match compare::compare_layer(&ctx, reference, &g.mma, g.dt, &tols, None) {
-                Ok(lr) => {
-                    for ch in lr.checks.iter().filter(|c| !c.pass) {
-                        failures.push(format!(
-                            "vs reference {}: {}",
-                            ch.check,
-                            ch.reasons.join("; ")
-                        ));
-                    }
-                    // The scalar kernels compute the same function: they must pass too.
-                    let lr_s = compare::compare_layer(&ctx, reference, &g.sc, g.dt, &tols, None)?;
-                    for ch in lr_s.checks.iter().filter(|c| !c.pass) {
-                        failures.push(format!(
-                            "scalar kernels vs reference {}: {}",
-                            ch.check,
-                            ch.reasons.join("; ")
-                        ));
-                    }
-                    compare::verdict(&[lr]).message
-                }
-                Err(e) => {
-                    failures.extend(within_mirror_error(g.dt, "vs reference", &cr, &mr));
-                    failures.extend(within_mirror_error(
-                        g.dt,
-                        "scalar kernels vs reference",
-                        &sr,
-                        &mr,
-                    ));
-                    format!("tolerance table: {e}; criterion: per stage rel-L2(CUDA, reference) <= 2 x rel-L2(mirror, reference)")
-                }
-            };
-            let res = CaseResult {
-                case: c.name.clone(),
-                dtype: g.dt.name().into(),
-                dims: format!(
-                    "E={} H={} q_lora={:?} Lkv={} R={} P={} Dv={} rope={:?}",
-                    cfg.hidden,
-                    cfg.n_head,
-                    cfg.q_lora_rank,
-                    cfg.kv_lora_rank,
-                    cfg.qk_rope,
-                    cfg.qk_nope,
-                    cfg.v_head_dim,
-                    cfg.rope.pairing
-                ),
-                schedule: c.spec.sched_vars(),
-                kernels: g.paths.clone(),
-                pass: failures.is_empty(),
-                verdict,
-                failures,
-                cuda_vs_mirror: cm,
-                cuda_vs_ref: cr,
-                mirror_vs_ref: mr,
-                mma_vs_scalar: figs(&g.mma, &g.sc),
-                gpu_ms: g.ms,
-            };
-            writeln!(
-                text,
-                "\n== {} [{}] {} | {} | {}",
-                res.case, res.dtype, res.dims, res.schedule, res.kernels
-            )
-            .unwrap();
-            writeln!(
-                text,
-                "   {:<12} {:>12} {:>12} {:>12} {:>12}",
-                "stage", "cuda~mirror", "cuda~ref", "mirror~ref", "mma~scalar"
-            )
-            .unwrap();
-            for f in &res.cuda_vs_mirror {
-                let get = |v: &[StageFig]| {
-                    v.iter()
-                        .find(|x| x.stage == f.stage)
-                        .map(|x| x.rel_l2)
-                        .unwrap_or(f64::NAN)
-                };
-                writeln!(
-                    text,
-                    "   {:<12} {:>12.2e} {:>12.2e} {:>12.2e} {:>12.2e}{}",
-                    f.stage,
-                    f.rel_l2,
-                    get(&res.cuda_vs_ref),
-                    get(&res.mirror_vs_ref),
-                    get(&res.mma_vs_scalar),
-                    if f.nonfinite_mismatch > 0 {
-                        format!("  ({} non-finite mismatches)", f.nonfinite_mismatch)
-                    } else {
-                        String::new()
-                    }
-                )
-                .unwrap();
-            }
-            writeln!(
-                text,
-                "   {}: {}",
-                if res.pass { "PASS" } else { "FAIL" },
-                res.verdict
-            )
-            .unwrap();
-            for f in &res.failures {
-                writeln!(text, "   - {f}").unwrap();
-            }
+            let res = judge_case(c, &layers[ci].0, g, &mirror, &reference, &tols)?;
+            case_text(&res, &mut text);
             out.push(res);
         }
     }
-    // The fp64 products a CUDA run sends to the GPU (`dgemm`): against the host's.
+    finish(a, &out, text, &errors)
+}
+
+/// One case in one dtype: CUDA at rounding level of the mirror, the kernels that ran the ones the
+/// host's plan names, and the tensor-core and scalar kernels each within tolerance of fp64.
+fn judge_case(
+    c: &Case,
+    cfg: &MlaConfig,
+    g: GpuRes,
+    mirror: &LayerTrace,
+    reference: &LayerTrace,
+    tols: &ToleranceTable,
+) -> Result<CaseResult> {
+    let table = c.sched.block_table();
+    let ctx = compare::Ctx {
+        elementwise: true,
+        layer: 0,
+        sched: &c.sched,
+        block_table: &table,
+        // Both GPU backends run with `debug` on: every stage.
+        provided: crate::trace::StageSet::ALL,
+    };
+    let cm = figs(&g.mma, mirror);
+    let mr = figs(mirror, reference);
+    let cr = figs(&g.mma, reference);
+    let sr = figs(&g.sc, reference);
+    let mut failures = rounding_level(g.dt, &cm, &mr);
+    // `lint --backend cuda` reports src/tiles/choice.rs's choice without a GPU: it must be what ran.
+    if g.planned != g.paths {
+        failures.push(format!(
+            "kernel plan (src/tiles/choice.rs, what lint reports) says \"{}\", the backend launched \"{}\"",
+            g.planned, g.paths
+        ));
+    }
+    // Against the reference: the calibrated tolerance table when it covers this dtype; otherwise
+    // (an uncalibrated table) each stage may be at most twice as far from the reference as the
+    // mirror is: the same algorithm, so the same rounding error up to summation order.
+    let verdict = match compare::compare_layer(&ctx, reference, &g.mma, g.dt, tols, None) {
+        Ok(lr) => {
+            for ch in lr.checks.iter().filter(|c| !c.pass) {
+                failures.push(format!(
+                    "vs reference {}: {}",
+                    ch.check,
+                    ch.reasons.join("; ")
+                ));
+            }
+            // The scalar kernels compute the same function: they must pass too.
+            let lr_s = compare::compare_layer(&ctx, reference, &g.sc, g.dt, tols, None)?;
+            for ch in lr_s.checks.iter().filter(|c| !c.pass) {
+                failures.push(format!(
+                    "scalar kernels vs reference {}: {}",
+                    ch.check,
+                    ch.reasons.join("; ")
+                ));
+            }
+            compare::verdict(&[lr]).message
+        }
+        Err(e) => {
+            failures.extend(within_mirror_error(g.dt, "vs reference", &cr, &mr));
+            failures.extend(within_mirror_error(
+                g.dt,
+                "scalar kernels vs reference",
+                &sr,
+                &mr,
+            ));
+            format!("tolerance table: {e}; criterion: per stage rel-L2(CUDA, reference) <= 2 x rel-L2(mirror, reference)")
+        }
+    };
+    Ok(CaseResult {
+        case: c.name.clone(),
+        dtype: g.dt.name().into(),
+        dims: format!(
+            "E={} H={} q_lora={:?} Lkv={} R={} P={} Dv={} rope={:?}",
+            cfg.hidden,
+            cfg.n_head,
+            cfg.q_lora_rank,
+            cfg.kv_lora_rank,
+            cfg.qk_rope,
+            cfg.qk_nope,
+            cfg.v_head_dim,
+            cfg.rope.pairing
+        ),
+        schedule: c.spec.sched_vars(),
+        kernels: g.paths.clone(),
+        pass: failures.is_empty(),
+        verdict,
+        failures,
+        cuda_vs_mirror: cm,
+        cuda_vs_ref: cr,
+        mirror_vs_ref: mr,
+        mma_vs_scalar: figs(&g.mma, &g.sc),
+        gpu_ms: g.ms,
+    })
+}
+
+/// A case's block of the printed report: a rel-L2 row per stage, the verdict, each failure.
+fn case_text(res: &CaseResult, text: &mut String) {
+    writeln!(
+        text,
+        "\n== {} [{}] {} | {} | {}",
+        res.case, res.dtype, res.dims, res.schedule, res.kernels
+    )
+    .unwrap();
+    writeln!(
+        text,
+        "   {:<12} {:>12} {:>12} {:>12} {:>12}",
+        "stage", "cuda~mirror", "cuda~ref", "mirror~ref", "mma~scalar"
+    )
+    .unwrap();
+    for f in &res.cuda_vs_mirror {
+        let get = |v: &[StageFig]| {
+            v.iter()
+                .find(|x| x.stage == f.stage)
+                .map(|x| x.rel_l2)
+                .unwrap_or(f64::NAN)
+        };
+        writeln!(
+            text,
+            "   {:<12} {:>12.2e} {:>12.2e} {:>12.2e} {:>12.2e}{}",
+            f.stage,
+            f.rel_l2,
+            get(&res.cuda_vs_ref),
+            get(&res.mirror_vs_ref),
+            get(&res.mma_vs_scalar),
+            if f.nonfinite_mismatch > 0 {
+                format!("  ({} non-finite mismatches)", f.nonfinite_mismatch)
+            } else {
+                String::new()
+            }
+        )
+        .unwrap();
+    }
+    writeln!(
+        text,
+        "   {}: {}",
+        if res.pass { "PASS" } else { "FAIL" },
+        res.verdict
+    )
+    .unwrap();
+    for f in &res.failures {
+        writeln!(text, "   - {f}").unwrap();
+    }
+}
+
+/// The fp64 products a CUDA run sends to the GPU (`dgemm`) against the host's, then the report, the
+/// summary line, the JSON, and the exit code.
+fn finish(a: &Options, out: &[CaseResult], mut text: String, errors: &[String]) -> Result<i32> {
     let (lines, dgemm_failures) = dgemm::validate()?;
     for l in &lines {
         writeln!(text, "{}{l}", if l.starts_with(' ') { "" } else { "\n== " }).unwrap();
     }
     let n_fail = out.iter().filter(|r| !r.pass).count() + dgemm_failures.len();
     print!("{text}");
-    for e in &errors {
+    for e in errors {
         println!("ERROR {e}");
     }
     println!(

@@ -118,6 +118,157 @@ fn stage<D: Dimension>(s: Stage, a: &Array<f32, D>) -> StageTensor {
     StageTensor::new(s, a.shape().to_vec(), a.iter().map(|&v| v as f64).collect())
 }
 
+impl MirrorFront {
+    /// The row-wise stages of every token (`front.rs`): the stored input, attn_in, the query split
+    /// into q_nope and roped q_pe, the normed latent and roped k_pe.
+    fn new(
+        cfg: &crate::model::MlaConfig,
+        mw: &front::MirrorWeights,
+        x: &Array2<f64>,
+        rope: &front::RopeF32,
+        dt: Dtype,
+    ) -> MirrorFront {
+        let x = front::input(x, dt);
+        let attn_in = front::attn_in(cfg, mw, x.view(), dt);
+        let q = front::query(cfg, mw, attn_in.view(), dt);
+        let (q_nope, q_pe) = front::split_query(cfg, q, rope, dt);
+        let (latent, k_pe, kv_raw) = front::kv(cfg, mw, attn_in.view(), rope, dt);
+        MirrorFront {
+            attn_in,
+            q_nope,
+            q_pe,
+            latent,
+            k_pe,
+            kv_raw,
+        }
+    }
+}
+
+/// A layer's attention after its row-wise stages: cache writes, prefill, decode and o_proj. Run once
+/// over the cache's format and, for a quantized cache, once more over the dtype's (its effect).
+struct Attention<'a> {
+    ctx: &'a LayerCtx<'a>,
+    /// The attention kernels' view of the config (their softmax scale).
+    acfg: &'a crate::model::MlaConfig,
+    mw: &'a front::MirrorWeights<'a>,
+    f: &'a MirrorFront,
+    dt: Dtype,
+}
+
+impl Attention<'_> {
+    /// The row parts token `tt` writes to the cache.
+    fn parts(&self, tt: usize) -> (&[f32], &[f32]) {
+        let (f, fx, lkv) = (self.f, self.ctx.faults, self.ctx.cfg.kv_lora_rank);
+        let raw = f.kv_raw.row(tt).to_slice().expect("contiguous");
+        // Faults: the cache written from the kv_a output before kv_a_norm / before rope.
+        let latent = match fx.on(Fault::LatentBeforeNorm) {
+            true => &raw[..lkv],
+            false => f.latent.row(tt).to_slice().expect("contiguous"),
+        };
+        let k_pe = match fx.on(Fault::KPeBeforeRope) {
+            true => &raw[lkv..],
+            false => f.k_pe.row(tt).to_slice().expect("contiguous"),
+        };
+        (latent, k_pe)
+    }
+
+    /// The cache's codec for format `kv`: `fp8`'s one scale per layer, calibrated on the rows the
+    /// layer writes.
+    fn codec(&self, kv: crate::kv_format::KvFormat) -> crate::kv_format::Codec {
+        let (cfg, t) = (self.ctx.cfg, self.ctx.sched.total_tokens());
+        let scale = crate::kv_format::tensor_scale((0..t).flat_map(|tt| {
+            let (a, b) = self.parts(tt);
+            a.iter().chain(b)
+        }));
+        crate::kv_format::Codec::new(kv, cfg.kv_lora_rank, cfg.qk_rope)
+            .with_tensor_scale(scale)
+            .with_faults(self.ctx.faults)
+    }
+
+    /// Cache writes, prefill, decode and o_proj over a cache in `codec`'s format (`None`: the dtype's).
+    fn run(
+        &self,
+        codec: Option<crate::kv_format::Codec>,
+    ) -> (cache::PagedCache, decode::DecodeStages, [StageTensor; 8]) {
+        let (cfg, sched, fx, dt) = (self.ctx.cfg, self.ctx.sched, self.ctx.faults, self.dt);
+        let (acfg, mw, f) = (self.acfg, self.mw, self.f);
+        // DSA: attention over the selection the run gives (the reference's, or the mirror's own).
+        let sel = self.ctx.selection;
+        let t = sched.total_tokens();
+        let (h, dv) = (cfg.n_head, cfg.v_head_dim);
+        let mut cache = cache::PagedCache::new(sched, cfg.cache_row()).with_faults(fx);
+        if let Some(c) = codec {
+            cache = cache.with_codec(c);
+        }
+        let write = |cache: &mut cache::PagedCache, r: std::ops::Range<usize>| {
+            for tt in r {
+                let (latent, k_pe) = self.parts(tt);
+                cache.write(tt, latent, k_pe);
+            }
+        };
+        let mut heads = Array3::<f32>::zeros((t, h, dv));
+        let mut lse = Array2::<f32>::zeros((t, h));
+        for c in sched.prefill_chunks() {
+            write(&mut cache, c.clone());
+            prefill::chunk(acfg, mw, f, &cache, c, dt, fx, sel, &mut heads, &mut lse);
+        }
+        let mut dec = decode::DecodeStages::new(cfg, sched);
+        for r in sched.decode_ranges() {
+            write(&mut cache, r.clone());
+            decode::step(
+                acfg, mw, f, &cache, r, sched, dt, fx, sel, &mut dec, &mut heads, &mut lse,
+            );
+        }
+        let attn_out = match fx.on(Fault::HeadStrideQk) {
+            // Fault: o_proj's view of the heads uses the qk head dim as head stride (llama.cpp #7327).
+            true => front::o_proj(mw, &front::restride_heads(&heads, cfg.qk_head_dim()), dt),
+            false => front::o_proj(mw, &heads, dt),
+        };
+        let stages = [
+            stage(Stage::CacheRows, &cache.gather(0..t)),
+            stage(Stage::QAbsorbed, &dec.q_abs),
+            stage(Stage::SplitOut, &dec.split_out),
+            stage(Stage::SplitLse, &dec.split_lse),
+            stage(Stage::AttnLatent, &dec.attn_latent),
+            stage(Stage::Lse, &lse),
+            stage(Stage::AttnHeads, &heads),
+            stage(Stage::AttnOut, &attn_out),
+        ];
+        (cache, dec, stages)
+    }
+}
+
+/// A quantized cache's effect on each stage it changes (`quantized` minus `plain`), under each check
+/// of the stage.
+fn cache_effects(
+    quantized: &[StageTensor],
+    plain: &[StageTensor],
+    kv: crate::kv_format::KvFormat,
+) -> Vec<crate::trace::CacheEffect> {
+    let mut out = Vec::new();
+    for (q, p) in quantized.iter().zip(plain) {
+        let effect: Vec<f64> = q.data.iter().zip(&p.data).map(|(a, b)| a - b).collect();
+        if effect.iter().all(|&e| e == 0.0) {
+            continue;
+        }
+        let checks = match q.stage.info().phased {
+            true => vec![
+                format!("{}[prefill]", q.stage.name()),
+                format!("{}[decode]", q.stage.name()),
+            ],
+            false => vec![q.stage.name().to_string()],
+        };
+        for check in checks {
+            out.push(crate::trace::CacheEffect {
+                check,
+                cache: kv.name(),
+                effect: StageTensor::new(q.stage, q.shape.clone(), effect.clone()),
+            });
+        }
+    }
+    out
+}
+
 impl Backend for CpuMirror {
     fn describe(&self) -> String {
         match self.kv.is_auto() {
@@ -192,102 +343,26 @@ impl Backend for CpuMirror {
     fn run_layer(&mut self, ctx: &LayerCtx, x: &Array2<f64>) -> Result<LayerTrace> {
         let (cfg, w, sched, tables) = (ctx.cfg, ctx.weights, ctx.sched, ctx.rope);
         crate::reference::check_inputs(cfg, w, tables, x, sched)?;
-        let t = sched.total_tokens();
         let dt = self.dtype;
         let fx = ctx.faults;
         self.kv
             .fits(cfg.kv_lora_rank, cfg.qk_rope)
             .map_err(crate::error::Error::Usage)?;
-        // DSA: attention over the selection the run gives (the reference's, or the mirror's own).
-        let sel = ctx.selection;
         let rope = front::RopeF32::new(tables, fx);
         let mw = front::MirrorWeights::new(cfg, w, dt, fx);
-
-        let x = front::input(x, dt);
-        let attn_in = front::attn_in(cfg, &mw, x.view(), dt);
-        let q = front::query(cfg, &mw, attn_in.view(), dt);
-        let (q_nope, q_pe) = front::split_query(cfg, q, &rope, dt);
-        let (latent, k_pe, kv_raw) = front::kv(cfg, &mw, attn_in.view(), &rope, dt);
-        let f = MirrorFront {
-            attn_in,
-            q_nope,
-            q_pe,
-            latent,
-            k_pe,
-            kv_raw,
-        };
-
-        let (h, dv, lkv) = (cfg.n_head, cfg.v_head_dim, cfg.kv_lora_rank);
-        // The row parts token `tt` writes to the cache.
-        let parts = |tt: usize| {
-            let raw = f.kv_raw.row(tt).to_slice().expect("contiguous");
-            // Faults: the cache written from the kv_a output before kv_a_norm / before rope.
-            let latent = match fx.on(Fault::LatentBeforeNorm) {
-                true => &raw[..lkv],
-                false => f.latent.row(tt).to_slice().expect("contiguous"),
-            };
-            let k_pe = match fx.on(Fault::KPeBeforeRope) {
-                true => &raw[lkv..],
-                false => f.k_pe.row(tt).to_slice().expect("contiguous"),
-            };
-            (latent, k_pe)
-        };
-        let codec = (!self.kv.is_auto()).then(|| {
-            // `fp8`'s one scale per layer, calibrated on the rows the layer writes.
-            let scale = crate::kv_format::tensor_scale((0..t).flat_map(|tt| {
-                let (a, b) = parts(tt);
-                a.iter().chain(b)
-            }));
-            crate::kv_format::Codec::new(self.kv, lkv, cfg.qk_rope)
-                .with_tensor_scale(scale)
-                .with_faults(fx)
-        });
+        let f = MirrorFront::new(cfg, &mw, x, &rope, dt);
         // The attention kernels' view of the config: the same model, the softmax scale they are given.
         let mut acfg = cfg.clone();
         acfg.softmax_scale = kernel_scale(cfg, fx);
-        // Cache writes, prefill, decode and o_proj over a cache in `codec`'s format (`None`: the dtype's).
-        let attention = |codec: Option<crate::kv_format::Codec>| {
-            let mut cache = cache::PagedCache::new(sched, cfg.cache_row()).with_faults(fx);
-            if let Some(c) = codec {
-                cache = cache.with_codec(c);
-            }
-            let write = |cache: &mut cache::PagedCache, r: std::ops::Range<usize>| {
-                for tt in r {
-                    let (latent, k_pe) = parts(tt);
-                    cache.write(tt, latent, k_pe);
-                }
-            };
-            let mut heads = Array3::<f32>::zeros((t, h, dv));
-            let mut lse = Array2::<f32>::zeros((t, h));
-            for c in sched.prefill_chunks() {
-                write(&mut cache, c.clone());
-                prefill::chunk(&acfg, &mw, &f, &cache, c, dt, fx, sel, &mut heads, &mut lse);
-            }
-            let mut dec = decode::DecodeStages::new(cfg, sched);
-            for r in sched.decode_ranges() {
-                write(&mut cache, r.clone());
-                decode::step(
-                    &acfg, &mw, &f, &cache, r, sched, dt, fx, sel, &mut dec, &mut heads, &mut lse,
-                );
-            }
-            let attn_out = match fx.on(Fault::HeadStrideQk) {
-                // Fault: o_proj's view of the heads uses the qk head dim as head stride (llama.cpp #7327).
-                true => front::o_proj(&mw, &front::restride_heads(&heads, cfg.qk_head_dim()), dt),
-                false => front::o_proj(&mw, &heads, dt),
-            };
-            let stages = [
-                stage(Stage::CacheRows, &cache.gather(0..t)),
-                stage(Stage::QAbsorbed, &dec.q_abs),
-                stage(Stage::SplitOut, &dec.split_out),
-                stage(Stage::SplitLse, &dec.split_lse),
-                stage(Stage::AttnLatent, &dec.attn_latent),
-                stage(Stage::Lse, &lse),
-                stage(Stage::AttnHeads, &heads),
-                stage(Stage::AttnOut, &attn_out),
-            ];
-            (cache, dec, stages)
+        let l = Attention {
+            ctx,
+            acfg: &acfg,
+            mw: &mw,
+            f: &f,
+            dt,
         };
-        let (cache, dec, stages) = attention(codec);
+        let codec = (!self.kv.is_auto()).then(|| l.codec(self.kv));
+        let (cache, dec, stages) = l.run(codec);
         let stored = serving::Stored {
             q_abs: &dec.q_abs,
             q_pe: &f.q_pe,
@@ -306,27 +381,9 @@ impl Backend for CpuMirror {
         // with the dtype's), which widens the end-to-end checks as a runner's fp8 cache does
         // (`trace::CacheEffect`); the stage-local view bounds them by the format's rounding instead.
         if codec.is_some() {
-            let (_, _, plain) = attention(None);
-            for (q, p) in stages.iter().zip(&plain) {
-                let effect: Vec<f64> = q.data.iter().zip(&p.data).map(|(a, b)| a - b).collect();
-                if effect.iter().all(|&e| e == 0.0) {
-                    continue;
-                }
-                let checks = match q.stage.info().phased {
-                    true => vec![
-                        format!("{}[prefill]", q.stage.name()),
-                        format!("{}[decode]", q.stage.name()),
-                    ],
-                    false => vec![q.stage.name().to_string()],
-                };
-                for check in checks {
-                    tr.cache_effect.push(crate::trace::CacheEffect {
-                        check,
-                        cache: self.kv.name(),
-                        effect: StageTensor::new(q.stage, q.shape.clone(), effect.clone()),
-                    });
-                }
-            }
+            let (_, _, plain) = l.run(None);
+            tr.cache_effect
+                .extend(cache_effects(&stages, &plain, self.kv));
         }
         tr.stages.extend(stages);
         Ok(tr)
