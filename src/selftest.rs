@@ -227,7 +227,14 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
     // aimed at a variant (`faults::VARIANT_CHECK`). (Other faults' controls lack a need of the stage
     // checks: a batch aimed at a variant has it, and catches them there.)
     let dsa_v = dsa_verdict(rep);
-    let batch_v = batch_verdict(rep).filter(|_| c.fault.is_none_or(|f| f.is_variant()));
+    let batch_v = match c.fault {
+        None => batch_verdict(
+            rep,
+            &[crate::faults::VARIANT_CHECK, crate::faults::BATCH_CHECK],
+        ),
+        Some(f) if f.is_variant() || f.is_batch() => batch_verdict(rep, &[f.info().expected]),
+        Some(_) => None,
+    };
     let v = match (&shadow.verdict, &dsa_v, &batch_v) {
         (s, Some(d), _) if s.pass => d,
         (s, None, Some((b, _))) if s.pass => b,
@@ -378,14 +385,15 @@ fn other_failing_layers(rep: &Report) -> Vec<usize> {
     others
 }
 
-/// The first failing batch aimed at a variant (`faults::VARIANT_CHECK`, in `runner_checks`) as a stage
-/// check's verdict would read, with its value ÷ bound.
-fn batch_verdict(rep: &Report) -> Option<(crate::compare::Verdict, Option<f64>)> {
+/// The first failing batch check of `checks` (`faults::VARIANT_CHECK`: a batch aimed at a variant;
+/// `faults::BATCH_CHECK`: the serving batch; in `runner_checks`) as a stage check's verdict would
+/// read, with its value ÷ bound.
+fn batch_verdict(rep: &Report, checks: &[&str]) -> Option<(crate::compare::Verdict, Option<f64>)> {
     let rc = rep.runner_checks.as_ref()?;
     let b = rc
         .checks
         .iter()
-        .find(|b| b.status == Status::Fail && b.check == crate::faults::VARIANT_CHECK)?;
+        .find(|b| b.status == Status::Fail && checks.contains(&b.check.as_str()))?;
     let margin = match (b.value, b.bound) {
         (Some(v), Some(t)) if t > 0.0 => Some(v / t),
         // A non-finite value has no figure.

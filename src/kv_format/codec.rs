@@ -149,6 +149,23 @@ impl Codec {
         }
     }
 
+    /// Encode one row as a write launch over several requests' rows does: `first_request` whether the
+    /// row is one of the launch's first request (a launch of one request: every row). As `encode`,
+    /// except under `kv_scale_unwritten` a later request's row keeps the scale bytes `out` held (a
+    /// slot never written: 0xff, a NaN scale in every format).
+    pub fn encode_in_launch(&self, row: &[f32], out: &mut [u8], first_request: bool) {
+        // Fault: the launch's scale stores guarded as if it held one request.
+        let keep = match self.faults.on(Fault::KvScaleUnwritten) && !first_request {
+            true => self.format.scale_bytes(),
+            false => None,
+        };
+        let before = keep.clone().map(|r| out[r].to_vec());
+        self.encode(row, out);
+        if let (Some(r), Some(b)) = (keep, before) {
+            out[r].copy_from_slice(&b);
+        }
+    }
+
     /// Decode one row's bytes into the values a kernel reads (`width()` of them), each `q · s` in f32.
     pub fn decode(&self, bytes: &[u8], out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.width());

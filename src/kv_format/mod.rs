@@ -127,6 +127,16 @@ impl KvFormat {
         }
     }
 
+    /// The bytes of a row that hold its scales (`None`: no scale in the row — `auto`, and `fp8`, whose
+    /// scale is the layer's).
+    pub fn scale_bytes(self) -> Option<std::ops::Range<usize>> {
+        match self {
+            KvFormat::Auto | KvFormat::Fp8 => None,
+            KvFormat::Fp8DsMla | KvFormat::Fp8DsMlaNope | KvFormat::Fp8V41 => Some(512..528),
+            KvFormat::Fp4V41 => Some(256..288),
+        }
+    }
+
     /// Columns quantized with a scale: the latent for the ds_mla formats (their rope stays bf16), the
     /// whole row for the others.
     fn quantized(self, lkv: usize, r: usize) -> usize {
@@ -145,7 +155,8 @@ impl std::fmt::Display for KvFormat {
 
 /// Whether a planted cache fault applies to a format (`Need::KvCache`): the scale faults to every
 /// quantized format; the rope fault to the one that keeps its rope bf16 (`fp8_ds_mla`); the wrong group
-/// to formats of more than one scale per row; saturation to the e4m3-valued ones.
+/// to formats of more than one scale per row; saturation to the e4m3-valued ones; an unwritten scale
+/// to formats that keep their scales in the row.
 pub fn fault_fits(f: Fault, format: KvFormat) -> bool {
     use KvFormat::*;
     match f {
@@ -153,6 +164,7 @@ pub fn fault_fits(f: Fault, format: KvFormat) -> bool {
         Fault::KvRopeQuantized => format == Fp8DsMla,
         Fault::KvScaleWrongGroup => matches!(format, Fp8DsMla | Fp8DsMlaNope | Fp8V41 | Fp4V41),
         Fault::KvSaturate240 => matches!(format, Fp8 | Fp8DsMla | Fp8DsMlaNope | Fp8V41),
+        Fault::KvScaleUnwritten => format.scale_bytes().is_some(),
         _ => true,
     }
 }
