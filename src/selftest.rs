@@ -227,14 +227,7 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
     // aimed at a variant (`faults::VARIANT_CHECK`). (Other faults' controls lack a need of the stage
     // checks: a batch aimed at a variant has it, and catches them there.)
     let dsa_v = dsa_verdict(rep);
-    let batch_v = match c.fault {
-        None => batch_verdict(
-            rep,
-            &[crate::faults::VARIANT_CHECK, crate::faults::BATCH_CHECK],
-        ),
-        Some(f) if f.is_variant() || f.is_batch() => batch_verdict(rep, &[f.info().expected]),
-        Some(_) => None,
-    };
+    let batch_v = batch_verdict_for(c, rep);
     let v = match (&shadow.verdict, &dsa_v, &batch_v) {
         (s, Some(d), _) if s.pass => d,
         (s, None, Some((b, _))) if s.pass => b,
@@ -383,6 +376,17 @@ fn other_failing_layers(rep: &Report) -> Vec<usize> {
     others.sort_unstable();
     others.dedup();
     others
+}
+
+/// The batch check that decides `c` where its stage checks pass: for a clean run any failing batch;
+/// for a variant or batch fault, a failing batch of its expected check; none for the others.
+fn batch_verdict_for(c: &Case, rep: &Report) -> Option<(crate::compare::Verdict, Option<f64>)> {
+    let checks = [crate::faults::VARIANT_CHECK, crate::faults::BATCH_CHECK];
+    match c.fault {
+        None => batch_verdict(rep, &checks),
+        Some(f) if f.is_variant() || f.is_batch() => batch_verdict(rep, &[f.info().expected]),
+        Some(_) => None,
+    }
 }
 
 /// The first failing batch check of `checks` (`faults::VARIANT_CHECK`: a batch aimed at a variant;
