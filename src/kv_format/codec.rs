@@ -170,18 +170,7 @@ impl Codec {
     pub fn decode(&self, bytes: &[u8], out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.width());
         let fx = self.faults;
-        let scales: Vec<f32> = match self.format {
-            KvFormat::Auto => unreachable!("no codec for the run's dtype"),
-            KvFormat::Fp8 => vec![self.tensor_scale],
-            KvFormat::Fp8DsMla | KvFormat::Fp8DsMlaNope => (0..4)
-                .map(|k| {
-                    let b: [u8; 4] = bytes[512 + 4 * k..516 + 4 * k].try_into().expect("4 bytes");
-                    f32::from_le_bytes(b)
-                })
-                .collect(),
-            KvFormat::Fp8V41 => bytes[512..528].iter().map(|&b| ue8m0_value(b)).collect(),
-            KvFormat::Fp4V41 => bytes[256..288].iter().map(|&b| e4m3_value(b)).collect(),
-        };
+        let scales = self.read_scales(bytes);
         let n = scales.len();
         let scale = |i: usize| {
             let g = self.group_of(i);
@@ -216,6 +205,45 @@ impl Codec {
                 }
             }
         }
+    }
+
+    /// The scales a row's bytes hold, one per group (`fp8`: the layer's).
+    fn read_scales(&self, bytes: &[u8]) -> Vec<f32> {
+        match self.format {
+            KvFormat::Auto => unreachable!("no codec for the run's dtype"),
+            KvFormat::Fp8 => vec![self.tensor_scale],
+            KvFormat::Fp8DsMla | KvFormat::Fp8DsMlaNope => (0..4)
+                .map(|k| {
+                    let b: [u8; 4] = bytes[512 + 4 * k..516 + 4 * k].try_into().expect("4 bytes");
+                    f32::from_le_bytes(b)
+                })
+                .collect(),
+            KvFormat::Fp8V41 => bytes[512..528].iter().map(|&b| ue8m0_value(b)).collect(),
+            KvFormat::Fp4V41 => bytes[256..288].iter().map(|&b| e4m3_value(b)).collect(),
+        }
+    }
+
+    /// Each column of a row's bytes before its scale: (the stored element's value q, the scale s of
+    /// its group), `None` where the format applies no scale (the ds_mla formats' bf16 rope). `decode`
+    /// without faults reads q·s (or q) of these; lint predicts from them what a reader of another
+    /// scale convention reads.
+    pub fn columns(&self, bytes: &[u8]) -> Vec<(f32, Option<f32>)> {
+        let scales = self.read_scales(bytes);
+        let q = self.format.quantized(self.lkv, self.r);
+        (0..self.width())
+            .map(|i| match (self.format, i < q) {
+                (KvFormat::Fp4V41, _) => {
+                    let c = (bytes[i / 2] >> (4 * (i % 2))) & 0xf;
+                    (e2m1_value(c), Some(scales[self.group_of(i)]))
+                }
+                (_, true) => (e4m3_value(bytes[i]), Some(scales[self.group_of(i)])),
+                (_, false) => {
+                    let j = i - q;
+                    let b = [bytes[528 + 2 * j], bytes[529 + 2 * j]];
+                    (bf16::from_le_bytes(b).to_f32(), None)
+                }
+            })
+            .collect()
     }
 
     /// Encode and decode one row: what a reader gets back for it.
@@ -258,7 +286,31 @@ mod tests {
         assert!(d[..512] != r[..512]);
     }
 
-    /// Every format round-trips within its bound (and not exactly), and the bound is not loose: some
+    /// `columns` is what `decode` multiplies, for every format.
+    #[test]
+    fn columns_are_what_decode_reads() {
+        for (f, lkv, r) in [
+            (KvFormat::Fp8, 256, 32),
+            (KvFormat::Fp8DsMla, 512, 64),
+            (KvFormat::Fp8DsMlaNope, 512, 0),
+            (KvFormat::Fp8V41, 448, 64),
+            (KvFormat::Fp4V41, 448, 64),
+        ] {
+            let x = row(lkv + r, 7);
+            let c = Codec::new(f, lkv, r).with_tensor_scale(super::tensor_scale(&x));
+            let mut b = vec![0u8; c.bytes()];
+            c.encode(&x, &mut b);
+            let mut d = vec![0f32; lkv + r];
+            c.decode(&b, &mut d);
+            for (i, (q, s)) in c.columns(&b).into_iter().enumerate() {
+                assert_eq!(
+                    s.map_or(q, |s| q * s).to_bits(),
+                    d[i].to_bits(),
+                    "{f} [{i}]"
+                );
+            }
+        }
+    }
 
     /// V4.1's layouts: fp8's 16 ue8m0 bytes at 512..528; fp4's codes two per byte (element 2k in the
     /// low nibble) and 32 e4m3 scales at 256..288.

@@ -314,3 +314,99 @@ fn numpy_runner_reads_every_format_on_a_file_it_fits() {
         assert_eq!(rep["runner_checks"]["pass"], true, "{what}");
     }
 }
+
+/// `lint --runner R --kv-cache-dtype FMT` probes the runner's scale convention with one exact key
+/// (src/lint/runner/cache.rs): numpy_mla reads every convention as the format stores it (notes); each
+/// planted reader is named, an error (exit 1): the scale as a divisor, twice, and the ds_mla rope read
+/// with a scale. A runner not listing the format is an error too, as a run refuses it.
+#[test]
+fn lint_names_a_runners_cache_scale_convention() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let f = fixture("glm-5-q4_0.gguf");
+    let lint = |rel: &str, fmt: &str| {
+        let cmd = runner(&py, rel);
+        let o = run(&[
+            "lint",
+            f.to_str().unwrap(),
+            "--runner",
+            &cmd,
+            "--kv-cache-dtype",
+            fmt,
+            "--json",
+            "-",
+        ]);
+        let j: J = serde_json::from_slice(&o.stdout).unwrap_or(J::Null);
+        (o.status.code(), j, stderr(&o))
+    };
+    let finding = |j: &J, check: &str| -> J {
+        j["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["check"] == check)
+            .cloned()
+            .unwrap_or(J::Null)
+    };
+    for (rel, fmt, rope) in [
+        ("numpy_mla.py", "fp8_ds_mla", "as stored"),
+        ("numpy_mla.py", "fp8", "with its group's scale"),
+    ] {
+        let (code, j, err) = lint(rel, fmt);
+        assert_eq!(code, Some(0), "{rel} {fmt}: {err}");
+        let s = finding(&j, "runner.decode.cache_scale");
+        assert_eq!(s["severity"], "note", "{rel} {fmt}: {s}");
+        assert!(s["found"].as_str().unwrap().contains("multiplier"), "{s}");
+        let r = finding(&j, "runner.decode.cache_rope");
+        assert_eq!(r["severity"], "note", "{rel} {fmt}: {r}");
+        assert!(r["found"].as_str().unwrap().contains(rope), "{r}");
+    }
+    for (rel, check, named) in [
+        (
+            "bugs/cache/fp8_scale_divisor.py",
+            "runner.decode.cache_scale",
+            "as a divisor",
+        ),
+        (
+            "bugs/cache/fp8_scale_twice.py",
+            "runner.decode.cache_scale",
+            "applied twice",
+        ),
+        (
+            "bugs/cache/fp8_rope_scaled.py",
+            "runner.decode.cache_rope",
+            "read with a scale",
+        ),
+    ] {
+        let (code, j, err) = lint(rel, "fp8_ds_mla");
+        assert_eq!(code, Some(1), "{rel}: {err}");
+        let x = finding(&j, check);
+        assert_eq!(x["severity"], "error", "{rel}: {x}");
+        assert!(x["found"].as_str().unwrap().contains(named), "{rel}: {x}");
+    }
+}
+
+/// The two planted readers lint names are caught by a run too, at the runner's stage, with everything
+/// upstream of it clean.
+#[test]
+fn a_divisor_and_a_scaled_rope_reader_are_caught_at_the_runner() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    for rel in [
+        "bugs/cache/fp8_scale_divisor.py",
+        "bugs/cache/fp8_rope_scaled.py",
+    ] {
+        let (code, rep, err) = run_json("glm-5-q4_0.gguf", &runner(&py, rel), "fp8_ds_mla", &[]);
+        assert_eq!(code, Some(1), "{rel}: not caught: {err}");
+        let all = checks(&rep);
+        let at = all.iter().find(|x| x["check"] == "attn_latent@runner");
+        assert!(at.is_some_and(|x| x["pass"] == false), "{rel}: {at:?}");
+        for c in ["q_absorbed", "cache_rows", "kv_latent"] {
+            if let Some(x) = all.iter().find(|x| x["check"] == c) {
+                assert_eq!(x["pass"], true, "{rel}: {c}");
+            }
+        }
+    }
+}
