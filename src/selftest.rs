@@ -115,9 +115,13 @@ fn run_cases(
         None => (true, true),
     };
     // Cache faults need a backend that stores a quantized cache (the CPU mirror, issue #38).
-    let kv_ok = match cases.iter().find(|c| !c.kv.is_auto()) {
-        Some(c) => make_backend(c.dtype, c.kv, &FaultSet::default()).is_ok(),
-        None => true,
+    // A batch-launch cache fault needs a backend whose serving batches read their cache through it.
+    let (kv_ok, batch_kv_ok) = match cases.iter().find(|c| !c.kv.is_auto()) {
+        Some(c) => match make_backend(c.dtype, c.kv, &FaultSet::default()) {
+            Ok((b, _)) => (true, b.batch_cache_in_format()),
+            Err(_) => (false, false),
+        },
+        None => (true, true),
     };
     let cases: Vec<Case> = cases
         .iter()
@@ -126,6 +130,9 @@ fn run_cases(
                 _ if !sparse_ok && needs_sparse(c) => "the backend has no sparse attention for DSA",
                 _ if !kv_ok && !c.kv.is_auto() => {
                     "the backend stores no quantized kv cache (the CPU mirror only, issue #38)"
+                }
+                Some(f) if !batch_kv_ok && f.is_batch() => {
+                    "the backend's serving batches do not read their cache through its format (the CPU mirror's do)"
                 }
                 Some(f) if !indexer_ok && f.is_indexer() => {
                     "the backend has no indexer of its own; the CPU mirror's stands in, without faults"
