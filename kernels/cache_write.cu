@@ -42,7 +42,7 @@ extern "C" __global__ void copy_heads(const dt* src, long long src_rs, long long
     }
 }
 
-// ---- quantized cache formats (run --kv-cache-dtype; src/kv_format.rs, docs/cache-formats.md) ----------
+// ---- quantized cache formats (run --kv-cache-dtype; src/kv_format/, docs/cache-formats.md) ----------
 //
 // MLA_KV_FORMAT (defined only for this module, only when the run stores a quantized cache):
 //   2 = fp8_ds_mla       656 B: 512 e4m3 latent (4 tiles of 128, one f32 scale each) + 64 bf16 rope
@@ -57,10 +57,10 @@ extern "C" __global__ void copy_heads(const dt* src, long long src_rs, long long
 // when the row is written (the bytes never change afterwards, so this is what dequantizing on every
 // load would read). Every dequantized value is q·s with s a power of two (ds_mla, v41) or an e4m3 value
 // times an e2m1 value (fp4): at most 6 significant bits, exact in bf16, fp16 and f32, so the staging
-// copy holds exactly the f32 values src/kv_format.rs `Codec::decode` gives, and every attention kernel
+// copy holds exactly the f32 values src/kv_format/codec.rs `Codec::decode` gives, and every attention kernel
 // (decode, the prefill context pass, sparse_attn, the aimed batches) reads the format unchanged.
 //
-// The arithmetic is kv_format.rs's, operation for operation: x / s and q · s as IEEE f32 (__fdiv_rn,
+// The arithmetic is src/kv_format/codec.rs's, operation for operation: x / s and q · s as IEEE f32 (__fdiv_rn,
 // __fmul_rn: no contraction, no fast division), e4m3 round to nearest even saturating at 448.
 #if defined(MLA_KV_FORMAT) && MLA_KV_FORMAT > 0
 
@@ -81,7 +81,7 @@ extern "C" __global__ void copy_heads(const dt* src, long long src_rs, long long
 #endif
 #define KV_NGROUPS (KV_QUANT / KV_GROUP)
 #if KV_QUANT % KV_GROUP != 0 || (MLA_KV_FORMAT != 2 && MLA_KV_FORMAT != 3 && KV_QUANT != 512)
-#error "the model's row does not fit MLA_KV_FORMAT (src/kv_format.rs KvFormat::fits)"
+#error "the model's row does not fit MLA_KV_FORMAT (src/kv_format/mod.rs KvFormat::fits)"
 #endif
 
 // e4m3fn code of y: nearest, ties to even, beyond ±448 saturating to ±448 (__NV_SATFINITE), NaN → 0x7f
@@ -134,7 +134,7 @@ __device__ __forceinline__ float e2m1_mag(unsigned c) {
     }
 }
 __device__ __forceinline__ float e2m1_value(unsigned c) { return (c & 8u) ? -e2m1_mag(c) : e2m1_mag(c); }
-// Nearest magnitude, ties to the even code, saturating at ±6; NaN → 0 (e2m1 has none). As kv_format.rs.
+// Nearest magnitude, ties to the even code, saturating at ±6; NaN → 0 (e2m1 has none). As src/kv_format/e4m3.rs.
 __device__ __forceinline__ unsigned e2m1_bits(float y) {
     const float a = fabsf(y);
     if (a != a) return 0u;
@@ -154,7 +154,7 @@ __device__ __forceinline__ float pow2_ceil(float s) {
     return __uint_as_float((unsigned)(e + 127) << 23);
 }
 
-// A group's scale from its amax, the format's rule (kv_format.rs `Codec::scales`).
+// A group's scale from its amax, the format's rule (src/kv_format/codec.rs `Codec::scales`).
 __device__ __forceinline__ float kv_group_scale(float amax) {
 #if MLA_KV_FORMAT == 5
     // NVFP4-style: amax / 6 stored in e4m3 (nearest).
@@ -195,7 +195,7 @@ __device__ __forceinline__ float kv_scale_at(const unsigned char* B, int g) {
 #endif
 }
 
-// The reader: column i of a row's bytes as the f32 value a kernel computes with (kv_format.rs
+// The reader: column i of a row's bytes as the f32 value a kernel computes with (src/kv_format/codec.rs
 // `Codec::decode`, its reader faults at the same lines).
 __device__ __forceinline__ float kv_read(const unsigned char* B, int i) {
     if (i >= KV_QUANT) {
@@ -227,8 +227,11 @@ __device__ __forceinline__ float kv_read(const unsigned char* B, int i) {
 
 // One block per token: rows [n, MLA_ROW] for tokens t0..t0+n (as cache_write) quantized into the row's
 // KV_BYTES bytes at its slot of `kv`, then read back from those bytes into the pool row the attention
-// kernels read. The slot and row-order faults as in cache_write.
-extern "C" __global__ void cache_write_format(const dt* rows, dt* pool, unsigned char* kv, const int* table, int t0) {
+// kernels read. The slot and row-order faults as in cache_write. `first_req_rows`: the launch's rows of
+// its first request (blocks past it are later requests' rows, a write launch over a batch); the run's
+// own launches are one request each and pass n.
+extern "C" __global__ void cache_write_format(const dt* rows, dt* pool, unsigned char* kv, const int* table, int t0,
+                                              int first_req_rows) {
     __shared__ float x[MLA_ROW];
     __shared__ float scale[KV_NGROUPS];
     __shared__ unsigned char b[KV_BYTES];
@@ -289,7 +292,21 @@ extern "C" __global__ void cache_write_format(const dt* rows, dt* pool, unsigned
 #endif
     __syncthreads();
     unsigned char* B = kv + slot * KV_BYTES;
+#ifdef MLA_FAULT_KV_SCALE_UNWRITTEN
+    // Planted bug: the scale stores guarded as if the launch held one request: a later request's row
+    // keeps its slot's unwritten scale bytes (0xff: NaN). As kv_format's `Codec::encode_in_launch`.
+#if MLA_KV_FORMAT == 5
+    const int s0 = 256, s1 = 288;
+#else
+    const int s0 = 512, s1 = 528;
+#endif
+    const bool keep = (int)blockIdx.x >= first_req_rows;
+    for (int i = threadIdx.x; i < KV_BYTES; i += blockDim.x)
+        if (!keep || i < s0 || i >= s1) B[i] = b[i];
+#else
+    (void)first_req_rows;
     for (int i = threadIdx.x; i < KV_BYTES; i += blockDim.x) B[i] = b[i];
+#endif
     __syncthreads();  // the block's global writes visible to the block's reads below
     dt* dst = pool + slot * MLA_ROW;
     for (int c = threadIdx.x; c < MLA_ROW; c += blockDim.x) dst[c] = from_f(kv_read(B, c));

@@ -9,14 +9,21 @@ A tile's scale is amax/448 rounded UP to a power of two (`_cast_scale_inv_to_ue8
 amax/448, 1e-4)))), its stored values round(x / scale) to e4m3 (nearest, ties to even; |x/scale| ≤ 448
 so nothing saturates), and the kernel reads value·scale.
 
-numpy has no e4m3: the rounding, encoding and decoding are written out here (tested against known
+numpy has no e4m3: the rounding and encoding are written out here, the decoding is the runner SDK's
+(`protocol.e4m3_to_f32`, `protocol.dequantize_cache`) (tested against known
 values: tests/it/runners_sparse.rs; on the GPU, bench/probes/flashmla_sparse_decode.py compares the
 bytes with torch's own e4m3fn cast).
 The same convention is mla-diff's (`src/backend/runner/fp8_cache.rs`), which computes the fp64 yardstick
 over the dequantized cache from it.
 """
 
+import os
+import sys
+
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import protocol  # noqa: E402  (the runner SDK, this checkout's)
 
 D_NOPE, D_ROPE, TILE = 512, 64, 128
 TILES = D_NOPE // TILE
@@ -49,12 +56,9 @@ def e4m3_bits(v):
 
 
 def e4m3_value(b):
-    """The value of each e4m3fn byte (float64; S.1111.111 is NaN, e4m3fn has no infinity)."""
-    b = np.asarray(b, np.int64)
-    sign = np.where(b & 0x80, -1.0, 1.0)
-    field, mant = (b >> 3) & 0xF, b & 7
-    mag = np.where(field == 0, mant * 2.0**-9, (1 + mant / 8.0) * np.ldexp(1.0, field - 7))
-    return np.where((b & 0x7F) == 0x7F, np.nan, sign * mag)
+    """The value of each e4m3fn byte (float64; S.1111.111 is NaN, e4m3fn has no infinity): the runner
+    SDK's decoder (`protocol.e4m3_to_f32`), widened."""
+    return protocol.e4m3_to_f32(np.asarray(b).astype(np.uint8)).astype(np.float64)
 
 
 def tile_scales(latent):
@@ -92,14 +96,6 @@ def pack(rows):
 
 def unpack(b):
     """Bytes [..., 656] → the rows the kernel reads [..., 576] float32: e4m3 value × its tile's scale
-    (exact: a power of two), rope as stored."""
-    b = np.asarray(b, np.uint8)
-    lead = b.shape[:-1]
-    flat = np.ascontiguousarray(b.reshape(-1, BYTES))
-    vals = e4m3_value(flat[:, :D_NOPE]).reshape(-1, TILES, TILE)
-    scales = flat[:, D_NOPE:D_NOPE + 4 * TILES].copy().view("<f4").astype(np.float64)
-    rope = (flat[:, D_NOPE + 4 * TILES:].copy().view("<u2").astype(np.uint32) << 16).view("<f4")
-    out = np.empty((flat.shape[0], D_NOPE + D_ROPE), np.float32)
-    out[:, :D_NOPE] = (vals * scales[:, :, None]).reshape(-1, D_NOPE)
-    out[:, D_NOPE:] = rope
-    return out.reshape(lead + (D_NOPE + D_ROPE,))
+    (exact: a power of two), rope as stored. The runner SDK's reader of mla-diff's `fp8_ds_mla`, the
+    same layout (`protocol.dequantize_cache`)."""
+    return protocol.dequantize_cache(np.asarray(b, np.uint8), "fp8_ds_mla", D_NOPE, D_ROPE)

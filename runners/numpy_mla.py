@@ -11,9 +11,11 @@ What it runs:
   has out 0 and lse −inf (the same partition mla-diff's reference uses).
 - prefill: decompressed attention of one chunk: query `i` sees keys `0 .. context_len + i + 1`.
 
-Quantized caches (`run --kv-cache-dtype fp8_ds_mla`, `fp8_ds_mla_nope`; `supports.cache_formats`): the
-decode op's `kv_cache` then holds the format's bytes, dequantized here in numpy (`protocol.
-dequantize_cache`: e4m3 latent times its tile's float32 scale, bf16 rope) before the same attention.
+Quantized caches (`run --kv-cache-dtype FMT`, every format mla-diff writes: fp8, fp8_ds_mla,
+fp8_ds_mla_nope, fp8_v41, fp4_v41; `supports.cache_formats`): the decode op's `kv_cache` then holds the
+format's bytes, dequantized here in numpy (`protocol.dequantize_cache`: each value q·s in float32 with
+its group's scale, or fp8's layer scale from `meta.cache.scale`; ds_mla's rope as stored) before the
+same attention.
 
 Conventions: float32 arithmetic on the given inputs (BF16/FP16 widened exactly); `attn_latent` and
 `attn_heads` rounded to the run's dtype (meta `dtype`); `lse`, `split_out`, `split_lse` float32;
@@ -112,9 +114,10 @@ class NumpyMLA(protocol.NumpyRunner):
     def page_size(self, meta, cache):
         return int(meta.get("page_size") or cache.shape[1])
 
-    def dequantize_cache(self, cache, fmt, kv_lora_rank, qk_rope):
-        """A quantized `kv_cache` (u8 bytes in `fmt`) -> float32 rows `[..., kv_lora_rank + qk_rope]`."""
-        return protocol.dequantize_cache(cache, fmt, kv_lora_rank, qk_rope)
+    def dequantize_cache(self, cache, fmt, kv_lora_rank, qk_rope, scale=None):
+        """A quantized `kv_cache` (u8 bytes in `fmt`; `scale`: `fp8`'s layer scale) -> float32 rows
+        `[..., kv_lora_rank + qk_rope]`."""
+        return protocol.dequantize_cache(cache, fmt, kv_lora_rank, qk_rope, scale)
 
     def split_cache_rows(self, rows, kv_lora_rank, qk_rope):
         """Cache rows `[latent | k_pe]` -> (latent, k_pe)."""
@@ -166,9 +169,10 @@ class NumpyMLA(protocol.NumpyRunner):
         table, seqlens = x["block_table"], x["cache_seqlens"]
         b_n, s_q, heads, r = q_nope.shape
         rope = q_pe.shape[-1]
-        fmt = (meta.get("cache") or {}).get("format")
+        cm = meta.get("cache") or {}
+        fmt = cm.get("format")
         if fmt:
-            cache = self.dequantize_cache(cache, fmt, r, rope)
+            cache = self.dequantize_cache(cache, fmt, r, rope, cm.get("scale"))
         if cache.shape[-1] != r + rope:
             raise ValueError(f"kv_cache rows are {cache.shape[-1]} wide, expected {r} + {rope}")
         dtype = meta["dtype"]

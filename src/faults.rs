@@ -54,6 +54,7 @@ pub enum Fault {
     KvRopeQuantized,
     KvScaleWrongGroup,
     KvSaturate240,
+    KvScaleUnwritten,
     PairsHandoverStale,
     SmallRingWrap,
     TmaPageTile,
@@ -198,6 +199,11 @@ pub const SELECTION_CHECK: &str = "selection";
 /// (`backend::serving::aims`, reported in `runner_checks`), beside the stage checks.
 pub const VARIANT_CHECK: &str = "variant_batch";
 
+/// The name a serving-batch fault's first check has: the run's serving batch of mixed lengths
+/// (`backend::serving::Batch::of`, reported in `runner_checks`), for a fault that needs a batch of more
+/// than one request (the run's own launches are one sequence each).
+pub const BATCH_CHECK: &str = "serving_batch";
+
 /// A fault's row of the catalogue.
 #[derive(Debug, Clone, Copy)]
 pub struct Info {
@@ -221,7 +227,7 @@ pub struct Info {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 34] = [
+    pub const ALL: [Fault; 35] = [
         Fault::RopeNeox,
         Fault::RopeNorm,
         Fault::YarnMscaleMissing,
@@ -253,6 +259,7 @@ impl Fault {
         Fault::KvRopeQuantized,
         Fault::KvScaleWrongGroup,
         Fault::KvSaturate240,
+        Fault::KvScaleUnwritten,
         Fault::PairsHandoverStale,
         Fault::SmallRingWrap,
         Fault::TmaPageTile,
@@ -267,6 +274,12 @@ impl Fault {
     /// (`VARIANT_CHECK`), which a plain run runs where its schedule does not reach the kernel.
     pub fn is_variant(self) -> bool {
         self.info().expected == VARIANT_CHECK
+    }
+
+    /// A fault of a write launch over several requests: caught by the run's serving batch
+    /// (`BATCH_CHECK`), the first launch of more than one request a run has.
+    pub fn is_batch(self) -> bool {
+        self.info().expected == BATCH_CHECK
     }
 
     /// The fault's row of the catalogue.
@@ -446,7 +459,8 @@ mod tests {
             assert!(
                 Check::parse(i.expected).is_some()
                     || i.expected == SELECTION_CHECK
-                    || i.expected == VARIANT_CHECK,
+                    || i.expected == VARIANT_CHECK
+                    || i.expected == BATCH_CHECK,
                 "{}: {}",
                 i.name,
                 i.expected

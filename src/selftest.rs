@@ -115,9 +115,13 @@ fn run_cases(
         None => (true, true),
     };
     // Cache faults need a backend that stores a quantized cache (the CPU mirror, issue #38).
-    let kv_ok = match cases.iter().find(|c| !c.kv.is_auto()) {
-        Some(c) => make_backend(c.dtype, c.kv, &FaultSet::default()).is_ok(),
-        None => true,
+    // A batch-launch cache fault needs a backend whose serving batches read their cache through it.
+    let (kv_ok, batch_kv_ok) = match cases.iter().find(|c| !c.kv.is_auto()) {
+        Some(c) => match make_backend(c.dtype, c.kv, &FaultSet::default()) {
+            Ok((b, _)) => (true, b.batch_cache_in_format()),
+            Err(_) => (false, false),
+        },
+        None => (true, true),
     };
     let cases: Vec<Case> = cases
         .iter()
@@ -126,6 +130,9 @@ fn run_cases(
                 _ if !sparse_ok && needs_sparse(c) => "the backend has no sparse attention for DSA",
                 _ if !kv_ok && !c.kv.is_auto() => {
                     "the backend stores no quantized kv cache (the CPU mirror only, issue #38)"
+                }
+                Some(f) if !batch_kv_ok && f.is_batch() => {
+                    "the backend's serving batches do not read their cache through its format (the CPU mirror's do)"
                 }
                 Some(f) if !indexer_ok && f.is_indexer() => {
                     "the backend has no indexer of its own; the CPU mirror's stands in, without faults"
@@ -227,7 +234,7 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
     // aimed at a variant (`faults::VARIANT_CHECK`). (Other faults' controls lack a need of the stage
     // checks: a batch aimed at a variant has it, and catches them there.)
     let dsa_v = dsa_verdict(rep);
-    let batch_v = batch_verdict(rep).filter(|_| c.fault.is_none_or(|f| f.is_variant()));
+    let batch_v = batch_verdict_for(c, rep);
     let v = match (&shadow.verdict, &dsa_v, &batch_v) {
         (s, Some(d), _) if s.pass => d,
         (s, None, Some((b, _))) if s.pass => b,
@@ -378,14 +385,26 @@ fn other_failing_layers(rep: &Report) -> Vec<usize> {
     others
 }
 
-/// The first failing batch aimed at a variant (`faults::VARIANT_CHECK`, in `runner_checks`) as a stage
-/// check's verdict would read, with its value ÷ bound.
-fn batch_verdict(rep: &Report) -> Option<(crate::compare::Verdict, Option<f64>)> {
+/// The batch check that decides `c` where its stage checks pass: for a clean run any failing batch;
+/// for a variant or batch fault, a failing batch of its expected check; none for the others.
+fn batch_verdict_for(c: &Case, rep: &Report) -> Option<(crate::compare::Verdict, Option<f64>)> {
+    let checks = [crate::faults::VARIANT_CHECK, crate::faults::BATCH_CHECK];
+    match c.fault {
+        None => batch_verdict(rep, &checks),
+        Some(f) if f.is_variant() || f.is_batch() => batch_verdict(rep, &[f.info().expected]),
+        Some(_) => None,
+    }
+}
+
+/// The first failing batch check of `checks` (`faults::VARIANT_CHECK`: a batch aimed at a variant;
+/// `faults::BATCH_CHECK`: the serving batch; in `runner_checks`) as a stage check's verdict would
+/// read, with its value ÷ bound.
+fn batch_verdict(rep: &Report, checks: &[&str]) -> Option<(crate::compare::Verdict, Option<f64>)> {
     let rc = rep.runner_checks.as_ref()?;
     let b = rc
         .checks
         .iter()
-        .find(|b| b.status == Status::Fail && b.check == crate::faults::VARIANT_CHECK)?;
+        .find(|b| b.status == Status::Fail && checks.contains(&b.check.as_str()))?;
     let margin = match (b.value, b.bound) {
         (Some(v), Some(t)) if t > 0.0 => Some(v / t),
         // A non-finite value has no figure.

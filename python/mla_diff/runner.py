@@ -119,9 +119,10 @@ def to_bf16_bits(x):
 # ----------------------------------------------------------------------------------------------
 # quantized caches (`run --kv-cache-dtype`; docs/cache-formats.md for the byte layouts)
 
-#: The cache formats `dequantize_cache` reads (a runner lists those it takes in
-#: `supports.cache_formats`; the decode request then carries `kv_cache` as u8 bytes, `meta.cache`).
-CACHE_FORMATS = ("fp8_ds_mla", "fp8_ds_mla_nope")
+#: The cache formats `dequantize_cache` reads: every format `run --kv-cache-dtype` writes (a runner
+#: lists those it takes in `supports.cache_formats`; the decode request then carries `kv_cache` as u8
+#: bytes and `meta.cache`: `format`, `bytes_per_token`, and for `fp8` the layer's `scale`).
+CACHE_FORMATS = ("fp8", "fp8_ds_mla", "fp8_ds_mla_nope", "fp8_v41", "fp4_v41")
 
 
 def e4m3_to_f32(codes):
@@ -135,6 +136,23 @@ def e4m3_to_f32(codes):
     return np.where(b & 0x80, -v, v).astype(np.float32)
 
 
+def e2m1_to_f32(codes):
+    """4-bit e2m1 (fp4) codes (0..15, sign in bit 3) -> float32 values: 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    np = _np()
+    mags = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+    c = np.asarray(codes, dtype=np.uint8)
+    v = mags[c & 7]
+    return np.where(c & 8, -v, v).astype(np.float32)
+
+
+def ue8m0_to_f32(codes):
+    """uint8 ue8m0 scale bytes (an unsigned exponent) -> float32 2^(b - 127), by its bits (0xff: inf,
+    0: 0, as mla-diff's reader)."""
+    np = _np()
+    b = np.asarray(codes, dtype=np.uint8).astype(np.uint32)
+    return np.ascontiguousarray(b << np.uint32(23)).view(np.float32)
+
+
 def ds_mla_parts(cache, qk_rope):
     """An `fp8_ds_mla` cache `[..., 656]` u8 -> (the 512 latent e4m3 values `[..., 512]`, the four
     float32 tile scales `[..., 4]`, the bf16 rope `[..., qk_rope]`), all float32, not yet scaled."""
@@ -146,18 +164,57 @@ def ds_mla_parts(cache, qk_rope):
     return latent, scales, rope
 
 
-def dequantize_cache(cache, fmt, kv_lora_rank, qk_rope):
+#: (bytes per token, the kv_lora_rank + qk_rope it needs: (lkv, r) exactly, or a row width) per format.
+_FITS = {
+    "fp8_ds_mla": (656, (512, 64)),
+    "fp8_ds_mla_nope": (656, (512, 0)),
+    "fp8_v41": (528, 512),
+    "fp4_v41": (288, 512),
+}
+
+
+def dequantize_cache(cache, fmt, kv_lora_rank, qk_rope, scale=None):
     """A decode request's `kv_cache` in the byte format `fmt` (`meta["cache"]["format"]`) -> float32
-    rows `[..., kv_lora_rank + qk_rope]` as a kernel reads them: each latent value q·s with its tile's
-    scale, the rope as stored (bf16). Unwritten slots (0xff bytes) read as NaN."""
+    rows `[..., kv_lora_rank + qk_rope]` as a kernel reads them, each quantized value q·s in float32
+    (mla-diff's `Codec::decode`, bit for bit; layouts in docs/cache-formats.md):
+
+    - `fp8`: every column e4m3 times the layer's scale `scale` (`meta["cache"]["scale"]`, required);
+    - `fp8_ds_mla` / `_nope`: 512 e4m3 times their tile's float32 scale (4 tiles of 128), then the
+      rope as stored (bf16; none for `_nope`);
+    - `fp8_v41`: 512 e4m3 (rope included) times their group's ue8m0 scale (16 groups of 32);
+    - `fp4_v41`: 512 e2m1 (two per byte, column 2k in the low nibble) times their group's e4m3 scale
+      (32 groups of 16).
+
+    Unwritten slots (0xff bytes) read as NaN."""
     np = _np()
     if fmt not in CACHE_FORMATS:
         raise Unsupported(f"cache format {fmt} (this SDK reads {', '.join(CACHE_FORMATS)})")
-    if kv_lora_rank != 512:
-        raise Unsupported(f"cache format {fmt} needs kv_lora_rank 512, got {kv_lora_rank}")
-    latent, scales, rope = ds_mla_parts(cache, qk_rope)
-    latent = latent * np.repeat(scales, 128, axis=-1)
-    return np.concatenate([latent, rope], axis=-1).astype(np.float32)
+    cache = np.ascontiguousarray(cache, dtype=np.uint8)
+    width = kv_lora_rank + qk_rope
+    if fmt == "fp8":
+        if scale is None:
+            raise ValueError("cache format fp8 needs the layer's scale (meta['cache']['scale'])")
+        if cache.shape[-1] != width:
+            raise ValueError(f"an fp8 cache row is {width} bytes, got {cache.shape[-1]}")
+        return (e4m3_to_f32(cache) * np.float32(scale)).astype(np.float32)
+    n, need = _FITS[fmt]
+    if (kv_lora_rank, qk_rope) != need and width != need:
+        raise Unsupported(f"cache format {fmt} needs kv_lora_rank + qk_rope = {need}, got {kv_lora_rank} + {qk_rope}")
+    if cache.shape[-1] != n:
+        raise ValueError(f"a {fmt} cache row is {n} bytes, got {cache.shape[-1]}")
+    lead = cache.shape[:-1]
+    if fmt in ("fp8_ds_mla", "fp8_ds_mla_nope"):
+        latent, scales, rope = ds_mla_parts(cache, qk_rope)
+        latent = latent * np.repeat(scales, 128, axis=-1)
+        return np.concatenate([latent, rope], axis=-1).astype(np.float32)
+    if fmt == "fp8_v41":
+        q = e4m3_to_f32(cache[..., :512])
+        s = ue8m0_to_f32(cache[..., 512:528])
+        return (q * np.repeat(s, 32, axis=-1)).astype(np.float32)
+    packed = cache[..., :256]
+    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(lead + (512,))
+    s = e4m3_to_f32(cache[..., 256:288])
+    return (e2m1_to_f32(codes) * np.repeat(s, 16, axis=-1)).astype(np.float32)
 
 
 def round_to(x, dtype):

@@ -107,6 +107,12 @@ pub trait Backend {
     fn sparse(&self) -> bool {
         false
     }
+    /// Whether the serving batches it runs read their cache through the layer's cache format
+    /// (`--kv-cache-dtype`): a fault of a write launch over several requests (`faults::BATCH_CHECK`)
+    /// shows only there (the CPU mirror's batches do; CUDA's take the dtype's rows so far).
+    fn batch_cache_in_format(&self) -> bool {
+        false
+    }
     /// DSA: this path's own lightning indexer on the layer input `x` (with `ctx.faults`); `None`: it has
     /// none, and the run stands in the CPU mirror's at the run's dtype, without faults (`run::dsa`).
     fn indexer(

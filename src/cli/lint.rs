@@ -34,6 +34,10 @@ pub struct Args {
     /// Query tokens per decode step (the decode kernel's rows are q_len × heads).
     #[arg(long, default_value_t = Schedule::default().q_len)]
     q_len: usize,
+    /// The latent cache format a run would send the runner (docs/cache-formats.md): the runner must
+    /// list it in `supports.cache_formats`, and its scale convention is probed with exact rows.
+    #[arg(long, value_enum, default_value_t = mla_diff::kv_format::KvFormat::Auto)]
+    kv_cache_dtype: mla_diff::kv_format::KvFormat,
     /// Report which kernels of this optimized path take the model's dims.
     #[arg(long, value_enum)]
     backend: Option<LintBackend>,
@@ -69,6 +73,7 @@ pub fn exec(a: Args) -> Result<i32, Error> {
         page_size_given: a.page_size.is_some(),
         q_len: a.q_len,
         dtype: a.dtype,
+        kv_format: a.kv_cache_dtype,
     };
     let mut report = lint::lint(&a.file, &opts)?;
     if let Some(t) = &json {

@@ -4,7 +4,7 @@
 use super::{Fault, Info, Need};
 
 /// The catalogue, one row per fault in `Fault` order (docs/faults.md is generated from it).
-pub const CATALOGUE: [Info; 34] = [
+pub const CATALOGUE: [Info; 35] = [
     Info {
         fault: Fault::RopeNeox,
         name: "rope_neox",
@@ -332,7 +332,7 @@ pub const CATALOGUE: [Info; 34] = [
         ],
         expected: "cache_rows",
         needs: &[Need::KvCache],
-        cuda_site: "kernels/cache_write.cu `kv_read` (the reader of `cache_write_format`); CPU: src/kv_format.rs `Codec::decode`",
+        cuda_site: "kernels/cache_write.cu `kv_read` (the reader of `cache_write_format`); CPU: src/kv_format/codec.rs `Codec::decode`",
     },
     Info {
         fault: Fault::KvScaleInverted,
@@ -343,7 +343,7 @@ pub const CATALOGUE: [Info; 34] = [
         sources: &["https://github.com/vllm-project/vllm/pull/37054"],
         expected: "cache_rows",
         needs: &[Need::KvCache],
-        cuda_site: "kernels/cache_write.cu `kv_read` (the reader of `cache_write_format`); CPU: src/kv_format.rs `Codec::decode`",
+        cuda_site: "kernels/cache_write.cu `kv_read` (the reader of `cache_write_format`); CPU: src/kv_format/codec.rs `Codec::decode`",
     },
     Info {
         fault: Fault::KvRopeQuantized,
@@ -354,7 +354,7 @@ pub const CATALOGUE: [Info; 34] = [
         sources: &["https://github.com/vllm-project/vllm/pull/42956"],
         expected: "cache_rows",
         needs: &[Need::KvCache],
-        cuda_site: "kernels/cache_write.cu `cache_write_format` (the writer); CPU: src/kv_format.rs `Codec::encode`",
+        cuda_site: "kernels/cache_write.cu `cache_write_format` (the writer); CPU: src/kv_format/codec.rs `Codec::encode`",
     },
     Info {
         fault: Fault::KvScaleWrongGroup,
@@ -365,7 +365,7 @@ pub const CATALOGUE: [Info; 34] = [
         sources: &["https://github.com/sgl-project/sglang/pull/16678"],
         expected: "cache_rows",
         needs: &[Need::KvCache],
-        cuda_site: "kernels/cache_write.cu `kv_read` (the reader of `cache_write_format`); CPU: src/kv_format.rs `Codec::decode`",
+        cuda_site: "kernels/cache_write.cu `kv_read` (the reader of `cache_write_format`); CPU: src/kv_format/codec.rs `Codec::decode`",
     },
     Info {
         fault: Fault::KvSaturate240,
@@ -376,7 +376,18 @@ pub const CATALOGUE: [Info; 34] = [
         sources: &["https://github.com/ROCm/ATOM/pull/1772"],
         expected: "cache_rows",
         needs: &[Need::KvCache],
-        cuda_site: "kernels/cache_write.cu `cache_write_format` (the writer); CPU: src/kv_format.rs `Codec::encode`",
+        cuda_site: "kernels/cache_write.cu `cache_write_format` (the writer); CPU: src/kv_format/codec.rs `Codec::encode`",
+    },
+    Info {
+        fault: Fault::KvScaleUnwritten,
+        name: "kv_scale_unwritten",
+        define: "MLA_FAULT_KV_SCALE_UNWRITTEN",
+        summary: "a cache write launch over several requests writes every row's values but the scales of its first request's rows only: the others keep their slots' unwritten scale bytes (NaN), so at batch > 1 their rows read back NaN",
+        models: "issue #38's packed-fp8 NaN at batch > 1 (sglang's packed fp8 cache): a writer whose scale stores are indexed or guarded as if the launch held one request (correct at batch 1, where every test of it ran); a reader then multiplies by a never-written scale and NaN reaches every score and output of the request. The public report was not found again for this entry",
+        sources: &[],
+        expected: "serving_batch",
+        needs: &[Need::KvCache, Need::Decode],
+        cuda_site: "kernels/cache_write.cu `cache_write_format` (the writer): blocks past `first_req_rows` skip the row's scale bytes; CPU: src/kv_format/codec.rs `Codec::encode_in_launch`, which every CPU serving batch's cache goes through (src/backend/cpu/cache.rs `PagedCache::for_batch`)",
     },
     Info {
         fault: Fault::PairsHandoverStale,

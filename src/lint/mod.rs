@@ -141,6 +141,8 @@ pub struct Options {
     /// Query tokens per decode step (rows of a decode request: q_len × heads).
     pub q_len: usize,
     pub dtype: Dtype,
+    /// The cache format a run would send the runner (`--kv-cache-dtype`): probe 8's scale convention.
+    pub kv_format: crate::kv_format::KvFormat,
 }
 
 /// The `--json` object.

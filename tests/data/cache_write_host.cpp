@@ -3,7 +3,7 @@
 // built with -ffp-contract=off; __float2int_rn: nearest even), one thread per block, so the kernel's
 // loops run in order. `cw.inc` is cache_write.cu without its `#include "common.cuh"` (the storage type is
 // f32 here: the dequantized values are exact in bf16 and fp16 too, see the kernel's comment).
-// stdin: n rows of MLA_ROW f32 bit patterns (hex); stdout per row: its KV_BYTES bytes (hex), then the
+// argv: n [first_req_rows]; stdin: n rows of MLA_ROW f32 bit patterns (hex); stdout per row: its KV_BYTES bytes (hex), then the
 // pool row read back from them (f32 bits, hex).
 #include <cstdio>
 #include <cstring>
@@ -36,7 +36,9 @@ int main(int argc, char** argv) {
     std::vector<unsigned char> kv((size_t)n * KV_BYTES, 0xff);
     std::vector<int> table(n / MLA_PAGE + 1);
     for (size_t i = 0; i < table.size(); ++i) table[i] = (int)i;
-    for (int t = 0; t < n; ++t) { blockIdx.x = 0; cache_write_format(rows.data() + (size_t)t * MLA_ROW, pool.data(), kv.data(), table.data(), t); }
+    // One launch of n blocks; argv[2] (default n): the launch's rows of its first request.
+    int first = argc > 2 ? atoi(argv[2]) : n;
+    for (int t = 0; t < n; ++t) { blockIdx.x = (unsigned)t; cache_write_format(rows.data(), pool.data(), kv.data(), table.data(), 0, first); }
     for (int t = 0; t < n; ++t) {
         for (int i = 0; i < KV_BYTES; ++i) printf("%02x", kv[(size_t)t * KV_BYTES + i]);
         printf("\n");

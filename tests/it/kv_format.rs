@@ -256,3 +256,63 @@ fn every_cache_fault_is_caught_at_cache_rows() {
         "every fault ran somewhere"
     );
 }
+
+/// `kv_scale_unwritten` (a write launch over several requests writes the scales of its first request's
+/// rows only): the run's own launches are one sequence each, so its stages pass, `cache_rows` included;
+/// its serving batch, whose cache goes through the layer's format in one launch over its requests
+/// (`PagedCache::for_batch`), reads NaN rows for every request after the first and fails there
+/// (`faults::BATCH_CHECK`), and the run fails. Where the format keeps no scale in its rows (`fp8`:
+/// the layer's scale) the fault does not apply and the run passes. One shipped fixture with
+/// `fp8_ds_mla`, V4's 448 + 64 file with `fp4_v41` (its scales at bytes 256..288).
+#[test]
+fn an_unwritten_scale_at_batch_over_one_is_caught_in_the_serving_batch() {
+    use mla_diff::backend::runner::checks::Status;
+    let dir = tempfile::tempdir().unwrap();
+    let all = files(dir.path());
+    let pick = |stem: &str| {
+        all.iter()
+            .find(|(p, _)| p.file_stem().unwrap() == stem)
+            .cloned()
+            .unwrap()
+    };
+    let fx = FaultSet(vec![Injection {
+        name: Fault::KvScaleUnwritten,
+        layer: None,
+    }]);
+    for (stem, kv, applies) in [
+        ("deepseek-v2-lite-bf16", KvFormat::Fp8DsMla, true),
+        ("v4-dims", KvFormat::Fp4V41, true),
+        ("deepseek-v2-lite-bf16", KvFormat::Fp8, false),
+    ] {
+        let (path, layers) = pick(stem);
+        assert_eq!(fault_fits(Fault::KvScaleUnwritten, kv), applies, "{kv}");
+        let rep = run_format(&path, kv, &opts(Dtype::Bf16, layers, fx.clone(), false));
+        let what = format!("{stem} {kv}");
+        assert!(
+            rep.modes[0].verdict.pass,
+            "{what}: {}",
+            rep.modes[0].verdict.message
+        );
+        let failed = rep
+            .runner_checks
+            .as_ref()
+            .and_then(|rc| rc.checks.iter().find(|c| c.status == Status::Fail));
+        match applies {
+            true => {
+                let c = failed.unwrap_or_else(|| panic!("{what}: no batch check failed"));
+                assert_eq!(
+                    c.check,
+                    mla_diff::faults::BATCH_CHECK,
+                    "{what}: {}",
+                    c.line()
+                );
+                assert!(c.line().contains("NaN"), "{what}: {}", c.line());
+                assert!(!rep.verdict.pass, "{what}: the run must fail");
+            }
+            false => {
+                assert!(failed.is_none(), "{what}: {}", failed.unwrap().line());
+                assert!(rep.verdict.pass, "{what}: {}", rep.verdict.message);
+            }
+        }
+    }
+}

@@ -2,7 +2,7 @@
 //! `kv_format::Codec`, without a GPU: the kernel source compiled for the host with its CUDA built-ins
 //! shimmed (tests/data/cache_write_host.cpp), fed rows at every scale the formats meet (e4m3 normals
 //! and subnormals, the 1e-4 scale floor, zeros, outliers, midpoints between e4m3 values), and each
-//! planted cache fault compiled in as its `MLA_FAULT_*` define. Every byte and every value read back
+//! planted cache fault compiled in as its `MLA_FAULT_*` define, over one launch of two requests' rows. Every byte and every value read back
 //! must be the codec's, bit for bit. Needs a C++ compiler (`CXX`, else `c++`); skipped without one
 //! unless `CI` is set.
 
@@ -110,13 +110,16 @@ fn cache_write_format_is_the_codec_bit_for_bit() {
             KvRopeQuantized,
             KvScaleWrongGroup,
             KvSaturate240,
+            KvScaleUnwritten,
         ] {
             if mla_diff::kv_format::fault_fits(fault, f) {
                 cases.push((f, lkv, r, code, Some(fault)));
             }
         }
     }
-    let n = 96;
+    // One launch of n rows, the first `first` of them its first request's (`kv_scale_unwritten`: the
+    // later rows keep their unwritten scale bytes).
+    let (n, first) = (96, 48);
     for (f, lkv, r, code, fault) in cases {
         let bin = build(&cxx, dir.path(), lkv, r, code, fault);
         let w = lkv + r;
@@ -124,6 +127,7 @@ fn cache_write_format_is_the_codec_bit_for_bit() {
         let input: String = x.iter().map(|v| format!("{:08x} ", v.to_bits())).collect();
         let mut child = Command::new(&bin)
             .arg(n.to_string())
+            .arg(first.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -143,8 +147,8 @@ fn cache_write_format_is_the_codec_bit_for_bit() {
         let c = Codec::new(f, lkv, r).with_faults(fx);
         for t in 0..n {
             let row = &x[t * w..(t + 1) * w];
-            let mut b = vec![0u8; c.bytes()];
-            c.encode(row, &mut b);
+            let mut b = vec![0xffu8; c.bytes()];
+            c.encode_in_launch(row, &mut b, t < first);
             let mut d = vec![0f32; w];
             c.decode(&b, &mut d);
             let hex: String = b.iter().map(|v| format!("{v:02x}")).collect();

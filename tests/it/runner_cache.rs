@@ -114,23 +114,28 @@ fn a_runner_that_does_not_list_the_format_is_refused_before_any_layer() {
             "-q",
         ])
     };
+    // numpy_mla with its describe's cache_formats edited: `edit` a Python statement on `d`.
+    let dir = tempfile::tempdir().unwrap();
+    let runners = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("runners");
+    let variant = |name: &str, edit: &str| {
+        let s = dir.path().join(name);
+        std::fs::write(
+            &s,
+            format!(
+                "import sys\nsys.path.insert(0, {:?})\nimport numpy_mla, protocol\nclass R(numpy_mla.NumpyMLA):\n    def describe(self):\n        d = super().describe()\n        {edit}\n        return d\nprotocol.main(R)\n",
+                runners.to_str().unwrap()
+            ),
+        )
+        .unwrap();
+        format!("{py} {}", s.display())
+    };
+    let ds_only = variant("ds.py", "d['supports']['cache_formats'] = ['fp8_ds_mla']");
     assert_clean_error(
-        &go(&runner(&py, "numpy_mla.py"), "fp8_v41"),
-        "runner numpy does not read a fp8_v41 cache (its describe's supports.cache_formats: [\"fp8_ds_mla\", \"fp8_ds_mla_nope\"])",
+        &go(&ds_only, "fp8"),
+        "runner numpy does not read a fp8 cache (its describe's supports.cache_formats: [\"fp8_ds_mla\"])",
     );
     // A runner whose describe has no cache_formats takes the dtype's cache only.
-    let dir = tempfile::tempdir().unwrap();
-    let s = dir.path().join("plain.py");
-    let runners = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("runners");
-    std::fs::write(
-        &s,
-        format!(
-            "import sys\nsys.path.insert(0, {:?})\nimport numpy_mla, protocol\nclass R(numpy_mla.NumpyMLA):\n    def describe(self):\n        d = super().describe()\n        del d['supports']['cache_formats']\n        return d\nprotocol.main(R)\n",
-            runners.to_str().unwrap()
-        ),
-    )
-    .unwrap();
-    let plain = format!("{py} {}", s.display());
+    let plain = variant("plain.py", "del d['supports']['cache_formats']");
     assert_clean_error(
         &go(&plain, "fp8_ds_mla"),
         "runner numpy does not read a fp8_ds_mla cache (its describe's supports.cache_formats: [])",
@@ -152,4 +157,268 @@ fn a_runner_that_does_not_list_the_format_is_refused_before_any_layer() {
         "2",
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
+
+/// The runner SDK's `dequantize_cache` (python/mla_diff/runner.py) reads every format mla-diff writes
+/// as `Codec::decode` does, bit for bit: rows at every scale (normals, e4m3 subnormals after the scale,
+/// values below the 1e-4 scale floor, zeros, outliers, midpoints) encoded by the codec, unwritten
+/// slots left 0xff (NaN), and `fp8`'s layer scale passed as the request's `meta.cache.scale` is (a
+/// JSON number). One Python process for all six cases.
+#[test]
+fn the_sdk_dequantizes_every_format_as_the_codec_bit_for_bit() {
+    use mla_diff::kv_format::{tensor_scale, Codec, KvFormat};
+    let Some(py) = python("the SDK's dequantize_cache", "numpy") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (n, unwritten) = (60, [7usize, 31]);
+    let mut cases = Vec::new();
+    let mut want = Vec::new();
+    for (i, (f, lkv, r)) in [
+        (KvFormat::Fp8, 512, 64),
+        (KvFormat::Fp8, 256, 32),
+        (KvFormat::Fp8DsMla, 512, 64),
+        (KvFormat::Fp8DsMlaNope, 512, 0),
+        (KvFormat::Fp8V41, 448, 64),
+        (KvFormat::Fp4V41, 448, 64),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let w = lkv + r;
+        let mut s = 0x2545_f491_4f6c_dd1du64 ^ i as u64;
+        let rows: Vec<f32> = (0..n * w)
+            .map(|k| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                let u = (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
+                let v = match (k / w) % 6 {
+                    0 => u * 3.0,
+                    1 => u * 1e-3,
+                    2 if k % 37 == 0 => u * 900.0,
+                    2 => u,
+                    3 => 0.0,
+                    4 => u * 1e-6,
+                    _ => (u * 64.0).round() / 16.0 + 1.0 / 32.0,
+                };
+                half::bf16::from_f64(v).to_f32()
+            })
+            .collect();
+        let c = Codec::new(f, lkv, r).with_tensor_scale(tensor_scale(&rows));
+        let nb = c.bytes();
+        let mut bytes = vec![0xffu8; n * nb];
+        let mut dec = vec![0f32; n * w];
+        for t in 0..n {
+            let b = &mut bytes[t * nb..(t + 1) * nb];
+            if !unwritten.contains(&t) {
+                c.encode(&rows[t * w..(t + 1) * w], b);
+            }
+            c.decode(b, &mut dec[t * w..(t + 1) * w]);
+        }
+        let file = dir.path().join(format!("c{i}.bin"));
+        std::fs::write(&file, &bytes).unwrap();
+        let scale = (f == KvFormat::Fp8).then_some(c.tensor_scale);
+        cases.push(serde_json::json!({
+            "file": file, "format": f.name(), "lkv": lkv, "r": r, "bytes": nb, "scale": scale,
+        }));
+        want.push(dec);
+    }
+    let manifest = dir.path().join("cases.json");
+    std::fs::write(&manifest, serde_json::to_string(&cases).unwrap()).unwrap();
+    let sdk = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    let script = format!(
+        "import sys, json, numpy as np\nsys.path.insert(0, {sdk:?})\nfrom mla_diff.runner import dequantize_cache\nfor c in json.load(open({m:?})):\n    b = np.fromfile(c['file'], np.uint8).reshape(-1, c['bytes'])\n    d = dequantize_cache(b, c['format'], c['lkv'], c['r'], c['scale'])\n    assert d.dtype == np.float32, d.dtype\n    d.tofile(c['file'] + '.out')\n",
+        sdk = sdk.to_str().unwrap(),
+        m = manifest.to_str().unwrap()
+    );
+    let o = std::process::Command::new(&py)
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for (c, want) in cases.iter().zip(&want) {
+        let out = std::fs::read(format!("{}.out", c["file"].as_str().unwrap())).unwrap();
+        let got: Vec<f32> = out
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(got.len(), want.len(), "{}", c["format"]);
+        let mut nan = 0;
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                "{} (lkv {}): element {i}: SDK {g}, codec {w}",
+                c["format"],
+                c["lkv"]
+            );
+            nan += w.is_nan() as usize;
+        }
+        assert!(
+            nan >= unwritten.len(),
+            "{}: unwritten rows read NaN",
+            c["format"]
+        );
+    }
+}
+
+/// numpy_mla reads every format mla-diff writes (`supports.cache_formats`: all five) and passes with
+/// each on a file it fits, its `@runner` checks against fp64 over the codec's rows: `fp8` on minicpm3
+/// (256 + 32, the one shipped fixture only `fp8` fits; the others run with `fp8_ds_mla` above and
+/// `fp8` by hand), `fp8_ds_mla_nope` on a NoPE glm5-next file, `fp8_v41` and `fp4_v41` on a file of
+/// DeepSeek-V4's 448 + 64 row (no shipped fixture fits those three).
+#[test]
+fn numpy_runner_reads_every_format_on_a_file_it_fits() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let cmd = runner(&py, "numpy_mla.py");
+    let dir = tempfile::tempdir().unwrap();
+    let g5n = crate::common::make_fixture(
+        dir.path(),
+        "g5n.gguf",
+        &[
+            "--preset",
+            "glm5-next",
+            "--layers",
+            "4",
+            "--hidden",
+            "256",
+            "--heads",
+            "4",
+        ],
+    );
+    let mut s = mla_diff::fixture::Spec::from_options(&mla_diff::fixture::Options {
+        preset: mla_diff::fixture::Preset::DeepseekV3,
+        layers: Some(1),
+        quant: mla_diff::gguf::GgmlType::from_name("BF16").unwrap(),
+        seed: 4,
+        legacy_kv_b: false,
+        hidden: Some(256),
+        heads: Some(4),
+        q_lora_rank: None,
+        vocab: Some(64),
+    })
+    .unwrap();
+    s.kv_lora_rank = 448;
+    let v4 = dir.path().join("v4-dims.gguf");
+    mla_diff::fixture::write(&s, &v4).unwrap();
+    let cases = [
+        (fixture("minicpm3-f32.gguf"), "fp8", &[][..]),
+        (g5n, "fp8_ds_mla_nope", &["--layers", "3"][..]),
+        (v4.clone(), "fp8_v41", &[][..]),
+        (v4, "fp4_v41", &[][..]),
+    ];
+    for (path, fmt, extra) in cases {
+        let args = [&["--kv-cache-dtype", fmt][..], extra].concat();
+        let (code, rep, err) = crate::runners::run_json(&path, &cmd, &args);
+        let what = format!("{} {fmt}", path.file_name().unwrap().to_string_lossy());
+        assert_eq!(code, Some(0), "{what}: {err}");
+        let all = checks(&rep);
+        for c in [
+            "attn_latent@runner",
+            "lse[decode]@runner",
+            "split_out@runner",
+        ] {
+            let x = all.iter().find(|x| x["check"] == c);
+            assert!(x.is_some_and(|x| x["pass"] == true), "{what}: {c}: {x:?}");
+        }
+        assert_eq!(rep["runner_checks"]["pass"], true, "{what}");
+    }
+}
+
+/// `lint --runner R --kv-cache-dtype FMT` probes the runner's scale convention with one exact key
+/// (src/lint/runner/cache.rs): numpy_mla reads every convention as the format stores it (notes); each
+/// planted reader is named, an error (exit 1): the scale as a divisor, twice, and the ds_mla rope read
+/// with a scale. A runner not listing the format is an error too, as a run refuses it.
+#[test]
+fn lint_names_a_runners_cache_scale_convention() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let f = fixture("glm-5-q4_0.gguf");
+    let lint = |rel: &str, fmt: &str| {
+        let cmd = runner(&py, rel);
+        let o = run(&[
+            "lint",
+            f.to_str().unwrap(),
+            "--runner",
+            &cmd,
+            "--kv-cache-dtype",
+            fmt,
+            "--json",
+            "-",
+        ]);
+        let j: J = serde_json::from_slice(&o.stdout).unwrap_or(J::Null);
+        (o.status.code(), j, stderr(&o))
+    };
+    let finding = |j: &J, check: &str| -> J {
+        j["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["check"] == check)
+            .cloned()
+            .unwrap_or(J::Null)
+    };
+    for (rel, fmt, rope) in [
+        ("numpy_mla.py", "fp8_ds_mla", "as stored"),
+        ("numpy_mla.py", "fp8", "with its group's scale"),
+    ] {
+        let (code, j, err) = lint(rel, fmt);
+        assert_eq!(code, Some(0), "{rel} {fmt}: {err}");
+        let s = finding(&j, "runner.decode.cache_scale");
+        assert_eq!(s["severity"], "note", "{rel} {fmt}: {s}");
+        assert!(s["found"].as_str().unwrap().contains("multiplier"), "{s}");
+        let r = finding(&j, "runner.decode.cache_rope");
+        assert_eq!(r["severity"], "note", "{rel} {fmt}: {r}");
+        assert!(r["found"].as_str().unwrap().contains(rope), "{r}");
+    }
+    for (rel, check, named) in [
+        (
+            "bugs/cache/fp8_scale_divisor.py",
+            "runner.decode.cache_scale",
+            "as a divisor",
+        ),
+        (
+            "bugs/cache/fp8_scale_twice.py",
+            "runner.decode.cache_scale",
+            "applied twice",
+        ),
+        (
+            "bugs/cache/fp8_rope_scaled.py",
+            "runner.decode.cache_rope",
+            "read with a scale",
+        ),
+    ] {
+        let (code, j, err) = lint(rel, "fp8_ds_mla");
+        assert_eq!(code, Some(1), "{rel}: {err}");
+        let x = finding(&j, check);
+        assert_eq!(x["severity"], "error", "{rel}: {x}");
+        assert!(x["found"].as_str().unwrap().contains(named), "{rel}: {x}");
+    }
+}
+
+/// The two planted readers lint names are caught by a run too, at the runner's stage, with everything
+/// upstream of it clean.
+#[test]
+fn a_divisor_and_a_scaled_rope_reader_are_caught_at_the_runner() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    for rel in [
+        "bugs/cache/fp8_scale_divisor.py",
+        "bugs/cache/fp8_rope_scaled.py",
+    ] {
+        let (code, rep, err) = run_json("glm-5-q4_0.gguf", &runner(&py, rel), "fp8_ds_mla", &[]);
+        assert_eq!(code, Some(1), "{rel}: not caught: {err}");
+        let all = checks(&rep);
+        let at = all.iter().find(|x| x["check"] == "attn_latent@runner");
+        assert!(at.is_some_and(|x| x["pass"] == false), "{rel}: {at:?}");
+        for c in ["q_absorbed", "cache_rows", "kv_latent"] {
+            if let Some(x) = all.iter().find(|x| x["check"] == c) {
+                assert_eq!(x["pass"], true, "{rel}: {c}");
+            }
+        }
+    }
 }

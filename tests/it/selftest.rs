@@ -44,6 +44,9 @@ impl Backend for Mirror {
     fn sparse(&self) -> bool {
         self.inner.sparse()
     }
+    fn batch_cache_in_format(&self) -> bool {
+        self.inner.batch_cache_in_format()
+    }
     // The batches' checks (where the kernel-variant faults show: `variant_batch`).
     fn runner_checks(&self) -> Option<mla_diff::backend::runner::checks::RunnerChecks> {
         self.inner.runner_checks()

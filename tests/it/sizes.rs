@@ -14,13 +14,10 @@ const MAX_FN: usize = 120;
 const MAX_FILE: usize = 600;
 
 /// Functions over `MAX_FN` lines: (file under src/, function name, its length now).
-const LONG_FNS: &[(&str, &str, usize)] = &[
-];
+const LONG_FNS: &[(&str, &str, usize)] = &[];
 
 /// Files over `MAX_FILE` lines: (file under src/, its length now).
-const LONG_FILES: &[(&str, usize)] = &[
-    ("kv_format.rs", 682),
-];
+const LONG_FILES: &[(&str, usize)] = &[];
 
 /// `(name, first line (1-based), length)` of each function of `src`.
 fn functions(src: &str) -> Vec<(String, usize, usize)> {

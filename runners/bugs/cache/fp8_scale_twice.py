@@ -20,7 +20,7 @@ import protocol  # noqa: E402
 class ScaleTwice(numpy_mla.NumpyMLA):
     name = "numpy-bug-fp8-scale-twice"
 
-    def dequantize_cache(self, cache, fmt, kv_lora_rank, qk_rope):
+    def dequantize_cache(self, cache, fmt, kv_lora_rank, qk_rope, scale=None):
         latent, scales, rope = protocol.ds_mla_parts(cache, qk_rope)
         s = np.repeat(scales, 128, axis=-1)
         return np.concatenate([latent * s * s, rope], axis=-1).astype(np.float32)

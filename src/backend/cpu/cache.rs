@@ -5,8 +5,11 @@
 //! With a quantized format (`run --kv-cache-dtype`, `crate::kv_format`), each written row is stored as the
 //! format's bytes (`bytes`, `Codec::bytes()` per slot), and `pool` holds the row as a reader decodes
 //! those bytes (decoded once, when written: the bytes do not change afterwards, so every read sees the
-//! same values a kernel dequantizing at read time would).
+//! same values a kernel dequantizing at read time would). A serving batch's cache (`for_batch`) goes
+//! through the same format: each row the writer was given, encoded by the same codec (its faults) in one
+//! write launch over the batch's requests, and read back from those bytes.
 
+use crate::backend::serving::Batch;
 use crate::faults::{Active, Fault};
 use crate::kv_format::Codec;
 use crate::schedule::Schedule;
@@ -27,6 +30,9 @@ pub struct PagedCache {
     /// The cache's byte format, where it is not the run's dtype; `bytes` holds its rows.
     codec: Option<Codec>,
     pub bytes: Vec<u8>,
+    /// With a codec: each slot's row as the writer gave it to the codec (before its rounding), `None`
+    /// until written; what a serving batch's write launch encodes again (`for_batch`).
+    given: Vec<Option<Vec<f32>>>,
 }
 
 impl PagedCache {
@@ -41,6 +47,7 @@ impl PagedCache {
             faults: Active::NONE,
             codec: None,
             bytes: Vec::new(),
+            given: Vec::new(),
         }
     }
 
@@ -61,13 +68,16 @@ impl PagedCache {
             faults: Active::NONE,
             codec: None,
             bytes: Vec::new(),
+            given: Vec::new(),
         }
     }
 
     /// The cache stored in `codec`'s byte format (its width the cache's).
     pub fn with_codec(mut self, codec: Codec) -> PagedCache {
         assert_eq!(codec.width(), self.width, "the codec's row is the cache's");
-        self.bytes = vec![0u8; self.pool.len() / self.width * codec.bytes()];
+        let slots = self.pool.len() / self.width;
+        self.bytes = vec![0u8; slots * codec.bytes()];
+        self.given = vec![None; slots];
         self.codec = Some(codec);
         self
     }
@@ -107,9 +117,44 @@ impl PagedCache {
         if let Some(c) = &self.codec {
             let n = c.bytes();
             let bytes = &mut self.bytes[slot * n..(slot + 1) * n];
+            self.given[slot] = Some(row.to_vec());
             c.encode(row, bytes);
             c.decode(bytes, row);
         }
+    }
+
+    /// The cache a serving batch's decode reads (`backend::serving::Batch`; its block tables set per
+    /// request by the caller): request `q`'s key `j` is this cache's token `j mod t`, in the request's
+    /// own pages (`Batch::pool`), every other slot NaN. With a quantized format the batch's rows are
+    /// written by one launch over its requests, request 0 first: each row this cache's writer was given
+    /// for that token, encoded by the same codec (`Codec::encode_in_launch`, the layer's faults) into a
+    /// byte pool whose unwritten bytes are 0xff, and read back from those bytes. Without a fault the
+    /// rows are this cache's, bit for bit (the codec is deterministic).
+    pub fn for_batch(&self, batch: &Batch, t: usize) -> PagedCache {
+        let w = self.width;
+        let Some(c) = self.codec else {
+            let rows: Vec<f32> = self.gather(0..t).iter().copied().collect();
+            return PagedCache::from_pool(w, batch.page, Vec::new(), batch.pool(&rows, f32::NAN));
+        };
+        let (n, page) = (c.bytes(), batch.page);
+        let slots = batch.n_pages * page;
+        let mut out = PagedCache::from_pool(w, page, Vec::new(), vec![f32::NAN; slots * w]);
+        out.bytes = vec![0xff; slots * n];
+        for (i, (q, tab)) in batch.reqs.iter().zip(&batch.tables).enumerate() {
+            for j in 0..q.seq_len {
+                let tok = j % t;
+                let given = (tok / self.page_size < self.table.len())
+                    .then(|| self.given[self.slot(tok)].as_deref())
+                    .flatten();
+                // A token this cache never wrote stays unwritten in the batch's pool too (NaN).
+                let Some(row) = given else { continue };
+                let at = tab[j / page] * page + j % page;
+                let bytes = &mut out.bytes[at * n..(at + 1) * n];
+                c.encode_in_launch(row, bytes, i == 0);
+                c.decode(bytes, &mut out.pool[at * w..(at + 1) * w]);
+            }
+        }
+        out
     }
 
     /// Token `t`'s row, read through the block table (NaN beyond it).

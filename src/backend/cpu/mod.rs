@@ -310,6 +310,11 @@ impl Backend for CpuMirror {
         true
     }
 
+    /// Every batch's cache goes through the layer's format (`cache::PagedCache::for_batch`).
+    fn batch_cache_in_format(&self) -> bool {
+        true
+    }
+
     /// The serving batch its decode also ran (`serving`): counted in the coverage section.
     fn decode_extra(&self, sched: &crate::schedule::Schedule) -> Vec<crate::batch::Request> {
         self.batch.decode_extra(sched)

@@ -158,12 +158,9 @@ fn checks(
     let (q_abs, q_pe, cache) = (st.q_abs, st.q_pe, st.cache);
     let (h, lkv, t) = (cfg.n_head, cfg.kv_lora_rank, sched.total_tokens());
     let rows: Vec<f32> = cache.gather(0..t).iter().copied().collect();
-    let mut bc = PagedCache::from_pool(
-        batch.width,
-        batch.page,
-        Vec::new(),
-        batch.pool(&rows, f32::NAN),
-    );
+    // The batch's cache, through the layer's format where it has one (its writer's faults included);
+    // the judge's fp64 reads the run's rows, what a writer without a batch's faults stores.
+    let mut bc = cache.for_batch(batch, t);
 
     // Our decode over the batch: per request its own table, length and split partition.
     let s = sched.num_splits;

@@ -14,7 +14,7 @@ use std::rc::Rc;
 
 /// The faults switched inside the kernels (kernels/*.cu); every other fault is a host switch in the
 /// layer's host code (mod.rs, buffers.rs, front.rs, decode.rs; `faults::Info::cuda_site` says which).
-pub const KERNEL_FAULTS: [Fault; 24] = [
+pub const KERNEL_FAULTS: [Fault; 25] = [
     Fault::RopeNeox,
     Fault::RopeNorm,
     Fault::CachePeFirst,
@@ -42,6 +42,7 @@ pub const KERNEL_FAULTS: [Fault; 24] = [
     Fault::KvRopeQuantized,
     Fault::KvScaleWrongGroup,
     Fault::KvSaturate240,
+    Fault::KvScaleUnwritten,
 ];
 
 // The defines NVRTC compiles the host model's dims and tiles (src/tiles) with.

@@ -118,13 +118,22 @@ pub struct CacheWriteFormat {
 impl CacheWriteFormat {
     pub fn launch(&self, f: CUfunction, src: u64, pool: u64, kv: u64, table: u64) -> Result<()> {
         let t0 = self.first_token as i32;
+        // The launch's rows are one request's (`MLA_FAULT_KV_SCALE_UNWRITTEN` needs a batched launch).
+        let first_req_rows = self.rows as i32;
         launch(
             f,
             "cache_write_format",
             (self.rows as u32, 1, 1),
             128,
             0,
-            &mut [arg(&src), arg(&pool), arg(&kv), arg(&table), arg(&t0)],
+            &mut [
+                arg(&src),
+                arg(&pool),
+                arg(&kv),
+                arg(&table),
+                arg(&t0),
+                arg(&first_req_rows),
+            ],
         )
     }
 }

@@ -20,6 +20,11 @@
 //! 6. **split partition** and 7. **empty split**: 5 keys in 4 splits, scores 0, so `e^split_lse`
 //!    counts each split's keys (vLLM's partition: 2, 2, 1, 0) and the empty one must weigh 0.
 //!
+//! 8. **a quantized cache's scale convention** (`--kv-cache-dtype FMT`, a runner that lists FMT in
+//!    `supports.cache_formats`): one key in the format's bytes whose readings under the conventions (scale
+//!    as a multiplier, a divisor, twice, not at all; the rope with a scale or without) differ by factors
+//!    of the scale (`cache.rs`).
+//!
 //! Probes 5–7 run once the paging probe has shown that several keys over pages are read right. A
 //! non-finite answer to probes 1–2 is one finding (`judge_non_finite`), not a wrong scale, base and
 //! value at once.
@@ -35,6 +40,7 @@
 //! One file per concern: `prober` (the requests and their answers), `judge` (probes 1–2, values,
 //! non-finite answers), `probes` (probes 3–7); this file checks `supports` and runs them in order.
 
+mod cache;
 mod judge;
 mod prober;
 mod probes;
@@ -91,6 +97,7 @@ pub fn lint(cmd: &str, cfg: Option<&MlaConfig>, opts: &Options, out: &mut Findin
         );
         return Ok(());
     }
+    let kv = supports_cache(&desc, c, opts, out);
     let proc = Process::start(cmd, &desc.name, keep_io())?;
     let mut p = Prober {
         proc,
@@ -99,6 +106,7 @@ pub fn lint(cmd: &str, cfg: Option<&MlaConfig>, opts: &Options, out: &mut Findin
         dt,
         page,
         fill: f32::NAN,
+        kv,
     };
     if desc.ops.decode.is_some() {
         probe_decode(&mut p, out)?;
@@ -226,6 +234,41 @@ fn supports_page(desc: &Describe, opts: &Options, out: &mut Findings) -> usize {
     page
 }
 
+/// The quantized cache format the decode probes also send (`--kv-cache-dtype`): `None` for the dtype's
+/// cache, a format the model does not fit (`lint`'s model side says so), or one the runner does not list
+/// in `supports.cache_formats` (an error: a run is refused).
+fn supports_cache(
+    desc: &Describe,
+    c: &MlaConfig,
+    opts: &Options,
+    out: &mut Findings,
+) -> Option<crate::kv_format::KvFormat> {
+    let kv = opts.kv_format;
+    if kv.is_auto() || desc.ops.decode.is_none() {
+        return None;
+    }
+    if let Err(e) = kv.fits(c.kv_lora_rank, c.qk_rope) {
+        out.error(
+            "runner.kv_cache_dtype",
+            format!("--kv-cache-dtype {kv}"),
+            "a format the model's dims fit",
+            format!("{e}: a run is refused (exit 2)"),
+        );
+        return None;
+    }
+    let listed = desc.supports.cache_formats.clone().unwrap_or_default();
+    if !listed.iter().any(|f| f == kv.name()) {
+        out.error(
+            "runner.supports.cache_formats",
+            format!("--kv-cache-dtype {kv}"),
+            format!("one of {listed:?} (what {} reads)", desc.name),
+            format!("a run with --kv-cache-dtype {kv} is refused (exit 2): the runner would be handed bytes it does not read"),
+        );
+        return None;
+    }
+    Some(kv)
+}
+
 /// The storage type the probes use: the asked one, or the first the runner takes.
 fn supports_dtype(desc: &Describe, opts: &Options, out: &mut Findings) -> Dtype {
     let (s, name) = (&desc.supports, &desc.name);
@@ -289,6 +332,9 @@ fn probe_decode(p: &mut Prober, out: &mut Findings) -> Result<()> {
                 if read {
                     probe_mtp(p, out)?;
                     probe_splits(p, out)?;
+                }
+                if let Some(kv) = p.kv {
+                    cache::probe_cache(p, kv, &sb, out)?;
                 }
             }
         }

@@ -68,6 +68,8 @@ pub(super) struct Prober<'a> {
     /// What the cache holds outside the probe's tokens: NaN, or 0 to tell a NaN the kernel read from
     /// one it made (`judge_non_finite`).
     pub(super) fill: f32,
+    /// The quantized cache format probe 8 sends (`cache.rs`), where asked and listed by the runner.
+    pub(super) kv: Option<crate::kv_format::KvFormat>,
 }
 
 impl Prober<'_> {
