@@ -199,6 +199,8 @@ pub fn kernels_check(
     }
     let mut sv = Survey::new(&src, maj, min);
     let fault_arch = fault_arch(archs);
+    // Every job of the table, compiled on every core, then surveyed in the table's order.
+    let mut specs = Vec::new();
     for arch in archs {
         for &(name, lkv, r, p, dv, h, neox) in DIM_SETS.iter() {
             for dt in [Dtype::Bf16, Dtype::F16, Dtype::F32] {
@@ -216,10 +218,21 @@ pub fn kernels_check(
                 };
                 let keep_clean = Some(arch) == fault_arch && FAULT_SETS.contains(&(name, dt));
                 for job in jobs(lkv, r) {
-                    sv.compile(&src, arch, name, &dims, job, keep_clean, dump)?;
+                    specs.push((arch, name, dims, job, keep_clean));
                 }
             }
         }
+    }
+    let work: Vec<nvrtc::Job> = specs
+        .iter()
+        .map(|(arch, _, dims, (unit, tile, kv), _)| {
+            (*unit, job_defines(dims, *tile, *kv), arch.as_str(), true)
+        })
+        .collect();
+    for ((arch, name, dims, job, keep_clean), c) in
+        specs.iter().zip(nvrtc::compile_all(&src, &work))
+    {
+        sv.survey(arch, name, dims, *job, *keep_clean, dump, c?)?;
     }
     if !sv.smem_model.is_empty() {
         return Err(Error::Environment(format!(
@@ -295,19 +308,18 @@ impl Survey {
     /// One job compiled for `arch` at `dims` (dim set `name`): it must give PTX and an ELF CUBIN; its
     /// ptxas warnings, its kernels' shared memory against the host's model, and a row per kernel.
     #[allow(clippy::too_many_arguments)]
-    fn compile(
+    fn survey(
         &mut self,
-        src: &Sources,
         arch: &str,
         name: &str,
         dims: &Dims,
         job: Job,
         keep_clean: bool,
         dump: Option<&std::path::Path>,
+        c: nvrtc::Compiled,
     ) -> Result<()> {
         let (unit, tile, kv) = job;
         let dt = dims.dtype;
-        let c = nvrtc::compile(src, unit, &job_defines(dims, tile, kv), arch, true)?;
         self.compiles += 1;
         if keep_clean {
             self.clean_ptx.insert(

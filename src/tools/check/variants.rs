@@ -34,7 +34,6 @@ pub(super) fn check_faults(
     clean: &HashMap<(String, Dtype, String), Vec<u8>>,
     rep: &mut String,
 ) -> Result<usize> {
-    let mut compiles = 0;
     writeln!(
         rep,
         "\nkernel faults, {arch}, on {}:",
@@ -45,9 +44,11 @@ pub(super) fn check_faults(
             .join(" and ")
     )
     .unwrap();
+    // Every (fault, dim set, job) whose unit mentions the fault's define (a unit that does not cannot
+    // change), compiled on every core.
+    let mut specs = Vec::new();
     for f in KERNEL_FAULTS {
         let define = f.info().define;
-        let mut changed = Vec::new();
         for &(name, dt) in FAULT_SETS.iter() {
             let &(_, lkv, r, p, dv, h, neox) = DIM_SETS
                 .iter()
@@ -66,47 +67,63 @@ pub(super) fn check_faults(
                 faults: Active::NONE.with(f),
             };
             for (unit, tile, kv) in jobs(lkv, r) {
-                let c = nvrtc::compile(src, unit, &job_defines(&dims, tile, kv), arch, true)
-                    .map_err(|e| {
-                        Error::Environment(format!("{unit} with {define}=1 for {arch}: {e}"))
-                    })?;
-                compiles += 1;
-                let label = job_label(unit, tile, kv);
-                let base = clean
-                    .get(&(name.to_string(), dt, label.clone()))
-                    .expect("the clean compile of every job");
-                let (before, after) = (
-                    String::from_utf8_lossy(base),
-                    String::from_utf8_lossy(&c.ptx),
-                );
-                let (before, after) = (ptx_entries(&before), ptx_entries(&after));
-                let kernels: Vec<&str> = after
-                    .iter()
-                    .filter(|(k, body)| {
-                        before.iter().find(|(b, _)| b == k).map(|(_, b)| b) != Some(body)
-                    })
-                    .map(|(k, _)| *k)
-                    .collect();
-                if kernels.is_empty() {
-                    continue;
+                if src.mentions(unit, define) {
+                    specs.push((f, name, dt, (unit, tile, kv), job_defines(&dims, tile, kv)));
                 }
-                // A fault in the attention core must reach every kernel of the module that does the
-                // same work: where it changes `from`, it must change `to` too (when the module has it).
-                for (from, to, what) in SAME_WORK {
-                    let has = after.iter().any(|(k, _)| *k == to);
-                    if has && kernels.contains(&from) && !kernels.contains(&to) {
-                        return Err(Error::Environment(format!(
-                            "{define}=1 changes {from} but not {to} ({name} {} {unit}): {what} misses the fault's switch",
-                            dt.name()
-                        )));
-                    }
-                }
-                changed.push(format!(
-                    "{name} {} {label} [{}]",
-                    dt.name(),
-                    kernels.join(", ")
-                ));
             }
+        }
+    }
+    let work: Vec<nvrtc::Job> = specs
+        .iter()
+        .map(|(_, _, _, (unit, _, _), defs)| (*unit, defs.clone(), arch, true))
+        .collect();
+    let mut compiled = nvrtc::compile_all(src, &work).into_iter();
+    let compiles = work.len();
+    let mut at = 0;
+    for f in KERNEL_FAULTS {
+        let define = f.info().define;
+        let mut changed = Vec::new();
+        while at < specs.len() && specs[at].0 == f {
+            let (_, name, dt, (unit, tile, kv), _) = specs[at];
+            at += 1;
+            let c = compiled.next().expect("one result per job").map_err(|e| {
+                Error::Environment(format!("{unit} with {define}=1 for {arch}: {e}"))
+            })?;
+            let label = job_label(unit, tile, kv);
+            let base = clean
+                .get(&(name.to_string(), dt, label.clone()))
+                .expect("the clean compile of every job");
+            let (before, after) = (
+                String::from_utf8_lossy(base),
+                String::from_utf8_lossy(&c.ptx),
+            );
+            let (before, after) = (ptx_entries(&before), ptx_entries(&after));
+            let kernels: Vec<&str> = after
+                .iter()
+                .filter(|(k, body)| {
+                    before.iter().find(|(b, _)| b == k).map(|(_, b)| b) != Some(body)
+                })
+                .map(|(k, _)| *k)
+                .collect();
+            if kernels.is_empty() {
+                continue;
+            }
+            // A fault in the attention core must reach every kernel of the module that does the
+            // same work: where it changes `from`, it must change `to` too (when the module has it).
+            for (from, to, what) in SAME_WORK {
+                let has = after.iter().any(|(k, _)| *k == to);
+                if has && kernels.contains(&from) && !kernels.contains(&to) {
+                    return Err(Error::Environment(format!(
+                        "{define}=1 changes {from} but not {to} ({name} {} {unit}): {what} misses the fault's switch",
+                        dt.name()
+                    )));
+                }
+            }
+            changed.push(format!(
+                "{name} {} {label} [{}]",
+                dt.name(),
+                kernels.join(", ")
+            ));
         }
         if changed.is_empty() {
             return Err(Error::Environment(format!(
@@ -144,9 +161,13 @@ pub(super) fn check_all_tiles(src: &Sources, arch: &str, rep: &mut String) -> Re
             jobs.push(("decode.cu", Some(t)));
         }
     }
+    let work: Vec<nvrtc::Job> = jobs
+        .iter()
+        .map(|&(unit, tile)| (unit, job_defines(&dims, tile, None), arch, false))
+        .collect();
     let mut checked = 0;
-    for &(unit, tile) in &jobs {
-        let c = nvrtc::compile(src, unit, &job_defines(&dims, tile, None), arch, false)?;
+    for (&(unit, tile), c) in jobs.iter().zip(nvrtc::compile_all(src, &work)) {
+        let c = c?;
         let ptx = String::from_utf8_lossy(&c.ptx);
         let t = tile.expect("attention jobs have a tile");
         let mut found = 0;
