@@ -326,7 +326,7 @@ fn sparse_lines(s: &mut String, f: &GgufFile, c: &MlaConfig) -> Result<()> {
         )
         .ok();
     }
-    if let Some(k) = crate::model::KpoolConfig::from_gguf(f, &c)? {
+    if let Some(k) = crate::model::KpoolConfig::from_gguf(f, c)? {
         let shared = match &k.full {
             Some(_) => {
                 let mla: Vec<usize> = match crate::model::HybridLayout::from_gguf(f)? {
@@ -352,7 +352,7 @@ fn sparse_lines(s: &mut String, f: &GgufFile, c: &MlaConfig) -> Result<()> {
         )
         .ok();
     }
-    if let Some(ic) = crate::model::indexer::IndexerConfig::from_gguf(f, &c)? {
+    if let Some(ic) = crate::model::indexer::IndexerConfig::from_gguf(f, c)? {
         writeln!(
             s,
             "dsa indexer   {} heads x {} (rope on the first {}, {:?} pairing), top_k {}",

@@ -483,7 +483,7 @@ fn head_dims(f: &GgufFile, a: &str, hidden: usize, n_head: usize) -> Result<(usi
         // llama.cpp defaults both head sizes to n_embd / n_head when the key is absent; the MiniCPM3
         // converter relies on that and writes no value_length (conversion/minicpm.py).
         (None, None) => {
-            let default = (n_head > 0 && hidden % n_head == 0).then(|| hidden / n_head);
+            let default = (n_head > 0 && hidden.is_multiple_of(n_head)).then(|| hidden / n_head);
             let head = |k: &str| -> Result<usize> {
                 match (opt_u64(f, a, k)?, default) {
                     (Some(v), _) => Ok(v),
