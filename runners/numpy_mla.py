@@ -54,7 +54,8 @@ def matmul(a, b):
     matmul calls BLAS once per leading index; with OpenBLAS threads on a busy machine each call pays
     the threads' hand-off, measured 30-50x slower than one GEMM for a [132, 64, 576] · [576, 395]."""
     a = np.ascontiguousarray(a)
-    return np.matmul(a.reshape(-1, a.shape[-1]), b).reshape(a.shape[:-1] + b.shape[-1:])
+    rows = int(np.prod(a.shape[:-1]))  # not -1: a padded entry has no keys (K = 0)
+    return np.matmul(a.reshape(rows, a.shape[-1]), b).reshape(a.shape[:-1] + b.shape[-1:])
 
 
 def softmax_rows(s):

@@ -253,7 +253,9 @@ pub(crate) fn against_fp64(
         check,
         status,
         what,
-        (Some(j.rel_l2), Some(tol.rel_l2)),
+        // NaN or one-sided infinite elements: no figure (the rel-L2 of the finite rest would
+        // understate the failure).
+        ((j.bad == 0).then_some(j.rel_l2), Some(tol.rel_l2)),
         detail,
     )
 }
@@ -290,5 +292,28 @@ mod tests {
             detail: "x".into(),
         }]);
         assert!(!c.pass && c.message.contains("layer 0 padding attn_latent: fail"));
+    }
+
+    #[test]
+    fn a_check_failed_by_nan_has_no_figure() {
+        let r = [1.0, 2.0, 3.0, 4.0];
+        let go = |o: &[f64]| {
+            against_fp64(
+                "bf16",
+                0,
+                "serving_batch",
+                "attn_latent",
+                (&r, o),
+                "bf16",
+                8,
+                |_| false,
+                "b",
+            )
+        };
+        let c = go(&[1.0, 2.0, f64::NAN, 4.0]);
+        assert_eq!((c.status, c.value), (Status::Fail, None));
+        assert!(c.detail.contains("1 NaN"), "{}", c.detail);
+        let c = go(&r);
+        assert_eq!((c.status, c.value), (Status::Pass, Some(0.0)));
     }
 }
