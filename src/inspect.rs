@@ -50,6 +50,24 @@ fn shards_json(f: &GgufFile) -> serde_json::Value {
         .collect()
 }
 
+/// `fields` with the file's own (schema version, path, size, GGUF version, name, tensors, shards),
+/// what every `inspect --json` document starts from.
+fn with_file(f: &GgufFile, mut fields: serde_json::Value) -> serde_json::Value {
+    let file = json!({
+        "schema_version": 1,
+        "file": f.path.display().to_string(),
+        "file_size": f.file_size,
+        "gguf_version": f.version,
+        "name": f.get("general.name").and_then(|v| v.as_str()),
+        "tensor_count": f.tensors.len(),
+        "shards": shards_json(f),
+    });
+    if let (Some(o), serde_json::Value::Object(file)) = (fields.as_object_mut(), file) {
+        o.extend(file);
+    }
+    fields
+}
+
 /// The inspect report as JSON (stable keys; `schema_version` bumps on breaking change).
 pub fn inspect_json(f: &GgufFile) -> Result<serde_json::Value> {
     if f.architecture() == Some(v4::ARCH) {
@@ -64,22 +82,18 @@ pub fn inspect_json(f: &GgufFile) -> Result<serde_json::Value> {
         .flat_map(|l| l["tensors"].as_array().unwrap().iter())
         .filter_map(|t| t["bytes"].as_u64())
         .sum();
-    let mut out = json!({
-        "schema_version": 1,
-        "file": f.path.display().to_string(),
-        "file_size": f.file_size,
-        "gguf_version": f.version,
-        "name": f.get("general.name").and_then(|v| v.as_str()),
-        "tensor_count": f.tensors.len(),
-        "shards": shards_json(f),
-        "config": cfg,
-        // The DSA indexer (GLM-5, DeepSeek-V3.2; null for a dense file): heads, head_dim, top_k, rope pairing.
-        "indexer": crate::model::indexer::IndexerConfig::from_gguf(f, &cfg)?,
-        "qk_head_dim": cfg.qk_head_dim(),
-        "cache_row": cfg.cache_row(),
-        "attention_bytes": attn_bytes,
-        "layers": layers,
-    });
+    let mut out = with_file(
+        f,
+        json!({
+            "config": cfg,
+            // The DSA indexer (GLM-5, DeepSeek-V3.2; null for a dense file): heads, head_dim, top_k, rope pairing.
+            "indexer": crate::model::indexer::IndexerConfig::from_gguf(f, &cfg)?,
+            "qk_head_dim": cfg.qk_head_dim(),
+            "cache_row": cfg.cache_row(),
+            "attention_bytes": attn_bytes,
+            "layers": layers,
+        }),
+    );
     // glm5-next only (absent elsewhere, so other files' JSON is unchanged): which layers are MLA and
     // which are linear attention (skipped), and the k-pool indexer keys.
     if let Some(h) = crate::model::HybridLayout::from_gguf(f)? {
@@ -116,19 +130,15 @@ fn v4_json(f: &GgufFile) -> Result<serde_json::Value> {
     let layers: Vec<_> = (0..c.n_layer)
         .map(|l| json!({ "layer": l, "kind": c.kind(l), "tensors": v4_layer_tensors(f, &c, l) }))
         .collect();
-    Ok(json!({
-        "schema_version": 1,
-        "file": f.path.display().to_string(),
-        "file_size": f.file_size,
-        "gguf_version": f.version,
-        "name": f.get("general.name").and_then(|v| v.as_str()),
-        "tensor_count": f.tensors.len(),
-        "shards": shards_json(f),
-        "architecture": v4::ARCH,
-        "deepseek_v4": c,
-        "cache_row": c.head_dim,
-        "layers": layers,
-    }))
+    Ok(with_file(
+        f,
+        json!({
+            "architecture": v4::ARCH,
+            "deepseek_v4": c,
+            "cache_row": c.head_dim,
+            "layers": layers,
+        }),
+    ))
 }
 
 /// `inspect` of a DeepSeek-V4 file.

@@ -274,6 +274,37 @@ pub struct CacheEffect {
     pub effect: StageTensor,
 }
 
+impl CacheEffect {
+    /// A quantized cache's effect on one stage (`quantized` minus `plain`, the same stage run over the
+    /// dtype's cache), under each check of the stage; none where it changed nothing.
+    pub fn of(
+        quantized: &StageTensor,
+        plain: &StageTensor,
+        cache: &'static str,
+    ) -> Vec<CacheEffect> {
+        let (q, p) = (quantized, plain);
+        let effect: Vec<f64> = q.data.iter().zip(&p.data).map(|(a, b)| a - b).collect();
+        if effect.iter().all(|&e| e == 0.0) {
+            return Vec::new();
+        }
+        let checks = match q.stage.info().phased {
+            true => vec![
+                format!("{}[prefill]", q.stage.name()),
+                format!("{}[decode]", q.stage.name()),
+            ],
+            false => vec![q.stage.name().to_string()],
+        };
+        checks
+            .into_iter()
+            .map(|check| CacheEffect {
+                check,
+                cache,
+                effect: StageTensor::new(q.stage, q.shape.clone(), effect.clone()),
+            })
+            .collect()
+    }
+}
+
 /// All stage tensors of one layer, in dataflow order.
 #[derive(Debug, Clone, Default)]
 pub struct LayerTrace {

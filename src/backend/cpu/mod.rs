@@ -245,28 +245,11 @@ fn cache_effects(
     plain: &[StageTensor],
     kv: crate::kv_format::KvFormat,
 ) -> Vec<crate::trace::CacheEffect> {
-    let mut out = Vec::new();
-    for (q, p) in quantized.iter().zip(plain) {
-        let effect: Vec<f64> = q.data.iter().zip(&p.data).map(|(a, b)| a - b).collect();
-        if effect.iter().all(|&e| e == 0.0) {
-            continue;
-        }
-        let checks = match q.stage.info().phased {
-            true => vec![
-                format!("{}[prefill]", q.stage.name()),
-                format!("{}[decode]", q.stage.name()),
-            ],
-            false => vec![q.stage.name().to_string()],
-        };
-        for check in checks {
-            out.push(crate::trace::CacheEffect {
-                check,
-                cache: kv.name(),
-                effect: StageTensor::new(q.stage, q.shape.clone(), effect.clone()),
-            });
-        }
-    }
-    out
+    quantized
+        .iter()
+        .zip(plain)
+        .flat_map(|(q, p)| crate::trace::CacheEffect::of(q, p, kv.name()))
+        .collect()
 }
 
 impl Backend for CpuMirror {

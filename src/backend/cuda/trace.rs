@@ -159,24 +159,7 @@ impl Layer<'_> {
             let Some(p) = plain.stages.iter().find(|p| p.stage == q.stage) else {
                 continue;
             };
-            let effect: Vec<f64> = q.data.iter().zip(&p.data).map(|(a, b)| a - b).collect();
-            if effect.iter().all(|&e| e == 0.0) {
-                continue;
-            }
-            let checks = match q.stage.info().phased {
-                true => vec![
-                    format!("{}[prefill]", q.stage.name()),
-                    format!("{}[decode]", q.stage.name()),
-                ],
-                false => vec![q.stage.name().to_string()],
-            };
-            for check in checks {
-                effects.push(CacheEffect {
-                    check,
-                    cache: kv.name(),
-                    effect: StageTensor::new(q.stage, q.shape.clone(), effect.clone()),
-                });
-            }
+            effects.extend(CacheEffect::of(q, p, kv.name()));
         }
         tr.cache_effect = effects;
         Ok(tr)
