@@ -3,8 +3,8 @@
 //! format's u8 bytes with `meta.cache`, as the decode op does; the `@runner` checks are fp64 over the
 //! rows decoded from those bytes, and the end-to-end checks are widened by the format's effect (the
 //! sparse prefill's computed by the runner backend, since every key it reads comes from the cache).
-//! Planted readers of the wrong convention are caught at the runner's stages, and a runner not listing
-//! the format is refused.
+//! Planted readers of the wrong convention are caught at the runner's stages, a runner not listing the
+//! format is refused, and `lint` probes the sparse ops' scale convention.
 //!
 //! On the selftest's DSA fixture (GLM-5's 512 + 64 row, top_k 16) past top_k, with runners/numpy_sparse.py
 //! and FlashMLA's sparse runner on its numpy stand-in. Needs MLA_DIFF_PYTHON with numpy (skipped
@@ -162,6 +162,50 @@ fn sparse_readers_of_the_wrong_convention_are_caught_at_the_runner() {
                 "{bug}: {up} failed"
             );
         }
+    }
+}
+
+/// `lint --runner R --kv-cache-dtype fp8_ds_mla` probes each sparse op's scale convention with one
+/// exact key in the format's bytes: numpy_sparse reads both as the format stores them (notes); the
+/// rope-as-fp8 reader is an error on both ops' rope; the one-scale reader is not seen (the probe's
+/// tiles share one scale) and is left to a run.
+#[test]
+fn lint_probes_the_sparse_ops_cache_convention() {
+    let Some(py) = python("the sparse runner", "numpy") else {
+        return;
+    };
+    let f = selftest_dsa_fixture();
+    let lint = |rel: &str| {
+        let o = bin()
+            .args(["lint", f.to_str().unwrap(), "--runner", &runner(&py, rel)])
+            .args(["--kv-cache-dtype", "fp8_ds_mla", "--json", "-"])
+            .output()
+            .unwrap();
+        let j: J = serde_json::from_slice(&o.stdout).unwrap_or(J::Null);
+        (o.status.code(), j, stderr(&o))
+    };
+    let finding = |j: &J, check: &str| -> J {
+        let all = j["findings"].as_array().unwrap();
+        all.iter()
+            .find(|x| x["check"] == check)
+            .cloned()
+            .unwrap_or(J::Null)
+    };
+    let (code, j, err) = lint("numpy_sparse.py");
+    assert_eq!(code, Some(0), "{err}");
+    let (bcode, bj, berr) = lint("bugs/sparse/ds_mla_rope_fp8.py");
+    assert_eq!(bcode, Some(1), "{berr}");
+    for op in ["sparse_prefill", "sparse_decode"] {
+        let s = finding(&j, &format!("runner.{op}.cache_scale"));
+        assert_eq!(s["severity"], "note", "{op}: {s}");
+        assert!(s["found"].as_str().unwrap().contains("multiplier"), "{s}");
+        let r = finding(&j, &format!("runner.{op}.cache_rope"));
+        assert_eq!(r["severity"], "note", "{op}: {r}");
+        assert!(r["found"].as_str().unwrap().contains("as stored"), "{r}");
+        let b = finding(&bj, &format!("runner.{op}.cache_rope"));
+        assert_eq!(b["severity"], "error", "{op}: {b}");
+        let s = finding(&bj, &format!("runner.{op}.cache_scale"));
+        assert_eq!(s["severity"], "note", "{op}: {s}");
     }
 }
 
