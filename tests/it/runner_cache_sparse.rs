@@ -10,7 +10,10 @@
 //! and FlashMLA's sparse runner on its numpy stand-in. Needs MLA_DIFF_PYTHON with numpy (skipped
 //! without it, except under CI).
 
-use crate::common::{assert_clean_error, bin, python, runner, selftest_dsa_fixture, stderr};
+use crate::common::{
+    assert_clean_error, bin, python, report_validator, runner, schema_errors, selftest_dsa_fixture,
+    stderr,
+};
 use crate::runners::checks;
 use serde_json::Value as J;
 
@@ -87,6 +90,8 @@ fn numpy_sparse_reads_the_quantized_cache_past_top_k() {
             !rep.to_string().contains("fp8_v32"),
             "{fmt}: no runner-written cache"
         );
+        let errs = schema_errors(&report_validator(), &rep);
+        assert!(errs.is_empty(), "{fmt}: {errs:?}");
     }
 }
 
