@@ -38,7 +38,8 @@
 #              64 heads at 2112 + 4) against the fp64 sparse reference, in parallel (docs/dsa.md)
 #   dsa_flashmla  FlashMLA's sparse prefill and decode through runners/flashmla_sparse.py on a GLM-5 layer
 #              (64 heads, 3072 + 4), beside our CUDA sparse path; the kernels alone first
-#              (bench/probes/flashmla_sparse*.py); needs .carry/peers
+#              (bench/probes/flashmla_sparse*.py); then with --kv-cache-dtype fp8_ds_mla (the cache sent
+#              as its bytes) and lint's probe of both ops' cache convention; needs .carry/peers
 #   formats    quantized KV caches on CUDA (#38, kernels/cache_write.cu `cache_write_format`): every fixture with
 #              a 512 + 64 row × fp8_ds_mla × bf16/fp16 and a generated glm5-next (512 + 0) × fp8_ds_mla_nope /
 #              fp8_v41 / fp4_v41 × bf16 must pass; each planted cache fault must fail (exit 1) first at
@@ -397,8 +398,15 @@ dsa_flashmla() {
         --runner "python3 runners/flashmla_sparse.py" &
     MLA_DIFF_PROFILE=1 dsa1 h64-cuda /tmp/glm5.gguf bf16 3072 1024 4 2 &
     wait
+    # The cache as the format's bytes (#38): CUDA writes fp8_ds_mla, FlashMLA's sparse decode reads those
+    # bytes as sent, its sparse prefill their bf16 upconversion; lint probes both ops' scale convention.
+    dsa1 h64-flashmla-fp8ds /tmp/glm5.gguf bf16 3072 1024 4 2 --kv-cache-dtype fp8_ds_mla \
+        --runner "python3 runners/flashmla_sparse.py"
+    "$B" lint /tmp/glm5.gguf --runner "python3 runners/flashmla_sparse.py" --kv-cache-dtype fp8_ds_mla \
+        --page-size 64 > "$D/lint-flashmla-fp8ds.txt" 2>&1
+    echo "exit $?" >> "$D/lint-flashmla-fp8ds.txt"
     local f
-    for f in "$D"/dsa-h64-flashmla.txt "$D"/dsa-h64-cuda.txt; do
+    for f in "$D"/dsa-h64-flashmla.txt "$D"/dsa-h64-cuda.txt "$D"/dsa-h64-flashmla-fp8ds.txt "$D"/lint-flashmla-fp8ds.txt; do
         expect 0 "$(tail -1 "$f" | sed 's/exit //')" "$(basename "$f" .txt)"
     done
     head -12 "$D/flashmla-times.txt" 2> /dev/null

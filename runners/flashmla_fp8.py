@@ -14,7 +14,9 @@ numpy has no e4m3: the rounding and encoding are written out here, the decoding 
 values: tests/it/runners_sparse.rs; on the GPU, bench/probes/flashmla_sparse_decode.py compares the
 bytes with torch's own e4m3fn cast).
 The same convention is mla-diff's (`src/backend/runner/fp8_cache.rs`), which computes the fp64 yardstick
-over the dequantized cache from it.
+over the dequantized cache from it; with `run --kv-cache-dtype fp8_ds_mla` mla-diff sends the cache as
+these bytes itself (`kv_format::Codec`, equal to `pack` byte for byte: tests/it/runner_cache_sparse.rs)
+and the runner packs nothing.
 """
 
 import os

@@ -15,6 +15,15 @@ the runner writes it from the rows it is sent, as an engine's cache writer would
 `kv_cache: fp8_v32`), the selected slots `[b, s_q, topk]` (−1: none). It returns the latent output and
 the LSE (FlashMLA's `[b, h_q, s_q]`, sent as token_head). Heads and topk are padded as for prefill.
 
+With `run --kv-cache-dtype fp8_ds_mla` (`supports.cache_formats`; FlashMLA's 656-byte cache is that
+format, docs/cache-formats.md) mla-diff sends the cache itself, as an engine's cache writer left it:
+`sparse_decode` gets `kv_cache` u8 `[pages, page, 656]` and hands those bytes to the kernel unchanged
+(viewed as float8_e4m3fn `[pages, page, 1, 656]`, as FlashMLA's tests/quant.py writes them), instead of
+packing the rows itself; `sparse_prefill` gets `kv` u8 `[slots, 1, 656]`, which it dequantizes to the
+bf16 rows `flash_mla_sparse_fwd` takes (the kernel reads no fp8 cache; an engine upconverts the
+selected fp8 rows before it, as vLLM's FLASHMLA_SPARSE does for an fp8_ds_mla cache). The dequantized
+values (e4m3 times a power-of-two scale, bf16 rope) are exact in bf16.
+
 Constraints of the kernel (sgl-flash-mla 1.0.0; SM90 through its legacy extension, `use_legacy=True`;
 the kernel's features HEAD_64 / HEAD_128 and HEAD_DIM_576, `topk % B_TOPK == 0`), and how they are met
 as engines meet them:
@@ -171,6 +180,8 @@ class FlashMLASparse(protocol.NumpyRunner):
                 "qk_head_dim": None,
                 "v_head_dim": None,
                 "max_q_len": None,
+                # FlashMLA's fp8 cache, sent as bytes by `run --kv-cache-dtype fp8_ds_mla`.
+                "cache_formats": ["fp8_ds_mla"],
             },
             "conventions": {"lse_base": "e", "lse_layout": "token_head"},
         }
@@ -270,10 +281,23 @@ class FlashMLASparse(protocol.NumpyRunner):
 
     # -- the op ---------------------------------------------------------------------------------------
 
+    def cache_format(self, meta):
+        """The byte format the request's cache is in (`meta.cache.format`), None for rows; only
+        FlashMLA's own fp8 cache (`fp8_ds_mla`) is taken."""
+        fmt = (meta.get("cache") or {}).get("format")
+        if fmt not in (None, "fp8_ds_mla"):
+            raise protocol.Unsupported(f"cache format {fmt}: FlashMLA's sparse kernels read fp8_ds_mla (656 bytes) only")
+        return fmt
+
     def sparse_prefill(self, x, meta):
         q, kv, indices = x["q"], x["kv"], x["indices"]
         if meta.get("dtype") != "bf16":
             raise protocol.Unsupported(f"dtype {meta.get('dtype')}: flash_mla_sparse_fwd takes bf16 only")
+        if self.cache_format(meta):
+            if kv.ndim != 3 or kv.shape[-1] != flashmla_fp8.BYTES:
+                raise ValueError(f"kv {kv.shape}: an fp8_ds_mla cache is [slots, 1, {flashmla_fp8.BYTES}] bytes")
+            # The kernel takes bf16 rows: the selected cache's rows upconverted first, as an engine does.
+            kv = flashmla_fp8.unpack(kv).reshape(kv.shape[0], 1, KV_LORA + ROPE)
         if q.ndim != 3 or kv.ndim != 3 or indices.ndim != 3:
             raise ValueError(f"q {q.shape}, kv {kv.shape}, indices {indices.shape}: expected 3 dims each")
         s_q, heads, d_qk = q.shape
@@ -300,7 +324,8 @@ class FlashMLASparse(protocol.NumpyRunner):
         }
 
     def sparse_decode(self, x, meta):
-        """FlashMLA's sparse decode over its fp8 cache, written here from the rows sent (flashmla_fp8)."""
+        """FlashMLA's sparse decode over its fp8 cache: as sent (`meta.cache`), else written here from
+        the rows sent (flashmla_fp8)."""
         q, kv, indices = x["q"], x["kv_cache"], x["indices"]
         if meta.get("dtype") != "bf16":
             raise protocol.Unsupported(f"dtype {meta.get('dtype')}: FlashMLA's sparse decode takes bf16 queries only")
@@ -308,7 +333,9 @@ class FlashMLASparse(protocol.NumpyRunner):
             raise ValueError(f"q {q.shape}, kv_cache {kv.shape}, indices {indices.shape}: expected 4, 3 and 3 dims")
         b, s_q, heads, d_qk = q.shape
         lkv, rope = int(meta["kv_lora_rank"]), int(meta["qk_rope"])
-        if (lkv, rope) != (KV_LORA, ROPE) or d_qk != KV_LORA + ROPE or kv.shape[2] != d_qk:
+        sent_bytes = self.cache_format(meta) is not None
+        width = flashmla_fp8.BYTES if sent_bytes else d_qk
+        if (lkv, rope) != (KV_LORA, ROPE) or d_qk != KV_LORA + ROPE or kv.shape[2] != width:
             raise protocol.Unsupported(f"latent {lkv} + rope {rope}: the fp8 cache (656 bytes) holds 512 + 64 only")
         if indices.shape[:2] != (b, s_q):
             raise ValueError(f"q {q.shape}, indices {indices.shape} do not fit together")
@@ -321,7 +348,8 @@ class FlashMLASparse(protocol.NumpyRunner):
         qp[:, :, :heads] = q
         ip = np.full((b, s_q, tp), -1, np.int32)
         ip[:, :, :topk] = indices
-        cache = flashmla_fp8.pack(kv)
+        # The cache as sent (run --kv-cache-dtype fp8_ds_mla), else written here from the rows.
+        cache = np.ascontiguousarray(kv, np.uint8) if sent_bytes else flashmla_fp8.pack(kv)
         out, lse = self.decode_kernel(qp, cache, ip, float(meta["softmax_scale"]))
         return {
             "attn_latent": protocol.storage(out[:, :, :heads], "bf16"),

@@ -17,6 +17,12 @@ format's bytes, dequantized here in numpy (`protocol.dequantize_cache`: each val
 its group's scale, or fp8's layer scale from `meta.cache.scale`; ds_mla's rope as stored) before the
 same attention.
 
+Sparse ops (DSA past top_k, docs/dsa.md; served by runners/numpy_sparse.py, which declares them):
+`sparse_prefill` and `sparse_decode` attend each query over the cache slots its index row names (−1:
+none), FlashMLA's definition (its tests/ref.py) in float32: `q = [q_absorbed | q_pe]` against the rows,
+the latent part as the value. With a quantized cache the `kv` / `kv_cache` bytes are read through the
+same `dequantize_cache` hook as the decode op's.
+
 Conventions: float32 arithmetic on the given inputs (BF16/FP16 widened exactly); `attn_latent` and
 `attn_heads` rounded to the run's dtype (meta `dtype`); `lse`, `split_out`, `split_lse` float32;
 natural-log LSE, `token_head` layout. Any dims, dtypes bf16/fp16/f32, any page size, any q_len.
@@ -146,6 +152,54 @@ class NumpyMLA(protocol.NumpyRunner):
         return np.arange(s)[None, :] < (context_len + np.arange(n) + 1)[:, None]
 
     # -- ops -------------------------------------------------------------------------------------
+
+    def sparse_rows(self, kv, meta):
+        """A sparse op's latent cache (`[..., lkv + rope]` floats, or u8 bytes in `meta.cache.format`)
+        -> float32 rows `[slots, lkv + rope]`, a slot being page·page_size + offset."""
+        lkv, rope = int(meta["kv_lora_rank"]), int(meta["qk_rope"])
+        cm = meta.get("cache") or {}
+        if cm.get("format"):
+            kv = self.dequantize_cache(kv, cm["format"], lkv, rope, cm.get("scale"))
+        if kv.shape[-1] != lkv + rope:
+            raise ValueError(f"cache rows are {kv.shape[-1]} wide, expected {lkv} + {rope}")
+        return np.asarray(kv, np.float32).reshape(-1, lkv + rope)
+
+    def sparse_attend(self, q, rows, indices, meta):
+        """q `[n, H, lkv + rope]` over the rows each index row `[n, topk]` names (−1: none): the latent
+        output `[n, H, lkv]` and the LSE `[n, H]` (−inf, output 0, for a query without a key)."""
+        n, heads, _ = q.shape
+        lkv = int(meta["kv_lora_rank"])
+        scale = np.float32(self.softmax_scale(meta))
+        out = np.zeros((n, heads, lkv), np.float32)
+        lse = np.full((n, heads), -np.inf, np.float32)
+        for i in range(n):
+            idx = indices[i]
+            keys = rows[idx[idx >= 0].astype(np.int64)]  # [m, lkv + rope]
+            if keys.shape[0] == 0:
+                continue
+            p, lse[i] = softmax_rows(matmul(q[i].astype(np.float32), keys.T) * scale)
+            out[i] = self.pv(p, keys[:, :lkv])
+        return out, lse
+
+    def sparse_prefill(self, x, meta):
+        q, indices = x["q"], x["indices"]
+        n = q.shape[0]
+        rows = self.sparse_rows(x["kv"], meta)
+        out, lse = self.sparse_attend(q, rows, indices.reshape(n, -1), meta)
+        return {
+            "attn_latent": out_dtype("sparse_prefill.attn_latent", out, meta["dtype"]),
+            "lse": out_dtype("sparse_prefill.lse", self.lse_out(lse), "f32"),
+        }
+
+    def sparse_decode(self, x, meta):
+        q, indices = x["q"], x["indices"]
+        b, s_q, heads, d = q.shape
+        rows = self.sparse_rows(x["kv_cache"], meta)
+        out, lse = self.sparse_attend(q.reshape(b * s_q, heads, d), rows, indices.reshape(b * s_q, -1), meta)
+        return {
+            "attn_latent": out_dtype("sparse_decode.attn_latent", out.reshape(b, s_q, heads, -1), meta["dtype"]),
+            "lse": out_dtype("sparse_decode.lse", self.lse_out(lse).reshape(b, s_q, heads), "f32"),
+        }
 
     def gather_rows(self, cache, table_row, length, page):
         """The first `length` token rows of one entry, through its block table."""

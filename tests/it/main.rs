@@ -38,6 +38,7 @@ mod rope;
 mod run_options;
 mod run_report;
 mod runner_cache;
+mod runner_cache_sparse;
 mod runners;
 mod runners_reach;
 mod runners_sparse;

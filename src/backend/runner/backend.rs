@@ -120,12 +120,14 @@ impl Backend for RunnerBackend {
                 self.inner.describe()
             ));
         }
+        // Sent the cache's bytes (`--kv-cache-dtype`), the runner writes no cache of its own.
         if let Some(c) = self
             .desc
             .ops
             .sparse_decode
             .as_ref()
             .and_then(|s| s.kv_cache.as_ref())
+            .filter(|_| self.kv.is_auto())
         {
             v.push(format!(
                 "runner {}'s sparse_decode reads a {c} cache (FlashMLA's fp8: e4m3, a power-of-two scale per 128 latent columns, bf16 rope), written by the runner from the rows sent: its @runner checks are against fp64 over that cache, and the end-to-end decode checks' tolerances include the cache's exact effect (cache_effect)",

@@ -1,15 +1,15 @@
 //! The decode op: the absorbed query over the paged latent cache, one request per layer with one batch
 //! entry per decode step (each with its own pages, as an engine's batch of requests at different lengths).
 
+use super::cache::paged_bytes;
 use super::local::{self, Yardstick};
 use super::protocol::{LseBase, SplitPartition};
-use super::tensors::{floats, ints, Named, Output};
+use super::tensors::{floats, ints, Output};
 use super::{missing, set, stage, RunnerBackend};
 use crate::backend::cpu::front::MirrorWeights;
 use crate::backend::cpu::ops::round_all;
 use crate::backend::LayerCtx;
 use crate::error::Result;
-use crate::kv_format::{tensor_scale, Codec, KvFormat};
 use crate::precision::Dtype;
 use crate::trace::{AtRunner, LayerTrace, Stage};
 use ndarray::{s, Array3};
@@ -235,7 +235,8 @@ impl RunnerBackend {
         let seqlens: Vec<i32> = entries.iter().map(|e| e.keys.len() as i32).collect();
         let (cache, cache_meta) = match &self.cache_bytes {
             Some((codec, bytes)) => {
-                paged_bytes(codec, bytes, entries, &table, max_pages, total, page)
+                let keys = entries.iter().map(|e| e.keys.as_slice());
+                paged_bytes(codec, bytes, keys, &tables, total, page)
             }
             None => (
                 floats("kv_cache", vec![total, page, row], &pool, dt),
@@ -392,70 +393,6 @@ impl RunnerBackend {
         let (lat, lse) = (ret.lat.data, ret.lse);
         put_decode_outputs(tr, ctx, mw, dt, &lat, &lse)
     }
-}
-
-impl RunnerBackend {
-    /// With a quantized cache format: the layer's cache rows encoded in its bytes (kept for
-    /// `send_decode`), and the rows as a reader decodes those bytes (`Codec::decode`), which every
-    /// `@runner` yardstick of the layer is computed over. Otherwise the rows as they are.
-    fn encode_cache(&mut self, lkv: usize, r: usize, rows: Vec<f64>) -> Vec<f64> {
-        self.cache_bytes = None;
-        if self.kv.is_auto() {
-            return rows;
-        }
-        let f32s: Vec<f32> = rows.iter().map(|&v| v as f32).collect();
-        let codec = Codec::new(self.kv, lkv, r).with_tensor_scale(tensor_scale(&f32s));
-        let (n, w) = (codec.bytes(), lkv + r);
-        let mut bytes = vec![0xffu8; f32s.len() / w * n];
-        let mut out = vec![0f32; f32s.len()];
-        for ((row, b), o) in f32s
-            .chunks(w)
-            .zip(bytes.chunks_mut(n))
-            .zip(out.chunks_mut(w))
-        {
-            // An unwritten row (NaN) stays 0xff bytes, as the paged pool's unwritten slots.
-            if row.iter().all(|v| v.is_finite()) {
-                codec.encode(row, b);
-            }
-            codec.decode(b, o);
-        }
-        self.cache_bytes = Some((codec, bytes));
-        out.into_iter().map(f64::from).collect()
-    }
-}
-
-/// The decode request's `kv_cache` in the format's bytes, u8 `[pages, page_size, bytes_per_token]`
-/// (unwritten slots and the spare page 0xff, a NaN in every part of the ds_mla formats, as the CUDA
-/// path's pool), and its `meta.cache`: the format, the bytes per token and (`fp8`) the layer's scale.
-fn paged_bytes(
-    codec: &Codec,
-    bytes: &[u8],
-    entries: &[Entry],
-    table: &[i32],
-    max_pages: usize,
-    total: usize,
-    page: usize,
-) -> (Named, serde_json::Value) {
-    let n = codec.bytes();
-    let mut pool = vec![0xffu8; total * page * n];
-    for (b, e) in entries.iter().enumerate() {
-        for (j, k) in e.keys.iter().enumerate() {
-            let Some(k) = *k else { continue };
-            let slot = table[b * max_pages + j / page] as usize * page + j % page;
-            pool[slot * n..(slot + 1) * n].copy_from_slice(&bytes[k * n..(k + 1) * n]);
-        }
-    }
-    let mut meta = serde_json::json!({ "format": codec.format.name(), "bytes_per_token": n });
-    if codec.format == KvFormat::Fp8 {
-        meta["scale"] = serde_json::json!(codec.tensor_scale);
-    }
-    let t = Named {
-        name: "kv_cache",
-        shape: vec![total, page, n],
-        bytes: pool,
-        dtype: safetensors::Dtype::U8,
-    };
-    (t, meta)
 }
 
 /// The runner's decode outputs in place of the inner path's: `attn_latent` `[D, H, Lkv]`, the decode

@@ -8,6 +8,7 @@
 
 mod backend;
 mod batch;
+mod cache;
 pub mod checks;
 pub(crate) mod decode;
 pub mod fp8_cache;
@@ -55,7 +56,7 @@ pub struct RunnerBackend {
     /// The cache's byte format (`run --kv-cache-dtype`; `auto`: the run's dtype).
     kv: crate::kv_format::KvFormat,
     /// This layer's cache rows in `kv`'s bytes (`Codec::bytes()` per row, as `cache_rows` orders
-    /// them), with the codec that wrote them: what `send_decode` sends in place of the rows.
+    /// them), with the codec that wrote them: what the decode and sparse ops send in place of the rows.
     cache_bytes: Option<(crate::kv_format::Codec, Vec<u8>)>,
 }
 
@@ -147,22 +148,18 @@ impl RunnerBackend {
         })
     }
 
-    /// The cache in `kv`'s bytes for the decode op: refused, before any layer runs, unless the
-    /// runner's `supports.cache_formats` lists the format, and (so far) for a runner with sparse ops.
+    /// The cache in `kv`'s bytes for every op that reads the latent cache (decode, sparse_prefill,
+    /// sparse_decode): refused, before any layer runs, unless the runner's `supports.cache_formats`
+    /// lists the format.
     pub fn with_kv_format(mut self, kv: crate::kv_format::KvFormat) -> Result<RunnerBackend> {
         if kv.is_auto() {
             return Ok(self);
         }
-        let (name, ops) = (&self.desc.name, &self.desc.ops);
+        let name = &self.desc.name;
         let listed = self.desc.supports.cache_formats.clone().unwrap_or_default();
         if !listed.iter().any(|f| f == kv.name()) {
             return Err(Error::Usage(format!(
                 "--kv-cache-dtype {kv}: runner {name} does not read a {kv} cache (its describe's supports.cache_formats: {listed:?}); drop --kv-cache-dtype or use a runner that lists it"
-            )));
-        }
-        if ops.sparse_decode.is_some() || ops.sparse_prefill.is_some() {
-            return Err(Error::Usage(format!(
-                "--kv-cache-dtype {kv}: runner {name} has sparse ops, and the protocol carries a quantized cache to the decode op only so far (issue #38)"
             )));
         }
         self.kv = kv;

@@ -5,10 +5,18 @@
 //! `[n, 1, topk]` (`reference::sparse::flashmla_indices`, −1 padded). The runner returns the latent
 //! output and the LSE; W_UV and o_proj are the CPU mirror's, as for a decode runner.
 //!
+//! With `--kv-cache-dtype FMT` the cache travels in the format's bytes, `kv` u8 `[slots, 1,
+//! bytes_per_token]` with `meta.cache` (as the decode op's, `cache.rs`); the `@runner` yardstick is fp64
+//! over the rows decoded from them. Every key of a sparse prefill is read from that cache, the chunk's
+//! own too (the inner path's prefill attends to its own chunk from the fresh rows): the end-to-end
+//! prefill checks are widened by the cache's exact effect here, fp64 over the decoded rows minus over
+//! the rows as the dtype stores them (`kv_latent | k_pe`).
+//!
 //! The selection is `LayerCtx::selection`: the DSA driver runs the layer once with the reference's
 //! selection and once with the optimized side's own (`run::dsa`), so the runner sees both, as the
 //! CUDA sparse path does, and a kernel error is told apart from a selection difference.
 
+use super::cache::{cache_meta, latent_effects, u8_tensor};
 use super::local::{self, Yardstick};
 use super::prefill::put_prefill_outputs;
 use super::tensors::{floats, ints};
@@ -46,19 +54,42 @@ impl RunnerBackend {
                 sel.n_queries()
             )));
         }
-        let (q_nope, q_pe, rows) = (
-            stage(tr, Stage::QNope)?,
-            stage(tr, Stage::QPe)?,
-            stage(tr, Stage::CacheRows)?,
-        );
+        let (q_nope, q_pe) = (stage(tr, Stage::QNope)?, stage(tr, Stage::QPe)?);
+        // A quantized cache: the rows as the dtype stores them, for the cache's effect.
+        let plain = match self.kv.is_auto() {
+            true => None,
+            false => Some(plain_rows(tr, lkv, cfg.qk_rope)?),
+        };
+        let rows = self.encode_cache(lkv, cfg.qk_rope, stage(tr, Stage::CacheRows)?);
         let q = absorbed_queries(cfg, mw, dt, &q_nope, &q_pe, prompt);
-        let mut pool = SlotPool::new(ctx.block_table, sched.page_size, row);
+        let n = self.cache_bytes.as_ref().map_or(0, |(c, _)| c.bytes());
+        let mut pool = SlotPool::new(ctx.block_table, sched.page_size, row, n);
+        let mut plain_pool = SlotPool::new(ctx.block_table, sched.page_size, row, 0);
         let mut lat = LatentRows::new(t_all, h, lkv);
+        let scale = cfg.softmax_scale;
         for c in sched.prefill_chunks() {
-            pool.write(&c, &rows);
+            pool.write(&c, &rows, self.cache_bytes.as_ref().map(|b| &b.1[..]));
             let topk = self.send_sparse_prefill(ctx, sel, &c, &q, &pool, &mut lat)?;
-            lat.add_fp64(&c, sel, &q, &pool, cfg.softmax_scale);
+            let (lr, sr) = lat.fp64(&c, sel, &q, &pool, scale);
+            lat.put(&c, lr, sr);
+            if let Some(p) = &plain {
+                plain_pool.write(&c, p, None);
+                let (lp, sp) = lat.fp64(&c, sel, &q, &plain_pool, scale);
+                lat.effect(&c, lp, sp);
+            }
             lat.max_keys = lat.max_keys.max(topk);
+        }
+        if let Some(codec) = self.cache_bytes.as_ref().map(|b| b.0) {
+            let names = ["lse[prefill]", "attn_heads[prefill]", "attn_out[prefill]"];
+            tr.cache_effect
+                .retain(|e| !names.contains(&e.check.as_str()));
+            let rows = (0..prompt, "prefill");
+            let (e_lat, e_lse) = (
+                lat.e_lat[..prompt * h * lkv].to_vec(),
+                &lat.e_lse[..prompt * h],
+            );
+            let fx = latent_effects(ctx, mw, rows, e_lat, e_lse, codec.format.name());
+            tr.cache_effect.extend(fx);
         }
         let [heads_ref, heads_opt] = project_heads(cfg, mw, dt, &lat, prompt);
         put_prefill_outputs(
@@ -115,6 +146,16 @@ impl RunnerBackend {
         for t in c.clone() {
             idx.extend(flashmla_indices(&sel.keys[t], topk, pool.table, pool.page));
         }
+        let mut extra =
+            serde_json::json!({ "context_len": c.start, "top_k": sel.top_k, "d_v": lkv });
+        let kv = match &self.cache_bytes {
+            Some((codec, _)) => {
+                extra["cache"] = cache_meta(codec);
+                let shape = vec![pool.slots, 1, codec.bytes()];
+                u8_tensor("kv", shape, pool.bytes.clone())
+            }
+            None => floats("kv", vec![pool.slots, 1, row], &pool.pool, dt),
+        };
         let inputs = [
             floats(
                 "q",
@@ -122,13 +163,10 @@ impl RunnerBackend {
                 &q[c.start * h * row..c.end * h * row],
                 dt,
             ),
-            floats("kv", vec![pool.slots, 1, row], &pool.pool, dt),
+            kv,
             ints("indices", vec![n, 1, topk], &idx),
         ];
-        let meta = self.meta(
-            ctx,
-            serde_json::json!({ "context_len": c.start, "top_k": sel.top_k, "d_v": lkv }),
-        );
+        let meta = self.meta(ctx, extra);
         let mut out = self.call("sparse_prefill", ctx.layer, &meta, &inputs)?;
         let latent = out.take("attn_latent", &[n, h, lkv], "sparse_prefill")?;
         let lse_o = out.take("lse", &self.lse_shape(None, n, h), "sparse_prefill")?;
@@ -175,7 +213,8 @@ fn absorbed_queries(
 
 /// The latent cache flat as FlashMLA's sparse prefill takes it, `[slots, Lkv + R]` (slot = physical
 /// page · page_size + offset through the run's block table), NaN where no token is yet; `pool64` is
-/// the same values in f64, what the yardstick reads.
+/// the same values in f64, what the yardstick reads. With a quantized cache, `bytes` holds the slots
+/// in the format's bytes (`n` per slot, 0xff where no token is yet).
 struct SlotPool<'a> {
     table: &'a [usize],
     page: usize,
@@ -183,10 +222,12 @@ struct SlotPool<'a> {
     slots: usize,
     pool: Vec<f32>,
     pool64: Vec<f64>,
+    n: usize,
+    bytes: Vec<u8>,
 }
 
 impl<'a> SlotPool<'a> {
-    fn new(table: &'a [usize], page: usize, row: usize) -> Self {
+    fn new(table: &'a [usize], page: usize, row: usize, n: usize) -> Self {
         let slots = (table.iter().copied().max().unwrap_or(0) + 1) * page;
         SlotPool {
             table,
@@ -195,6 +236,8 @@ impl<'a> SlotPool<'a> {
             slots,
             pool: vec![f32::NAN; slots * row],
             pool64: vec![f64::NAN; slots * row],
+            n,
+            bytes: vec![0xff; slots * n],
         }
     }
 
@@ -203,14 +246,19 @@ impl<'a> SlotPool<'a> {
         self.table[j / self.page] * self.page + j % self.page
     }
 
-    /// Chunk `c`'s cache rows into their slots (the engine writes them before the chunk's attention).
-    fn write(&mut self, c: &Range<usize>, rows: &[f64]) {
-        let row = self.row;
+    /// Chunk `c`'s cache rows into their slots (the engine writes them before the chunk's attention),
+    /// and their bytes (`n` per token) with a quantized cache.
+    fn write(&mut self, c: &Range<usize>, rows: &[f64], bytes: Option<&[u8]>) {
+        let (row, n) = (self.row, self.n);
         for j in c.clone() {
-            let s0 = self.slot(j) * row;
+            let slot = self.slot(j);
+            let s0 = slot * row;
             for k in 0..row {
                 self.pool[s0 + k] = rows[j * row + k] as f32;
                 self.pool64[s0 + k] = self.pool[s0 + k] as f64;
+            }
+            if let Some(b) = bytes {
+                self.bytes[slot * n..(slot + 1) * n].copy_from_slice(&b[j * n..(j + 1) * n]);
             }
         }
     }
@@ -229,6 +277,9 @@ struct LatentRows {
     lat_dtype: &'static str,
     lse_dtype: &'static str,
     max_keys: usize,
+    /// A quantized cache's exact effect: fp64 over the decoded rows minus over the dtype's rows.
+    e_lat: Vec<f64>,
+    e_lse: Vec<f64>,
 }
 
 impl LatentRows {
@@ -243,19 +294,21 @@ impl LatentRows {
             lat_dtype: "bf16",
             lse_dtype: "f32",
             max_keys: 0,
+            e_lat: vec![0.0; t_all * h * lkv],
+            e_lse: vec![0.0; t_all * h],
         }
     }
 
-    /// fp64 attention of chunk `c`'s queries from exactly what the runner was given: its q, the cache
-    /// slots its rows name.
-    fn add_fp64(
-        &mut self,
+    /// fp64 attention of chunk `c`'s queries over the rows `pool` holds: from exactly what the runner
+    /// was given, its q and the cache slots its rows name. Latent `[n, H, Lkv]` and LSE `[n, H]`.
+    fn fp64(
+        &self,
         c: &Range<usize>,
         sel: &Selection,
         q: &[f32],
         pool: &SlotPool,
         scale: f64,
-    ) {
+    ) -> (Vec<f64>, Vec<f64>) {
         let (h, lkv, row) = (self.h, self.lkv, pool.row);
         let pool64 = &pool.pool64;
         let fp64: Vec<(Vec<f64>, f64)> = (0..c.len() * h)
@@ -276,10 +329,39 @@ impl LatentRows {
                 )
             })
             .collect();
-        for (ih, (o, l)) in fp64.into_iter().enumerate() {
-            let at = c.start * h + ih;
-            self.lat_ref[at * lkv..(at + 1) * lkv].copy_from_slice(&o);
-            self.lse_ref[at] = l;
+        let mut lat = Vec::with_capacity(c.len() * h * lkv);
+        let mut lse = Vec::with_capacity(c.len() * h);
+        for (o, l) in fp64 {
+            lat.extend(o);
+            lse.push(l);
+        }
+        (lat, lse)
+    }
+
+    /// Chunk `c`'s fp64 latent and LSE (`fp64`) as the yardstick.
+    fn put(&mut self, c: &Range<usize>, lat: Vec<f64>, lse: Vec<f64>) {
+        let (h, lkv) = (self.h, self.lkv);
+        self.lat_ref[c.start * h * lkv..c.end * h * lkv].copy_from_slice(&lat);
+        self.lse_ref[c.start * h..c.end * h].copy_from_slice(&lse);
+    }
+
+    /// Chunk `c`'s cache effect: the yardstick (`put` first) minus fp64 over the dtype's rows.
+    fn effect(&mut self, c: &Range<usize>, lat: Vec<f64>, lse: Vec<f64>) {
+        let (h, lkv) = (self.h, self.lkv);
+        let (a, b) = (c.start * h * lkv, c.end * h * lkv);
+        for ((e, r), p) in self.e_lat[a..b]
+            .iter_mut()
+            .zip(&self.lat_ref[a..b])
+            .zip(lat)
+        {
+            *e = r - p;
+        }
+        for ((e, r), p) in self.e_lse[c.start * h..c.end * h]
+            .iter_mut()
+            .zip(&self.lse_ref[c.start * h..c.end * h])
+            .zip(lse)
+        {
+            *e = r - p;
         }
     }
 }
@@ -316,4 +398,17 @@ fn project_heads(
         }
     }
     [heads_ref, heads_opt]
+}
+
+/// The rows `[kv_latent | k_pe]` `[T, Lkv + R]` as the inner path stored them: what the cache's writer
+/// was given, which a cache of the run's dtype holds.
+fn plain_rows(tr: &LayerTrace, lkv: usize, r: usize) -> Result<Vec<f64>> {
+    let (lat, kpe) = (stage(tr, Stage::KvLatent)?, stage(tr, Stage::KPe)?);
+    let t = lat.len() / lkv.max(1);
+    let mut rows = Vec::with_capacity(t * (lkv + r));
+    for j in 0..t {
+        rows.extend_from_slice(&lat[j * lkv..(j + 1) * lkv]);
+        rows.extend_from_slice(&kpe[j * r..(j + 1) * r]);
+    }
+    Ok(rows)
 }

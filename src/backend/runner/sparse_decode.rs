@@ -5,12 +5,18 @@
 //! token is) and the index rows `[B, s_q, topk]` (`page·page_size + offset` through the entry's block
 //! table, −1 padded). The runner returns the latent output and the LSE.
 //!
-//! An op that declares `kv_cache: fp8_v32` reads FlashMLA's fp8 cache, which the runner writes from the
-//! rows it is sent. mla-diff then computes fp64 attention twice: over the cache as the kernel reads it
-//! (`fp8_cache::dequantize_row`: the `@runner` yardstick, so the kernel's own error is judged at bf16's
-//! bound) and over the rows as sent; their difference, the fp8 rounding's exact effect, widens the
-//! end-to-end checks it reaches (`trace::CacheEffect`).
+//! With `--kv-cache-dtype FMT` (a runner listing FMT in `supports.cache_formats`) the cache travels in
+//! the format's bytes, u8 `[pages, page_size, bytes_per_token]` with `meta.cache`, as the decode op's
+//! (`cache.rs`): the `@runner` yardstick is fp64 over the rows decoded from those bytes, and the
+//! end-to-end checks keep the inner path's effect of the format, as on the decode op.
+//!
+//! Without it, an op that declares `kv_cache: fp8_v32` reads FlashMLA's fp8 cache, which the runner
+//! writes from the rows it is sent. mla-diff then computes fp64 attention twice: over the cache as the
+//! kernel reads it (`fp8_cache::dequantize_row`: the `@runner` yardstick, so the kernel's own error is
+//! judged at bf16's bound) and over the rows as sent; their difference, the fp8 rounding's exact
+//! effect, widens the end-to-end checks it reaches (`trace::CacheEffect`).
 
+use super::cache::{latent_effects, paged_bytes};
 use super::decode::{decode_lse, put_decode_outputs, step_entries, Entry, Paged};
 use super::local::{self, Yardstick};
 use super::tensors::{floats, ints, Output};
@@ -19,8 +25,7 @@ use crate::backend::cpu::front::MirrorWeights;
 use crate::backend::LayerCtx;
 use crate::error::{Error, Result};
 use crate::reference::sparse::{flashmla_indices, Selection};
-use crate::trace::{AtRunner, CacheEffect, LayerTrace, Stage, StageTensor};
-use ndarray::Array2;
+use crate::trace::{AtRunner, LayerTrace, Stage};
 use rayon::prelude::*;
 
 impl RunnerBackend {
@@ -51,12 +56,10 @@ impl RunnerBackend {
             .sparse_decode
             .clone()
             .expect("sparse_decode op");
-        let fp8 = spec.kv_cache.as_deref() == Some(fp8_cache::FP8_V32);
-        let (q_abs, q_pe_all, rows) = (
-            stage(tr, Stage::QAbsorbed)?,
-            stage(tr, Stage::QPe)?,
-            stage(tr, Stage::CacheRows)?,
-        );
+        // The runner writes its own fp8 cache from the rows only when it is sent rows.
+        let fp8 = self.kv.is_auto() && spec.kv_cache.as_deref() == Some(fp8_cache::FP8_V32);
+        let (q_abs, q_pe_all) = (stage(tr, Stage::QAbsorbed)?, stage(tr, Stage::QPe)?);
+        let rows = self.encode_cache(lkv, r, stage(tr, Stage::CacheRows)?);
         let q_pe = &q_pe_all[prompt * h * r..];
         let (lat, lse_o, lse, topk) = self.send_sparse_decode(ctx, sel, &q_abs, q_pe, &rows)?;
         let f = SparseFp64::new(ctx, sel, [&q_abs, q_pe], &rows, fp8);
@@ -89,7 +92,11 @@ impl RunnerBackend {
             .retain(|t| !matches!(t.stage, Stage::SplitOut | Stage::SplitLse));
         put_decode_outputs(tr, ctx, mw, dt, &lat.data, &lse)?;
         if fp8 {
-            tr.cache_effect.extend(fp8_effects(ctx, mw, &f));
+            let e_lat = diff(&f.read_out, &f.sent_out);
+            let e_lse = diff(&f.read_lse, &f.sent_lse);
+            let rows = (prompt..t_all, "decode");
+            let fx = latent_effects(ctx, mw, rows, e_lat, &e_lse, fp8_cache::FP8_V32);
+            tr.cache_effect.extend(fx);
         }
         Ok(())
     }
@@ -132,6 +139,16 @@ impl RunnerBackend {
                 idx.extend(flashmla_indices(&sel.keys[prompt + d], topk, table, page));
             }
         }
+        let mut extra = serde_json::json!({ "top_k": sel.top_k, "d_v": lkv });
+        let cache = match &self.cache_bytes {
+            Some((codec, bytes)) => {
+                let keys = entries.iter().map(|e| e.keys.as_slice());
+                let (t, m) = paged_bytes(codec, bytes, keys, &paged.tables, paged.total, page);
+                extra["cache"] = m;
+                t
+            }
+            None => floats("kv_cache", vec![paged.total, page, row], &paged.pool, dt),
+        };
         let inputs = [
             floats(
                 "q",
@@ -139,10 +156,10 @@ impl RunnerBackend {
                 &joined_queries(&entries, lkv, r),
                 dt,
             ),
-            floats("kv_cache", vec![paged.total, page, row], &paged.pool, dt),
+            cache,
             ints("indices", vec![b_n, s_q, topk], &idx),
         ];
-        let meta = self.meta(ctx, serde_json::json!({ "top_k": sel.top_k, "d_v": lkv }));
+        let meta = self.meta(ctx, extra);
         let mut out = self.call("sparse_decode", ctx.layer, &meta, &inputs)?;
         let lat = out.take("attn_latent", &[b_n, s_q, h, lkv], "sparse_decode")?;
         let lse_o = out.take("lse", &self.lse_shape(Some(b_n), s_q, h), "sparse_decode")?;
@@ -230,68 +247,6 @@ impl SparseFp64 {
     }
 }
 
-/// The fp8 cache's exact effect (read − sent), carried through W_UV and o_proj in fp64 (both
-/// linear): what the end-to-end decode checks are widened by.
-fn fp8_effects(ctx: &LayerCtx, mw: &MirrorWeights, f: &SparseFp64) -> Vec<CacheEffect> {
-    let (cfg, sched) = (ctx.cfg, ctx.sched);
-    let (h, lkv, dv) = (cfg.n_head, cfg.kv_lora_rank, cfg.v_head_dim);
-    let (prompt, t_all) = (sched.prompt_len, sched.total_tokens());
-    let d_n = sched.decode_steps * sched.q_len;
-    let e_lat: Vec<f64> = f
-        .read_out
-        .iter()
-        .zip(&f.sent_out)
-        .map(|(a, b)| a - b)
-        .collect();
-    let e_lse: Vec<f64> = f
-        .read_lse
-        .iter()
-        .zip(&f.sent_lse)
-        .map(|(a, b)| a - b)
-        .collect();
-    let mut e_heads = vec![0.0; t_all * h * dv];
-    for hh in 0..h {
-        let uv = mw.uv(cfg, hh).mapv(|v| v as f64);
-        let e = Array2::from_shape_fn((d_n, lkv), |(d, k)| e_lat[(d * h + hh) * lkv + k]);
-        let o = e.dot(&uv.t());
-        for d in 0..d_n {
-            let at = ((prompt + d) * h + hh) * dv;
-            for (x, &v) in e_heads[at..at + dv].iter_mut().zip(o.row(d)) {
-                *x = v;
-            }
-        }
-    }
-    let wo = mw.o.mapv(|v| v as f64);
-    let eh = Array2::from_shape_vec((t_all, h * dv), e_heads.clone()).expect("shape");
-    let e_out = eh.dot(&wo.t());
-    let out_shape = vec![t_all, wo.nrows()];
-    let effects = [
-        ("attn_latent", Stage::AttnLatent, vec![d_n, h, lkv], e_lat),
-        (
-            "lse[decode]",
-            Stage::Lse,
-            vec![t_all, h],
-            decode_lse(&e_lse, prompt, h),
-        ),
-        (
-            "attn_heads[decode]",
-            Stage::AttnHeads,
-            vec![t_all, h, dv],
-            e_heads,
-        ),
-        (
-            "attn_out[decode]",
-            Stage::AttnOut,
-            out_shape,
-            e_out.into_raw_vec_and_offset().0,
-        ),
-    ];
-    effects
-        .into_iter()
-        .map(|(check, stage, shape, data)| CacheEffect {
-            check: check.into(),
-            cache: fp8_cache::FP8_V32,
-            effect: StageTensor::new(stage, shape, data),
-        })
-        .collect()
+fn diff(a: &[f64], b: &[f64]) -> Vec<f64> {
+    a.iter().zip(b).map(|(x, y)| x - y).collect()
 }

@@ -13,6 +13,10 @@
 //!
 //! The convention found is named when it is not the format's (an error: a run fails at
 //! `attn_latent@runner`); one matching none of them is an error with the value read.
+//!
+//! The same probe goes to each DSA op (`sparse_prefill`, `sparse_decode`), which a run sends the cache
+//! in the format's bytes too: one query whose index row names the key's slot (then −1), `q` =
+//! `[0 (Lkv) | A (R)]`; its findings are `runner.OP.cache_scale` / `runner.OP.cache_rope`.
 
 use super::judge::ScaleBase;
 use super::prober::{Answer, Prober};
@@ -21,6 +25,9 @@ use crate::backend::runner::tensors::{floats, ints, Named};
 use crate::error::Result;
 use crate::kv_format::{Codec, KvFormat};
 use crate::lint::{num, Findings};
+
+/// A row's column as stored: its element's value and its group's scale (`Codec::columns`).
+type Column = (f32, Option<f32>);
 
 /// How a reader applies a quantized value's scale.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,9 +63,11 @@ impl ScaleUse {
     }
 }
 
-/// Probe 8 on the decode op, after probes 1–2 (`sb`: the runner's LSE base and softmax scale).
+/// Probe 8 on `op` (`decode`, `sparse_prefill` or `sparse_decode`), after its probes 1–2 (`sb`: the
+/// runner's LSE base and softmax scale).
 pub(super) fn probe_cache(
     p: &mut Prober,
+    op: &str,
     kv: KvFormat,
     sb: &ScaleBase,
     out: &mut Findings,
@@ -70,10 +79,14 @@ pub(super) fn probe_cache(
     let mut bytes = vec![0u8; codec.bytes()];
     codec.encode(&row, &mut bytes);
     let cols = codec.columns(&bytes);
-    let Some(ans) = send(p, &codec, &bytes, out)? else {
+    let sent = match op {
+        "decode" => send(p, &codec, &bytes, out)?,
+        _ => send_sparse(p, op, &codec, &bytes, out)?,
+    };
+    let Some(ans) = sent else {
         return Ok(());
     };
-    let check = "runner.decode.cache_scale";
+    let check = &format!("runner.{op}.cache_scale");
     let latent = |u: ScaleUse| -> Vec<f64> {
         let one: Vec<f64> = cols[..lkv]
             .iter()
@@ -115,22 +128,30 @@ pub(super) fn probe_cache(
         ),
     }
     if r > 0 {
-        rope_convention(&ans, kv, &cols[lkv..], &cols[..lkv], found, sb, out);
+        let check = &format!("runner.{op}.cache_rope");
+        rope_convention(
+            check,
+            &ans,
+            kv,
+            (&cols[lkv..], &cols[..lkv]),
+            found,
+            sb,
+            out,
+        );
     }
     Ok(())
 }
 
 /// The rope part of probe 8: the runner's LSE against the rope read as stored or with a scale.
 fn rope_convention(
+    check: &str,
     ans: &Answer,
     kv: KvFormat,
-    rope: &[(f32, Option<f32>)],
-    latent: &[(f32, Option<f32>)],
+    (rope, latent): (&[Column], &[Column]),
     found: Option<ScaleUse>,
     sb: &ScaleBase,
     out: &mut Findings,
 ) {
-    let check = "runner.decode.cache_rope";
     // ds_mla's rope has no scale: "with a scale" is the last latent tile's (a tile loop run on).
     let last = latent.last().and_then(|c| c.1);
     let u = found.unwrap_or(ScaleUse::Multiply);
@@ -218,4 +239,60 @@ fn send(p: &mut Prober, codec: &Codec, bytes: &[u8], out: &mut Findings) -> Resu
         vec![1, 1, h],
         out,
     )
+}
+
+/// One request of a DSA op over one key stored as `bytes` in `codec`'s format (slot 0; the other
+/// slots 0xff, unwritten): one query `[0 (Lkv) | A (R)]` per head whose index row names slot 0, then
+/// −1 (as a run pads it).
+fn send_sparse(
+    p: &mut Prober,
+    op: &str,
+    codec: &Codec,
+    bytes: &[u8],
+    out: &mut Findings,
+) -> Result<Option<Answer>> {
+    let c = p.cfg;
+    let (h, lkv, r, page, dt) = (c.n_head, c.kv_lora_rank, c.qk_rope, p.page, p.dt);
+    let n = codec.bytes();
+    let slots = 2 * page;
+    let mut pool = vec![0xffu8; slots * n];
+    pool[..n].copy_from_slice(bytes);
+    let mut q = Vec::with_capacity(h * (lkv + r));
+    for _ in 0..h {
+        q.extend(std::iter::repeat_n(0.0, lkv));
+        q.extend(std::iter::repeat_n(A, r));
+    }
+    let idx = [0, -1, -1, -1];
+    let (qs, cache, is, lse, lat) = match op {
+        "sparse_prefill" => (
+            vec![1, h, lkv + r],
+            ("kv", vec![slots, 1, n]),
+            vec![1, 1, 4],
+            vec![1, h],
+            vec![1, h, lkv],
+        ),
+        _ => (
+            vec![1, 1, h, lkv + r],
+            ("kv_cache", vec![2, page, n]),
+            vec![1, 1, 4],
+            vec![1, 1, h],
+            vec![1, 1, h, lkv],
+        ),
+    };
+    let inputs = [
+        floats("q", qs, &q, dt),
+        Named {
+            name: cache.0,
+            shape: cache.1,
+            bytes: pool,
+            dtype: safetensors::Dtype::U8,
+        },
+        ints("indices", is, &idx),
+    ];
+    let mut meta = serde_json::json!({ "context_len": 0, "top_k": 4, "d_v": lkv });
+    meta["cache"] = serde_json::json!({ "format": codec.format.name(), "bytes_per_token": n });
+    if codec.format == KvFormat::Fp8 {
+        meta["cache"]["scale"] = serde_json::json!(codec.tensor_scale);
+    }
+    p.call(op, &inputs, meta, "attn_latent", &lat, lse, out)
 }

@@ -23,7 +23,7 @@
 //! 8. **a quantized cache's scale convention** (`--kv-cache-dtype FMT`, a runner that lists FMT in
 //!    `supports.cache_formats`): one key in the format's bytes whose readings under the conventions (scale
 //!    as a multiplier, a divisor, twice, not at all; the rope with a scale or without) differ by factors
-//!    of the scale (`cache.rs`).
+//!    of the scale (`cache.rs`); on the decode op and on each DSA op.
 //!
 //! Probes 5–7 run once the paging probe has shown that several keys over pages are read right. A
 //! non-finite answer to probes 1–2 is one finding (`judge_non_finite`), not a wrong scale, base and
@@ -244,7 +244,9 @@ fn supports_cache(
     out: &mut Findings,
 ) -> Option<crate::kv_format::KvFormat> {
     let kv = opts.kv_format;
-    if kv.is_auto() || desc.ops.decode.is_none() {
+    let o = &desc.ops;
+    let reads_cache = o.decode.is_some() || o.sparse_prefill.is_some() || o.sparse_decode.is_some();
+    if kv.is_auto() || !reads_cache {
         return None;
     }
     if let Err(e) = kv.fits(c.kv_lora_rank, c.qk_rope) {
@@ -334,7 +336,7 @@ fn probe_decode(p: &mut Prober, out: &mut Findings) -> Result<()> {
                     probe_splits(p, out)?;
                 }
                 if let Some(kv) = p.kv {
-                    cache::probe_cache(p, kv, &sb, out)?;
+                    cache::probe_cache(p, "decode", kv, &sb, out)?;
                 }
             }
         }
@@ -342,7 +344,7 @@ fn probe_decode(p: &mut Prober, out: &mut Findings) -> Result<()> {
     Ok(())
 }
 
-/// Probes 1–2 on a DSA op (`sparse_prefill`, `sparse_decode`).
+/// Probes 1–2 on a DSA op (`sparse_prefill`, `sparse_decode`), then (once they hold) 8.
 fn probe_sparse(p: &mut Prober, op: &str, out: &mut Findings) -> Result<()> {
     let (desc, c) = (p.desc, p.cfg);
     let dot = c.cache_row() as f64 * (A as f64) * (A as f64);
@@ -356,8 +358,11 @@ fn probe_sparse(p: &mut Prober, op: &str, out: &mut Findings) -> Result<()> {
             p.fill = f32::NAN;
             judge_non_finite(op, what, found, Some(again), out);
         } else {
-            judge_scale_base(op, desc, c, dot, &a1, &a2, out);
+            let sb = judge_scale_base(op, desc, c, dot, &a1, &a2, out);
             judge_value(op, &a1, A as f64, "the one key's latent", out);
+            if let Some(kv) = p.kv.filter(|_| sb.scale.is_finite() && sb.scale > 0.0) {
+                cache::probe_cache(p, op, kv, &sb, out)?;
+            }
         }
     }
     Ok(())
