@@ -17,11 +17,16 @@ pub fn human_bytes(b: u64) -> String {
     }
 }
 
-/// One attention tensor of one layer, as stored.
-fn layer_tensors(f: &GgufFile, layer: usize) -> Vec<serde_json::Value> {
-    crate::model::weights::tensor_names(layer)
-        .iter()
-        .filter_map(|n| f.tensor(n))
+/// The tensors of `names` the file has, as stored: what every `inspect --json` layer lists (an MLA
+/// layer's attention and DSA indexer tensors, a DeepSeek-V4 layer's attention tensors).
+fn tensors_json<I>(f: &GgufFile, names: I) -> Vec<serde_json::Value>
+where
+    I: IntoIterator,
+    I::Item: AsRef<str>,
+{
+    names
+        .into_iter()
+        .filter_map(|n| f.tensor(n.as_ref()))
         .map(|t| {
             json!({
                 "name": t.name,
@@ -30,15 +35,6 @@ fn layer_tensors(f: &GgufFile, layer: usize) -> Vec<serde_json::Value> {
                 "bytes": t.n_bytes(),
             })
         })
-        .collect()
-}
-
-/// One layer's DSA indexer tensors, as stored (none on a dense file or a GLM-5.2 shared layer).
-fn indexer_tensors(f: &GgufFile, layer: usize) -> Vec<serde_json::Value> {
-    crate::model::indexer::tensor_names(layer)
-        .iter()
-        .filter_map(|n| f.tensor(n))
-        .map(|t| json!({ "name": t.name, "type": t.ty.to_string(), "ne": t.ne, "bytes": t.n_bytes() }))
         .collect()
 }
 
@@ -75,7 +71,12 @@ pub fn inspect_json(f: &GgufFile) -> Result<serde_json::Value> {
     }
     let cfg = MlaConfig::from_gguf(f)?;
     let layers: Vec<_> = (0..cfg.n_layer)
-        .map(|l| json!({ "layer": l, "tensors": layer_tensors(f, l), "indexer_tensors": indexer_tensors(f, l) }))
+        .map(|l| {
+            let tensors = tensors_json(f, crate::model::weights::tensor_names(l));
+            // The DSA indexer's (none on a dense file or a GLM-5.2 shared layer).
+            let indexer = tensors_json(f, crate::model::indexer::tensor_names(l));
+            json!({ "layer": l, "tensors": tensors, "indexer_tensors": indexer })
+        })
         .collect();
     let attn_bytes: u64 = layers
         .iter()
@@ -117,11 +118,7 @@ pub fn text(f: &GgufFile) -> Result<String> {
 
 /// A DeepSeek-V4 file's attention tensors of one layer, as stored.
 fn v4_layer_tensors(f: &GgufFile, c: &V4Config, layer: usize) -> Vec<serde_json::Value> {
-    c.attention_tensors(layer)
-        .iter()
-        .filter_map(|(n, _)| f.tensor(n))
-        .map(|t| json!({ "name": t.name, "type": t.ty.to_string(), "ne": t.ne, "bytes": t.n_bytes() }))
-        .collect()
+    tensors_json(f, c.attention_tensors(layer).into_iter().map(|(n, _)| n))
 }
 
 /// `inspect --json` of a DeepSeek-V4 file: its `V4Config` and each layer's kind and attention tensors.

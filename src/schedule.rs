@@ -162,6 +162,63 @@ impl Schedule {
     }
 }
 
+/// The schedule a command line gives: each field laid over a base schedule when set (`run`, `export` and
+/// `sweep` take the classic default, `Schedule::default()`, as that base).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Overrides {
+    pub prompt_len: Option<usize>,
+    pub decode_steps: Option<usize>,
+    pub q_len: Option<usize>,
+    pub chunk: Option<usize>,
+    pub page_size: Option<usize>,
+    pub num_splits: Option<usize>,
+    /// Keep the block table in order instead of shuffling it.
+    pub no_shuffle: bool,
+    pub pos_offset: Option<usize>,
+}
+
+impl Overrides {
+    /// Whether any field is set.
+    pub fn given(&self) -> bool {
+        let n = [
+            self.prompt_len,
+            self.decode_steps,
+            self.q_len,
+            self.chunk,
+            self.page_size,
+            self.num_splits,
+            self.pos_offset,
+        ];
+        self.no_shuffle || n.iter().any(Option::is_some)
+    }
+
+    /// `base` with the set fields laid over it, checked.
+    pub fn over(&self, base: Schedule) -> Result<Schedule> {
+        let s = Schedule {
+            prompt_len: self.prompt_len.unwrap_or(base.prompt_len),
+            chunk: self.chunk.unwrap_or(base.chunk),
+            decode_steps: self.decode_steps.unwrap_or(base.decode_steps),
+            q_len: self.q_len.unwrap_or(base.q_len),
+            page_size: self.page_size.unwrap_or(base.page_size),
+            num_splits: self.num_splits.unwrap_or(base.num_splits),
+            shuffle_seed: if self.no_shuffle {
+                None
+            } else {
+                base.shuffle_seed
+            },
+            pos_offset: self.pos_offset.unwrap_or(base.pos_offset),
+            ..base
+        };
+        s.validate()?;
+        Ok(s)
+    }
+
+    /// The classic default with the set fields, checked.
+    pub fn schedule(&self) -> Result<Schedule> {
+        self.over(Schedule::default())
+    }
+}
+
 /// Environment variable that overrides the memory a run may use (bytes).
 pub const MEMORY_ENV: &str = "MLA_DIFF_MAX_MEMORY";
 

@@ -275,6 +275,35 @@ pub struct CacheEffect {
 }
 
 impl CacheEffect {
+    /// The stages a latent cache reaches, in dataflow order; the token-local ones before them are the
+    /// same over any cache.
+    pub const REACHED: [Stage; 8] = [
+        Stage::CacheRows,
+        Stage::QAbsorbed,
+        Stage::SplitOut,
+        Stage::SplitLse,
+        Stage::AttnLatent,
+        Stage::Lse,
+        Stage::AttnHeads,
+        Stage::AttnOut,
+    ];
+
+    /// A quantized cache's effect on a layer: each stage of `quantized` that the cache reaches minus
+    /// the same stage of `plain` (the layer run again over the dtype's cache), as [`CacheEffect::of`];
+    /// the CPU mirror's and the CUDA path's one computation of it.
+    pub fn between(
+        quantized: &[StageTensor],
+        plain: &[StageTensor],
+        cache: &'static str,
+    ) -> Vec<CacheEffect> {
+        quantized
+            .iter()
+            .filter(|q| CacheEffect::REACHED.contains(&q.stage))
+            .filter_map(|q| Some((q, plain.iter().find(|p| p.stage == q.stage)?)))
+            .flat_map(|(q, p)| CacheEffect::of(q, p, cache))
+            .collect()
+    }
+
     /// A quantized cache's effect on one stage (`quantized` minus `plain`, the same stage run over the
     /// dtype's cache), under each check of the stage; none where it changed nothing.
     pub fn of(
@@ -389,6 +418,36 @@ impl LayerTrace {
 #[cfg(test)]
 mod table_tests {
     use super::*;
+
+    /// A cache's effect is taken stage by stage, matched by stage (not position), only where a cache
+    /// reaches and the stage changed; phased stages under both of their checks.
+    #[test]
+    fn cache_effect_between_matches_stages_the_cache_reaches() {
+        let t = |s: Stage, v: f64| {
+            let mut shape = vec![1; s.axes().len()];
+            shape[0] = 2;
+            StageTensor::new(s, shape, vec![v, 1.0])
+        };
+        let quantized = [
+            t(Stage::QPe, 9.0),
+            t(Stage::Lse, 3.0),
+            t(Stage::AttnOut, 5.0),
+        ];
+        let plain = [
+            t(Stage::AttnOut, 4.0),
+            t(Stage::QPe, 1.0),
+            t(Stage::Lse, 3.0),
+        ];
+        let e = CacheEffect::between(&quantized, &plain, "fp8");
+        let checks: Vec<&str> = e.iter().map(|c| c.check.as_str()).collect();
+        assert_eq!(checks, ["attn_out[prefill]", "attn_out[decode]"]);
+        assert_eq!(e[0].effect.data, [1.0, 0.0]);
+        let quantized = [t(Stage::CacheRows, 2.0), t(Stage::Lse, 2.0)];
+        let e = CacheEffect::between(&quantized, &plain, "fp8");
+        let checks: Vec<&str> = e.iter().map(|c| c.check.as_str()).collect();
+        // No plain cache_rows to subtract: nothing, rather than a guess.
+        assert_eq!(checks, ["lse[prefill]", "lse[decode]"]);
+    }
 
     /// A declared storage type bounds its stage and every stage after it in dataflow order, the
     /// coarsest winning; nothing declared, the run's dtype.

@@ -172,3 +172,52 @@ impl Factory {
 pub fn open(choice: Choice, o: &Options) -> Result<(Box<dyn Backend>, BackendInfo)> {
     Factory::new().open(choice, o)
 }
+
+/// Which optimized path a command runs and how it is made, before the run decides its dtype and page
+/// (`run`, `replay`, `sweep`; the command line's backend options, as plain values).
+#[derive(Debug, Clone)]
+pub struct Spec {
+    pub choice: Choice,
+    /// CUDA: compile the kernels in this directory instead of the built-in ones.
+    pub kernels_dir: Option<PathBuf>,
+    /// An external runner command over the chosen backend (docs/runners.md).
+    pub runner: Option<String>,
+    /// Seconds a runner may take to describe itself or answer one request.
+    pub runner_timeout: u64,
+    /// The latent cache's byte format.
+    pub kv_format: crate::kv_format::KvFormat,
+}
+
+impl Default for Spec {
+    fn default() -> Spec {
+        Spec {
+            choice: Choice::Auto,
+            kernels_dir: None,
+            runner: None,
+            runner_timeout: super::runner::protocol::DEFAULT_TIMEOUT_S,
+            kv_format: crate::kv_format::KvFormat::Auto,
+        }
+    }
+}
+
+impl Spec {
+    /// The backend for a run in `dtype`, with its facts for the report; `runner_page_moved`: the page
+    /// the run moved to one the runner takes (the runner backend's notice).
+    pub fn open(
+        &self,
+        dtype: Dtype,
+        runner_page_moved: Option<(usize, usize)>,
+    ) -> Result<(Box<dyn Backend>, BackendInfo)> {
+        super::runner::protocol::set_timeout(self.runner_timeout);
+        open(
+            self.choice,
+            &Options {
+                dtype,
+                kernels_dir: self.kernels_dir.clone(),
+                runner: self.runner.clone(),
+                runner_page_moved,
+                kv_format: self.kv_format,
+            },
+        )
+    }
+}

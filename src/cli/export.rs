@@ -1,11 +1,12 @@
 //! `mla-diff export`: one layer of a model as a self-contained capsule directory, for a bug report.
 
-use super::run::{check_dense_beyond_top_k, InputArgs, ScheduleArgs};
+use super::run::{InputArgs, ScheduleArgs};
 use mla_diff::capsule::{self, ExportOptions};
 use mla_diff::error::Error;
 use mla_diff::gguf::GgufFile;
 use mla_diff::model::MlaConfig;
 use mla_diff::precision::Dtype;
+use mla_diff::run::plan::check_dense_beyond_top_k;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
@@ -41,7 +42,7 @@ pub struct Args {
 pub fn exec(a: Args) -> Result<i32, Error> {
     let file = GgufFile::open(&a.file)?;
     let cfg = MlaConfig::from_gguf(&file)?;
-    let sched = a.schedule.schedule()?;
+    let sched = a.schedule.overrides().schedule()?;
     let layers = mla_diff::run::parse_layers(&a.layers, cfg.n_layer)?;
     let heads = match &a.heads {
         Some(h) => Some(capsule::heads::parse(h, cfg.n_head)?),

@@ -1,11 +1,12 @@
 //! `mla-diff replay`: run a capsule written by `export` through the ordinary run pipeline and write the
 //! same reports as `run`.
 
-use super::run::{execute, BackendArgs, How, Job, Prepared, ReportArgs, TolArgs};
+use super::run::{BackendArgs, ReportArgs, TolArgs};
 use mla_diff::capsule::Capsule;
 use mla_diff::error::Error;
 use mla_diff::gguf::GgufFile;
 use mla_diff::model::MlaConfig;
+use mla_diff::run::command::{execute, How, Job, Optimized, Prepared};
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
@@ -21,22 +22,19 @@ pub struct Args {
 }
 
 pub fn exec(a: Args) -> Result<i32, Error> {
+    let (backend, report) = (a.backend.spec(), a.report.options());
     let cap = Capsule::open(&a.dir)?;
     let file = GgufFile::open(&cap.weights)?;
     let cfg = MlaConfig::from_gguf(&file)?;
     let m = &cap.manifest;
-    let (tolerances, source) = a.tol.table(m.dtype)?;
-    let opts = cap.run_options(
-        tolerances,
-        source,
-        a.report.dump(cfg.n_layer)?,
-        !a.report.formats.quiet,
-    );
-    let ready = Prepared::check(&file, &cfg, &opts, &a.report)?;
+    let (tolerances, source) = a.tol.overrides().table(m.dtype)?;
+    let dump = mla_diff::run::dump_of(&report, cfg.n_layer)?;
+    let opts = cap.run_options(tolerances, source, dump, !report.formats.quiet);
+    let ready = Prepared::check(&file, &cfg, &opts, &report)?;
     // Before the run: a capsule whose weights no longer give its reference would report on another
     // problem than the one it was exported for.
     cap.check_reference(&file, &cfg)?;
-    if !a.report.formats.quiet {
+    if !report.formats.quiet {
         eprintln!(
             "mla-diff: capsule {}: layer {} of {}{}, {} tokens, {}; its reference matches its weights",
             a.dir.display(),
@@ -54,6 +52,6 @@ pub fn exec(a: Args) -> Result<i32, Error> {
         cfg: &cfg,
         opts: &opts,
     };
-    let how = How::default();
-    execute(job, ready, &a.backend, &a.report, &cap.notices(), how)
+    let path = Optimized::Open(&backend, None);
+    execute(job, ready, path, &report, &cap.notices(), How::default())
 }

@@ -1,32 +1,16 @@
-//! `mla-diff run`: the comparison itself, its reports and the baseline gate.
+//! `mla-diff run`: the command line of a run, turned into the library's plain options
+//! (`mla_diff::run::command::Request`), which does the rest.
 
-use clap::ValueEnum;
-use mla_diff::error::{Error, EXIT_DIVERGENCE, EXIT_PASS};
+use mla_diff::error::Error;
 use mla_diff::faults::{FaultSet, Injection};
-use mla_diff::gguf::GgufFile;
-use mla_diff::model::MlaConfig;
 use mla_diff::precision::Dtype;
-use mla_diff::report::baseline::Identity;
-use mla_diff::report::{self, Report};
-use mla_diff::run::{plan, Modes, RunOptions};
-use outputs::Outputs;
-pub use plan::check_dense_beyond_top_k;
+use mla_diff::run::command::{self, Request, Spread};
+use mla_diff::run::Mode;
 use std::path::PathBuf;
 
 pub mod args;
-mod capture;
-mod outputs;
 
 pub use args::{BackendArgs, FormatArgs, InputArgs, ReportArgs, ScheduleArgs, TolArgs};
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum ModeArg {
-    /// Each layer gets the reference's input: the layer's local error.
-    Shadow,
-    /// Each side feeds its own output forward: the accumulated drift.
-    Free,
-    Both,
-}
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -40,7 +24,7 @@ pub struct Args {
     dtype: Dtype,
     /// Default: both, or shadow when --hidden holds per-layer captures.
     #[arg(long, value_enum)]
-    mode: Option<ModeArg>,
+    mode: Option<Mode>,
     /// Run a DSA model (GLM-5, DeepSeek-V3.2) without indexer tensors on a schedule where queries see
     /// more keys than the indexer's top_k: the run then checks dense attention, not the model. Without
     /// this flag such a run is refused; with it every report carries a notice. (A file with indexer
@@ -108,359 +92,48 @@ pub struct Args {
 }
 
 impl Args {
-    /// The run's schedule: the options given over the classic default, or, given none (and random
-    /// inputs, which the schedule is free to fit), the kernel-aware one (`run::plan::default_schedule`),
-    /// with the page choice a runner made.
-    fn default_schedule(
-        &self,
-        cfg: &MlaConfig,
-    ) -> Result<(mla_diff::schedule::Schedule, Option<(usize, usize)>), Error> {
-        let fixed =
-            self.schedule.given() || self.input.tokens.is_some() || self.input.hidden.is_some();
-        if fixed {
-            return Ok((self.schedule.schedule()?, None));
-        }
-        plan::default_schedule(cfg, self.backend.runner.as_deref())
-    }
-
-    /// A `--gpus` worker (`gpus::Worker`): its shard, its JSON report where the parent reads it, and
-    /// nothing else written or gated (the parent does that with the joined report).
-    fn become_worker(&mut self, w: &mla_diff::gpus::Worker) {
-        self.shard = Some(w.shard.to_string());
-        self.gpus = None;
-        self.report = ReportArgs {
-            formats: FormatArgs {
-                json: Some(w.json.clone()),
-                junit: None,
-                markdown: None,
-                color: report::table::ColorChoice::Never,
-                quiet: true,
-            },
-            plot: None,
-            dump_dir: None,
-            dump_layers: "first".into(),
-            baseline: None,
-            baseline_factor: self.report.baseline_factor,
-            allow_baseline_mismatch: false,
-            write_baseline: None,
-        };
-    }
-
-    /// `--gpus`: this run's layers over the GPUs, one worker process each (`gpus::fan_out`), then the
-    /// joined report written and gated as a one-GPU run's.
-    fn spread(
-        &self,
-        spec: &str,
-        cfg: &MlaConfig,
-        opts: &RunOptions,
-        ready: Prepared,
-    ) -> Result<i32, Error> {
-        use mla_diff::backend::open::Choice;
-        if self.backend.backend == Choice::Cpu {
-            return Err(Error::Usage(
-                "--gpus spreads a run over GPUs: it needs --backend cuda (or auto on a GPU machine)"
-                    .into(),
-            ));
-        }
-        if self.report.dump_dir.is_some() {
-            return Err(Error::Usage(
-                "--gpus does not dump tensors (each worker sees only its layers): dump from a one-GPU run, e.g. with --layers".into(),
-            ));
-        }
-        let count = mla_diff::backend::cuda::device::device_count()?;
-        let devices = mla_diff::gpus::devices(spec, &mla_diff::gpus::visible(count))?;
-        let layers = opts.layers.as_ref().map_or(cfg.n_layer, Vec::len);
-        let exe = std::env::current_exe()
-            .map_err(|e| Error::io("--gpus: cannot find this program to start its workers", e))?;
-        let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
-        let started = std::time::Instant::now();
-        let quiet = self.report.formats.quiet;
-        let rep = mla_diff::gpus::fan_out(&exe, &args, &devices, layers, !quiet)?;
-        finish(rep, ready, &self.report, started)
-    }
-
-    /// The planted faults; unknown names are usage errors before anything is read.
-    fn faults(&self) -> Result<FaultSet, Error> {
-        Ok(FaultSet(
-            self.inject
-                .iter()
-                .map(|s| Injection::parse(s))
-                .collect::<Result<_, _>>()?,
-        ))
-    }
-
-    /// The library's options for a run on `file`, every choice checked against the model (with the
-    /// notes a choice calls for on stderr); and `(schedule's page, page run)` when the page was moved
-    /// to one the runner takes (the runner backend's notice).
-    fn options(
-        &self,
-        file: &GgufFile,
-        cfg: &MlaConfig,
-        faults: FaultSet,
-    ) -> Result<(RunOptions, Option<(usize, usize)>), Error> {
-        // The runner is asked to describe itself from here on (page choice, --inject): timed already.
-        mla_diff::backend::runner::protocol::set_timeout(self.backend.runner_timeout);
-        let (mut sched, mut choice) = self.default_schedule(cfg)?;
-        // A runner that does not take the schedule's page gets one it does (the report says so); the
-        // default schedule chose its own already (`default_schedule`).
-        if let (Some(cmd), None, None) = (&self.backend.runner, self.schedule.page_size, choice) {
-            choice = Some(plan::fit_runner_page(&mut sched, cmd)?);
-        }
-        let page_moved = choice.filter(|(want, page)| want != page);
-        if let Some(cmd) = &self.backend.runner {
-            plan::refuse_inject_under_runner(&faults, cmd)?;
-        }
-        let (tolerances, tolerance_source) = self.tol.table(self.dtype)?;
-        let dump = self.report.dump(cfg.n_layer)?;
-        let layers = mla_diff::run::parse_layers(&self.layers, cfg.n_layer)?;
-        faults.check_layers(cfg.n_layer, &layers)?;
-        // A file with an indexer runs the sparse model past top_k (`run::dsa`); only a DSA file without
-        // one would run dense there.
-        let sparse = mla_diff::run::dsa::sparse_for(file, cfg, &sched)?.is_some();
-        if sparse && (self.shard.is_some() || self.gpus.is_some() || self.tp.is_some()) {
-            return Err(Error::Usage(
-                "--shard, --gpus and --tp do not run the DSA sparse model yet: use at most top_k tokens on this file, or run without them".into(),
-            ));
-        }
-        if !sparse {
-            check_dense_beyond_top_k(file, cfg, &sched, self.allow_dense_beyond_topk)?;
-        }
-        let hidden = &self.input.hidden;
-        let mode = match (self.mode, hidden) {
-            (Some(m), _) => m,
-            // Per-layer captures restart the reference at each layer, so free mode has no meaning there.
-            (None, Some(p))
-                if self.input.tokens.is_none() && mla_diff::input::npy_ndim(p)? == 3 =>
-            {
-                eprintln!(
-                    "mla-diff: note: per-layer captures in {}: shadow mode only",
-                    p.display()
-                );
-                ModeArg::Shadow
-            }
-            (None, _) => ModeArg::Both,
-        };
-        let opts = RunOptions {
-            layers: Some(layers),
-            input: self.input.spec(),
-            sched,
+    /// The library's request: the same options as plain values. Planted faults and a shard are parsed
+    /// here (unknown names are usage errors before anything is read); the rest is checked against the
+    /// model by the library.
+    fn request(self) -> Result<Request, Error> {
+        let faults = self.inject.iter().map(|s| Injection::parse(s));
+        let shard = self.shard.as_deref();
+        Ok(Request {
+            file: self.file,
+            layers: self.layers,
             dtype: self.dtype,
-            modes: Modes {
-                shadow: mode != ModeArg::Free,
-                free: mode != ModeArg::Shadow,
-            },
-            tolerances,
-            tolerance_source,
-            dump,
-            faults,
-            progress: !self.report.formats.quiet,
-            repeat: self.repeat as usize,
+            mode: self.mode,
+            allow_dense_beyond_topk: self.allow_dense_beyond_topk,
             indexer_keys: self.indexer_keys,
-        };
-        Ok((opts, page_moved))
-    }
-}
-
-pub fn exec(mut a: Args) -> Result<i32, Error> {
-    let worker = mla_diff::gpus::Worker::from_env()?;
-    if let Some(w) = &worker {
-        a.become_worker(w);
-    }
-    let faults = a.faults()?;
-    // A capture neither says nor keeps the cache's byte format yet (issue #38, the runner protocol's
-    // `cache.format`): refused rather than judged as the dtype's cache.
-    let kv = a.backend.kv_cache_dtype;
-    if !kv.is_auto() && (!a.capture.is_empty() || a.write_capture.is_some()) {
-        return Err(Error::Usage(format!(
-            "--kv-cache-dtype {kv}: captures (--capture, --write-capture) carry the dtype's cache only so far (issue #38)"
-        )));
-    }
-    let file = GgufFile::open(&a.file)?;
-    let cfg = MlaConfig::from_gguf(&file)?;
-    if !a.capture.is_empty() {
-        return capture::exec(&a, &file, &cfg);
-    }
-    let shard = a
-        .shard
-        .as_deref()
-        .map(mla_diff::shard::Shard::parse)
-        .transpose()?;
-    let (opts, page_moved) = a.options(&file, &cfg, faults)?;
-    a.backend.runner_page_moved = page_moved;
-    if let Some(s) = shard {
-        // Before the run: a shard count larger than the layers is a usage error.
-        let n = opts.layers.as_ref().map_or(cfg.n_layer, Vec::len);
-        s.range(n, "layers")?;
-    }
-    let tp = a.tp.map(|n| mla_diff::tp::TpSpec {
-        size: n as usize,
-        fault_rank: a.inject_rank,
-    });
-    if let Some(t) = &tp {
-        t.check(&cfg)?;
-    }
-    let ready = Prepared::check(&file, &cfg, &opts, &a.report)?;
-    if let Some(spec) = &a.gpus {
-        return a.spread(spec, &cfg, &opts, ready);
-    }
-    let job = Job {
-        file: &file,
-        cfg: &cfg,
-        opts: &opts,
-    };
-    let how = How {
-        shard,
-        tp,
-        write_capture: a.write_capture.clone(),
-    };
-    execute(job, ready, &a.backend, &a.report, &[], how)
-}
-
-/// What a run runs: the file, its config and the run's options, made by `run` or `replay`.
-#[derive(Clone, Copy)]
-pub struct Job<'a> {
-    pub file: &'a GgufFile,
-    pub cfg: &'a MlaConfig,
-    pub opts: &'a RunOptions,
-}
-
-/// How `run` splits its work (`--shard`, `--tp`); `How::default()` for `replay`.
-#[derive(Default)]
-pub struct How {
-    pub shard: Option<mla_diff::shard::Shard>,
-    pub tp: Option<mla_diff::tp::TpSpec>,
-    /// `--write-capture DIR`.
-    pub write_capture: Option<PathBuf>,
-}
-
-/// What is checked before the (possibly long) run, so that an unusable output path or a mismatched
-/// baseline fails at once: the report targets and the --baseline report.
-pub struct Prepared {
-    outputs: Outputs,
-    baseline: Option<(Report, Vec<String>)>,
-}
-
-impl Prepared {
-    pub fn check(
-        file: &GgufFile,
-        cfg: &MlaConfig,
-        opts: &RunOptions,
-        r: &ReportArgs,
-    ) -> Result<Prepared, Error> {
-        Ok(Prepared {
-            outputs: Outputs::check(r)?,
-            baseline: r.baseline(&Identity::planned(file, cfg, opts)?)?,
+            faults: FaultSet(faults.collect::<Result<_, _>>()?),
+            repeat: self.repeat as usize,
+            shard: shard.map(mla_diff::shard::Shard::parse).transpose()?,
+            // The workers rerun this command line, each with its shard (`gpus::fan_out`).
+            gpus: self.gpus.map(|spec| Spread {
+                spec,
+                args: std::env::args_os().skip(1).collect(),
+            }),
+            tp: self.tp.map(|n| mla_diff::tp::TpSpec {
+                size: n as usize,
+                fault_rank: self.inject_rank,
+            }),
+            capture: self.capture,
+            capture_request: self.capture_request,
+            write_capture: self.write_capture,
+            input: self.input.spec(),
+            schedule: self.schedule.overrides(),
+            backend: self.backend.spec(),
+            tol: self.tol.overrides(),
+            report: self.report.options(),
         })
     }
 }
 
-/// The run once its options are made and its outputs checked, shared by `run` and `replay`: open the
-/// backend, run (split as `how` says), gate, write the reports; the exit code. `notices` are added to
-/// the report's.
-pub fn execute(
-    job: Job,
-    ready: Prepared,
-    backend: &BackendArgs,
-    r: &ReportArgs,
-    notices: &[String],
-    how: How,
-) -> Result<i32, Error> {
-    let Job { file, cfg, opts } = job;
-    let Prepared { outputs, baseline } = ready;
-    if !r.formats.quiet {
-        let met = |n| mla_diff::tiles::variants::need_met(n, cfg, &opts.sched);
-        for b in opts.faults.blind_spots(&met) {
-            eprintln!("mla-diff: note: injected fault {b} may not show on this run");
-        }
+pub fn exec(a: Args) -> Result<i32, Error> {
+    let worker = mla_diff::gpus::Worker::from_env()?;
+    let mut req = a.request()?;
+    if let Some(w) = &worker {
+        req.become_worker(w);
     }
-    let (mut backend, mut info) = backend.open(opts.dtype)?;
-    // --write-capture wraps the path the ranks run on (each rank's call is written as its own
-    // capture), --tp wraps that.
-    let mut writer = None;
-    let inner: &mut dyn mla_diff::backend::Backend = match &how.write_capture {
-        Some(dir) => writer.insert(mla_diff::capture::write::WriteCapture::new(
-            backend.as_mut(),
-            dir,
-            file,
-            opts.dtype,
-            &opts.sched,
-            how.tp.map_or(1, |t| t.size),
-        )?),
-        None => backend.as_mut(),
-    };
-    let mut tp = None;
-    let b: &mut dyn mla_diff::backend::Backend = match how.tp {
-        Some(spec) => {
-            let tolerances = opts.tolerances.clone();
-            let t = tp.insert(mla_diff::tp::TpBackend::new(
-                inner, spec, opts.dtype, tolerances,
-            ));
-            info.description = mla_diff::backend::Backend::describe(t);
-            t
-        }
-        None => inner,
-    };
-    let started = std::time::Instant::now();
-    let mut rep = match how.shard {
-        Some(s) => mla_diff::shard::run(file, b, &info, opts, s)?,
-        None => mla_diff::run::run(file, b, &info, opts)?,
-    };
-    if let Some(t) = tp {
-        let layers = rep.run.layers.clone();
-        rep.set_tp(t.result(cfg, &layers));
-    }
-    if let Some(w) = writer {
-        let tokens = match &opts.input {
-            mla_diff::run::InputSpec::Tokens(ids) => Some(ids.as_slice()),
-            _ => None,
-        };
-        let dirs = w.finish(tokens, rep.environment.backend.clone())?;
-        if !r.formats.quiet {
-            for d in dirs {
-                eprintln!("mla-diff: capture written to {}", d.display());
-            }
-        }
-    }
-    rep.run.notices.extend(notices.iter().cloned());
-    finish(rep, Prepared { outputs, baseline }, r, started)
-}
-
-/// A run's report gated against its --baseline and written; the exit code.
-fn finish(
-    mut rep: Report,
-    ready: Prepared,
-    r: &ReportArgs,
-    started: std::time::Instant,
-) -> Result<i32, Error> {
-    let Prepared { outputs, baseline } = ready;
-    if let (Some((b, diffs)), Some(p)) = (baseline, &r.baseline) {
-        let mut g = report::baseline::gate(&rep, &b, &p.display().to_string(), r.baseline_factor);
-        g.across = diffs;
-        rep.set_baseline(g);
-    }
-    outputs.write(&rep, r)?;
-    if !r.formats.quiet {
-        if let Some(d) = &r.dump_dir {
-            if rep.dumps.is_empty() {
-                eprintln!(
-                    "mla-diff: no layer dumped into {} (--dump-layers {}: nothing selected)",
-                    d.display(),
-                    r.dump_layers
-                );
-            }
-            for d in &rep.dumps {
-                eprintln!("mla-diff: dumped {}", d.display());
-            }
-        }
-        eprintln!(
-            "mla-diff: {} layer(s) in {:.2} s",
-            rep.run.layers.len(),
-            started.elapsed().as_secs_f64()
-        );
-    }
-    Ok(if rep.pass() {
-        EXIT_PASS
-    } else {
-        EXIT_DIVERGENCE
-    })
+    command::exec(req)
 }

@@ -1,7 +1,7 @@
 //! `mla-diff sweep`: runs over sequence lengths around the kernel's boundaries (or over split counts),
 //! the smallest failing length and its bisection; the same report formats as `run`.
 
-use super::run::{check_dense_beyond_top_k, BackendArgs, FormatArgs, ScheduleArgs, TolArgs};
+use super::run::{BackendArgs, FormatArgs, ScheduleArgs, TolArgs};
 use mla_diff::error::{Error, EXIT_DIVERGENCE, EXIT_PASS};
 use mla_diff::faults::{FaultSet, Injection};
 use mla_diff::gguf::GgufFile;
@@ -9,6 +9,7 @@ use mla_diff::model::MlaConfig;
 use mla_diff::precision::Dtype;
 use mla_diff::report;
 use mla_diff::report::output::Target;
+use mla_diff::run::plan::check_dense_beyond_top_k;
 use mla_diff::sweep::{self, lengths, LengthPlan, SweepOptions, SweepReport};
 use std::path::PathBuf;
 
@@ -76,10 +77,10 @@ pub fn exec(a: Args) -> Result<i32, Error> {
     let outputs = Outputs::check(&a.report)?;
     let file = GgufFile::open(&a.file)?;
     let cfg = MlaConfig::from_gguf(&file)?;
-    let sched = a.schedule.schedule()?;
+    let sched = a.schedule.overrides().schedule()?;
     let layers = mla_diff::run::parse_layers(&a.layers, cfg.n_layer)?;
     faults.check_layers(cfg.n_layer, &layers)?;
-    let (tolerances, tolerance_source) = a.tol.table(a.dtype)?;
+    let (tolerances, tolerance_source) = a.tol.overrides().table(a.dtype)?;
     // The DSA check at the longest schedule the sweep runs, when it is known now (a default length
     // range is known after the first run: the library checks its end then).
     let longest = match (&a.splits, &user) {
@@ -98,7 +99,7 @@ pub fn exec(a: Args) -> Result<i32, Error> {
         progress: !a.report.quiet,
         allow_dense_beyond_topk: a.allow_dense_beyond_topk,
     };
-    let (mut backend, info) = a.backend.open(a.dtype)?;
+    let (mut backend, info) = a.backend.spec().open(a.dtype, None)?;
     let started = std::time::Instant::now();
     let rep = match &a.splits {
         Some(counts) => sweep::splits::sweep_splits(&file, backend.as_mut(), &info, &opts, counts)?,

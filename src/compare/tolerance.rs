@@ -32,6 +32,21 @@ pub struct ToleranceTable {
     pub overridden: std::collections::BTreeSet<String>,
 }
 
+/// Tolerance overrides laid over the calibrated defaults: a tolerance file (the format of `mla-diff
+/// calibrate`) and `STAGE=FIELD:X,...` entries for the run's dtype (`--tol-file`, `--tol`).
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub file: Option<std::path::PathBuf>,
+    pub entries: Vec<String>,
+}
+
+impl Overrides {
+    /// The tolerance table for `dtype` and where it came from (for the report).
+    pub fn table(&self, dtype: Dtype) -> Result<(ToleranceTable, String)> {
+        ToleranceTable::with_overrides(dtype, self.file.as_deref(), &self.entries)
+    }
+}
+
 const DEFAULTS_JSON: &str = include_str!("tolerances.json");
 
 impl ToleranceTable {

@@ -7,6 +7,7 @@ pub mod junit;
 pub mod markdown;
 pub mod npy;
 pub mod output;
+pub mod outputs;
 pub mod repeat;
 pub mod svg;
 pub mod table;

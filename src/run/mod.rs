@@ -25,6 +25,8 @@ use std::path::PathBuf;
 
 mod assemble;
 mod baseline;
+mod capture;
+pub mod command;
 pub mod dsa;
 mod judge;
 mod layers;
@@ -73,10 +75,40 @@ impl DumpLayers {
     }
 }
 
+/// The dump directory and the layers to dump that `r` asks for, for a model of `n_layer` layers.
+pub fn dump_of(
+    r: &crate::report::outputs::ReportOptions,
+    n_layer: usize,
+) -> Result<Option<(PathBuf, DumpLayers)>> {
+    Ok(match &r.dump_dir {
+        None => None,
+        Some(d) => Some((d.clone(), DumpLayers::parse(&r.dump_layers, n_layer)?)),
+    })
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Modes {
     pub shadow: bool,
     pub free: bool,
+}
+
+/// The modes of a run as a command names them (`--mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Each layer gets the reference's input: the layer's local error.
+    Shadow,
+    /// Each side feeds its own output forward: the accumulated drift.
+    Free,
+    Both,
+}
+
+impl From<Mode> for Modes {
+    fn from(m: Mode) -> Modes {
+        Modes {
+            shadow: m != Mode::Free,
+            free: m != Mode::Shadow,
+        }
+    }
 }
 
 pub struct RunOptions {

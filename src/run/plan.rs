@@ -1,6 +1,7 @@
 //! Run policy decided before a run starts, shared by `run` and the commands around it: the
 //! kernel-aware default schedule (and the page a runner takes), the `--inject` a runner would make
-//! meaningless, and a DSA file run dense past its indexer's top_k.
+//! meaningless, and a DSA file run dense past its indexer's top_k; [`options`] makes a run's
+//! options from its request with all of them.
 
 use crate::backend::runner::{declared_kernels, protocol, replaced_checks};
 use crate::coverage::covering::{covering, for_runner, Limits};
@@ -9,6 +10,77 @@ use crate::faults::FaultSet;
 use crate::gguf::GgufFile;
 use crate::model::MlaConfig;
 use crate::schedule::Schedule;
+
+/// The library's options for a run of `req` on `file`, every choice checked against the model (with
+/// the notes a choice calls for on stderr); and `(schedule's page, page run)` when the page was moved
+/// to one the runner takes (the runner backend's notice).
+pub fn options(
+    req: &super::command::Request,
+    file: &GgufFile,
+    cfg: &MlaConfig,
+) -> Result<(super::RunOptions, Option<(usize, usize)>)> {
+    let runner = req.backend.runner.as_deref();
+    // The runner is asked to describe itself from here on (page choice, --inject): timed already.
+    protocol::set_timeout(req.backend.runner_timeout);
+    // The options given over the classic default, or, given none (and random inputs, which the
+    // schedule is free to fit), the kernel-aware one with the page choice a runner made.
+    let random = matches!(req.input, super::InputSpec::Random { .. });
+    let (mut sched, mut choice) = match req.schedule.given() || !random {
+        true => (req.schedule.schedule()?, None),
+        false => default_schedule(cfg, runner)?,
+    };
+    // A runner that does not take the schedule's page gets one it does (the report says so); the
+    // default schedule chose its own already.
+    if let (Some(cmd), None, None) = (runner, req.schedule.page_size, choice) {
+        choice = Some(fit_runner_page(&mut sched, cmd)?);
+    }
+    let page_moved = choice.filter(|(want, page)| want != page);
+    if let Some(cmd) = runner {
+        refuse_inject_under_runner(&req.faults, cmd)?;
+    }
+    let (tolerances, tolerance_source) = req.tol.table(req.dtype)?;
+    let dump = super::dump_of(&req.report, cfg.n_layer)?;
+    let layers = super::parse_layers(&req.layers, cfg.n_layer)?;
+    req.faults.check_layers(cfg.n_layer, &layers)?;
+    // A file with an indexer runs the sparse model past top_k (`run::dsa`); only a DSA file without
+    // one would run dense there.
+    let sparse = super::dsa::sparse_for(file, cfg, &sched)?.is_some();
+    if sparse && (req.shard.is_some() || req.gpus.is_some() || req.tp.is_some()) {
+        return Err(Error::Usage(
+            "--shard, --gpus and --tp do not run the DSA sparse model yet: use at most top_k tokens on this file, or run without them".into(),
+        ));
+    }
+    if !sparse {
+        check_dense_beyond_top_k(file, cfg, &sched, req.allow_dense_beyond_topk)?;
+    }
+    let mode = match (req.mode, &req.input) {
+        (Some(m), _) => m,
+        // Per-layer captures restart the reference at each layer, so free mode has no meaning there.
+        (None, super::InputSpec::Npy(p)) if crate::input::npy_ndim(p)? == 3 => {
+            eprintln!(
+                "mla-diff: note: per-layer captures in {}: shadow mode only",
+                p.display()
+            );
+            super::Mode::Shadow
+        }
+        (None, _) => super::Mode::Both,
+    };
+    let opts = super::RunOptions {
+        layers: Some(layers),
+        input: req.input.clone(),
+        sched,
+        dtype: req.dtype,
+        modes: mode.into(),
+        tolerances,
+        tolerance_source,
+        dump,
+        faults: req.faults.clone(),
+        progress: !req.report.formats.quiet,
+        repeat: req.repeat,
+        indexer_keys: req.indexer_keys,
+    };
+    Ok((opts, page_moved))
+}
 
 /// The kernel-aware schedule that crosses every coverage class of the kernels this model's dims may
 /// run on (docs/coverage.md); with a runner, also of the tiles it declares, within what its

@@ -208,7 +208,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 pub fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_mla-diff"))
+    Command::new(std::env::var_os("MLA_DIFF_BIN").unwrap_or(env!("CARGO_BIN_EXE_mla-diff").into()))
 }
 
 pub fn fixtures_dir() -> PathBuf {

@@ -362,3 +362,38 @@ fn dsa_beyond_top_k_is_refused_or_noticed() {
     let o = run(&["run", p.to_str().unwrap(), "--backend", "cpu"]);
     assert_clean_error(&o, "indexer top_k is unknown");
 }
+
+/// `mla-diff run` is a library operation: a `Request` built in Rust (no clap) runs as the command line
+/// does, its defaults `run FILE`'s, its reports byte for byte the same.
+#[test]
+fn a_request_built_in_rust_runs_like_the_command_line() {
+    use mla_diff::run::command::{exec, Request};
+    let d = tempfile::tempdir().unwrap();
+    let (lib, cli) = (d.path().join("lib.json"), d.path().join("cli.json"));
+    let f = fixture("minicpm3-f32.gguf");
+    let mut req = Request::new(f.clone());
+    req.backend.choice = mla_diff::backend::Choice::Cpu;
+    req.schedule.prompt_len = Some(20);
+    req.schedule.decode_steps = Some(3);
+    req.report.formats.json = Some(lib.clone());
+    req.report.formats.quiet = true;
+    assert_eq!(exec(req.clone()).unwrap(), 0);
+    let o = bin()
+        .args([
+            "run",
+            f.to_str().unwrap(),
+            "--backend",
+            "cpu",
+            "--prompt-len",
+            "20",
+        ])
+        .args(["--decode-steps", "3", "-q", "--json", cli.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(std::fs::read(&lib).unwrap(), std::fs::read(&cli).unwrap());
+    // A refusal is the command line's too: an error, not a panic or an exit.
+    req.layers = "5".into();
+    let e = exec(req).unwrap_err();
+    assert!(e.to_string().contains("layer 5 does not exist"), "{e}");
+}

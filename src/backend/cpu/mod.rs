@@ -238,20 +238,6 @@ impl Attention<'_> {
     }
 }
 
-/// A quantized cache's effect on each stage it changes (`quantized` minus `plain`), under each check
-/// of the stage.
-fn cache_effects(
-    quantized: &[StageTensor],
-    plain: &[StageTensor],
-    kv: crate::kv_format::KvFormat,
-) -> Vec<crate::trace::CacheEffect> {
-    quantized
-        .iter()
-        .zip(plain)
-        .flat_map(|(q, p)| crate::trace::CacheEffect::of(q, p, kv.name()))
-        .collect()
-}
-
 impl Backend for CpuMirror {
     fn describe(&self) -> String {
         match self.kv.is_auto() {
@@ -370,8 +356,7 @@ impl Backend for CpuMirror {
         // (`trace::CacheEffect`); the stage-local view bounds them by the format's rounding instead.
         if codec.is_some() {
             let (_, _, plain) = l.run(None);
-            tr.cache_effect
-                .extend(cache_effects(&stages, &plain, self.kv));
+            tr.cache_effect = crate::trace::CacheEffect::between(&stages, &plain, self.kv.name());
         }
         tr.stages.extend(stages);
         Ok(tr)

@@ -143,25 +143,7 @@ impl Layer<'_> {
         plain.decode(ctx.sched)?;
         plain.finish()?;
         let plain = plain.trace(ctx.layer)?;
-        let mut effects = Vec::new();
-        // The stages a cache reaches (the mirror's `attention` stages); the token-local ones are the same.
-        let reached = [
-            Stage::CacheRows,
-            Stage::QAbsorbed,
-            Stage::SplitOut,
-            Stage::SplitLse,
-            Stage::AttnLatent,
-            Stage::Lse,
-            Stage::AttnHeads,
-            Stage::AttnOut,
-        ];
-        for q in tr.stages.iter().filter(|q| reached.contains(&q.stage)) {
-            let Some(p) = plain.stages.iter().find(|p| p.stage == q.stage) else {
-                continue;
-            };
-            effects.extend(CacheEffect::of(q, p, kv.name()));
-        }
-        tr.cache_effect = effects;
+        tr.cache_effect = CacheEffect::between(&tr.stages, &plain.stages, kv.name());
         Ok(tr)
     }
 }

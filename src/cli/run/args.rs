@@ -1,16 +1,13 @@
 //! The groups of `run`'s options that other commands take too, each a struct flattened into the
 //! commands' `Args` (cargo's style): `export` takes the input and schedule options, `replay` the backend,
-//! tolerance and report options. A new backend option (an external runner, say) is one field of
-//! `BackendArgs`, and then every command that runs a backend has it.
+//! tolerance and report options. Each turns into the library's plain options (`spec`, `overrides`,
+//! `options`): a new backend option (an external runner, say) is one field here and one in
+//! `mla_diff::backend::open::Spec`, and then every command that runs a backend has it.
 
-use mla_diff::backend::{Backend, BackendInfo, Choice};
-use mla_diff::compare::ToleranceTable;
-use mla_diff::error::Error;
-use mla_diff::precision::Dtype;
-use mla_diff::report::baseline::Identity;
-use mla_diff::report::{self, Report};
-use mla_diff::run::{DumpLayers, InputSpec};
-use mla_diff::schedule::Schedule;
+use mla_diff::backend::Choice;
+use mla_diff::report;
+use mla_diff::report::outputs::{Formats, ReportOptions};
+use mla_diff::run::InputSpec;
 use std::path::PathBuf;
 
 /// Where the layer inputs come from.
@@ -76,44 +73,17 @@ pub struct ScheduleArgs {
 }
 
 impl ScheduleArgs {
-    /// Whether any schedule option was given.
-    pub fn given(&self) -> bool {
-        let n = [
-            self.prompt_len,
-            self.decode_steps,
-            self.q_len,
-            self.chunk,
-            self.page_size,
-            self.num_splits,
-            self.pos_offset,
-        ];
-        self.no_shuffle || n.iter().any(Option::is_some)
-    }
-
-    /// `base` with the given options laid over it, checked.
-    pub fn over(&self, base: Schedule) -> Result<Schedule, Error> {
-        let s = Schedule {
-            prompt_len: self.prompt_len.unwrap_or(base.prompt_len),
-            chunk: self.chunk.unwrap_or(base.chunk),
-            decode_steps: self.decode_steps.unwrap_or(base.decode_steps),
-            q_len: self.q_len.unwrap_or(base.q_len),
-            page_size: self.page_size.unwrap_or(base.page_size),
-            num_splits: self.num_splits.unwrap_or(base.num_splits),
-            shuffle_seed: if self.no_shuffle {
-                None
-            } else {
-                base.shuffle_seed
-            },
-            pos_offset: self.pos_offset.unwrap_or(base.pos_offset),
-            ..base
-        };
-        s.validate()?;
-        Ok(s)
-    }
-
-    /// The classic default with the given options, checked.
-    pub fn schedule(&self) -> Result<Schedule, Error> {
-        self.over(Schedule::default())
+    pub fn overrides(&self) -> mla_diff::schedule::Overrides {
+        mla_diff::schedule::Overrides {
+            prompt_len: self.prompt_len,
+            decode_steps: self.decode_steps,
+            q_len: self.q_len,
+            chunk: self.chunk,
+            page_size: self.page_size,
+            num_splits: self.num_splits,
+            no_shuffle: self.no_shuffle,
+            pos_offset: self.pos_offset,
+        }
     }
 }
 
@@ -140,26 +110,17 @@ pub struct BackendArgs {
     /// docs/cache-formats.md. CPU mirror only for now.
     #[arg(long, value_enum, default_value = "auto", value_name = "FORMAT")]
     pub kv_cache_dtype: mla_diff::kv_format::KvFormat,
-    /// `(schedule's page, page run)` when `run` moved its page to one the runner takes
-    /// (`protocol::page_for`), for the runner backend's notice; not an option.
-    #[arg(skip)]
-    pub runner_page_moved: Option<(usize, usize)>,
 }
 
 impl BackendArgs {
-    /// The backend for a run in `dtype`, with its facts for the report.
-    pub fn open(&self, dtype: Dtype) -> Result<(Box<dyn Backend>, BackendInfo), Error> {
-        mla_diff::backend::runner::protocol::set_timeout(self.runner_timeout);
-        mla_diff::backend::open(
-            self.backend,
-            &mla_diff::backend::Options {
-                dtype,
-                kernels_dir: self.kernels.clone(),
-                runner: self.runner.clone(),
-                runner_page_moved: self.runner_page_moved,
-                kv_format: self.kv_cache_dtype,
-            },
-        )
+    pub fn spec(&self) -> mla_diff::backend::open::Spec {
+        mla_diff::backend::open::Spec {
+            choice: self.backend,
+            kernels_dir: self.kernels.clone(),
+            runner: self.runner.clone(),
+            runner_timeout: self.runner_timeout,
+            kv_format: self.kv_cache_dtype,
+        }
     }
 }
 
@@ -179,9 +140,11 @@ pub struct TolArgs {
 }
 
 impl TolArgs {
-    /// The tolerance table for `dtype` and where it came from (for the report).
-    pub fn table(&self, dtype: Dtype) -> Result<(ToleranceTable, String), Error> {
-        ToleranceTable::with_overrides(dtype, self.tol_file.as_deref(), &self.tol)
+    pub fn overrides(&self) -> mla_diff::compare::tolerance::Overrides {
+        mla_diff::compare::tolerance::Overrides {
+            file: self.tol_file.clone(),
+            entries: self.tol.clone(),
+        }
     }
 }
 
@@ -237,30 +200,29 @@ pub struct ReportArgs {
     pub write_baseline: Option<PathBuf>,
 }
 
-impl ReportArgs {
-    /// The dump directory and the layers to dump, for a model of `n_layer` layers.
-    pub fn dump(&self, n_layer: usize) -> Result<Option<(PathBuf, DumpLayers)>, Error> {
-        Ok(match &self.dump_dir {
-            None => None,
-            Some(d) => Some((d.clone(), DumpLayers::parse(&self.dump_layers, n_layer)?)),
-        })
-    }
-
-    /// The --baseline report and how it differs from this run; a report of another run is refused
-    /// unless --allow-baseline-mismatch.
-    pub fn baseline(&self, planned: &Identity) -> Result<Option<(Report, Vec<String>)>, Error> {
-        let Some(p) = &self.baseline else {
-            return Ok(None);
-        };
-        let b = Report::from_json_file(p)?;
-        let diffs = planned.differences(&Identity::of(&b));
-        if !diffs.is_empty() && !self.allow_baseline_mismatch {
-            return Err(Error::Usage(format!(
-                "--baseline {} is a report of another run: {} (--allow-baseline-mismatch compares anyway)",
-                p.display(),
-                diffs.join("; ")
-            )));
+impl FormatArgs {
+    pub fn formats(&self) -> Formats {
+        Formats {
+            json: self.json.clone(),
+            junit: self.junit.clone(),
+            markdown: self.markdown.clone(),
+            color: self.color,
+            quiet: self.quiet,
         }
-        Ok(Some((b, diffs)))
+    }
+}
+
+impl ReportArgs {
+    pub fn options(&self) -> ReportOptions {
+        ReportOptions {
+            formats: self.formats.formats(),
+            plot: self.plot.clone(),
+            dump_dir: self.dump_dir.clone(),
+            dump_layers: self.dump_layers.clone(),
+            baseline: self.baseline.clone(),
+            baseline_factor: self.baseline_factor,
+            allow_baseline_mismatch: self.allow_baseline_mismatch,
+            write_baseline: self.write_baseline.clone(),
+        }
     }
 }

@@ -302,7 +302,7 @@ fn nan_in_optimized_output_fails_with_positions() {
 }
 
 fn run_cli(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(BIN)
+    let out = crate::common::bin()
         .args(args)
         .env("NO_COLOR", "1")
         .output()

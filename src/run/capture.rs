@@ -1,17 +1,17 @@
 //! `run FILE --capture DIR…`: a capture of what a serving engine computed takes the optimized path's
-//! place (docs/captures.md, `mla_diff::capture`).
+//! place (docs/captures.md, `crate::capture`): the captures opened and checked against the model, the
+//! run's options from them, then the shared run ([`super::command::execute`]).
 
-use super::{finish, Args, ModeArg, Prepared};
-use mla_diff::backend::{Backend, BackendInfo, Kind};
-use mla_diff::capture::{Capture, CaptureBackend};
-use mla_diff::error::Error;
-use mla_diff::faults::FaultSet;
-use mla_diff::gguf::GgufFile;
-use mla_diff::model::MlaConfig;
-use mla_diff::run::{InputSpec, Modes, RunOptions};
+use super::command::{execute, How, Job, Optimized, Prepared, Request};
+use super::{InputSpec, Mode, RunOptions};
+use crate::capture::{Capture, CaptureBackend};
+use crate::error::{Error, Result};
+use crate::faults::FaultSet;
+use crate::gguf::GgufFile;
+use crate::model::MlaConfig;
 
 /// ` (stage_dtypes: cache_rows fp16, …)`, or nothing.
-fn stage_dtypes(m: &mla_diff::capture::Manifest) -> String {
+fn stage_dtypes(m: &crate::capture::Manifest) -> String {
     match m.stage_dtypes.is_empty() {
         true => String::new(),
         false => format!(
@@ -25,7 +25,7 @@ fn stage_dtypes(m: &mla_diff::capture::Manifest) -> String {
     }
 }
 
-pub fn exec(a: &Args, file: &GgufFile, cfg: &MlaConfig) -> Result<i32, Error> {
+pub fn exec(a: &Request, file: &GgufFile, cfg: &MlaConfig) -> Result<i32> {
     let caps = a
         .capture
         .iter()
@@ -35,7 +35,7 @@ pub fn exec(a: &Args, file: &GgufFile, cfg: &MlaConfig) -> Result<i32, Error> {
             c.manifest.check_identity(file, d)?;
             Ok(c)
         })
-        .collect::<Result<Vec<_>, Error>>()?;
+        .collect::<Result<Vec<_>>>()?;
     let dtype = caps[0].manifest.dtype;
     if let Some(c) = caps.iter().find(|c| {
         c.manifest.dtype != dtype || c.manifest.stage_dtypes != caps[0].manifest.stage_dtypes
@@ -69,12 +69,12 @@ pub fn exec(a: &Args, file: &GgufFile, cfg: &MlaConfig) -> Result<i32, Error> {
             }
             l
         }
-        spec => mla_diff::run::parse_layers(spec, cfg.n_layer)?,
+        spec => super::parse_layers(spec, cfg.n_layer)?,
     };
     // Before the step files are read (a rank's head slice is checked there).
     if caps[0].manifest.tp.world_size > 1 {
         let s = caps[0].schedule(caps[0].request(a.capture_request)?)?;
-        if mla_diff::run::dsa::sparse_for(file, cfg, &s)?.is_some() {
+        if super::dsa::sparse_for(file, cfg, &s)?.is_some() {
             return Err(Error::Usage(
                 "a tensor-parallel capture past the DSA indexer's top_k is not compared yet (its ranks would be judged on dense attention): capture at most top_k tokens, or tp.world_size 1".into(),
             ));
@@ -86,12 +86,12 @@ pub fn exec(a: &Args, file: &GgufFile, cfg: &MlaConfig) -> Result<i32, Error> {
             let r = c.read(cfg, a.capture_request, &layers)?;
             Ok((c, r))
         })
-        .collect::<Result<Vec<_>, Error>>()?;
+        .collect::<Result<Vec<_>>>()?;
     let captured = &read[0].1;
     let sched = captured.sched.clone();
     sched.check_memory(cfg)?;
     // Past top_k the run checks the engine's selection (its captured topk) and its attention over it.
-    if mla_diff::run::dsa::sparse_for(file, cfg, &sched)?.is_some() {
+    if super::dsa::sparse_for(file, cfg, &sched)?.is_some() {
         if let Some((c, _)) = read.iter().find(|(_, r)| r.topk.is_empty()) {
             return Err(Error::Usage(format!(
                 "capture {}: this DSA capture's queries see more keys than the indexer's top_k but it has no topk: capture the engine's selection (docs/captures.md)",
@@ -99,17 +99,16 @@ pub fn exec(a: &Args, file: &GgufFile, cfg: &MlaConfig) -> Result<i32, Error> {
             )));
         }
     } else {
-        super::check_dense_beyond_top_k(file, cfg, &sched, a.allow_dense_beyond_topk)?;
+        super::plan::check_dense_beyond_top_k(file, cfg, &sched, a.allow_dense_beyond_topk)?;
     }
     let (tolerances, tolerance_source) = a.tol.table(dtype)?;
-    let mut backend = CaptureBackend::new(cfg, &read, dtype, tolerances.clone())?;
+    let backend = CaptureBackend::new(cfg, &read, dtype, tolerances.clone())?;
     let dirs: Vec<String> = read
         .iter()
         .map(|(c, _)| c.dir.display().to_string())
         .collect();
-    let mode = a.mode.unwrap_or(ModeArg::Both);
     let opts = RunOptions {
-        layers: Some(layers.clone()),
+        layers: Some(layers),
         input: InputSpec::Capture {
             dir: read[0].0.dir.clone(),
             request: captured.request,
@@ -118,28 +117,21 @@ pub fn exec(a: &Args, file: &GgufFile, cfg: &MlaConfig) -> Result<i32, Error> {
         },
         sched,
         dtype,
-        modes: Modes {
-            shadow: mode != ModeArg::Free,
-            free: mode != ModeArg::Shadow,
-        },
+        modes: a.mode.unwrap_or(Mode::Both).into(),
         tolerances,
         tolerance_source,
-        dump: a.report.dump(cfg.n_layer)?,
+        dump: super::dump_of(&a.report, cfg.n_layer)?,
         faults: FaultSet::default(),
         progress: !a.report.formats.quiet,
         repeat: 1,
         indexer_keys: a.indexer_keys,
     };
     let ready = Prepared::check(file, cfg, &opts, &a.report)?;
-    let info = BackendInfo {
-        kind: Kind::Capture,
-        description: backend.describe(),
-        gpu: None,
+    let job = Job {
+        file,
+        cfg,
+        opts: &opts,
     };
-    let started = std::time::Instant::now();
-    let mut rep = mla_diff::run::run(file, &mut backend, &info, &opts)?;
-    if let Some(t) = backend.tp_result(cfg, &layers) {
-        rep.set_tp(t);
-    }
-    finish(rep, ready, &a.report, started)
+    let path = Optimized::Capture(Box::new(backend));
+    execute(job, ready, path, &a.report, &[], How::default())
 }
