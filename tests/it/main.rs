@@ -27,6 +27,7 @@ mod gguf_crosscheck;
 mod glm5_next;
 mod golden;
 mod input;
+mod kpool;
 mod kv_format;
 mod kv_format_kernel;
 mod lint;

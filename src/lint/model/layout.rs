@@ -53,6 +53,7 @@ pub(super) fn glm5_next_layout(
                     .and_then(|v| v.as_bool())
                     .unwrap_or(true);
                 out.note(&ik("kpool"), format!("{k}, select tail {tail}"), "glm5-next's DSA indexer scores pools of `kpool` keys (gated softmax pooling with a per-slot APE), expands the chosen pools back to tokens and always selects the visible tail; mla-diff checks the MLA layers densely (no k-pool model yet)");
+                super::kpool::kpool_tensors(m, &h.mla_layers, k, out);
             }
             None => out.warning(
                 &ik("kpool"),

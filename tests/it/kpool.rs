@@ -1,0 +1,124 @@
+//! glm5-next's k-pool indexer (#37): its tensors read, linted and written by `fixture --preset glm5-next`.
+
+use crate::common::*;
+use mla_diff::gguf::GgufFile;
+use mla_diff::model::{KpoolIndexer, KpoolLayer, MlaConfig};
+use std::path::{Path, PathBuf};
+
+/// 8 layers of the default layout (MLA on 3 and 7), small dims.
+pub fn kpool_fixture(dir: &Path, quant: &str) -> PathBuf {
+    make_fixture(
+        dir,
+        &format!("g5n-{quant}.gguf"),
+        &[
+            "--preset",
+            "glm5-next",
+            "--layers",
+            "8",
+            "--hidden",
+            "128",
+            "--heads",
+            "2",
+            "--q-lora-rank",
+            "64",
+            "--quant",
+            quant,
+        ],
+    )
+}
+
+#[test]
+fn fixture_writes_the_kpool_tensors_as_the_converter_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = kpool_fixture(dir.path(), "q8_0");
+    let f = GgufFile::open(&p).unwrap();
+    for l in [3, 7] {
+        let g = f
+            .tensor(&format!("blk.{l}.indexer_compressor_gate.weight"))
+            .unwrap();
+        let a = f
+            .tensor(&format!("blk.{l}.indexer_compressor_ape.weight"))
+            .unwrap();
+        // ne {E, Di} and {Di, kpool}; F32 in a Q8_0 file (the converter's tensor_force_quant).
+        assert_eq!(
+            (g.ne.clone(), a.ne.clone()),
+            (vec![128, 128], vec![128, 16])
+        );
+        assert_eq!(format!("{:?}", g.ty), format!("{:?}", a.ty));
+        assert!(format!("{:?}", g.ty).contains("F32"), "{:?}", g.ty);
+    }
+    for l in [0, 1, 2, 4] {
+        assert!(f
+            .tensor(&format!("blk.{l}.indexer_compressor_gate.weight"))
+            .is_none());
+    }
+    let cfg = MlaConfig::from_gguf(&f).unwrap();
+    let k = KpoolIndexer::from_gguf(&f, &cfg).unwrap().unwrap();
+    assert_eq!(
+        (k.ic.heads, k.ic.head_dim, k.ic.top_k, k.ic.rope_dim),
+        (32, 128, 2048, 0)
+    );
+    assert_eq!((k.kp.kpool, k.kp.select_tail), (16, true));
+    let w = KpoolLayer::load(&f, &cfg, &k, 7).unwrap().unwrap();
+    assert_eq!(w.pool.gate.dim(), (128, 128));
+    assert_eq!(w.pool.ape.dim(), (16, 128));
+    assert!(w.pool.ape.iter().all(|v| v.is_finite()) && w.pool.ape.iter().any(|&v| v != 0.0));
+}
+
+/// The fixture with layer 3's APE dropped and layer 7's gate transposed.
+fn broken(dir: &Path) -> PathBuf {
+    rewrite(
+        &kpool_fixture(dir, "f32"),
+        &dir.join("broken.gguf"),
+        |_| {},
+        |ts| {
+            ts.retain(|t| t.name != "blk.3.indexer_compressor_ape.weight");
+            let g = ts
+                .iter_mut()
+                .find(|t| t.name == "blk.7.indexer_compressor_gate.weight")
+                .unwrap();
+            g.ne = vec![64, 256];
+        },
+    )
+}
+
+#[test]
+fn a_missing_or_misshapen_kpool_tensor_is_one_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = broken(dir.path());
+    let o = run(&["lint", p.to_str().unwrap(), "--json", "-"]);
+    assert!(!o.status.success());
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let errors: Vec<&serde_json::Value> = j["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| {
+            f["severity"] == "error" && f["check"].as_str().unwrap().contains("indexer_compressor")
+        })
+        .collect();
+    assert_eq!(errors.len(), 2, "{errors:#?}");
+    let s = serde_json::to_string(&errors).unwrap();
+    assert!(
+        s.contains("blk.N.indexer_compressor_ape.weight") && s.contains("absent on layers 3"),
+        "{s}"
+    );
+    assert!(
+        s.contains("ne {64, 256} on layers 7") && s.contains("{128, 128}"),
+        "{s}"
+    );
+    // The loader: one line naming the tensor each.
+    let f = GgufFile::open(&p).unwrap();
+    let cfg = MlaConfig::from_gguf(&f).unwrap();
+    let k = KpoolIndexer::from_gguf(&f, &cfg).unwrap().unwrap();
+    let e3 = KpoolLayer::load(&f, &cfg, &k, 3).unwrap_err().to_string();
+    assert!(
+        e3.contains("not the k-pool's blk.3.indexer_compressor_ape.weight"),
+        "{e3}"
+    );
+    let e7 = KpoolLayer::load(&f, &cfg, &k, 7).unwrap_err().to_string();
+    assert!(
+        e7.contains("blk.7.indexer_compressor_gate.weight has shape (ne) {64, 256}"),
+        "{e7}"
+    );
+}
