@@ -122,3 +122,76 @@ fn a_missing_or_misshapen_kpool_tensor_is_one_clear_error() {
         "{e7}"
     );
 }
+
+/// A 4-layer fixture (MLA on layer 3) with top_k rewritten to 32 (two pools of 16), so that the default
+/// schedule's queries go past it; optionally without the k-pool tensors.
+fn past_top_k(dir: &Path, keep_kpool: bool) -> PathBuf {
+    let src = make_fixture(
+        dir,
+        "g5n4.gguf",
+        &[
+            "--preset",
+            "glm5-next",
+            "--layers",
+            "4",
+            "--hidden",
+            "128",
+            "--heads",
+            "2",
+            "--q-lora-rank",
+            "64",
+            "--quant",
+            "f32",
+        ],
+    );
+    rewrite(
+        &src,
+        &dir.join(format!("g5n4-top32-{keep_kpool}.gguf")),
+        |meta| {
+            for (k, v) in meta.iter_mut() {
+                if k == "glm5-next.attention.indexer.top_k" {
+                    *v = mla_diff::gguf::Value::U32(32);
+                }
+            }
+        },
+        |ts| {
+            if !keep_kpool {
+                ts.retain(|t| !t.name.contains("indexer_compressor_"));
+            }
+        },
+    )
+}
+
+#[test]
+fn run_attends_over_the_kpool_selection_past_top_k() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = past_top_k(dir.path(), true);
+    for dt in ["bf16", "f32"] {
+        let (o, j) = cpu_run_json(&p, &["--dtype", dt]);
+        assert!(o.status.success(), "{dt}: {}", stderr(&o));
+        let d = &j["dsa"];
+        assert_eq!(d["top_k"], 32, "{d}");
+        assert!(d["message"].as_str().unwrap().contains("k-pool"), "{d}");
+        assert_eq!(d["layers"][0]["layer"], 3, "{d}");
+        assert!(
+            d["layers"][0]["sparse_queries"].as_u64().unwrap() > 0,
+            "{d}"
+        );
+        assert!(
+            !j["run"]["notices"]
+                .to_string()
+                .contains("dense attention beyond"),
+            "{}",
+            j["run"]["notices"]
+        );
+    }
+    // Without the k-pool tensors there is no k-pool model: dense past top_k is refused, as for GLM-5.
+    let bare = past_top_k(dir.path(), false);
+    let o = run(&["run", bare.to_str().unwrap(), "--backend", "cpu"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("dense attention beyond the DSA top-k"),
+        "{}",
+        stderr(&o)
+    );
+}
