@@ -195,3 +195,28 @@ fn run_attends_over_the_kpool_selection_past_top_k() {
         stderr(&o)
     );
 }
+
+/// The converter's golden file (top_k 16, kpool 4, layer 2 shared) on the default schedule: sparse on
+/// every MLA layer, the shared one reusing layer 1's selection, and clean.
+#[test]
+fn run_on_the_golden_is_sparse_and_clean() {
+    let p = fixture("golden").join("glm5-next.gguf");
+    let (o, j) = cpu_run_json(&p, &["--dtype", "bf16"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let layers = j["dsa"]["layers"].as_array().unwrap();
+    let got: Vec<(u64, serde_json::Value)> = layers
+        .iter()
+        .map(|l| (l["layer"].as_u64().unwrap(), l["shared_from"].clone()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (1, serde_json::Value::Null),
+            (2, serde_json::json!(1)),
+            (3, serde_json::Value::Null)
+        ]
+    );
+    assert!(layers
+        .iter()
+        .all(|l| l["sparse_queries"].as_u64().unwrap() > 0));
+}

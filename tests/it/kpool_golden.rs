@@ -296,3 +296,26 @@ fn kpool_misreadings_move_the_output() {
 fn fmt<'a>(e: impl Iterator<Item = &'a f64>) -> String {
     e.map(|v| format!("{v:.2e}")).collect::<Vec<_>>().join(", ")
 }
+
+/// The converter's k-pool tensors: F32 (its `tensor_force_quant`), gate ne {E, Di} and APE ne {Di, kpool}
+/// (torch [Di, E] and [kpool, Di], untransposed) on the full layers, none on the shared one — what
+/// `model::kpool` reads and `fixture --preset glm5-next` writes.
+#[test]
+fn the_converter_writes_the_kpool_tensors_as_read() {
+    let g = load();
+    for (l, present) in [(1, true), (2, false), (3, true)] {
+        let names = mla_diff::model::kpool::tensor_names(l);
+        let ts: Vec<_> = names.iter().map(|n| g.file.tensor(n)).collect();
+        assert_eq!(ts.iter().all(|t| t.is_some()), present, "layer {l}");
+        if present {
+            let (gate, ape) = (ts[0].unwrap(), ts[1].unwrap());
+            assert_eq!(
+                (gate.ne.clone(), ape.ne.clone()),
+                (vec![128, 32], vec![32, 4])
+            );
+            assert!(
+                format!("{:?}", gate.ty).contains("F32") && format!("{:?}", ape.ty).contains("F32")
+            );
+        }
+    }
+}
