@@ -302,9 +302,10 @@ pub const CATALOGUE: [Entry; 9] = [
     // linear layer), rope.dimension_count 0, key_length = kv_lora_rank (512: no rope part, no 576 pad),
     // key_length_mla 256, value_length_mla 256, the indexer keys plus `indexer.kpool` and
     // `indexer.kpool_select_tail`, and `indexer.types` when config.json has `indexer_types`. No rope, so
-    // no freq_base. The fixture writes the MLA layers' attention tensors and the indexer tensors GLM-5
-    // has (`blk.N.indexer.*`), not the k-pool gate/APE, linear-attention or hyper-connection tensors;
-    // `run` checks the MLA layers densely (the k-pool indexer is not modelled yet).
+    // no freq_base. The fixture writes the MLA layers' attention tensors, the indexer tensors GLM-5
+    // has (`blk.N.indexer.*`) and the k-pool's gate and APE (`indexer_compressor_{gate,ape}`, F32 as
+    // the converter forces them), not the linear-attention or hyper-connection tensors;
+    // past top_k `run` attends over the fp64 k-pool selection (`reference::kpool`, `run::dsa`).
     Entry {
         preset: Preset::Glm5Next,
         name: "glm5-next",
@@ -517,8 +518,8 @@ mod tests {
                     };
                     assert_eq!(ic.rope, want, "{}", e.name);
                 }
-                // glm5-next's k-pool indexer is read (`KpoolConfig`) but not modelled yet (#37): the
-                // run stays dense, so no `IndexerConfig`.
+                // glm5-next's k-pool indexer is read by `KpoolIndexer` (model::kpool, tests/it/kpool.rs),
+                // not as GLM-5's `IndexerConfig`.
                 (None, Some(_)) if e.arch == Arch::Glm5Next => {}
                 (a, b) => panic!("{}: indexer {a:?} vs {b:?}", e.name),
             }

@@ -46,6 +46,15 @@ impl IndexerConfig {
         let Some(rope) = Self::rope_for(cfg.arch) else {
             return Ok(None);
         };
+        Self::read(f, cfg, rope)
+    }
+
+    /// The three keys, with the MLA's rope dims and `rope` as the pairing (glm5-next: no rope at all).
+    pub(super) fn read(
+        f: &GgufFile,
+        cfg: &MlaConfig,
+        rope: RopePairing,
+    ) -> Result<Option<IndexerConfig>> {
         let key = |k: &str| format!("{}.attention.indexer.{k}", cfg.arch.gguf_name());
         let get = |k: &str| -> Result<Option<usize>> {
             match f.get(&key(k)) {
@@ -151,102 +160,5 @@ impl IndexerWeights {
             k_norm_bias: vec(&names[3])?,
             proj: mat(&names[4], hi, e)?,
         }))
-    }
-}
-
-/// glm5-next's DSA indexer additions, as llama.cpp's converter writes them (conversion/glm.py
-/// `Glm5NextModel`; gguf-py constants `Keys.Attention.Indexer.KPOOL`, `KPOOL_SELECT_TAIL`, `TYPES`), from
-/// transformers' `Glm5NextConfig` (`index_kpool` 16, `index_kpool_always_select_tail` True,
-/// `indexer_types`): keys are pooled `kpool` tokens at a time before top-k; a "shared" layer reuses the
-/// previous "full" layer's top-k.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct KpoolConfig {
-    /// `{arch}.attention.indexer.kpool`: tokens per pooled key.
-    pub kpool: usize,
-    /// `{arch}.attention.indexer.kpool_select_tail`: the visible tail past the last full pool is always
-    /// selected (the converter's default: true).
-    pub select_tail: bool,
-    /// `{arch}.attention.indexer.types` (true = "full", false = "shared"), one per block; `None` where the
-    /// converter wrote none (the HF config had no `indexer_types`).
-    pub full: Option<Vec<bool>>,
-}
-
-impl KpoolConfig {
-    /// `Ok(None)` for every architecture but glm5-next, and for a glm5-next file without the kpool key.
-    pub fn from_gguf(f: &GgufFile, cfg: &MlaConfig) -> Result<Option<KpoolConfig>> {
-        if cfg.arch != Arch::Glm5Next {
-            return Ok(None);
-        }
-        let key = |k: &str| format!("{}.attention.indexer.{k}", cfg.arch.gguf_name());
-        let Some(v) = f.get(&key("kpool")) else {
-            return Ok(None);
-        };
-        let kpool = match v.as_u64() {
-            Some(n) if n > 0 && n < 1 << 20 => n as usize,
-            _ => {
-                return Err(Error::format(
-                    f.path.display(),
-                    format!(
-                        "{} is {}, expected a positive integer",
-                        key("kpool"),
-                        v.display_short()
-                    ),
-                ))
-            }
-        };
-        let select_tail = match f.get(&key("kpool_select_tail")) {
-            None => true,
-            Some(v) => v.as_bool().ok_or_else(|| {
-                Error::format(
-                    f.path.display(),
-                    format!(
-                        "{} is {}, expected a bool",
-                        key("kpool_select_tail"),
-                        v.display_short()
-                    ),
-                )
-            })?,
-        };
-        let full = match f.get(&key("types")) {
-            None => None,
-            Some(crate::gguf::Value::Array(a)) => Some(
-                a.iter()
-                    .map(|v| v.as_bool())
-                    .collect::<Option<Vec<bool>>>()
-                    .ok_or_else(|| {
-                        Error::format(
-                            f.path.display(),
-                            format!("{} should be an array of bools", key("types")),
-                        )
-                    })?,
-            ),
-            Some(v) => {
-                return Err(Error::format(
-                    f.path.display(),
-                    format!(
-                        "{} is {}, expected an array of bools",
-                        key("types"),
-                        v.display_short()
-                    ),
-                ))
-            }
-        };
-        Ok(Some(KpoolConfig {
-            kpool,
-            select_tail,
-            full,
-        }))
-    }
-
-    /// The layers that reuse the previous full layer's top-k, among `layers`.
-    pub fn shared_layers(&self, layers: &[usize]) -> Vec<usize> {
-        match &self.full {
-            None => Vec::new(),
-            Some(full) => layers
-                .iter()
-                .copied()
-                .filter(|&l| full.get(l) == Some(&false))
-                .collect(),
-        }
     }
 }

@@ -3,12 +3,14 @@
 pub mod catalogue;
 pub mod config;
 pub mod indexer;
+pub mod kpool;
 pub mod rope_factors;
 pub mod synthetic;
 pub mod v4;
 pub mod weights;
 
 pub use config::{yarn_scales, Arch, HybridLayout, MlaConfig, RopeConfig, RopePairing, Yarn};
-pub use indexer::{IndexerConfig, IndexerWeights, KpoolConfig};
+pub use indexer::{IndexerConfig, IndexerWeights};
+pub use kpool::{KpoolConfig, KpoolIndexer, KpoolLayer, KpoolWeights};
 pub use rope_factors::RopeFactors;
 pub use weights::{KvBLayout, LayerWeights, QProj};

@@ -8,6 +8,7 @@
 pub mod absorbed;
 pub mod front;
 pub mod indexer;
+pub mod kpool;
 pub mod mha;
 pub mod sparse;
 pub mod v4;

@@ -15,7 +15,7 @@ use crate::backend::{Backend, LayerCtx};
 use crate::compare::metrics::rel_l2;
 use crate::compare::selection::{self, ScoreNoise, SelectionResult};
 use crate::error::{Error, Result};
-use crate::model::{IndexerConfig, IndexerWeights};
+use crate::model::{IndexerConfig, IndexerWeights, KpoolIndexer, KpoolLayer};
 use crate::precision::{Dtype, KeyPrecision};
 use crate::reference::indexer::{self as ref_indexer, Reading};
 use crate::reference::sparse::Selection;
@@ -138,6 +138,9 @@ pub struct RunSparse {
     own_indexer: Option<bool>,
     /// How the optimized indexer stores q and k (`--indexer-keys`).
     pub keys: KeyPrecision,
+    /// glm5-next's k-pool indexer (`reference::kpool`): both paths attend over the reference's
+    /// selection; the optimized side has no k-pool indexer of its own yet, so no selection check.
+    pub kpool: Option<KpoolIndexer>,
 }
 
 /// The sparse model runs when the file has an indexer (its keys and some layer's tensors) and the last
@@ -148,6 +151,23 @@ pub fn sparse_for(
     cfg: &crate::model::MlaConfig,
     sched: &crate::schedule::Schedule,
 ) -> Result<Option<RunSparse>> {
+    if let Some(k) = KpoolIndexer::from_gguf(file, cfg)? {
+        let has_tensors = (0..cfg.n_layer).any(|l| {
+            crate::model::kpool::tensor_names(l)
+                .iter()
+                .any(|n| file.tensor(n).is_some())
+        });
+        return Ok(
+            (has_tensors && sched.total_tokens() > k.ic.top_k).then(|| RunSparse {
+                ic: k.ic,
+                prev: None,
+                layers: Vec::new(),
+                own_indexer: None,
+                keys: KeyPrecision::Storage,
+                kpool: Some(k),
+            }),
+        );
+    }
     let has_tensors = (0..cfg.n_layer).any(|l| {
         crate::model::indexer::tensor_names(l)
             .iter()
@@ -161,6 +181,7 @@ pub fn sparse_for(
             layers: Vec::new(),
             own_indexer: None,
             keys: KeyPrecision::Storage,
+            kpool: None,
         }))
 }
 
@@ -170,11 +191,16 @@ pub struct LayerSelection {
     pub reference: Selection,
     scores: Option<Scores>,
     iw: Option<IndexerWeights>,
+    /// A k-pool layer: whether it ran its own indexer (`false`: shared).
+    kpool_full: Option<bool>,
 }
 
 impl RunSparse {
     /// How the optimized side's indexer computed (reports' coverage).
     pub fn indexer_name(&self, dtype: Dtype, backend: &str) -> String {
+        if self.kpool.is_some() {
+            return "k-pool (glm5-next): no optimized k-pool indexer yet; both paths attend over the reference's selection".into();
+        }
         let keys = match self.keys {
             KeyPrecision::Storage => format!("q/k in {}", dtype.name()),
             KeyPrecision::Fp8 => format!(
@@ -197,6 +223,9 @@ impl RunSparse {
         ctx: &LayerCtx,
         x: &Array2<f64>,
     ) -> Result<LayerSelection> {
+        if let Some(k) = &self.kpool {
+            return self.select_kpool(file, k, ctx, x);
+        }
         let iw = IndexerWeights::load(file, ctx.cfg, &self.ic, ctx.layer)?;
         let prev = self.prev.as_ref().map(|(_, r, _)| r);
         let (reference, scores) = ref_selection(ctx, &self.ic, iw.as_ref(), prev, x)?;
@@ -204,6 +233,49 @@ impl RunSparse {
             reference,
             scores,
             iw,
+            kpool_full: None,
+        })
+    }
+
+    /// The k-pool reference's selection of layer `l` (glm5-next): its own k-pool indexer on a full
+    /// layer, the previous full layer's selection on a shared one.
+    fn select_kpool(
+        &self,
+        file: &crate::gguf::GgufFile,
+        k: &KpoolIndexer,
+        ctx: &LayerCtx,
+        x: &Array2<f64>,
+    ) -> Result<LayerSelection> {
+        let (reference, full) = match KpoolLayer::load(file, ctx.cfg, k, ctx.layer)? {
+            Some(kw) => {
+                let attn_in = crate::reference::front::attn_in(ctx.cfg, ctx.weights, x.view());
+                let o = crate::reference::kpool::run(
+                    ctx.cfg,
+                    k,
+                    &kw,
+                    ctx.weights,
+                    attn_in.view(),
+                    crate::reference::kpool::Reading::default(),
+                );
+                (o.selection, true)
+            }
+            None => (
+                ref_selection(
+                    ctx,
+                    &self.ic,
+                    None,
+                    self.prev.as_ref().map(|(_, r, _)| r),
+                    x,
+                )?
+                .0,
+                false,
+            ),
+        };
+        Ok(LayerSelection {
+            reference,
+            scores: None,
+            iw: None,
+            kpool_full: Some(full),
         })
     }
 
@@ -262,6 +334,25 @@ impl RunSparse {
         dtype: Dtype,
         tolerances: &crate::compare::ToleranceTable,
     ) -> Result<()> {
+        if let Some(full) = sel.kpool_full {
+            // No optimized k-pool indexer yet: the layer is recorded as sparse, unchecked.
+            self.layers.push(DsaLayerResult {
+                layer: ctx.layer,
+                sparse_queries: sel.reference.sparse_queries(),
+                shared_from: (!full)
+                    .then(|| self.prev.as_ref().map(|(l, _, _)| *l))
+                    .flatten(),
+                selection: None,
+                own_path_error: None,
+                own_path_first_failing: None,
+                selection_effect: None,
+                pass: true,
+            });
+            if full {
+                self.prev = Some((ctx.layer, sel.reference.clone(), sel.reference));
+            }
+            return Ok(());
+        }
         let own = self.own_selection(ctx, &sel, backend, x, dtype)?;
         let selection = sel.scores.as_ref().map(|o| {
             let noise = ScoreNoise::new(o, dtype, self.keys);
@@ -328,6 +419,11 @@ impl RunSparse {
         let indexer = self.indexer_name(dtype, backend);
         let failing = self.layers.iter().find(|l| !l.pass);
         let message = match failing {
+            None if self.kpool.is_some() => format!(
+                "DSA k-pool: {} layer(s) sparse past top_k {} over the fp64 k-pool selection (the optimized k-pool indexer is not checked yet)",
+                self.layers.len(),
+                self.ic.top_k
+            ),
             None => format!(
                 "DSA: {} layer(s) sparse past top_k {}, selections and own-selection paths within tolerance",
                 self.layers.len(),

@@ -409,11 +409,12 @@ fn mla_layers(
     })
 }
 
-/// The lightning indexer's `top_k` of a DSA model (GLM-5 `glm-dsa`, DeepSeek-V3.2 `deepseek32`), `None`
+/// The lightning indexer's `top_k` of a DSA model (GLM-5 `glm-dsa`, DeepSeek-V3.2 `deepseek32`, glm5-next's
+/// k-pool indexer), `None`
 /// for dense-attention architectures; `Some(None)` when a DSA file lacks the key.
 pub fn dsa_top_k(file: &GgufFile, cfg: &MlaConfig) -> Option<Option<u64>> {
     use crate::model::config::Arch;
-    matches!(cfg.arch, Arch::GlmDsa | Arch::Deepseek32).then(|| {
+    matches!(cfg.arch, Arch::GlmDsa | Arch::Deepseek32 | Arch::Glm5Next).then(|| {
         file.get(&format!("{}.attention.indexer.top_k", cfg.arch.gguf_name()))
             .and_then(|v| v.as_u64())
     })

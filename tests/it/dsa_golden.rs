@@ -40,7 +40,7 @@ struct Golden {
 }
 
 /// An int32 `[L, T, K]` .npy (the only integer array the goldens hold).
-fn load_topk(path: &Path) -> Vec<Vec<Vec<u32>>> {
+pub fn load_topk(path: &Path) -> Vec<Vec<Vec<u32>>> {
     let bytes = std::fs::read(path).unwrap();
     let hl = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
     let header = std::str::from_utf8(&bytes[10..10 + hl]).unwrap();

@@ -27,6 +27,8 @@ mod gguf_crosscheck;
 mod glm5_next;
 mod golden;
 mod input;
+mod kpool;
+mod kpool_golden;
 mod kv_format;
 mod kv_format_kernel;
 mod lint;

@@ -8,10 +8,11 @@
 //!
 //! One file per concern: `meta` (typed key access, the tensors' votes), `dims` (keys against tensor
 //! shapes), `tensors` (each layer's shapes), `rope` (pairing, scaling, eps), `layout` (glm5-next's
-//! hybrid layers, the DSA indexer), `catalogue` (the softmax scale notes, the known models).
+//! hybrid layers, the DSA indexer; `kpool` its k-pool tensors), `catalogue` (the softmax scale notes, the known models).
 
 mod catalogue;
 mod dims;
+mod kpool;
 mod layout;
 mod meta;
 mod rope;
