@@ -7,8 +7,8 @@
 //! not how far an error travels:
 //! - `noise`: independent Gaussian error of k × each element's noise on every element of the check;
 //! - `bias`: a constant k × the rms noise (an LSE offset, a mis-scaled mean);
-//! - `one row`: Gaussian error of k × the noise on the last row (last axis) only: one query's and
-//!   head's output, one token's projection.
+//! - `one row`: Gaussian error of k × the noise on the last row (last axis) only, the draw scaled to
+//!   a mean square of 1 over the row: one query's and head's output, one token's projection.
 //!
 //! A check whose threshold is k catches an error k times its noise; the goal of #14 is k ≤ 2 everywhere.
 
@@ -141,13 +141,17 @@ pub fn measure(
         let gauss: Vec<f64> = (a..b).map(|_| StandardNormal.sample(&mut g)).collect();
         let row = *o.shape.last().unwrap_or(&1);
         let last_row = (b - row.min(b - a))..b;
+        let mut one_row = gauss[last_row.start - a..].to_vec();
+        normalize_row(&mut one_row);
         let caught = |kind: Kind, k: f64| -> Result<bool> {
             let mut p: StageTensor = o.clone();
             for (n, i) in (a..b).enumerate() {
                 let d = match kind {
                     Kind::Noise => k * unit[n] * gauss[n],
                     Kind::Bias => k * rms_unit,
-                    Kind::OneRow if last_row.contains(&i) => k * unit[n] * gauss[n],
+                    Kind::OneRow if last_row.contains(&i) => {
+                        k * unit[n] * one_row[i - last_row.start]
+                    }
                     Kind::OneRow => 0.0,
                 };
                 p.data[i] = store.round(p.data[i] + d);
@@ -169,6 +173,17 @@ pub fn measure(
         });
     }
     Ok(rows)
+}
+
+/// Scale the one-row draw `g` to a mean square of 1, so that `one row` at k puts k × the noise on
+/// that row whatever the draw: on a row of a few elements (an lse row is one token's heads, a
+/// split_lse row its splits) the draw's own mean square spreads over 0.2–3 and the threshold with it
+/// (the 4-head fixtures' last lse[decode] row drew ~0.15: 13.5–16× where the check catches ~5×).
+fn normalize_row(g: &mut [f64]) {
+    let ms = g.iter().map(|x| x * x).sum::<f64>() / g.len().max(1) as f64;
+    if ms > 0.0 {
+        g.iter_mut().for_each(|x| *x /= ms.sqrt());
+    }
 }
 
 /// The smallest k ≥ 0 with `caught(k)`, to 2 %, for a `caught` monotone in k; `None` past 10⁶.
@@ -230,6 +245,15 @@ pub fn table(name: &str, rows: &[Row]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_row_draw_has_unit_mean_square() {
+        let mut g = vec![0.3, -0.2, 0.1, 0.4];
+        normalize_row(&mut g);
+        let ms = g.iter().map(|x| x * x).sum::<f64>() / 4.0;
+        assert!((ms - 1.0).abs() < 1e-12, "{ms}");
+        assert!(g[3] > g[0] && g[1] < 0.0);
+    }
 
     #[test]
     fn threshold_finds_the_step_of_a_monotone_predicate() {

@@ -281,7 +281,11 @@ fn a_declared_geometry_drives_coverage_and_own_splits_are_checked_by_merge() {
             assert!(c["count"].as_u64().is_some_and(|n| n > 0), "{c}");
         }
     }
-    assert_eq!(with_status(&rep, "merge_consistency", "pass").len(), 4);
+    // The schedule's steps and the serving batch, and (issue #35) the batches aimed at variants.
+    let merges = with_status(&rep, "merge_consistency", "pass");
+    let aimed = |c: &&J| c["detail"].as_str().unwrap_or("").contains("aimed at");
+    assert_eq!(merges.iter().filter(|c| !aimed(c)).count(), 4, "{merges:?}");
+    assert!(merges.iter().any(aimed), "{merges:?}");
     let names: Vec<String> = rep["modes"][0]["layers"][0]["checks"]
         .as_array()
         .unwrap()
@@ -295,4 +299,78 @@ fn a_declared_geometry_drives_coverage_and_own_splits_are_checked_by_merge() {
     assert!(!f.is_empty(), "{}", rep["runner_checks"]);
     let errs = schema_errors(&report_validator(), &rep);
     assert!(errs.is_empty(), "{errs:?}");
+}
+
+/// The short runner schedule of tests/it/runners.rs (`SHORT`).
+const SHORT: [&str; 6] = [
+    "--prompt-len",
+    "40",
+    "--decode-steps",
+    "2",
+    "--num-splits",
+    "2",
+];
+
+/// Issue #35 item 2: a runner run gets the batches aimed at the production variants its own launches
+/// miss. A kernel reading pages of more than 32 rows through a 32-key box at the page's first row
+/// passes every stage check and the serving batch at the run's page 16, and fails only the batch
+/// aimed at `attn_small`'s multi-tile pages (page 64), which the coverage section lists as reached by
+/// an aimed batch.
+#[test]
+fn a_multi_tile_page_bug_fails_only_the_batch_aimed_at_it() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let cmd = runner(&py, "bugs/serving/page_tile32.py");
+    let (code, rep, err) = go("deepseek-v3-yarn-q4_k.gguf", &cmd, &SHORT, &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(rep["modes"][0]["verdict"]["pass"], true, "{err}");
+    assert!(with_status(&rep, "serving_batch", "fail").is_empty());
+    let fails = with_status(&rep, "variant_batch", "fail");
+    assert!(!fails.is_empty(), "{}", rep["runner_checks"]);
+    let id = "decode/attn_small/tma-ring-multi-tile-page";
+    assert!(
+        fails[0]["detail"].as_str().unwrap().contains(id),
+        "{}",
+        fails[0]
+    );
+    let v = rep["coverage"]["variants"]["list"].as_array().unwrap();
+    let aimed = v.iter().find(|x| x["id"] == id).expect(id);
+    assert_eq!(
+        (aimed["reached"].as_bool(), aimed["aimed"].as_bool()),
+        (Some(true), Some(true))
+    );
+    let errs = schema_errors(&report_validator(), &rep);
+    assert!(errs.is_empty(), "{errs:?}");
+}
+
+/// An aim outside the runner's `supports` is not run: the coverage section says which and why, and
+/// lists its variant as not reached.
+#[test]
+fn an_aim_outside_the_runners_supports_is_skipped_and_said() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("runners");
+    let s = dir.path().join("page16.py");
+    std::fs::write(
+        &s,
+        format!(
+            "import sys\nsys.path.insert(0, {:?})\nimport numpy_mla, protocol\nclass L(numpy_mla.NumpyMLA):\n    def describe(self):\n        d = super().describe()\n        d['supports']['page_sizes'] = [16]\n        return d\nprotocol.main(L)\n",
+            here.display().to_string()
+        ),
+    )
+    .unwrap();
+    let cmd = format!("{py} {}", s.display());
+    let (code, rep, err) = go("deepseek-v3-yarn-q4_k.gguf", &cmd, &SHORT, &[]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(with_status(&rep, "variant_batch", "pass").is_empty());
+    let w = rep["coverage"]["warnings"].to_string();
+    assert!(
+        w.contains("the batch aimed at decode/attn_small/tma-ring-multi-tile-page was not run: page 64 not in supports.page_sizes"),
+        "{w}"
+    );
+    let v = rep["coverage"]["variants"]["list"].as_array().unwrap();
+    assert!(v.iter().any(|x| x["reached"] == false), "{v:?}");
 }

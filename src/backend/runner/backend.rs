@@ -220,9 +220,15 @@ impl Backend for RunnerBackend {
         }
     }
 
-    /// What `supports` kept the schedule from reaching (coverage warnings in every format).
+    /// The production variants it ran batches aimed at (`aimed`).
+    fn aimed_variants(&self) -> Vec<String> {
+        self.aims_run.clone()
+    }
+
+    /// What `supports` kept the schedule and the aimed batches from reaching (coverage warnings in
+    /// every format).
     fn coverage_notes(&self, sched: &crate::schedule::Schedule) -> Vec<String> {
-        let mut v = Vec::new();
+        let mut v = self.aim_notes();
         let (d, s) = (&self.desc, &self.desc.supports);
         if d.ops.decode.is_some() && sched.q_len == 1 {
             if let Some(m) = s.max_q_len {

@@ -11,16 +11,19 @@ use super::RunnerBackend;
 use crate::backend::LayerCtx;
 use crate::error::{Error, Result};
 
-/// One layer's serving batch as sent: the requests, their entries and the runner's reply.
-struct Batch<'a> {
-    ctx: &'a LayerCtx<'a>,
-    rows: &'a [f64],
-    reqs: Vec<crate::batch::Request>,
-    entries: Vec<Entry>,
-    ret: Returned,
+/// One layer's serving batch (or a batch aimed at a variant, `aimed`) as sent: the requests, their
+/// entries and the runner's reply.
+pub(super) struct Batch<'a> {
+    pub ctx: &'a LayerCtx<'a>,
+    pub rows: &'a [f64],
+    pub reqs: Vec<crate::batch::Request>,
+    pub entries: Vec<Entry>,
+    pub ret: Returned,
     /// The kernel chooses its own split partition (`geometry.split_partition own`).
-    own: bool,
-    scope: String,
+    pub own: bool,
+    pub scope: String,
+    /// Queries per entry.
+    pub s_q: usize,
 }
 
 impl Batch<'_> {
@@ -96,17 +99,18 @@ impl RunnerBackend {
             ret,
             own,
             scope,
+            s_q: 1,
         };
-        let mut out = self.serving_vs_fp64(&b);
+        let mut out = self.vs_fp64(&b, "serving_batch");
         self.padding(&b, &mut out)?;
         self.alone(&b, &mut out)?;
         self.checks.extend(out);
         Ok(())
     }
 
-    /// The batch against fp64 from its own inputs (a kernel with its own split partition: its partials
-    /// by merge consistency).
-    fn serving_vs_fp64(&self, b: &Batch) -> Vec<RunnerCheck> {
+    /// The batch against fp64 from its own inputs as check `check` (a kernel with its own split
+    /// partition: its partials by merge consistency).
+    pub(super) fn vs_fp64(&self, b: &Batch, check: &str) -> Vec<RunnerCheck> {
         let (ctx, rows, entries, ret, own, scope) =
             (b.ctx, b.rows, &b.entries, &b.ret, b.own, &b.scope);
         let (lkv, layer) = (ctx.cfg.kv_lora_rank, ctx.layer);
@@ -114,7 +118,7 @@ impl RunnerBackend {
         let (mut l_out, mut l_lse, mut l_sout, mut l_slse) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for en in entries.iter() {
-            let l = Self::local_entry(ctx, en, 1, rows);
+            let l = Self::local_entry(ctx, en, b.s_q, rows);
             l_out.extend(l.out);
             l_lse.extend(l.lse);
             l_sout.extend(l.sout);
@@ -123,7 +127,7 @@ impl RunnerBackend {
         let mut out = vec![
             self.against_fp64(
                 layer,
-                "serving_batch",
+                check,
                 "attn_latent",
                 &l_out,
                 &ret.lat.data,
@@ -134,7 +138,7 @@ impl RunnerBackend {
             ),
             self.against_fp64(
                 layer,
-                "serving_batch",
+                check,
                 "lse",
                 &l_lse,
                 &ret.lse,
@@ -150,7 +154,7 @@ impl RunnerBackend {
                 let empty = |i: usize| l_slse[i / lkv] == f64::NEG_INFINITY;
                 out.push(self.against_fp64(
                     layer,
-                    "serving_batch",
+                    check,
                     "split_out",
                     &l_sout,
                     &so.data,
@@ -161,7 +165,7 @@ impl RunnerBackend {
                 ));
                 out.push(self.against_fp64(
                     layer,
-                    "serving_batch",
+                    check,
                     "split_lse",
                     &l_slse,
                     sl,
@@ -171,7 +175,16 @@ impl RunnerBackend {
                     scope,
                 ));
             } else {
-                out.extend(self.merge_consistency_of(layer, ret, *s, terms, "serving batch"));
+                out.extend(self.merge_consistency_of(
+                    layer,
+                    ret,
+                    *s,
+                    terms,
+                    match check {
+                        "serving_batch" => "serving batch",
+                        _ => scope,
+                    },
+                ));
             }
         }
         out

@@ -389,6 +389,7 @@ impl RunnerBackend {
         }
         if self.batch_layers.insert(ctx.layer) {
             self.batch_checks(ctx, &q_abs, q_pe, &rows)?;
+            self.aimed_checks(ctx, &q_abs, q_pe, &rows)?;
         }
         let (lat, lse) = (ret.lat.data, ret.lse);
         put_decode_outputs(tr, ctx, mw, dt, &lat, &lse)

@@ -6,6 +6,7 @@
 //! from them by the CPU mirror's code. Each replaced stage also carries fp64 attention computed from the
 //! runner's own inputs (`LayerTrace::at_runner`), which the comparator checks as `STAGE@runner`.
 
+mod aimed;
 mod backend;
 mod batch;
 mod cache;
@@ -45,6 +46,10 @@ pub struct RunnerBackend {
     checks: Vec<checks::RunnerCheck>,
     /// Layers whose serving batch ran (once per layer, whatever the modes and repeats).
     batch_layers: std::collections::BTreeSet<usize>,
+    /// The production variants batches were aimed at through the runner (`aimed`), and those skipped
+    /// (outside its `supports`) with why.
+    aims_run: Vec<String>,
+    aims_skipped: std::collections::BTreeMap<String, String>,
     /// Requests answered, and those whose inputs came back changed.
     requests: usize,
     /// Inputs that came back changed: (layer, op, tensor) → (requests, most values changed in one).
@@ -139,6 +144,8 @@ impl RunnerBackend {
             sparse_runs: 0,
             checks: Vec::new(),
             batch_layers: Default::default(),
+            aims_run: Vec::new(),
+            aims_skipped: Default::default(),
             requests: 0,
             mutations: Default::default(),
             unwritten_splits: 0,

@@ -1,7 +1,8 @@
 //! One softmax attention over scored keys in fp64 with the noise of the path's computation, and the
 //! merge of attention parts by their lse.
 
-use super::super::noise::{acc_var, Store, EXP_REL_VAR, F32_OP, U32};
+use super::super::noise::{acc_var, Store, F32_OP};
+use super::f32ops::{exp_var, lse_last, lse_rounding, sum_rel_var_seq};
 use super::linear::hidden_round;
 use super::score::Score;
 #[cfg(target_arch = "x86_64")]
@@ -46,6 +47,10 @@ pub(super) struct Attn {
     /// The scores' truncation bias carried to the output and the lse (`Score::trunc`).
     pub(super) bias_out: Vec<f64>,
     pub(super) bias_lse: f64,
+    /// The part of `var_lse` that is the lse's own last rounding, where the path stores it as
+    /// computed (the mirror: `m + ln l` in f32 is the stored value): an lse stage leaves it to the
+    /// judge, which counts the stored value's rounding; a merge counts it in its inputs.
+    pub(super) lse_last: f64,
 }
 
 impl Attn {
@@ -59,6 +64,7 @@ impl Attn {
             n_eff: 1.0,
             bias_out: vec![0.0; dim],
             bias_lse: 0.0,
+            lse_last: 0.0,
         }
     }
     pub(super) fn nan(dim: usize) -> Attn {
@@ -71,6 +77,7 @@ impl Attn {
             n_eff: 1.0,
             bias_out: vec![0.0; dim],
             bias_lse: 0.0,
+            lse_last: 0.0,
         }
     }
 }
@@ -208,7 +215,8 @@ pub(super) fn attend_in(
     // Relative error variance of each p: its score's, the exp's, the subtraction's.
     let pv: Vec<f64> = scores
         .iter()
-        .map(|sc| sc.var + EXP_REL_VAR + ((sc.s - m) * U32).powi(2))
+        .zip(&p)
+        .map(|(sc, &pj)| sc.var + exp_var(path.sum, sc.s - m, pj))
         .collect();
     let l: f64 = p.iter().sum();
     let mut out = vec![0.0; dim];
@@ -242,7 +250,10 @@ pub(super) fn attend_in(
     // The f32 sum l scales the whole row. Added to a running sum that already holds the maximum's 1,
     // a p below half its ulp is lost entirely (a bias, all of one sign), larger ones lose their low
     // bits (random): what a sequential sum can lose, with its other rounding.
-    let l_rel = sum_rel_var(&p, arg_max, l, sq);
+    let l_rel = match path.sum {
+        ScoreSum::Lanes8 => sum_rel_var_seq(&p, l),
+        _ => sum_rel_var(&p, arg_max, l, sq),
+    };
     let l_part: f64 = out.iter().map(|o| o * o * l_rel).sum();
     var.iter_mut()
         .zip(&out)
@@ -270,6 +281,7 @@ pub(super) fn attend_in(
         n_eff: if coh2 > 0.0 { coh * coh / coh2 } else { 1.0 },
         bias_out,
         bias_lse,
+        lse_last: lse_last(path.sum, m + l.ln()),
     }
 }
 
@@ -411,18 +423,6 @@ fn keys2_common(
         + per_key.iter().map(|c| c * c).sum::<f64>() * (own / keys.max(f64::MIN_POSITIVE)).powi(2)
 }
 
-/// The variance of forming lse from the row max m and the sum l in f32: the mirror's `m + ln l` (two
-/// roundings), the CUDA kernels' `(m₂ + log2 l)·ln 2` (m₂ in log2 units; two at the lse's magnitude and
-/// an approximate log2), unknown kernels three at the lse's magnitude.
-pub(super) fn lse_rounding(sum: ScoreSum, m: f64, l: f64) -> f64 {
-    let lse = m + l.ln();
-    match sum {
-        ScoreSum::Lanes8 => F32_OP * (lse * lse + l.ln().powi(2)),
-        ScoreSum::TensorCore => F32_OP * (2.0 * lse * lse + 4.0 * l.ln().powi(2)),
-        ScoreSum::Sequential => 3.0 * F32_OP * lse * lse,
-    }
-}
-
 /// Attention rows of a stage being assembled: values, variances, and each row's shared variance.
 pub(super) struct Rows {
     pub(super) dim: usize,
@@ -456,7 +456,7 @@ impl Rows {
 }
 
 /// Merge parts by their lse (vLLM's `merge_attn_states`), propagating the parts' variances.
-pub(super) fn merge(parts: &[Attn]) -> Attn {
+pub(super) fn merge(parts: &[Attn], sum: ScoreSum) -> Attn {
     let dim = parts.first().map_or(0, |p| p.out.len());
     if parts.iter().any(|p| p.lse.is_nan()) {
         return Attn::nan(dim);
@@ -487,7 +487,25 @@ pub(super) fn merge(parts: &[Attn]) -> Attn {
         }
     }
     let mut var = vec![0.0; dim];
-    let mut var_lse = F32_OP;
+    // `m + ln Σw`: the mirror's ln and sum rounded where they land (the sum's own last rounding is
+    // the stored value's: `lse_last`), and Σw's additions; others one f32 operation.
+    let lse_out = m + total.ln();
+    let mut var_lse = match sum {
+        ScoreSum::Lanes8 => {
+            let mut run = 0.0;
+            let mut adds = 0.0;
+            for &wk in w.iter().filter(|&&x| x > 0.0) {
+                if run > 0.0 {
+                    adds += Store::F32.round_var(run + wk);
+                }
+                run += wk;
+            }
+            Store::F32.round_var(total.ln())
+                + Store::F32.round_var(lse_out)
+                + adds / (total * total)
+        }
+        _ => F32_OP,
+    };
     // The row's shared variance: the parts' own (with their numbers of sources) and the lse shifts.
     let (mut coh, mut coh2, mut shifts) = (0.0, 0.0, 0.0);
     for (p, &wk) in parts.iter().zip(&w) {
@@ -495,7 +513,7 @@ pub(super) fn merge(parts: &[Attn]) -> Attn {
             continue;
         }
         let a = wk / total;
-        let lv = p.var_lse + EXP_REL_VAR + ((p.lse - m) * U32).powi(2);
+        let lv = p.var_lse + exp_var(sum, p.lse - m, wk);
         var_lse += a * a * lv;
         let (mut shift, mut weight) = (0.0, 0.0);
         for d in 0..dim {
@@ -532,7 +550,7 @@ pub(super) fn merge(parts: &[Attn]) -> Attn {
     Attn {
         out,
         var,
-        lse: m + total.ln(),
+        lse: lse_out,
         var_lse,
         coh,
         n_eff: if coh2 > 0.0 {
@@ -542,5 +560,6 @@ pub(super) fn merge(parts: &[Attn]) -> Attn {
         },
         bias_out,
         bias_lse,
+        lse_last: lse_last(sum, lse_out),
     }
 }

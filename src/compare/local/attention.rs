@@ -108,7 +108,7 @@ impl Lse {
     }
     pub(super) fn set(&mut self, i: usize, a: &Attn) {
         self.v[i] = a.lse;
-        self.var[i] = a.var_lse;
+        self.var[i] = a.var_lse - a.lse_last;
         self.bias[i] = a.bias_lse;
     }
     pub(super) fn push_to(self, out: &mut Local, stage: Stage, att: &Att) {

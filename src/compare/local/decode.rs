@@ -139,7 +139,7 @@ fn head(vw: &View, att: &Att, sp: &Splits, d: usize, hh: usize) -> (Vec<Attn>, A
     );
     let score_of = |j: usize| {
         let (lt, kp) = row(cache, j).split_at(lkv);
-        let mut sc = score(dot_var(lt, qa, vqa, kp, qp, sum), scale, sum);
+        let mut sc = score(dot_var(lt, qa, vqa, kp, qp, sum, att.path.dt), scale, sum);
         sc.var += scale * scale * att.q_round(att.qp_wide, qp, kp);
         sc
     };
@@ -167,9 +167,9 @@ fn head(vw: &View, att: &Att, sp: &Splits, d: usize, hh: usize) -> (Vec<Attn>, A
             let stored: Vec<Attn> = (0..sp.ns)
                 .map(|k| stored_part(vw, sp, (o, l), qi * sp.ns + k, &parts[k]))
                 .collect();
-            merge(&stored)
+            merge(&stored, att.path.sum)
         }
-        None => merge(&parts),
+        None => merge(&parts, att.path.sum),
     };
     (parts, merged)
 }

@@ -34,6 +34,7 @@ mod attend;
 mod attention;
 mod cache;
 mod decode;
+mod f32ops;
 mod front;
 mod linear;
 mod prefill;
@@ -49,7 +50,7 @@ use attend::{attend_in, Attn, Gram, Path};
 use attend::{key_cols, key_cols_scalar};
 #[cfg(test)]
 use score::terms_scalar;
-use score::{lanes8_finish, Score, Terms};
+use score::{Score, Terms};
 
 /// fp64 of each stage from the optimized path's inputs, and the variance its hidden roundings and f32
 /// arithmetic predict (the output's own rounding is added by the judge, from the stored values).

@@ -84,7 +84,7 @@ fn head(vw: &View, att: &Att, o_lat: &Array2<f64>, o_kpe: &Array2<f64>, hh: usiz
                         *v += hidden_round(adt, o);
                     }
                 }
-                merge(&parts)
+                merge(&parts, att.path.sum)
             } else {
                 mine
             };
@@ -119,6 +119,7 @@ fn part(
                 sl(qp),
                 sl(kpe.row(j)),
                 sum,
+                att.path.dt,
             );
             let mut sc = score(d, scale, sum);
             sc.var += scale

@@ -4,7 +4,7 @@
 
 #![cfg(target_arch = "x86_64")]
 
-use super::{attend_in, lanes8_finish, Attn, Gram, Path, Score, Terms};
+use super::{attend_in, Attn, Gram, Path, Score, Terms};
 use std::arch::x86_64::*;
 
 /// Whether this CPU has AVX2 (detected once, then a load).
@@ -103,19 +103,10 @@ pub(super) unsafe fn key_cols(
     n4
 }
 
-/// One part of a score (`x·y`, 16-wide k-steps) with [`super::lanes8`]'s eight lanes: its running
-/// terms are `t` (a, sq, steps, steps2), the eight lanes' sums and terms, and, where `w` is given,
-/// Σ x²·w in four lanes.
+/// One part of a score (`x·y`, 16-wide k-steps): its running terms are `t` (a, sq, steps, steps2)
+/// and, where `w` is given, Σ x²·w in four lanes.
 #[inline(always)]
-unsafe fn part16(
-    x: &[f64],
-    y: &[f64],
-    w: Option<&[f64]>,
-    t: &mut [f64; 4],
-    l8: &mut [__m256d; 4],
-    p4: &mut __m256d,
-) {
-    let [mut acc_lo, mut acc_hi, mut v_lo, mut v_hi] = *l8;
+unsafe fn part16(x: &[f64], y: &[f64], w: Option<&[f64]>, t: &mut [f64; 4], p4: &mut __m256d) {
     let (px, py) = (x.as_ptr(), y.as_ptr());
     let mut i = 0;
     while i < x.len() {
@@ -127,14 +118,6 @@ unsafe fn part16(
             let pp = _mm256_mul_pd(p, p);
             s = _mm256_add_pd(s, p);
             q = _mm256_add_pd(q, pp);
-            // Elements 0–3 of each 8 in lanes 0–3 of the mirror's dot, 4–7 in lanes 4–7.
-            if sub % 2 == 0 {
-                acc_lo = _mm256_add_pd(acc_lo, p);
-                v_lo = _mm256_add_pd(v_lo, _mm256_add_pd(pp, _mm256_mul_pd(acc_lo, acc_lo)));
-            } else {
-                acc_hi = _mm256_add_pd(acc_hi, p);
-                v_hi = _mm256_add_pd(v_hi, _mm256_add_pd(pp, _mm256_mul_pd(acc_hi, acc_hi)));
-            }
             if let Some(w) = w {
                 let wv = _mm256_loadu_pd(w.as_ptr().add(at));
                 *p4 = _mm256_add_pd(*p4, _mm256_mul_pd(_mm256_mul_pd(xv, xv), wv));
@@ -146,16 +129,6 @@ unsafe fn part16(
         t[3] += t[0] * t[0];
         i += 16;
     }
-    *l8 = [acc_lo, acc_hi, v_lo, v_hi];
-}
-
-/// [`super::lanes8`]'s variance from its eight lanes.
-#[inline(always)]
-fn lanes8_of(l8: &[__m256d; 4]) -> f64 {
-    let (al, ah, vl, vh) = (lanes(l8[0]), lanes(l8[1]), lanes(l8[2]), lanes(l8[3]));
-    let acc: [f64; 8] = std::array::from_fn(|k| if k < 4 { al[k] } else { ah[k - 4] });
-    let v8: [f64; 8] = std::array::from_fn(|k| if k < 4 { vl[k] } else { vh[k - 4] });
-    lanes8_finish(&acc, &v8).1
 }
 
 /// [`super::dot_var`]'s terms in one pass over the elements, for parts whose lengths are multiples of
@@ -175,18 +148,15 @@ pub(super) unsafe fn dot_terms(x: &[f64], y: &[f64], w: &[f64], xr: &[f64], yr: 
     );
     let mut t = [0.0f64; 4];
     let mut p4 = _mm256_setzero_pd();
-    let mut lx = [_mm256_setzero_pd(); 4];
-    let mut lr = [_mm256_setzero_pd(); 4];
-    part16(x, y, Some(w), &mut t, &mut lx, &mut p4);
+    part16(x, y, Some(w), &mut t, &mut p4);
     let mut unused = _mm256_setzero_pd();
-    part16(xr, yr, None, &mut t, &mut lr, &mut unused);
+    part16(xr, yr, None, &mut t, &mut unused);
     Terms {
         a: t[0],
         sq: t[1],
         steps: t[2],
         steps2: t[3],
         prop: tree(p4),
-        lanes: (lanes8_of(&lx), lanes8_of(&lr)),
     }
 }
 
@@ -254,11 +224,10 @@ mod tests {
             let (n, nr) = (16 * rng.random_range(0..40), 16 * rng.random_range(0..6));
             let (x, y, w) = (pick(&mut rng, n), pick(&mut rng, n), pick(&mut rng, n));
             let (xr, yr) = (pick(&mut rng, nr), pick(&mut rng, nr));
-            let want = terms_scalar(&x, &y, &w, &xr, &yr, true);
+            let want = terms_scalar(&x, &y, &w, &xr, &yr);
             // SAFETY: AVX2 checked above; lengths as required.
             let got = unsafe { dot_terms(&x, &y, &w, &xr, &yr) };
-            let tb =
-                |t: &Terms| [t.a, t.sq, t.steps, t.steps2, t.prop, t.lanes.0, t.lanes.1].map(one);
+            let tb = |t: &Terms| [t.a, t.sq, t.steps, t.steps2, t.prop].map(one);
             assert_eq!(tb(&want), tb(&got), "terms, case {case}");
         }
     }
