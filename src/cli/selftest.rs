@@ -39,12 +39,18 @@ impl Args {
             .only
             .iter()
             .map(|n| {
-                Fault::from_name(n).ok_or_else(|| {
+                let f = Fault::from_name(n).ok_or_else(|| {
                     Error::Usage(format!(
                         "--fault {n:?}: unknown fault; the catalogue: {}",
                         mla_diff::faults::catalogue_names()
                     ))
-                })
+                })?;
+                match f.is_v4() {
+                    true => Err(Error::Usage(format!(
+                        "--fault {n}: a DeepSeek-V4 fault: the self-test does not run V4 yet; plant it with `mla-diff run V4FILE --inject {n}`"
+                    ))),
+                    false => Ok(f),
+                }
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(selftest::Options {
