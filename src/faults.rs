@@ -413,8 +413,13 @@ impl FaultSet {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
-    /// Layer targets must exist in the model and be among the layers the run compares.
+    /// An MLA run's faults: MLA's only (`refuse_v4`), their layer targets as `check_targets` says.
     pub fn check_layers(&self, n_layer: usize, run_layers: &[usize]) -> Result<()> {
+        self.refuse_v4()?;
+        self.check_targets(n_layer, run_layers)
+    }
+    /// Layer targets must exist in the model and be among the layers the run compares.
+    pub fn check_targets(&self, n_layer: usize, run_layers: &[usize]) -> Result<()> {
         for i in &self.0 {
             if let Some(l) = i.layer {
                 if l >= n_layer {
@@ -430,6 +435,15 @@ impl FaultSet {
             }
         }
         Ok(())
+    }
+    /// An MLA run refuses DeepSeek-V4's faults (`Fault::is_v4`): they sit in the V4 mirror alone.
+    pub fn refuse_v4(&self) -> Result<()> {
+        match self.0.iter().find(|i| i.name.is_v4()) {
+            Some(i) => Err(Error::Usage(format!(
+                "--inject {i}: a DeepSeek-V4 fault; plant it in a run of a V4 (deepseek4) file"
+            ))),
+            None => Ok(()),
+        }
     }
     /// Faults this run may not show, each with the needs it lacks (value and dtype needs are not checked):
     /// `met` answers each need (`Need::met`, or `tiles::variants::need_met` with the kernel rules).

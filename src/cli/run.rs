@@ -16,6 +16,7 @@ use std::path::PathBuf;
 pub mod args;
 mod capture;
 mod outputs;
+mod v4;
 
 pub use args::{BackendArgs, FormatArgs, InputArgs, ReportArgs, ScheduleArgs, TolArgs};
 
@@ -30,7 +31,7 @@ enum ModeArg {
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The MLA GGUF file.
+    /// The MLA (or DeepSeek-V4) GGUF file.
     file: PathBuf,
     /// Layers: `all`, `N`, `A..B` (half-open), `A..=B`, or a comma list.
     #[arg(long, default_value = "all")]
@@ -276,6 +277,9 @@ pub fn exec(mut a: Args) -> Result<i32, Error> {
         )));
     }
     let file = GgufFile::open(&a.file)?;
+    if mla_diff::run::v4::is_v4(&file) {
+        return v4::exec(&a, &file, faults);
+    }
     let cfg = MlaConfig::from_gguf(&file)?;
     if !a.capture.is_empty() {
         return capture::exec(&a, &file, &cfg);
