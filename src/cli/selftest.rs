@@ -92,6 +92,17 @@ pub fn exec(a: Args) -> Result<i32, Error> {
     for l in &summary.left_out {
         println!("left out: {l}");
     }
+    if opts.only.is_empty() {
+        let v4: Vec<&str> = Fault::ALL
+            .iter()
+            .filter(|f| f.is_v4())
+            .map(|f| f.name())
+            .collect();
+        println!(
+            "not run: DeepSeek-V4's faults ({}): the self-test has no V4 fixture or judge yet; `mla-diff run V4FILE --inject NAME` plants them (docs/deepseek-v4.md)",
+            v4.join(", ")
+        );
+    }
     let (n_ok, n) = (
         summary.outcomes.iter().filter(|o| o.ok).count(),
         summary.outcomes.len(),

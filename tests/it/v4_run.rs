@@ -74,8 +74,19 @@ fn a_clean_v4_run_passes_in_every_format() {
         .any(|c| c["class"] == "hca_carried" && c["phase"] == "decode"));
 }
 
+/// A planted V4 fault: exit 1, and JSON, JUnit and Markdown fail too, at the fault's stage.
+#[test]
+fn a_planted_v4_fault_fails_in_every_format() {
+    let (code, pass, failures, md, j) = verdicts(&["--inject", "sink_dropped@layer=1"]);
+    assert_eq!((code, pass, md), (Some(1), false, false));
+    assert!(failures > 0);
+    assert_eq!(j["verdict"]["first_layer"], 1);
+    assert_eq!(j["verdict"]["first_check"], "attn_heads");
+    assert_eq!(j["run"]["injected"][0]["name"], "sink_dropped");
+}
+
 /// What the V4 run does not take: one line, exit 2 (the CUDA path and runners are not built for V4);
-/// an MLA fault on a V4 file, a V4 fault on an MLA file.
+/// an MLA fault on a V4 file, a V4 fault on an MLA file or in the self-test.
 #[test]
 fn what_a_v4_run_does_not_take_exits_2() {
     let g = golden();
@@ -106,4 +117,9 @@ fn what_a_v4_run_does_not_take_exits_2() {
     ] {
         assert_clean_error(&run(&args), says);
     }
+    // The self-test lists V4's faults (`--list`) but does not run them.
+    let o = run(&["selftest", "--list"]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("sink_dropped  (MLA_FAULT_SINK_DROPPED)"));
+    let o = run(&["selftest", "--fault", "window_off_by_one"]);
+    assert_clean_error(&o, "the self-test does not run V4 yet");
 }

@@ -1,7 +1,7 @@
 //! The V4 run: no false alarm on clean runs, each V4 fault caught at its stage, the coverage counts.
 
 use super::*;
-use crate::faults::Injection;
+use crate::faults::{Fault, Injection};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -86,6 +86,51 @@ fn clean_runs_on_the_fixture_pass() {
         let r = run(&f, &short(opts(&f, &[1, 2], dt, seed, &[]))).unwrap();
         assert!(r.pass(), "{}: {}", dt.name(), r.verdict.message);
     }
+}
+
+/// Each V4 fault, planted in one layer of the fixture, fails that layer first at the catalogue's
+/// stage (every earlier check passing), and no other layer run. The window edge moves one key in 129 of
+/// a query's: within bf16's noise at the fixture's window of 128 (1.1× its tolerance, measured), so
+/// f32 pins it; the others are caught in bf16.
+#[test]
+fn each_v4_fault_is_caught_at_its_stage() {
+    let f = fixture();
+    for (fault, layers, layer, dt) in [
+        (Fault::WindowOffByOne, &[1][..], 1, Dtype::F32),
+        (Fault::CompressGroupOffByOne, &[2], 2, Dtype::Bf16),
+        (Fault::CompressorStateDropped, &[1], 1, Dtype::Bf16),
+        (Fault::SinkDropped, &[1, 2], 2, Dtype::Bf16),
+    ] {
+        let inj = format!("{}@layer={layer}", fault.name());
+        let r = run(&f, &short(opts(&f, layers, dt, 1, &[&inj]))).unwrap();
+        let v = &r.modes[0].verdict;
+        assert_eq!(v.first_layer, Some(layer), "{inj}: {}", v.message);
+        assert_eq!(
+            v.first_check.as_deref(),
+            Some(fault.info().expected),
+            "{inj}"
+        );
+        let failing: Vec<usize> = r.modes[0]
+            .layers
+            .iter()
+            .filter(|l| !l.pass)
+            .map(|l| l.layer)
+            .collect();
+        assert_eq!(failing, [layer], "{inj}");
+    }
+}
+
+/// `compressor_state_dropped` (llama.cpp #26509's class) is right on a one-pass prompt and wrong once
+/// a compression window spans forward passes.
+#[test]
+fn a_dropped_compressor_state_shows_only_across_forward_passes() {
+    let f = golden();
+    let mut o = opts(&f, &[1, 2], Dtype::Bf16, 1, &["compressor_state_dropped"]);
+    (o.sched.prompt_len, o.sched.chunk, o.sched.decode_steps) = (140, 140, 0);
+    assert!(run(&f, &o).unwrap().pass());
+    o.sched.decode_steps = 6;
+    let r = run(&f, &o).unwrap();
+    assert_eq!(r.verdict.first_check.as_deref(), Some("compressed"));
 }
 
 /// The coverage of the default schedule reaches every V4 class in prefill and decode (HCA's second
