@@ -58,6 +58,10 @@ pub enum Fault {
     PairsHandoverStale,
     SmallRingWrap,
     TmaPageTile,
+    WindowOffByOne,
+    CompressGroupOffByOne,
+    CompressorStateDropped,
+    SinkDropped,
 }
 
 /// What a run needs for a fault to be visible at all. Model needs are properties of the file; run
@@ -120,6 +124,9 @@ pub enum Need {
     /// Decode on a model whose production variants include `attn_wgmma` or `attn_wgmma_pairs` taking
     /// key tiles by TMA from pages of two or more 64-key tiles (page 128).
     MultiTilePage,
+    /// A DeepSeek-V4 file (`deepseek4`): the fault sits in the V4 mirror (`backend::cpu::v4`), not
+    /// the MLA path.
+    V4,
 }
 
 impl Need {
@@ -146,6 +153,7 @@ impl Need {
             Need::PairsKernel => "the attn_wgmma_pairs kernel",
             Need::SmallKernel => "the attn_small kernel",
             Need::MultiTilePage => "attn_wgmma by TMA on multi-tile pages",
+            Need::V4 => "a DeepSeek-V4 file",
         }
     }
     /// Whether the model and schedule provide this; `None` when it depends on values, the dtype or the
@@ -158,6 +166,8 @@ impl Need {
             Need::Yarn => (cfg.mscale - 1.0).abs() > 1e-3,
             Need::QkNotV => cfg.qk_head_dim() != cfg.v_head_dim,
             Need::LargeQAbs | Need::F32 | Need::Dsa | Need::Fp8Keys | Need::KvCache => return None,
+            // An MLA config is never a V4 file (`MlaConfig::from_gguf` refuses one).
+            Need::V4 => false,
             Need::Prefill => s.prompt_len >= 2 && s.chunk >= 2,
             Need::Positions => s.pos_offset > 0 || s.total_tokens() >= 2,
             Need::Decode => decode,
@@ -227,7 +237,7 @@ pub struct Info {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 35] = [
+    pub const ALL: [Fault; 39] = [
         Fault::RopeNeox,
         Fault::RopeNorm,
         Fault::YarnMscaleMissing,
@@ -263,7 +273,17 @@ impl Fault {
         Fault::PairsHandoverStale,
         Fault::SmallRingWrap,
         Fault::TmaPageTile,
+        Fault::WindowOffByOne,
+        Fault::CompressGroupOffByOne,
+        Fault::CompressorStateDropped,
+        Fault::SinkDropped,
     ];
+
+    /// A fault of DeepSeek-V4 attention (`Need::V4`): planted in the V4 mirror, judged at a V4 stage
+    /// (`trace::V4Stage`); an MLA run refuses it, and the MLA self-test does not run it.
+    pub fn is_v4(self) -> bool {
+        self.info().needs.contains(&Need::V4)
+    }
 
     /// A fault of the DSA indexer: caught by the selection check (`SELECTION_CHECK`), not a stage check.
     pub fn is_indexer(self) -> bool {
@@ -393,8 +413,13 @@ impl FaultSet {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
-    /// Layer targets must exist in the model and be among the layers the run compares.
+    /// An MLA run's faults: MLA's only (`refuse_v4`), their layer targets as `check_targets` says.
     pub fn check_layers(&self, n_layer: usize, run_layers: &[usize]) -> Result<()> {
+        self.refuse_v4()?;
+        self.check_targets(n_layer, run_layers)
+    }
+    /// Layer targets must exist in the model and be among the layers the run compares.
+    pub fn check_targets(&self, n_layer: usize, run_layers: &[usize]) -> Result<()> {
         for i in &self.0 {
             if let Some(l) = i.layer {
                 if l >= n_layer {
@@ -410,6 +435,15 @@ impl FaultSet {
             }
         }
         Ok(())
+    }
+    /// An MLA run refuses DeepSeek-V4's faults (`Fault::is_v4`): they sit in the V4 mirror alone.
+    pub fn refuse_v4(&self) -> Result<()> {
+        match self.0.iter().find(|i| i.name.is_v4()) {
+            Some(i) => Err(Error::Usage(format!(
+                "--inject {i}: a DeepSeek-V4 fault; plant it in a run of a V4 (deepseek4) file"
+            ))),
+            None => Ok(()),
+        }
     }
     /// Faults this run may not show, each with the needs it lacks (value and dtype needs are not checked):
     /// `met` answers each need (`Need::met`, or `tiles::variants::need_met` with the kernel rules).
@@ -456,8 +490,10 @@ mod tests {
             assert_eq!(i.fault, f);
             assert!(names.insert(i.name), "duplicate {}", i.name);
             assert_eq!(i.define, format!("MLA_FAULT_{}", i.name.to_uppercase()));
+            let v4_stage = crate::trace::V4_STAGES.iter().any(|s| s.1 == i.expected);
             assert!(
-                Check::parse(i.expected).is_some()
+                (f.is_v4() && v4_stage)
+                    || Check::parse(i.expected).is_some()
                     || i.expected == SELECTION_CHECK
                     || i.expected == VARIANT_CHECK
                     || i.expected == BATCH_CHECK,

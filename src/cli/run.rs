@@ -14,7 +14,7 @@ pub use args::{BackendArgs, FormatArgs, InputArgs, ReportArgs, ScheduleArgs, Tol
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The MLA GGUF file.
+    /// The MLA (or DeepSeek-V4) GGUF file.
     file: PathBuf,
     /// Layers: `all`, `N`, `A..B` (half-open), `A..=B`, or a comma list.
     #[arg(long, default_value = "all")]

@@ -8,6 +8,7 @@ pub mod noise;
 mod position;
 pub mod selection;
 pub mod tolerance;
+pub mod v4;
 mod verdict;
 
 pub use checks::{checks_for, Check, Phase};
@@ -230,6 +231,30 @@ pub fn compare_check(
         data: Vec::new(),
     };
     let pos = |flat: usize| position(ctx, check.stage, &view, rows.start, flat);
+    let axes = check.stage.axes().iter().map(|s| s.to_string()).collect();
+    Ok(check_result(
+        check.name(),
+        axes,
+        shape,
+        (rv, ov),
+        tol,
+        ctx.elementwise,
+        &pos,
+    ))
+}
+
+/// One check of the pair `(reference, optimized)` of shape `shape` (positions decoded by `pos`): every
+/// metric and the end-to-end criteria of `tol` (elementwise only where `elementwise`). The judge of
+/// every stage check, MLA's (`compare_check`) and DeepSeek-V4's (`v4`).
+pub fn check_result(
+    name: String,
+    axes: Vec<String>,
+    shape: Vec<usize>,
+    (rv, ov): (&[f64], &[f64]),
+    tol: Tolerance,
+    elementwise: bool,
+    pos: &dyn Fn(usize) -> Position,
+) -> CheckResult {
     // Every metric in two passes over the pair, each the same bits as its own function's.
     let all = metrics::all(rv, ov, tol.atol_rms, tol.rtol);
     let ref_rms = all.ref_rms;
@@ -278,7 +303,7 @@ pub fn compare_check(
     if m.rel_l2 > tol.rel_l2 {
         reasons.push(format!("rel-L2 {:.3e} > {:.1e}", m.rel_l2, tol.rel_l2));
     }
-    if ctx.elementwise && m.outside > 0 {
+    if elementwise && m.outside > 0 {
         reasons.push(format!(
             "{} elements ({:.3}%) outside {:.1e}·rms + {:.1e}·|ref|; worst |diff| {:.4e} at {} (ref {:.6e}, opt {:.6e})",
             m.outside,
@@ -291,12 +316,12 @@ pub fn compare_check(
             m.max_abs_opt.unwrap_or(f64::NAN)
         ));
     }
-    Ok(CheckResult {
-        check: check.name(),
-        axes: check.stage.axes().iter().map(|s| s.to_string()).collect(),
+    CheckResult {
+        check: name,
+        axes,
         shape,
         pass: reasons.is_empty(),
-        elementwise: ctx.elementwise,
+        elementwise,
         reasons,
         tolerance: tol,
         metrics: m,
@@ -304,7 +329,7 @@ pub fn compare_check(
         end_to_end_reasons: Vec::new(),
         end_to_end_decides: false,
         cache_effect: None,
-    })
+    }
 }
 
 /// Judge a check on the local view: its verdict replaces the end-to-end one, whose reasons move to

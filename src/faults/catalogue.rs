@@ -4,7 +4,7 @@
 use super::{Fault, Info, Need};
 
 /// The catalogue, one row per fault in `Fault` order (docs/faults.md is generated from it).
-pub const CATALOGUE: [Info; 35] = [
+pub const CATALOGUE: [Info; 39] = [
     Info {
         fault: Fault::RopeNeox,
         name: "rope_neox",
@@ -421,5 +421,49 @@ pub const CATALOGUE: [Info; 35] = [
         expected: "variant_batch",
         needs: &[Need::Decode, Need::MultiTilePage],
         cuda_site: "kernels/sm90/decode/attn_wgmma.cuh `wg_tma_k` (attn_wgmma's and attn_wgmma_pairs's TMA key tiles): row = the page's first pool row, without j0 % MLA_PAGE (the probe's site)",
+    },
+    Info {
+        fault: Fault::WindowOffByOne,
+        name: "window_off_by_one",
+        define: "MLA_FAULT_WINDOW_OFF_BY_ONE",
+        summary: "DeepSeek-V4: the sliding window keeps sliding_window past rows plus the new one (one row past its edge) instead of sliding_window − 1 plus the new one",
+        models: "the window-edge class of DeepSeek-V4's sliding-window cache (docs/deepseek-v4.md, step 5): transformers keeps sliding_window − 1 past rows plus the new one; a ring buffer sized or indexed one row off sees one stale row. A planted bug of the class, no single public report",
+        sources: &[],
+        expected: "attn_heads",
+        needs: &[Need::V4],
+        cuda_site: "none: the CUDA path for DeepSeek-V4 is not built; CPU: src/backend/cpu/v4/mod.rs `window_start`",
+    },
+    Info {
+        fault: Fault::CompressGroupOffByOne,
+        name: "compress_group_off_by_one",
+        define: "MLA_FAULT_COMPRESS_GROUP_OFF_BY_ONE",
+        summary: "DeepSeek-V4: the compressor's groups start one token early (token t in group (t+1)/ratio): every compression window closes one token early and pools the wrong tokens",
+        models: "the compression-group boundary class (docs/deepseek-v4.md, step 6): a group index or the slot within the group computed off by one. A planted bug of the class, no single public report",
+        sources: &[],
+        expected: "compressed",
+        needs: &[Need::V4],
+        cuda_site: "none: the CUDA path for DeepSeek-V4 is not built; CPU: src/backend/cpu/v4/compress.rs `Compressor::slot`",
+    },
+    Info {
+        fault: Fault::CompressorStateDropped,
+        name: "compressor_state_dropped",
+        define: "MLA_FAULT_COMPRESSOR_STATE_DROPPED",
+        summary: "DeepSeek-V4: the compressors' carried state (the tokens of the unclosed window and CSA's previous-window Ca half) is dropped at every forward pass boundary",
+        models: "llama.cpp #26509: DeepSeek-V4 right on a one-pass prompt and wrong across forward passes, the compressor state not carried from one ubatch to the next",
+        sources: &["https://github.com/ggml-org/llama.cpp/issues/26509"],
+        expected: "compressed",
+        needs: &[Need::V4],
+        cuda_site: "none: the CUDA path for DeepSeek-V4 is not built; CPU: src/backend/cpu/v4/compress.rs `Compressor::begin_pass`",
+    },
+    Info {
+        fault: Fault::SinkDropped,
+        name: "sink_dropped",
+        define: "MLA_FAULT_SINK_DROPPED",
+        summary: "DeepSeek-V4: the per-head attention sink left out of the softmax's denominator",
+        models: "the attention-sink class (DeepSeek-V4's attn_sinks, as gpt-oss's sinks): a kernel without a sink term computes a plain softmax. A planted bug of the class, no single public report",
+        sources: &[],
+        expected: "attn_heads",
+        needs: &[Need::V4],
+        cuda_site: "none: the CUDA path for DeepSeek-V4 is not built; CPU: src/backend/cpu/v4/mod.rs `attend_one`",
     },
 ];

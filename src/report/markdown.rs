@@ -130,16 +130,16 @@ fn gate(s: &mut String, g: Gate) {
 
 /// One mode's layer × check table (cells: worst metric ÷ tolerance), then the checks not provided.
 fn mode_table(s: &mut String, r: &Report, m: &super::ModeResult) {
-    let Some(first) = m.layers.first() else {
+    if m.layers.is_empty() {
         return;
-    };
+    }
     let note = if r.decisive_mode() == Some(m.mode.as_str()) {
         ""
     } else {
         " (informational: drift; it does not decide the verdict)"
     };
     writeln!(s, "#### {} mode{note}\n", m.mode).ok();
-    let names: Vec<&str> = first.checks.iter().map(|c| c.check.as_str()).collect();
+    let names = m.columns();
     writeln!(
         s,
         "| layer | {} |{}",
@@ -155,7 +155,10 @@ fn mode_table(s: &mut String, r: &Report, m: &super::ModeResult) {
     )
     .ok();
     for l in &m.layers {
-        let cells: Vec<String> = l.checks.iter().map(|c| cell(c.ratio())).collect();
+        let cells: Vec<String> = names
+            .iter()
+            .map(|n| super::ModeResult::cell(l, n).map_or("-".into(), |c| cell(c.ratio())))
+            .collect();
         let drift = l.drift.map(|d| format!(" {d:.2e} |")).unwrap_or_default();
         writeln!(s, "| {} | {} |{drift}", l.layer, cells.join(" | ")).ok();
     }

@@ -128,6 +128,29 @@ pub struct Report {
 }
 
 impl ModeResult {
+    /// The checks of its layers as the columns of a layer × check table: their union in dataflow
+    /// order, each after the checks it follows in a layer (layers of one kind have the same checks; a
+    /// DeepSeek-V4 window layer lacks the compressed ones).
+    pub fn columns(&self) -> Vec<&str> {
+        let mut cols: Vec<&str> = Vec::new();
+        for l in &self.layers {
+            let mut at = 0;
+            for c in &l.checks {
+                match cols.iter().position(|x| *x == c.check) {
+                    Some(i) => at = i + 1,
+                    None => {
+                        cols.insert(at, &c.check);
+                        at += 1;
+                    }
+                }
+            }
+        }
+        cols
+    }
+    /// Layer `l`'s check of column `col`, if it has one.
+    pub fn cell<'a>(l: &'a LayerResult, col: &str) -> Option<&'a crate::compare::CheckResult> {
+        l.checks.iter().find(|c| c.check == col)
+    }
     /// The checks the backend did not provide (`LayerResult::not_provided`), each with the layers it
     /// was left out of, in check order.
     pub fn not_provided(&self) -> Vec<(String, Vec<usize>)> {

@@ -9,8 +9,16 @@ fn short(check: &str) -> String {
     if let Some(base) = check.strip_suffix(crate::compare::AT_RUNNER) {
         return format!("{}@r", short(base));
     }
+    let v4 = match check {
+        "compressed" => Some("comp"),
+        "index_scores" => Some("iscores"),
+        "topk_indices" => Some("topk"),
+        "attn_derot" => Some("derot"),
+        _ => None,
+    };
     crate::compare::Check::parse(check)
         .map(|c| crate::compare::checks::short_check_name(&c))
+        .or(v4.map(String::from))
         .unwrap_or_else(|| check.to_string())
 }
 
@@ -119,9 +127,10 @@ pub fn render(r: &Report, style: &Style) -> String {
 
 /// One mode's layer × check table (cells: worst metric ÷ tolerance), then the checks not provided.
 fn mode_table(s: &mut String, r: &Report, m: &super::ModeResult, style: &Style) {
-    let Some(first) = m.layers.first() else {
+    if m.layers.is_empty() {
         return;
-    };
+    }
+    let cols = m.columns();
     let note = if r.decisive_mode() == Some(m.mode.as_str()) {
         ""
     } else {
@@ -129,8 +138,8 @@ fn mode_table(s: &mut String, r: &Report, m: &super::ModeResult, style: &Style) 
     };
     writeln!(s, "\n[{} mode{note}]", m.mode).ok();
     let mut head = format!("{:>5} {:>4} ", "layer", "");
-    for c in &first.checks {
-        write!(head, "{:>7} ", short(&c.check)).ok();
+    for c in &cols {
+        write!(head, "{:>7} ", short(c)).ok();
     }
     if m.mode == "free" {
         write!(head, " {:>8}", "drift").ok();
@@ -143,7 +152,11 @@ fn mode_table(s: &mut String, r: &Report, m: &super::ModeResult, style: &Style) 
             style.red("FAIL")
         };
         let mut row = format!("{:>5} {} ", l.layer, verdict);
-        for c in &l.checks {
+        for col in &cols {
+            let Some(c) = super::ModeResult::cell(l, col) else {
+                row.push_str(&format!("{:>7} ", "-"));
+                continue;
+            };
             let mark = if c.pass { ' ' } else { '!' };
             let txt = format!("{:>7}{mark}", cell(c.ratio()));
             row.push_str(&if c.pass { txt } else { style.red(&txt) });

@@ -115,8 +115,11 @@ pub fn exec(req: Request) -> Result<i32> {
         )));
     }
     let file = GgufFile::open(&req.file)?;
+    // The one dispatch point: the attention the file has, then what takes the optimized path's place.
+    if super::v4::is_v4(&file) {
+        return super::v4::command::exec(&req, &file);
+    }
     let cfg = MlaConfig::from_gguf(&file)?;
-    // The one dispatch point: what takes the optimized path's place.
     match req.capture.is_empty() {
         false => super::capture::exec(&req, &file, &cfg),
         true => on_backend(&req, &file, &cfg),

@@ -33,6 +33,7 @@ mod layers;
 pub mod plan;
 pub mod profile;
 pub mod repeat;
+pub mod v4;
 
 /// Where layer inputs come from.
 #[derive(Debug, Clone)]
@@ -325,6 +326,7 @@ impl Setup {
     ) -> Result<Setup> {
         let cfg = MlaConfig::from_gguf(file)?;
         opts.sched.validate()?;
+        opts.faults.refuse_v4()?;
         // Before the inputs, the rope tables or any layer buffer is allocated.
         opts.sched.check_memory(&cfg)?;
         if !opts.modes.shadow && !opts.modes.free {

@@ -72,7 +72,9 @@ pub fn schedule_for(needs: &[Need]) -> Schedule {
                 s.prompt_len = s.prompt_len.max(VARIANT_PROMPT);
                 s.chunk = s.chunk.max(VARIANT_PROMPT);
             }
-            Need::NormRope
+            // Not run by the self-test (`Fault::is_v4`).
+            Need::V4
+            | Need::NormRope
             | Need::NeoxRope
             | Need::Yarn
             | Need::QkNotV

@@ -51,3 +51,4 @@ mod sizes;
 mod sweep;
 mod tp;
 mod v4_reader;
+mod v4_run;

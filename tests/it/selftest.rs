@@ -118,7 +118,9 @@ fn every_fault_is_caught_in_its_layer_at_its_stage() {
     // Every fault of the catalogue ran once, and was caught where it was planted.
     let mut seen: Vec<Fault> = fault_outcomes(&s).filter_map(|o| o.case.fault).collect();
     seen.sort();
-    assert_eq!(seen, Fault::ALL.to_vec());
+    // DeepSeek-V4's faults run through `run --inject` on a V4 file (`v4_run`), not the self-test.
+    let mla: Vec<Fault> = Fault::ALL.into_iter().filter(|f| !f.is_v4()).collect();
+    assert_eq!(seen, mla);
     for o in fault_outcomes(&s) {
         assert!(o.detected);
         assert_eq!(o.first_layer, Some(TARGET));
@@ -132,7 +134,7 @@ fn every_fault_is_caught_in_its_layer_at_its_stage() {
         .all(|o| !o.detected));
     assert!(s.outcomes.iter().any(|o| o.case.fault.is_none()));
     assert!(s.outcomes.iter().any(|o| o.case.lacking.is_some()));
-    assert!(s.matrix().lines().count() > Fault::ALL.len() + 2);
+    assert!(s.matrix().lines().count() > mla.len() + 2);
 }
 
 /// A backend that drops the injection: no fault is found, so the selftest fails (and says why).

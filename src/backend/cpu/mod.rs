@@ -50,6 +50,7 @@ pub mod indexer;
 pub mod ops;
 pub mod prefill;
 pub mod serving;
+pub mod v4;
 
 use super::common::kernel_scale;
 use super::{Backend, LayerCtx};
