@@ -6,7 +6,7 @@ use mla_diff::capsule::Capsule;
 use mla_diff::error::Error;
 use mla_diff::gguf::GgufFile;
 use mla_diff::model::MlaConfig;
-use mla_diff::run::command::{execute, How, Job, Optimized, Prepared};
+use mla_diff::run::execute::{execute, How, Job, Optimized, Prepared};
 use std::path::PathBuf;
 
 #[derive(clap::Args)]

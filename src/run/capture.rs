@@ -1,8 +1,9 @@
 //! `run FILE --capture DIR…`: a capture of what a serving engine computed takes the optimized path's
 //! place (docs/captures.md, `crate::capture`): the captures opened and checked against the model, the
-//! run's options from them, then the shared run ([`super::command::execute`]).
+//! run's options from them, then the shared run ([`super::execute::execute`]).
 
-use super::command::{execute, How, Job, Optimized, Prepared, Request};
+use super::execute::{execute, How, Job, Optimized, Prepared};
+use super::request::Request;
 use super::{InputSpec, Mode, RunOptions};
 use crate::capture::{Capture, CaptureBackend};
 use crate::error::{Error, Result};

@@ -28,11 +28,14 @@ mod baseline;
 mod capture;
 pub mod command;
 pub mod dsa;
+pub mod execute;
 mod judge;
 mod layers;
 pub mod plan;
 pub mod profile;
 pub mod repeat;
+pub mod request;
+pub mod shard;
 pub mod v4;
 
 /// Where layer inputs come from.

@@ -15,7 +15,7 @@ use crate::schedule::Schedule;
 /// the notes a choice calls for on stderr); and `(schedule's page, page run)` when the page was moved
 /// to one the runner takes (the runner backend's notice).
 pub fn options(
-    req: &super::command::Request,
+    req: &super::request::Request,
     file: &GgufFile,
     cfg: &MlaConfig,
 ) -> Result<(super::RunOptions, Option<(usize, usize)>)> {

@@ -7,7 +7,7 @@ use crate::error::{Error, Result, EXIT_DIVERGENCE, EXIT_PASS};
 use crate::gguf::GgufFile;
 use crate::model::v4::V4Config;
 use crate::report::outputs::Outputs;
-use crate::run::command::Request;
+use crate::run::request::Request;
 use crate::run::{InputSpec, Mode};
 
 /// The first option a V4 run does not take, with why.
