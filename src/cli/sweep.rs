@@ -155,26 +155,16 @@ impl Outputs {
     }
 
     fn write(&self, rep: &SweepReport, a: &FormatArgs) -> Result<(), Error> {
-        use std::io::IsTerminal;
         let stdout_taken = [&self.json, &self.junit, &self.markdown]
             .iter()
             .any(|t| **t == Some(Target::Stdout));
-        let to_terminal = if stdout_taken {
-            std::io::stderr().is_terminal()
-        } else {
-            std::io::stdout().is_terminal()
-        };
-        let style = report::table::Style::new(a.color, to_terminal);
-        let text = if a.quiet {
-            sweep::render::verdict_line(rep, &style)
-        } else {
-            sweep::render::table(rep, &style)
-        };
-        if stdout_taken {
-            eprint!("{text}");
-        } else {
-            print!("{text}");
-        }
+        report::outputs::print_terminal(a.color, a.quiet, stdout_taken, |style, quiet| {
+            if quiet {
+                sweep::render::verdict_line(rep, style)
+            } else {
+                sweep::render::table(rep, style)
+            }
+        });
         if let Some(t) = &self.json {
             t.write(&rep.to_json())?;
         }

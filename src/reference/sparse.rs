@@ -41,6 +41,17 @@ impl Selection {
         Selection::new(top_k, (0..t).map(|q| (0..=q as u32).collect()).collect())
     }
 
+    /// The width of the `-1`-padded index rows a sparse kernel takes for `queries`: their widest
+    /// selection, at least `top_k` (the kernels' fixed row), at least 1.
+    pub fn index_width(&self, queries: std::ops::Range<usize>) -> usize {
+        queries
+            .map(|t| self.keys[t].len())
+            .max()
+            .unwrap_or(0)
+            .max(self.top_k)
+            .max(1)
+    }
+
     pub fn n_queries(&self) -> usize {
         self.keys.len()
     }

@@ -135,26 +135,18 @@ impl Outputs {
 
     /// The table (or, quiet, the verdict line) on stdout unless a report took it, then the reports.
     pub fn write(&self, rep: &Report, a: &ReportOptions) -> Result<()> {
-        let stdout_taken = self.stdout_taken();
-        let to_terminal = {
-            use std::io::IsTerminal;
-            if stdout_taken {
-                std::io::stderr().is_terminal()
-            } else {
-                std::io::stdout().is_terminal()
-            }
-        };
-        let style = super::table::Style::new(a.formats.color, to_terminal);
-        let text = if a.formats.quiet {
-            super::table::verdict_line(rep, &style)
-        } else {
-            super::table::render(rep, &style)
-        };
-        if stdout_taken {
-            eprint!("{text}");
-        } else {
-            print!("{text}");
-        }
+        print_terminal(
+            a.formats.color,
+            a.formats.quiet,
+            self.stdout_taken(),
+            |style, quiet| {
+                if quiet {
+                    super::table::verdict_line(rep, style)
+                } else {
+                    super::table::render(rep, style)
+                }
+            },
+        );
         if let Some(t) = &self.json {
             t.write(&rep.to_json())?;
         }
@@ -177,5 +169,27 @@ impl Outputs {
             t.write(&super::svg::render(rep)?)?;
         }
         Ok(())
+    }
+}
+
+/// The table (quiet: the verdict line, `render`'s second argument) on stdout, or on stderr when a
+/// report file took stdout, styled for whichever of them it goes to (`run`, `replay` and `sweep`).
+pub fn print_terminal(
+    color: ColorChoice,
+    quiet: bool,
+    stdout_taken: bool,
+    render: impl Fn(&super::table::Style, bool) -> String,
+) {
+    use std::io::IsTerminal;
+    let to_terminal = if stdout_taken {
+        std::io::stderr().is_terminal()
+    } else {
+        std::io::stdout().is_terminal()
+    };
+    let text = render(&super::table::Style::new(color, to_terminal), quiet);
+    if stdout_taken {
+        eprint!("{text}");
+    } else {
+        print!("{text}");
     }
 }

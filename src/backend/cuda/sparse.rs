@@ -71,13 +71,7 @@ pub fn index_rows(
     fx: Active,
 ) -> IndexRows {
     let logical = fx.on(Fault::SparseIndexPageBase);
-    let topk = queries
-        .clone()
-        .map(|t| sel.keys[t].len())
-        .max()
-        .unwrap_or(0)
-        .max(sel.top_k)
-        .max(1);
+    let topk = sel.index_width(queries.clone());
     let (mut indices, mut bounds) = (Vec::new(), Vec::new());
     for t in queries {
         let keys = &sel.keys[t];

@@ -135,13 +135,7 @@ impl RunnerBackend {
     ) -> Result<usize> {
         let (h, lkv, dt) = (ctx.cfg.n_head, ctx.cfg.kv_lora_rank, self.dtype);
         let (n, row) = (c.len(), pool.row);
-        let topk = c
-            .clone()
-            .map(|t| sel.keys[t].len())
-            .max()
-            .unwrap_or(0)
-            .max(sel.top_k)
-            .max(1);
+        let topk = sel.index_width(c.clone());
         let mut idx = Vec::with_capacity(n * topk);
         for t in c.clone() {
             idx.extend(flashmla_indices(&sel.keys[t], topk, pool.table, pool.page));

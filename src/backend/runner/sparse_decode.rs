@@ -126,12 +126,7 @@ impl RunnerBackend {
         let entries = step_entries(ctx, q_abs, q_pe);
         let seed = sched.shuffle_seed.map(|s| s ^ 0x53445043);
         let paged = Paged::new(&entries, page, row, rows, seed);
-        let topk = (prompt..t_all)
-            .map(|t| sel.keys[t].len())
-            .max()
-            .unwrap_or(0)
-            .max(sel.top_k)
-            .max(1);
+        let topk = sel.index_width(prompt..t_all);
         let mut idx = Vec::with_capacity(b_n * s_q * topk);
         for (b, table) in paged.tables.iter().enumerate() {
             for i in 0..s_q {
