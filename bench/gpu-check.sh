@@ -40,6 +40,10 @@
 #              (64 heads, 3072 + 4), beside our CUDA sparse path; the kernels alone first
 #              (bench/probes/flashmla_sparse*.py); then with --kv-cache-dtype fp8_ds_mla (the cache sent
 #              as its bytes) and lint's probe of both ops' cache convention; needs .carry/peers
+#   v4         DeepSeek-V4 on its CUDA kernels (kernels/v4/, #37): clean runs of V4-Flash's dims (`fixture --preset
+#              deepseek-v4 --layers 3`: a window, a CSA and an HCA layer) and of the golden, bf16/fp16, seeds 1-2, must
+#              pass; each V4 fault planted in its layer must exit 1 first at its catalogue stage, on both files; then
+#              compute-sanitizer memcheck on the golden. One line per run (verdict, worst check); stderr tails on errors
 #   formats    quantized KV caches on CUDA (#38, kernels/cache_write.cu `cache_write_format`): every fixture with
 #              a 512 + 64 row × fp8_ds_mla × bf16/fp16 and a generated glm5-next (512 + 0) × fp8_ds_mla_nope /
 #              fp8_v41 / fp4_v41 × bf16 must pass; each planted cache fault must fail (exit 1) first at
@@ -410,5 +414,78 @@ dsa_flashmla() {
         expect 0 "$(tail -1 "$f" | sed 's/exit //')" "$(basename "$f" .txt)"
     done
     head -12 "$D/flashmla-times.txt" 2> /dev/null
+}
+# v4sum JSON: a V4 report in one line: verdict, first failing layer/check, the worst check's ratio to its
+# tolerance (end to end; inf: non-finite), the backend and the kernels coverage names.
+v4sum() {
+    python3 - "$1" <<'PYEOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+m = r["modes"][0]
+worst = (0.0, "-")
+for l in m["layers"]:
+    for c in l["checks"]:
+        x, t = c["metrics"], c["tolerance"]
+        if x.get("nonfinite", {}).get("mismatches", 0) > 0:
+            q = float("inf")
+        else:
+            q = x["rel_l2"] / t["rel_l2"] if t["rel_l2"] > 0 else 0.0
+            if c.get("elementwise"):
+                q = max(q, x.get("tol_factor_needed", 0.0))
+        if q > worst[0] or worst[1] == "-":
+            worst = (q, f'layer {l["layer"]} {c["check"]}')
+v = m["verdict"]
+print(f'first {v.get("first_layer")}/{v.get("first_check")}; worst {worst[0]:.3g} at {worst[1]}; '
+      f'{r["environment"]["backend"]}; {r["coverage"]["kernels"][0]["label"][:40]}')
+PYEOF
+}
+# v4run NAME WANT FIRST FILE ARGS…: one V4 run on the CUDA kernels that must exit WANT, and with WANT 1 fail
+# first at FIRST (layer/check); its JSON in one line, its stderr's tail when it errored.
+v4run() {
+    local n=$1 want=$2 first=$3 f=$4 t0=$SECONDS rc got
+    shift 4
+    [ "$(left)" -gt 40 ] || { echo "skip v4 $n: budget"; fail=1; return 0; }
+    timeout "$(tmo 150)" "$B" run "$f" --backend cuda "${KX[@]}" "$@" --json "$D/v4-$n.json" \
+        > "$D/v4-$n.txt" 2> "$D/v4-$n.err"
+    rc=$?
+    got=$(v4sum "$D/v4-$n.json" 2> /dev/null || echo "no report")
+    expect "$want" $rc "v4 $n ($(basename "$f") $*; $((SECONDS - t0)) s): $got"
+    if [ "$want" -eq 1 ] && [ $rc -eq 1 ] && [[ "$got" != "first $first;"* ]]; then
+        echo "FAIL  v4 $n: not first at $first"
+        fail=1
+    fi
+    [ $rc -le 1 ] || tail -5 "$D/v4-$n.err" | sed 's/^/    stderr: /'
+}
+v4() {
+    local G=fixtures/golden/deepseek-v4.gguf F=/tmp/v4flash.gguf f n dt s
+    "$B" fixture --preset deepseek-v4 --layers 3 -o $F > "$D/v4-fixture.txt" 2>&1 || { echo "FAIL  v4 fixture: $(tail -1 "$D/v4-fixture.txt")"; fail=1; return 0; }
+    # The kernels compile for this device first (NVRTC errors name the file and line).
+    v4run golden-compile 0 - $G --layers 0 --prompt-len 20 --chunk 20 --decode-steps 1
+    for f in $G $F; do
+        n=$(basename "$f" .gguf)
+        for dt in bf16 fp16; do
+            for s in 1 2; do
+                v4run "$n-$dt-s$s" 0 - "$f" --dtype $dt --seed $s
+            done
+        done
+    done
+    # Each V4 fault in its layer (0 window, 1 CSA, 2 HCA on both files), first at the catalogue's stage.
+    for f in $G $F; do
+        n=$(basename "$f" .gguf)
+        v4run "$n-window_off_by_one" 1 1/attn_heads "$f" --layers 1 --inject window_off_by_one@layer=1
+        v4run "$n-compress_group_off_by_one" 1 2/compressed "$f" --layers 2 --inject compress_group_off_by_one@layer=2
+        v4run "$n-compressor_state_dropped" 1 1/compressed "$f" --layers 1 --inject compressor_state_dropped@layer=1
+        v4run "$n-sink_dropped" 1 2/attn_heads "$f" --layers 1,2 --inject sink_dropped@layer=2
+    done
+    # The kernels under memcheck, every layer kind of the golden.
+    if [ -x /usr/local/cuda/bin/compute-sanitizer ] && [ "$(left)" -gt 60 ]; then
+        timeout "$(tmo 120)" /usr/local/cuda/bin/compute-sanitizer --tool memcheck "$B" run $G --backend cuda \
+            "${KX[@]}" --json "$D/v4-memcheck.json" > "$D/v4-memcheck.txt" 2>&1
+        local rc=$? ours
+        ours=$(grep -E "Invalid|Program hit|Sanitizer Error|Error: " "$D/v4-memcheck.txt" | grep -vc nvjet)
+        step "v4 memcheck (golden, every layer kind; sanitizer exit $rc; $ours errors outside cuBLAS)" \
+            "$([ "$ours" -eq 0 ] && [ $rc -eq 0 ] && echo 0 || echo 1)"
+        grep -E "ERROR SUMMARY|Invalid|Program hit" "$D/v4-memcheck.txt" | sort | uniq -c | head -4
+    fi
 }
 run_steps "selftest validate runs sanitize" "$@"

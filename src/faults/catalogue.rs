@@ -431,7 +431,7 @@ pub const CATALOGUE: [Info; 39] = [
         sources: &[],
         expected: "attn_heads",
         needs: &[Need::V4],
-        cuda_site: "none: the CUDA path for DeepSeek-V4 is not built; CPU: src/backend/cpu/v4/mod.rs `window_start`",
+        cuda_site: "kernels/v4/v4.cuh `v4_window_start` (v4/attn.cu's key list); CPU: src/backend/cpu/v4/mod.rs `window_start`",
     },
     Info {
         fault: Fault::CompressGroupOffByOne,
@@ -442,7 +442,7 @@ pub const CATALOGUE: [Info; 39] = [
         sources: &[],
         expected: "compressed",
         needs: &[Need::V4],
-        cuda_site: "none: the CUDA path for DeepSeek-V4 is not built; CPU: src/backend/cpu/v4/compress.rs `Compressor::slot`",
+        cuda_site: "kernels/v4/v4.cuh `V4_GROUP_SHIFT` (v4/compress.cu's windows and slots, the entries v4/attn.cu and v4/indexer.cu see); CPU: src/backend/cpu/v4/compress.rs `Compressor::slot`",
     },
     Info {
         fault: Fault::CompressorStateDropped,
@@ -453,7 +453,7 @@ pub const CATALOGUE: [Info; 39] = [
         sources: &["https://github.com/ggml-org/llama.cpp/issues/26509"],
         expected: "compressed",
         needs: &[Need::V4],
-        cuda_site: "none: the CUDA path for DeepSeek-V4 is not built; CPU: src/backend/cpu/v4/compress.rs `Compressor::begin_pass`",
+        cuda_site: "kernels/v4/v4.cuh `v4_state_from` (v4/compress.cu pools only the pass's own tokens); CPU: src/backend/cpu/v4/compress.rs `Compressor::begin_pass`",
     },
     Info {
         fault: Fault::SinkDropped,
@@ -464,6 +464,6 @@ pub const CATALOGUE: [Info; 39] = [
         sources: &[],
         expected: "attn_heads",
         needs: &[Need::V4],
-        cuda_site: "none: the CUDA path for DeepSeek-V4 is not built; CPU: src/backend/cpu/v4/mod.rs `attend_one`",
+        cuda_site: "kernels/v4/attn.cu `v4_attn` (the softmax state starts without the sink); CPU: src/backend/cpu/v4/mod.rs `attend_one`",
     },
 ];

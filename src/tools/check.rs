@@ -71,6 +71,9 @@ fn jobs(lkv: usize, r: usize) -> Vec<Job> {
         ("fill.cu", None, None),
         ("sparse_attn.cu", None, None),
         ("indexer.cu", None, None),
+        ("v4/attn.cu", None, None),
+        ("v4/compress.cu", None, None),
+        ("v4/indexer.cu", None, None),
         ("prefill.cu", Some(prefill_tiles()[0]), None),
         ("decode.cu", Some(decode_tiles(64)[0]), None),
         ("decode.cu", Some(decode_tiles(1)[0]), None),
@@ -83,13 +86,22 @@ fn jobs(lkv: usize, r: usize) -> Vec<Job> {
     j
 }
 
-fn job_defines(dims: &Dims, tile: Option<Tile>, kv: Option<KvFormat>) -> Vec<(String, String)> {
+fn job_defines(
+    dims: &Dims,
+    unit: &str,
+    tile: Option<Tile>,
+    kv: Option<KvFormat>,
+) -> Vec<(String, String)> {
     let mut defs = dims.defines();
     if let Some(t) = tile {
         defs.extend(t.defines());
     }
     if let Some(code) = kv.and_then(kv_format_code) {
         defs.push(("MLA_KV_FORMAT".into(), code.to_string()));
+    }
+    // DeepSeek-V4's units at the dim set's row width as their head width (v4-row: V4-Flash's 512).
+    if unit.starts_with("v4/") {
+        defs.push(("V4_D".into(), (dims.lkv + dims.r).to_string()));
     }
     defs
 }
@@ -99,7 +111,7 @@ fn dump_stem(arch: &str, name: &str, dt: Dtype, (unit, tile, kv): Job) -> String
     format!(
         "{arch}-{name}-{}-{}{}{}",
         dt.name(),
-        unit.trim_end_matches(".cu"),
+        unit.trim_end_matches(".cu").replace('/', "-"),
         tile.map(|t| format!("-{}", t.label().replace([' ', ':', '/'], "-")))
             .unwrap_or_default(),
         kv.map(|f| format!("-{f}")).unwrap_or_default()
@@ -226,7 +238,12 @@ pub fn kernels_check(
     let work: Vec<nvrtc::Job> = specs
         .iter()
         .map(|(arch, _, dims, (unit, tile, kv), _)| {
-            (*unit, job_defines(dims, *tile, *kv), arch.as_str(), true)
+            (
+                *unit,
+                job_defines(dims, unit, *tile, *kv),
+                arch.as_str(),
+                true,
+            )
         })
         .collect();
     for ((arch, name, dims, job, keep_clean), c) in

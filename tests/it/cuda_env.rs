@@ -21,7 +21,21 @@ fn cuda_without_a_gpu_is_an_environment_error() {
         return;
     }
     let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/glm-5-q4_0.gguf");
+    let v4 = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/fixtures/golden/deepseek-v4.gguf"
+    );
     for args in [
+        // DeepSeek-V4's CUDA path (backend::cuda::v4), clean and with a fault compiled into its kernels.
+        vec!["run", v4, "--backend", "cuda"],
+        vec![
+            "run",
+            v4,
+            "--backend",
+            "cuda",
+            "--inject",
+            "window_off_by_one@layer=0",
+        ],
         vec!["run", fixture, "--backend", "cuda"],
         vec![
             "run",

@@ -50,5 +50,6 @@ mod shard;
 mod sizes;
 mod sweep;
 mod tp;
+mod v4_kernels_host;
 mod v4_reader;
 mod v4_run;

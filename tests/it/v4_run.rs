@@ -85,7 +85,7 @@ fn a_planted_v4_fault_fails_in_every_format() {
     assert_eq!(j["run"]["injected"][0]["name"], "sink_dropped");
 }
 
-/// What the V4 run does not take: one line, exit 2 (the CUDA path and runners are not built for V4);
+/// What the V4 run does not take: one line, exit 2 (runners are not built for V4, `--kernels` is CUDA's);
 /// an MLA fault on a V4 file, a V4 fault on an MLA file or in the self-test.
 #[test]
 fn what_a_v4_run_does_not_take_exits_2() {
@@ -94,8 +94,8 @@ fn what_a_v4_run_does_not_take_exits_2() {
     let mla = fixtures_dir().join("deepseek-v2-lite-bf16.gguf");
     for (args, says) in [
         (
-            vec!["run", g, "--backend", "cuda"],
-            "CUDA path for DeepSeek-V4 is not built",
+            vec!["run", g, "--kernels", "kernels"],
+            "run with --backend cuda only",
         ),
         (
             vec!["run", g, "--runner", "true"],

@@ -14,7 +14,7 @@ use std::rc::Rc;
 
 /// The faults switched inside the kernels (kernels/*.cu); every other fault is a host switch in the
 /// layer's host code (mod.rs, buffers.rs, front.rs, decode.rs; `faults::Info::cuda_site` says which).
-pub const KERNEL_FAULTS: [Fault; 25] = [
+pub const KERNEL_FAULTS: [Fault; 29] = [
     Fault::RopeNeox,
     Fault::RopeNorm,
     Fault::CachePeFirst,
@@ -43,6 +43,12 @@ pub const KERNEL_FAULTS: [Fault; 25] = [
     Fault::KvScaleWrongGroup,
     Fault::KvSaturate240,
     Fault::KvScaleUnwritten,
+    // kernels/v4/ (DeepSeek-V4): the window edge, the compressor's groups and state in v4/v4.cuh, the
+    // sink in v4/attn.cu.
+    Fault::WindowOffByOne,
+    Fault::CompressGroupOffByOne,
+    Fault::CompressorStateDropped,
+    Fault::SinkDropped,
 ];
 
 // The defines NVRTC compiles the host model's dims and tiles (src/tiles) with.

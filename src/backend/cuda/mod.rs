@@ -39,6 +39,7 @@ pub mod shared;
 pub mod sparse;
 pub mod tma;
 pub mod trace;
+pub mod v4;
 
 use crate::backend::{Backend, LayerCtx};
 use crate::error::{Error, Result};

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 /// Every kernel file, headers first. The `.cu` files are compiled; the `.cuh` files are passed to NVRTC
 /// as named headers.
-pub const KERNEL_FILES: [(&str, &str); 15] = [
+pub const KERNEL_FILES: [(&str, &str); 19] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "attention.cuh",
@@ -39,6 +39,8 @@ pub const KERNEL_FILES: [(&str, &str); 15] = [
         "sm90/prefill/attn_wgmma.cuh",
         include_str!("../../../kernels/sm90/prefill/attn_wgmma.cuh"),
     ),
+    // DeepSeek-V4 (docs/deepseek-v4.md): its index arithmetic, then its units.
+    ("v4/v4.cuh", include_str!("../../../kernels/v4/v4.cuh")),
     (
         "norm_rope.cu",
         include_str!("../../../kernels/norm_rope.cu"),
@@ -55,6 +57,15 @@ pub const KERNEL_FILES: [(&str, &str); 15] = [
         include_str!("../../../kernels/sparse_attn.cu"),
     ),
     ("indexer.cu", include_str!("../../../kernels/indexer.cu")),
+    ("v4/attn.cu", include_str!("../../../kernels/v4/attn.cu")),
+    (
+        "v4/compress.cu",
+        include_str!("../../../kernels/v4/compress.cu"),
+    ),
+    (
+        "v4/indexer.cu",
+        include_str!("../../../kernels/v4/indexer.cu"),
+    ),
 ];
 
 /// The kernel sources a run uses.

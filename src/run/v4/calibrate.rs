@@ -66,6 +66,7 @@ pub fn calibrate(
                     sched,
                     dtype: dt,
                     faults: FaultSet::default(),
+                    backend: Default::default(),
                 };
                 let ps = super::passes(&o.sched);
                 for &seed in seeds {

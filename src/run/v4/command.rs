@@ -1,6 +1,7 @@
 //! `run` on a DeepSeek-V4 file as a library operation: the [`Request`] options a V4 run takes turned
 //! into [`V4Options`] (the rest refused, one line each), the run, the same outputs as an MLA run.
 
+use super::engine::V4Backend;
 use super::{default_schedule, V4Options};
 use crate::backend::open::Choice;
 use crate::error::{Error, Result, EXIT_DIVERGENCE, EXIT_PASS};
@@ -14,9 +15,8 @@ use crate::run::{InputSpec, Mode};
 fn refused(r: &Request) -> Option<&'static str> {
     let (b, s, o) = (&r.backend, &r.schedule, &r.report);
     [
-        (b.choice == Choice::Cuda, "--backend cuda: the CUDA path for DeepSeek-V4 is not built (#37); run on the CPU mirror (--backend cpu)"),
         (b.runner.is_some(), "--runner: no runner op takes DeepSeek-V4 attention yet (#37)"),
-        (b.kernels_dir.is_some(), "--kernels: the CUDA path for DeepSeek-V4 is not built (#37)"),
+        (b.kernels_dir.is_some() && b.choice != Choice::Cuda, "--kernels: DeepSeek-V4's kernels run with --backend cuda only (--backend auto runs the CPU mirror on a V4 file)"),
         (!b.kv_format.is_auto(), "--kv-cache-dtype: the V4 mirror stores its caches in the run's dtype only"),
         (r.tp.is_some() || r.shard.is_some() || r.gpus.is_some(), "--tp, --shard and --gpus do not run DeepSeek-V4 yet"),
         (!r.capture.is_empty() || r.write_capture.is_some(), "--capture and --write-capture do not carry DeepSeek-V4 stages yet"),
@@ -51,6 +51,13 @@ pub fn exec(r: &Request, file: &GgufFile) -> Result<i32> {
         sched: r.schedule.over(default_schedule(&c))?,
         dtype: r.dtype,
         faults: r.faults.clone(),
+        // `auto` stays on the mirror until the CUDA path has been measured on a GPU host.
+        backend: match r.backend.choice {
+            Choice::Cuda => V4Backend::Cuda {
+                kernels_dir: r.backend.kernels_dir.clone(),
+            },
+            Choice::Cpu | Choice::Auto => V4Backend::Cpu,
+        },
     };
     let outputs = Outputs::check(&r.report)?;
     let rep = super::run(file, &o)?;

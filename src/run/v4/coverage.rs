@@ -34,8 +34,13 @@ fn closed(kind: LayerKind, ps: &[Range<usize>], ts: &[usize]) -> (u64, u64) {
     (n, carried)
 }
 
-/// The coverage of a V4 run of `layers` on schedule `s`.
-pub fn coverage(c: &V4Config, layers: &[usize], s: &Schedule) -> Coverage {
+/// The coverage of a V4 run of `layers` on schedule `s`, on the kernel `(family, label)`.
+pub fn coverage(
+    c: &V4Config,
+    layers: &[usize],
+    s: &Schedule,
+    (family, label): (Family, &str),
+) -> Coverage {
     let ps = passes(s);
     let has = |k: LayerKind| layers.iter().any(|&l| c.kind(l) == k);
     let mut classes = Vec::new();
@@ -56,8 +61,8 @@ pub fn coverage(c: &V4Config, layers: &[usize], s: &Schedule) -> Coverage {
         }
         let k = KernelUse {
             phase,
-            family: Family::Mirror,
-            label: "cpu-mirror DeepSeek-V4 (window + compressed attention, sink)".into(),
+            family,
+            label: label.into(),
             geometry: None,
             production: None,
         };

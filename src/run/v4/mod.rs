@@ -10,8 +10,8 @@
 pub mod calibrate;
 pub mod command;
 mod coverage;
+pub mod engine;
 
-use crate::backend::cpu::v4::V4Mirror;
 use crate::compare::v4::{compare_layer, V4Ctx, V4Tolerances};
 use crate::compare::LayerResult;
 use crate::error::{Error, Result};
@@ -21,6 +21,7 @@ use crate::model::v4::{LayerKind, V4Config, V4Weights};
 use crate::precision::Dtype;
 use crate::report::{Environment, FileInfo, ModeResult, Report, RunInfo, ToolInfo, SCHEMA_VERSION};
 use crate::schedule::Schedule;
+use engine::{Engine, V4Backend};
 use std::ops::Range;
 
 /// A V4 run's options.
@@ -31,10 +32,9 @@ pub struct V4Options {
     pub sched: Schedule,
     pub dtype: Dtype,
     pub faults: FaultSet,
+    /// The optimized path: the CPU mirror or the CUDA kernels.
+    pub backend: V4Backend,
 }
-
-/// What every V4 report says of how it was judged.
-pub const NOTICE: &str = "DeepSeek-V4: the CPU mirror of V4 attention against the fp64 reference; shadow mode only; every stage judged end to end by the V4 tolerance table (no stage-local view yet); the attention judged over the mirror's own CSA selection, the selection by topk_indices; the schedule's page size and splits do not apply (no paged cache or split-KV in the V4 mirror)";
 
 /// The default V4 schedule: a prompt past the window and two HCA windows but four tokens, in chunks
 /// of 64 (every compression window of a chunk boundary carried across it), then 8 decode steps that
@@ -79,7 +79,8 @@ fn check(c: &V4Config, o: &V4Options) -> Result<()> {
     o.faults.check_targets(c.n_layer, &o.layers)
 }
 
-/// One layer: the mirror, then the reference over its selection, compared; and the reference's output.
+/// One layer: the optimized path, then the reference over its selection, compared; and the
+/// reference's output.
 pub fn run_layer(
     c: &V4Config,
     w: &V4Weights,
@@ -87,10 +88,10 @@ pub fn run_layer(
     x: ndarray::ArrayView2<f64>,
     o: &V4Options,
     tols: &V4Tolerances,
+    engine: &mut Engine,
 ) -> Result<(LayerResult, ndarray::Array2<f64>)> {
     let passes = passes(&o.sched);
-    let mirror = V4Mirror::new(o.dtype);
-    let opt = mirror.run_layer(c, w, l, x, &passes, o.faults.active(l));
+    let opt = engine.run_layer(c, w, l, x, &passes, o.faults.active(l))?;
     // An entry the reference has not got (a fault's) is no key of its attention; `topk_indices` shows it.
     let entries = x.nrows() / c.kind(l).ratio().max(1);
     let sel = opt.topk_indices.as_ref().map(|k| {
@@ -113,28 +114,32 @@ pub fn run(f: &GgufFile, o: &V4Options) -> Result<Report> {
     let c = V4Config::from_gguf(f)?;
     check(&c, o)?;
     let tols = V4Tolerances::builtin();
+    let mut engine = Engine::open(&o.backend, o.dtype)?;
     let mut h = crate::input::random_hidden(c.hidden, o.sched.total_tokens(), o.seed);
     let mut layers = Vec::new();
     for &l in &o.layers {
         let w = V4Weights::load(f, &c, l)?;
-        let (res, out) = run_layer(&c, &w, l, h.view(), o, &tols)?;
+        let (res, out) = run_layer(&c, &w, l, h.view(), o, &tols, &mut engine)?;
         layers.push(res);
         h += &out;
     }
-    Ok(report(f, &c, o, layers))
+    Ok(report(f, &c, o, layers, &engine))
 }
 
-fn report(f: &GgufFile, c: &V4Config, o: &V4Options, layers: Vec<LayerResult>) -> Report {
+fn report(
+    f: &GgufFile,
+    c: &V4Config,
+    o: &V4Options,
+    layers: Vec<LayerResult>,
+    engine: &Engine,
+) -> Report {
     let modes = vec![ModeResult {
         mode: "shadow".into(),
         verdict: crate::compare::verdict(&layers),
         layers,
     }];
     let verdict = Report::overall_verdict(&modes);
-    let description = format!(
-        "cpu-mirror DeepSeek-V4 ({} storage, f32 accumulation)",
-        o.dtype.name()
-    );
+    let description = engine.describe();
     Report {
         schema_version: SCHEMA_VERSION,
         tool: ToolInfo {
@@ -152,7 +157,7 @@ fn report(f: &GgufFile, c: &V4Config, o: &V4Options, layers: Vec<LayerResult>) -
         },
         config: serde_json::to_value(c).expect("config serialises"),
         run: RunInfo {
-            backend: "cpu".into(),
+            backend: engine.name().into(),
             dtype: o.dtype.name().into(),
             modes: vec!["shadow".into()],
             layers: o.layers.clone(),
@@ -163,7 +168,7 @@ fn report(f: &GgufFile, c: &V4Config, o: &V4Options, layers: Vec<LayerResult>) -
                 V4Tolerances::builtin().derived_from
             ),
             injected: o.faults.0.clone(),
-            notices: vec![NOTICE.into()],
+            notices: vec![engine.notice().into()],
             shard: None,
         },
         environment: Environment {
@@ -171,7 +176,7 @@ fn report(f: &GgufFile, c: &V4Config, o: &V4Options, layers: Vec<LayerResult>) -
                 true => description,
                 false => format!("{description} with injected faults: {}", o.faults),
             },
-            gpu: None,
+            gpu: engine.gpu(),
             crate_version: env!("CARGO_PKG_VERSION").into(),
             os: std::env::consts::OS.into(),
             arch: std::env::consts::ARCH.into(),
@@ -182,7 +187,7 @@ fn report(f: &GgufFile, c: &V4Config, o: &V4Options, layers: Vec<LayerResult>) -
         verdict,
         baseline: None,
         repeat: None,
-        coverage: Some(coverage::coverage(c, &o.layers, &o.sched)),
+        coverage: Some(coverage::coverage(c, &o.layers, &o.sched, engine.kernel())),
         tp: None,
         dsa: None,
         runner_checks: None,

@@ -5,6 +5,9 @@ use crate::faults::{Fault, Injection};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
+/// The mirror's kernel in the coverage section.
+const MIRROR: (crate::kernel_use::Family, &str) = (crate::kernel_use::Family::Mirror, "cpu-mirror");
+
 fn golden() -> GgufFile {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/golden/deepseek-v4.gguf");
     GgufFile::open(&p).unwrap()
@@ -50,6 +53,7 @@ fn opts(f: &GgufFile, layers: &[usize], dtype: Dtype, seed: u64, faults: &[&str]
                 .map(|s| Injection::parse(s).unwrap())
                 .collect(),
         ),
+        backend: engine::V4Backend::Cpu,
     }
 }
 
@@ -139,7 +143,7 @@ fn a_dropped_compressor_state_shows_only_across_forward_passes() {
 fn coverage_names_what_the_schedule_exercised() {
     let f = golden();
     let c = V4Config::from_gguf(&f).unwrap();
-    let cov = coverage::coverage(&c, &[0, 1, 2], &default_schedule(&c));
+    let cov = coverage::coverage(&c, &[0, 1, 2], &default_schedule(&c), MIRROR);
     assert!(cov.warnings.is_empty(), "{:?}", cov.warnings);
     assert_eq!(cov.classes.len(), 2 * 6);
     assert!(
@@ -153,7 +157,7 @@ fn coverage_names_what_the_schedule_exercised() {
         decode_steps: 0,
         ..default_schedule(&c)
     };
-    let cov = coverage::coverage(&c, &[0, 1], &one);
+    let cov = coverage::coverage(&c, &[0, 1], &one, MIRROR);
     let w = cov.warnings.join("\n");
     for what in ["no decode step", "the carried state", "no HCA"] {
         assert!(w.contains(what), "{what}: {w}");

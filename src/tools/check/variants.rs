@@ -68,7 +68,13 @@ pub(super) fn check_faults(
             };
             for (unit, tile, kv) in jobs(lkv, r) {
                 if src.mentions(unit, define) {
-                    specs.push((f, name, dt, (unit, tile, kv), job_defines(&dims, tile, kv)));
+                    specs.push((
+                        f,
+                        name,
+                        dt,
+                        (unit, tile, kv),
+                        job_defines(&dims, unit, tile, kv),
+                    ));
                 }
             }
         }
@@ -163,7 +169,7 @@ pub(super) fn check_all_tiles(src: &Sources, arch: &str, rep: &mut String) -> Re
     }
     let work: Vec<nvrtc::Job> = jobs
         .iter()
-        .map(|&(unit, tile)| (unit, job_defines(&dims, tile, None), arch, false))
+        .map(|&(unit, tile)| (unit, job_defines(&dims, unit, tile, None), arch, false))
         .collect();
     let mut checked = 0;
     for (&(unit, tile), c) in jobs.iter().zip(nvrtc::compile_all(src, &work)) {

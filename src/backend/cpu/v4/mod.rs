@@ -56,7 +56,8 @@ pub struct Rope32 {
 }
 
 impl Rope32 {
-    fn new(c: &V4Config, which: V4Rope, positions: usize) -> Rope32 {
+    /// `which` rope's tables for positions `0..positions`.
+    pub fn new(c: &V4Config, which: V4Rope, positions: usize) -> Rope32 {
         let rope = c.rope_config(which);
         let half = rope.dim / 2;
         let th = Array2::from_shape_fn((positions, half), |(p, i)| {
@@ -67,6 +68,10 @@ impl Rope32 {
             cos: th.mapv(|t| t.cos() as f32),
             sin: th.mapv(|t| t.sin() as f32),
         }
+    }
+    /// The f32 cos and sin `[position, dim / 2]` (what the CUDA path uploads).
+    pub fn tables(&self) -> (&Array2<f32>, &Array2<f32>) {
+        (&self.cos, &self.sin)
     }
 }
 
@@ -364,6 +369,40 @@ impl Indexer {
         order.truncate(k);
         (scores, order)
     }
+}
+
+/// The tokens at which the mirror's compressor of ratio `m` (4: CSA, 128: HCA) closes its entries over
+/// `t_len` tokens fed in `passes`, with `faults` (the CUDA path's restated arithmetic is held to it).
+#[cfg(test)]
+pub(crate) fn compress_closes(
+    m: usize,
+    t_len: usize,
+    passes: &[Range<usize>],
+    faults: Active,
+) -> Vec<usize> {
+    let kind = match m {
+        4 => LayerKind::Csa,
+        _ => LayerKind::Hca,
+    };
+    let (d, coff) = (2, kind.coff());
+    let w = crate::model::v4::CompressorWeights {
+        kv: ndarray::Array2::ones((coff * d, 1)),
+        gate: ndarray::Array2::zeros((coff * d, 1)),
+        ape: ndarray::Array2::zeros((m, coff * d)),
+        norm: vec![1.0; d],
+    };
+    let attn_in = Array2::<f32>::ones((t_len, 1));
+    let mut c = Compressor::new(&w, kind, d, attn_in.view(), 1e-6, Dtype::F32, faults);
+    let rope = Rope32 {
+        dim: d,
+        cos: Array2::ones((t_len, 1)),
+        sin: Array2::zeros((t_len, 1)),
+    };
+    for p in passes {
+        c.begin_pass();
+        c.feed(p.clone(), &rope);
+    }
+    c.entries.iter().map(|e| e.1).collect()
 }
 
 #[cfg(test)]
