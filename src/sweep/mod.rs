@@ -310,7 +310,7 @@ pub fn sweep_lengths(
     // The first run picks the kernels (a GPU backend chooses its tiles for the layer's dims), so the
     // boundaries are known after it.
     let first = run_at(start, backend)?;
-    let tiles = backend.key_tiles();
+    let tiles = backend.judging().key_tiles;
     let bounds = if plan.boundaries {
         lengths::boundaries(base, &tiles, &plan.extra_tiles)
     } else {

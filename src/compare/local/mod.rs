@@ -18,8 +18,9 @@
 use super::noise::Store;
 use crate::backend::cpu::front::RopeF32;
 use crate::faults::Active;
+use crate::judging::Judging;
 use crate::model::{LayerWeights, MlaConfig};
-use crate::precision::{Dtype, ScoreSum};
+use crate::precision::Dtype;
 use crate::rope::RopeTables;
 use crate::schedule::Schedule;
 use crate::trace::{LayerTrace, Stage, StageSet};
@@ -141,10 +142,9 @@ pub struct Frame<'a> {
     pub dtype: Dtype,
     /// The stages the backend provides: a decode attention without exposed splits is recomputed whole.
     pub provided: StageSet,
-    /// `Backend::known_attention`: an online softmax, and `attn_latent` merged from the stored partials.
-    pub known_attention: bool,
-    /// `Backend::score_sum`: how its attention scores are summed.
-    pub score_sum: ScoreSum,
+    /// How to read the path (`Backend::judging`): here its `known_attention` (an online softmax, and
+    /// `attn_latent` merged from the stored partials) and `score_sum` (how its scores are summed).
+    pub judging: &'a Judging,
 }
 
 /// The optimized trace's stage as a 2-D `[rows, last axes…]` f64 array.
