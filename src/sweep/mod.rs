@@ -221,9 +221,7 @@ impl SweepReport {
         self.verdict.pass
     }
     pub fn to_json(&self) -> String {
-        let mut s = serde_json::to_string_pretty(self).expect("sweep report serialises");
-        s.push('\n');
-        s
+        crate::report::outputs::pretty_json(self)
     }
     /// The sweep's frame from its first run's report.
     fn frame(kind: &str, opts: &SweepOptions, first: &Report) -> SweepReport {
