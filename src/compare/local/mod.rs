@@ -240,3 +240,54 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Backend;
+
+    /// Every row of the stage table (`trace::STAGES`) has a stage-local rule, called from [`finish`]:
+    /// the view of the CPU mirror's trace of a small layer holds each stage. A new stage row without a
+    /// rule fails here (ARCHITECTURE.md, "A stage check", step 6).
+    #[test]
+    fn every_stage_row_has_a_local_rule() {
+        use crate::model::synthetic::{self, Family};
+        let cfg = Family::DeepseekV3.test_config();
+        let w = synthetic::weights(&cfg, 3);
+        let sched = Schedule {
+            prompt_len: 12,
+            chunk: 8,
+            decode_steps: 2,
+            num_splits: 2,
+            page_size: 4,
+            ..Schedule::default()
+        };
+        let tables = crate::backend::RunTables::new(&cfg, None, &sched).unwrap();
+        let x = crate::input::random_hidden(cfg.hidden, sched.total_tokens(), 5);
+        let mut b = crate::backend::cpu::CpuMirror::new(Dtype::Bf16);
+        let opt = b
+            .run_layer(&tables.ctx(&cfg, &w, &sched, Active::NONE), &x)
+            .unwrap();
+        let judging = b.judging();
+        let inp = Inputs {
+            weights: &w,
+            frame: Frame {
+                cfg: &cfg,
+                rope: &tables.rope,
+                sched: &sched,
+                x: &x,
+                dtype: Dtype::Bf16,
+                provided: b.provides(),
+                judging: &judging,
+            },
+        };
+        let local = compute(&inp, &opt);
+        for row in crate::trace::STAGES {
+            assert!(
+                local.stages.iter().any(|l| l.stage == row.stage),
+                "stage {} has no stage-local rule",
+                row.name
+            );
+        }
+    }
+}
