@@ -24,6 +24,7 @@ pub mod gguf;
 pub mod gpus;
 pub mod input;
 pub mod inspect;
+pub mod judging;
 pub mod kernel_use;
 pub mod kv_format;
 pub mod linalg;

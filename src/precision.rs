@@ -80,7 +80,7 @@ pub enum KeyPrecision {
     Fp8,
 }
 
-/// How a backend sums an attention score's dot product in f32 (`Backend::score_sum`): what the
+/// How a backend sums an attention score's dot product in f32 (`Judging::score_sum`): what the
 /// stage-local view's model of that sum is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ScoreSum {

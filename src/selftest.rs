@@ -104,7 +104,7 @@ fn run_cases(
     make_backend: &mut BackendFactory,
     on_outcome: &mut dyn FnMut(&Outcome),
 ) -> Result<(String, Vec<Outcome>, Vec<String>)> {
-    // The DSA fixture's runs need sparse attention (`Backend::sparse`): left out, and said so, where the
+    // The DSA fixture's runs need sparse attention (`Judging::sparse`): left out, and said so, where the
     // backend has none.
     let mut left_out = Vec::new();
     let needs_sparse = |c: &Case| c.model == Model::Glm5Dsa;
@@ -112,7 +112,8 @@ fn run_cases(
     let (sparse_ok, indexer_ok) = match cases.iter().find(|c| needs_sparse(c)) {
         Some(c) => {
             let b = make_backend(c.dtype, KvFormat::Auto, &FaultSet::default())?.0;
-            (b.sparse(), b.has_indexer())
+            let j = b.judging();
+            (j.sparse, j.has_indexer)
         }
         None => (true, true),
     };
@@ -120,7 +121,7 @@ fn run_cases(
     // A batch-launch cache fault needs a backend whose serving batches read their cache through it.
     let (kv_ok, batch_kv_ok) = match cases.iter().find(|c| !c.kv.is_auto()) {
         Some(c) => match make_backend(c.dtype, c.kv, &FaultSet::default()) {
-            Ok((b, _)) => (true, b.batch_cache_in_format()),
+            Ok((b, _)) => (true, b.judging().batch_cache_in_format),
             Err(_) => (false, false),
         },
         None => (true, true),

@@ -25,6 +25,7 @@ pub use open::{open, BackendInfo, Choice, Factory, Kind, Options};
 
 use crate::error::Result;
 use crate::faults::Active;
+pub use crate::judging::Judging;
 use crate::model::{LayerWeights, MlaConfig, RopeFactors};
 use crate::rope::RopeTables;
 use crate::schedule::Schedule;
@@ -102,16 +103,12 @@ pub trait Backend {
     fn provides(&self) -> StageSet;
     /// Run one layer's attention on `ctx.sched`. `x` is the layer input `[T, hidden]` (before attn_norm).
     fn run_layer(&mut self, ctx: &LayerCtx, x: &Array2<f64>) -> Result<LayerTrace>;
-    /// DSA: whether `run_layer` attends over `ctx.selection` only (sparse attention). A run past a DSA
-    /// file's top_k refuses a backend that does not (`run::dsa`).
-    fn sparse(&self) -> bool {
-        false
-    }
-    /// Whether the serving batches it runs read their cache through the layer's cache format
-    /// (`--kv-cache-dtype`): a fault of a write launch over several requests (`faults::BATCH_CHECK`)
-    /// shows only there (the CPU mirror's batches do; CUDA's take the dtype's rows so far).
-    fn batch_cache_in_format(&self) -> bool {
-        false
+    /// How the judges read its traces: the stage-local view's model of its roundings, the stages left
+    /// to the end-to-end checks, its DSA abilities, its key tiles ([`Judging`]). The default is a
+    /// dense path with an online softmax, the conservative score sum, no tiles (`Judging::default`). Asked before the
+    /// run (DSA, selftest) and after each layer (the view), so a path may answer from its last layer.
+    fn judging(&self) -> Judging {
+        Judging::default()
     }
     /// DSA: this path's own lightning indexer on the layer input `x` (with `ctx.faults`); `None`: it has
     /// none, and the run stands in the CPU mirror's at the run's dtype, without faults (`run::dsa`).
@@ -125,61 +122,16 @@ pub trait Backend {
     ) -> Result<Option<crate::reference::sparse::Selection>> {
         Ok(None)
     }
-    /// DSA: whether `indexer` is this path's own (planted indexer faults reach it); without one the run's
-    /// stand-in (the CPU mirror's) takes no faults, so the selftest leaves the indexer faults out.
-    fn has_indexer(&self) -> bool {
-        false
-    }
     /// DSA: where query token `t` of the run came from, for a failing selection's message (a capture
     /// names its step and position); `None`: the token index says it.
     fn query_origin(&self, _t: usize) -> Option<String> {
         None
-    }
-    /// DSA: whether its sparse prefill attends in the absorbed form over the cache rows (FlashMLA's
-    /// sparse prefill, CUDA's `sparse_attn`), not decompressed over the own chunk and the context. The
-    /// stage-local view does not model that form (its shared q_abs rounding moves every score of a row
-    /// together: measured on the H200, prefill lse 4× the predicted error), so such a backend's sparse
-    /// layers have none and are judged end to end (docs/dsa.md).
-    fn sparse_prefill_absorbed(&self) -> bool {
-        false
-    }
-    /// Stages whose stage-local view (`compare::local`) does not model this path, judged end to end
-    /// instead: a tensor-parallel all-reduce's roundings of the partial o_proj outputs (`crate::tp`).
-    fn outside_local_view(&self) -> StageSet {
-        StageSet::NONE
-    }
-    /// Whether its attention is known to the stage-local view: P computed as exp(s − m) against a
-    /// running row max before P·V (an online softmax: the max key's P is exactly 1, a key's P rounded
-    /// in its binade against the final max unless its tile came before the max's), and `attn_latent`
-    /// the LSE combine of the split partials it stores. External kernels are not known to do either
-    /// (numpy's normalises P first and computes `attn_latent` apart from its splits): the view then
-    /// takes every P, the max's too, rounded at the worst place of its binade, and the stored partials
-    /// with the noise of a fresh computation.
-    fn known_attention(&self) -> bool {
-        true
-    }
-    /// How it sums an attention score's dot product: the stage-local view models that sum's noise
-    /// (and, on tensor cores, the truncating accumulator's one-signed bias: on the H200 most of a GLM-5
-    /// split_lse's error). Unknown kernels get the conservative model.
-    fn score_sum(&self) -> crate::precision::ScoreSum {
-        crate::precision::ScoreSum::Sequential
     }
     /// What the report should say about this backend after the run (e.g. a runner that returned its
     /// LSE in bf16); every format shows it.
     fn notices(&self) -> Vec<String> {
         Vec::new()
     }
-    /// The key counts at which its attention kernels' loop structure changes (tiles, per-warp key
-    /// slices), per phase: what `mla-diff sweep` puts boundary lengths around. A GPU backend knows its
-    /// tiles once a layer has chosen them, so this is asked after a run; empty when unknown.
-    fn key_tiles(&self) -> KeyTiles {
-        KeyTiles::default()
-    }
-
-    /// The attention kernels it ran for `sched`, one per phase, with their tile geometry where it is
-    /// known: the report's coverage section is computed from them (`crate::coverage`). Asked after the
-    /// run. The default is an optimized path of unknown inside, whose tile classes are then reported
-    /// unknown.
     /// Decode requests its decode kernel ran besides the schedule's steps (a runner's serving batch,
     /// `crate::batch`): the coverage section counts them too.
     fn decode_extra(&self, _sched: &Schedule) -> Vec<crate::batch::Request> {
@@ -208,6 +160,10 @@ pub trait Backend {
         None
     }
 
+    /// The attention kernels it ran for `sched`, one per phase, with their tile geometry where it is
+    /// known: the report's coverage section is computed from them (`crate::coverage`). Asked after the
+    /// run. The default is an optimized path of unknown inside, whose tile classes are then reported
+    /// unknown.
     fn kernels(&self, _cfg: &MlaConfig, _sched: &Schedule) -> Vec<crate::kernel_use::KernelUse> {
         use crate::kernel_use::{Family, KernelUse, Phase};
         [Phase::Prefill, Phase::Decode]

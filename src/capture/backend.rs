@@ -145,8 +145,7 @@ impl CaptureBackend {
                     x,
                     dtype: self.dtype,
                     provided,
-                    known_attention: false,
-                    score_sum: self.score_sum(),
+                    judging: &self.judging(),
                 },
             },
             &opt,
@@ -222,24 +221,25 @@ impl Backend for CaptureBackend {
         Ok(out)
     }
     /// An engine's attention is not known to be an online softmax with a stored split combine: the
-    /// stage-local view takes the conservative model.
-    fn known_attention(&self) -> bool {
-        false
-    }
-    /// The merged attn_out of a TP capture sums N partials the local view does not model.
-    fn outside_local_view(&self) -> StageSet {
-        match self.world {
-            1 => StageSet::NONE,
-            _ => StageSet::NONE.with(Stage::AttnOut),
+    /// stage-local view takes the conservative model. The merged attn_out of a TP capture sums N
+    /// partials the local view does not model. DSA: a capture with `topk` attended over the engine's
+    /// own selection (`run_layer` hands back the captured trace whatever selection it is asked for),
+    /// and that selection is its indexer's.
+    fn judging(&self) -> crate::backend::Judging {
+        let sparse = !self.ranks[0].1.topk.is_empty();
+        crate::backend::Judging {
+            known_attention: false,
+            outside_local_view: match self.world {
+                1 => StageSet::NONE,
+                _ => StageSet::NONE.with(Stage::AttnOut),
+            },
+            sparse,
+            has_indexer: sparse,
+            ..crate::backend::Judging::default()
         }
     }
     fn notices(&self) -> Vec<String> {
         self.notices.clone()
-    }
-    /// DSA: a capture with `topk` attended over the engine's own selection (`run_layer` hands back the
-    /// captured trace whatever selection it is asked for).
-    fn sparse(&self) -> bool {
-        !self.ranks[0].1.topk.is_empty()
     }
     /// The engine's own selection: its captured `topk`.
     fn indexer(
@@ -260,9 +260,6 @@ impl Backend for CaptureBackend {
                 ctx.layer
             ))),
         }
-    }
-    fn has_indexer(&self) -> bool {
-        self.sparse()
     }
     fn query_origin(&self, t: usize) -> Option<String> {
         let c = &self.ranks[0].1;

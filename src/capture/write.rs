@@ -4,7 +4,7 @@
 //! layer and stage — for testing `run --capture` and the tools that read captures.
 
 use super::manifest::{self, Manifest};
-use crate::backend::{Backend, KeyTiles, LayerCtx};
+use crate::backend::{Backend, Judging, LayerCtx};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::model::MlaConfig;
@@ -274,8 +274,8 @@ impl Backend for WriteCapture<'_> {
         }
         Ok(trace)
     }
-    fn sparse(&self) -> bool {
-        self.inner.sparse()
+    fn judging(&self) -> Judging {
+        self.inner.judging()
     }
     fn indexer(
         &mut self,
@@ -287,26 +287,8 @@ impl Backend for WriteCapture<'_> {
     ) -> Result<Option<crate::reference::sparse::Selection>> {
         self.inner.indexer(ctx, ic, iw, x, keys)
     }
-    fn has_indexer(&self) -> bool {
-        self.inner.has_indexer()
-    }
-    fn sparse_prefill_absorbed(&self) -> bool {
-        self.inner.sparse_prefill_absorbed()
-    }
-    fn outside_local_view(&self) -> StageSet {
-        self.inner.outside_local_view()
-    }
-    fn known_attention(&self) -> bool {
-        self.inner.known_attention()
-    }
-    fn score_sum(&self) -> crate::precision::ScoreSum {
-        self.inner.score_sum()
-    }
     fn notices(&self) -> Vec<String> {
         self.inner.notices()
-    }
-    fn key_tiles(&self) -> KeyTiles {
-        self.inner.key_tiles()
     }
     fn kernels(&self, cfg: &MlaConfig, sched: &Schedule) -> Vec<crate::kernel_use::KernelUse> {
         self.inner.kernels(cfg, sched)

@@ -7,10 +7,9 @@ use mla_diff::faults::{FaultSet, Injection};
 use mla_diff::gguf::GgufFile;
 use mla_diff::model::MlaConfig;
 use mla_diff::precision::Dtype;
-use mla_diff::report;
-use mla_diff::report::output::Target;
+use mla_diff::report::outputs::{Outputs, ReportOptions};
 use mla_diff::run::plan::check_dense_beyond_top_k;
-use mla_diff::sweep::{self, lengths, LengthPlan, SweepOptions, SweepReport};
+use mla_diff::sweep::{self, lengths, LengthPlan, SweepOptions};
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
@@ -74,7 +73,12 @@ pub fn exec(a: Args) -> Result<i32, Error> {
         }
         None => None,
     };
-    let outputs = Outputs::check(&a.report)?;
+    let formats = a.report.formats();
+    // Checked before the runs, as `run`'s: the sweep writes no plot, baseline or dumps.
+    let outputs = Outputs::check(&ReportOptions {
+        formats: formats.clone(),
+        ..ReportOptions::default()
+    })?;
     let file = GgufFile::open(&a.file)?;
     let cfg = MlaConfig::from_gguf(&file)?;
     let sched = a.schedule.overrides().schedule()?;
@@ -112,7 +116,7 @@ pub fn exec(a: Args) -> Result<i32, Error> {
             sweep::sweep_lengths(&file, backend.as_mut(), &info, &opts, &plan)?
         }
     };
-    outputs.write(&rep, &a.report)?;
+    outputs.write_document(&rep, &formats)?;
     if !a.report.quiet {
         let runs = rep
             .lengths
@@ -130,50 +134,4 @@ pub fn exec(a: Args) -> Result<i32, Error> {
     } else {
         EXIT_DIVERGENCE
     })
-}
-
-/// Where the sweep's reports go, checked before the runs.
-struct Outputs {
-    json: Option<Target>,
-    junit: Option<Target>,
-    markdown: Option<Target>,
-}
-
-impl Outputs {
-    fn check(a: &FormatArgs) -> Result<Outputs, Error> {
-        let t = report::output::file_targets(&[
-            ("--json", a.json.as_deref()),
-            ("--junit", a.junit.as_deref()),
-            ("--markdown", a.markdown.as_deref()),
-        ])?;
-        let [json, junit, markdown]: [Option<Target>; 3] = t.try_into().expect("three outputs");
-        Ok(Outputs {
-            json,
-            junit,
-            markdown,
-        })
-    }
-
-    fn write(&self, rep: &SweepReport, a: &FormatArgs) -> Result<(), Error> {
-        let stdout_taken = [&self.json, &self.junit, &self.markdown]
-            .iter()
-            .any(|t| **t == Some(Target::Stdout));
-        report::outputs::print_terminal(a.color, a.quiet, stdout_taken, |style, quiet| {
-            if quiet {
-                sweep::render::verdict_line(rep, style)
-            } else {
-                sweep::render::table(rep, style)
-            }
-        });
-        if let Some(t) = &self.json {
-            t.write(&rep.to_json())?;
-        }
-        if let Some(t) = &self.junit {
-            t.write(&sweep::render::junit(rep))?;
-        }
-        if let Some(t) = &self.markdown {
-            t.write(&sweep::render::markdown(rep))?;
-        }
-        Ok(())
-    }
 }

@@ -9,25 +9,36 @@ use super::{Gate, Report};
 use quick_junit::{NonSuccessKind, Report as JReport, TestCase, TestCaseStatus, TestSuite};
 
 pub fn render(r: &Report) -> String {
-    let mut report = JReport::new("mla-diff");
     let file = r.file.base_name();
-    for m in &r.modes {
-        report.add_test_suite(mode_suite(r, m, &file));
-    }
-    for g in r.gates() {
-        report.add_test_suite(match g {
-            Gate::Baseline(b) => baseline_suite(b, &file),
-            Gate::Repeat(rep) => repeat_suite(rep, &file),
-            Gate::RunnerChecks(rc) => runner_suite(rc, &file),
-            Gate::Tp(t) => tp_suite(t, &file),
-            Gate::Dsa(d) => dsa_suite(d, &file),
-        });
+    let modes = r.modes.iter().map(|m| mode_suite(r, m, &file));
+    let gates = r.gates().into_iter().map(|g| match g {
+        Gate::Baseline(b) => baseline_suite(b, &file),
+        Gate::Repeat(rep) => repeat_suite(rep, &file),
+        Gate::RunnerChecks(rc) => runner_suite(rc, &file),
+        Gate::Tp(t) => tp_suite(t, &file),
+        Gate::Dsa(d) => dsa_suite(d, &file),
+    });
+    xml(modes.chain(gates))
+}
+
+/// The JUnit XML of a verdict document's suites (a run's, a sweep's).
+pub fn xml(suites: impl IntoIterator<Item = TestSuite>) -> String {
+    let mut report = JReport::new("mla-diff");
+    for s in suites {
+        report.add_test_suite(s);
     }
     report.to_string().expect("junit serialises")
 }
 
+/// The run's notices as a suite's properties (every suite of a run, a sweep).
+pub fn add_notices(suite: &mut TestSuite, notices: &[String]) {
+    for n in notices {
+        suite.add_property(quick_junit::Property::new("mla-diff.notice", n.as_str()));
+    }
+}
+
 /// A failing case's status with its message.
-fn failure(message: String) -> TestCaseStatus {
+pub fn failure(message: String) -> TestCaseStatus {
     let mut s = TestCaseStatus::non_success(NonSuccessKind::Failure);
     s.set_message(message);
     s
@@ -38,9 +49,7 @@ fn failure(message: String) -> TestCaseStatus {
 fn mode_suite(r: &Report, m: &super::ModeResult, file: &str) -> TestSuite {
     let decisive = r.decisive_mode();
     let mut suite = TestSuite::new(format!("{file} {} {}", m.mode, r.run.dtype));
-    for n in &r.run.notices {
-        suite.add_property(quick_junit::Property::new("mla-diff.notice", n.as_str()));
-    }
+    add_notices(&mut suite, &r.run.notices);
     if let Some(c) = &r.coverage {
         add_coverage(&mut suite, c);
     }

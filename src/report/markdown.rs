@@ -13,25 +13,50 @@ fn cell(ratio: f64) -> String {
     }
 }
 
-pub fn render(r: &Report) -> String {
-    let mut s = String::new();
-    let icon = if r.pass() { "✅" } else { "❌" };
+/// A verdict document's heading (`what`: "mla-diff", "mla-diff sweep lengths") and its verdict in bold
+/// (a run's and a sweep's Markdown).
+pub fn heading(
+    s: &mut String,
+    what: &str,
+    pass: bool,
+    file: &super::FileInfo,
+    backend_dtype: [&str; 2],
+    message: &str,
+) {
+    let icon = if pass { "✅" } else { "❌" };
+    let [backend, dtype] = backend_dtype;
     writeln!(
         s,
-        "### {icon} mla-diff: `{}` ({}, {}, {})\n",
-        r.file.base_name(),
-        r.file.architecture,
-        r.run.backend,
-        r.run.dtype
+        "### {icon} {what}: `{}` ({}, {backend}, {dtype})\n",
+        file.base_name(),
+        file.architecture,
     )
     .ok();
-    writeln!(s, "**{}**\n", r.verdict.message).ok();
+    writeln!(s, "**{message}**\n").ok();
+}
+
+/// The notices, a quoted paragraph each.
+pub fn notices(s: &mut String, notices: &[String]) {
+    for n in notices {
+        writeln!(s, "> ⚠️ **Notice:** {n}\n").ok();
+    }
+}
+
+pub fn render(r: &Report) -> String {
+    let mut s = String::new();
+    let run = [r.run.backend.as_str(), r.run.dtype.as_str()];
+    heading(
+        &mut s,
+        "mla-diff",
+        r.pass(),
+        &r.file,
+        run,
+        &r.verdict.message,
+    );
     for g in r.gates() {
         gate(&mut s, g);
     }
-    for n in &r.run.notices {
-        writeln!(s, "> ⚠️ **Notice:** {n}\n").ok();
-    }
+    notices(&mut s, &r.run.notices);
     for w in r.coverage.iter().flat_map(|c| &c.warnings) {
         writeln!(
             s,

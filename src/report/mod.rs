@@ -287,9 +287,7 @@ impl Report {
         modes.iter().find(|m| m.mode == "shadow").or(modes.first())
     }
     pub fn to_json(&self) -> String {
-        let mut s = serde_json::to_string_pretty(self).expect("report serialises");
-        s.push('\n');
-        s
+        outputs::pretty_json(self)
     }
     pub fn from_json_file(path: &std::path::Path) -> Result<Report> {
         let s = std::fs::read_to_string(path)

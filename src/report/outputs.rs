@@ -1,6 +1,7 @@
 //! What a command that writes a verdict report is asked to write (`run`, `replay`; `sweep` takes the
 //! formats), as plain options, and the writing: the table on the terminal, then the report files,
-//! every path checked before the (possibly long) run.
+//! every path checked before the (possibly long) run. One writing path for every verdict document
+//! ([`Document`]: a run's `Report`, `sweep`'s report).
 
 use super::baseline::Identity;
 use super::output::Target;
@@ -133,43 +134,92 @@ impl Outputs {
         .any(|t| **t == Some(Target::Stdout))
     }
 
-    /// The table (or, quiet, the verdict line) on stdout unless a report took it, then the reports.
+    /// The table (or, quiet, the verdict line) on stdout unless a report took it, then the reports:
+    /// JSON, the baseline, JUnit, Markdown, the plot.
     pub fn write(&self, rep: &Report, a: &ReportOptions) -> Result<()> {
-        print_terminal(
-            a.formats.color,
-            a.formats.quiet,
-            self.stdout_taken(),
-            |style, quiet| {
-                if quiet {
-                    super::table::verdict_line(rep, style)
-                } else {
-                    super::table::render(rep, style)
-                }
-            },
-        );
-        if let Some(t) = &self.json {
-            t.write(&rep.to_json())?;
-        }
-        if let Some(t) = &self.write_baseline {
-            let mut b = rep.clone();
-            // A baseline is this run's measurements, not its comparison with an older one (nor its
-            // determinism check).
-            b.baseline = None;
-            b.repeat = None;
-            b.verdict = Report::overall_verdict(&b.modes);
-            t.write(&b.to_json())?;
-        }
-        if let Some(t) = &self.junit {
-            t.write(&super::junit::render(rep))?;
-        }
-        if let Some(t) = &self.markdown {
-            t.write(&super::markdown::render(rep))?;
-        }
+        self.write_with(rep, &a.formats, || {
+            if let Some(t) = &self.write_baseline {
+                let mut b = rep.clone();
+                // A baseline is this run's measurements, not its comparison with an older one (nor its
+                // determinism check).
+                b.baseline = None;
+                b.repeat = None;
+                b.verdict = Report::overall_verdict(&b.modes);
+                t.write(&b.to_json())?;
+            }
+            Ok(())
+        })?;
         if let Some(t) = &self.plot {
             t.write(&super::svg::render(rep)?)?;
         }
         Ok(())
     }
+
+    /// A document's table (or, quiet, its verdict line) on stdout unless a report took it, then its
+    /// JSON, JUnit and Markdown: what `sweep` writes (its `Outputs` is checked with its formats only).
+    pub fn write_document(&self, doc: &dyn Document, f: &Formats) -> Result<()> {
+        self.write_with(doc, f, || Ok(()))
+    }
+
+    /// The one writing path of every verdict document: the terminal, the JSON, `after_json` (the
+    /// baseline of a run), the JUnit, the Markdown.
+    fn write_with(
+        &self,
+        doc: &dyn Document,
+        f: &Formats,
+        after_json: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        print_terminal(f.color, f.quiet, self.stdout_taken(), |style, quiet| {
+            doc.terminal(style, quiet)
+        });
+        if let Some(t) = &self.json {
+            t.write(&doc.json())?;
+        }
+        after_json()?;
+        if let Some(t) = &self.junit {
+            t.write(&doc.junit())?;
+        }
+        if let Some(t) = &self.markdown {
+            t.write(&doc.markdown())?;
+        }
+        Ok(())
+    }
+}
+
+/// A verdict document in every format [`Outputs`] writes: a run's [`Report`], a sweep's report.
+pub trait Document {
+    /// The terminal table, or (`quiet`) the verdict line alone.
+    fn terminal(&self, style: &super::table::Style, quiet: bool) -> String;
+    /// The versioned JSON document, pretty, with a final newline.
+    fn json(&self) -> String;
+    fn junit(&self) -> String;
+    fn markdown(&self) -> String;
+}
+
+impl Document for Report {
+    fn terminal(&self, style: &super::table::Style, quiet: bool) -> String {
+        if quiet {
+            super::table::verdict_line(self, style)
+        } else {
+            super::table::render(self, style)
+        }
+    }
+    fn json(&self) -> String {
+        self.to_json()
+    }
+    fn junit(&self) -> String {
+        super::junit::render(self)
+    }
+    fn markdown(&self) -> String {
+        super::markdown::render(self)
+    }
+}
+
+/// A document as pretty JSON with a final newline (the run's and the sweep's reports).
+pub fn pretty_json(doc: &impl serde::Serialize) -> String {
+    let mut s = serde_json::to_string_pretty(doc).expect("report serialises");
+    s.push('\n');
+    s
 }
 
 /// The table (quiet: the verdict line, `render`'s second argument) on stdout, or on stderr when a
@@ -191,5 +241,54 @@ pub fn print_terminal(
         eprint!("{text}");
     } else {
         print!("{text}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A document other than a run's report.
+    struct Doc;
+
+    impl Document for Doc {
+        fn terminal(&self, _style: &super::super::table::Style, quiet: bool) -> String {
+            format!("doc quiet={quiet}\n")
+        }
+        fn json(&self) -> String {
+            pretty_json(&serde_json::json!({"doc": 1}))
+        }
+        fn junit(&self) -> String {
+            "<junit/>".into()
+        }
+        fn markdown(&self) -> String {
+            "# doc\n".into()
+        }
+    }
+
+    /// `sweep`'s reports go through the one writing path of the run's: checked with the formats only
+    /// (no plot, baseline or dumps), each format from the document.
+    #[test]
+    fn any_document_is_written_by_the_run_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = |n: &str| dir.path().join(n);
+        let formats = Formats {
+            json: Some(p("r.json")),
+            junit: Some(p("r.xml")),
+            markdown: Some(p("r.md")),
+            color: super::super::table::ColorChoice::Never,
+            quiet: true,
+        };
+        let out = Outputs::check(&ReportOptions {
+            formats: formats.clone(),
+            ..ReportOptions::default()
+        })
+        .unwrap();
+        out.write_document(&Doc, &formats).unwrap();
+        let read = |n: &str| std::fs::read_to_string(p(n)).unwrap();
+        assert_eq!(read("r.json"), "{\n  \"doc\": 1\n}\n");
+        assert_eq!(read("r.xml"), "<junit/>");
+        assert_eq!(read("r.md"), "# doc\n");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 3);
     }
 }

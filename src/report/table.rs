@@ -282,10 +282,15 @@ fn coverage_lines(c: &crate::coverage::Coverage, style: &Style) -> String {
 
 /// The overall verdict, one line (all that `-q` prints).
 pub fn verdict_line(r: &Report, style: &Style) -> String {
-    let msg = if r.pass() {
-        style.green(&r.verdict.message)
+    verdict_text(r.pass(), &r.verdict.message, style)
+}
+
+/// A verdict line, green or red (a run's, a sweep's).
+pub fn verdict_text(pass: bool, message: &str, style: &Style) -> String {
+    let msg = if pass {
+        style.green(message)
     } else {
-        style.red(&r.verdict.message)
+        style.red(message)
     };
     format!("{msg}\n")
 }

@@ -465,7 +465,8 @@ fn own_local_view(
 ) -> crate::compare::local::Local {
     use crate::compare::local;
     // An absorbed sparse prefill is not modelled (docs/dsa.md): no local view, end to end decides.
-    if backend.sparse_prefill_absorbed() {
+    let judging = backend.judging();
+    if judging.sparse_prefill_absorbed {
         return local::Local::default();
     }
     let inp = local::Inputs {
@@ -477,13 +478,12 @@ fn own_local_view(
             x,
             dtype,
             provided: cmp.provided,
-            known_attention: backend.known_attention(),
-            score_sum: backend.score_sum(),
+            judging: &judging,
         },
     };
     let sp = local::Sparse { selection: own };
     let mut l = local::compute_sparse(&inp, opt, sp);
-    let outside = backend.outside_local_view();
+    let outside = judging.outside_local_view;
     l.stages.retain(|s| !outside.contains(s.stage));
     l
 }

@@ -24,9 +24,8 @@ pub(super) struct View {
     /// ([`compare::local::prepare`]): a judge holds no copy of the layer.
     pub(super) pre: compare::local::Prepared,
     pub(super) x: Array2<f64>,
-    pub(super) known_attention: bool,
-    pub(super) score_sum: crate::precision::ScoreSum,
-    pub(super) outside: crate::trace::StageSet,
+    /// The backend's `judging` after the layer ran.
+    pub(super) judging: crate::judging::Judging,
     pub(super) selection: Option<crate::reference::sparse::Selection>,
 }
 
@@ -59,15 +58,16 @@ fn local_view(env: &JudgeEnv, opt: &LayerTrace, v: Option<View>) -> compare::loc
         x: &v.x,
         dtype: env.opts.dtype,
         provided: env.provided,
-        known_attention: v.known_attention,
-        score_sum: v.score_sum,
+        judging: &v.judging,
     };
     let sp = v
         .selection
         .as_ref()
         .map(|selection| compare::local::Sparse { selection });
     let mut local = compare::local::finish(frame, opt, v.pre, sp);
-    local.stages.retain(|s| !v.outside.contains(s.stage));
+    local
+        .stages
+        .retain(|s| !v.judging.outside_local_view.contains(s.stage));
     local
 }
 

@@ -107,7 +107,7 @@ pub(super) fn run_layers(
                 free_ctx: &free_ctx,
                 ref_sel,
                 // No view for an absorbed sparse prefill (not modelled: docs/dsa.md).
-                view_wanted: !(sel.is_some() && backend.sparse_prefill_absorbed()),
+                view_wanted: !(sel.is_some() && backend.judging().sparse_prefill_absorbed),
             };
             let (reference, optimized) =
                 paths(&lr, backend, (&h_ref, &h_opt), &mut done.repeats, &mut prof);
@@ -372,9 +372,7 @@ fn shadow_view(
     View {
         pre,
         x: x.clone(),
-        known_attention: backend.known_attention(),
-        score_sum: backend.score_sum(),
-        outside: backend.outside_local_view(),
+        judging: backend.judging(),
         selection: sel.map(|s| s.reference.clone()),
     }
 }

@@ -369,7 +369,7 @@ impl Setup {
         if let Some(sp) = sparse.as_mut() {
             sp.keys = opts.indexer_keys;
         }
-        if sparse.is_some() && !backend.sparse() {
+        if sparse.is_some() && !backend.judging().sparse {
             return Err(Error::Unsupported(format!(
                 "{} has no sparse attention, but this DSA file's queries see more than its indexer's top_k ({} keys): run it on --backend cpu, or on at most top_k tokens",
                 info.description,

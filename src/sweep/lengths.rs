@@ -86,7 +86,7 @@ impl std::fmt::Display for Boundary {
     }
 }
 
-/// The boundaries of a schedule on a backend with `tiles` (`Backend::key_tiles`) and the user's extra
+/// The boundaries of a schedule on a backend with `tiles` (`Judging::key_tiles`) and the user's extra
 /// tile sizes (`--tiles`, for a kernel mla-diff cannot see, such as an external runner's). A period of 1
 /// would make every length a boundary and says nothing: left out. Same period on the same count: one
 /// boundary, names joined.

@@ -221,9 +221,7 @@ impl SweepReport {
         self.verdict.pass
     }
     pub fn to_json(&self) -> String {
-        let mut s = serde_json::to_string_pretty(self).expect("sweep report serialises");
-        s.push('\n');
-        s
+        crate::report::outputs::pretty_json(self)
     }
     /// The sweep's frame from its first run's report.
     fn frame(kind: &str, opts: &SweepOptions, first: &Report) -> SweepReport {
@@ -310,7 +308,7 @@ pub fn sweep_lengths(
     // The first run picks the kernels (a GPU backend chooses its tiles for the layer's dims), so the
     // boundaries are known after it.
     let first = run_at(start, backend)?;
-    let tiles = backend.key_tiles();
+    let tiles = backend.judging().key_tiles;
     let bounds = if plan.boundaries {
         lengths::boundaries(base, &tiles, &plan.extra_tiles)
     } else {

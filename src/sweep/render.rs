@@ -1,13 +1,37 @@
 //! The sweep's terminal table, JUnit XML and Markdown, rendered from the `SweepReport` (the JSON is the
-//! source of truth; these add nothing to it).
+//! source of truth; these add nothing to it), and written by `report::outputs::Outputs` as a run's
+//! report is ([`Document`]). The frame is the run report's (`report::markdown::heading` and `notices`,
+//! `report::junit::xml`, `add_notices` and `failure`, `report::table::verdict_text`); the sections,
+//! a length sweep's and a split sweep's, are the sweep's own.
 
 use super::splits::SplitSweep;
 use super::{LengthSweep, Outcome, SweepReport};
+use crate::report::outputs::Document;
 use crate::report::table::Style;
-use quick_junit::{NonSuccessKind, Report as JReport, TestCase, TestCaseStatus, TestSuite};
+use crate::report::{junit as rjunit, markdown as rmd};
+use quick_junit::{TestCase, TestCaseStatus, TestSuite};
 use std::fmt::Write;
 
-/// Metric ÷ tolerance as the run table prints it.
+impl Document for SweepReport {
+    fn terminal(&self, style: &Style, quiet: bool) -> String {
+        match quiet {
+            true => verdict_line(self, style),
+            false => table(self, style),
+        }
+    }
+    fn json(&self) -> String {
+        self.to_json()
+    }
+    fn junit(&self) -> String {
+        junit(self)
+    }
+    fn markdown(&self) -> String {
+        markdown(self)
+    }
+}
+
+/// Metric ÷ tolerance in a sweep's cells. (The run table prints 10 ≤ r < 100 without decimals and its
+/// Markdown "non-finite" and every ratio with two: kept apart so both stay as they were.)
 fn ratio(r: f64) -> String {
     if r.is_infinite() {
         "NaN".into()
@@ -238,22 +262,14 @@ fn smallest_line(ls: &LengthSweep) -> String {
 /// The verdict, one line (all that `-q` prints).
 pub fn verdict_line(r: &SweepReport, style: &Style) -> String {
     let m = format!("[sweep {}] {}", r.run.kind, r.verdict.message);
-    format!(
-        "{}\n",
-        if r.pass() {
-            style.green(&m)
-        } else {
-            style.red(&m)
-        }
-    )
+    crate::report::table::verdict_text(r.pass(), &m, style)
 }
 
 fn case(name: String, class: &str, o: &Outcome, what: &str, note: Option<String>) -> TestCase {
     let status = if o.pass {
         TestCaseStatus::success()
     } else {
-        let mut s = TestCaseStatus::non_success(NonSuccessKind::Failure);
-        s.set_message(format!("{what} diverges at {}", failure(o)));
+        let mut s = rjunit::failure(format!("{what} diverges at {}", failure(o)));
         s.set_description(o.reasons.join("\n"));
         s
     };
@@ -277,13 +293,11 @@ fn case(name: String, class: &str, o: &Outcome, what: &str, note: Option<String>
 /// JUnit: one case per length (lengths), or one per split count against fp64 and one per count against
 /// the base count (splits).
 pub fn junit(r: &SweepReport) -> String {
-    let mut report = JReport::new("mla-diff");
+    let mut suites = Vec::new();
     let file = r.file.base_name();
     if let Some(ls) = &r.lengths {
         let mut suite = TestSuite::new(format!("{file} sweep lengths {}", r.run.dtype));
-        for n in &r.run.notices {
-            suite.add_property(quick_junit::Property::new("mla-diff.notice", n.as_str()));
-        }
+        rjunit::add_notices(&mut suite, &r.run.notices);
         for p in &ls.points {
             suite.add_test_case(case(
                 format!("length {}", p.length),
@@ -293,13 +307,11 @@ pub fn junit(r: &SweepReport) -> String {
                 Some(format!("origins: {}", p.origins.join(", "))),
             ));
         }
-        report.add_test_suite(suite);
+        suites.push(suite);
     }
     if let Some(sp) = &r.splits {
         let mut suite = TestSuite::new(format!("{file} sweep splits {}", r.run.dtype));
-        for n in &r.run.notices {
-            suite.add_property(quick_junit::Property::new("mla-diff.notice", n.as_str()));
-        }
+        rjunit::add_notices(&mut suite, &r.run.notices);
         for run in &sp.runs {
             suite.add_test_case(case(
                 format!("splits {}", run.num_splits),
@@ -318,8 +330,7 @@ pub fn junit(r: &SweepReport) -> String {
             let status = match mine.iter().find(|c| !c.pass) {
                 None => TestCaseStatus::success(),
                 Some(c) => {
-                    let mut s = TestCaseStatus::non_success(NonSuccessKind::Failure);
-                    s.set_message(format!(
+                    let mut s = rjunit::failure(format!(
                         "{n} splits differ from {} splits at layer {} {}",
                         sp.base, c.layer, c.check
                     ));
@@ -331,29 +342,18 @@ pub fn junit(r: &SweepReport) -> String {
             tc.set_classname("mla-diff.sweep.split_invariance");
             suite.add_test_case(tc);
         }
-        report.add_test_suite(suite);
+        suites.push(suite);
     }
-    report.to_string().expect("junit serialises")
+    rjunit::xml(suites)
 }
 
 /// Markdown for a pull-request comment: the verdict and a summary table.
 pub fn markdown(r: &SweepReport) -> String {
     let mut s = String::new();
-    let icon = if r.pass() { "✅" } else { "❌" };
-    writeln!(
-        s,
-        "### {icon} mla-diff sweep {}: `{}` ({}, {}, {})\n",
-        r.run.kind,
-        r.file.base_name(),
-        r.file.architecture,
-        r.run.backend,
-        r.run.dtype
-    )
-    .ok();
-    writeln!(s, "**{}**\n", r.verdict.message).ok();
-    for n in &r.run.notices {
-        writeln!(s, "> ⚠️ **Notice:** {n}\n").ok();
-    }
+    let what = format!("mla-diff sweep {}", r.run.kind);
+    let run = [r.run.backend.as_str(), r.run.dtype.as_str()];
+    rmd::heading(&mut s, &what, r.pass(), &r.file, run, &r.verdict.message);
+    rmd::notices(&mut s, &r.run.notices);
     writeln!(
         s,
         "Schedule: {}. Worst: largest metric ÷ tolerance (≥ 1 fails).\n",

@@ -21,7 +21,7 @@
 //! `split_lse` have one entry per split and cannot be compared across counts).
 
 use super::{Outcome, SweepOptions, SweepReport, SweepVerdict};
-use crate::backend::{Backend, BackendInfo, KeyTiles, LayerCtx};
+use crate::backend::{Backend, BackendInfo, Judging, LayerCtx};
 use crate::compare::{self, Check, Phase, Position};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
@@ -101,14 +101,10 @@ impl Backend for Recorder<'_> {
     fn notices(&self) -> Vec<String> {
         self.inner.notices()
     }
-    fn known_attention(&self) -> bool {
-        self.inner.known_attention()
-    }
-    fn score_sum(&self) -> crate::precision::ScoreSum {
-        self.inner.score_sum()
-    }
-    fn key_tiles(&self) -> KeyTiles {
-        self.inner.key_tiles()
+    /// The inner path's attention only (as before the descriptor: the recorder forwarded these three;
+    /// its DSA abilities and stages outside the local view are not passed on).
+    fn judging(&self) -> Judging {
+        self.inner.judging().attention_only()
     }
     fn run_layer(&mut self, ctx: &LayerCtx, x: &ndarray::Array2<f64>) -> Result<LayerTrace> {
         let t = self.inner.run_layer(ctx, x)?;

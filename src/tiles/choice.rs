@@ -392,7 +392,7 @@ pub fn geometry(t: Option<Tile>, decode: bool) -> Geometry {
 
 /// The key-count periods of the kernel of tile `t` (`None`: the scalar kernel) in decode (`decode`) or
 /// prefill: its tile and the keys one warp (or warpgroup) takes of it, both counted from the start of
-/// the key range (`Backend::key_tiles`, what sweep's lengths are made from).
+/// the key range (`Judging::key_tiles`, what sweep's lengths are made from).
 pub fn key_tiles(t: Option<Tile>, decode: bool) -> Vec<KeyTile> {
     match t {
         // kernels/sm90/prefill/attn_wgmma.cuh: ATT_BN-key tiles, each warpgroup takes every key of its rows.

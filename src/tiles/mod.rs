@@ -238,7 +238,7 @@ fn split_rule(n_keys: i32, splits: i32, max_splits: i32, min_keys: i32) -> bool 
     splits <= max_splits || per >= min_keys as i64
 }
 
-/// The key-count periods of a backend's attention kernels (`Backend::key_tiles`): each a name and a
+/// The key-count periods of a backend's attention kernels (`Judging::key_tiles`): each a name and a
 /// number of keys counted from the start of a key range (a prefill chunk's context or own keys, a decode
 /// split's keys).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

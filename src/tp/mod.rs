@@ -12,7 +12,7 @@
 
 pub mod slice;
 
-use crate::backend::{Backend, KeyTiles, LayerCtx};
+use crate::backend::{Backend, Judging, LayerCtx};
 use crate::compare::{self, LayerResult, ToleranceTable};
 use crate::error::{Error, Result};
 use crate::faults::Active;
@@ -115,20 +115,16 @@ impl Backend for TpBackend<'_> {
         }
         n
     }
-    fn known_attention(&self) -> bool {
-        self.inner.known_attention()
-    }
-    fn score_sum(&self) -> crate::precision::ScoreSum {
-        self.inner.score_sum()
-    }
-    fn outside_local_view(&self) -> StageSet {
-        match self.spec.size {
-            1 => StageSet::NONE,
-            _ => StageSet::NONE.with(crate::trace::Stage::AttnOut),
+    /// The inner path's attention; a merged attn_out of more than one rank sums partials the local
+    /// view does not model. No DSA through tp (refused past top_k, as before the descriptor).
+    fn judging(&self) -> Judging {
+        Judging {
+            outside_local_view: match self.spec.size {
+                1 => StageSet::NONE,
+                _ => StageSet::NONE.with(crate::trace::Stage::AttnOut),
+            },
+            ..self.inner.judging().attention_only()
         }
-    }
-    fn key_tiles(&self) -> KeyTiles {
-        self.inner.key_tiles()
     }
     fn kernels(&self, cfg: &MlaConfig, sched: &Schedule) -> Vec<crate::kernel_use::KernelUse> {
         // The kernels saw a rank's heads.
@@ -177,8 +173,7 @@ impl Backend for TpBackend<'_> {
                             x,
                             dtype: self.dtype,
                             provided: self.inner.provides(),
-                            known_attention: self.inner.known_attention(),
-                            score_sum: self.inner.score_sum(),
+                            judging: &self.inner.judging(),
                         },
                     },
                     &opt,

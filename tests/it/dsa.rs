@@ -90,8 +90,10 @@ impl Case {
                 x: &self.x,
                 dtype: dt,
                 provided: mla_diff::trace::StageSet::ALL,
-                known_attention: true,
-                score_sum: mla_diff::precision::ScoreSum::Lanes8,
+                judging: &mla_diff::judging::Judging {
+                    score_sum: mla_diff::precision::ScoreSum::Lanes8,
+                    ..Default::default()
+                },
             },
         };
         match sel {

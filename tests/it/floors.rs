@@ -6,7 +6,8 @@
 use std::path::Path;
 
 /// Floor of each top-level module of src/ (ARCHITECTURE.md's table; `cli`, `main` and `lib` stand above
-/// all and are not checked). `tiles` shares the backend's floor: it names `backend::KeyTile`.
+/// all and are not checked). `tiles` (the host model of the CUDA kernel choice and `KeyTiles`) and
+/// `judging` (`Judging`, how the judges read a path) stand below the backend that answers with them.
 const FLOORS: &[(usize, &[&str])] = &[
     (
         0,
@@ -27,8 +28,8 @@ const FLOORS: &[(usize, &[&str])] = &[
             "kv_format",
         ],
     ),
-    (2, &["reference"]),
-    (3, &["backend", "tiles"]),
+    (2, &["reference", "tiles", "judging"]),
+    (3, &["backend"]),
     (4, &["compare", "coverage"]),
     (5, &["report"]),
     (

@@ -41,11 +41,16 @@ impl Backend for Mirror {
         };
         self.inner.run_layer(&ctx, x)
     }
-    fn sparse(&self) -> bool {
-        self.inner.sparse()
-    }
-    fn batch_cache_in_format(&self) -> bool {
-        self.inner.batch_cache_in_format()
+    // What it forwarded before the descriptor: the mirror's DSA abilities and batch cache format, not
+    // its score sum or tiles (the mirror's view of its own traces is the default's here).
+    fn judging(&self) -> mla_diff::judging::Judging {
+        let j = self.inner.judging();
+        mla_diff::judging::Judging {
+            sparse: j.sparse,
+            batch_cache_in_format: j.batch_cache_in_format,
+            has_indexer: j.has_indexer,
+            ..Default::default()
+        }
     }
     // The batches' checks (where the kernel-variant faults show: `variant_batch`).
     fn runner_checks(&self) -> Option<mla_diff::backend::runner::checks::RunnerChecks> {
@@ -56,9 +61,6 @@ impl Backend for Mirror {
     }
     fn decode_extra(&self, sched: &Schedule) -> Vec<mla_diff::batch::Request> {
         self.inner.decode_extra(sched)
-    }
-    fn has_indexer(&self) -> bool {
-        self.inner.has_indexer()
     }
     fn indexer(
         &mut self,

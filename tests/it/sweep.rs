@@ -212,8 +212,11 @@ impl Backend for Tiled {
     ) -> mla_diff::Result<LayerTrace> {
         self.inner.run_layer(ctx, x)
     }
-    fn key_tiles(&self) -> KeyTiles {
-        self.tiles.clone()
+    fn judging(&self) -> mla_diff::judging::Judging {
+        mla_diff::judging::Judging {
+            key_tiles: self.tiles.clone(),
+            ..Default::default()
+        }
     }
 }
 

@@ -255,16 +255,21 @@ impl Backend for CpuMirror {
         StageSet::ALL
     }
 
-    fn score_sum(&self) -> crate::precision::ScoreSum {
-        crate::precision::ScoreSum::Lanes8 // `ops::dot`
-    }
-
-    fn key_tiles(&self) -> super::KeyTiles {
-        // One online-softmax loop for both phases: tiles of `flash::TILE` keys from each range's start.
+    /// Sparse attention over the selection, its own indexer, every batch's cache through the layer's
+    /// format (`cache::PagedCache::for_batch`), scores summed in 8 lanes (`ops::dot`), and one
+    /// online-softmax loop for both phases: tiles of `flash::TILE` keys from each range's start.
+    fn judging(&self) -> super::Judging {
         let t = || vec![super::KeyTile::new("flash tile", flash::TILE)];
-        super::KeyTiles {
-            prefill: t(),
-            decode: t(),
+        super::Judging {
+            sparse: true,
+            batch_cache_in_format: true,
+            has_indexer: true,
+            score_sum: crate::precision::ScoreSum::Lanes8,
+            key_tiles: super::KeyTiles {
+                prefill: t(),
+                decode: t(),
+            },
+            ..super::Judging::default()
         }
     }
 
@@ -274,15 +279,6 @@ impl Backend for CpuMirror {
         _sched: &crate::schedule::Schedule,
     ) -> Vec<crate::kernel_use::KernelUse> {
         mirror_kernels()
-    }
-
-    fn sparse(&self) -> bool {
-        true
-    }
-
-    /// Every batch's cache goes through the layer's format (`cache::PagedCache::for_batch`).
-    fn batch_cache_in_format(&self) -> bool {
-        true
     }
 
     /// The serving batch its decode also ran (`serving`): counted in the coverage section.
@@ -296,10 +292,6 @@ impl Backend for CpuMirror {
 
     fn runner_checks(&self) -> Option<crate::backend::runner::checks::RunnerChecks> {
         self.batch.runner_checks()
-    }
-
-    fn has_indexer(&self) -> bool {
-        true
     }
 
     fn indexer(

@@ -155,7 +155,7 @@ impl Attn {
         self.mma.is_some()
     }
 
-    /// The key-count periods of the kernel `run` launches (`Backend::key_tiles`, what sweep's lengths
+    /// The key-count periods of the kernel `run` launches (`Judging::key_tiles`, what sweep's lengths
     /// are made from): the host model's for its tile (`tiles::choice::key_tiles`).
     pub fn key_tiles(&self) -> Vec<crate::backend::KeyTile> {
         crate::tiles::choice::key_tiles(self.mma.and(self.tile), self.mqa)

@@ -88,11 +88,11 @@ pub struct CudaBackend {
     pub opts: CudaOptions,
     /// Which attention kernels the last layer used ("mma 4x2 warps…" / "scalar").
     pub last_paths: String,
-    /// The key tiles of the attention kernels the last layer used (`Backend::key_tiles`).
+    /// The key tiles of the attention kernels the last layer used (`Judging::key_tiles`).
     pub last_tiles: crate::backend::KeyTiles,
     /// The same, for the coverage section: per phase the kernel, its geometry and the production kernel.
     pub last_kernels: Vec<crate::kernel_use::KernelUse>,
-    /// How the last layer's attention summed its scores (`Backend::score_sum`).
+    /// How the last layer's attention summed its scores (`Judging::score_sum`).
     pub last_score_sum: crate::precision::ScoreSum,
     /// Notices for the report (a kernel choice the host did not predict), without repeats.
     pub notices: Vec<String>,
@@ -245,16 +245,17 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn sparse(&self) -> bool {
-        true
-    }
-
-    fn sparse_prefill_absorbed(&self) -> bool {
-        true
-    }
-
-    fn has_indexer(&self) -> bool {
-        true
+    /// Sparse attention over the selection in the absorbed form (`sparse.rs`), its own indexer, and
+    /// the score sum and key tiles of the kernels its last layer chose.
+    fn judging(&self) -> crate::backend::Judging {
+        crate::backend::Judging {
+            sparse: true,
+            sparse_prefill_absorbed: true,
+            has_indexer: true,
+            score_sum: self.last_score_sum,
+            key_tiles: self.last_tiles.clone(),
+            ..crate::backend::Judging::default()
+        }
     }
 
     /// Scores and top-k on the GPU, q/k/weights on the host (`indexer`, kernels/indexer.cu).
@@ -274,16 +275,8 @@ impl Backend for CudaBackend {
         Ok(Some(indexer::run(&mut on, ctx, ic, iw, x, keys)?.selection))
     }
 
-    fn key_tiles(&self) -> crate::backend::KeyTiles {
-        self.last_tiles.clone()
-    }
-
     fn notices(&self) -> Vec<String> {
         self.notices.clone()
-    }
-
-    fn score_sum(&self) -> crate::precision::ScoreSum {
-        self.last_score_sum
     }
 
     fn kernels(

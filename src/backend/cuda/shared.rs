@@ -85,9 +85,6 @@ impl Backend for SharedCuda {
     fn runner_checks(&self) -> Option<crate::backend::runner::checks::RunnerChecks> {
         self.batch.runner_checks()
     }
-    fn sparse(&self) -> bool {
-        self.inner.borrow().sparse()
-    }
     fn indexer(
         &mut self,
         ctx: &LayerCtx,
@@ -98,20 +95,11 @@ impl Backend for SharedCuda {
     ) -> Result<Option<crate::reference::sparse::Selection>> {
         self.bind().indexer(ctx, ic, iw, x, keys)
     }
-    fn sparse_prefill_absorbed(&self) -> bool {
-        self.inner.borrow().sparse_prefill_absorbed()
-    }
-    fn has_indexer(&self) -> bool {
-        self.inner.borrow().has_indexer()
-    }
-    fn key_tiles(&self) -> crate::backend::KeyTiles {
-        self.inner.borrow().key_tiles()
-    }
     fn notices(&self) -> Vec<String> {
         self.inner.borrow().notices()
     }
-    fn score_sum(&self) -> crate::precision::ScoreSum {
-        self.inner.borrow().score_sum()
+    fn judging(&self) -> crate::backend::Judging {
+        self.inner.borrow().judging()
     }
     fn kernels(
         &self,

@@ -35,31 +35,24 @@ impl Backend for RunnerBackend {
         self.inner.device()
     }
 
-    /// The external kernel's softmax and merge are not known (numpy's normalises P first).
-    fn known_attention(&self) -> bool {
-        false
-    }
-    fn key_tiles(&self) -> crate::backend::KeyTiles {
-        // The runner's kernel tiles are its own (unknown here): only the phases it leaves to the inner
-        // backend keep that backend's tiles.
-        // A tile the runner declares is what `sweep` aims at.
-        let mut t = self.inner.key_tiles();
+    /// The external kernel's softmax and merge are not known (numpy's normalises P first), nor how it
+    /// sums its scores (the conservative model); its serving batches send the rows, not the cache's
+    /// format. The rest follows the inner path where the runner leaves a phase or the indexer to it.
+    fn judging(&self) -> crate::backend::Judging {
+        let inner = self.inner.judging();
         let o = &self.desc.ops;
-        let declared = |ops: [&Option<protocol::OpSpec>; 2]| -> Vec<crate::backend::KeyTile> {
-            ops.iter()
-                .filter_map(|op| op.as_ref()?.geometry?.key_tile)
-                .map(|k| {
-                    crate::backend::KeyTile::new(format!("runner {} key tile", self.desc.name), k)
-                })
-                .collect()
-        };
-        if o.decode.is_some() || o.sparse_decode.is_some() {
-            t.decode = declared([&o.decode, &o.sparse_decode]);
+        crate::backend::Judging {
+            known_attention: false,
+            // DSA: the runner's sparse ops over an inner path that attends over the selection itself
+            // (the phase the runner leaves to it); a runner with neither op is refused past top_k.
+            sparse: (o.sparse_prefill.is_some() || o.sparse_decode.is_some()) && inner.sparse,
+            sparse_prefill_absorbed: o.sparse_prefill.is_some() || inner.sparse_prefill_absorbed,
+            // The indexer is the inner path's (the runner computes attention only).
+            has_indexer: inner.has_indexer,
+            outside_local_view: self.outside_over(inner.outside_local_view),
+            key_tiles: self.tiles_over(inner.key_tiles),
+            ..crate::backend::Judging::default()
         }
-        if o.prefill.is_some() || o.sparse_prefill.is_some() {
-            t.prefill = declared([&o.prefill, &o.sparse_prefill]);
-        }
-        t
     }
 
     fn notices(&self) -> Vec<String> {
@@ -140,34 +133,7 @@ impl Backend for RunnerBackend {
         v
     }
 
-    /// DSA: the runner's sparse ops over an inner path that attends over the selection itself (the
-    /// phase the runner leaves to it); a runner with neither op is refused past top_k, as before.
-    fn sparse(&self) -> bool {
-        let o = &self.desc.ops;
-        (o.sparse_prefill.is_some() || o.sparse_decode.is_some()) && self.inner.sparse()
-    }
-    /// An fp8 cache under the sparse decode is not the stage-local view's model (it models the rows
-    /// as stored): its decode stages are judged end to end, with the cache's effect (`CacheEffect`).
-    fn outside_local_view(&self) -> StageSet {
-        let mut s = self.inner.outside_local_view();
-        if self.desc.ops.sparse_decode.is_some() {
-            for st in [
-                Stage::AttnLatent,
-                Stage::Lse,
-                Stage::SplitOut,
-                Stage::SplitLse,
-                Stage::AttnHeads,
-                Stage::AttnOut,
-            ] {
-                s = s.with(st);
-            }
-        }
-        s
-    }
-    fn sparse_prefill_absorbed(&self) -> bool {
-        self.desc.ops.sparse_prefill.is_some() || self.inner.sparse_prefill_absorbed()
-    }
-    /// The indexer is the inner path's (the runner computes attention only).
+    /// The inner path's indexer (the runner computes attention only).
     fn indexer(
         &mut self,
         ctx: &LayerCtx,
@@ -177,9 +143,6 @@ impl Backend for RunnerBackend {
         keys: crate::precision::KeyPrecision,
     ) -> Result<Option<crate::reference::sparse::Selection>> {
         self.inner.indexer(ctx, ic, iw, x, keys)
-    }
-    fn has_indexer(&self) -> bool {
-        self.inner.has_indexer()
     }
 
     fn kernels(
@@ -390,5 +353,47 @@ impl Backend for RunnerBackend {
         }
         tr.at_runner = at;
         Ok(tr)
+    }
+}
+
+impl RunnerBackend {
+    /// The key tiles `sweep` aims at: the runner's kernel tiles are its own (unknown here) unless it
+    /// declares them; only the phases it leaves to the inner path keep that path's tiles.
+    fn tiles_over(&self, mut t: crate::backend::KeyTiles) -> crate::backend::KeyTiles {
+        let o = &self.desc.ops;
+        let declared = |ops: [&Option<protocol::OpSpec>; 2]| -> Vec<crate::backend::KeyTile> {
+            ops.iter()
+                .filter_map(|op| op.as_ref()?.geometry?.key_tile)
+                .map(|k| {
+                    crate::backend::KeyTile::new(format!("runner {} key tile", self.desc.name), k)
+                })
+                .collect()
+        };
+        if o.decode.is_some() || o.sparse_decode.is_some() {
+            t.decode = declared([&o.decode, &o.sparse_decode]);
+        }
+        if o.prefill.is_some() || o.sparse_prefill.is_some() {
+            t.prefill = declared([&o.prefill, &o.sparse_prefill]);
+        }
+        t
+    }
+
+    /// An fp8 cache under the sparse decode is not the stage-local view's model (it models the rows
+    /// as stored): its decode stages are judged end to end, with the cache's effect (`CacheEffect`) —
+    /// on every layer, dense ones too (the declaration, not the layer, decides).
+    fn outside_over(&self, mut s: StageSet) -> StageSet {
+        if self.desc.ops.sparse_decode.is_some() {
+            for st in [
+                Stage::AttnLatent,
+                Stage::Lse,
+                Stage::SplitOut,
+                Stage::SplitLse,
+                Stage::AttnHeads,
+                Stage::AttnOut,
+            ] {
+                s = s.with(st);
+            }
+        }
+        s
     }
 }

@@ -235,7 +235,7 @@ pub(super) fn attend_in(
     // The key holding the maximum has p = exp(0) = 1 exactly in every online softmax. Keys in tiles
     // before the maximum's were rounded against a smaller running max, so where in their binade they
     // sat is unknown: the largest relative rounding is assumed for them.
-    // Without an online softmax (`Backend::known_attention`), every P at the worst place.
+    // Without an online softmax (`Judging::known_attention`), every P at the worst place.
     let rv: Vec<f64> = (0..n)
         .map(|j| match j {
             _ if !online || j < early_end => Store::from(dt).worst_round_var(p[j]),

@@ -53,7 +53,7 @@ impl<'a> Att<'a> {
         let o_qpe = o_qpe
             .into_shape_with_order((vw.t_all * vw.h, vw.r))
             .expect("[T, H, R]");
-        let sum = f.score_sum;
+        let sum = f.judging.score_sum;
         let widen = |qs: Stage| vw.dt_of(qs).round_unit() < adt.round_unit();
         Some(Att {
             o_qn,
@@ -64,15 +64,15 @@ impl<'a> Att<'a> {
             scale: f.cfg.softmax_scale,
             sum,
             tc: sum.truncates(),
-            lse_store: f.known_attention.then_some(Store::F32),
+            lse_store: f.judging.known_attention.then_some(Store::F32),
             path: Path {
                 dt: adt,
-                online: f.known_attention,
+                online: f.judging.known_attention,
                 sum,
             },
             qn_wide: widen(Stage::QNope),
             qp_wide: widen(Stage::QPe),
-            latent_values: !f.known_attention && opt.declared(Stage::CacheRows).is_some(),
+            latent_values: !f.judging.known_attention && opt.declared(Stage::CacheRows).is_some(),
             adt,
         })
     }

@@ -56,7 +56,7 @@ pub(super) fn attend_decode(vw: &View, att: &Att, heads: &mut Heads, out: &mut L
         // The types the stored partials were returned in (inferred from their values, as the judge
         // infers every stored type).
         types: stored
-            .filter(|_| !f.known_attention)
+            .filter(|_| !f.judging.known_attention)
             .map(|(o, l)| (Store::infer(&o.data), Store::infer(&l.data))),
     };
     let mut split_out = Rows::new(nd * h * ns, lkv);
@@ -186,7 +186,7 @@ fn stored_part(
     let lkv = vw.lkv;
     let out = o.data[at * lkv..(at + 1) * lkv].to_vec();
     let lse = l.data[at];
-    match vw.f.known_attention {
+    match vw.f.judging.known_attention {
         true => Attn {
             out,
             lse,

@@ -18,8 +18,9 @@
 use super::noise::Store;
 use crate::backend::cpu::front::RopeF32;
 use crate::faults::Active;
+use crate::judging::Judging;
 use crate::model::{LayerWeights, MlaConfig};
-use crate::precision::{Dtype, ScoreSum};
+use crate::precision::Dtype;
 use crate::rope::RopeTables;
 use crate::schedule::Schedule;
 use crate::trace::{LayerTrace, Stage, StageSet};
@@ -141,10 +142,9 @@ pub struct Frame<'a> {
     pub dtype: Dtype,
     /// The stages the backend provides: a decode attention without exposed splits is recomputed whole.
     pub provided: StageSet,
-    /// `Backend::known_attention`: an online softmax, and `attn_latent` merged from the stored partials.
-    pub known_attention: bool,
-    /// `Backend::score_sum`: how its attention scores are summed.
-    pub score_sum: ScoreSum,
+    /// How to read the path (`Backend::judging`): here its `known_attention` (an online softmax, and
+    /// `attn_latent` merged from the stored partials) and `score_sum` (how its scores are summed).
+    pub judging: &'a Judging,
 }
 
 /// The optimized trace's stage as a 2-D `[rows, last axes…]` f64 array.
@@ -239,4 +239,55 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
         l.store = opt.declared(l.stage).map(Store::from);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Backend;
+
+    /// Every row of the stage table (`trace::STAGES`) has a stage-local rule, called from [`finish`]:
+    /// the view of the CPU mirror's trace of a small layer holds each stage. A new stage row without a
+    /// rule fails here (ARCHITECTURE.md, "A stage check", step 6).
+    #[test]
+    fn every_stage_row_has_a_local_rule() {
+        use crate::model::synthetic::{self, Family};
+        let cfg = Family::DeepseekV3.test_config();
+        let w = synthetic::weights(&cfg, 3);
+        let sched = Schedule {
+            prompt_len: 12,
+            chunk: 8,
+            decode_steps: 2,
+            num_splits: 2,
+            page_size: 4,
+            ..Schedule::default()
+        };
+        let tables = crate::backend::RunTables::new(&cfg, None, &sched).unwrap();
+        let x = crate::input::random_hidden(cfg.hidden, sched.total_tokens(), 5);
+        let mut b = crate::backend::cpu::CpuMirror::new(Dtype::Bf16);
+        let opt = b
+            .run_layer(&tables.ctx(&cfg, &w, &sched, Active::NONE), &x)
+            .unwrap();
+        let judging = b.judging();
+        let inp = Inputs {
+            weights: &w,
+            frame: Frame {
+                cfg: &cfg,
+                rope: &tables.rope,
+                sched: &sched,
+                x: &x,
+                dtype: Dtype::Bf16,
+                provided: b.provides(),
+                judging: &judging,
+            },
+        };
+        let local = compute(&inp, &opt);
+        for row in crate::trace::STAGES {
+            assert!(
+                local.stages.iter().any(|l| l.stage == row.stage),
+                "stage {} has no stage-local rule",
+                row.name
+            );
+        }
+    }
 }
