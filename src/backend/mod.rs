@@ -89,6 +89,16 @@ impl RunTables {
     }
 }
 
+/// DSA: what a layer that runs sparse (`LayerCtx::selection` set: past top_k) takes from the judges
+/// besides what every layer does: stages its trace does not hold as this path computed them (left out
+/// of `provides` there) and stages outside the stage-local view there (`outside_local_view`). The
+/// run's dense layers keep both (`Backend::sparse_layers`; the judges decide per layer, `run::layers`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SparseLayers {
+    pub not_provided: StageSet,
+    pub outside_local_view: StageSet,
+}
+
 /// An optimized attention path that produces a stage trace for one layer.
 pub trait Backend {
     /// A short description for reports ("cpu-mirror (bf16, f32 accumulation)", "cuda: NVIDIA H200 …").
@@ -147,6 +157,11 @@ pub trait Backend {
     /// instead: a tensor-parallel all-reduce's roundings of the partial o_proj outputs (`crate::tp`).
     fn outside_local_view(&self) -> StageSet {
         StageSet::NONE
+    }
+    /// DSA: what its sparse layers take away besides (a runner's sparse decode: the merged result
+    /// only, over a cache the view does not model); nothing for a path that computes every layer alike.
+    fn sparse_layers(&self) -> SparseLayers {
+        SparseLayers::default()
     }
     /// Whether its attention is known to the stage-local view: P computed as exp(s − m) against a
     /// running row max before P·V (an online softmax: the max key's P is exactly 1, a key's P rounded

@@ -296,6 +296,9 @@ impl Backend for WriteCapture<'_> {
     fn outside_local_view(&self) -> StageSet {
         self.inner.outside_local_view()
     }
+    fn sparse_layers(&self) -> crate::backend::SparseLayers {
+        self.inner.sparse_layers()
+    }
     fn known_attention(&self) -> bool {
         self.inner.known_attention()
     }

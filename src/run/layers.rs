@@ -96,7 +96,9 @@ pub(super) fn run_layers(
                 selection: ref_sel,
                 ..dense_ctx
             };
-            let (ctx, free_ctx) = contexts(l, opts, tables, provided);
+            // What the backend's sparse layers lose (`Backend::sparse_layers`), only if this one is.
+            let (layer_provided, outside) = layer_stages(&*backend, provided, sel.is_some());
+            let (ctx, free_ctx) = contexts(l, opts, tables, layer_provided);
             let lr = LayerRun {
                 cfg,
                 w: &w,
@@ -124,7 +126,7 @@ pub(super) fn run_layers(
             // the selection the path attended over (the reference's); no view for an absorbed sparse
             // prefill (not modelled: docs/dsa.md).
             let shadow = shadow_opt.map(|(opt, pre)| {
-                let view = pre.map(|pre| shadow_view(backend, pre, &h_ref, sel.as_ref()));
+                let view = pre.map(|pre| shadow_view(backend, pre, &h_ref, sel.as_ref(), outside));
                 (opt, view)
             });
             if let (Some(sp), Some(sel)) = (sparse.as_mut(), sel) {
@@ -148,7 +150,7 @@ pub(super) fn run_layers(
                     cfg,
                     rope: &tables.rope,
                     opts,
-                    provided,
+                    provided: layer_provided,
                 };
                 judge(layer, &env, &ctx, &free_ctx, dumped_before)
             }));
@@ -175,6 +177,27 @@ fn max_judges(opts: &RunOptions) -> usize {
         Some((_, DumpLayers::First)) => 1,
         _ if rayon::current_num_threads() >= 12 => 2,
         _ => 1,
+    }
+}
+
+/// A layer's stages provided and outside its stage-local view: the run's (`provided`,
+/// `Backend::outside_local_view`), less and plus what the backend's sparse layers take away where the
+/// layer runs sparse (`Backend::sparse_layers`; DSA past top_k).
+pub(super) fn layer_stages(
+    backend: &dyn Backend,
+    provided: crate::trace::StageSet,
+    sparse: bool,
+) -> (crate::trace::StageSet, crate::trace::StageSet) {
+    let outside = backend.outside_local_view();
+    match sparse {
+        false => (provided, outside),
+        true => {
+            let s = backend.sparse_layers();
+            (
+                provided.minus(s.not_provided),
+                outside.union(s.outside_local_view),
+            )
+        }
     }
 }
 
@@ -368,13 +391,14 @@ fn shadow_view(
     pre: compare::local::Prepared,
     x: &Array2<f64>,
     sel: Option<&super::dsa::LayerSelection>,
+    outside: crate::trace::StageSet,
 ) -> View {
     View {
         pre,
         x: x.clone(),
         known_attention: backend.known_attention(),
         score_sum: backend.score_sum(),
-        outside: backend.outside_local_view(),
+        outside,
         selection: sel.map(|s| s.reference.clone()),
     }
 }

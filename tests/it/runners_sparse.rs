@@ -159,6 +159,47 @@ fn what_the_sparse_runner_cannot_take_is_a_clean_error() {
     );
 }
 
+/// A runner with dense and sparse ops (runners/numpy_mla.py) keeps every check on a layer that runs
+/// dense: the DSA fixture within top_k (12 prompt tokens + 3 decode steps ≤ 16) runs its dense ops, and
+/// their split partials are compared (`split_out`, `split_lse`, end to end and `@runner`) and its decode
+/// stages have their stage-local view. What its sparse decode takes away (no partials; decode stages end
+/// to end) is taken only where a layer runs sparse (`Backend::sparse_layers`; past top_k:
+/// runner_cache_sparse.rs). Before, declaring `sparse_decode` dropped them on every layer.
+#[test]
+fn dense_layers_keep_their_split_checks_under_a_runner_with_sparse_ops() {
+    let Some(py) = python("the numpy runner", "numpy") else {
+        return;
+    };
+    let f = selftest_dsa_fixture();
+    let o = bin()
+        .args(["run", f.to_str().unwrap(), "--backend", "cpu", "--mode"])
+        .args(["shadow", "--prompt-len", "12", "--chunk", "8"])
+        .args(["--decode-steps", "3", "--layers", "0", "--runner"])
+        .args([&runner(&py, "numpy_mla.py"), "--json", "-", "-q"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let rep: J = serde_json::from_slice(&o.stdout).unwrap();
+    let ops = rep["environment"]["runner"].to_string();
+    assert!(ops.contains("sparse_decode"), "{ops}");
+    let l0 = &rep["modes"][0]["layers"][0];
+    assert!(l0.get("not_provided").is_none(), "{}", l0["not_provided"]);
+    let all = checks(&rep);
+    for name in [
+        "split_out",
+        "split_lse",
+        "split_out@runner",
+        "split_lse@runner",
+    ] {
+        let c = all.iter().find(|c| c["check"] == name);
+        assert!(c.is_some_and(|c| c["pass"] == true), "{name}: {c:?}");
+    }
+    for name in ["attn_latent", "lse[decode]", "attn_heads[decode]"] {
+        let c = all.iter().find(|c| c["check"] == name).unwrap();
+        assert_eq!(c["local"]["pass"], true, "{name}: no local view: {c}");
+    }
+}
+
 /// `runners/selfcheck.py` drives the runner alone (no mla-diff) through sparse_prefill and sparse_decode
 /// requests at DeepSeek's 128 and GLM-5's 64 heads (top_k not a multiple of 128, pages shuffled, NaN
 /// slots) against float64 — for sparse_decode over FlashMLA's fp8 cache as its format stores the rows,

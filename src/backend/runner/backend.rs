@@ -146,11 +146,17 @@ impl Backend for RunnerBackend {
         let o = &self.desc.ops;
         (o.sparse_prefill.is_some() || o.sparse_decode.is_some()) && self.inner.sparse()
     }
-    /// An fp8 cache under the sparse decode is not the stage-local view's model (it models the rows
-    /// as stored): its decode stages are judged end to end, with the cache's effect (`CacheEffect`).
     fn outside_local_view(&self) -> StageSet {
-        let mut s = self.inner.outside_local_view();
+        self.inner.outside_local_view()
+    }
+    /// On a layer that runs sparse, its sparse decode returns the merged result only (no split
+    /// partials: the trace's are the inner path's), and an fp8 cache under it is not the stage-local
+    /// view's model (it models the rows as stored): its decode stages are judged end to end there, with
+    /// the cache's effect (`CacheEffect`). Its dense layers run the dense ops and keep every check.
+    fn sparse_layers(&self) -> crate::backend::SparseLayers {
+        let mut s = self.inner.sparse_layers();
         if self.desc.ops.sparse_decode.is_some() {
+            s.not_provided = s.not_provided.with(Stage::SplitOut).with(Stage::SplitLse);
             for st in [
                 Stage::AttnLatent,
                 Stage::Lse,
@@ -159,7 +165,7 @@ impl Backend for RunnerBackend {
                 Stage::AttnHeads,
                 Stage::AttnOut,
             ] {
-                s = s.with(st);
+                s.outside_local_view = s.outside_local_view.with(st);
             }
         }
         s
@@ -312,10 +318,6 @@ impl Backend for RunnerBackend {
             {
                 s = s.without(Stage::SplitOut).without(Stage::SplitLse);
             }
-        }
-        // FlashMLA's sparse decode returns the merged result only.
-        if self.desc.ops.sparse_decode.is_some() {
-            s = s.without(Stage::SplitOut).without(Stage::SplitLse);
         }
         s
     }
