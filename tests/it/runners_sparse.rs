@@ -242,24 +242,24 @@ fn selfcheck_drives_the_sparse_runner() {
 
 /// `runners/selfcheck.py --kv-cache-dtype FMT` sends the ops that read the latent cache its rows in the
 /// format's bytes with `meta.cache` (its own encoder, not the runner SDK's reader) and judges them over
-/// the values the bytes hold: numpy_mla (every op) passes with `fp8_ds_mla` and `fp8`, FlashMLA's sparse
-/// stand-in with `fp8_ds_mla` (its describe lists no `fp8`: unsupported there, not sent); the two planted
-/// misreaders of `fp8_ds_mla` fail both sparse ops (tile 0's scale on every latent column: rel-L2 ~6 at
-/// sparse_decode; the bf16 rope read as e4m3: −inf LSEs), which they pass without the format. The sparse
-/// ops of GLM-5's case only (`--ops`): ~1.5 s of CPU a call.
+/// the values the bytes hold: numpy_mla's sparse ops pass with `fp8_ds_mla`, FlashMLA's sparse stand-in's
+/// decode too (its describe lists no `fp8`: unsupported there, not sent); the two planted misreaders of
+/// `fp8_ds_mla` fail (tile 0's scale on every latent column: rel-L2 ~6 at sparse_decode, both sparse ops;
+/// the bf16 rope read as e4m3: −inf LSEs), which they pass without the format (runner_cache_sparse.rs).
+/// GLM-5's case in bf16 only, and the ops named (`--ops`): ~4 s of CPU in all, most of it the sparse
+/// prefill's two requests.
 #[test]
 fn selfcheck_drives_the_sparse_ops_over_a_quantized_cache() {
     let Some(py) = python("the sparse runner's selfcheck", "numpy") else {
         return;
     };
     let sc = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("runners/selfcheck.py");
-    let go = |rel: &str, fmt: &[&str]| {
+    let go = |rel: &str, fmt: &str, ops: &str| {
         let o = std::process::Command::new(&py)
             .arg(&sc)
             .args(["--runner", &runner(&py, rel)])
-            .args(["--dtypes", "bf16", "--cases", "glm5"])
-            .args(["--ops", "sparse_prefill,sparse_decode"])
-            .args(fmt)
+            .args(["--dtypes", "bf16", "--cases", "glm5", "--ops", ops])
+            .args(["--kv-cache-dtype", fmt])
             .env(STANDIN, "numpy")
             .output()
             .unwrap();
@@ -268,32 +268,33 @@ fn selfcheck_drives_the_sparse_ops_over_a_quantized_cache() {
             String::from_utf8_lossy(&o.stdout).to_string(),
         )
     };
-    let ds = ["--kv-cache-dtype", "fp8_ds_mla"];
-    for (rel, fmt, n) in [
-        ("numpy_mla.py", &ds[..], 6),
-        ("numpy_mla.py", &["--kv-cache-dtype", "fp8"][..], 6),
-        ("flashmla_sparse.py", &ds[..], 6),
+    let both = "sparse_prefill,sparse_decode";
+    for (rel, ops, n) in [
+        ("numpy_mla.py", both, 6),
+        ("flashmla_sparse.py", "sparse_decode", 2),
     ] {
-        let (code, out) = go(rel, fmt);
-        assert_eq!(code, Some(0), "{rel} {fmt:?}: {out}");
-        let passed = format!("PASS: {n} checks passed, 0 failed");
-        assert!(out.contains(&passed), "{rel} {fmt:?}: {out}");
+        let (code, out) = go(rel, "fp8_ds_mla", ops);
+        assert_eq!(code, Some(0), "{rel}: {out}");
+        let passed = format!("PASS: {n} checks passed, 0 failed, 0 cases unsupported");
         assert!(
-            out.contains(fmt[1]) && !out.contains("UNSUPPORTED"),
-            "{out}"
+            out.contains(&passed) && out.contains("fp8_ds_mla"),
+            "{rel}: {out}"
         );
     }
-    let (_, out) = go("flashmla_sparse.py", &["--kv-cache-dtype", "fp8"]);
+    let (_, out) = go("flashmla_sparse.py", "fp8", "sparse_decode");
     assert!(
         out.contains("cache_formats ['fp8_ds_mla'] does not list fp8"),
         "{out}"
     );
-    for bug in ["ds_mla_one_scale", "ds_mla_rope_fp8"] {
-        let (code, out) = go(&format!("bugs/sparse/{bug}.py"), &ds);
+    for (bug, ops) in [
+        ("ds_mla_one_scale", both),
+        ("ds_mla_rope_fp8", "sparse_decode"),
+    ] {
+        let (code, out) = go(&format!("bugs/sparse/{bug}.py"), "fp8_ds_mla", ops);
         assert_eq!(code, Some(1), "{bug}: {out}");
-        for op in ["sparse_prefill", "sparse_decode"] {
-            let both = format!("{op}.attn_latent {op}.lse");
-            assert!(out.contains(&both), "{bug}: {out}");
+        for op in ops.split(',') {
+            let failing = format!("{op}.attn_latent {op}.lse");
+            assert!(out.contains(&failing), "{bug}: {out}");
         }
     }
 }
