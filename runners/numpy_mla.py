@@ -17,7 +17,8 @@ format's bytes, dequantized here in numpy (`protocol.dequantize_cache`: each val
 its group's scale, or fp8's layer scale from `meta.cache.scale`; ds_mla's rope as stored) before the
 same attention.
 
-Sparse ops (DSA past top_k, docs/dsa.md; served by runners/numpy_sparse.py, which declares them):
+Sparse ops (DSA past top_k, docs/dsa.md; a layer that runs sparse gets only these, a dense layer only
+the dense ones, each with the checks of its own ops):
 `sparse_prefill` and `sparse_decode` attend each query over the cache slots its index row names (−1:
 none), FlashMLA's definition (its tests/ref.py) in float32: `q = [q_absorbed | q_pe]` against the rows,
 the latent part as the value. With a quantized cache the `kv` / `kv_cache` bytes are read through the
@@ -97,6 +98,8 @@ class NumpyMLA(protocol.NumpyRunner):
             "ops": {
                 "decode": {"outputs": ["attn_latent", "lse", "split_out", "split_lse"]},
                 "prefill": {"outputs": ["attn_heads", "lse"]},
+                "sparse_prefill": {"outputs": ["attn_latent", "lse"]},
+                "sparse_decode": {"outputs": ["attn_latent", "lse"]},
             },
             "supports": {
                 "dtypes": ["bf16", "fp16", "f32"],
@@ -301,4 +304,5 @@ class NumpyMLA(protocol.NumpyRunner):
 
 if __name__ == "__main__":
     r = NumpyMLA()
-    protocol.serve(decode=r.decode, prefill=r.prefill, describe=r.describe, codec=r)
+    protocol.serve(decode=r.decode, prefill=r.prefill, sparse_prefill=r.sparse_prefill,
+                   sparse_decode=r.sparse_decode, describe=r.describe, codec=r)

@@ -20,6 +20,14 @@ fp8_v32` is judged against float64 over FlashMLA's fp8 cache as its format store
 independently of the runner). Cases a runner's describe rules out (dtype, page size, dims, q_len) are
 listed as unsupported without being sent, as mla-diff does.
 
+With `--kv-cache-dtype FMT` (`fp8`: e4m3 over the whole row with one scale in `meta.cache.scale`;
+`fp8_ds_mla`: DeepSeek-V3.2's 656 bytes, 512 e4m3 + 4 float32 tile scales + 64 bf16 rope;
+docs/cache-formats.md) the ops that read the latent cache (decode, sparse_prefill, sparse_decode) are
+sent it as mla-diff `run --kv-cache-dtype` sends it: u8 rows in the format's bytes (0xff where no token
+is) with `meta.cache`, written here independently of the runner SDK's reader, and judged against float64
+over the values those bytes hold. A runner whose `supports.cache_formats` does not list FMT, or a case
+whose dims the format does not fit, is unsupported there.
+
 Comparison (the `@runner` check of docs/runners.md): each output, after converting a base-2 LSE
 (`·ln 2`) and a `head_token` layout, against the float64 result on the stored inputs:
 rel-L2 <= 4u and every |d| <= 16u·rms(ref) + 4u·|ref|, u the unit roundoff of the coarser of the
@@ -28,7 +36,8 @@ see F32_UNIT). −inf entries (empty splits) must match exactly; a NaN fails.
 
 Usage:
   python3 runners/selfcheck.py --runner 'python3 runners/numpy_mla.py' [--dtypes bf16,fp16,f32]
-        [--cases deepseek,glm5,minicpm3,tiny] [--json FILE] [--keep DIR]
+        [--cases deepseek,glm5,minicpm3,tiny] [--ops decode,prefill,sparse_prefill,sparse_decode]
+        [--kv-cache-dtype fp8|fp8_ds_mla] [--json FILE] [--keep DIR]
   python3 runners/selfcheck.py --bugs     # numpy_mla must pass; every runners/bugs/*.py must be
                                           # caught at the checks its `selfcheck-expect:` line names
 Exit 0 when every check that ran passed (--bugs: when the clean runner passed and every bug was
@@ -249,14 +258,22 @@ _E4M3 = np.array([m * 2.0**-9 for m in range(8)]
                  + [(1 + m / 8) * 2.0 ** (e - 7) for e in range(1, 16) for m in range(8)][:-1])
 
 
-def e4m3_nearest(x):
-    """Each |x| ≤ 448 to its nearest e4m3fn value, ties to the even mantissa field."""
+def e4m3_code(x):
+    """Each x to its nearest e4m3fn value, ties to the even mantissa field, saturating at ±448: (the
+    byte codes, the values as float64)."""
     x = np.asarray(x, np.float64)
     a = np.abs(x)
     i = np.clip(np.searchsorted(_E4M3, a), 1, _E4M3.size - 1)
     lo, hi = _E4M3[i - 1], _E4M3[i]
     up = (hi - a < a - lo) | ((hi - a == a - lo) & (i % 2 == 0))
-    return np.copysign(np.where(up, hi, lo), x)
+    k = np.where(up, i, i - 1)
+    codes = (k | np.where(np.signbit(x), 0x80, 0)).astype(np.uint8)
+    return codes, np.copysign(_E4M3[k], x)
+
+
+def e4m3_nearest(x):
+    """Each |x| ≤ 448 to its nearest e4m3fn value, ties to the even mantissa field."""
+    return e4m3_code(x)[1]
 
 
 def fp8_v32_rows(rows):
@@ -269,6 +286,73 @@ def fp8_v32_rows(rows):
     scale = np.exp2(np.ceil(np.log2(np.maximum(amax.astype(np.float32) / np.float32(448.0), np.float32(1e-4)).astype(np.float64))))
     out[..., :512] = (e4m3_nearest(lat / scale) * scale).reshape(rows.shape[:-1] + (512,))
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantized caches (`--kv-cache-dtype FMT`, as `mla-diff run --kv-cache-dtype`; docs/cache-formats.md):
+# the cache rows a request carries are sent as the format's bytes with `meta.cache`, written here
+# independently of the runner SDK's reader, and the float64 yardstick attends over the values those
+# bytes hold (each q·s in float32), so a runner that misreads them (a scale, a group, the rope) fails.
+
+CACHE_FORMATS = ("fp8", "fp8_ds_mla")  # what selfcheck writes; the formats of docs/cache-formats.md
+CACHE_OPS = ("decode", "sparse_prefill", "sparse_decode")  # the ops that read the latent cache
+
+
+def cache_fits(fmt, r, rope):
+    """None when `fmt` holds rows of r latent + rope columns, else why not."""
+    if fmt == "fp8_ds_mla" and (r, rope) != (512, 64):
+        return f"cache format {fmt} needs kv_lora_rank 512 + qk_rope 64, not {r} + {rope}"
+    return None
+
+
+def quantize_cache(rows, fmt, r, rope):
+    """Cache rows `[..., r + rope]` (float64 as stored; NaN where no token is) in `fmt`: (u8 bytes
+    `[..., bytes_per_token]`, 0xff where no token is; float64 rows as the bytes give them back, NaN where
+    no token is; `meta.cache`).
+
+    - `fp8`: every column e4m3(x / s) (x / s in float32) with one scale s = max(amax / 448, 1e-4) over
+      the written rows, sent as `meta.cache.scale`;
+    - `fp8_ds_mla` (656 B): 512 e4m3 latent values, tile k of 128 columns over its scale
+      2^ceil(log2 max(amax_k / 448, 1e-4)), the 4 scales as little-endian float32, then the 64 rope
+      values in bf16."""
+    rows = np.asarray(rows, np.float64)
+    live = np.isfinite(rows).all(axis=-1)
+    x = np.where(live[..., None], rows, 0.0).astype(np.float32)
+    if fmt == "fp8":
+        amax = np.float32(np.abs(x).max()) if x.size else np.float32(0.0)
+        sc = np.maximum(amax / np.float32(448.0), np.float32(1e-4)).astype(np.float32)
+        codes, q = e4m3_code((x / sc).astype(np.float64))
+        vals = (q.astype(np.float32) * sc).astype(np.float64)
+        meta = {"format": fmt, "bytes_per_token": r + rope, "scale": float(sc)}
+    else:
+        lead = x.shape[:-1]
+        lat = x[..., :512].reshape(lead + (4, 128))
+        amax = np.abs(lat).max(axis=-1, keepdims=True)
+        floor = np.maximum(amax / np.float32(448.0), np.float32(1e-4)).astype(np.float64)
+        sc = np.exp2(np.ceil(np.log2(floor))).astype(np.float32)
+        lc, q = e4m3_code((lat / sc).astype(np.float64))
+        lat_vals = (q.astype(np.float32) * sc).astype(np.float64).reshape(lead + (512,))
+        rope_bits = protocol.to_bf16_bits(x[..., 512:])
+        rope_vals = protocol.round_to(x[..., 512:], "bf16").astype(np.float64)
+        codes = np.concatenate([
+            lc.reshape(lead + (512,)),
+            np.ascontiguousarray(sc[..., 0].astype("<f4")).view(np.uint8).reshape(lead + (16,)),
+            np.ascontiguousarray(rope_bits.astype("<u2")).view(np.uint8).reshape(lead + (128,)),
+        ], axis=-1)
+        vals = np.concatenate([lat_vals, rope_vals], axis=-1)
+        meta = {"format": fmt, "bytes_per_token": 656}
+    codes = np.where(live[..., None], codes, np.uint8(0xFF)).astype(np.uint8)
+    vals = np.where(live[..., None], vals, np.nan)
+    return codes, vals, meta
+
+
+def quantize_request(op, inputs, meta, data, c, fmt):
+    """A cache-reading request's float cache replaced by `fmt`'s bytes, its yardstick's rows by the values
+    they hold: (inputs, meta, data)."""
+    key, at = {"decode": ("kv_cache", 2), "sparse_prefill": ("kv", 1), "sparse_decode": ("kv_cache", 1)}[op]
+    codes, vals, cm = quantize_cache(data[at], fmt, c["kv_lora_rank"], c["qk_rope"])
+    data = data[:at] + (vals,) + data[at + 1:]
+    return dict(inputs, **{key: codes}), dict(meta, cache=cm), data
 
 
 # ----------------------------------------------------------------------------------------------
@@ -475,11 +559,18 @@ def describe(cmd, timeout):
         return None, f"error: --describe printed no JSON: {p.stdout[:300]!r}"
 
 
-def describe_refuses(desc, op, c, dtype, sched):
-    """The supports key that rules this case out, as mla-diff would report it, or None."""
+def describe_refuses(desc, op, c, dtype, sched, fmt=None):
+    """The supports key that rules this case out, as mla-diff would report it, or None. `fmt`: the
+    quantized cache the ops that read one are sent (`supports.cache_formats`: absent or null is none)."""
     if op not in desc.get("ops", {}):
         return f"op {op} not implemented"
     sup = desc.get("supports", {})
+    if fmt and op in CACHE_OPS:
+        fits = cache_fits(fmt, c["kv_lora_rank"], c["qk_rope"])
+        if fits:
+            return fits
+        if fmt not in (sup.get("cache_formats") or []):
+            return f"describe: cache_formats {sup.get('cache_formats')} does not list {fmt}"
     want = {
         "dtypes": dtype,
         "heads": c["heads"],
@@ -500,8 +591,9 @@ def describe_refuses(desc, op, c, dtype, sched):
     return None
 
 
-def check_runner(cmd, cases, dtypes, workdir, timeout=600, seed=0, verbose=True, out=sys.stdout):
-    """Run every case through one runner. Returns a list of result dicts."""
+def check_runner(cmd, cases, dtypes, workdir, timeout=600, seed=0, verbose=True, out=sys.stdout, fmt=None, ops=None):
+    """Run every case through one runner (`fmt`: the quantized cache format the cache-reading ops are
+    sent, `--kv-cache-dtype`; `ops`: only these ops, `--ops`). Returns a list of result dicts."""
     results = []
 
     def emit(res):
@@ -535,6 +627,7 @@ def check_runner(cmd, cases, dtypes, workdir, timeout=600, seed=0, verbose=True,
             jobs = [("decode", d) for d in c["decode"]] + [("prefill", p) for p in c["prefill"]]
             jobs += [("sparse_prefill", sp) for sp in c.get("sparse", [])]
             jobs += [("sparse_decode", sd) for sd in c.get("sparse_decode", [])]
+            jobs = [(op, sched) for op, sched in jobs if ops is None or op in ops]
             for op, sched in jobs:
                 if op == "decode":
                     label = f"s_q {sched['s_q']} page {sched['page']} L {sched['seqlens']}"
@@ -544,23 +637,34 @@ def check_runner(cmd, cases, dtypes, workdir, timeout=600, seed=0, verbose=True,
                     label = f"n {sched['n']} context {sched['context']} topk {sched['topk']}"
                 else:
                     label = f"n {sched['n']} context {sched['context']}"
+                if fmt and op in CACHE_OPS:
+                    label += f" {fmt}"
                 res = {"case": cname, "dtype": dtype, "op": op, "sched": label}
-                refusal = describe_refuses(desc, op, c, dtype, sched)
+                refusal = describe_refuses(desc, op, c, dtype, sched, fmt)
                 if refusal:
                     emit(dict(res, status="unsupported", reason=refusal))
                     continue
                 if dead:
                     emit(dict(res, status=dead["status"], reason=dead.get("reason") or dead.get("message")))
                     continue
+                quantized = fmt and op in CACHE_OPS
                 if op == "decode":
                     inputs, meta, data = make_decode(rng, c, sched, dtype)
+                    if quantized:
+                        inputs, meta, data = quantize_request(op, inputs, meta, data, c, fmt)
                     ref = ref_decode(c, sched, data)
                 elif op == "sparse_prefill":
                     inputs, meta, data = make_sparse(rng, c, sched, dtype)
+                    if quantized:
+                        inputs, meta, data = quantize_request(op, inputs, meta, data, c, fmt)
                     ref = ref_sparse(c, data)
                 elif op == "sparse_decode":
                     inputs, meta, data = make_sparse_decode(rng, c, sched, dtype)
-                    ref = ref_sparse_decode(c, data, desc["ops"][op].get("kv_cache") == "fp8_v32")
+                    # Sent the format's bytes, a runner writes no fp8 cache of its own (docs/runners.md).
+                    own_fp8 = desc["ops"][op].get("kv_cache") == "fp8_v32" and not quantized
+                    if quantized:
+                        inputs, meta, data = quantize_request(op, inputs, meta, data, c, fmt)
+                    ref = ref_sparse_decode(c, data, own_fp8)
                 else:
                     inputs, meta, data = make_prefill(rng, c, sched, dtype)
                     ref = ref_prefill(c, data)
@@ -703,6 +807,8 @@ def main():
     ap.add_argument("--bugs", action="store_true", help="check numpy_mla passes and every runners/bugs/*.py is caught")
     ap.add_argument("--cases", default=",".join(CASES), help="comma list of " + ",".join(CASES))
     ap.add_argument("--dtypes", default="bf16,fp16,f32")
+    ap.add_argument("--ops", help="comma list: only these ops (decode, prefill, sparse_prefill, sparse_decode)")
+    ap.add_argument("--kv-cache-dtype", choices=CACHE_FORMATS, help="send the ops that read the latent cache (decode, sparse_prefill, sparse_decode) its rows in this byte format with meta.cache, as mla-diff run --kv-cache-dtype does, and judge them over the values those bytes hold; a runner whose supports.cache_formats does not list it is unsupported there")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=600, help="seconds per request")
     ap.add_argument("--f32-unit", type=float, default=F32_UNIT, help="unit roundoff used for float32 in the bounds (default 2^-18; the protocol's strict value is 2^-24 = 5.96e-8)")
@@ -712,6 +818,10 @@ def main():
     F32_UNIT = args.f32_unit
     cases = [c for c in args.cases.split(",") if c]
     dtypes = [d for d in args.dtypes.split(",") if d]
+    ops = [o for o in args.ops.split(",") if o] if args.ops else None
+    for o in ops or []:
+        if o not in ("decode", "prefill") + CACHE_OPS[1:]:
+            ap.error(f"unknown op {o}")
     for c in cases:
         if c not in CASES:
             ap.error(f"unknown case {c}")
@@ -746,7 +856,7 @@ def main():
         work = args.keep or tempfile.mkdtemp(prefix="mla-diff-selfcheck-")
         os.makedirs(work, exist_ok=True)
         try:
-            results, desc = check_runner(shlex.split(cmd), cases, dtypes, work, timeout=args.timeout, seed=args.seed)
+            results, desc = check_runner(shlex.split(cmd), cases, dtypes, work, timeout=args.timeout, seed=args.seed, fmt=args.kv_cache_dtype, ops=ops)
         finally:
             if not args.keep:
                 shutil.rmtree(work, ignore_errors=True)

@@ -5,12 +5,22 @@
 //! (`Backend::judging`); a wrapper forwards its inner path's value, changing only what it changes.
 //!
 //! It stands below `backend/` (floor 2), so `compare/` and the driver read it without naming a backend.
-//! None of it takes the layer: a path answers for the whole run (CUDA's `score_sum` and `key_tiles` are
+//! None of it takes the layer (`sparse_layers` says what a sparse layer loses): a path answers for the whole run (CUDA's `score_sum` and `key_tiles` are
 //! those of the last layer it ran, so they are asked after a run or after each layer).
 
 use crate::precision::ScoreSum;
 use crate::tiles::KeyTiles;
 use crate::trace::StageSet;
+
+/// DSA: what a layer that runs sparse (`LayerCtx::selection` set: past top_k) takes from the judges
+/// besides what every layer does: stages its trace does not hold as this path computed them (left out
+/// of `provides` there) and stages outside the stage-local view there. The run's dense layers keep
+/// both (`Judging::sparse_layers`; the judges decide per layer, `run::layers`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SparseLayers {
+    pub not_provided: StageSet,
+    pub outside_local_view: StageSet,
+}
 
 /// How the judges read one optimized path's traces (`Backend::judging`). `Judging::default()` is a
 /// dense path with no DSA abilities whose attention is an online softmax with stored split partials
@@ -39,6 +49,9 @@ pub struct Judging {
     /// instead: a tensor-parallel all-reduce's roundings of the partial o_proj outputs (`crate::tp`), a
     /// runner's sparse decode over an fp8 cache. The same set on every layer.
     pub outside_local_view: StageSet,
+    /// DSA: what a layer that runs sparse takes away besides (a runner's sparse decode); the run's
+    /// dense layers keep every check (`run::layers::layer_stages` decides per layer).
+    pub sparse_layers: SparseLayers,
     /// Whether its attention is known to the stage-local view: P computed as exp(s − m) against a
     /// running row max before P·V (an online softmax: the max key's P is exactly 1, a key's P rounded
     /// in its binade against the final max unless its tile came before the max's), and `attn_latent`
@@ -65,6 +78,7 @@ impl Default for Judging {
             has_indexer: false,
             sparse_prefill_absorbed: false,
             outside_local_view: StageSet::NONE,
+            sparse_layers: SparseLayers::default(),
             known_attention: true,
             score_sum: ScoreSum::Sequential,
             key_tiles: KeyTiles::default(),

@@ -205,6 +205,10 @@ impl StageSet {
     pub fn minus(self, o: StageSet) -> StageSet {
         StageSet(self.0 & !o.0)
     }
+    /// The stages in either.
+    pub fn union(self, o: StageSet) -> StageSet {
+        StageSet(self.0 | o.0)
+    }
 }
 
 /// One stage tensor: row-major data with the stage's axes.

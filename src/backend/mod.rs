@@ -25,7 +25,7 @@ pub use open::{open, BackendInfo, Choice, Factory, Kind, Options};
 
 use crate::error::Result;
 use crate::faults::Active;
-pub use crate::judging::Judging;
+pub use crate::judging::{Judging, SparseLayers};
 use crate::model::{LayerWeights, MlaConfig, RopeFactors};
 use crate::rope::RopeTables;
 use crate::schedule::Schedule;
@@ -89,6 +89,7 @@ impl RunTables {
         }
     }
 }
+
 
 /// An optimized attention path that produces a stage trace for one layer.
 pub trait Backend {

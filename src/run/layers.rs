@@ -53,7 +53,7 @@ pub(super) fn run_layers(
     backend: &mut dyn Backend,
     opts: &RunOptions,
     s: &mut Setup,
-    (mut h_ref, mut h_opt): (Array2<f64>, Array2<f64>),
+    (mut h_ref, mut h_opt, mut carried): super::Streams,
     bar: &indicatif::ProgressBar,
 ) -> Result<(Done, profile::Profile)> {
     let Setup {
@@ -74,7 +74,7 @@ pub(super) fn run_layers(
         for (i, &l) in layers.iter().enumerate() {
             bar.set_message(format!("layer {l}"));
             if i > 0 {
-                next_inputs(inputs, l, &mut h_ref, &mut h_opt)?;
+                next_inputs(inputs, l, &mut h_ref, &mut h_opt, &mut carried)?;
             }
             // Loaded here, not ahead beside the reference: one layer's weights alive at a time (a
             // preloaded next layer cost 0.5 GB of peak RSS at GLM-5 dims for ~10 % of the time:
@@ -96,7 +96,10 @@ pub(super) fn run_layers(
                 selection: ref_sel,
                 ..dense_ctx
             };
-            let (ctx, free_ctx) = contexts(l, opts, tables, provided);
+            // What the backend's sparse layers lose (`Judging::sparse_layers`), only if this one is.
+            let (layer_provided, outside) = layer_stages(&*backend, provided, sel.is_some());
+            let (ctx, free_ctx) = contexts(l, opts, tables, layer_provided);
+            let moved = super::carry::moved_input(&h_ref, carried.as_ref());
             let lr = LayerRun {
                 cfg,
                 w: &w,
@@ -108,23 +111,24 @@ pub(super) fn run_layers(
                 ref_sel,
                 // No view for an absorbed sparse prefill (not modelled: docs/dsa.md).
                 view_wanted: !(sel.is_some() && backend.judging().sparse_prefill_absorbed),
+                moved: moved.as_ref(),
             };
             let (reference, optimized) =
                 paths(&lr, backend, (&h_ref, &h_opt), &mut done.repeats, &mut prof);
-            let reference = reference?;
+            let (reference, moved_ref) = reference?;
             let (shadow_opt, free_opt) = optimized?;
             // The reference residual after this layer: the next layer's shadow input and free mode's
             // yardstick; the optimized one: free mode's next input.
             let next_ref = residual_after(&h_ref, &reference)?;
-            let free_opt = match free_opt {
-                Some(opt) => Some(free_drift(opt, &mut h_opt, &next_ref)?),
-                None => None,
-            };
+            let refs = (&reference, moved_ref.as_ref(), &next_ref);
+            let free_opt = free_opt
+                .map(|opt| free_drift(opt, &mut h_opt, &mut carried, refs, opts))
+                .transpose()?;
             // What shadow mode's stage-local view needs, taken before the DSA check takes the selection:
             // the selection the path attended over (the reference's); no view for an absorbed sparse
             // prefill (not modelled: docs/dsa.md).
             let shadow = shadow_opt.map(|(opt, pre)| {
-                let view = pre.map(|pre| shadow_view(backend, pre, &h_ref, sel.as_ref()));
+                let view = pre.map(|pre| shadow_view(backend, pre, &h_ref, sel.as_ref(), outside));
                 (opt, view)
             });
             if let (Some(sp), Some(sel)) = (sparse.as_mut(), sel) {
@@ -148,7 +152,7 @@ pub(super) fn run_layers(
                     cfg,
                     rope: &tables.rope,
                     opts,
-                    provided,
+                    provided: layer_provided,
                 };
                 judge(layer, &env, &ctx, &free_ctx, dumped_before)
             }));
@@ -178,6 +182,28 @@ fn max_judges(opts: &RunOptions) -> usize {
     }
 }
 
+/// A layer's stages provided and outside its stage-local view: the run's (`provided`,
+/// `Backend::outside_local_view`), less and plus what the backend's sparse layers take away where the
+/// layer runs sparse (`Judging::sparse_layers`; DSA past top_k).
+pub(super) fn layer_stages(
+    backend: &dyn Backend,
+    provided: crate::trace::StageSet,
+    sparse: bool,
+) -> (crate::trace::StageSet, crate::trace::StageSet) {
+    let j = backend.judging();
+    let outside = j.outside_local_view;
+    match sparse {
+        false => (provided, outside),
+        true => {
+            let s = j.sparse_layers;
+            (
+                provided.minus(s.not_provided),
+                outside.union(s.outside_local_view),
+            )
+        }
+    }
+}
+
 /// Layer `l`'s comparison contexts: shadow mode's (elementwise) and free mode's.
 fn contexts<'a>(
     l: usize,
@@ -200,12 +226,16 @@ fn contexts<'a>(
 }
 
 /// Free mode's trace `opt` added to the optimized stream `h_opt`, with its drift from the reference's
-/// `next_ref`.
+/// `next_ref`; its checks widened by the cache effect the stream carries (`carry`: `moved`, the
+/// reference from the input that effect moved), which it advances.
 fn free_drift(
-    opt: LayerTrace,
+    mut opt: LayerTrace,
     h_opt: &mut Array2<f64>,
-    next_ref: &Array2<f64>,
+    carried: &mut Option<Array2<f64>>,
+    (reference, moved, next_ref): (&LayerTrace, Option<&LayerTrace>, &Array2<f64>),
+    opts: &RunOptions,
 ) -> Result<(LayerTrace, f64)> {
+    super::carry::absorb(&mut opt, reference, moved, &opts.sched, carried);
     add_residual(h_opt, attn_out(&opt)?);
     let drift = compare::metrics::rel_l2(
         next_ref.as_slice().expect("standard layout"),
@@ -255,18 +285,20 @@ fn collect(
 /// Layer `l`'s inputs after the first layer. Captured per-layer inputs replace the attention-only
 /// residual stream in shadow mode. A capture's replace both streams: the engine's own stream is the
 /// captured one (it ran the FFN, which is not modelled), so free mode's drift is each layer's attention
-/// error in the residual it adds to (`docs/captures.md`).
+/// error in the residual it adds to (`docs/captures.md`), and no cache effect is carried (`carry`).
 fn next_inputs(
     inputs: &LayerInputs,
     l: usize,
     h_ref: &mut Array2<f64>,
     h_opt: &mut Array2<f64>,
+    carried: &mut Option<Array2<f64>>,
 ) -> Result<()> {
     match inputs {
         LayerInputs::PerLayer(_) => *h_ref = inputs.layer(l)?,
         LayerInputs::Captured(_) => {
             *h_ref = inputs.layer(l)?;
             *h_opt = h_ref.clone();
+            *carried = None;
         }
         LayerInputs::Shared(_) => {}
     }
@@ -286,6 +318,8 @@ struct LayerRun<'a> {
     ref_sel: Option<&'a crate::reference::sparse::Selection>,
     /// Whether shadow mode's trace gets a stage-local view.
     view_wanted: bool,
+    /// Free mode: the reference's input moved by the cache effect the stream carries (`carry`).
+    moved: Option<&'a Array2<f64>>,
 }
 
 /// The fp64 reference on its own thread, next to what of the layer does not need it: shadow mode's
@@ -297,13 +331,15 @@ fn paths(
     (h_ref, h_opt): (&Array2<f64>, &Array2<f64>),
     repeats: &mut Vec<LayerRepeat>,
     prof: &mut profile::Profile,
-) -> (Result<LayerTrace>, Result<OptTraces>) {
+) -> (Result<RefTraces>, Result<OptTraces>) {
     let opts = lr.opts;
     std::thread::scope(|sc| {
         let (c, w, rope, sched, ref_sel) = (lr.cfg, lr.w, lr.rope, &opts.sched, lr.ref_sel);
+        let moved = lr.moved;
         let r = sc.spawn(move || {
             let t0 = std::time::Instant::now();
-            let r = crate::reference::run_layer_sel(c, w, rope, h_ref, sched, ref_sel);
+            let run = |x| crate::reference::run_layer_sel(c, w, rope, x, sched, ref_sel);
+            let r = run(h_ref).and_then(|r| Ok((r, moved.map(run).transpose()?)));
             (r, t0.elapsed())
         });
         let optimized = (|| -> Result<OptTraces> {
@@ -368,11 +404,15 @@ fn shadow_view(
     pre: compare::local::Prepared,
     x: &Array2<f64>,
     sel: Option<&super::dsa::LayerSelection>,
+    outside: crate::trace::StageSet,
 ) -> View {
     View {
         pre,
         x: x.clone(),
-        judging: backend.judging(),
+        judging: crate::judging::Judging {
+            outside_local_view: outside,
+            ..backend.judging()
+        },
         selection: sel.map(|s| s.reference.clone()),
     }
 }
@@ -406,6 +446,9 @@ fn release_memory() {
         rayon::broadcast(|_| release());
     }
 }
+
+/// A layer's reference, and free mode's reference from the input the carried cache effect moved.
+type RefTraces = (LayerTrace, Option<LayerTrace>);
 
 /// A layer's optimized traces computed next to its reference: shadow mode's, with its stage-local
 /// view's products against the weights where it has a view, and free mode's.

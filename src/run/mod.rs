@@ -26,6 +26,7 @@ use std::path::PathBuf;
 mod assemble;
 mod baseline;
 mod capture;
+mod carry;
 pub mod command;
 pub mod dsa;
 pub mod execute;
@@ -278,7 +279,13 @@ pub struct Start {
     pub layers: Vec<usize>,
     pub h_ref: Array2<f64>,
     pub h_opt: Array2<f64>,
+    /// Free mode: the quantized cache's effect the optimized stream carries (`carry`).
+    pub carried: Option<Array2<f64>>,
 }
+
+/// The residual streams a run's layers start from: the reference's, the optimized path's, and the cache
+/// effect the optimized one carries (free mode, a quantized cache: `carry`).
+type Streams = (Array2<f64>, Array2<f64>, Option<Array2<f64>>);
 
 /// [`run`], or with `start` the slice of it that begins there: the run checked and set up, every layer
 /// through both paths and judged ([`layers::run_layers`]), then the report ([`assemble::report`]).
@@ -292,10 +299,10 @@ pub fn run_from(
     let mut setup = Setup::new(file, backend, info, opts, start.as_ref().map(|s| &s.layers))?;
     let bar = layers::progress_bar(opts, setup.layers.len());
     let streams = match start {
-        Some(s) => (s.h_ref, s.h_opt),
+        Some(s) => (s.h_ref, s.h_opt, s.carried),
         None => {
             let h = setup.inputs.layer(setup.layers[0])?;
-            (h.clone(), h)
+            (h.clone(), h, None)
         }
     };
     let (done, prof) = layers::run_layers(file, backend, opts, &mut setup, streams, &bar)?;

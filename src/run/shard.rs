@@ -36,11 +36,12 @@ pub fn run(
         None => (0..cfg.n_layer).collect(),
     };
     let mine = all[shard.range(all.len(), "layers")?].to_vec();
-    let (h_ref, h_opt) = streams_before(file, &cfg, backend, opts, &all, mine[0])?;
+    let (h_ref, h_opt, carried) = streams_before(file, &cfg, backend, opts, &all, mine[0])?;
     let start = Start {
         layers: mine,
         h_ref,
         h_opt,
+        carried,
     };
     let mut rep = super::run_from(file, backend, info, opts, Some(start))?;
     rep.run.shard = Some(ShardInfo {
@@ -52,7 +53,8 @@ pub fn run(
 }
 
 /// The reference and optimized residual streams of the whole run just before layer `first`, computed
-/// as `run::run` does (`h ← h + attn(h)` from the first layer's input), without comparing anything.
+/// as `run::run` does (`h ← h + attn(h)` from the first layer's input), with the cache effect free
+/// mode's stream carries (`run::carry`), without comparing anything.
 fn streams_before(
     file: &GgufFile,
     cfg: &MlaConfig,
@@ -60,18 +62,19 @@ fn streams_before(
     opts: &RunOptions,
     all: &[usize],
     first: usize,
-) -> Result<(ndarray::Array2<f64>, ndarray::Array2<f64>)> {
+) -> Result<super::Streams> {
     let inputs = super::load_inputs(file, cfg, &opts.input, &opts.sched)?;
     if let LayerInputs::PerLayer(_) | LayerInputs::Captured(_) = inputs {
         // Each layer has its own captured input (free mode is refused with .npy ones by the run itself).
         let h = inputs.layer(first)?;
-        return Ok((h.clone(), h));
+        return Ok((h.clone(), h, None));
     }
     let mut h_ref = inputs.layer(all[0])?;
     let mut h_opt = h_ref.clone();
+    let mut carried = None;
     let before: Vec<usize> = all.iter().copied().take_while(|&l| l != first).collect();
     if before.is_empty() {
-        return Ok((h_ref, h_opt));
+        return Ok((h_ref, h_opt, carried));
     }
     let factors = RopeFactors::load(file, cfg)?;
     let tables = RunTables::new(cfg, factors.as_ref(), &opts.sched)?;
@@ -80,12 +83,22 @@ fn streams_before(
         let reference = crate::reference::run_layer(cfg, &w, &tables.rope, &h_ref, &opts.sched)?;
         if opts.modes.free {
             let ctx = tables.ctx(cfg, &w, &opts.sched, opts.faults.active(l));
-            let opt = backend.run_layer(&ctx, &h_opt)?;
+            let mut opt = backend.run_layer(&ctx, &h_opt)?;
+            let moved = super::carry::moved_input(&h_ref, carried.as_ref())
+                .map(|x| crate::reference::run_layer(cfg, &w, &tables.rope, &x, &opts.sched))
+                .transpose()?;
+            super::carry::absorb(
+                &mut opt,
+                &reference,
+                moved.as_ref(),
+                &opts.sched,
+                &mut carried,
+            );
             h_opt = super::residual_after(&h_opt, &opt)?;
         }
         h_ref = super::residual_after(&h_ref, &reference)?;
     }
-    Ok((h_ref, h_opt))
+    Ok((h_ref, h_opt, carried))
 }
 
 #[cfg(test)]

@@ -138,21 +138,19 @@ fn every_fixture_passes_with_each_format_it_fits() {
                     kv,
                     &opts(dt, layers.clone(), FaultSet::default(), true),
                 );
-                // Shadow mode decides; free mode's drift may cross the dtype's tolerance only past the
-                // first layer (the cache's effect on a layer's output feeds the next layer's input,
-                // which no tolerance of the dtype's covers: reported, not failing, as any drift).
+                // Shadow mode decides; free mode passes too, its next layers' checks widened by the
+                // cache effect its stream carries (`run::carry`; before, the f32 runs of
+                // deepseek-v3-yarn drifted past f32's tolerance at layer 1's attn_in).
                 assert!(
                     rep.verdict.pass,
                     "{name} {kv} {dt:?}: {}",
                     rep.verdict.message
                 );
-                let first = rep.run.layers[0];
                 for m in &rep.modes {
                     assert!(
-                        m.verdict.first_layer.is_none_or(|l| l > first),
+                        m.verdict.pass,
                         "{name} {kv} {dt:?} {}: {}",
-                        m.mode,
-                        m.verdict.message
+                        m.mode, m.verdict.message
                     );
                 }
                 let line: Vec<String> = ratios(&rep)
@@ -168,6 +166,42 @@ fn every_fixture_passes_with_each_format_it_fits() {
         }
     }
     assert_eq!(seen.len(), QUANTIZED.len(), "every format ran somewhere");
+}
+
+/// Free mode carries the cache's effect on each layer's output into the next layer's input
+/// (`run::carry`): on deepseek-v3-yarn in fp16 with `fp8_ds_mla` layer 1's `attn_in` differed from the
+/// reference by 6.5e-3 against fp16's 1.8e-3 (3.6×: a reported divergence in free mode, exit 0) and its
+/// projections and q_absorbed 2–5×, none of it a kernel's error. Now every free check of layer 1 is
+/// widened by the carried effect (fp64: the reference again from the input the cache moved), which
+/// `attn_in` shows as its cache effect, and free mode passes; layer 0 and shadow mode carry nothing.
+#[test]
+fn free_mode_carries_the_cache_effect_into_the_next_layer() {
+    let path = fixture("deepseek-v3-yarn-q4_k.gguf");
+    let mut o = opts(Dtype::F16, None, FaultSet::default(), true);
+    o.sched = Schedule {
+        prompt_len: 24,
+        chunk: 16,
+        decode_steps: 2,
+        ..Schedule::default()
+    };
+    let rep = run_format(&path, KvFormat::Fp8DsMla, &o);
+    let (shadow, free) = (&rep.modes[0], &rep.modes[1]);
+    assert_eq!(free.mode, "free");
+    assert!(free.verdict.pass, "{}", free.verdict.message);
+    let attn_in = |l: &mla_diff::compare::LayerResult| {
+        let c = l.checks.iter().find(|c| c.check == "attn_in").unwrap();
+        c.cache_effect.as_ref().map(|e| e.rel_l2)
+    };
+    assert_eq!(attn_in(&free.layers[0]), None);
+    assert_eq!(attn_in(&shadow.layers[1]), None);
+    let carried = attn_in(&free.layers[1]).expect("layer 1's attn_in carries the effect");
+    let err = free.layers[1].checks[0].metrics.rel_l2;
+    assert!(
+        carried > 5e-3 && err > 5e-3,
+        "carried {carried}, error {err}"
+    );
+    // What is left once the carried effect is taken off is fp16's own drift.
+    assert!(err < carried + 1.8e-3, "carried {carried}, error {err}");
 }
 
 /// A format that does not fit is refused with the dims it needs.

@@ -523,18 +523,27 @@ fn each_planted_runner_bug_gives_its_own_error() {
     let Some(py) = python("lint runner probes", "numpy and safetensors") else {
         return;
     };
+    // The bugs are numpy_mla's, whose sparse ops share its hooks: a wrong scale or LSE base is wrong in
+    // them too, and lint probes every op declared (on a dense file as well).
     for (bug, errors, needle) in [
         (
             "scale_default.py",
             &[
                 "runner.decode.softmax_scale",
+                "runner.sparse_prefill.softmax_scale",
+                "runner.sparse_decode.softmax_scale",
                 "runner.prefill.softmax_scale",
             ][..],
             "576^-0.5 trap",
         ),
         (
             "lse_base2.py",
-            &["runner.decode.lse_base", "runner.prefill.lse_base"],
+            &[
+                "runner.decode.lse_base",
+                "runner.sparse_prefill.lse_base",
+                "runner.sparse_decode.lse_base",
+                "runner.prefill.lse_base",
+            ],
             "lse_log2_merge",
         ),
         (

@@ -6,8 +6,8 @@
 //! Planted readers of the wrong convention are caught at the runner's stages, a runner not listing the
 //! format is refused, and `lint` probes the sparse ops' scale convention.
 //!
-//! On the selftest's DSA fixture (GLM-5's 512 + 64 row, top_k 16) past top_k, with runners/numpy_sparse.py
-//! and FlashMLA's sparse runner on its numpy stand-in. Needs MLA_DIFF_PYTHON with numpy (skipped
+//! On the selftest's DSA fixture (GLM-5's 512 + 64 row, top_k 16) past top_k, with runners/numpy_mla.py
+//! (its sparse ops: the layer runs sparse) and FlashMLA's sparse runner on its numpy stand-in. Needs MLA_DIFF_PYTHON with numpy (skipped
 //! without it, except under CI).
 
 use crate::common::{
@@ -54,17 +54,19 @@ const AT_RUNNER: [&str; 4] = [
     "lse[decode]@runner",
 ];
 
-/// numpy_sparse reads both sparse ops' cache in `fp8_ds_mla` and `fp8` bytes and passes; each
+/// numpy_mla's sparse ops read their cache in `fp8_ds_mla` and `fp8` bytes and pass; each
 /// end-to-end check of the runner's stages carries the format's effect, larger than the runner's own
 /// error, and the sparse prefill's is the effect on every key it read: above the inner path's (which
 /// reads its own chunk from the fresh rows: lse[prefill] 2.1e-3 vs 4.5e-3, attn_heads[prefill]
-/// 1.24e-2 vs 2.22e-2 on layer 0 with fp8_ds_mla).
+/// 1.24e-2 vs 2.22e-2 on layer 0 with fp8_ds_mla). The layer runs sparse, so what the sparse decode
+/// takes away is gone there (its dense layers keep it: runners_sparse.rs): no split partials, and the
+/// decode stages judged end to end, without a stage-local view.
 #[test]
-fn numpy_sparse_reads_the_quantized_cache_past_top_k() {
+fn numpy_sparse_ops_read_the_quantized_cache_past_top_k() {
     let Some(py) = python("the sparse runner", "numpy") else {
         return;
     };
-    let cmd = runner(&py, "numpy_sparse.py");
+    let cmd = runner(&py, "numpy_mla.py");
     for fmt in ["fp8_ds_mla", "fp8"] {
         let (code, rep, err) = go(&cmd, fmt);
         assert_eq!(code, Some(0), "{fmt}: {err}");
@@ -81,6 +83,14 @@ fn numpy_sparse_reads_the_quantized_cache_past_top_k() {
                 let fx = e["cache_effect"]["rel_l2"].as_f64().unwrap();
                 assert!(fx > own, "{fmt} {name}: effect {fx}, runner's own {own}");
             }
+        }
+        let not_provided = &rep["modes"][0]["layers"][0]["not_provided"];
+        assert_eq!(not_provided, &serde_json::json!(["split_out", "split_lse"]));
+        for name in ["attn_latent", "lse[decode]", "attn_heads[decode]"] {
+            assert!(
+                find(&all, name).iter().all(|c| c["local"].is_null()),
+                "{fmt} {name}"
+            );
         }
         // Layer 0's prefill effect is the sparse op's own, not the inner path's context-only one.
         let l0 = rep["modes"][0]["layers"][0]["checks"].as_array().unwrap();
@@ -173,7 +183,7 @@ fn sparse_readers_of_the_wrong_convention_are_caught_at_the_runner() {
 }
 
 /// `lint --runner R --kv-cache-dtype fp8_ds_mla` probes each sparse op's scale convention with one
-/// exact key in the format's bytes: numpy_sparse reads both as the format stores them (notes); the
+/// exact key in the format's bytes: numpy_mla reads both as the format stores them (notes); the
 /// rope-as-fp8 reader is an error on both ops' rope; the one-scale reader is not seen (the probe's
 /// tiles share one scale) and is left to a run.
 #[test]
@@ -198,7 +208,7 @@ fn lint_probes_the_sparse_ops_cache_convention() {
             .cloned()
             .unwrap_or(J::Null)
     };
-    let (code, j, err) = lint("numpy_sparse.py");
+    let (code, j, err) = lint("numpy_mla.py");
     assert_eq!(code, Some(0), "{err}");
     let (bcode, bj, berr) = lint("bugs/sparse/ds_mla_rope_fp8.py");
     assert_eq!(bcode, Some(1), "{berr}");

@@ -159,6 +159,47 @@ fn what_the_sparse_runner_cannot_take_is_a_clean_error() {
     );
 }
 
+/// A runner with dense and sparse ops (runners/numpy_mla.py) keeps every check on a layer that runs
+/// dense: the DSA fixture within top_k (12 prompt tokens + 3 decode steps ≤ 16) runs its dense ops, and
+/// their split partials are compared (`split_out`, `split_lse`, end to end and `@runner`) and its decode
+/// stages have their stage-local view. What its sparse decode takes away (no partials; decode stages end
+/// to end) is taken only where a layer runs sparse (`Backend::sparse_layers`; past top_k:
+/// runner_cache_sparse.rs). Before, declaring `sparse_decode` dropped them on every layer.
+#[test]
+fn dense_layers_keep_their_split_checks_under_a_runner_with_sparse_ops() {
+    let Some(py) = python("the numpy runner", "numpy") else {
+        return;
+    };
+    let f = selftest_dsa_fixture();
+    let o = bin()
+        .args(["run", f.to_str().unwrap(), "--backend", "cpu", "--mode"])
+        .args(["shadow", "--prompt-len", "12", "--chunk", "8"])
+        .args(["--decode-steps", "3", "--layers", "0", "--runner"])
+        .args([&runner(&py, "numpy_mla.py"), "--json", "-", "-q"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let rep: J = serde_json::from_slice(&o.stdout).unwrap();
+    let ops = rep["environment"]["runner"].to_string();
+    assert!(ops.contains("sparse_decode"), "{ops}");
+    let l0 = &rep["modes"][0]["layers"][0];
+    assert!(l0.get("not_provided").is_none(), "{}", l0["not_provided"]);
+    let all = checks(&rep);
+    for name in [
+        "split_out",
+        "split_lse",
+        "split_out@runner",
+        "split_lse@runner",
+    ] {
+        let c = all.iter().find(|c| c["check"] == name);
+        assert!(c.is_some_and(|c| c["pass"] == true), "{name}: {c:?}");
+    }
+    for name in ["attn_latent", "lse[decode]", "attn_heads[decode]"] {
+        let c = all.iter().find(|c| c["check"] == name).unwrap();
+        assert_eq!(c["local"]["pass"], true, "{name}: no local view: {c}");
+    }
+}
+
 /// `runners/selfcheck.py` drives the runner alone (no mla-diff) through sparse_prefill and sparse_decode
 /// requests at DeepSeek's 128 and GLM-5's 64 heads (top_k not a multiple of 128, pages shuffled, NaN
 /// slots) against float64 — for sparse_decode over FlashMLA's fp8 cache as its format stores the rows,
@@ -196,6 +237,65 @@ fn selfcheck_drives_the_sparse_runner() {
             out.contains(&format!("failing: {op}.attn_latent {op}.lse\n")),
             "{bug}: {out}"
         );
+    }
+}
+
+/// `runners/selfcheck.py --kv-cache-dtype FMT` sends the ops that read the latent cache its rows in the
+/// format's bytes with `meta.cache` (its own encoder, not the runner SDK's reader) and judges them over
+/// the values the bytes hold: numpy_mla's sparse ops pass with `fp8_ds_mla`, FlashMLA's sparse stand-in's
+/// decode too (its describe lists no `fp8`: unsupported there, not sent); the two planted misreaders of
+/// `fp8_ds_mla` fail (tile 0's scale on every latent column: rel-L2 ~6 at sparse_decode, both sparse ops;
+/// the bf16 rope read as e4m3: −inf LSEs), which they pass without the format (runner_cache_sparse.rs).
+/// GLM-5's case in bf16 only, and the ops named (`--ops`): ~4 s of CPU in all, most of it the sparse
+/// prefill's two requests.
+#[test]
+fn selfcheck_drives_the_sparse_ops_over_a_quantized_cache() {
+    let Some(py) = python("the sparse runner's selfcheck", "numpy") else {
+        return;
+    };
+    let sc = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("runners/selfcheck.py");
+    let go = |rel: &str, fmt: &str, ops: &str| {
+        let o = std::process::Command::new(&py)
+            .arg(&sc)
+            .args(["--runner", &runner(&py, rel)])
+            .args(["--dtypes", "bf16", "--cases", "glm5", "--ops", ops])
+            .args(["--kv-cache-dtype", fmt])
+            .env(STANDIN, "numpy")
+            .output()
+            .unwrap();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stdout).to_string(),
+        )
+    };
+    let both = "sparse_prefill,sparse_decode";
+    for (rel, ops, n) in [
+        ("numpy_mla.py", both, 6),
+        ("flashmla_sparse.py", "sparse_decode", 2),
+    ] {
+        let (code, out) = go(rel, "fp8_ds_mla", ops);
+        assert_eq!(code, Some(0), "{rel}: {out}");
+        let passed = format!("PASS: {n} checks passed, 0 failed, 0 cases unsupported");
+        assert!(
+            out.contains(&passed) && out.contains("fp8_ds_mla"),
+            "{rel}: {out}"
+        );
+    }
+    let (_, out) = go("flashmla_sparse.py", "fp8", "sparse_decode");
+    assert!(
+        out.contains("cache_formats ['fp8_ds_mla'] does not list fp8"),
+        "{out}"
+    );
+    for (bug, ops) in [
+        ("ds_mla_one_scale", both),
+        ("ds_mla_rope_fp8", "sparse_decode"),
+    ] {
+        let (code, out) = go(&format!("bugs/sparse/{bug}.py"), "fp8_ds_mla", ops);
+        assert_eq!(code, Some(1), "{bug}: {out}");
+        for op in ops.split(',') {
+            let failing = format!("{op}.attn_latent {op}.lse");
+            assert!(out.contains(&failing), "{bug}: {out}");
+        }
     }
 }
 

@@ -5,11 +5,12 @@ scale per token, as a per-token fp8 layout would have it). The scales are powers
 own amax, so the values of a tile whose amax falls in another binade than tile 0's are read 2× (or ½×,
 or more) off.
 
-Both sparse ops (`sparse_prefill`, `sparse_decode`), only with `run --kv-cache-dtype fp8_ds_mla`;
-otherwise runners/numpy_sparse.py unchanged. A run catches it at the runner's stages
-(lse[prefill]@runner / attn_heads[prefill]@runner, attn_latent@runner / lse[decode]@runner) with
-everything upstream clean; `lint --runner ... --kv-cache-dtype fp8_ds_mla` does not see it (its probe
-row has one scale in every tile).
+Both sparse ops (`sparse_prefill`, `sparse_decode`; the dense decode reads through the same hook, but
+a DSA run past top_k sends only the sparse ops), only with `run --kv-cache-dtype fp8_ds_mla`; otherwise
+runners/numpy_mla.py unchanged. A run catches it at the runner's stages (lse[prefill]@runner /
+attn_heads[prefill]@runner, attn_latent@runner / lse[decode]@runner) with everything upstream clean;
+`lint --runner ... --kv-cache-dtype fp8_ds_mla` does not see it (its probe row has one scale in every
+tile).
 Needs: numpy.
 """
 import os
@@ -18,12 +19,12 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import numpy_sparse  # noqa: E402
+import numpy_mla  # noqa: E402
 import protocol  # noqa: E402
 
 
-class OneScale(numpy_sparse.NumpySparse):
-    name = "numpy_sparse-bug-ds-mla-one-scale"
+class OneScale(numpy_mla.NumpyMLA):
+    name = "numpy-bug-ds-mla-one-scale"
 
     def dequantize_cache(self, cache, fmt, kv_lora_rank, qk_rope, scale=None):
         rows = protocol.dequantize_cache(cache, fmt, kv_lora_rank, qk_rope, scale)

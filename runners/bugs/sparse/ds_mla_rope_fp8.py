@@ -5,10 +5,11 @@ scale, as a tile loop run on over the row — the layout of a format that quanti
 (FlashMLA V4.1's 528-byte fp8) applied to DeepSeek-V3.2's 656-byte row, whose rope is 64 bf16 values
 (128 bytes) carrying no scale.
 
-Both sparse ops (`sparse_prefill`, `sparse_decode`), only with `run --kv-cache-dtype fp8_ds_mla`;
-otherwise runners/numpy_sparse.py unchanged. A run catches it at the runner's stages (every score's rope
-part is off); `lint --runner ... --kv-cache-dtype fp8_ds_mla` names it (runner.sparse_decode.cache_rope:
-the rope read matches neither convention).
+Both sparse ops (`sparse_prefill`, `sparse_decode`; the dense decode reads through the same hook, but
+a DSA run past top_k sends only the sparse ops), only with `run --kv-cache-dtype fp8_ds_mla`; otherwise
+runners/numpy_mla.py unchanged. A run catches it at the runner's stages (every score's rope part is
+off); `lint --runner ... --kv-cache-dtype fp8_ds_mla` names it (runner.sparse_decode.cache_rope: the
+rope read matches neither convention).
 Needs: numpy.
 """
 import os
@@ -17,12 +18,12 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import numpy_sparse  # noqa: E402
+import numpy_mla  # noqa: E402
 import protocol  # noqa: E402
 
 
-class RopeFp8(numpy_sparse.NumpySparse):
-    name = "numpy_sparse-bug-ds-mla-rope-fp8"
+class RopeFp8(numpy_mla.NumpyMLA):
+    name = "numpy-bug-ds-mla-rope-fp8"
 
     def dequantize_cache(self, cache, fmt, kv_lora_rank, qk_rope, scale=None):
         rows = protocol.dequantize_cache(cache, fmt, kv_lora_rank, qk_rope, scale)

@@ -5,7 +5,7 @@
 use super::protocol;
 use super::{checks, declared_kernels, missing, set, RunnerBackend, RunnerInfo};
 use crate::backend::cpu::front::{o_proj, MirrorWeights};
-use crate::backend::{Backend, LayerCtx};
+use crate::backend::{Backend, LayerCtx, SparseLayers};
 use crate::error::{Error, Result};
 use crate::trace::{LayerTrace, Stage, StageSet};
 use ndarray::{Array2, Array3};
@@ -49,7 +49,8 @@ impl Backend for RunnerBackend {
             sparse_prefill_absorbed: o.sparse_prefill.is_some() || inner.sparse_prefill_absorbed,
             // The indexer is the inner path's (the runner computes attention only).
             has_indexer: inner.has_indexer,
-            outside_local_view: self.outside_over(inner.outside_local_view),
+            outside_local_view: inner.outside_local_view,
+            sparse_layers: self.sparse_layers_over(inner.sparse_layers),
             key_tiles: self.tiles_over(inner.key_tiles),
             ..crate::backend::Judging::default()
         }
@@ -276,10 +277,6 @@ impl Backend for RunnerBackend {
                 s = s.without(Stage::SplitOut).without(Stage::SplitLse);
             }
         }
-        // FlashMLA's sparse decode returns the merged result only.
-        if self.desc.ops.sparse_decode.is_some() {
-            s = s.without(Stage::SplitOut).without(Stage::SplitLse);
-        }
         s
     }
 
@@ -378,11 +375,13 @@ impl RunnerBackend {
         t
     }
 
-    /// An fp8 cache under the sparse decode is not the stage-local view's model (it models the rows
-    /// as stored): its decode stages are judged end to end, with the cache's effect (`CacheEffect`) —
-    /// on every layer, dense ones too (the declaration, not the layer, decides).
-    fn outside_over(&self, mut s: StageSet) -> StageSet {
+    /// On a layer that runs sparse, its sparse decode returns the merged result only (no split
+    /// partials: the trace's are the inner path's), and an fp8 cache under it is not the stage-local
+    /// view's model (it models the rows as stored): its decode stages are judged end to end there, with
+    /// the cache's effect (`CacheEffect`). Its dense layers run the dense ops and keep every check.
+    fn sparse_layers_over(&self, mut s: SparseLayers) -> SparseLayers {
         if self.desc.ops.sparse_decode.is_some() {
+            s.not_provided = s.not_provided.with(Stage::SplitOut).with(Stage::SplitLse);
             for st in [
                 Stage::AttnLatent,
                 Stage::Lse,
@@ -391,7 +390,7 @@ impl RunnerBackend {
                 Stage::AttnHeads,
                 Stage::AttnOut,
             ] {
-                s = s.with(st);
+                s.outside_local_view = s.outside_local_view.with(st);
             }
         }
         s
