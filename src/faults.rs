@@ -62,6 +62,12 @@ pub enum Fault {
     CompressGroupOffByOne,
     CompressorStateDropped,
     SinkDropped,
+    KpoolNoApe,
+    KpoolFromPositionZero,
+    KpoolNoTail,
+    KpoolSharedOwnIndexer,
+    KpoolSharedWrongLayer,
+    KpoolSoftmaxChannels,
 }
 
 /// What a run needs for a fault to be visible at all. Model needs are properties of the file; run
@@ -124,6 +130,10 @@ pub enum Need {
     /// Decode on a model whose production variants include `attn_wgmma` or `attn_wgmma_pairs` taking
     /// key tiles by TMA from pages of two or more 64-key tiles (page 128).
     MultiTilePage,
+    /// A glm5-next file with its k-pool indexer, past top_k (a file property; `run --inject` on it).
+    Kpool,
+    /// Shared indexer layers (`indexer.types`): a layer reusing an earlier full layer's selection.
+    SharedIndexer,
     /// A DeepSeek-V4 file (`deepseek4`): the fault sits in the V4 mirror (`backend::cpu::v4`), not
     /// the MLA path.
     V4,
@@ -154,6 +164,8 @@ impl Need {
             Need::SmallKernel => "the attn_small kernel",
             Need::MultiTilePage => "attn_wgmma by TMA on multi-tile pages",
             Need::V4 => "a DeepSeek-V4 file",
+            Need::Kpool => "a glm5-next k-pool indexer past top_k",
+            Need::SharedIndexer => "shared indexer layers",
         }
     }
     /// Whether the model and schedule provide this; `None` when it depends on values, the dtype or the
@@ -166,6 +178,7 @@ impl Need {
             Need::Yarn => (cfg.mscale - 1.0).abs() > 1e-3,
             Need::QkNotV => cfg.qk_head_dim() != cfg.v_head_dim,
             Need::LargeQAbs | Need::F32 | Need::Dsa | Need::Fp8Keys | Need::KvCache => return None,
+            Need::Kpool | Need::SharedIndexer => cfg.arch == crate::model::Arch::Glm5Next,
             // An MLA config is never a V4 file (`MlaConfig::from_gguf` refuses one).
             Need::V4 => false,
             Need::Prefill => s.prompt_len >= 2 && s.chunk >= 2,
@@ -237,7 +250,7 @@ pub struct Info {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 39] = [
+    pub const ALL: [Fault; 45] = [
         Fault::RopeNeox,
         Fault::RopeNorm,
         Fault::YarnMscaleMissing,
@@ -277,12 +290,25 @@ impl Fault {
         Fault::CompressGroupOffByOne,
         Fault::CompressorStateDropped,
         Fault::SinkDropped,
+        Fault::KpoolNoApe,
+        Fault::KpoolFromPositionZero,
+        Fault::KpoolNoTail,
+        Fault::KpoolSharedOwnIndexer,
+        Fault::KpoolSharedWrongLayer,
+        Fault::KpoolSoftmaxChannels,
     ];
 
     /// A fault of DeepSeek-V4 attention (`Need::V4`): planted in the V4 mirror, judged at a V4 stage
     /// (`trace::V4Stage`); an MLA run refuses it, and the MLA self-test does not run it.
     pub fn is_v4(self) -> bool {
         self.info().needs.contains(&Need::V4)
+    }
+
+    /// A fault of glm5-next's k-pool indexer (`Need::Kpool`): planted in the k-pool mirror
+    /// (`backend::cpu::kpool`) or a shared layer's reuse (`run::kpool`); the self-test's fixtures have
+    /// no k-pool indexer, so it runs through `run --inject` on a glm5-next file.
+    pub fn is_kpool(self) -> bool {
+        self.info().needs.contains(&Need::Kpool)
     }
 
     /// A fault of the DSA indexer: caught by the selection check (`SELECTION_CHECK`), not a stage check.

@@ -61,8 +61,12 @@ pub fn run(
     let started = std::time::Instant::now();
     let faults: Vec<Fault> = if opts.only.is_empty() {
         // DeepSeek-V4's faults run through `run --inject` on a V4 file (docs/deepseek-v4.md): the
-        // self-test's fixtures and judge are MLA's.
-        Fault::ALL.into_iter().filter(|f| !f.is_v4()).collect()
+        // self-test's fixtures and judge are MLA's; glm5-next's k-pool faults on a glm5-next file (its
+        // fixtures have no k-pool indexer; docs/dsa.md).
+        Fault::ALL
+            .into_iter()
+            .filter(|f| !f.is_v4() && !f.is_kpool())
+            .collect()
     } else {
         opts.only.clone()
     };

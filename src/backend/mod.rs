@@ -123,6 +123,19 @@ pub trait Backend {
     ) -> Result<Option<crate::reference::sparse::Selection>> {
         Ok(None)
     }
+    /// glm5-next: this path's own k-pool indexer on the layer input `x`, with a full layer's k-pool
+    /// tensors `kw` (and `ctx.faults`); `None`: it has none, and the run stands in the CPU mirror's at
+    /// the run's dtype, without faults (`run::kpool`).
+    fn kpool_indexer(
+        &mut self,
+        _ctx: &LayerCtx,
+        _k: &crate::model::KpoolIndexer,
+        _kw: &crate::model::KpoolLayer,
+        _x: &Array2<f64>,
+        _keys: crate::precision::KeyPrecision,
+    ) -> Result<Option<crate::reference::sparse::Selection>> {
+        Ok(None)
+    }
     /// DSA: where query token `t` of the run came from, for a failing selection's message (a capture
     /// names its step and position); `None`: the token index says it.
     fn query_origin(&self, _t: usize) -> Option<String> {

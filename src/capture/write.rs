@@ -287,6 +287,16 @@ impl Backend for WriteCapture<'_> {
     ) -> Result<Option<crate::reference::sparse::Selection>> {
         self.inner.indexer(ctx, ic, iw, x, keys)
     }
+    fn kpool_indexer(
+        &mut self,
+        ctx: &LayerCtx,
+        k: &crate::model::KpoolIndexer,
+        kw: &crate::model::KpoolLayer,
+        x: &Array2<f64>,
+        keys: crate::precision::KeyPrecision,
+    ) -> Result<Option<crate::reference::sparse::Selection>> {
+        self.inner.kpool_indexer(ctx, k, kw, x, keys)
+    }
     fn notices(&self) -> Vec<String> {
         self.inner.notices()
     }

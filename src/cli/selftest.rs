@@ -45,11 +45,14 @@ impl Args {
                         mla_diff::faults::catalogue_names()
                     ))
                 })?;
-                match f.is_v4() {
-                    true => Err(Error::Usage(format!(
+                match (f.is_v4(), f.is_kpool()) {
+                    (true, _) => Err(Error::Usage(format!(
                         "--fault {n}: a DeepSeek-V4 fault: the self-test does not run V4 yet; plant it with `mla-diff run V4FILE --inject {n}`"
                     ))),
-                    false => Ok(f),
+                    (_, true) => Err(Error::Usage(format!(
+                        "--fault {n}: a glm5-next k-pool fault: the self-test has no k-pool fixture; plant it with `mla-diff run GLM5NEXTFILE --inject {n}` (docs/dsa.md)"
+                    ))),
+                    _ => Ok(f),
                 }
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -101,6 +104,15 @@ pub fn exec(a: Args) -> Result<i32, Error> {
         println!(
             "not run: DeepSeek-V4's faults ({}): the self-test has no V4 fixture or judge yet; `mla-diff run V4FILE --inject NAME` plants them (docs/deepseek-v4.md)",
             v4.join(", ")
+        );
+        let kpool: Vec<&str> = Fault::ALL
+            .iter()
+            .filter(|f| f.is_kpool())
+            .map(|f| f.name())
+            .collect();
+        println!(
+            "not run: glm5-next's k-pool faults ({}): the self-test has no k-pool fixture; `mla-diff run GLM5NEXTFILE --inject NAME` plants them (docs/dsa.md)",
+            kpool.join(", ")
         );
     }
     let (n_ok, n) = (

@@ -173,13 +173,7 @@ pub fn run(
         &iw.k_norm_bias,
         crate::model::indexer::K_NORM_EPS,
     );
-    let k_gain = Array2::from_shape_fn(k_lin.dim(), |(tt, i)| {
-        let row = k_lin.row(tt);
-        let n = row.len() as f64;
-        let mean = row.sum() / n;
-        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
-        iw.k_norm[i] as f64 / (var + crate::model::indexer::K_NORM_EPS).sqrt()
-    });
+    let k_gain = k_gain(&k_lin, &iw.k_norm);
     for (tt, mut row) in k.axis_iter_mut(Axis(0)).enumerate() {
         let mut pe = row.slice(s![rope_at.clone()]).to_owned();
         tables.rotate(tt, pe.as_slice_mut().expect("contiguous"));
@@ -191,10 +185,7 @@ pub fn run(
         (hi as f64).powf(-0.5)
     };
     let weights = linear(attn_in, iw.proj.view()) * w_scale;
-    let weights_sq = linear(
-        attn_in.mapv(|a| a * a).view(),
-        iw.proj.mapv(|p| p * p).view(),
-    ) * (w_scale * w_scale);
+    let weights_sq = squares(attn_in, &iw.proj) * (w_scale * w_scale);
     let scores = index_scores(&q, &k, &weights, r.no_relu);
     let selection = select(&scores, ic.top_k, r);
     IndexerOut {
@@ -208,6 +199,24 @@ pub fn run(
         scores,
         selection,
     }
+}
+
+/// LayerNorm's gain per element, `k_norm_i / sqrt(var + eps)` of each row of its input `k_lin`: what
+/// an error of the input is multiplied by (the selection check's noise model).
+pub fn k_gain(k_lin: &Array2<f64>, k_norm: &Array1<f32>) -> Array2<f64> {
+    Array2::from_shape_fn(k_lin.dim(), |(tt, i)| {
+        let row = k_lin.row(tt);
+        let n = row.len() as f64;
+        let mean = row.sum() / n;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
+        k_norm[i] as f64 / (var + crate::model::indexer::K_NORM_EPS).sqrt()
+    })
+}
+
+/// `Σ_m (W[o, m]·x[t, m])²` per output `[T, O]`: what relative errors of `x`'s elements move each
+/// output of `x · Wᵀ` by, in variance (the selection check's noise model).
+pub fn squares(x: ArrayView2<f64>, w: &Array2<f32>) -> Array2<f64> {
+    linear(x.mapv(|a| a * a).view(), w.mapv(|p| p * p).view())
 }
 
 /// `score[t, j] = Σ_h w[t, h] · ReLU(q[t, h] · k[j] · Di^-0.5)` over all keys: `select` applies the

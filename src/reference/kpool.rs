@@ -47,8 +47,20 @@ pub struct KpoolOut {
     pub q: Array3<f64>,
     /// `[T, Di]`, normed.
     pub k: Array2<f64>,
+    /// `[T, Di]`: LayerNorm's input `W_k · attn_in` and its gain (`reference::indexer::IndexerOut`).
+    pub k_lin: Array2<f64>,
+    pub k_gain: Array2<f64>,
     /// `[T, Hi]`, scaled by `Hi^-0.5`.
     pub weights: Array2<f64>,
+    /// `[T, Hi]`: `Σ_m (W_proj[h, m]·attn_in[t, m])²`, scaled alike (the noise model's).
+    pub weights_sq: Array2<f64>,
+    /// The hidden size E and the q-LoRA rank (the noise model's f32 sums over them).
+    pub in_dims: (usize, usize),
+    /// `[T, Di]`: the gate scores `attn_in · gateᵀ`, and `Σ_m (gate[c, m]·attn_in[t, m])²`.
+    pub gate: Array2<f64>,
+    pub gate_sq: Array2<f64>,
+    /// `[n_pools, kpool, Di]`: the pool softmax, per pool, slot and channel.
+    pub probs: Array3<f64>,
     /// The complete pools' first tokens, one per pool key.
     pub pool_start: Vec<usize>,
     /// `[n_pools, Di]`
@@ -69,8 +81,19 @@ pub fn pool_keys(
     start: &[usize],
     r: Reading,
 ) -> Array2<f64> {
+    weigh(k, &pool_probs(gate, pw, start, r), start)
+}
+
+/// The pool softmax `[n_pools, kpool, Di]`: per pool and channel over its slots (over the channels of
+/// each slot under the misreading), of gate + APE.
+pub fn pool_probs(
+    gate: &Array2<f64>,
+    pw: &KpoolWeights,
+    start: &[usize],
+    r: Reading,
+) -> Array3<f64> {
     let (kpool, di) = pw.ape.dim();
-    let mut out = Array2::zeros((start.len(), di));
+    let mut out = Array3::zeros((start.len(), kpool, di));
     let mut logit = Array2::<f64>::zeros((kpool, di));
     for (p, &s0) in start.iter().enumerate() {
         for s in 0..kpool {
@@ -84,9 +107,19 @@ pub fn pool_keys(
         } else {
             softmax_rows(logit.t().to_owned()).t().to_owned()
         };
+        out.slice_mut(s![p, .., ..]).assign(&prob);
+    }
+    out
+}
+
+/// `K[p, c] = Σ_s probs[p, s, c] · k[start[p] + s, c]`.
+fn weigh(k: &Array2<f64>, probs: &Array3<f64>, start: &[usize]) -> Array2<f64> {
+    let (n, kpool, di) = probs.dim();
+    let mut out = Array2::zeros((n, di));
+    for (p, &s0) in start.iter().enumerate() {
         for s in 0..kpool {
             for c in 0..di {
-                out[[p, c]] += prob[[s, c]] * k[[s0 + s, c]];
+                out[[p, c]] += probs[[p, s, c]] * k[[s0 + s, c]];
             }
         }
     }
@@ -177,8 +210,9 @@ pub fn run(
     let q = linear(qr.view(), q_b.view())
         .into_shape_with_order((t, hi, di))
         .expect("[T, Hi·Di]");
+    let k_lin = linear(attn_in, wk.view());
     let kk = layer_norm(
-        linear(attn_in, wk.view()).view(),
+        k_lin.view(),
         k_norm,
         k_norm_bias,
         crate::model::indexer::K_NORM_EPS,
@@ -186,13 +220,21 @@ pub fn run(
     let gate = linear(attn_in, kw.pool.gate.view());
     let weights = linear(attn_in, proj.view()) * (hi as f64).powf(-0.5);
     let start = pool_starts(t, k.kp.kpool, r.pools_from_slot_zero);
-    let keys = pool_keys(&kk, &gate, &kw.pool, &start, r);
+    let probs = pool_probs(&gate, &kw.pool, &start, r);
+    let keys = weigh(&kk, &probs, &start);
     let scores = pool_scores(&q, &keys, &weights);
     let (pools, selection) = select(&scores, &start, k, r);
     KpoolOut {
         q,
+        k_gain: super::indexer::k_gain(&k_lin, k_norm),
+        k_lin,
         k: kk,
+        weights_sq: super::indexer::squares(attn_in, proj) / hi as f64,
         weights,
+        in_dims: (attn_in.ncols(), qr.ncols()),
+        gate_sq: super::indexer::squares(attn_in, &kw.pool.gate),
+        gate,
+        probs,
         pool_start: start,
         pool_keys: keys,
         pool_scores: scores,

@@ -15,7 +15,7 @@ use crate::backend::{Backend, LayerCtx};
 use crate::compare::metrics::rel_l2;
 use crate::compare::selection::{self, ScoreNoise, SelectionResult};
 use crate::error::{Error, Result};
-use crate::model::{IndexerConfig, IndexerWeights, KpoolIndexer, KpoolLayer};
+use crate::model::{IndexerConfig, IndexerWeights, KpoolIndexer};
 use crate::precision::{Dtype, KeyPrecision};
 use crate::reference::indexer::{self as ref_indexer, Reading};
 use crate::reference::sparse::Selection;
@@ -138,9 +138,8 @@ pub struct RunSparse {
     own_indexer: Option<bool>,
     /// How the optimized indexer stores q and k (`--indexer-keys`).
     pub keys: KeyPrecision,
-    /// glm5-next's k-pool indexer (`reference::kpool`): both paths attend over the reference's
-    /// selection; the optimized side has no k-pool indexer of its own yet, so no selection check.
-    pub kpool: Option<KpoolIndexer>,
+    /// glm5-next's k-pool indexer (`reference::kpool`, `run::kpool`): the selections are of pools.
+    pub kpool: Option<super::kpool::KpoolRun>,
 }
 
 /// The sparse model runs when the file has an indexer (its keys and some layer's tensors) and the last
@@ -164,7 +163,7 @@ pub fn sparse_for(
                 layers: Vec::new(),
                 own_indexer: None,
                 keys: KeyPrecision::Storage,
-                kpool: Some(k),
+                kpool: Some(super::kpool::KpoolRun::new(k)),
             }),
         );
     }
@@ -191,24 +190,32 @@ pub struct LayerSelection {
     pub reference: Selection,
     scores: Option<Scores>,
     iw: Option<IndexerWeights>,
-    /// A k-pool layer: whether it ran its own indexer (`false`: shared).
-    kpool_full: Option<bool>,
+    /// A k-pool layer's reference side (`run::kpool`).
+    kpool: Option<super::kpool::KpoolSel>,
 }
 
 impl RunSparse {
     /// How the optimized side's indexer computed (reports' coverage).
     pub fn indexer_name(&self, dtype: Dtype, backend: &str) -> String {
-        if self.kpool.is_some() {
-            return "k-pool (glm5-next): no optimized k-pool indexer yet; both paths attend over the reference's selection".into();
-        }
-        let keys = match self.keys {
-            KeyPrecision::Storage => format!("q/k in {}", dtype.name()),
-            KeyPrecision::Fp8 => format!(
-                "q/k in {}, then Hadamard-rotated fp8 e4m3 with per-128 scales",
-                dtype.name()
+        let (keys, own, what) = match &self.kpool {
+            Some(k) => (
+                format!(
+                    "k-pool (glm5-next, pools of {}): q, k, gate scores and pooled keys in {}",
+                    k.k.kp.kpool,
+                    dtype.name()
+                ),
+                k.own_indexer,
+                "pooled keys",
             ),
+            None => (format!("q/k in {}", dtype.name()), self.own_indexer, "q/k"),
         };
-        match self.own_indexer {
+        let keys = match self.keys {
+            KeyPrecision::Storage => keys,
+            KeyPrecision::Fp8 => {
+                format!("{keys}, then q and {what} Hadamard-rotated fp8 e4m3 with per-128 scales")
+            }
+        };
+        match own {
             Some(true) if backend == "capture" => "the engine's own (its captured topk)".into(),
             Some(true) => format!("{backend}'s own, {keys}"),
             Some(false) => format!("cpu mirror standing in (the backend has none), {keys}"),
@@ -224,7 +231,14 @@ impl RunSparse {
         x: &Array2<f64>,
     ) -> Result<LayerSelection> {
         if let Some(k) = &self.kpool {
-            return self.select_kpool(file, k, ctx, x);
+            let prev = self.prev.as_ref().map(|(_, r, _)| r);
+            let (reference, ks) = k.select(file, ctx, x, prev)?;
+            return Ok(LayerSelection {
+                reference,
+                scores: None,
+                iw: None,
+                kpool: Some(ks),
+            });
         }
         let iw = IndexerWeights::load(file, ctx.cfg, &self.ic, ctx.layer)?;
         let prev = self.prev.as_ref().map(|(_, r, _)| r);
@@ -233,49 +247,7 @@ impl RunSparse {
             reference,
             scores,
             iw,
-            kpool_full: None,
-        })
-    }
-
-    /// The k-pool reference's selection of layer `l` (glm5-next): its own k-pool indexer on a full
-    /// layer, the previous full layer's selection on a shared one.
-    fn select_kpool(
-        &self,
-        file: &crate::gguf::GgufFile,
-        k: &KpoolIndexer,
-        ctx: &LayerCtx,
-        x: &Array2<f64>,
-    ) -> Result<LayerSelection> {
-        let (reference, full) = match KpoolLayer::load(file, ctx.cfg, k, ctx.layer)? {
-            Some(kw) => {
-                let attn_in = crate::reference::front::attn_in(ctx.cfg, ctx.weights, x.view());
-                let o = crate::reference::kpool::run(
-                    ctx.cfg,
-                    k,
-                    &kw,
-                    ctx.weights,
-                    attn_in.view(),
-                    crate::reference::kpool::Reading::default(),
-                );
-                (o.selection, true)
-            }
-            None => (
-                ref_selection(
-                    ctx,
-                    &self.ic,
-                    None,
-                    self.prev.as_ref().map(|(_, r, _)| r),
-                    x,
-                )?
-                .0,
-                false,
-            ),
-        };
-        Ok(LayerSelection {
-            reference,
-            scores: None,
-            iw: None,
-            kpool_full: Some(full),
+            kpool: None,
         })
     }
 
@@ -327,37 +299,32 @@ impl RunSparse {
         &mut self,
         ctx: &LayerCtx,
         cmp: &crate::compare::Ctx,
-        sel: LayerSelection,
+        mut sel: LayerSelection,
         backend: &mut dyn Backend,
         x: &Array2<f64>,
         reference: &LayerTrace,
         dtype: Dtype,
         tolerances: &crate::compare::ToleranceTable,
     ) -> Result<()> {
-        if let Some(full) = sel.kpool_full {
-            // No optimized k-pool indexer yet: the layer is recorded as sparse, unchecked.
-            self.layers.push(DsaLayerResult {
-                layer: ctx.layer,
-                sparse_queries: sel.reference.sparse_queries(),
-                shared_from: (!full)
-                    .then(|| self.prev.as_ref().map(|(l, _, _)| *l))
-                    .flatten(),
-                selection: None,
-                own_path_error: None,
-                own_path_first_failing: None,
-                selection_effect: None,
-                pass: true,
-            });
-            if full {
-                self.prev = Some((ctx.layer, sel.reference.clone(), sel.reference));
+        let full = sel.iw.is_some() || sel.kpool.as_ref().is_some_and(|k| k.is_full());
+        let (own, selection, shared_from) = match (&mut self.kpool, sel.kpool.take()) {
+            (Some(kr), Some(ks)) => {
+                let (own, s, from) = kr.own(ctx, ks, backend, x, dtype, self.keys)?;
+                (own, Some(s), from)
             }
-            return Ok(());
-        }
-        let own = self.own_selection(ctx, &sel, backend, x, dtype)?;
-        let selection = sel.scores.as_ref().map(|o| {
-            let noise = ScoreNoise::new(o, dtype, self.keys);
-            selection::compare(&o.scores, &noise, &sel.reference, &own)
-        });
+            _ => {
+                let own = self.own_selection(ctx, &sel, backend, x, dtype)?;
+                let selection = sel.scores.as_ref().map(|o| {
+                    let noise = ScoreNoise::new(o, dtype, self.keys);
+                    selection::compare(&o.scores, &noise, &sel.reference, &own)
+                });
+                let from = match sel.scores {
+                    Some(_) => None,
+                    None => self.prev.as_ref().map(|(l, _, _)| *l),
+                };
+                (own, selection, from)
+            }
+        };
         let opt_own = backend.run_layer(
             &LayerCtx {
                 selection: Some(&own),
@@ -392,17 +359,14 @@ impl RunSparse {
         self.layers.push(DsaLayerResult {
             layer: ctx.layer,
             sparse_queries: sel.reference.sparse_queries(),
-            shared_from: match sel.scores {
-                Some(_) => None,
-                None => self.prev.as_ref().map(|(l, _, _)| *l),
-            },
+            shared_from,
             selection,
             own_path_error: finite(own_path_error),
             own_path_first_failing: own_first,
             selection_effect: finite(rel_l2(attn_out(reference), attn_out(&ref_own))),
             pass,
         });
-        if sel.iw.is_some() {
+        if full {
             self.prev = Some((ctx.layer, sel.reference, own));
         }
         Ok(())
@@ -420,7 +384,7 @@ impl RunSparse {
         let failing = self.layers.iter().find(|l| !l.pass);
         let message = match failing {
             None if self.kpool.is_some() => format!(
-                "DSA k-pool: {} layer(s) sparse past top_k {} over the fp64 k-pool selection (the optimized k-pool indexer is not checked yet)",
+                "DSA k-pool: {} layer(s) sparse past top_k {}, pool selections and own-selection paths within tolerance",
                 self.layers.len(),
                 self.ic.top_k
             ),

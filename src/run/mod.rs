@@ -31,6 +31,7 @@ pub mod command;
 pub mod dsa;
 pub mod execute;
 mod judge;
+pub mod kpool;
 mod layers;
 pub mod plan;
 pub mod profile;

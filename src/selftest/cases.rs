@@ -72,8 +72,10 @@ pub fn schedule_for(needs: &[Need]) -> Schedule {
                 s.prompt_len = s.prompt_len.max(VARIANT_PROMPT);
                 s.chunk = s.chunk.max(VARIANT_PROMPT);
             }
-            // Not run by the self-test (`Fault::is_v4`).
+            // Not run by the self-test (`Fault::is_v4`, `Fault::is_kpool`).
             Need::V4
+            | Need::Kpool
+            | Need::SharedIndexer
             | Need::NormRope
             | Need::NeoxRope
             | Need::Yarn

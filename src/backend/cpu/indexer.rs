@@ -179,26 +179,8 @@ pub fn operands(
             "fp8 indexer keys need a power-of-two head dim for the Hadamard rotation, the file has {di}"
         )));
     }
-    // The CPU mirror's rounded copy of the layer (`LayerWeights::stored`) where it was made; never made
-    // here (a CUDA run holds no second copy), the vectors and q_a rounded as they are read then.
     let held = w.stored_made(dt);
-    fn st<'a>(
-        held: Option<&'a ndarray::Array1<f32>>,
-        a: &ndarray::Array1<f32>,
-        dt: Dtype,
-    ) -> std::borrow::Cow<'a, ndarray::Array1<f32>> {
-        match held {
-            Some(h) => std::borrow::Cow::Borrowed(h),
-            None => std::borrow::Cow::Owned(stored(a, dt)),
-        }
-    }
-    // The layer input and attn_norm as the mirror's front computes them (`front::input`, `attn_in`).
-    let attn_in = rms_norm(
-        super::front::input(x, dt).view(),
-        &st(held.map(|h| &h.attn_norm), &w.attn_norm, dt),
-        cfg.rms_eps,
-        dt,
-    );
+    let attn_in = attn_in(cfg, w, x, dt);
     let t = attn_in.nrows();
     let attn_in = attn_in.view();
     let qr = match (&w.q, held.map(|h| &h.q)) {
@@ -288,16 +270,41 @@ pub fn score_and_select(ops: &Operands, top_k: usize, plan: Plan) -> MirrorIndex
     MirrorIndexer { scores, selection }
 }
 
+/// A vector as the mirror stores it: its rounded copy of the layer (`LayerWeights::stored`) where it
+/// was made; never made here (a CUDA run holds no second copy), rounded as it is read then.
+fn st<'a>(
+    held: Option<&'a ndarray::Array1<f32>>,
+    a: &ndarray::Array1<f32>,
+    dt: Dtype,
+) -> std::borrow::Cow<'a, ndarray::Array1<f32>> {
+    match held {
+        Some(h) => std::borrow::Cow::Borrowed(h),
+        None => std::borrow::Cow::Owned(stored(a, dt)),
+    }
+}
+
+/// The layer input and attn_norm as the mirror's front computes them (`front::input`, `attn_in`).
+pub fn attn_in(cfg: &MlaConfig, w: &LayerWeights, x: &Array2<f64>, dt: Dtype) -> Array2<f32> {
+    let held = w.stored_made(dt);
+    rms_norm(
+        super::front::input(x, dt).view(),
+        &st(held.map(|h| &h.attn_norm), &w.attn_norm, dt),
+        cfg.rms_eps,
+        dt,
+    )
+}
+
 /// Each `FP8_BLOCK` of `v` times its scale.
-fn scale_blocks(v: &mut [f32], scales: ndarray::ArrayView1<f32>) {
+pub(crate) fn scale_blocks(v: &mut [f32], scales: ndarray::ArrayView1<f32>) {
     for (b, &sc) in v.chunks_mut(FP8_BLOCK).zip(scales) {
         b.iter_mut().for_each(|x| *x *= sc);
     }
 }
 
 /// Hadamard-rotate and fp8-quantize q (per token and head) and k (per token) in place, leaving each
-/// value in e4m3 (its scale not applied); returns the scales, `[T, Hi, blocks]` and `[T, blocks]`.
-fn fp8_rows(q: &mut Array3<f32>, k: &mut Array2<f32>) -> (Array3<f32>, Array2<f32>) {
+/// value in e4m3 (its scale not applied); returns the scales, `[T, Hi, blocks]` and `[keys, blocks]`
+/// (the k-pool mirror's keys are pools).
+pub(crate) fn fp8_rows(q: &mut Array3<f32>, k: &mut Array2<f32>) -> (Array3<f32>, Array2<f32>) {
     let (t, hi, di) = q.dim();
     let nb = di.div_ceil(FP8_BLOCK);
     let fp8 = |v: &mut [f32]| {
@@ -316,7 +323,7 @@ fn fp8_rows(q: &mut Array3<f32>, k: &mut Array2<f32>) -> (Array3<f32>, Array2<f3
         .collect();
     (
         Array3::from_shape_vec((t, hi, nb), qs).expect("one scale per block"),
-        Array2::from_shape_vec((t, nb), ks).expect("one scale per block"),
+        Array2::from_shape_vec((k.nrows(), nb), ks).expect("one scale per block"),
     )
 }
 

@@ -47,6 +47,7 @@ pub mod decode;
 pub mod flash;
 pub mod front;
 pub mod indexer;
+pub mod kpool;
 pub mod ops;
 pub mod prefill;
 pub mod serving;
@@ -304,6 +305,19 @@ impl Backend for CpuMirror {
     ) -> Result<Option<crate::reference::sparse::Selection>> {
         let plan = crate::backend::cpu::indexer::plan_for(ctx.faults, keys);
         let o = indexer::run(ctx.cfg, ic, iw, ctx.weights, ctx.rope, x, self.dtype, plan)?;
+        Ok(Some(o.selection))
+    }
+
+    fn kpool_indexer(
+        &mut self,
+        ctx: &LayerCtx,
+        k: &crate::model::KpoolIndexer,
+        kw: &crate::model::KpoolLayer,
+        x: &Array2<f64>,
+        keys: crate::precision::KeyPrecision,
+    ) -> Result<Option<crate::reference::sparse::Selection>> {
+        let plan = kpool::plan_for(ctx.faults, keys, ctx.sched.pos_offset);
+        let o = kpool::run(ctx.cfg, k, kw, ctx.weights, ctx.rope, x, self.dtype, plan)?;
         Ok(Some(o.selection))
     }
 

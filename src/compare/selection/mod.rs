@@ -55,6 +55,19 @@ pub struct ScoreNoise {
     vw: Array2<f64>,
 }
 
+/// The reference's tensors the noise model reads (`IndexerOut`'s, or the k-pool indexer's
+/// `KpoolOut`'s): q `[T, Hi, Di]`, k `[T, Di]` with LayerNorm's input and gain, the weights `[T, Hi]` and
+/// their squares, the hidden size and q-LoRA rank.
+struct Parts<'a> {
+    q: &'a Array3<f64>,
+    k: &'a Array2<f64>,
+    k_lin: &'a Array2<f64>,
+    k_gain: &'a Array2<f64>,
+    weights: &'a Array2<f64>,
+    weights_sq: &'a Array2<f64>,
+    in_dims: (usize, usize),
+}
+
 fn mean_sq(x: &[f64]) -> f64 {
     x.iter().map(|v| v * v).sum::<f64>() / x.len().max(1) as f64
 }
@@ -67,6 +80,26 @@ impl ScoreNoise {
     /// not q_i²: a small q_i is a cancelling sum). k: its own two (∝ k_i²), and the LayerNorm input's
     /// own, attn_in's and the layer input's, times the norm's gain (the centring cancels).
     pub fn new(o: &IndexerOut, dt: Dtype, keys: KeyPrecision) -> ScoreNoise {
+        let parts = Parts {
+            q: &o.q,
+            k: &o.k,
+            k_lin: &o.k_lin,
+            k_gain: &o.k_gain,
+            weights: &o.weights,
+            weights_sq: &o.weights_sq,
+            in_dims: o.in_dims,
+        };
+        let mut n = ScoreNoise::tokens(&parts, dt);
+        // A power-of-two Di is checked where the fp8 indexer runs; a rotation of any other would not
+        // be orthogonal.
+        if keys == KeyPrecision::Fp8 && n.q.dim().2.is_power_of_two() {
+            n.rotate_to_fp8();
+        }
+        n
+    }
+
+    /// The noise of per-token scores in `dt`, before any fp8 rotation (`new`).
+    fn tokens(o: &Parts, dt: Dtype) -> ScoreNoise {
         let u2 = dt.round_unit().powi(2) / 3.0;
         let (t, hi, di) = o.q.dim();
         // The linears' f32 sums (`noise::acc_var` of n random terms: ~(5/3)·n roundings of the
@@ -95,20 +128,14 @@ impl ScoreNoise {
                     u2 * (2.0 * k * k + g * g * (x[i] * x[i] + 2.0 * ms)) + sum_e * g * g * ms;
             }
         }
-        let mut n = ScoreNoise {
+        ScoreNoise {
             q,
             k: o.k.clone(),
             w: o.weights.clone(),
             vq,
             vk,
             vw: o.weights_sq.mapv(|v| (2.0 * u2 + sum_e) * v),
-        };
-        // A power-of-two Di is checked where the fp8 indexer runs; a rotation of any other would not
-        // be orthogonal.
-        if keys == KeyPrecision::Fp8 && di.is_power_of_two() {
-            n.rotate_to_fp8();
         }
-        n
     }
 
     /// Into the Hadamard basis: independent errors of variances v_i become each of variance mean(v);
@@ -253,6 +280,10 @@ pub struct SelectionResult {
     pub far_flip_expected: f64,
     #[serde(default = "one")]
     pub far_flip_p: f64,
+    /// glm5-next's k-pool indexer: the counts above are of pools, not keys (`kpool::compare`), and
+    /// here the queries whose keys are not whole pools plus the visible tail.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pools: Option<kpool::PoolLayout>,
     pub pass: bool,
 }
 
@@ -314,21 +345,26 @@ pub fn compare(
     reference: &Selection,
     opt: &Selection,
 ) -> SelectionResult {
+    compare_rows(
+        scores,
+        &|q| q + 1,
+        &|q, a, b| noise.sigma(q, a, Some(b)),
+        reference,
+        opt,
+    )
+}
+
+/// `compare` over candidates of any kind (keys, or glm5-next's pools): query `q` ranks the first
+/// `visible(q)` of its row of `scores`; `sigma(q, a, b)` is σ of `s_a − s_b`.
+pub fn compare_rows(
+    scores: &Array2<f64>,
+    visible: &(dyn Fn(usize) -> usize + Sync),
+    sigma: &(dyn Fn(usize, usize, usize) -> f64 + Sync),
+    reference: &Selection,
+    opt: &Selection,
+) -> SelectionResult {
     let t = reference.n_queries();
-    let mut r = SelectionResult {
-        queries: t,
-        sparse_queries: reference.sparse_queries(),
-        recall_min: 1.0,
-        recall_mean: 0.0,
-        differing: 0,
-        within_margin: 0,
-        count_mismatch: 0,
-        worst: None,
-        far_flip_queries: 0,
-        far_flip_expected: 0.0,
-        far_flip_p: 1.0,
-        pass: true,
-    };
+    let mut r = SelectionResult::start(reference);
     if opt.n_queries() != t || scores.nrows() != t {
         r.pass = false;
         r.count_mismatch = t.abs_diff(opt.n_queries());
@@ -340,10 +376,11 @@ pub fn compare(
         .into_par_iter()
         .map(|q| {
             let (rk, ok) = (&reference.keys[q], &opt.keys[q]);
-            let row: Vec<f64> = scores.row(q).iter().take(q + 1).copied().collect();
+            let n = visible(q);
+            let row: Vec<f64> = scores.row(q).iter().take(n).copied().collect();
             let k = rk.len();
             // Every visible key by rank: the flip-count test walks out from the threshold.
-            let ranked = crate::reference::indexer::top_keys(&row, q + 1, q + 1);
+            let ranked = crate::reference::indexer::top_keys(&row, n, n);
             // The threshold keys: the k-th (for an extra key) and the (k+1)-th (for a dropped one).
             let (th_in, th_out) = (
                 k.checked_sub(1)
@@ -373,7 +410,7 @@ pub fn compare(
                         false => (th_out.map_or(f64::INFINITY, |b| row[j] - row[b]), th_out),
                     };
                     let margin = match th {
-                        Some(a) => MARGIN_SIGMAS * noise.sigma(q, a, Some(j)),
+                        Some(a) => MARGIN_SIGMAS * sigma(q, a, j),
                         None => 0.0,
                     };
                     Miss {
@@ -385,7 +422,7 @@ pub fn compare(
                     }
                 })
                 .collect();
-            let expected = expected_far_flips(&row, &ranked, k, |a, b| noise.sigma(q, a, Some(b)));
+            let expected = expected_far_flips(&row, &ranked, k, |a, b| sigma(q, a, b));
             (recall, ok.len() != k, misses, expected)
         })
         .collect();
@@ -465,10 +502,33 @@ fn expected_far_flips(
 }
 
 impl SelectionResult {
+    /// Before any query is compared: passing, nothing differing.
+    fn start(reference: &Selection) -> SelectionResult {
+        SelectionResult {
+            queries: reference.n_queries(),
+            sparse_queries: reference.sparse_queries(),
+            recall_min: 1.0,
+            recall_mean: 0.0,
+            differing: 0,
+            within_margin: 0,
+            count_mismatch: 0,
+            worst: None,
+            far_flip_queries: 0,
+            far_flip_expected: 0.0,
+            far_flip_p: 1.0,
+            pools: None,
+            pass: true,
+        }
+    }
+
     /// One line for reports and test output.
     pub fn summary(&self) -> String {
+        let (unit, layout) = match &self.pools {
+            Some(p) => ("pools", p.summary()),
+            None => ("keys", String::new()),
+        };
         let mut s = format!(
-            "selection {}: recall min {:.4} mean {:.4}, {} differing keys ({} within the noise margin), {} count mismatches, {}/{} sparse queries",
+            "selection {}{layout}: recall min {:.4} mean {:.4}, {} differing {unit} ({} within the noise margin), {} count mismatches, {}/{} sparse queries",
             if self.pass { "PASS" } else { "FAIL" },
             self.recall_min,
             self.recall_mean,
@@ -484,8 +544,9 @@ impl SelectionResult {
         );
         if let Some(m) = &self.worst {
             s += &format!(
-                "; worst: query {} key {} {} the reference's selection, score gap {:.3e} > margin {:.3e}",
+                "; worst: query {} {} {} {} the reference's selection, score gap {:.3e} > margin {:.3e}",
                 m.query,
+                if self.pools.is_some() { "pool" } else { "key" },
                 m.key,
                 if m.extra { "selected outside" } else { "dropped from" },
                 m.gap,
@@ -496,5 +557,6 @@ impl SelectionResult {
     }
 }
 
+pub mod kpool;
 #[cfg(test)]
 mod tests;

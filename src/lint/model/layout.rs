@@ -52,7 +52,7 @@ pub(super) fn glm5_next_layout(
                     .raw("attention.indexer.kpool_select_tail")
                     .and_then(|v| v.as_bool())
                     .unwrap_or(true);
-                out.note(&ik("kpool"), format!("{k}, select tail {tail}"), "glm5-next's DSA indexer scores pools of `kpool` keys (gated softmax pooling with a per-slot APE), expands the chosen pools back to tokens and always selects the visible tail; past top_k `run` attends over the fp64 k-pool selection where the file has the k-pool tensors (the optimized k-pool indexer is not checked yet), and refuses a file without them unless --allow-dense-beyond-topk");
+                out.note(&ik("kpool"), format!("{k}, select tail {tail}"), "glm5-next's DSA indexer scores pools of `kpool` keys (gated softmax pooling with a per-slot APE), expands the chosen pools back to tokens and always selects the visible tail; past top_k `run` attends over the fp64 k-pool selection where the file has the k-pool tensors and checks the optimized k-pool indexer against it, tie-aware on pools; it refuses a file without them unless --allow-dense-beyond-topk");
                 super::kpool::kpool_tensors(m, &h.mla_layers, k, out);
             }
             None => out.warning(
