@@ -48,6 +48,7 @@ mod schedule_invariance;
 mod selftest;
 mod shard;
 mod sizes;
+mod split;
 mod sweep;
 mod tp;
 mod v4_reader;

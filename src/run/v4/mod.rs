@@ -165,6 +165,7 @@ fn report(f: &GgufFile, c: &V4Config, o: &V4Options, layers: Vec<LayerResult>) -
             injected: o.faults.0.clone(),
             notices: vec![NOTICE.into()],
             shard: None,
+            split: None,
         },
         environment: Environment {
             backend: match o.faults.is_empty() {
