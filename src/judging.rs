@@ -120,6 +120,10 @@ mod tests {
             has_indexer: true,
             sparse_prefill_absorbed: true,
             outside_local_view: StageSet::ALL,
+            sparse_layers: SparseLayers {
+                not_provided: StageSet::ALL,
+                outside_local_view: StageSet::ALL,
+            },
             known_attention: false,
             score_sum: ScoreSum::Lanes8,
             key_tiles: KeyTiles {

@@ -219,6 +219,56 @@ impl Overrides {
     }
 }
 
+/// Leading layers of a run that take the kernel-aware covering schedule when the rest take the
+/// classic one ([`Split`]; `run --covering-layers`).
+pub const COVERING_LAYERS: usize = 2;
+
+/// A run whose layers do not all take one schedule (issue #39): the kernel-aware covering schedule
+/// (the run's `schedule`, whose coverage the report gives) on the first selected layers, and the
+/// cheaper classic schedule on the rest. The kernels a layer runs on depend on the model's dims, not on
+/// the layer, so the covering layers cross every boundary class the covering schedule claims; the
+/// rest are checked at the classic schedule. A layer's input is the residual stream after the earlier
+/// layers at its own schedule's tokens: the classic layers' streams are recomputed over the covering
+/// layers at the classic schedule (the reference, and in free mode the optimized path), uncompared.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Split {
+    /// The layers that ran the run's `schedule`, the first selected ones.
+    pub covering_layers: Vec<usize>,
+    /// The layers that ran `rest`: every other selected layer.
+    pub rest_layers: Vec<usize>,
+    /// The schedule of `rest_layers`.
+    pub rest: Schedule,
+}
+
+impl Split {
+    /// The split of `layers` (selected, in order) with the first `covering` on `sched` and the rest on
+    /// `rest`; `None` when every layer is a covering one, or `rest` has no fewer tokens than `sched`
+    /// (a split would save nothing).
+    pub fn of(
+        layers: &[usize],
+        covering: usize,
+        sched: &Schedule,
+        rest: Schedule,
+    ) -> Option<Split> {
+        if layers.len() <= covering || rest.total_tokens() >= sched.total_tokens() {
+            return None;
+        }
+        Some(Split {
+            covering_layers: layers[..covering].to_vec(),
+            rest_layers: layers[covering..].to_vec(),
+            rest,
+        })
+    }
+
+    /// The schedule layer `l` ran: `covering` (the run's) or the rest's.
+    pub fn schedule_of<'a>(&'a self, l: usize, covering: &'a Schedule) -> &'a Schedule {
+        match self.rest_layers.contains(&l) {
+            true => &self.rest,
+            false => covering,
+        }
+    }
+}
+
 /// Environment variable that overrides the memory a run may use (bytes).
 pub const MEMORY_ENV: &str = "MLA_DIFF_MAX_MEMORY";
 
@@ -296,4 +346,34 @@ fn available_memory() -> Result<(u64, String)> {
         Some(kb) => (kb.saturating_mul(1024), "MemAvailable".into()),
         None => (64 << 30, "assumed; MemAvailable unknown".into()),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_split_takes_the_first_layers_and_only_when_it_saves() {
+        let covering = Schedule {
+            prompt_len: 131,
+            chunk: 129,
+            decode_steps: 2,
+            q_len: 132,
+            ..Schedule::default()
+        };
+        let s = Split::of(&[3, 5, 7, 9], 2, &covering, Schedule::default()).unwrap();
+        assert_eq!((s.covering_layers, s.rest_layers), (vec![3, 5], vec![7, 9]));
+        assert_eq!(s.rest, Schedule::default());
+        // No layer left for the rest, or a rest no cheaper: no split.
+        assert!(Split::of(&[3, 5], 2, &covering, Schedule::default()).is_none());
+        assert!(Split::of(&[3, 5, 7], usize::MAX, &covering, Schedule::default()).is_none());
+        let short = Schedule {
+            prompt_len: 20,
+            ..Schedule::default()
+        };
+        assert!(Split::of(&[0, 1, 2], 1, &short, Schedule::default()).is_none());
+        let sp = Split::of(&[0, 1, 2], 1, &covering, Schedule::default()).unwrap();
+        assert_eq!(sp.schedule_of(0, &covering), &covering);
+        assert_eq!(sp.schedule_of(2, &covering), &Schedule::default());
+    }
 }

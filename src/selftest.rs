@@ -226,6 +226,7 @@ fn run_case(
         progress: false,
         repeat: 1,
         indexer_keys: c.keys,
+        split: None,
     };
     let rep = crate::run::run(file, backend.as_mut(), &info, &opts)?;
     Ok((rep, info.description))

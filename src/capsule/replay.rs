@@ -68,6 +68,7 @@ impl Capsule {
             progress,
             repeat: 1,
             indexer_keys: Default::default(),
+            split: None,
         }
     }
 

@@ -78,6 +78,13 @@ pub struct Args {
     /// (absent or empty), for `run --capture` (docs/captures.md).
     #[arg(long, value_name = "DIR", conflicts_with_all = ["shard", "gpus"])]
     write_capture: Option<PathBuf>,
+    /// With the kernel-aware default schedule: how many of the selected layers, the first ones, run
+    /// it; the others run the classic 64-token schedule, in a second pass whose residual streams are
+    /// recomputed over the first layers at its tokens (the report's `run.split`; docs/scale.md). `all`:
+    /// every layer on the kernel-aware schedule. Not split: runs with --runner, --tp, --shard, --gpus or
+    /// --write-capture, and a DSA file's sparse model.
+    #[arg(long, value_name = "N|all", default_value = "2", value_parser = covering_layers)]
+    covering_layers: usize,
     // The groups last: clap keeps a group's help heading for the arguments after it.
     #[command(flatten)]
     input: InputArgs,
@@ -122,10 +129,22 @@ impl Args {
             write_capture: self.write_capture,
             input: self.input.spec(),
             schedule: self.schedule.overrides(),
+            covering_layers: self.covering_layers,
             backend: self.backend.spec(),
             tol: self.tol.overrides(),
             report: self.report.options(),
         })
+    }
+}
+
+/// `--covering-layers`: a count of at least 1, or `all`.
+fn covering_layers(s: &str) -> Result<usize, String> {
+    match s {
+        "all" => Ok(usize::MAX),
+        n => match n.parse::<usize>() {
+            Ok(n) if n >= 1 => Ok(n),
+            _ => Err(format!("{n:?}: a count of layers (at least 1) or `all`")),
+        },
     }
 }
 

@@ -121,8 +121,9 @@ pub fn merge(reports: Vec<(PathBuf, Report)>) -> Result<Report> {
     Ok(join(parts))
 }
 
-/// The shards, in order, as one report: what `run::run` builds from the same layer results.
-fn join(parts: Vec<Report>) -> Report {
+/// The shards, in order, as one report: what `run::run` builds from the same layer results (also the
+/// two passes of a split run, `run/split.rs`, joined).
+pub fn join(parts: Vec<Report>) -> Report {
     let mut out = parts[0].clone();
     out.run.layers = parts.iter().flat_map(|r| r.run.layers.clone()).collect();
     out.run.shard = None;

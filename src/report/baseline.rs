@@ -61,6 +61,20 @@ fn input_identity(input: &serde_json::Value) -> serde_json::Value {
     v
 }
 
+/// A run's schedule as its identity: the schedule, or with a split (`crate::schedule::Split`) the
+/// covering schedule and the split (which layers ran which), so that a baseline of another split is
+/// another problem.
+pub fn schedule_identity(
+    s: &crate::schedule::Schedule,
+    split: Option<&crate::schedule::Split>,
+) -> serde_json::Value {
+    let s = serde_json::to_value(s).expect("schedule serialises");
+    match split {
+        None => s,
+        Some(sp) => serde_json::json!({ "covering": s, "split": sp }),
+    }
+}
+
 impl Identity {
     pub fn of(r: &Report) -> Identity {
         let mut tolerances = BTreeMap::new();
@@ -76,7 +90,7 @@ impl Identity {
             size: r.file.size,
             architecture: r.file.architecture.clone(),
             dtype: r.run.dtype.clone(),
-            schedule: serde_json::to_value(&r.run.schedule).expect("schedule serialises"),
+            schedule: schedule_identity(&r.run.schedule, r.run.split.as_ref()),
             input: r.run.input.clone(),
             layers: r.run.layers.clone(),
             tolerances,

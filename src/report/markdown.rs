@@ -72,6 +72,9 @@ pub fn render(r: &Report) -> String {
         sc.prompt_len, sc.chunk, sc.decode_steps, sc.q_len, sc.page_size, sc.num_splits
     )
     .ok();
+    if let Some(l) = super::split_line(r) {
+        writeln!(s, "Split: {l}.\n").ok();
+    }
     for m in &r.modes {
         mode_table(&mut s, r, m);
     }

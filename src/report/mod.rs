@@ -55,6 +55,11 @@ pub struct RunInfo {
     /// for a whole run, and in what `mla-diff merge` writes.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub shard: Option<ShardInfo>,
+    /// The layers that ran another schedule than `schedule` (issue #39, `crate::schedule::Split`):
+    /// `schedule` is then the covering layers', and `coverage` its; absent when every layer ran
+    /// `schedule`.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub split: Option<crate::schedule::Split>,
 }
 
 /// What a shard's report records (`run.shard`): which shard it is, and the whole run's layers, so that
@@ -165,6 +170,24 @@ impl ModeResult {
         }
         out
     }
+}
+
+/// The line every format prints under the schedule when the run's layers were split over two
+/// schedules (`run.split`); `None` when they were not.
+pub fn split_line(r: &Report) -> Option<String> {
+    let sp = r.run.split.as_ref()?;
+    let c = &sp.rest;
+    Some(format!(
+        "layers {} ran the schedule above (the coverage is theirs); layers {} ran the classic one: prompt {} in chunks of {}, {} decode steps x {} tokens, page {}, {} splits (--covering-layers)",
+        crate::model::config::ranges(&sp.covering_layers),
+        crate::model::config::ranges(&sp.rest_layers),
+        c.prompt_len,
+        c.chunk,
+        c.decode_steps,
+        c.q_len,
+        c.page_size,
+        c.num_splits
+    ))
 }
 
 /// `0, 1, 2` for a list of layers.

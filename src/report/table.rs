@@ -96,6 +96,9 @@ pub fn render(r: &Report, style: &Style) -> String {
         sc.prompt_len, sc.chunk, sc.decode_steps, sc.q_len, sc.page_size, sc.num_splits
     )
     .ok();
+    if let Some(l) = super::split_line(r) {
+        writeln!(s, "{l}").ok();
+    }
     for n in &r.run.notices {
         writeln!(s, "{}", style.red(&format!("NOTICE: {n}"))).ok();
     }

@@ -79,6 +79,7 @@ pub(super) fn report(
                 .chain(hybrid.as_ref().and_then(|h| h.skip_message()))
                 .collect(),
             shard: None,
+            split: None,
         },
         environment: Environment {
             backend: match opts.faults.is_empty() {

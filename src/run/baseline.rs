@@ -16,8 +16,11 @@ impl Identity {
         opts: &RunOptions,
     ) -> crate::error::Result<Identity> {
         let mut tolerances = BTreeMap::new();
-        for c in crate::compare::checks_for(&opts.sched) {
-            tolerances.insert(c.name(), opts.tolerances.get(opts.dtype, &c)?);
+        let rest = opts.split.as_ref().map(|s| &s.rest);
+        for sched in std::iter::once(&opts.sched).chain(rest) {
+            for c in crate::compare::checks_for(sched) {
+                tolerances.insert(c.name(), opts.tolerances.get(opts.dtype, &c)?);
+            }
         }
         Ok(Identity {
             file: file
@@ -28,7 +31,7 @@ impl Identity {
             size: file.file_size,
             architecture: cfg.arch.gguf_name().into(),
             dtype: opts.dtype.name().into(),
-            schedule: serde_json::to_value(&opts.sched).expect("schedule serialises"),
+            schedule: crate::report::baseline::schedule_identity(&opts.sched, opts.split.as_ref()),
             input: super::input_json(&opts.input),
             layers: opts
                 .layers
@@ -81,6 +84,7 @@ mod tests {
             progress: false,
             repeat: 1,
             indexer_keys: Default::default(),
+            split: None,
         };
         let planned = Identity::planned(&file, &cfg, &opts).unwrap();
         assert_eq!(planned.tolerances["attn_out[decode]"].rel_l2, 0.5);

@@ -126,6 +126,7 @@ pub fn exec(a: &Request, file: &GgufFile, cfg: &MlaConfig) -> Result<i32> {
         progress: !a.report.formats.quiet,
         repeat: 1,
         indexer_keys: a.indexer_keys,
+        split: None,
     };
     let ready = Prepared::check(file, cfg, &opts, &a.report)?;
     let job = Job {

@@ -76,8 +76,7 @@ pub fn execute(
     let mut rep = match path {
         Optimized::Open(spec, page_moved) => {
             if !r.formats.quiet {
-                let met = |n| crate::tiles::variants::need_met(n, cfg, &opts.sched);
-                for b in opts.faults.blind_spots(&met) {
+                for b in blind_spots(cfg, &opts.faults, &opts.sched, opts.split.as_ref()) {
                     eprintln!("mla-diff: note: injected fault {b} may not show on this run");
                 }
             }
@@ -100,6 +99,29 @@ pub fn execute(
     };
     rep.run.notices.extend(notices.iter().cloned());
     finish(rep, ready, r, started)
+}
+
+/// The injected faults the run may not show, each judged by the schedule of the layers it is planted
+/// in: with a split (`crate::schedule::Split`), a fault planted in a rest layer runs the rest's schedule
+/// only.
+fn blind_spots(
+    cfg: &MlaConfig,
+    faults: &crate::faults::FaultSet,
+    covering: &crate::schedule::Schedule,
+    split: Option<&crate::schedule::Split>,
+) -> Vec<String> {
+    faults
+        .0
+        .iter()
+        .flat_map(|i| {
+            let sched = match (split, i.layer) {
+                (Some(sp), Some(l)) => sp.schedule_of(l, covering),
+                _ => covering,
+            };
+            let met = |n| crate::tiles::variants::need_met(n, cfg, sched);
+            crate::faults::FaultSet(vec![*i]).blind_spots(&met)
+        })
+        .collect()
 }
 
 /// The run on an opened backend: `--write-capture` wraps the path the ranks run on (each rank's call
@@ -198,4 +220,27 @@ pub(super) fn finish(
     } else {
         EXIT_DIVERGENCE
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::faults::{FaultSet, Injection};
+    use crate::schedule::{Schedule, Split};
+
+    /// A fault planted in a layer that runs the classic schedule of a split is judged by that schedule
+    /// (`read_past_end` needs the sequence to end inside a page: the classic 64 tokens fill their pages).
+    #[test]
+    fn a_fault_in_a_rest_layer_is_judged_by_the_rest_schedule() {
+        let cfg = crate::model::catalogue::Preset::Tiny.test_config();
+        let covering = crate::coverage::covering::covering(&cfg);
+        let split = Split::of(&[0, 1, 2], 2, &covering, Schedule::default()).unwrap();
+        let at = |spec: &str| FaultSet(vec![Injection::parse(spec).unwrap()]);
+        let spots = |f: &FaultSet, s| blind_spots(&cfg, f, &covering, s);
+        assert!(spots(&at("read_past_end@layer=1"), Some(&split)).is_empty());
+        assert!(spots(&at("read_past_end"), Some(&split)).is_empty());
+        let rest = spots(&at("read_past_end@layer=2"), Some(&split));
+        assert_eq!(rest.len(), 1, "{rest:?}");
+        assert!(spots(&at("read_past_end@layer=2"), None).is_empty());
+    }
 }

@@ -38,6 +38,7 @@ pub mod profile;
 pub mod repeat;
 pub mod request;
 pub mod shard;
+mod split;
 pub mod v4;
 
 /// Where layer inputs come from.
@@ -135,6 +136,9 @@ pub struct RunOptions {
     pub repeat: usize,
     /// DSA: how the optimized indexer stores q and k (`--indexer-keys`; the run's dtype by default).
     pub indexer_keys: crate::precision::KeyPrecision,
+    /// The covering `sched` on the first layers only, a cheaper schedule on the rest (`split.rs`);
+    /// `None`: every layer on `sched`.
+    pub split: Option<crate::schedule::Split>,
 }
 
 /// Parse `--layers`: `all`, `N`, `A..B` (half-open), `A..=B`, or a comma list of those.
@@ -271,7 +275,10 @@ pub fn run(
     info: &BackendInfo,
     opts: &RunOptions,
 ) -> Result<Report> {
-    run_from(file, backend, info, opts, None)
+    match &opts.split {
+        Some(s) => split::run(file, backend, info, opts, s),
+        None => run_from(file, backend, info, opts, None),
+    }
 }
 
 /// Where a run starts when it is a slice of a longer one (`crate::shard`): its layers, and the two
@@ -398,7 +405,7 @@ impl Setup {
 
 /// A hybrid file (glm5-next): the linear-attention layers are not MLA. They are skipped, with a
 /// notice; a selection with no MLA layer left is an error naming the MLA layers.
-fn mla_layers(
+pub(super) fn mla_layers(
     layers: Vec<usize>,
     hybrid: Option<&crate::model::HybridLayout>,
 ) -> Result<Vec<usize>> {

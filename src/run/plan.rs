@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::faults::FaultSet;
 use crate::gguf::GgufFile;
 use crate::model::MlaConfig;
-use crate::schedule::Schedule;
+use crate::schedule::{Schedule, Split};
 
 /// The library's options for a run of `req` on `file`, every choice checked against the model (with
 /// the notes a choice calls for on stderr); and `(schedule's page, page run)` when the page was moved
@@ -25,9 +25,10 @@ pub fn options(
     // The options given over the classic default, or, given none (and random inputs, which the
     // schedule is free to fit), the kernel-aware one with the page choice a runner made.
     let random = matches!(req.input, super::InputSpec::Random { .. });
-    let (mut sched, mut choice) = match req.schedule.given() || !random {
-        true => (req.schedule.schedule()?, None),
-        false => default_schedule(cfg, runner)?,
+    let chosen = !req.schedule.given() && random;
+    let (mut sched, mut choice) = match chosen {
+        false => (req.schedule.schedule()?, None),
+        true => default_schedule(cfg, runner)?,
     };
     // A runner that does not take the schedule's page gets one it does (the report says so); the
     // default schedule chose its own already.
@@ -65,6 +66,10 @@ pub fn options(
         }
         (None, _) => super::Mode::Both,
     };
+    let split = match chosen {
+        true => split_for(req, file, cfg, &layers, &sched)?,
+        false => None,
+    };
     let opts = super::RunOptions {
         layers: Some(layers),
         input: req.input.clone(),
@@ -78,8 +83,43 @@ pub fn options(
         progress: !req.report.formats.quiet,
         repeat: req.repeat,
         indexer_keys: req.indexer_keys,
+        split,
     };
     Ok((opts, page_moved))
+}
+
+/// The default covering schedule `sched` on the first `req.covering_layers` of the selected MLA
+/// `layers` and the classic schedule on the rest, in two passes (issue #39: `run/split.rs`), where
+/// that is the same problem at a lower cost: a plain run on a backend (no runner, whose schedule is its
+/// own; no `--tp` or `--write-capture`, whose records are per layer call; no `--shard` or `--gpus`,
+/// whose slices are of one schedule) on a dense schedule (the DSA sparse model's section is not
+/// joined) whose classic schedule has fewer tokens. `None`: every layer on `sched`.
+fn split_for(
+    req: &super::request::Request,
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    layers: &[usize],
+    sched: &Schedule,
+) -> Result<Option<Split>> {
+    let plain = req.backend.runner.is_none()
+        && req.tp.is_none()
+        && req.write_capture.is_none()
+        && req.shard.is_none()
+        && req.gpus.is_none();
+    if !plain {
+        return Ok(None);
+    }
+    let hybrid = crate::model::HybridLayout::from_gguf(file)?;
+    let mla = super::mla_layers(layers.to_vec(), hybrid.as_ref())?;
+    let Some(split) = Split::of(&mla, req.covering_layers, sched, Schedule::default()) else {
+        return Ok(None);
+    };
+    for s in [sched, &split.rest] {
+        if super::dsa::sparse_for(file, cfg, s)?.is_some() {
+            return Ok(None);
+        }
+    }
+    Ok(Some(split))
 }
 
 /// The kernel-aware schedule that crosses every coverage class of the kernels this model's dims may

@@ -40,6 +40,9 @@ pub struct Request {
     pub input: super::InputSpec,
     /// Laid over the classic default; none set (and random inputs): the kernel-aware schedule.
     pub schedule: crate::schedule::Overrides,
+    /// With the kernel-aware schedule: how many of the first selected layers run it, the others the
+    /// classic one (`crate::schedule::Split`); `usize::MAX`: every layer.
+    pub covering_layers: usize,
     pub backend: Spec,
     pub tol: crate::compare::tolerance::Overrides,
     pub report: ReportOptions,
@@ -73,6 +76,7 @@ impl Request {
             write_capture: None,
             input: super::InputSpec::Random { seed: 0 },
             schedule: Default::default(),
+            covering_layers: crate::schedule::COVERING_LAYERS,
             backend: Spec::default(),
             tol: Default::default(),
             report: ReportOptions::default(),

@@ -55,7 +55,7 @@ pub fn run(
 /// The reference and optimized residual streams of the whole run just before layer `first`, computed
 /// as `run::run` does (`h ← h + attn(h)` from the first layer's input), with the cache effect free
 /// mode's stream carries (`run::carry`), without comparing anything.
-fn streams_before(
+pub(super) fn streams_before(
     file: &GgufFile,
     cfg: &MlaConfig,
     backend: &mut dyn Backend,

@@ -82,6 +82,7 @@ impl SweepOptions {
             progress: false,
             repeat: 1,
             indexer_keys: Default::default(),
+            split: None,
         }
     }
 }

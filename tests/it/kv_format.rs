@@ -49,6 +49,7 @@ fn opts(dtype: Dtype, layers: Option<Vec<usize>>, faults: FaultSet, free: bool) 
         progress: false,
         repeat: 1,
         indexer_keys: Default::default(),
+        split: None,
     }
 }
 

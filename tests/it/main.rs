@@ -49,6 +49,7 @@ mod schedule_invariance;
 mod selftest;
 mod shard;
 mod sizes;
+mod split;
 mod sweep;
 mod tp;
 mod v4_kernels_host;

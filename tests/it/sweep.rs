@@ -394,6 +394,7 @@ fn run_opts(repeat: usize) -> RunOptions {
         progress: false,
         repeat,
         indexer_keys: Default::default(),
+        split: None,
     }
 }
 

@@ -170,6 +170,7 @@ fn report(
             injected: o.faults.0.clone(),
             notices: vec![engine.notice().into()],
             shard: None,
+            split: None,
         },
         environment: Environment {
             backend: match o.faults.is_empty() {

@@ -53,6 +53,7 @@ fn opts(dtype: Dtype) -> RunOptions {
         progress: false,
         repeat: 1,
         indexer_keys: Default::default(),
+        split: None,
     }
 }
 
