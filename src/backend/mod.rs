@@ -90,7 +90,6 @@ impl RunTables {
     }
 }
 
-
 /// An optimized attention path that produces a stage trace for one layer.
 pub trait Backend {
     /// A short description for reports ("cpu-mirror (bf16, f32 accumulation)", "cuda: NVIDIA H200 …").
