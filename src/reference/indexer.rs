@@ -145,20 +145,19 @@ pub fn run(
     attn_in: ArrayView2<f64>,
     r: Reading,
 ) -> IndexerOut {
-    let (t, hi, di, rd) = (attn_in.nrows(), ic.heads, ic.head_dim, ic.rope_dim);
-    let qr = match &w.q {
-        QProj::Lora { a, a_norm, .. } => {
-            rms_norm(linear(attn_in, a.view()).view(), a_norm, cfg.lora_norm_eps)
-        }
-        // IndexerConfig::from_gguf refuses a DSA file without q-LoRA.
-        QProj::Plain { .. } => unreachable!("a DSA indexer needs q-LoRA"),
-    };
+    let (hi, di, rd) = (ic.heads, ic.head_dim, ic.rope_dim);
+    let Heads {
+        mut q,
+        mut k,
+        k_lin,
+        k_gain,
+        w_lin,
+        w_sq,
+        in_dims,
+    } = heads(cfg, ic, iw, w, attn_in);
     let pairing = if r.swap_rope { other(ic.rope) } else { ic.rope };
     let tables = indexer_rope(rope, pairing);
     let rope_at = if r.rope_last { di - rd..di } else { 0..rd };
-    let mut q = linear(qr.view(), iw.q_b.view())
-        .into_shape_with_order((t, hi, di))
-        .expect("[T, Hi·Di]");
     for (tt, mut tok) in q.axis_iter_mut(Axis(0)).enumerate() {
         for mut head in tok.axis_iter_mut(Axis(0)) {
             let mut pe = head.slice_mut(s![rope_at.clone()]).to_owned();
@@ -166,14 +165,6 @@ pub fn run(
             head.slice_mut(s![rope_at.clone()]).assign(&pe);
         }
     }
-    let k_lin = linear(attn_in, iw.k.view());
-    let mut k = layer_norm(
-        k_lin.view(),
-        &iw.k_norm,
-        &iw.k_norm_bias,
-        crate::model::indexer::K_NORM_EPS,
-    );
-    let k_gain = k_gain(&k_lin, &iw.k_norm);
     for (tt, mut row) in k.axis_iter_mut(Axis(0)).enumerate() {
         let mut pe = row.slice(s![rope_at.clone()]).to_owned();
         tables.rotate(tt, pe.as_slice_mut().expect("contiguous"));
@@ -184,8 +175,8 @@ pub fn run(
     } else {
         (hi as f64).powf(-0.5)
     };
-    let weights = linear(attn_in, iw.proj.view()) * w_scale;
-    let weights_sq = squares(attn_in, &iw.proj) * (w_scale * w_scale);
+    let weights = w_lin * w_scale;
+    let weights_sq = w_sq * (w_scale * w_scale);
     let scores = index_scores(&q, &k, &weights, r.no_relu);
     let selection = select(&scores, ic.top_k, r);
     IndexerOut {
@@ -194,10 +185,62 @@ pub fn run(
         k_lin,
         k_gain,
         weights_sq,
-        in_dims: (attn_in.ncols(), qr.ncols()),
+        in_dims,
         weights,
         scores,
         selection,
+    }
+}
+
+/// An indexer's projections of one layer before rope and scoring (DSA's token indexer and glm5-next's
+/// k-pool one share them): per head `q = W_q_b · q_lora_latent` `[T, Hi, Di]`, the keys
+/// `k = LayerNorm(W_k · attn_in)` with LayerNorm's input `k_lin` and gain, the head weights
+/// `w_lin = attn_in · W_projᵀ` unscaled and their squares `w_sq` (`squares`), and the input widths of
+/// the linears before q and k (E, q-LoRA rank).
+pub struct Heads {
+    pub q: Array3<f64>,
+    pub k: Array2<f64>,
+    pub k_lin: Array2<f64>,
+    pub k_gain: Array2<f64>,
+    pub w_lin: Array2<f64>,
+    pub w_sq: Array2<f64>,
+    pub in_dims: (usize, usize),
+}
+
+/// [`Heads`] of one layer on `attn_in [T, E]`.
+pub fn heads(
+    cfg: &MlaConfig,
+    ic: &IndexerConfig,
+    iw: &IndexerWeights,
+    w: &LayerWeights,
+    attn_in: ArrayView2<f64>,
+) -> Heads {
+    let (t, hi, di) = (attn_in.nrows(), ic.heads, ic.head_dim);
+    let qr = match &w.q {
+        QProj::Lora { a, a_norm, .. } => {
+            rms_norm(linear(attn_in, a.view()).view(), a_norm, cfg.lora_norm_eps)
+        }
+        // IndexerConfig refuses a DSA file without q-LoRA.
+        QProj::Plain { .. } => unreachable!("a DSA indexer needs q-LoRA"),
+    };
+    let q = linear(qr.view(), iw.q_b.view())
+        .into_shape_with_order((t, hi, di))
+        .expect("[T, Hi·Di]");
+    let k_lin = linear(attn_in, iw.k.view());
+    let k = layer_norm(
+        k_lin.view(),
+        &iw.k_norm,
+        &iw.k_norm_bias,
+        crate::model::indexer::K_NORM_EPS,
+    );
+    Heads {
+        q,
+        k,
+        k_gain: k_gain(&k_lin, &iw.k_norm),
+        k_lin,
+        w_lin: linear(attn_in, iw.proj.view()),
+        w_sq: squares(attn_in, &iw.proj),
+        in_dims: (attn_in.ncols(), qr.ncols()),
     }
 }
 

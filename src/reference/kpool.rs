@@ -18,11 +18,10 @@
 //! transformers computes the pool softmax and the scores in float32 (`.float()`); that is precision (the
 //! selection's near-ties), not semantics.
 
-use super::front::{linear, rms_norm};
-use super::indexer::layer_norm;
+use super::front::linear;
 use super::sparse::Selection;
-use crate::model::{IndexerWeights, KpoolIndexer, KpoolLayer, KpoolWeights, LayerWeights};
-use crate::model::{MlaConfig, QProj};
+use crate::model::MlaConfig;
+use crate::model::{KpoolIndexer, KpoolLayer, KpoolWeights, LayerWeights};
 use ndarray::{s, Array2, Array3, ArrayView2};
 
 /// Deliberate misreadings of the k-pool indexer (the golden test shows each moves the output).
@@ -192,46 +191,23 @@ pub fn run(
     attn_in: ArrayView2<f64>,
     r: Reading,
 ) -> KpoolOut {
-    let (t, hi, di) = (attn_in.nrows(), k.ic.heads, k.ic.head_dim);
-    let IndexerWeights {
-        q_b,
-        k: wk,
-        k_norm,
-        k_norm_bias,
-        proj,
-    } = &kw.index;
-    let qr = match &w.q {
-        QProj::Lora { a, a_norm, .. } => {
-            rms_norm(linear(attn_in, a.view()).view(), a_norm, cfg.lora_norm_eps)
-        }
-        // A glm5-next file has q-LoRA (IndexerConfig::read refuses one without).
-        QProj::Plain { .. } => unreachable!("a DSA indexer needs q-LoRA"),
-    };
-    let q = linear(qr.view(), q_b.view())
-        .into_shape_with_order((t, hi, di))
-        .expect("[T, Hi·Di]");
-    let k_lin = linear(attn_in, wk.view());
-    let kk = layer_norm(
-        k_lin.view(),
-        k_norm,
-        k_norm_bias,
-        crate::model::indexer::K_NORM_EPS,
-    );
+    let (t, hi) = (attn_in.nrows(), k.ic.heads);
+    let h = super::indexer::heads(cfg, &k.ic, &kw.index, w, attn_in);
     let gate = linear(attn_in, kw.pool.gate.view());
-    let weights = linear(attn_in, proj.view()) * (hi as f64).powf(-0.5);
+    let weights = h.w_lin * (hi as f64).powf(-0.5);
     let start = pool_starts(t, k.kp.kpool, r.pools_from_slot_zero);
     let probs = pool_probs(&gate, &kw.pool, &start, r);
-    let keys = weigh(&kk, &probs, &start);
-    let scores = pool_scores(&q, &keys, &weights);
+    let keys = weigh(&h.k, &probs, &start);
+    let scores = pool_scores(&h.q, &keys, &weights);
     let (pools, selection) = select(&scores, &start, k, r);
     KpoolOut {
-        q,
-        k_gain: super::indexer::k_gain(&k_lin, k_norm),
-        k_lin,
-        k: kk,
-        weights_sq: super::indexer::squares(attn_in, proj) / hi as f64,
+        q: h.q,
+        k_gain: h.k_gain,
+        k_lin: h.k_lin,
+        k: h.k,
+        weights_sq: h.w_sq / hi as f64,
         weights,
-        in_dims: (attn_in.ncols(), qr.ncols()),
+        in_dims: h.in_dims,
         gate_sq: super::indexer::squares(attn_in, &kw.pool.gate),
         gate,
         probs,
