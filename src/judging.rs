@@ -50,7 +50,7 @@ pub struct Judging {
     /// runner's sparse decode over an fp8 cache. The same set on every layer.
     pub outside_local_view: StageSet,
     /// DSA: what a layer that runs sparse takes away besides (a runner's sparse decode); the run's
-    /// dense layers keep every check (`run::layers::layer_stages` decides per layer).
+    /// dense layers keep every check (`Judging::layer_stages` decides per layer).
     pub sparse_layers: SparseLayers,
     /// Whether its attention is known to the stage-local view: P computed as exp(s − m) against a
     /// running row max before P·V (an online softmax: the max key's P is exactly 1, a key's P rounded
@@ -87,10 +87,24 @@ impl Default for Judging {
 }
 
 impl Judging {
+    /// A layer's stages provided and outside its stage-local view: the run's (`provided`,
+    /// `outside_local_view`), less and plus what `sparse_layers` takes away where the layer runs
+    /// sparse (DSA past top_k).
+    pub fn layer_stages(&self, provided: StageSet, sparse: bool) -> (StageSet, StageSet) {
+        match sparse {
+            false => (provided, self.outside_local_view),
+            true => (
+                provided.minus(self.sparse_layers.not_provided),
+                self.outside_local_view
+                    .union(self.sparse_layers.outside_local_view),
+            ),
+        }
+    }
+
     /// What a wrapper that runs its inner path dense and whole keeps of the inner path's value: how
     /// its attention is computed (`known_attention`, `score_sum`, `key_tiles`), and nothing of DSA,
-    /// the batches' cache format or the stages outside the local view (`sweep`'s split recorder,
-    /// `tp`'s ranks, which put their own `outside_local_view` back).
+    /// the batches' cache format or the stages outside the local view (`tp`'s ranks, which put their
+    /// own `outside_local_view` back).
     pub fn attention_only(self) -> Judging {
         Judging {
             known_attention: self.known_attention,
@@ -106,7 +120,7 @@ mod tests {
     use super::*;
 
     /// The default is the old trait methods' defaults; `attention_only` keeps exactly the attention
-    /// fields (what `sweep --splits`' recorder and `tp` forwarded one by one before).
+    /// fields (what `tp` forwarded one by one before).
     #[test]
     fn default_and_attention_only() {
         let d = Judging::default();

@@ -19,7 +19,6 @@ pub use matrix::{Outcome, Summary};
 
 use crate::backend::runner::checks::Status;
 use crate::backend::{Backend, BackendInfo};
-use crate::compare::ToleranceTable;
 use crate::error::{Error, Result};
 use crate::faults::{Fault, FaultSet, Injection, Need};
 use crate::gguf::GgufFile;
@@ -211,7 +210,6 @@ fn run_case(
     );
     let (mut backend, info) = make_backend(c.dtype, c.kv, &faults)?;
     let opts = RunOptions {
-        layers: None,
         input: InputSpec::Random { seed: o.seed },
         sched: c.sched.clone(),
         dtype: c.dtype,
@@ -219,14 +217,9 @@ fn run_case(
             shadow: true,
             free: false,
         },
-        tolerances: ToleranceTable::defaults(),
-        tolerance_source: "defaults (calibrated, src/compare/tolerances.json)".into(),
-        dump: None,
         faults,
-        progress: false,
-        repeat: 1,
         indexer_keys: c.keys,
-        split: None,
+        ..RunOptions::default()
     };
     let rep = crate::run::run(file, backend.as_mut(), &info, &opts)?;
     Ok((rep, info.description))

@@ -143,8 +143,8 @@ impl V4Stage {
 
 impl Stage {
     /// All stages in dataflow order.
-    pub const ALL: [Stage; 13] = {
-        let mut all = [Stage::AttnIn; 13];
+    pub const ALL: [Stage; STAGES.len()] = {
+        let mut all = [Stage::AttnIn; STAGES.len()];
         let mut i = 0;
         while i < STAGES.len() {
             all[i] = STAGES[i].stage;

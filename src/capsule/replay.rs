@@ -6,7 +6,6 @@ use super::manifest::Manifest;
 use super::REFERENCE_REL_L2;
 use crate::compare::ToleranceTable;
 use crate::error::{Error, Result};
-use crate::faults::FaultSet;
 use crate::gguf::GgufFile;
 use crate::input::LayerInputs;
 use crate::model::MlaConfig;
@@ -64,11 +63,8 @@ impl Capsule {
             tolerances,
             tolerance_source,
             dump,
-            faults: FaultSet::default(),
             progress,
-            repeat: 1,
-            indexer_keys: Default::default(),
-            split: None,
+            ..RunOptions::default()
         }
     }
 

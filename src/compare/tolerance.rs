@@ -51,6 +51,9 @@ const DEFAULTS_JSON: &str = include_str!("tolerances.json");
 
 impl ToleranceTable {
     /// The compiled-in calibrated defaults.
+    /// The report's source line of the table [`ToleranceTable::defaults`] gives.
+    pub const DEFAULTS_SOURCE: &'static str = "defaults (calibrated, src/compare/tolerances.json)";
+
     pub fn defaults() -> ToleranceTable {
         serde_json::from_str(DEFAULTS_JSON).expect("src/compare/tolerances.json is valid")
     }
@@ -63,7 +66,7 @@ impl ToleranceTable {
         tol: &[String],
     ) -> Result<(ToleranceTable, String)> {
         let mut table = ToleranceTable::defaults();
-        let mut source = "defaults (calibrated, src/compare/tolerances.json)".to_string();
+        let mut source = ToleranceTable::DEFAULTS_SOURCE.to_string();
         if let Some(p) = file {
             for (d, o) in ToleranceTable::overrides_from_file(p)? {
                 table.apply(d, &o)?;

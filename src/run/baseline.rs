@@ -53,7 +53,7 @@ mod tests {
         use crate::backend::cpu::CpuMirror;
         use crate::compare::ToleranceTable;
         use crate::precision::Dtype;
-        use crate::run::{InputSpec, Modes};
+        use crate::run::InputSpec;
         use crate::schedule::Schedule;
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("fixtures/deepseek-v3-legacy-kv-b-q8_0.gguf");
@@ -73,18 +73,9 @@ mod tests {
                 ..Schedule::default()
             },
             dtype: Dtype::F16,
-            modes: Modes {
-                shadow: true,
-                free: true,
-            },
             tolerances,
             tolerance_source,
-            dump: None,
-            faults: Default::default(),
-            progress: false,
-            repeat: 1,
-            indexer_keys: Default::default(),
-            split: None,
+            ..RunOptions::default()
         };
         let planned = Identity::planned(&file, &cfg, &opts).unwrap();
         assert_eq!(planned.tolerances["attn_out[decode]"].rel_l2, 0.5);

@@ -7,7 +7,6 @@ use super::request::Request;
 use super::{InputSpec, Mode, RunOptions};
 use crate::capture::{Capture, CaptureBackend};
 use crate::error::{Error, Result};
-use crate::faults::FaultSet;
 use crate::gguf::GgufFile;
 use crate::model::MlaConfig;
 
@@ -122,11 +121,9 @@ pub fn exec(a: &Request, file: &GgufFile, cfg: &MlaConfig) -> Result<i32> {
         tolerances,
         tolerance_source,
         dump: super::dump_of(&a.report, cfg.n_layer)?,
-        faults: FaultSet::default(),
         progress: !a.report.formats.quiet,
-        repeat: 1,
         indexer_keys: a.indexer_keys,
-        split: None,
+        ..RunOptions::default()
     };
     let ready = Prepared::check(file, cfg, &opts, &a.report)?;
     let job = Job {

@@ -448,7 +448,7 @@ fn own_local_view(
     let sp = local::Sparse { selection: own };
     let mut l = local::compute_sparse(&inp, opt, sp);
     // Its own selection's layer runs sparse as the reference's does (`cmp.provided` is that layer's).
-    let (_, outside) = super::layers::layer_stages(backend, cmp.provided, true);
+    let (_, outside) = judging.layer_stages(cmp.provided, true);
     l.stages.retain(|s| !outside.contains(s.stage));
     l
 }

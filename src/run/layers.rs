@@ -97,7 +97,7 @@ pub(super) fn run_layers(
                 ..dense_ctx
             };
             // What the backend's sparse layers lose (`Judging::sparse_layers`), only if this one is.
-            let (layer_provided, outside) = layer_stages(&*backend, provided, sel.is_some());
+            let (layer_provided, outside) = backend.judging().layer_stages(provided, sel.is_some());
             let (ctx, free_ctx) = contexts(l, opts, tables, layer_provided);
             let moved = super::carry::moved_input(&h_ref, carried.as_ref());
             let lr = LayerRun {
@@ -179,28 +179,6 @@ fn max_judges(opts: &RunOptions) -> usize {
         Some((_, DumpLayers::First)) => 1,
         _ if rayon::current_num_threads() >= 12 => 2,
         _ => 1,
-    }
-}
-
-/// A layer's stages provided and outside its stage-local view: the run's (`provided`,
-/// `Backend::outside_local_view`), less and plus what the backend's sparse layers take away where the
-/// layer runs sparse (`Judging::sparse_layers`; DSA past top_k).
-pub(super) fn layer_stages(
-    backend: &dyn Backend,
-    provided: crate::trace::StageSet,
-    sparse: bool,
-) -> (crate::trace::StageSet, crate::trace::StageSet) {
-    let j = backend.judging();
-    let outside = j.outside_local_view;
-    match sparse {
-        false => (provided, outside),
-        true => {
-            let s = j.sparse_layers;
-            (
-                provided.minus(s.not_provided),
-                outside.union(s.outside_local_view),
-            )
-        }
     }
 }
 

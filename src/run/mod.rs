@@ -141,6 +141,32 @@ pub struct RunOptions {
     pub split: Option<crate::schedule::Split>,
 }
 
+/// A plain `run`'s options: every layer, random inputs of seed 0, the default schedule, bf16, both
+/// modes, the calibrated tolerances, no dump, no fault, one repeat, no split. Callers name only
+/// what they change (`..RunOptions::default()`), so a new option touches its field and this.
+impl Default for RunOptions {
+    fn default() -> RunOptions {
+        RunOptions {
+            layers: None,
+            input: InputSpec::Random { seed: 0 },
+            sched: Schedule::default(),
+            dtype: Dtype::Bf16,
+            modes: Modes {
+                shadow: true,
+                free: true,
+            },
+            tolerances: ToleranceTable::defaults(),
+            tolerance_source: ToleranceTable::DEFAULTS_SOURCE.into(),
+            dump: None,
+            faults: FaultSet::default(),
+            progress: false,
+            repeat: 1,
+            indexer_keys: Default::default(),
+            split: None,
+        }
+    }
+}
+
 /// Parse `--layers`: `all`, `N`, `A..B` (half-open), `A..=B`, or a comma list of those.
 pub fn parse_layers(spec: &str, n_layer: usize) -> Result<Vec<usize>> {
     let bad = |m: String| Error::Usage(format!("--layers {spec:?}: {m}"));

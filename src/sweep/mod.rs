@@ -77,12 +77,8 @@ impl SweepOptions {
             },
             tolerances: self.tolerances.clone(),
             tolerance_source: self.tolerance_source.clone(),
-            dump: None,
             faults: self.faults.clone(),
-            progress: false,
-            repeat: 1,
-            indexer_keys: Default::default(),
-            split: None,
+            ..RunOptions::default()
         }
     }
 }

@@ -101,10 +101,10 @@ impl Backend for Recorder<'_> {
     fn notices(&self) -> Vec<String> {
         self.inner.notices()
     }
-    /// The inner path's attention only (as before the descriptor: the recorder forwarded these three;
-    /// its DSA abilities and stages outside the local view are not passed on).
+    /// The inner path's, whole: the recorder computes nothing, so the judges read its traces as they
+    /// would the inner path's (a sweep runs dense, within a DSA file's top_k: `run::dense_beyond_top_k`).
     fn judging(&self) -> Judging {
-        self.inner.judging().attention_only()
+        self.inner.judging()
     }
     fn run_layer(&mut self, ctx: &LayerCtx, x: &ndarray::Array2<f64>) -> Result<LayerTrace> {
         let t = self.inner.run_layer(ctx, x)?;

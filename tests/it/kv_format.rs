@@ -39,17 +39,12 @@ fn opts(dtype: Dtype, layers: Option<Vec<usize>>, faults: FaultSet, free: bool) 
         // Seed 1 failed glm-5's f32 attn_latent row criterion (1.06×) with the plain cache too, until
         // the combine's weight roundings were modelled (no_false_alarms::f32_runs_…).
         input: InputSpec::Random { seed: 1 },
-        sched: Schedule::default(),
         dtype,
         modes: Modes { shadow: true, free },
         tolerances: ToleranceTable::defaults(),
         tolerance_source: "defaults".into(),
-        dump: None,
         faults,
-        progress: false,
-        repeat: 1,
-        indexer_keys: Default::default(),
-        split: None,
+        ..RunOptions::default()
     }
 }
 

@@ -382,19 +382,14 @@ fn run_opts(repeat: usize) -> RunOptions {
             decode_steps: 3,
             ..Schedule::default()
         },
-        dtype: Dtype::Bf16,
         modes: Modes {
             shadow: true,
             free: false,
         },
         tolerances: ToleranceTable::defaults(),
         tolerance_source: "defaults".into(),
-        dump: None,
-        faults: Default::default(),
-        progress: false,
         repeat,
-        indexer_keys: Default::default(),
-        split: None,
+        ..RunOptions::default()
     }
 }
 

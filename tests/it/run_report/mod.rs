@@ -13,8 +13,7 @@ use mla_diff::compare::ToleranceTable;
 use mla_diff::gguf::GgufFile;
 use mla_diff::model::MlaConfig;
 use mla_diff::precision::Dtype;
-use mla_diff::run::{InputSpec, Modes, RunOptions};
-use mla_diff::schedule::Schedule;
+use mla_diff::run::{InputSpec, RunOptions};
 use mla_diff::trace::{LayerTrace, Stage, StageSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -38,22 +37,11 @@ fn tiny4() -> PathBuf {
 
 fn opts(dtype: Dtype) -> RunOptions {
     RunOptions {
-        layers: None,
         input: InputSpec::Random { seed: 1 },
-        sched: Schedule::default(),
         dtype,
-        modes: Modes {
-            shadow: true,
-            free: true,
-        },
         tolerances: ToleranceTable::defaults(),
         tolerance_source: "defaults".into(),
-        dump: None,
-        faults: Default::default(),
-        progress: false,
-        repeat: 1,
-        indexer_keys: Default::default(),
-        split: None,
+        ..RunOptions::default()
     }
 }
 
