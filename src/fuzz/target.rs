@@ -119,7 +119,8 @@ pub fn exec(path: &Path, base: usize, file_size: u64) -> Outcome {
         Ok(j) => drop(std::hint::black_box(serde_json::to_string(&j))),
         Err(e) => note(&e),
     }
-    // `lint` reads the metadata without the loader's guards: every file must lint without a panic.
+    // `lint` reports every diagnostic of the loader's key reads and goes on past what the loader
+    // refuses (the keys against the tensors): every file must lint without a panic.
     let mut findings = crate::lint::Findings::default();
     match crate::lint::model::lint(&f, &mut findings) {
         Ok(_) => drop(std::hint::black_box(findings)),

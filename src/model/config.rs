@@ -4,6 +4,7 @@
 //! architecture, `*_mla` vs legacy head sizes) follow llama.cpp; docs/conventions.md
 //! lists them with sources.
 
+use super::keys::{Diagnostic, Diagnostics, MlaKeys};
 use crate::error::{quote, Error, Result};
 use crate::gguf::{GgufFile, Value};
 use serde::Serialize;
@@ -173,13 +174,37 @@ impl HybridLayout {
         let Some(a) = f.architecture() else {
             return Ok(None);
         };
-        let k = format!("{a}.attention.head_count_kv");
-        let Some(Value::Array(arr)) = f.get(&k) else {
+        Self::from_keys(f, &MlaKeys::read(f, a)).map_err(|d| d.error(f))
+    }
+
+    /// As `from_gguf`, from the keys as read; a refusal is the diagnostic on `head_count_kv` (or on the
+    /// `block_count` it is counted against).
+    pub fn from_keys(
+        f: &GgufFile,
+        k: &MlaKeys,
+    ) -> std::result::Result<Option<Self>, Box<Diagnostic>> {
+        let Some(Value::Array(arr)) = &k.head_count_kv_raw else {
             return Ok(None);
         };
-        let bad = |msg: String| Error::Unsupported(format!("{}: {k} {msg}", f.path.display()));
-        let block_count = req_u64(f, a, "block_count")?;
-        let nextn = opt_u64(f, a, "nextn_predict_layers")?.unwrap_or(0);
+        let key = &k.head_count_kv.key;
+        let bad = |msg: String| {
+            Box::new(Diagnostic {
+                key: key.clone(),
+                found: format!("{}: {key} {msg}", f.path.display()),
+                expected: "one entry per block: 0 (linear attention) or 1 (MLA)".into(),
+                why: "llama.cpp's glm5-next converter writes head_count_kv per block".into(),
+                message: format!("{key} {msg}"),
+                rule: "hybrid",
+                format: false,
+            })
+        };
+        let mut d = Diagnostics::default();
+        let (block_count, nextn) = (d.need(&k.block_count), d.opt(&k.nextn_predict_layers));
+        if let Some(first) = d.0.into_iter().next() {
+            return Err(Box::new(first));
+        }
+        let block_count = block_count.unwrap_or(0) as usize;
+        let nextn = nextn.unwrap_or(0) as usize;
         if arr.len() != block_count {
             return Err(bad(format!(
                 "has {} entries; block_count is {block_count} (the converter writes one per block)",
@@ -266,53 +291,6 @@ pub fn not_mla(f: &GgufFile, name: &str) -> Error {
     ))
 }
 
-fn key<'a>(f: &'a GgufFile, arch: &str, k: &str) -> Option<&'a Value> {
-    f.get(&format!("{arch}.{k}"))
-}
-
-fn req_u64(f: &GgufFile, arch: &str, k: &str) -> Result<usize> {
-    let full = format!("{arch}.{k}");
-    match f.get(&full) {
-        None => Err(Error::Unsupported(format!(
-            "{}: required metadata key {full} is missing",
-            f.path.display()
-        ))),
-        Some(v) => v.as_u64().map(|x| x as usize).ok_or_else(|| {
-            Error::Unsupported(format!(
-                "{}: metadata key {full} should be an unsigned integer, found {}",
-                f.path.display(),
-                v.display_short()
-            ))
-        }),
-    }
-}
-
-fn opt_u64(f: &GgufFile, arch: &str, k: &str) -> Result<Option<usize>> {
-    match key(f, arch, k) {
-        None => Ok(None),
-        Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| {
-            Error::Unsupported(format!(
-                "{}: metadata key {arch}.{k} should be an unsigned integer, found {}",
-                f.path.display(),
-                v.display_short()
-            ))
-        }),
-    }
-}
-
-fn opt_f64(f: &GgufFile, arch: &str, k: &str) -> Result<Option<f64>> {
-    match key(f, arch, k) {
-        None => Ok(None),
-        Some(v) => v.as_f64().map(Some).ok_or_else(|| {
-            Error::Unsupported(format!(
-                "{}: metadata key {arch}.{k} should be a number, found {}",
-                f.path.display(),
-                v.display_short()
-            ))
-        }),
-    }
-}
-
 /// (cos/sin magnitude, softmax mscale) for a rope config, as transformers' DeepSeek-V3 / V2 / GLM-MoE-DSA
 /// define them (`_compute_yarn_parameters`, `yarn_apply_mscale`), reconstructed from what the file keeps:
 /// - YaRN with `mscale_all_dim` (m) ≠ 0: cos/sin × get_mscale(f, mscale)/get_mscale(f, m), which is 1
@@ -346,189 +324,19 @@ impl MlaConfig {
         self.kv_lora_rank + self.qk_rope
     }
 
+    /// The config of an MLA file; `Err` is the first thing the loader refuses (its key named), of all
+    /// those `from_gguf_diagnosed` collects.
     pub fn from_gguf(f: &GgufFile) -> Result<MlaConfig> {
-        let name = f.architecture().ok_or_else(|| {
-            Error::Unsupported(format!(
-                "{}: general.architecture is missing",
+        let d = Self::from_gguf_diagnosed(f)?;
+        match (d.cfg, d.diagnostics.error(f)) {
+            (Some(c), _) => Ok(c),
+            (None, Some(e)) => Err(e),
+            (None, None) => Err(Error::Unsupported(format!(
+                "{}: the loader refuses the file",
                 f.path.display()
-            ))
-        })?;
-        let arch = Arch::from_gguf(name).ok_or_else(|| not_mla(f, name))?;
-        let a = name;
-        let n_layer = layer_count(f, a)?;
-        let hidden = req_u64(f, a, "embedding_length")?;
-        let n_head = req_u64(f, a, "attention.head_count")?;
-        let n_head_kv = match HybridLayout::from_gguf(f)? {
-            // A per-layer head_count_kv (glm5-next): the MLA layers' value.
-            Some(h) => h.n_head_kv,
-            None => opt_u64(f, a, "attention.head_count_kv")?.unwrap_or(n_head),
-        };
-        let kv_lora_rank = req_u64(f, a, "attention.kv_lora_rank")?;
-        let q_lora_rank = opt_u64(f, a, "attention.q_lora_rank")?.filter(|&r| r > 0);
-        let qk_rope = req_u64(f, a, "rope.dimension_count")?;
-        let (qk, v_head_dim, mla_keys) = head_dims(f, a, hidden, n_head)?;
-        let bad = |msg: String| Error::Unsupported(format!("{}: {msg}", f.path.display()));
-        if n_layer == 0 || hidden == 0 || n_head == 0 || kv_lora_rank == 0 || v_head_dim == 0 {
-            return Err(bad(format!(
-                "zero-sized attention (block_count {n_layer}, embedding_length {hidden}, head_count {n_head}, kv_lora_rank {kv_lora_rank}, v_head_dim {v_head_dim})"
-            )));
+            ))),
         }
-        // glm5-next is NoPE MLA: its converter asserts qk_rope_head_dim == 0 and writes rope dims 0.
-        let nope_ok = arch == Arch::Glm5Next && qk_rope == 0;
-        if arch == Arch::Glm5Next && qk_rope != 0 {
-            return Err(bad(format!(
-                "rope.dimension_count is {qk_rope}, but glm5-next is NoPE MLA (transformers glm5_next: qk_rope_head_dim = 0; llama.cpp's converter asserts it)"
-            )));
-        }
-        if !nope_ok && (qk_rope == 0 || qk_rope % 2 != 0 || qk <= qk_rope) {
-            return Err(bad(format!(
-                "rope dims {qk_rope} must be even and smaller than the qk head dim {qk}"
-            )));
-        }
-        if !mla_keys && qk == kv_lora_rank + qk_rope {
-            return Err(bad(format!(
-                "key_length {qk} equals kv_lora_rank + rope ({kv_lora_rank}+{qk_rope}): a new-style MLA file that lacks the *_mla keys (made for llama.cpp PR #11446?); cannot tell the per-head dims"
-            )));
-        }
-        // Sanity bound: a header claiming absurd dims would otherwise drive huge allocations later.
-        let limit = 1usize << 20;
-        for (what, v) in [
-            ("embedding_length", hidden),
-            ("head_count", n_head),
-            ("kv_lora_rank", kv_lora_rank),
-            ("key_length", qk),
-            ("value_length", v_head_dim),
-            ("head_count_kv", n_head_kv),
-            ("q_lora_rank", q_lora_rank.unwrap_or(0)),
-        ] {
-            if v > limit {
-                return Err(bad(format!("{what} = {v} is implausible (> {limit})")));
-            }
-        }
-        let qk_nope = qk - qk_rope;
-        let rms_eps = opt_f64(f, a, "attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6);
-        let base = opt_f64(f, a, "rope.freq_base")?.unwrap_or(10000.0);
-
-        let yarn = yarn_of(f, a)?;
-        let rope_attn_factor = opt_f64(f, a, "rope.scaling.attn_factor")?.unwrap_or(1.0);
-        let (attn_factor, mscale) = yarn_scales(arch, yarn.as_ref(), rope_attn_factor);
-        let softmax_scale = mscale * mscale / (qk as f64).sqrt();
-        let has = |n: &str| f.tensor(n).is_some().then(|| n.to_string());
-        let rope = RopeConfig {
-            dim: qk_rope,
-            base,
-            pairing: arch.rope_pairing(),
-            attn_factor,
-            yarn,
-            freq_factors_short: has("rope_factors_short.weight")
-                .or_else(|| has("rope_freqs.weight")),
-            freq_factors_long: has("rope_factors_long.weight"),
-        };
-        let vocab_size = f
-            .tensor("token_embd.weight")
-            .map(|t| t.ne.get(1).copied().unwrap_or(1) as usize);
-        Ok(MlaConfig {
-            arch,
-            n_layer,
-            hidden,
-            n_head,
-            n_head_kv,
-            q_lora_rank,
-            kv_lora_rank,
-            qk_nope,
-            qk_rope,
-            v_head_dim,
-            mla_keys,
-            rope,
-            rms_eps,
-            lora_norm_eps: rms_eps,
-            mscale,
-            softmax_scale,
-            vocab_size,
-        })
     }
-}
-
-/// The trunk's layer count: `block_count` less the NextN/MTP blocks, bounded by the tensor count.
-fn layer_count(f: &GgufFile, a: &str) -> Result<usize> {
-    let block_count = req_u64(f, a, "block_count")?;
-    // block_count also counts the NextN/MTP blocks the converter appends after the trunk (GLM-4.7-Flash,
-    // GLM-5: nextn_predict_layers = 1); llama.cpp's n_layer() and the model's forward run the trunk only.
-    let nextn = opt_u64(f, a, "nextn_predict_layers")?.unwrap_or(0);
-    if nextn > 0 && nextn >= block_count {
-        return Err(Error::Unsupported(format!(
-            "{}: nextn_predict_layers {nextn} leaves no trunk layers of block_count {block_count} (an MTP-only file?)",
-            f.path.display()
-        )));
-    }
-    let n_layer = block_count - nextn;
-    // Bound the layer count by what the file can hold before anything loops over layers: every
-    // layer has its own attention tensors, so a file cannot have more layers than tensors.
-    if n_layer > f.tensors.len() {
-        return Err(Error::Unsupported(format!(
-            "{}: block_count {block_count} is impossible: the file has only {} tensors, and every layer needs its own attention tensors",
-            f.path.display(),
-            f.tensors.len()
-        )));
-    }
-    Ok(n_layer)
-}
-
-/// `(qk head dim, v head dim, whether from the *_mla keys)`.
-fn head_dims(f: &GgufFile, a: &str, hidden: usize, n_head: usize) -> Result<(usize, usize, bool)> {
-    let k_mla = opt_u64(f, a, "attention.key_length_mla")?;
-    let v_mla = opt_u64(f, a, "attention.value_length_mla")?;
-    Ok(match (k_mla, v_mla) {
-        (Some(k), Some(v)) => (k, v, true),
-        // llama.cpp defaults both head sizes to n_embd / n_head when the key is absent; the MiniCPM3
-        // converter relies on that and writes no value_length (conversion/minicpm.py).
-        (None, None) => {
-            let default = (n_head > 0 && hidden.is_multiple_of(n_head)).then(|| hidden / n_head);
-            let head = |k: &str| -> Result<usize> {
-                match (opt_u64(f, a, k)?, default) {
-                    (Some(v), _) => Ok(v),
-                    (None, Some(d)) => Ok(d),
-                    (None, None) => req_u64(f, a, k),
-                }
-            };
-            (head("attention.key_length")?, head("attention.value_length")?, false)
-        }
-        _ => {
-            return Err(Error::Unsupported(format!(
-                "{}: only one of {a}.attention.key_length_mla / value_length_mla is present (llama.cpp needs both or neither)",
-                f.path.display()
-            )))
-        }
-    })
-}
-
-/// YaRN's parameters where the file scales rope by YaRN with a factor above 1.
-fn yarn_of(f: &GgufFile, a: &str) -> Result<Option<Yarn>> {
-    let scaling = key(f, a, "rope.scaling.type")
-        .and_then(|v| v.as_str())
-        .unwrap_or("none")
-        .to_string();
-    let factor = opt_f64(f, a, "rope.scaling.factor")?.unwrap_or(1.0);
-    Ok(if scaling == "yarn" && factor > 1.0 {
-        let raw = opt_f64(f, a, "rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0);
-        // TAG_DEEPSEEK2_YARN_LOG_MUL_FIX: the converter stores 0.1·mscale_all_dim; llama.cpp divides by 0.1.
-        // In f32 as llama.cpp does (`rope_yarn_log_mul /= 0.1f`), so 0.1f gives exactly 1.
-        let mscale_all_dim = (raw as f32 / 0.1f32) as f64;
-        Some(Yarn {
-            factor,
-            original_context: opt_u64(f, a, "rope.scaling.original_context_length")?.unwrap_or(4096)
-                as u64,
-            mscale_all_dim,
-            log_multiplier_raw: raw,
-            beta_fast: opt_f64(f, a, "rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
-            beta_slow: opt_f64(f, a, "rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
-            ext_factor: opt_f64(f, a, "rope.scaling.yarn_ext_factor")?
-                .filter(|&e| e >= 0.0)
-                .unwrap_or(1.0),
-        })
-    } else {
-        None
-    })
 }
 
 #[cfg(test)]

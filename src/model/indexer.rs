@@ -8,6 +8,7 @@
 //! only (llama.cpp PR #24770); a layer without them reuses the previous full layer's selection.
 
 use super::config::{Arch, MlaConfig, RopePairing};
+use super::keys::{MlaKeys, Read};
 use super::weights::load_checked;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
@@ -55,24 +56,26 @@ impl IndexerConfig {
         cfg: &MlaConfig,
         rope: RopePairing,
     ) -> Result<Option<IndexerConfig>> {
-        let key = |k: &str| format!("{}.attention.indexer.{k}", cfg.arch.gguf_name());
-        let get = |k: &str| -> Result<Option<usize>> {
-            match f.get(&key(k)) {
-                None => Ok(None),
-                Some(v) => match v.as_u64() {
-                    Some(n) if n > 0 && n < 1 << 24 => Ok(Some(n as usize)),
-                    _ => Err(Error::format(
-                        f.path.display(),
-                        format!(
-                            "{} is {}, expected a positive integer",
-                            key(k),
-                            v.display_short()
-                        ),
-                    )),
-                },
+        let keys = MlaKeys::read(f, cfg.arch.gguf_name());
+        let get = |r: &Read<u64>| -> Result<Option<usize>> {
+            match (r.present, r.value) {
+                (false, _) => Ok(None),
+                (true, Some(n)) if n > 0 && n < 1 << 24 => Ok(Some(n as usize)),
+                _ => Err(Error::format(
+                    f.path.display(),
+                    format!(
+                        "{} is {}, expected a positive integer",
+                        r.key,
+                        r.shown.clone().unwrap_or_default()
+                    ),
+                )),
             }
         };
-        let (heads, head_dim, top_k) = (get("head_count")?, get("key_length")?, get("top_k")?);
+        let (heads, head_dim, top_k) = (
+            get(&keys.indexer_head_count)?,
+            get(&keys.indexer_key_length)?,
+            get(&keys.indexer_top_k)?,
+        );
         let (Some(heads), Some(head_dim), Some(top_k)) = (heads, head_dim, top_k) else {
             return Ok(None);
         };
@@ -81,8 +84,7 @@ impl IndexerConfig {
                 f.path.display(),
                 format!(
                     "{} is {head_dim}, smaller than the rope dims {} or odd",
-                    key("key_length"),
-                    cfg.qk_rope
+                    keys.indexer_key_length.key, cfg.qk_rope
                 ),
             ));
         }

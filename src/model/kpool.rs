@@ -13,6 +13,7 @@
 
 use super::config::{Arch, MlaConfig, RopePairing};
 use super::indexer::{IndexerConfig, IndexerWeights};
+use super::keys::MlaKeys;
 use super::weights::load_checked;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
@@ -42,59 +43,34 @@ impl KpoolConfig {
         if cfg.arch != Arch::Glm5Next {
             return Ok(None);
         }
-        let key = |k: &str| format!("{}.attention.indexer.{k}", cfg.arch.gguf_name());
-        let Some(v) = f.get(&key("kpool")) else {
+        let k = MlaKeys::read(f, cfg.arch.gguf_name());
+        let bad = |key: &str, shown: &Option<String>, what: &str| {
+            Error::format(
+                f.path.display(),
+                format!(
+                    "{key} is {}, expected {what}",
+                    shown.as_deref().unwrap_or_default()
+                ),
+            )
+        };
+        let r = &k.indexer_kpool;
+        if !r.present {
             return Ok(None);
-        };
-        let kpool = match v.as_u64() {
+        }
+        let kpool = match r.value {
             Some(n) if n > 0 && n < 1 << 20 => n as usize,
-            _ => {
-                return Err(Error::format(
-                    f.path.display(),
-                    format!(
-                        "{} is {}, expected a positive integer",
-                        key("kpool"),
-                        v.display_short()
-                    ),
-                ))
-            }
+            _ => return Err(bad(&r.key, &r.shown, "a positive integer")),
         };
-        let select_tail = match f.get(&key("kpool_select_tail")) {
-            None => true,
-            Some(v) => v.as_bool().ok_or_else(|| {
-                Error::format(
-                    f.path.display(),
-                    format!(
-                        "{} is {}, expected a bool",
-                        key("kpool_select_tail"),
-                        v.display_short()
-                    ),
-                )
-            })?,
+        let r = &k.indexer_kpool_select_tail;
+        let select_tail = match (r.present, r.value) {
+            (false, _) => true,
+            (true, Some(b)) => b,
+            (true, None) => return Err(bad(&r.key, &r.shown, "a bool")),
         };
-        let full = match f.get(&key("types")) {
-            None => None,
-            Some(crate::gguf::Value::Array(a)) => Some(
-                a.iter()
-                    .map(|v| v.as_bool())
-                    .collect::<Option<Vec<bool>>>()
-                    .ok_or_else(|| {
-                        Error::format(
-                            f.path.display(),
-                            format!("{} should be an array of bools", key("types")),
-                        )
-                    })?,
-            ),
-            Some(v) => {
-                return Err(Error::format(
-                    f.path.display(),
-                    format!(
-                        "{} is {}, expected an array of bools",
-                        key("types"),
-                        v.display_short()
-                    ),
-                ))
-            }
+        let full = match (&k.indexer_types.value, &k.indexer_types.bad_type) {
+            (Some(v), _) => Some(v.clone()),
+            (None, Some(d)) => return Err(d.error(f)),
+            (None, None) => None,
         };
         Ok(Some(KpoolConfig {
             kpool,

@@ -1,9 +1,12 @@
-//! The model as the attention sees it: hyper-parameters (`config`) and per-layer weights (`weights`).
+//! The model as the attention sees it: hyper-parameters (`config`, read by `loader` from the keys as
+//! `keys` reads them) and per-layer weights (`weights`).
 
 pub mod catalogue;
 pub mod config;
 pub mod indexer;
+pub mod keys;
 pub mod kpool;
+pub mod loader;
 pub mod rope_factors;
 pub mod synthetic;
 pub mod v4;

@@ -50,10 +50,13 @@ impl RopeFactors {
         let arch = cfg.arch.gguf_name();
         let original_context = match &cfg.rope.yarn {
             Some(y) => Some(y.original_context as usize),
-            None => ["rope.scaling.original_context_length", "context_length"]
-                .iter()
-                .find_map(|k| f.get(&format!("{arch}.{k}")).and_then(|v| v.as_u64()))
-                .map(|v| v as usize),
+            None => {
+                let k = super::keys::MlaKeys::read(f, arch);
+                k.original_context
+                    .value
+                    .or(k.context_length.value)
+                    .map(|v| v as usize)
+            }
         };
         let original_context = match (original_context, &long) {
             (Some(c), _) => c,

@@ -280,6 +280,47 @@ fn corrupted_keys_are_errors_naming_the_value_expected() {
     expect_error(&p, &k("attention.head_count"), "unsigned integer", "type");
 }
 
+/// The loader collects every diagnostic of the keys (not only its first), each naming its key; its error
+/// is the first one's, and lint reports the same diagnostics as errors on those keys.
+#[test]
+fn the_loader_collects_every_key_diagnostic_and_lint_reports_them() {
+    let d = tempfile::tempdir().unwrap();
+    let k = |s: &str| format!("deepseek2.{s}");
+    let p = edited(d.path(), "three.gguf", |m| {
+        set(m, &k("attention.head_count"), Value::String("8".into()));
+        remove(m, &k("attention.kv_lora_rank"));
+        remove(m, &k("attention.value_length_mla"));
+    });
+    let f = mla_diff::gguf::GgufFile::open(&p).unwrap();
+    let dg = mla_diff::model::MlaConfig::from_gguf_diagnosed(&f).unwrap();
+    assert!(dg.cfg.is_none());
+    let got: Vec<(&str, &str)> = dg
+        .diagnostics
+        .0
+        .iter()
+        .map(|d| (d.key.as_str(), d.rule))
+        .collect();
+    let want = [
+        (k("attention.head_count"), "type"),
+        (k("attention.kv_lora_rank"), "missing"),
+        (k("attention.key_length_mla"), "mla_pair"),
+    ];
+    let want: Vec<(&str, &str)> = want.iter().map(|(a, b)| (a.as_str(), *b)).collect();
+    assert_eq!(got, want);
+    let e = mla_diff::model::MlaConfig::from_gguf(&f)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.ends_with(": metadata key deepseek2.attention.head_count should be an unsigned integer, found \"8\""),
+        "{e}"
+    );
+    let (code, j, _) = lint(&p, &[]);
+    consistent(code, &j);
+    for (key, _) in &want {
+        finding(&j, "error", key);
+    }
+}
+
 #[test]
 fn tensor_shapes_are_checked_against_the_metadata() {
     let d = tempfile::tempdir().unwrap();

@@ -85,19 +85,10 @@ pub(super) fn dims(m: &Meta, arch: Arch, out: &mut Findings) {
 /// The trunk's layer count: block_count less the appended NextN/MTP blocks; 0 when the keys cannot
 /// say (the layer loops then do not run).
 fn layer_count(m: &Meta, out: &mut Findings) -> usize {
-    let f = m.f;
-    let block_count = m.required("block_count", out);
-    let nextn = m.uint("nextn_predict_layers", out).unwrap_or(0);
+    let block_count = m.required(&m.k.block_count, out);
+    let nextn = m.get(&m.k.nextn_predict_layers, out).unwrap_or(0);
     let n_layer = match block_count {
-        Some(b) if nextn > 0 && nextn >= b => {
-            out.error(
-                &m.key("nextn_predict_layers"),
-                nextn.to_string(),
-                format!("fewer than block_count {b}"),
-                "the NextN/MTP blocks come after the trunk; none would be left",
-            );
-            0
-        }
+        Some(_) if m.loader_rule("no_trunk", out) => 0,
         Some(0) => {
             out.error(
                 &m.key("block_count"),
@@ -112,13 +103,7 @@ fn layer_count(m: &Meta, out: &mut Findings) -> usize {
     };
     // Every layer has its own attention tensors: a count past the tensors is a corrupt header, and
     // must not drive a loop over layers.
-    let n_layer = if n_layer > f.tensors.len() {
-        out.error(
-            &m.key("block_count"),
-            block_count.unwrap_or(0).to_string(),
-            format!("at most the {} tensors the file has", f.tensors.len()),
-            "every layer needs its own attention tensors",
-        );
+    let n_layer = if m.loader_rule("layers_past_tensors", out) {
         0
     } else {
         n_layer
@@ -135,24 +120,22 @@ fn layer_count(m: &Meta, out: &mut Findings) -> usize {
 
 /// The dim keys, each read once (a key of the wrong type is reported at its read).
 fn keys(m: &Meta, arch: Arch, out: &mut Findings) -> Keys {
-    let e = m.required("embedding_length", out);
-    let h = m.required("attention.head_count", out);
-    let lkv = m.required("attention.kv_lora_rank", out);
-    let r = m.required("rope.dimension_count", out);
-    let lq = m.uint("attention.q_lora_rank", out).filter(|&r| r > 0);
+    let k = m.k;
+    let e = m.required(&k.embedding_length, out);
+    let h = m.required(&k.head_count, out);
+    let lkv = m.required(&k.kv_lora_rank, out);
+    let r = m.required(&k.rope_dim, out);
+    let lq = m.get(&k.q_lora_rank, out).filter(|&r| r > 0);
     let hybrid = glm5_next_layout(m, arch, out);
     let h_kv = match &hybrid {
         Some(h) => Some(h.n_head_kv as u64),
-        None => m.uint("attention.head_count_kv", out),
+        None => m.get(&k.head_count_kv, out),
     };
     let (k_mla, v_mla) = (
-        m.uint("attention.key_length_mla", out),
-        m.uint("attention.value_length_mla", out),
+        m.get(&k.key_length_mla, out),
+        m.get(&k.value_length_mla, out),
     );
-    let (k_len, v_len) = (
-        m.uint("attention.key_length", out),
-        m.uint("attention.value_length", out),
-    );
+    let (k_len, v_len) = (m.get(&k.key_length, out), m.get(&k.value_length, out));
     let default_head = match (e, h) {
         (Some(e), Some(h)) if h > 0 && e % h == 0 => Some(e / h),
         _ => None,
@@ -189,37 +172,17 @@ fn head_dims(
     };
     match (k_mla, v_mla) {
         (Some(k), Some(v)) => mla_keys(Some(k), Some(v)),
-        (None, None)
-            if !m.present("attention.key_length_mla")
-                && !m.present("attention.value_length_mla") =>
-        {
-            HeadDims {
-                qk: k_len.or(default_head),
-                v: v_len.or(default_head),
-                mla: false,
-                qk_key: m.key("attention.key_length"),
-                v_key: m.key("attention.value_length"),
-            }
-        }
+        (None, None) if !m.k.key_length_mla.present && !m.k.value_length_mla.present => HeadDims {
+            qk: k_len.or(default_head),
+            v: v_len.or(default_head),
+            mla: false,
+            qk_key: m.key("attention.key_length"),
+            v_key: m.key("attention.value_length"),
+        },
         _ => {
-            let (kp, vp) = (
-                m.present("attention.key_length_mla"),
-                m.present("attention.value_length_mla"),
-            );
-            let one = if kp {
-                "key_length_mla"
-            } else {
-                "value_length_mla"
-            };
-            // Both present but one of the wrong type was reported as such already.
-            if kp != vp {
-                out.error(
-                &m.key(&format!("attention.{one}")),
-                "present without its pair",
-                "both attention.key_length_mla and attention.value_length_mla, or neither",
-                "llama.cpp takes the per-head dims from the pair; with one of them the loader cannot tell the head dims",
-            );
-            }
+            // One without the other is the loader's; both present but one of the wrong type was
+            // reported as such already.
+            m.loader_rule("mla_pair", out);
             mla_keys(k_mla, v_mla)
         }
     }
@@ -398,16 +361,13 @@ fn qk_nope(m: &Meta, k: &Keys, p_v: &Votes, r: Option<u64>, out: &mut Findings) 
         (Some(qk), Some(r)) => qk.checked_sub(r),
         _ => None,
     };
+    let qk_present = if mla {
+        m.k.key_length_mla.present
+    } else {
+        m.k.key_length.present
+    };
     let qk_found = |qk: Option<u64>| match (qk, mla) {
-        (Some(v), _)
-            if m.present(if mla {
-                "attention.key_length_mla"
-            } else {
-                "attention.key_length"
-            }) =>
-        {
-            v.to_string()
-        }
+        (Some(v), _) if qk_present => v.to_string(),
         (Some(v), false) => format!("absent (hidden/heads = {v})"),
         _ => "absent".to_string(),
     };
@@ -436,11 +396,12 @@ fn v_head(m: &Meta, heads: &HeadDims, dv_v: &Votes, out: &mut Findings) -> Optio
     let (v_meta, mla) = (heads.v, heads.mla);
     match (dv_v.unanimous(), v_meta) {
         (Some(vt), Some(vm)) if vt != vm => {
-            let found = if m.present(if mla {
-                "attention.value_length_mla"
+            let present = if mla {
+                m.k.value_length_mla.present
             } else {
-                "attention.value_length"
-            }) {
+                m.k.value_length.present
+            };
+            let found = if present {
                 vm.to_string()
             } else {
                 format!("absent (hidden/heads = {vm})")
@@ -499,15 +460,15 @@ fn cache_row(m: &Meta, arch: Arch, k: &Keys, d: &Resolved, out: &mut Findings) {
 
 /// New-style files expose MLA as MQA: one KV head whose key is the cache row.
 fn mqa_keys(m: &Meta, k: &Keys, lkv: u64, row: u64, out: &mut Findings) {
-    for (key, found, want, why) in [
-        ("attention.key_length", k.k_len, row, format!("MLA as MQA: the key of the one KV head is the latent cache row [latent | k_pe] = kv_lora_rank + rope = {row}; llama.cpp sizes the cache rows from it")),
-        ("attention.value_length", k.v_len, lkv, format!("MLA as MQA: the value is the latent, kv_lora_rank = {lkv} wide; llama.cpp sizes the value view from it")),
-        ("attention.head_count_kv", k.h_kv, 1, "MLA as MQA: one latent row per token shared by every head; llama.cpp sizes the cache by head_count_kv × key_length".to_string()),
+    for (r, found, want, why) in [
+        (&m.k.key_length, k.k_len, row, format!("MLA as MQA: the key of the one KV head is the latent cache row [latent | k_pe] = kv_lora_rank + rope = {row}; llama.cpp sizes the cache rows from it")),
+        (&m.k.value_length, k.v_len, lkv, format!("MLA as MQA: the value is the latent, kv_lora_rank = {lkv} wide; llama.cpp sizes the value view from it")),
+        (&m.k.head_count_kv, k.h_kv, 1, "MLA as MQA: one latent row per token shared by every head; llama.cpp sizes the cache by head_count_kv × key_length".to_string()),
     ] {
         match found {
-            Some(x) if x != want => out.error(&m.key(key), x.to_string(), want.to_string(), why),
-            None if !m.present(key) => out.warning(
-                &m.key(key),
+            Some(x) if x != want => out.error(&r.key, x.to_string(), want.to_string(), why),
+            None if !r.present => out.warning(
+                &r.key,
                 "absent",
                 want.to_string(),
                 format!("the converter writes it; without it llama.cpp falls back to hidden/heads or head_count. {why}"),
@@ -537,7 +498,7 @@ fn legacy_keys(m: &Meta, arch: Arch, k: &Keys, qk: u64, row: u64, out: &mut Find
             );
         }
     }
-    if k.v_len.is_none() && !m.present("attention.value_length") && arch != Arch::Minicpm3 {
+    if k.v_len.is_none() && !m.k.value_length.present && arch != Arch::Minicpm3 {
         out.warning(
             &m.key("attention.value_length"),
             format!("absent (hidden/heads = {})", k.heads.v.map(|v| v.to_string()).unwrap_or("?".into())),

@@ -8,11 +8,7 @@ use std::collections::BTreeMap;
 /// One finding per tensor role and problem (absent, or each wrong shape), naming the layers. A layer
 /// has a k-pool when it has any of GLM-5's `blk.N.indexer.*` tensors (a shared layer has none).
 pub(super) fn kpool_tensors(m: &Meta, mla_layers: &[usize], kpool: u64, out: &mut Findings) {
-    let (Some(e), Some(di)) = (
-        m.raw("embedding_length").and_then(|v| v.as_u64()),
-        m.raw("attention.indexer.key_length")
-            .and_then(|v| v.as_u64()),
-    ) else {
+    let (Some(e), Some(di)) = (m.k.embedding_length.value, m.k.indexer_key_length.value) else {
         return;
     };
     let roles = [

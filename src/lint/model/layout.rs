@@ -12,13 +12,13 @@ pub(super) fn glm5_next_layout(
     out: &mut Findings,
 ) -> Option<crate::model::HybridLayout> {
     let key = m.key("attention.head_count_kv");
-    let h = match crate::model::HybridLayout::from_gguf(m.f) {
+    let h = match crate::model::HybridLayout::from_keys(m.f, m.k) {
         Ok(Some(h)) => h,
         Ok(None) => return None,
-        Err(e) => {
+        Err(d) => {
             out.error(
                 &key,
-                e.to_string(),
+                d.error(m.f).to_string(),
                 "one entry per block: 0 (linear attention) or 1 (MLA)",
                 "llama.cpp's glm5-next converter writes head_count_kv per block",
             );
@@ -40,7 +40,7 @@ pub(super) fn glm5_next_layout(
     );
     if arch == Arch::Glm5Next {
         let ik = |k: &str| m.key(&format!("attention.indexer.{k}"));
-        match m.uint("attention.indexer.kpool", out) {
+        match m.get(&m.k.indexer_kpool, out) {
             Some(0) => out.error(
                 &ik("kpool"),
                 "0",
@@ -48,10 +48,7 @@ pub(super) fn glm5_next_layout(
                 "the k-pool pools `kpool` keys into one before the indexer's top-k",
             ),
             Some(k) => {
-                let tail = m
-                    .raw("attention.indexer.kpool_select_tail")
-                    .and_then(|v| v.as_bool())
-                    .unwrap_or(true);
+                let tail = m.k.indexer_kpool_select_tail.value.unwrap_or(true);
                 out.note(&ik("kpool"), format!("{k}, select tail {tail}"), "glm5-next's DSA indexer scores pools of `kpool` keys (gated softmax pooling with a per-slot APE), expands the chosen pools back to tokens and always selects the visible tail; past top_k `run` attends over the fp64 k-pool selection where the file has the k-pool tensors and checks the optimized k-pool indexer against it, tie-aware on pools; it refuses a file without them unless --allow-dense-beyond-topk");
                 super::kpool::kpool_tensors(m, &h.mla_layers, k, out);
             }
@@ -62,34 +59,21 @@ pub(super) fn glm5_next_layout(
                 "llama.cpp's glm5-next converter always writes it",
             ),
         }
-        if let Some(v) = m.raw("attention.indexer.types") {
-            match v {
-                crate::gguf::Value::Array(a) => {
-                    let full: Option<Vec<bool>> = a.iter().map(|v| v.as_bool()).collect();
-                    match full {
-                        Some(full) => {
-                            let shared: Vec<usize> = h
-                                .mla_layers
-                                .iter()
-                                .copied()
-                                .filter(|&l| full.get(l) == Some(&false))
-                                .collect();
-                            out.note(&ik("types"), if shared.is_empty() { "every MLA layer full".to_string() } else { format!("shared on layers {}", crate::model::config::ranges(&shared)) }, "a shared layer reuses the previous full layer's top-k (transformers indexer_types)");
-                        }
-                        None => out.error(
-                            &ik("types"),
-                            v.display_short(),
-                            "an array of bools (true = full)",
-                            "llama.cpp's converter writes [t == \"full\" for t in indexer_types]",
-                        ),
-                    }
+        let types = &m.k.indexer_types;
+        match &types.value {
+            Some(full) => {
+                let shared: Vec<usize> = h
+                    .mla_layers
+                    .iter()
+                    .copied()
+                    .filter(|&l| full.get(l) == Some(&false))
+                    .collect();
+                out.note(&ik("types"), if shared.is_empty() { "every MLA layer full".to_string() } else { format!("shared on layers {}", crate::model::config::ranges(&shared)) }, "a shared layer reuses the previous full layer's top-k (transformers indexer_types)");
+            }
+            None => {
+                if let Some(d) = &types.bad_type {
+                    super::meta::report(d, out);
                 }
-                _ => out.error(
-                    &ik("types"),
-                    v.display_short(),
-                    "an array of bools (true = full)",
-                    "llama.cpp's converter writes [t == \"full\" for t in indexer_types]",
-                ),
             }
         }
     }
@@ -101,13 +85,13 @@ pub(super) fn dsa(m: &Meta, arch: Arch, out: &mut Findings) {
     if !matches!(arch, Arch::GlmDsa | Arch::Deepseek32) {
         return;
     }
-    match m.uint("attention.indexer.top_k", out) {
+    match m.get(&m.k.indexer_top_k, out) {
         Some(k) => out.note(
             &m.key("attention.indexer.top_k"),
             k.to_string(),
             format!("dense MLA (what mla-diff and llama.cpp before PR #25407 compute) equals the model's DSA only while a query sees at most {k} keys; past it `run` checks the sparse model (indexer + attention over the selection, docs/dsa.md) where the file has the `blk.N.indexer.*` tensors, and refuses a file without them unless --allow-dense-beyond-topk"),
         ),
-        None if !m.present("attention.indexer.top_k") => out.warning(
+        None if !m.k.indexer_top_k.present => out.warning(
             &m.key("attention.indexer.top_k"),
             "absent",
             "the lightning indexer's top_k (2048 for GLM-5)",

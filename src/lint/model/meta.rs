@@ -1,65 +1,48 @@
-//! Typed access to the architecture's keys, and the tensors' votes on a dim.
+//! The keys as the loader read them (`model::keys`), reported as findings where they are read; the
+//! tensors' votes on a dim.
 
-use crate::gguf::{GgufFile, Value};
+use crate::gguf::GgufFile;
 use crate::lint::Findings;
+use crate::model::keys::{Diagnostic, MlaKeys, Read};
+use crate::model::loader::Diagnosed;
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Typed access to the architecture's keys; a key of the wrong type is reported once, then absent.
+/// The file, its keys as `MlaKeys` read them and the loader's diagnostics; a key of the wrong type is
+/// reported where a check reads it, then absent.
 pub(super) struct Meta<'a> {
     pub(super) f: &'a GgufFile,
     pub(super) arch: &'a str,
+    pub(super) k: &'a MlaKeys,
+    pub(super) d: &'a Diagnosed,
+}
+
+/// A diagnostic of the loader or the key reader as an error finding.
+pub(super) fn report(d: &Diagnostic, out: &mut Findings) {
+    out.error(&d.key, d.found.clone(), d.expected.clone(), d.why.clone());
 }
 
 impl Meta<'_> {
     pub(super) fn key(&self, k: &str) -> String {
         format!("{}.{k}", self.arch)
     }
-    pub(super) fn raw(&self, k: &str) -> Option<&Value> {
-        self.f.get(&self.key(k))
-    }
-    pub(super) fn present(&self, k: &str) -> bool {
-        self.raw(k).is_some()
-    }
-    pub(super) fn typed<T>(
-        &self,
-        k: &str,
-        what: &str,
-        conv: impl Fn(&Value) -> Option<T>,
-        out: &mut Findings,
-    ) -> Option<T> {
-        let v = self.raw(k)?;
-        let r = conv(v);
-        if r.is_none() {
-            out.error(
-                &self.key(k),
-                v.display_short(),
-                what,
-                "llama.cpp and mla-diff read this key as that type and refuse the file otherwise",
-            );
+    /// The key's value; its type diagnostic, if any, becomes an error.
+    pub(super) fn get<T: Clone>(&self, r: &Read<T>, out: &mut Findings) -> Option<T> {
+        if let Some(d) = &r.bad_type {
+            report(d, out);
         }
-        r
-    }
-    pub(super) fn uint(&self, k: &str, out: &mut Findings) -> Option<u64> {
-        self.typed(k, "an unsigned integer", |v| v.as_u64(), out)
-    }
-    pub(super) fn float(&self, k: &str, out: &mut Findings) -> Option<f64> {
-        self.typed(k, "a number", |v| v.as_f64(), out)
-    }
-    pub(super) fn string(&self, k: &str, out: &mut Findings) -> Option<String> {
-        self.typed(k, "a string", |v| v.as_str().map(str::to_string), out)
+        r.value.clone()
     }
     /// A key the loader requires: absent is an error.
-    pub(super) fn required(&self, k: &str, out: &mut Findings) -> Option<u64> {
-        if !self.present(k) {
-            out.error(
-                &self.key(k),
-                "absent",
-                "present",
-                "the loader (and llama.cpp) refuse an MLA file without it",
-            );
+    pub(super) fn required(&self, r: &Read<u64>, out: &mut Findings) -> Option<u64> {
+        if !r.present {
+            report(&r.missing(), out);
             return None;
         }
-        self.uint(k, out)
+        self.get(r, out)
+    }
+    /// The loader's diagnostic of `rule`, reported; whether it had one.
+    pub(super) fn loader_rule(&self, rule: &str, out: &mut Findings) -> bool {
+        self.d.rule(rule).map(|d| report(d, out)).is_some()
     }
 }
 

@@ -57,10 +57,10 @@ fn pairing(m: &Meta, arch: Arch, out: &mut Findings) {
             m.arch
         ),
     );
-    if m.present("rope.dimension_sections") {
+    if m.k.rope_sections.present {
         out.warning(
             &m.key("rope.dimension_sections"),
-            m.raw("rope.dimension_sections").map(|v| v.display_short()).unwrap_or_default(),
+            m.k.rope_sections.shown.clone().unwrap_or_default(),
             "absent: MLA rope has no sections",
             format!(
                 "M-RoPE sections on an MLA model: llama.cpp's M-RoPE kernel pairs NEOX-style only, and its GLM converter permutes q/k to suit it; the {} weights may then be permuted for a pairing the architecture does not use",
@@ -93,14 +93,14 @@ fn pairing(m: &Meta, arch: Arch, out: &mut Findings) {
 }
 
 fn freq_base(m: &Meta, arch: Arch, out: &mut Findings) {
-    match m.float("rope.freq_base", out) {
+    match m.get(&m.k.rope_freq_base, out) {
         Some(b) if !(b.is_finite() && b > 1.0) => out.error(
             &m.key("rope.freq_base"),
             num(b),
             "a finite base above 1",
             "the rope angle is pos·base^(−2i/rope): a base of 1 or less does not rotate or diverges",
         ),
-        None if !m.present("rope.freq_base") && !matches!(arch, Arch::Minicpm3 | Arch::Glm5Next) => out.warning(
+        None if !m.k.rope_freq_base.present && !matches!(arch, Arch::Minicpm3 | Arch::Glm5Next) => out.warning(
             &m.key("rope.freq_base"),
             "absent",
             "present (10000 DeepSeek, 50000 Kimi-K2, 1e6 GLM)",
@@ -111,21 +111,22 @@ fn freq_base(m: &Meta, arch: Arch, out: &mut Findings) {
 }
 
 fn scaling(m: &Meta, out: &mut Findings) -> Scaling {
-    let ty = m.string("rope.scaling.type", out);
+    let k = m.k;
+    let ty = m.get(&k.scaling_type, out);
     // llama.cpp reads the old `rope.scale_linear` key where `rope.scaling.factor` is absent.
-    let (factor, factor_name) = match m.float("rope.scaling.factor", out) {
-        Some(f) => (Some(f), "rope.scaling.factor"),
-        None => (m.float("rope.scale_linear", out), "rope.scale_linear"),
+    let (factor, factor_key) = match m.get(&k.scaling_factor, out) {
+        Some(f) => (Some(f), &k.scaling_factor.key),
+        None => (m.get(&k.scale_linear, out), &k.scale_linear.key),
     };
     Scaling {
         ty,
         factor,
-        factor_key: m.key(factor_name),
-        orig: m.uint("rope.scaling.original_context_length", out),
-        ctx: m.uint("context_length", out),
-        raw_mul: m.float("rope.scaling.yarn_log_multiplier", out),
-        beta_fast: m.float("rope.scaling.yarn_beta_fast", out),
-        beta_slow: m.float("rope.scaling.yarn_beta_slow", out),
+        factor_key: factor_key.clone(),
+        orig: m.get(&k.original_context, out),
+        ctx: m.get(&k.context_length, out),
+        raw_mul: m.get(&k.yarn_log_multiplier, out),
+        beta_fast: m.get(&k.yarn_beta_fast, out),
+        beta_slow: m.get(&k.yarn_beta_slow, out),
     }
 }
 
@@ -149,12 +150,13 @@ fn scaling_type(m: &Meta, arch: Arch, s: &Scaling, out: &mut Findings) {
                     format!("{how}; mla-diff's reference applies no scaling without type yarn, so the two compute different rope angles"),
                 );
             }
-            if let Some(k) = ["rope.scaling.yarn_log_multiplier", "rope.scaling.original_context_length"]
+            if let Some(k) = [&m.k.yarn_log_multiplier.key, &m.k.original_context.key]
                 .into_iter()
-                .find(|k| m.present(k))
+                .zip([m.k.yarn_log_multiplier.present, m.k.original_context.present])
+                .find_map(|(k, present)| present.then_some(k))
             {
                 out.warning(
-                    &m.key(k),
+                    k,
                     "present without rope.scaling.type yarn",
                     "rope.scaling.type yarn",
                     "YaRN parameters without the YaRN type are ignored by llama.cpp and mla-diff",
@@ -184,7 +186,7 @@ fn scaling_type(m: &Meta, arch: Arch, s: &Scaling, out: &mut Findings) {
 /// YaRN's original context: present, non-zero, below the whole context.
 fn yarn_context(m: &Meta, s: &Scaling, fa: f64, out: &mut Findings) {
     match s.orig {
-        None if !m.present("rope.scaling.original_context_length") => out.error(
+        None if !m.k.original_context.present => out.error(
             &m.key("rope.scaling.original_context_length"),
             "absent",
             "the original (pre-YaRN) context, e.g. 4096 for DeepSeek",
@@ -286,8 +288,8 @@ fn yarn_log_multiplier(m: &Meta, s: &Scaling, fa: f64, out: &mut Findings) {
 /// RMSNorm eps.
 pub(super) fn norms(m: &Meta, out: &mut Findings) {
     let k = "attention.layer_norm_rms_epsilon";
-    match m.float(k, out) {
-        None if !m.present(k) => out.error(
+    match m.get(&m.k.rms_eps, out) {
+        None if !m.k.rms_eps.present => out.error(
             &m.key(k),
             "absent",
             "the model's RMSNorm eps (1e-6 DeepSeek/Kimi, 1e-5 GLM/MiniCPM3)",

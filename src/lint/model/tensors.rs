@@ -149,8 +149,8 @@ pub(super) fn rope_factor_tensors(m: &Meta, r: Option<u64>, out: &mut Findings) 
         }
     }
     if m.f.tensor("rope_factors_long.weight").is_some()
-        && !m.present("rope.scaling.original_context_length")
-        && !m.present("context_length")
+        && !m.k.original_context.present
+        && !m.k.context_length.present
     {
         out.error(
             &m.key("context_length"),
