@@ -14,6 +14,8 @@ use crate::error::{Error, Result};
 use crate::gguf::GgmlType;
 use crate::model::Arch;
 
+#[cfg(test)]
+mod catalogue_tests;
 mod metadata;
 pub mod v4;
 mod values;
