@@ -14,6 +14,8 @@ use crate::error::{Error, Result};
 use crate::gguf::GgmlType;
 use crate::model::Arch;
 
+#[cfg(test)]
+mod catalogue_tests;
 mod metadata;
 pub mod v4;
 mod values;
@@ -48,6 +50,16 @@ pub struct Spec {
     pub legacy_kv_b: bool,
     /// DSA indexer keys (head_count, key_length, top_k) written by the GLM-5 converter.
     pub indexer: Option<(u32, u32, u32)>,
+    /// glm5-next's k-pool size (`index_kpool`); `None` for every other architecture.
+    pub kpool: Option<u32>,
+    /// glm5-next's `layer_types`, one per layer: true for MLA ("indexed_attention"), false for linear
+    /// attention (no MLA tensors, head_count_kv 0). `None`: the model's default layout
+    /// (`catalogue::glm5_next_is_mla`), or every layer MLA on the other architectures.
+    pub layer_types: Option<Vec<bool>>,
+    /// glm5-next's `indexer_types` (`attention.indexer.types`): true for a layer running its own
+    /// indexer ("full": indexer and k-pool tensors), false for one reusing the previous selection
+    /// ("shared": none). `None`: every layer full.
+    pub indexer_types: Option<Vec<bool>>,
     pub quant: GgmlType,
     pub seed: u64,
 }
@@ -93,6 +105,9 @@ impl Preset {
             vocab: VOCAB,
             legacy_kv_b: e.unsplit_kv_b,
             indexer: e.indexer.map(|i| (i.heads, i.key_length, i.top_k)),
+            kpool: (e.arch == Arch::Glm5Next).then_some(crate::model::catalogue::GLM5_NEXT_KPOOL),
+            layer_types: None,
+            indexer_types: None,
             quant: GgmlType::from_name("BF16").unwrap(),
             seed: 0,
         }
@@ -135,6 +150,21 @@ impl Spec {
             )));
         }
         Ok(s)
+    }
+
+    /// Whether layer `l` is an MLA layer (glm5-next's linear-attention layers are not).
+    pub fn is_mla(&self, l: usize) -> bool {
+        match &self.layer_types {
+            Some(t) => t.get(l).copied().unwrap_or(false),
+            None => self.arch != Arch::Glm5Next || crate::model::catalogue::glm5_next_is_mla(l),
+        }
+    }
+
+    /// Whether layer `l` runs its own indexer (glm5-next's "shared" layers reuse the previous one's).
+    pub fn indexer_full(&self, l: usize) -> bool {
+        self.indexer_types
+            .as_ref()
+            .is_none_or(|t| t.get(l).copied().unwrap_or(true))
     }
 
     pub fn qk_head_dim(&self) -> usize {

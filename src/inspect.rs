@@ -91,6 +91,8 @@ pub fn inspect_json(f: &GgufFile) -> Result<serde_json::Value> {
             "indexer": crate::model::indexer::IndexerConfig::from_gguf(f, &cfg)?,
             "qk_head_dim": cfg.qk_head_dim(),
             "cache_row": cfg.cache_row(),
+            // The catalogue model whose attention this is (`--preset` name; null: none).
+            "catalogue": crate::model::catalogue::known(&cfg).map(|e| e.name),
             "attention_bytes": attn_bytes,
             "layers": layers,
         }),
@@ -105,6 +107,20 @@ pub fn inspect_json(f: &GgufFile) -> Result<serde_json::Value> {
             json!({ "kpool": k.kpool, "select_tail": k.select_tail, "full": k.full });
     }
     Ok(out)
+}
+
+/// The catalogue model the file's attention is (`catalogue::known`), for the text report.
+fn catalogue_text(c: &MlaConfig) -> String {
+    match crate::model::catalogue::known(c) {
+        Some(e) if e.hidden == c.hidden && e.heads == c.n_head => {
+            format!("{} (preset {}, at full size)", e.model_name, e.name)
+        }
+        Some(e) => format!(
+            "{} (preset {}; hidden/heads {} / {}, the model's {} / {})",
+            e.model_name, e.name, c.hidden, c.n_head, e.hidden, e.heads
+        ),
+        None => "no known model has this attention (dims, rope, YaRN, eps)".into(),
+    }
 }
 
 /// Human-readable inspect report of any file `inspect` reads (MLA, DeepSeek-V4).
@@ -241,6 +257,7 @@ fn config_lines(s: &mut String, f: &GgufFile, c: &MlaConfig) {
         c.arch.gguf_name()
     )
     .ok();
+    writeln!(s, "catalogue     {}", catalogue_text(c)).ok();
     writeln!(
         s,
         "layers        {}   hidden {}   heads {} (head_count_kv {})",

@@ -11,7 +11,7 @@ enum PresetArg {
     DeepseekV4,
 }
 
-const PRESET_ARGS: [PresetArg; 10] = [
+const PRESET_ARGS: [PresetArg; 11] = [
     PresetArg::Mla(Preset::ALL[0]),
     PresetArg::Mla(Preset::ALL[1]),
     PresetArg::Mla(Preset::ALL[2]),
@@ -21,6 +21,7 @@ const PRESET_ARGS: [PresetArg; 10] = [
     PresetArg::Mla(Preset::ALL[6]),
     PresetArg::Mla(Preset::ALL[7]),
     PresetArg::Mla(Preset::ALL[8]),
+    PresetArg::Mla(Preset::ALL[9]),
     PresetArg::DeepseekV4,
 ];
 

@@ -23,6 +23,7 @@ pub enum Preset {
     DeepseekV3,
     DeepseekV2Lite,
     KimiK2,
+    KimiK25,
     Glm47Flash,
     Glm5,
     DeepseekV32,
@@ -99,7 +100,7 @@ const DEEPSEEK_YARN: YarnSpec = YarnSpec {
 };
 
 /// Every model, in `Preset` order.
-pub const CATALOGUE: [Entry; 9] = [
+pub const CATALOGUE: [Entry; 10] = [
     Entry {
         preset: Preset::DeepseekV3,
         name: "deepseek-v3",
@@ -175,6 +176,44 @@ pub const CATALOGUE: [Entry; 9] = [
         unsplit_kv_b: false,
         indexer: None,
         note: "",
+    },
+    // Kimi-K2.5's text model. llama.cpp's converter takes `KimiK25ForConditionalGeneration` into
+    // `DeepseekV2Model` (conversion/deepseek.py; conversion/__init__.py maps it to "deepseek"): arch
+    // `deepseek2`, the text_config's keys exactly as for Kimi-K2 (its vision tower goes to the mmproj
+    // file, `KimiK25Model(MmprojModel)` in conversion/kimivl.py). transformers 5.24.0's `Kimi_K25Config`
+    // holds a `deepseek_v3` text_config (a "kimi_k2" model_type is renamed to it) and runs it through
+    // DeepSeek-V3's attention unchanged. The text_config is Kimi-K2's 64 heads, 7168 hidden, q-LoRA 1536,
+    // kv 512, qk 128/64, v 128, rope_theta 50000, vocabulary 163840 (same tokenizer, `tokpre` "kimi-k2"),
+    // with the 256K context of the K2 releases after July 2025 (Kimi-K2-Instruct-0905: YaRN factor 64
+    // over 4096, β 1/1, mscale = mscale_all_dim = 1, max_position_embeddings 262144): the only attention
+    // difference from `kimi-k2` (YaRN ×32, 131072), and it moves the softmax scale (mscale 1.4159 vs
+    // 1.3466). The released config.json was not available here; rms_norm_eps is Kimi-K2's.
+    Entry {
+        preset: Preset::KimiK25,
+        name: "kimi-k2.5",
+        model_name: "Kimi-K2.5",
+        arch: Arch::Deepseek2,
+        layers: 61,
+        hidden: 7168,
+        heads: 64,
+        q_lora: Some(1536),
+        kv_lora: 512,
+        qk_nope: 128,
+        qk_rope: 64,
+        v_head: 128,
+        rope: RopePairing::Norm,
+        rope_base: Some(50000.0),
+        yarn: Some(YarnSpec {
+            factor: 64.0,
+            beta_fast: Some(1.0),
+            ..DEEPSEEK_YARN
+        }),
+        longrope: false,
+        rms_eps: 1e-6,
+        context_length: 262144,
+        unsplit_kv_b: false,
+        indexer: None,
+        note: "Kimi-K2.5's text model (DeepSeek-V3's deepseek2, 64 heads, YaRN x64 to 256K; also Kimi-K2-0905)",
     },
     // rope_theta for GLM-4.7-Flash / GLM-5 is not settled by the public configs we know; 1e6 is GLM-5.1's.
     Entry {
@@ -362,14 +401,50 @@ pub const CATALOGUE: [Entry; 9] = [
     },
 ];
 
+/// The real model of the catalogue a config states, if any: the same architecture, attention dims,
+/// rope base, YaRN and RMSNorm eps (each at the f32 the file stores); hidden size and heads may differ
+/// (fixtures and tests reduce them), a full-size match first. What `inspect` names.
+pub fn known(c: &super::MlaConfig) -> Option<&'static Entry> {
+    let same = |a: f64, b: f64| (a - b).abs() <= 1e-6 * b.abs().max(1e-30);
+    let yarn = |e: &Entry| match (&e.yarn, &c.rope.yarn) {
+        (None, None) => true,
+        (Some(s), Some(y)) => {
+            same(y.factor, s.factor as f64)
+                && y.original_context == s.original_context as u64
+                && same(y.mscale_all_dim, s.mscale_all_dim.unwrap_or(0.0))
+                && same(y.beta_fast, s.beta_fast.unwrap_or(32.0) as f64)
+                && same(y.beta_slow, s.beta_slow.unwrap_or(1.0) as f64)
+        }
+        _ => false,
+    };
+    CATALOGUE
+        .iter()
+        .filter(|e| {
+            e.preset != Preset::Tiny
+                && e.arch == c.arch
+                && (e.kv_lora, e.qk_nope, e.qk_rope, e.v_head)
+                    == (c.kv_lora_rank, c.qk_nope, c.qk_rope, c.v_head_dim)
+                && same(c.rope.base, e.rope_base.unwrap_or(10000.0))
+                && same(c.rms_eps, e.rms_eps as f32 as f64)
+                && yarn(e)
+        })
+        .min_by_key(|e| {
+            (
+                e.hidden != c.hidden || e.heads != c.n_head,
+                e.preset as usize,
+            )
+        })
+}
+
 /// DeepSeek-V4 is a kind of its own (not latent MLA): its models' dims live with its config.
 pub use super::v4::{V4Model, V4_CATALOGUE};
 
 impl Preset {
-    pub const ALL: [Preset; 9] = [
+    pub const ALL: [Preset; 10] = [
         Preset::DeepseekV3,
         Preset::DeepseekV2Lite,
         Preset::KimiK2,
+        Preset::KimiK25,
         Preset::Glm47Flash,
         Preset::Glm5,
         Preset::DeepseekV32,
@@ -408,189 +483,5 @@ impl clap::ValueEnum for Preset {
         let e = self.entry();
         let v = clap::builder::PossibleValue::new(e.name);
         Some(if e.note.is_empty() { v } else { v.help(e.note) })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rows_are_in_preset_order_and_consistent() {
-        let mut names = std::collections::HashSet::new();
-        for p in Preset::ALL {
-            let e = p.entry();
-            assert_eq!(e.preset, p);
-            assert!(names.insert(e.name), "duplicate {}", e.name);
-            assert_eq!(Preset::from_name(e.name), Some(p));
-            // The table states the pairing; llama.cpp derives it from the architecture.
-            assert_eq!(e.rope, e.arch.rope_pairing(), "{}", e.name);
-            // LongRoPE factors and an unsplit kv_b are MiniCPM3's, as the converter writes them.
-            assert_eq!(e.longrope, e.arch == Arch::Minicpm3, "{}", e.name);
-            assert_eq!(e.unsplit_kv_b, e.arch == Arch::Minicpm3, "{}", e.name);
-            assert!(e.qk_rope.is_multiple_of(2) && e.hidden > 0 && e.heads > 0);
-        }
-    }
-
-    /// Every entry through the fixture writer's header (metadata and tensor plan, at the model's full
-    /// dims, one layer; tensor data left as a hole) and back through `MlaConfig::from_gguf`: the same
-    /// dims, architecture, rope and scaling.
-    #[test]
-    fn every_entry_round_trips_through_the_fixture_writer() {
-        use crate::gguf::write::GgufWriter;
-        use crate::gguf::GgufFile;
-        use crate::model::MlaConfig;
-        let dir = tempfile::tempdir().unwrap();
-        for p in Preset::ALL {
-            let e = p.entry();
-            let mut spec = p.spec();
-            spec.layers = min_layers(p);
-            let mut w = GgufWriter::new();
-            for (k, v) in spec.metadata() {
-                w.add(k, v).unwrap();
-            }
-            for t in spec.plan() {
-                w.add_tensor(&t.name, &t.ne(), t.ty).unwrap();
-            }
-            let path = dir.path().join(format!("{}.gguf", e.name));
-            let f = std::fs::File::create(&path).unwrap();
-            std::io::Write::write_all(&mut &f, &w.header_bytes()).unwrap();
-            f.set_len(w.file_size()).unwrap();
-            let cfg = MlaConfig::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
-            check(e, &cfg, e.hidden, e.heads, e.q_lora);
-        }
-    }
-
-    /// The fewest layers with an MLA layer among them (glm5-next's first is layer 3: the rest of its
-    /// first four are linear attention, which a file of only those is refused for).
-    fn min_layers(p: Preset) -> usize {
-        match p {
-            Preset::Glm5Next => 4,
-            _ => 1,
-        }
-    }
-
-    /// The same through the whole writer (values included) at reduced hidden size and heads.
-    #[test]
-    fn every_entry_round_trips_through_a_written_fixture() {
-        use crate::gguf::{GgmlType, GgufFile};
-        use crate::model::MlaConfig;
-        let dir = tempfile::tempdir().unwrap();
-        for p in Preset::ALL {
-            let e = p.entry();
-            let spec = crate::fixture::Spec::from_options(&crate::fixture::Options {
-                preset: p,
-                layers: Some(min_layers(p)),
-                quant: GgmlType::from_name("F32").unwrap(),
-                seed: 1,
-                legacy_kv_b: false,
-                hidden: Some(128),
-                heads: Some(2),
-                q_lora_rank: None,
-                vocab: Some(8),
-            })
-            .unwrap();
-            let path = dir.path().join(format!("{}.gguf", e.name));
-            crate::fixture::write(&spec, &path).unwrap();
-            let f = GgufFile::open(&path).unwrap();
-            let cfg = MlaConfig::from_gguf(&f).unwrap();
-            check(e, &cfg, 128, 2, e.q_lora);
-            // The indexer: its keys, and the rope pairing its architecture implies (NeoX for DeepSeek-V3.2,
-            // interleaved for GLM-5), while the MLA rope stays interleaved.
-            let ic = crate::model::indexer::IndexerConfig::from_gguf(&f, &cfg).unwrap();
-            match (ic, e.indexer) {
-                (None, None) => {}
-                (Some(ic), Some(i)) => {
-                    assert_eq!(
-                        (ic.heads, ic.head_dim, ic.top_k, ic.rope_dim),
-                        (
-                            i.heads as usize,
-                            i.key_length as usize,
-                            i.top_k as usize,
-                            e.qk_rope
-                        ),
-                        "{}",
-                        e.name
-                    );
-                    let want = match e.arch {
-                        Arch::Deepseek32 => RopePairing::Neox,
-                        _ => RopePairing::Norm,
-                    };
-                    assert_eq!(ic.rope, want, "{}", e.name);
-                }
-                // glm5-next's k-pool indexer is read by `KpoolIndexer` (model::kpool, tests/it/kpool.rs),
-                // not as GLM-5's `IndexerConfig`.
-                (None, Some(_)) if e.arch == Arch::Glm5Next => {}
-                (a, b) => panic!("{}: indexer {a:?} vs {b:?}", e.name),
-            }
-        }
-    }
-
-    fn check(
-        e: &Entry,
-        cfg: &crate::model::MlaConfig,
-        hidden: usize,
-        heads: usize,
-        q: Option<usize>,
-    ) {
-        let n = e.name;
-        assert_eq!(cfg.arch, e.arch, "{n}");
-        assert_eq!(cfg.n_layer, min_layers(e.preset), "{n}");
-        assert_eq!(
-            (cfg.hidden, cfg.n_head, cfg.q_lora_rank),
-            (hidden, heads, q),
-            "{n}"
-        );
-        assert_eq!(
-            (cfg.kv_lora_rank, cfg.qk_nope, cfg.qk_rope, cfg.v_head_dim),
-            (e.kv_lora, e.qk_nope, e.qk_rope, e.v_head),
-            "{n}"
-        );
-        assert_eq!(cfg.rope.pairing, e.rope, "{n}");
-        assert_eq!(cfg.rope.base, e.rope_base.unwrap_or(10000.0), "{n}");
-        assert_eq!(cfg.rms_eps, e.rms_eps as f32 as f64, "{n}");
-        assert_eq!(cfg.rope.freq_factors_long.is_some(), e.longrope, "{n}");
-        assert_eq!(cfg.rope.freq_factors_short.is_some(), e.longrope, "{n}");
-        match (&cfg.rope.yarn, &e.yarn) {
-            (None, None) => {}
-            (Some(y), Some(s)) => {
-                assert_eq!(y.factor, s.factor as f64, "{n}");
-                assert_eq!(y.original_context, s.original_context as u64, "{n}");
-                assert_eq!(y.beta_fast, s.beta_fast.unwrap() as f64, "{n}");
-                assert_eq!(y.beta_slow, s.beta_slow.unwrap() as f64, "{n}");
-                let m = s.mscale_all_dim.unwrap();
-                assert!(
-                    (y.mscale_all_dim - m).abs() < 1e-6,
-                    "{n}: {}",
-                    y.mscale_all_dim
-                );
-            }
-            (a, b) => panic!("{n}: yarn {a:?} vs {b:?}"),
-        }
-        // The synthetic layer of the entry is the same model.
-        let syn = e.preset.config(e.preset.full_dims());
-        assert_eq!(
-            (
-                syn.arch,
-                syn.rope.pairing,
-                syn.rope.base,
-                syn.kv_lora_rank,
-                syn.qk_nope
-            ),
-            (
-                cfg.arch,
-                cfg.rope.pairing,
-                cfg.rope.base,
-                cfg.kv_lora_rank,
-                cfg.qk_nope
-            ),
-            "{n}"
-        );
-        assert!(
-            (syn.mscale - cfg.mscale).abs() < 1e-6,
-            "{n}: mscale {} vs {}",
-            syn.mscale,
-            cfg.mscale
-        );
     }
 }

@@ -27,6 +27,7 @@ mod gguf_crosscheck;
 mod glm5_next;
 mod golden;
 mod input;
+mod kimi;
 mod kpool;
 mod kpool_golden;
 mod kpool_run;

@@ -174,9 +174,9 @@ pub(super) fn catalogue(m: &Meta, c: &MlaConfig, out: &mut Findings) {
         .min_by_key(|(d, e)| (d.len(), !full(e), e.preset as usize));
     if let Some((diffs, e)) = best {
         let size = if full(e) {
-            "at full size"
+            "at full size".to_string()
         } else {
-            "at reduced hidden/heads"
+            format!("at other hidden/heads: {} / {}", c.hidden, c.n_head)
         };
         if diffs.is_empty() {
             out.note(
@@ -244,9 +244,22 @@ pub(super) fn catalogue(m: &Meta, c: &MlaConfig, out: &mut Findings) {
             return;
         }
     }
+    no_known_model(m, &dims, out);
+}
+
+/// The note for a file of no catalogue model's attention dims.
+fn no_known_model(m: &Meta, dims: &str, out: &mut Findings) {
+    let names: Vec<&str> = CATALOGUE
+        .iter()
+        .filter(|e| e.preset != Preset::Tiny)
+        .map(|e| e.model_name)
+        .collect();
     out.note(
         "catalogue",
         format!("no known model ({dims}, {})", m.arch),
-        "the catalogue (DeepSeek-V3, V2-Lite, Kimi-K2, GLM-4.7-Flash, GLM-5, MiniCPM3) has no model of these dims; the checks above are the file's own consistency",
+        format!(
+            "the catalogue ({}) has no model of these dims; the checks above are the file's own consistency",
+            names.join(", ")
+        ),
     );
 }
