@@ -68,6 +68,8 @@ pub enum Fault {
     KpoolSharedOwnIndexer,
     KpoolSharedWrongLayer,
     KpoolSoftmaxChannels,
+    RopeOnNope,
+    NopePadAsRope,
 }
 
 /// What a run needs for a fault to be visible at all. Model needs are properties of the file; run
@@ -137,6 +139,8 @@ pub enum Need {
     /// A DeepSeek-V4 file (`deepseek4`): the fault sits in the V4 mirror (`backend::cpu::v4`), not
     /// the MLA path.
     V4,
+    /// A NoPE model (qk_rope 0: glm5-next), whose latent row is 512 wide with no rope part.
+    NoPe,
 }
 
 impl Need {
@@ -166,6 +170,7 @@ impl Need {
             Need::V4 => "a DeepSeek-V4 file",
             Need::Kpool => "a glm5-next k-pool indexer past top_k",
             Need::SharedIndexer => "shared indexer layers",
+            Need::NoPe => "NoPE (qk_rope 0)",
         }
     }
     /// Whether the model and schedule provide this; `None` when it depends on values, the dtype or the
@@ -177,6 +182,7 @@ impl Need {
             Need::NeoxRope => cfg.rope.pairing == RopePairing::Neox,
             Need::Yarn => (cfg.mscale - 1.0).abs() > 1e-3,
             Need::QkNotV => cfg.qk_head_dim() != cfg.v_head_dim,
+            Need::NoPe => cfg.qk_rope == 0,
             Need::LargeQAbs | Need::F32 | Need::Dsa | Need::Fp8Keys | Need::KvCache => return None,
             Need::Kpool | Need::SharedIndexer => cfg.arch == crate::model::Arch::Glm5Next,
             // An MLA config is never a V4 file (`MlaConfig::from_gguf` refuses one).
@@ -250,7 +256,7 @@ pub struct Info {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 45] = [
+    pub const ALL: [Fault; 47] = [
         Fault::RopeNeox,
         Fault::RopeNorm,
         Fault::YarnMscaleMissing,
@@ -296,6 +302,8 @@ impl Fault {
         Fault::KpoolSharedOwnIndexer,
         Fault::KpoolSharedWrongLayer,
         Fault::KpoolSoftmaxChannels,
+        Fault::RopeOnNope,
+        Fault::NopePadAsRope,
     ];
 
     /// A fault of DeepSeek-V4 attention (`Need::V4`): planted in the V4 mirror, judged at a V4 stage
@@ -306,9 +314,18 @@ impl Fault {
 
     /// A fault of glm5-next's k-pool indexer (`Need::Kpool`): planted in the k-pool mirror
     /// (`backend::cpu::kpool`) or a shared layer's reuse (`run::kpool`); the self-test's fixtures have
-    /// no k-pool indexer, so it runs through `run --inject` on a glm5-next file.
+    /// runs it on its glm5-next fixture.
     pub fn is_kpool(self) -> bool {
         self.info().needs.contains(&Need::Kpool)
+    }
+
+    /// Whether the CUDA path has a site for it (a define or a host switch); the catalogue's `cuda_site` of
+    /// one without says "not planted in the CUDA path yet".
+    pub fn in_cuda(self) -> bool {
+        !self
+            .info()
+            .cuda_site
+            .starts_with("not planted in the CUDA path")
     }
 
     /// A fault of the DSA indexer: caught by the selection check (`SELECTION_CHECK`), not a stage check.

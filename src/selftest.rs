@@ -13,8 +13,8 @@ mod fixtures;
 mod matrix;
 pub mod sensitivity;
 
-pub use cases::{controls, schedule_for, Case, Control, CONTROLS, MINIMAL};
-pub use fixtures::{scale_tensors, Fixture, Model, FIXTURES, LARGE_QABS_LOG2};
+pub use cases::{controls, schedule_for, target_for, Case, Control, CONTROLS, MINIMAL};
+pub use fixtures::{scale_tensors, Fixture, Model, FIXTURES, GLM5_NEXT, LARGE_QABS_LOG2};
 pub use matrix::{Outcome, Summary};
 
 use crate::backend::runner::checks::Status;
@@ -26,11 +26,13 @@ use crate::kv_format::KvFormat;
 use crate::model::MlaConfig;
 use crate::precision::Dtype;
 use crate::report::Report;
+use crate::run::v4::engine::V4Backend;
 use crate::run::{InputSpec, Modes, RunOptions};
 use crate::tiles::variants::need_met;
 use std::path::{Path, PathBuf};
 
-/// Layers of every selftest fixture, and the layer each fault is injected into.
+/// Layers of every selftest fixture but glm5-next's (`GLM5_NEXT`), and the layer each fault is injected
+/// into but there and in DeepSeek-V4's (`target_for`).
 pub const LAYERS: usize = 3;
 pub const TARGET: usize = 1;
 
@@ -41,6 +43,9 @@ pub struct Options {
     pub only: Vec<Fault>,
     /// Input seed of every run.
     pub seed: u64,
+    /// DeepSeek-V4's optimized path (`run::v4`: the V4 CPU mirror or CUDA kernels), which the MLA
+    /// backends of `BackendFactory` are not; `None`: V4's faults are left out, and said so.
+    pub v4: Option<V4Backend>,
 }
 
 /// Makes the optimized path for a case's dtype (`backend::Factory::open`, which shares one GPU context
@@ -59,13 +64,7 @@ pub fn run(
 ) -> Result<Summary> {
     let started = std::time::Instant::now();
     let faults: Vec<Fault> = if opts.only.is_empty() {
-        // DeepSeek-V4's faults run through `run --inject` on a V4 file (docs/deepseek-v4.md): the
-        // self-test's fixtures and judge are MLA's; glm5-next's k-pool faults on a glm5-next file (its
-        // fixtures have no k-pool indexer; docs/dsa.md).
-        Fault::ALL
-            .into_iter()
-            .filter(|f| !f.is_v4() && !f.is_kpool())
-            .collect()
+        Fault::ALL.to_vec()
     } else {
         opts.only.clone()
     };
@@ -110,15 +109,22 @@ fn run_cases(
     // The DSA fixture's runs need sparse attention (`Judging::sparse`): left out, and said so, where the
     // backend has none.
     let mut left_out = Vec::new();
-    let needs_sparse = |c: &Case| c.model == Model::Glm5Dsa;
-    // Indexer faults need the backend's own indexer (the stand-in takes none).
-    let (sparse_ok, indexer_ok) = match cases.iter().find(|c| needs_sparse(c)) {
+    let needs_sparse = |c: &Case| c.model.is_sparse();
+    // Indexer faults need the backend's own indexer (the stand-in takes none); k-pool faults the CPU
+    // mirror's k-pool indexer (the one there is so far: `run::kpool` stands it in, without faults,
+    // for any other backend).
+    // (The same probe: whether the backend is the CPU mirror, where every fault has its site.)
+    let (sparse_ok, indexer_ok, cpu) = match cases.iter().find(|c| needs_sparse(c)) {
         Some(c) => {
-            let b = make_backend(c.dtype, KvFormat::Auto, &FaultSet::default())?.0;
+            let (b, info) = make_backend(c.dtype, KvFormat::Auto, &FaultSet::default())?;
             let j = b.judging();
-            (j.sparse, j.has_indexer)
+            (
+                j.sparse,
+                j.has_indexer,
+                info.kind == crate::backend::Kind::Cpu,
+            )
         }
-        None => (true, true),
+        None => (true, true, true),
     };
     // Cache faults need a backend that stores a quantized cache (the CPU mirror, issue #38).
     // A batch-launch cache fault needs a backend whose serving batches read their cache through it.
@@ -133,6 +139,9 @@ fn run_cases(
         .iter()
         .filter(|c| {
             let why = match c.fault {
+                _ if c.model.is_v4() && opts.v4.is_none() => {
+                    "no DeepSeek-V4 path given (selftest::Options::v4)"
+                }
                 _ if !sparse_ok && needs_sparse(c) => "the backend has no sparse attention for DSA",
                 _ if !kv_ok && !c.kv.is_auto() => {
                     "the backend stores no quantized kv cache (the CPU mirror only, issue #38)"
@@ -140,8 +149,14 @@ fn run_cases(
                 Some(f) if !batch_kv_ok && f.is_batch() => {
                     "the backend's serving batches do not read their cache through its format (the CPU mirror's do)"
                 }
-                Some(f) if !indexer_ok && f.is_indexer() => {
+                Some(f) if !indexer_ok && f.is_indexer() && !f.is_kpool() => {
                     "the backend has no indexer of its own; the CPU mirror's stands in, without faults"
+                }
+                Some(f) if !cpu && f.is_kpool() => {
+                    "the backend has no k-pool indexer of its own; the CPU mirror's stands in, without faults"
+                }
+                Some(f) if !cpu && !c.model.is_v4() && !f.in_cuda() => {
+                    "planted in the CPU mirror only (no CUDA site yet: docs/faults.md)"
                 }
                 _ => return true,
             };
@@ -171,8 +186,11 @@ fn run_cases(
         }
         let cc = c.clean();
         let (rep, name) = run_case(&cc, &files[&c.model], opts, make_backend)?;
-        // The backend without its dtype (the runs use several): "cpu-mirror", "cuda: NVIDIA H200".
-        backend_name = name.split(" (").next().unwrap_or(&name).to_string();
+        // The backend without its dtype (the runs use several): "cpu-mirror", "cuda: NVIDIA H200"
+        // (the MLA backend's; V4's path is another, named in its report).
+        if !c.model.is_v4() || backend_name.is_empty() {
+            backend_name = name.split(" (").next().unwrap_or(&name).to_string();
+        }
         let o = judge(&cc, &rep, &files[&c.model], None);
         on_outcome(&o);
         outcomes.push(o);
@@ -203,11 +221,24 @@ fn run_case(
             .map(|f| {
                 vec![Injection {
                     name: f,
-                    layer: Some(TARGET),
+                    layer: Some(c.target),
                 }]
             })
             .unwrap_or_default(),
     );
+    if let (true, Some(v4)) = (c.model.is_v4(), &o.v4) {
+        let v4o = crate::run::v4::V4Options {
+            layers: (0..LAYERS).collect(),
+            seed: o.seed,
+            sched: c.sched.clone(),
+            dtype: c.dtype,
+            faults,
+            backend: v4.clone(),
+        };
+        let rep = crate::run::v4::run(file, &v4o)?;
+        let name = rep.environment.backend.clone();
+        return Ok((rep, name));
+    }
     let (mut backend, info) = make_backend(c.dtype, c.kv, &faults)?;
     let opts = RunOptions {
         input: InputSpec::Random { seed: o.seed },
@@ -225,7 +256,7 @@ fn run_case(
     Ok((rep, info.description))
 }
 
-/// Judge one run. A clean run must pass. A fault must be detected in layer `TARGET` only, first at its
+/// Judge one run. A clean run must pass. A fault must be detected in layer `c.target` only, first at its
 /// expected check, on a setup whose clean run passed and which meets the fault's needs. A control must
 /// not be detected, on a run that really lacks the need it is about.
 fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Outcome {
@@ -250,11 +281,9 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
         .or_else(|| dsa_margin(rep))
         .or_else(|| batch_v.as_ref().and_then(|(_, m)| *m));
     let mut problems = Vec::new();
-    let q_abs_large = q_abs_rms(rep).map(|r| (r, r > 65504.0));
-    let cfg = MlaConfig::from_gguf(file);
-    if let Err(e) = &cfg {
-        problems.push(format!("cannot read the fixture's config: {e}"));
-    }
+    let target = c.target;
+    let q_abs_large = q_abs_rms(rep, target).map(|r| (r, r > 65504.0));
+    let cfg = mla_config(c, file, &mut problems);
     match (c.fault, c.lacking) {
         (None, _) => {
             if !v.pass {
@@ -267,7 +296,6 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
                 Need::F32 => Some(c.dtype != Dtype::F32),
                 _ => cfg
                     .as_ref()
-                    .ok()
                     .and_then(|cfg| need_met(n, cfg, &c.sched).map(|m| !m)),
             };
             if lacks != Some(true) {
@@ -287,7 +315,7 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
                 problems
                     .push("the clean run of this setup fails, so detection proves nothing".into());
             }
-            if let Ok(cfg) = &cfg {
+            if let Some(cfg) = &cfg {
                 for n in info.needs {
                     if need_met(*n, cfg, &c.sched) == Some(false) {
                         problems.push(format!("the run lacks what the fault needs: {}", n.name()));
@@ -312,9 +340,9 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
             if v.pass {
                 problems.push("not detected".into());
             } else {
-                if v.first_layer != Some(TARGET) {
+                if v.first_layer != Some(target) {
                     problems.push(format!(
-                        "attributed to layer {:?}, injected into layer {TARGET}",
+                        "attributed to layer {:?}, injected into layer {target}",
                         v.first_layer
                     ));
                 }
@@ -326,10 +354,10 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
                         v.reasons.join("; ")
                     ));
                 }
-                let others = other_failing_layers(rep);
+                let others = other_failing_layers(rep, target);
                 if !others.is_empty() {
                     problems.push(format!(
-                        "layers {others:?} fail too; only {TARGET} was injected"
+                        "layers {others:?} fail too; only {target} was injected"
                     ));
                 }
             }
@@ -347,6 +375,17 @@ fn judge(c: &Case, rep: &Report, file: &GgufFile, clean: Option<&Report>) -> Out
     }
 }
 
+/// The fixture's MLA config; `None` for a V4 file, which has none (its one need, `Need::V4`, is its
+/// fixture).
+fn mla_config(c: &Case, file: &GgufFile, problems: &mut Vec<String>) -> Option<MlaConfig> {
+    if c.model.is_v4() {
+        return None;
+    }
+    MlaConfig::from_gguf(file)
+        .map_err(|e| problems.push(format!("cannot read the fixture's config: {e}")))
+        .ok()
+}
+
 /// The DSA selection check's verdict as a stage check's would read (`faults::SELECTION_CHECK`), when
 /// it fails.
 fn dsa_verdict(rep: &Report) -> Option<crate::compare::Verdict> {
@@ -361,24 +400,24 @@ fn dsa_verdict(rep: &Report) -> Option<crate::compare::Verdict> {
     })
 }
 
-/// The layers other than `TARGET` that fail a stage check (shadow mode), the DSA selection or a batch.
-fn other_failing_layers(rep: &Report) -> Vec<usize> {
+/// The layers other than `target` that fail a stage check (shadow mode), the DSA selection or a batch.
+fn other_failing_layers(rep: &Report, target: usize) -> Vec<usize> {
     let dsa_layers = rep.dsa.iter().flat_map(|d| &d.layers);
     let batches = rep.runner_checks.iter().flat_map(|r| &r.checks);
     let mut others: Vec<usize> = rep.modes[0]
         .layers
         .iter()
-        .filter(|l| l.layer != TARGET && !l.pass)
+        .filter(|l| l.layer != target && !l.pass)
         .map(|l| l.layer)
         .chain(
             dsa_layers
-                .filter(|l| l.layer != TARGET && !l.pass)
+                .filter(|l| l.layer != target && !l.pass)
                 .map(|l| l.layer),
         )
         .chain(
             batches
                 .filter(|b| b.status == Status::Fail)
-                .filter_map(|b| b.layer.filter(|&l| l != TARGET)),
+                .filter_map(|b| b.layer.filter(|&l| l != target)),
         )
         .collect();
     others.sort_unstable();
@@ -434,11 +473,11 @@ fn dsa_margin(rep: &Report) -> Option<f64> {
 }
 
 /// The rms of the reference q_absorbed in the target layer of a report (the exposure of fp16 overflow).
-fn q_abs_rms(r: &Report) -> Option<f64> {
+fn q_abs_rms(r: &Report, target: usize) -> Option<f64> {
     r.modes[0]
         .layers
         .iter()
-        .find(|l| l.layer == TARGET)?
+        .find(|l| l.layer == target)?
         .checks
         .iter()
         .find(|c| c.check == "q_absorbed")

@@ -4,7 +4,7 @@
 use super::{Fault, Info, Need};
 
 /// The catalogue, one row per fault in `Fault` order (docs/faults.md is generated from it).
-pub const CATALOGUE: [Info; 45] = [
+pub const CATALOGUE: [Info; 47] = [
     Info {
         fault: Fault::RopeNeox,
         name: "rope_neox",
@@ -430,7 +430,7 @@ pub const CATALOGUE: [Info; 45] = [
         models: "the window-edge class of DeepSeek-V4's sliding-window cache (docs/deepseek-v4.md, step 5): transformers keeps sliding_window − 1 past rows plus the new one; a ring buffer sized or indexed one row off sees one stale row. A planted bug of the class, no single public report",
         sources: &[],
         expected: "attn_heads",
-        needs: &[Need::V4],
+        needs: &[Need::V4, Need::F32],
         cuda_site: "kernels/v4/v4.cuh `v4_window_start` (v4/attn.cu's key list); CPU: src/backend/cpu/v4/mod.rs `window_start`",
     },
     Info {
@@ -531,5 +531,27 @@ pub const CATALOGUE: [Info; 45] = [
         expected: "selection",
         needs: &[Need::Kpool],
         cuda_site: "host: the CUDA backend has no k-pool indexer yet (the CPU mirror's stands in, without faults); CPU: src/backend/cpu/kpool.rs `pool`",
+    },
+    Info {
+        fault: Fault::RopeOnNope,
+        name: "rope_on_nope",
+        define: "MLA_FAULT_ROPE_ON_NOPE",
+        summary: "glm5-next (NoPE, qk_rope 0): the kv_a rope step rotates the last 64 columns of the 512-wide latent anyway (DeepSeek's rope width and base 10000 hard-coded), so every cached key carries its position",
+        models: "rope applied to a NoPE model (#37): an engine running its DeepSeek MLA front on GLM-5's NoPE successor with the rope width from a default (64) rather than the file's 0 rotates the tail of the latent row, where DeepSeek's k_pe sits; scores then depend on relative position. A planted bug of the class, no single public report",
+        sources: &[],
+        expected: "kv_latent",
+        needs: &[Need::NoPe, Need::Positions],
+        cuda_site: "not planted in the CUDA path yet: its site would be kernels/norm_rope.cu `rope` on the kv_a row's tail (with MLA_R 0 it rotates nothing); CPU: src/backend/cpu/front.rs `kv` (`nope_rope`)",
+    },
+    Info {
+        fault: Fault::NopePadAsRope,
+        name: "nope_pad_as_rope",
+        define: "MLA_FAULT_NOPE_PAD_AS_ROPE",
+        summary: "glm5-next (NoPE): the 512-wide latent row padded to 576 for a kernel built for DeepSeek's 512+64, the pad never written, and the decode reader takes the pad's 64 as k_pe (against the query's zero pad): 0·NaN in every score",
+        models: "the pad 512→576 read as rope (#37): engines pad glm5-next's latent row to DeepSeek's 576 for FlashMLA-style kernels; a cache writer that writes only the 512 it has leaves the pad as whatever the page held, and a reader that treats it as rope content multiplies it into every score (finite garbage vanishes against a zero query pad, NaN or inf does not; our cache is NaN until written). A planted bug of the class, no single public report",
+        sources: &[],
+        expected: "split_out",
+        needs: &[Need::NoPe, Need::Decode],
+        cuda_site: "not planted in the CUDA path yet (its glm5-next rows are not padded: kv_format fp8_ds_mla_nope keeps the 656-byte row's tail reserved); CPU: src/backend/cpu/mod.rs `Attention::run` (the cache's row width) and the score's rope term in src/backend/cpu/decode.rs `split_partial_fx` and prefill.rs `attend_kv_sel` (`ops::rope_dot`)",
     },
 ];

@@ -72,10 +72,17 @@ pub fn schedule_for(needs: &[Need]) -> Schedule {
                 s.prompt_len = s.prompt_len.max(VARIANT_PROMPT);
                 s.chunk = s.chunk.max(VARIANT_PROMPT);
             }
-            // Not run by the self-test (`Fault::is_v4`, `Fault::is_kpool`).
-            Need::V4
-            | Need::Kpool
-            | Need::SharedIndexer
+            // glm5-next's fixture past its top_k (32): 96 prompt tokens (6 pools of 16) in chunks of 32 and
+            // one decode step (tests/it/kpool_run.rs).
+            Need::Kpool => {
+                (s.prompt_len, s.chunk) = (96, 32);
+                s.decode_steps = s.decode_steps.max(1);
+            }
+            // The V4 fixture's run (src/run/v4/tests.rs): 136 prompt tokens in chunks of 64 (past the
+            // window of 128 and HCA's first window, which spans two passes), 4 decode steps.
+            Need::V4 => (s.prompt_len, s.chunk, s.decode_steps) = (136, 64, 4),
+            Need::SharedIndexer
+            | Need::NoPe
             | Need::NormRope
             | Need::NeoxRope
             | Need::Yarn
@@ -120,6 +127,23 @@ pub struct Case {
     /// How the optimized path stores its latent cache (`Need::KvCache`: `fp8_ds_mla`, which every cache
     /// fault fits on the selftest's DeepSeek-V3 fixture).
     pub kv: KvFormat,
+    /// The layer the fault is planted in (`TARGET` but on the glm5-next and V4 fixtures: `target_for`).
+    pub target: usize,
+}
+
+/// The layer a fault is planted in: `TARGET` (the middle one of 3), except on glm5-next's fixture
+/// (MLA on 3, 7, 11; 11 shares 7's selection): its first MLA layer, or the shared layer for a
+/// shared-layer fault; and for DeepSeek-V4's faults the layer kind each was measured on
+/// (src/run/v4/tests.rs): the compressor's groups and the sink on the HCA layer 2, the window edge
+/// and the carried state on the CSA layer 1.
+pub fn target_for(f: Fault) -> usize {
+    let needs = f.info().needs;
+    match f {
+        Fault::CompressGroupOffByOne | Fault::SinkDropped => 2,
+        _ if needs.contains(&Need::SharedIndexer) => super::fixtures::GLM5_NEXT.shared,
+        _ if Model::for_needs(needs) == Model::Glm5Next => 3,
+        _ => super::TARGET,
+    }
 }
 
 /// A control: a fault on a run that lacks one of its needs (and has the others), where it must not be
@@ -257,10 +281,32 @@ pub const CONTROLS: [Control; 14] = [
     },
 ];
 
+/// The NoPE faults' controls (glm5-next's fixture): rope at position 0 alone is the identity; a
+/// single prefill chunk reads no cache row (its keys are its own fresh latents), so no pad.
+const NOPE_CONTROLS: [Control; 2] = [
+    Control {
+        fault: Fault::RopeOnNope,
+        lacking: Need::Positions,
+        model: None,
+        sched: Some(Schedule {
+            prompt_len: 1,
+            chunk: 1,
+            ..MINIMAL
+        }),
+    },
+    Control {
+        fault: Fault::NopePadAsRope,
+        lacking: Need::Decode,
+        model: None,
+        sched: Some(MINIMAL),
+    },
+];
+
 /// The controls as runs.
 pub fn controls() -> Vec<Case> {
     CONTROLS
         .iter()
+        .chain(&NOPE_CONTROLS)
         .map(|k| {
             let c = Case::for_fault(k.fault);
             Case {
@@ -276,7 +322,11 @@ pub fn controls() -> Vec<Case> {
 impl Model {
     /// The fixture a fault's model needs.
     pub fn for_needs(needs: &[Need]) -> Model {
-        if needs.contains(&Need::Dsa) {
+        if needs.contains(&Need::V4) {
+            Model::DeepseekV4
+        } else if needs.contains(&Need::Kpool) || needs.contains(&Need::NoPe) {
+            Model::Glm5Next
+        } else if needs.contains(&Need::Dsa) {
             Model::Glm5Dsa
         } else if needs.iter().any(|n| {
             matches!(
@@ -315,6 +365,7 @@ impl Case {
                 true => KvFormat::Fp8DsMla,
                 false => KvFormat::Auto,
             },
+            target: target_for(f),
         }
     }
     pub(super) fn clean(&self) -> Case {

@@ -18,6 +18,41 @@ pub enum Model {
     Glm5,
     Glm5Dsa,
     DeepseekV3Wide,
+    /// glm5-next (`GLM5_NEXT`): NoPE MLA with its k-pool indexer; not a row of `FIXTURES`.
+    Glm5Next,
+    /// DeepSeek-V4 (`V4`): window, CSA and HCA layers; not a row of `FIXTURES` (not MLA).
+    DeepseekV4,
+}
+
+/// The glm5-next fixture: `fixture --preset glm5-next` at 12 layers (MLA on layers 3, 7 and 11, linear
+/// attention elsewhere, which no run compares), hidden 128, 2 heads, q-LoRA 64, f32 weights (as
+/// tests/it/kpool_run.rs), top_k 32 (two pools of 16: past it at a few dozen tokens), and layer 11
+/// "shared" (`indexer.types` false, its indexer tensors removed): it reuses layer 7's selection.
+pub const GLM5_NEXT: GlmNext = GlmNext {
+    layers: 12,
+    top_k: 32,
+    shared: 11,
+};
+
+/// The glm5-next fixture's shape (`GLM5_NEXT`).
+#[derive(Debug, Clone, Copy)]
+pub struct GlmNext {
+    pub layers: usize,
+    pub top_k: u32,
+    /// The shared indexer layer (the two full MLA layers before it: 3 and 7).
+    pub shared: usize,
+}
+
+/// The DeepSeek-V4 fixture: `fixture --preset deepseek-v4 --layers 3 --hidden 256 --heads 8` (V4-Flash's
+/// head dims, window 128 and output groups; layers window, CSA, HCA), bf16, as src/run/v4/tests.rs.
+pub fn v4_options() -> crate::fixture::v4::V4Options {
+    crate::fixture::v4::V4Options {
+        layers: Some(LAYERS),
+        hidden: Some(256),
+        heads: Some(8),
+        quant: GgmlType::from_name("BF16").expect("bf16"),
+        seed: 0,
+    }
 }
 
 /// Query heads of every selftest fixture but `Model::DeepseekV3Wide`.
@@ -136,12 +171,24 @@ pub const FIXTURES: [Fixture; 6] = [
 ];
 
 impl Model {
-    /// The fixture's row of `FIXTURES`.
+    /// The fixture's row of `FIXTURES` (the MLA fixtures of 3 layers; `Glm5Next` and `DeepseekV4` have none).
     pub fn fixture(self) -> &'static Fixture {
         &FIXTURES[self as usize]
     }
     pub fn name(self) -> &'static str {
-        self.fixture().name
+        match self {
+            Model::Glm5Next => "glm5-next",
+            Model::DeepseekV4 => "deepseek-v4",
+            _ => self.fixture().name,
+        }
+    }
+    /// Whether its runs are DeepSeek-V4's (`run::v4`), not MLA's.
+    pub fn is_v4(self) -> bool {
+        self == Model::DeepseekV4
+    }
+    /// Whether its runs attend sparsely past top_k (`Judging::sparse`).
+    pub fn is_sparse(self) -> bool {
+        matches!(self, Model::Glm5Dsa | Model::Glm5Next)
     }
     pub fn file_name(self) -> String {
         format!("selftest-{}.gguf", self.name())
@@ -167,6 +214,11 @@ impl Model {
     }
     /// Write the fixture to `path`.
     pub fn write(self, path: &Path) -> Result<()> {
+        match self {
+            Model::DeepseekV4 => return fixture::v4::write(&v4_options(), path).map(|_| ()),
+            Model::Glm5Next => return write_glm5_next(path),
+            _ => {}
+        }
         fixture::write(&self.spec()?, path)?;
         if let Some(k) = self.fixture().scale_log2 {
             let mut scales = Vec::new();
@@ -179,6 +231,72 @@ impl Model {
         }
         Ok(())
     }
+}
+
+/// Write `GLM5_NEXT` to `path`: the preset's file, then its shared layer made shared.
+fn write_glm5_next(path: &Path) -> Result<()> {
+    let g = GLM5_NEXT;
+    let mut spec = fixture::Spec::from_options(&fixture::Options {
+        preset: Preset::Glm5Next,
+        layers: Some(g.layers),
+        quant: GgmlType::from_name("F32").expect("f32"),
+        seed: 0,
+        legacy_kv_b: false,
+        hidden: Some(128),
+        heads: Some(2),
+        q_lora_rank: Some(64),
+        vocab: Some(64),
+    })?;
+    spec.indexer = spec.indexer.map(|(h, d, _)| (h, d, g.top_k));
+    let full = path.with_extension("full.tmp");
+    fixture::write(&spec, &full)?;
+    let rewritten = share_layer(&full, path, g.shared);
+    let _ = std::fs::remove_file(&full);
+    rewritten
+}
+
+/// Copy the glm5-next file `src` to `dst` with layer `shared` a shared indexer layer: `indexer.types`
+/// false there and its indexer tensors left out (as llama.cpp's converter writes such a layer).
+fn share_layer(src: &Path, dst: &Path, shared: usize) -> Result<()> {
+    use crate::gguf::value::{Array, Value};
+    let f = GgufFile::open(src)?;
+    let mut w = crate::gguf::write::GgufWriter::new();
+    for (k, v) in &f.metadata {
+        let v = match (k.ends_with(".attention.indexer.types"), v) {
+            (true, Value::Array(Array::Bool(b))) => {
+                let mut b = b.clone();
+                if let Some(x) = b.get_mut(shared) {
+                    *x = false;
+                }
+                Value::Array(Array::Bool(b))
+            }
+            _ => v.clone(),
+        };
+        w.add(k.clone(), v)?;
+    }
+    let prefix = format!("blk.{shared}.indexer");
+    let kept: Vec<_> = f
+        .tensors
+        .iter()
+        .filter(|t| !t.name.starts_with(&prefix))
+        .collect();
+    for t in &kept {
+        let id = match t.ty {
+            crate::gguf::TensorType::Known(g) => g.id,
+            crate::gguf::TensorType::Unknown(id) => id,
+        };
+        w.add_tensor_raw(&t.name, &t.ne, id, f.tensor_bytes(t)?.len() as u64)?;
+    }
+    let out = std::fs::File::create(dst)
+        .map_err(|e| Error::io(format!("cannot create {}", dst.display()), e))?;
+    let mut sink = w.start(std::io::BufWriter::new(out))?;
+    for t in &kept {
+        sink.write(f.tensor_bytes(t)?)?;
+    }
+    use std::io::Write;
+    sink.finish()?
+        .flush()
+        .map_err(|e| Error::io(format!("writing {}", dst.display()), e))
 }
 
 /// Multiply tensors of a GGUF file in place (F32, F16 or BF16 data).

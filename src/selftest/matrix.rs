@@ -1,7 +1,6 @@
 //! What the selftest shows: one outcome per run, its line, and the Markdown matrices.
 
 use super::cases::Case;
-use super::TARGET;
 
 /// What one run showed.
 #[derive(Debug, Clone)]
@@ -31,8 +30,8 @@ impl Outcome {
     pub fn label(&self) -> String {
         match (self.case.fault, self.case.lacking) {
             (None, _) => "(clean)".into(),
-            (Some(f), None) => format!("{f}@layer={TARGET}"),
-            (Some(f), Some(n)) => format!("{f}@layer={TARGET} without {}", n.name()),
+            (Some(f), None) => format!("{f}@layer={}", self.case.target),
+            (Some(f), Some(n)) => format!("{f}@layer={} without {}", self.case.target, n.name()),
         }
     }
     /// One line per case, test-backend-ops style.
@@ -46,7 +45,7 @@ impl Outcome {
             _ => "no divergence".into(),
         };
         let expect = match self.expected() {
-            Some(e) => format!(", expected layer {TARGET} {e}"),
+            Some(e) => format!(", expected layer {} {e}", self.case.target),
             None => ", expected no divergence".into(),
         };
         let mut s = format!(
@@ -62,7 +61,8 @@ impl Outcome {
 }
 
 fn margin_text(m: f64) -> String {
-    if m.is_infinite() {
+    // f64::MAX: the stage-local view's figure for a non-finite value where fp64 is finite.
+    if m.is_infinite() || m >= f64::MAX {
         "non-finite".into()
     } else if m >= 100.0 {
         format!("{m:.0e}× tol")
@@ -110,7 +110,7 @@ impl Summary {
                     o.first_layer.map_or("-".into(), |l| l.to_string()),
                     o.first_check.clone().unwrap_or("-".into()),
                     match o.expected() {
-                        Some(e) => format!("{TARGET} {e}"),
+                        Some(e) => format!("{} {e}", c.target),
                         None => "none".into(),
                     },
                     o.margin.map_or("-".into(), margin_text),
@@ -129,7 +129,7 @@ impl Summary {
             rows.map(|o| {
                 let c = &o.case;
                 vec![
-                    format!("{}@layer={TARGET}", c.fault.map_or("-", |f| f.name())),
+                    format!("{}@layer={}", c.fault.map_or("-", |f| f.name()), c.target),
                     c.lacking.map_or("-", |n| n.name()).to_string(),
                     format!("{} {}", c.model.name(), c.dtype.name()),
                     c.params(),
@@ -174,4 +174,18 @@ fn table(head: &[&str], rows: impl Iterator<Item = Vec<String>>) -> String {
         s.push_str(&line(r));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    /// A non-finite value reads "non-finite", whichever view gave it: the end-to-end ratio (∞) or the
+    /// stage-local one (f64::MAX, which printed "2e308× tol").
+    #[test]
+    fn non_finite_margins_say_so() {
+        for m in [f64::INFINITY, f64::MAX] {
+            assert_eq!(super::margin_text(m), "non-finite");
+        }
+        assert_eq!(super::margin_text(2.0), "2.0× tol");
+        assert_eq!(super::margin_text(2e3), "2e3× tol");
+    }
 }

@@ -62,6 +62,20 @@ impl Backend for Mirror {
     fn decode_extra(&self, sched: &Schedule) -> Vec<mla_diff::batch::Request> {
         self.inner.decode_extra(sched)
     }
+    fn kpool_indexer(
+        &mut self,
+        ctx: &LayerCtx,
+        k: &mla_diff::model::KpoolIndexer,
+        kw: &mla_diff::model::KpoolLayer,
+        x: &ndarray::Array2<f64>,
+        keys: mla_diff::precision::KeyPrecision,
+    ) -> mla_diff::Result<Option<mla_diff::reference::sparse::Selection>> {
+        let ctx = LayerCtx {
+            faults: self.faults.unwrap_or(ctx.faults),
+            ..*ctx
+        };
+        self.inner.kpool_indexer(&ctx, k, kw, x, keys)
+    }
     fn indexer(
         &mut self,
         ctx: &LayerCtx,
@@ -91,13 +105,26 @@ fn mirror(
     Ok((Box::new(b), info))
 }
 
-fn selftest_with(factory: &mut selftest::BackendFactory) -> Summary {
+/// The whole self-test through `factory`; DeepSeek-V4's faults (on V4's own path, which `factory` does
+/// not make) with `v4`, else left out.
+fn selftest_with(factory: &mut selftest::BackendFactory, v4: bool) -> Summary {
     let opts = selftest::Options {
         fixtures: None,
         only: vec![],
         seed: 0,
+        v4: v4.then_some(mla_diff::run::v4::engine::V4Backend::Cpu),
     };
     selftest::run(&opts, factory, &mut |_| {}).unwrap()
+}
+
+/// A fault whose site is not the backend's: a glm5-next shared layer's routing (`run::kpool`), which the
+/// run applies from the layer's faults whatever the backend does with them.
+fn routed_by_the_run(o: &&Outcome) -> bool {
+    o.case.fault.is_some_and(|f| {
+        f.info()
+            .needs
+            .contains(&mla_diff::faults::Need::SharedIndexer)
+    })
 }
 
 fn fault_outcomes(s: &Summary) -> impl Iterator<Item = &Outcome> {
@@ -108,7 +135,7 @@ fn fault_outcomes(s: &Summary) -> impl Iterator<Item = &Outcome> {
 
 #[test]
 fn every_fault_is_caught_in_its_layer_at_its_stage() {
-    let s = selftest_with(&mut |dt, kv, _| mirror(dt, kv, None));
+    let s = selftest_with(&mut |dt, kv, _| mirror(dt, kv, None), true);
     let failing: Vec<String> = s
         .outcomes
         .iter()
@@ -120,17 +147,22 @@ fn every_fault_is_caught_in_its_layer_at_its_stage() {
     // Every fault of the catalogue ran once, and was caught where it was planted.
     let mut seen: Vec<Fault> = fault_outcomes(&s).filter_map(|o| o.case.fault).collect();
     seen.sort();
-    // DeepSeek-V4's faults run through `run --inject` on a V4 file (`v4_run`), glm5-next's k-pool
-    // faults on a glm5-next file (`kpool_run`), not the self-test.
-    let mla: Vec<Fault> = Fault::ALL
-        .into_iter()
-        .filter(|f| !f.is_v4() && !f.is_kpool())
-        .collect();
-    assert_eq!(seen, mla);
+    // DeepSeek-V4's faults and glm5-next's (k-pool, NoPE) included, each in its fixture's layer.
+    assert_eq!(seen, Fault::ALL.to_vec());
+    assert!(s.left_out.is_empty(), "{:?}", s.left_out);
     for o in fault_outcomes(&s) {
         assert!(o.detected);
-        assert_eq!(o.first_layer, Some(TARGET));
+        assert_eq!(o.first_layer, Some(o.case.target));
         assert_eq!(o.first_check.as_deref(), o.expected());
+        let f = o.case.fault.unwrap();
+        match (
+            f.is_v4(),
+            f.is_kpool() || f.info().needs.contains(&mla_diff::faults::Need::NoPe),
+        ) {
+            (true, _) => assert_eq!(o.case.model, selftest::Model::DeepseekV4),
+            (_, true) => assert_eq!(o.case.model, selftest::Model::Glm5Next),
+            _ => assert_eq!(o.case.target, TARGET),
+        }
     }
     // The clean runs of every setup passed, and so did every control.
     assert!(s
@@ -140,15 +172,18 @@ fn every_fault_is_caught_in_its_layer_at_its_stage() {
         .all(|o| !o.detected));
     assert!(s.outcomes.iter().any(|o| o.case.fault.is_none()));
     assert!(s.outcomes.iter().any(|o| o.case.lacking.is_some()));
-    assert!(s.matrix().lines().count() > mla.len() + 2);
+    assert!(s.matrix().lines().count() > Fault::ALL.len() + 2);
 }
 
 /// A backend that drops the injection: no fault is found, so the selftest fails (and says why).
 #[test]
 fn selftest_fails_when_the_backend_ignores_faults() {
-    let s = selftest_with(&mut |dt, kv, _ignored| mirror(dt, kv, Some(Active::NONE)));
+    let s = selftest_with(
+        &mut |dt, kv, _ignored| mirror(dt, kv, Some(Active::NONE)),
+        false,
+    );
     assert!(!s.pass());
-    for o in fault_outcomes(&s) {
+    for o in fault_outcomes(&s).filter(|o| !routed_by_the_run(o)) {
         assert!(!o.ok && !o.detected, "{}", o.line());
         assert!(
             o.problems.iter().any(|p| p == "not detected"),
@@ -162,18 +197,27 @@ fn selftest_fails_when_the_backend_ignores_faults() {
 /// reports as a wrong attribution.
 #[test]
 fn selftest_fails_when_a_fault_leaks_into_other_layers() {
-    let s = selftest_with(&mut |dt, kv, set: &FaultSet| {
-        let everywhere = set
-            .0
-            .iter()
-            .map(|i| Injection { layer: None, ..*i })
-            .collect();
-        mirror(dt, kv, Some(FaultSet(everywhere).active(0)))
-    });
+    let s = selftest_with(
+        &mut |dt, kv, set: &FaultSet| {
+            let everywhere = set
+                .0
+                .iter()
+                .map(|i| Injection { layer: None, ..*i })
+                .collect();
+            mirror(dt, kv, Some(FaultSet(everywhere).active(0)))
+        },
+        false,
+    );
     assert!(!s.pass());
-    for o in fault_outcomes(&s) {
+    // (A shared-layer fault has one layer to be in: glm5-next's fixture has one shared layer.)
+    for o in fault_outcomes(&s).filter(|o| !routed_by_the_run(o)) {
         assert!(!o.ok, "{}", o.line());
-        assert_eq!(o.first_layer, Some(0), "{}", o.line());
+        // Its fixture's first compared layer: glm5-next's first MLA layer is 3.
+        let first = match o.case.model {
+            selftest::Model::Glm5Next => 3,
+            _ => 0,
+        };
+        assert_eq!(o.first_layer, Some(first), "{}", o.line());
     }
 }
 
@@ -318,10 +362,15 @@ fn selftest_command() {
         "split_drop_last",
         "--fault",
         "rope-norm",
+        "--fault",
+        "rope_on_nope",
     ]);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("| split_drop_last@layer=1"), "{out}");
     assert!(out.contains("| rope_norm@layer=1"), "{out}");
+    // A glm5-next fault, on its fixture's first MLA layer; its control too.
+    assert!(out.contains("| rope_on_nope@layer=3 "), "{out}");
+    assert!(out.contains("| rope_on_nope@layer=3 | pos>0"), "{out}");
     assert!(out.contains("PASS"), "{out}");
     let (code, _, err) = cli(&["selftest", "--fault", "nope"]);
     assert_eq!(code, 2, "{err}");

@@ -106,11 +106,12 @@ impl PagedCache {
             // Fault: the row written [k_pe | latent]; readers still expect [latent | k_pe].
             true => {
                 row[..k_pe.len()].copy_from_slice(k_pe);
-                row[k_pe.len()..].copy_from_slice(latent);
+                row[k_pe.len()..k_pe.len() + latent.len()].copy_from_slice(latent);
             }
+            // A row wider than latent and k_pe (fault `nope_pad_as_rope`): the pad is left unwritten.
             false => {
                 row[..latent.len()].copy_from_slice(latent);
-                row[latent.len()..].copy_from_slice(k_pe);
+                row[latent.len()..latent.len() + k_pe.len()].copy_from_slice(k_pe);
             }
         }
         // A quantized format: the row's bytes stored, the row read back from them.
@@ -133,8 +134,22 @@ impl PagedCache {
     pub fn for_batch(&self, batch: &Batch, t: usize) -> PagedCache {
         let w = self.width;
         let Some(c) = self.codec else {
-            let rows: Vec<f32> = self.gather(0..t).iter().copied().collect();
-            return PagedCache::from_pool(w, batch.page, Vec::new(), batch.pool(&rows, f32::NAN));
+            let bw = batch.width;
+            let rows: Vec<f32> = self.rows(0..t, bw).iter().copied().collect();
+            let pool = batch.pool(&rows, f32::NAN);
+            // A row wider than the model's (fault `nope_pad_as_rope`): each slot's pad unwritten.
+            let pool = match w > bw {
+                true => pool
+                    .chunks(bw)
+                    .flat_map(|r| {
+                        r.iter()
+                            .copied()
+                            .chain(std::iter::repeat_n(f32::NAN, w - bw))
+                    })
+                    .collect(),
+                false => pool,
+            };
+            return PagedCache::from_pool(w, batch.page, Vec::new(), pool);
         };
         let (n, page) = (c.bytes(), batch.page);
         let slots = batch.n_pages * page;
@@ -169,6 +184,16 @@ impl PagedCache {
     /// Rows of tokens `r`, in token order.
     pub fn gather(&self, r: Range<usize>) -> Array2<f32> {
         self.gather_with(r, |t| self.row(t))
+    }
+
+    /// The first `width` columns of the rows of tokens `r` (the model's row `[latent | k_pe]`, without a
+    /// pad the cache's row may have: fault `nope_pad_as_rope`).
+    pub fn rows(&self, r: Range<usize>, width: usize) -> Array2<f32> {
+        let rows = self.gather(r);
+        match width < self.width {
+            true => rows.slice_move(ndarray::s![.., ..width]),
+            false => rows,
+        }
     }
 
     /// Pool row `slot`, no block table (NaN beyond the pool): what a reader that takes a token's

@@ -5,7 +5,7 @@
 use super::cache::PagedCache;
 use super::flash::{attend, attend_handover_stale, merge, merge_log2, Partial, TILE};
 use super::front::MirrorWeights;
-use super::ops::{dot, round_all};
+use super::ops::{dot, rope_dot, round_all};
 use super::prefill::causal_end;
 use super::{row3, MirrorFront};
 use crate::faults::{Active, Fault};
@@ -147,7 +147,7 @@ pub fn split_partial_fx(
             }
         }
         let row = row(j);
-        (dot(qa, &row[..lkv]) + dot(qp, &row[lkv..])) * scale
+        (dot(qa, &row[..lkv]) + rope_dot(qp, &row[lkv..])) * scale
     };
     let value = |j: usize| &row(j)[..lkv];
     match fx.on(Fault::PairsHandoverStale) {

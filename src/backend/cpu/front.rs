@@ -142,21 +142,52 @@ pub fn split_query(
     (q_nope, q_pe)
 }
 
+/// The rope width a DeepSeek MLA front assumes (`rope_on_nope`, `nope_pad_as_rope`: what a NoPE model's
+/// path gets where that width is hard-coded).
+pub const DEEPSEEK_ROPE: usize = 64;
+
+/// Fault `rope_on_nope`, on a NoPE model (qk_rope 0): the rope a DeepSeek front applies anyway, 64 dims
+/// at base 10000 with NORM pairs, for the run's positions (`t`'s); `None` without the fault or with rope.
+pub fn nope_rope(cfg: &MlaConfig, t: &RopeTables, fx: Active) -> Option<RopeF32> {
+    if !fx.on(Fault::RopeOnNope) || cfg.qk_rope != 0 {
+        return None;
+    }
+    let spec = crate::model::RopeConfig {
+        dim: DEEPSEEK_ROPE,
+        base: 10000.0,
+        pairing: RopePairing::Norm,
+        yarn: None,
+        freq_factors_short: None,
+        freq_factors_long: None,
+        attn_factor: 1.0,
+    };
+    let tables = RopeTables::new(&spec, None, t.pos_start, t.n_pos()).ok()?;
+    Some(RopeF32::new(&tables, Active::NONE))
+}
+
 /// `kv_a · attn_in` (stored), then the normed latent `[T, Lkv]` and the roped `k_pe [T, R]`; also the
-/// stored `kv_a · attn_in` itself `[T, Lkv+R]`.
+/// stored `kv_a · attn_in` itself `[T, Lkv+R]`. `nope`: fault `rope_on_nope`'s rope, applied to the
+/// latent's last 64 columns (where DeepSeek's row has k_pe).
 pub fn kv(
     cfg: &MlaConfig,
     mw: &MirrorWeights,
     attn_in: ArrayView2<f32>,
     rope: &RopeF32,
+    nope: Option<&RopeF32>,
     dt: Dtype,
 ) -> (Array2<f32>, Array2<f32>, Array2<f32>) {
     let kv = linear(attn_in, mw.kv_a.view(), dt);
     let lkv = cfg.kv_lora_rank;
-    let latent = rms_norm(kv.slice(s![.., ..lkv]), mw.kv_a_norm, cfg.lora_norm_eps, dt);
+    let mut latent = rms_norm(kv.slice(s![.., ..lkv]), mw.kv_a_norm, cfg.lora_norm_eps, dt);
     let mut k_pe = kv.slice(s![.., lkv..]).to_owned();
     for (t, mut row) in k_pe.rows_mut().into_iter().enumerate() {
         rope.rotate(t, row.as_slice_mut().expect("contiguous"), dt);
+    }
+    if let Some(r) = nope.filter(|_| lkv >= DEEPSEEK_ROPE) {
+        for (t, mut row) in latent.rows_mut().into_iter().enumerate() {
+            let row = row.as_slice_mut().expect("contiguous");
+            r.rotate(t, &mut row[lkv - DEEPSEEK_ROPE..], dt);
+        }
     }
     (latent, k_pe, kv)
 }

@@ -128,13 +128,14 @@ impl MirrorFront {
         mw: &front::MirrorWeights,
         x: &Array2<f64>,
         rope: &front::RopeF32,
+        nope: Option<&front::RopeF32>,
         dt: Dtype,
     ) -> MirrorFront {
         let x = front::input(x, dt);
         let attn_in = front::attn_in(cfg, mw, x.view(), dt);
         let q = front::query(cfg, mw, attn_in.view(), dt);
         let (q_nope, q_pe) = front::split_query(cfg, q, rope, dt);
-        let (latent, k_pe, kv_raw) = front::kv(cfg, mw, attn_in.view(), rope, dt);
+        let (latent, k_pe, kv_raw) = front::kv(cfg, mw, attn_in.view(), rope, nope, dt);
         MirrorFront {
             attn_in,
             q_nope,
@@ -198,7 +199,13 @@ impl Attention<'_> {
         let sel = self.ctx.selection;
         let t = sched.total_tokens();
         let (h, dv) = (cfg.n_head, cfg.v_head_dim);
-        let mut cache = cache::PagedCache::new(sched, cfg.cache_row()).with_faults(fx);
+        // Fault: a NoPE model's row padded to DeepSeek's 576 (`front::DEEPSEEK_ROPE` more), the pad never
+        // written; the readers take it for the rope part (the run's dtype only: a format has its own row).
+        let pad = match fx.on(Fault::NopePadAsRope) && cfg.qk_rope == 0 && codec.is_none() {
+            true => front::DEEPSEEK_ROPE,
+            false => 0,
+        };
+        let mut cache = cache::PagedCache::new(sched, cfg.cache_row() + pad).with_faults(fx);
         if let Some(c) = codec {
             cache = cache.with_codec(c);
         }
@@ -227,7 +234,7 @@ impl Attention<'_> {
             false => front::o_proj(mw, &heads, dt),
         };
         let stages = [
-            stage(Stage::CacheRows, &cache.gather(0..t)),
+            stage(Stage::CacheRows, &cache.rows(0..t, cfg.cache_row())),
             stage(Stage::QAbsorbed, &dec.q_abs),
             stage(Stage::SplitOut, &dec.split_out),
             stage(Stage::SplitLse, &dec.split_lse),
@@ -331,7 +338,8 @@ impl Backend for CpuMirror {
             .map_err(crate::error::Error::Usage)?;
         let rope = front::RopeF32::new(tables, fx);
         let mw = front::MirrorWeights::new(cfg, w, dt, fx);
-        let f = MirrorFront::new(cfg, &mw, x, &rope, dt);
+        let nope = front::nope_rope(cfg, tables, fx);
+        let f = MirrorFront::new(cfg, &mw, x, &rope, nope.as_ref(), dt);
         // The attention kernels' view of the config: the same model, the softmax scale they are given.
         let mut acfg = cfg.clone();
         acfg.softmax_scale = kernel_scale(cfg, fx);

@@ -26,6 +26,18 @@ pub fn stored<D: Dimension>(a: &Array<f32, D>, dt: Dtype) -> Array<f32, D> {
 
 /// f32 dot product with eight partial sums (the lane-parallel order a vector unit or a warp uses).
 #[inline]
+/// A score's rope term `q_pe · k_pe` as a kernel computes it over the cache row's rope part: the query
+/// zero-padded to that width where the row is wider (a NoPE model's row padded to DeepSeek's 576, fault
+/// `nope_pad_as_rope`: 0 · the pad, NaN where the pad was never written).
+pub fn rope_dot(q: &[f32], k: &[f32]) -> f32 {
+    if q.len() == k.len() {
+        return dot(q, k);
+    }
+    let mut padded = vec![0f32; k.len()];
+    padded[..q.len()].copy_from_slice(q);
+    dot(&padded, k)
+}
+
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0f32; 8];

@@ -5,7 +5,7 @@
 use super::cache::PagedCache;
 use super::flash::{attend, merge, Partial};
 use super::front::{decompress, MirrorWeights};
-use super::ops::dot;
+use super::ops::{dot, rope_dot};
 use super::{row3, MirrorFront};
 use crate::faults::{Active, Fault};
 use crate::model::MlaConfig;
@@ -90,14 +90,17 @@ pub fn attend_kv_sel(
     let (qn, qp) = (row3(&f.q_nope, t, h), row3(&f.q_pe, t, h));
     let scale = cfg.softmax_scale as f32;
     let k_pe = kv.k_pe.as_slice().expect("contiguous");
-    let r = cfg.qk_rope;
+    // The rows' rope width: qk_rope, or a padded row's (fault `nope_pad_as_rope`).
+    let r = kv.k_pe.ncols();
     attend(
         keys,
         cfg.v_head_dim,
         dt,
         |j| match sel {
             Some((sel, base)) if !sel.allows(t, base + j) => f32::NEG_INFINITY,
-            _ => (dot(qn, row3(&kv.k_nope, j, h)) + dot(qp, &k_pe[j * r..(j + 1) * r])) * scale,
+            _ => {
+                (dot(qn, row3(&kv.k_nope, j, h)) + rope_dot(qp, &k_pe[j * r..(j + 1) * r])) * scale
+            }
         },
         |j| row3(&kv.v, j, h),
     )

@@ -128,7 +128,12 @@ fn sparse(
         queries.push(q);
     }
     let t = sched.total_tokens();
-    let rows: Vec<f64> = st.cache.gather(0..t).iter().map(|&v| v as f64).collect();
+    let rows: Vec<f64> = st
+        .cache
+        .rows(0..t, ctx.cfg.cache_row())
+        .iter()
+        .map(|&v| v as f64)
+        .collect();
     judge_sparse(
         ctx,
         sel,
@@ -157,7 +162,7 @@ fn checks(
     let (cfg, sched) = (ctx.cfg, ctx.sched);
     let (q_abs, q_pe, cache) = (st.q_abs, st.q_pe, st.cache);
     let (h, lkv, t) = (cfg.n_head, cfg.kv_lora_rank, sched.total_tokens());
-    let rows: Vec<f32> = cache.gather(0..t).iter().copied().collect();
+    let rows: Vec<f32> = cache.rows(0..t, cfg.cache_row()).iter().copied().collect();
     // The batch's cache, through the layer's format where it has one (its writer's faults included);
     // the judge's fp64 reads the run's rows, what a writer without a batch's faults stores.
     let mut bc = cache.for_batch(batch, t);
