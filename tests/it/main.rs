@@ -29,6 +29,7 @@ mod golden;
 mod input;
 mod kpool;
 mod kpool_golden;
+mod kpool_kernels_host;
 mod kpool_run;
 mod kv_format;
 mod kv_format_kernel;
