@@ -48,6 +48,17 @@
 #              a 512 + 64 row × fp8_ds_mla × bf16/fp16 and a generated glm5-next (512 + 0) × fp8_ds_mla_nope /
 #              fp8_v41 / fp4_v41 × bf16 must pass; each planted cache fault must fail (exit 1) first at
 #              cache_rows; `--kv-cache-dtype fp8` (per-tensor) must be refused (exit 2)
+#   kpool      glm5-next's k-pool indexer on the GPU (kernels/kpool.cu; not yet `run`'s own: MLA_DIFF_CUDA_KPOOL=1
+#              switches it in, src/backend/cuda/kpool.rs `enabled`): the golden (395 tokens, top_k 16, kpool 4) in
+#              bf16/fp16/f32 and bf16 with fp8 indexer keys must pass with the dsa section naming CUDA's own
+#              indexer; each layer's GPU scores and selection against the CPU mirror's on the same input
+#              (MLA_DIFF_PROFILE's line); then kpool_no_ape, kpool_softmax_channels, kpool_no_tail (layer 3),
+#              kpool_from_position_zero (layer 1 and layer 2 sharing its selection, --pos-offset 5) and
+#              kpool_shared_own_indexer (layer 2) must exit 1 failing exactly those layers' selection checks
+#              with the stage checks clean; compute-sanitizer memcheck on a clean run. (kpool_shared_wrong_layer
+#              needs two full layers before a shared one: the golden has one; it is host routing,
+#              src/run/kpool.rs, the same code as on the CPU.)
+#              KPOOL_BACKEND=cpu runs the same step on the CPU mirror (a dry run of its expectations, no GPU).
 # KERNELS: a kernel directory or a probe patch (bench/probes/*.patch, applied to a copy of kernels/)
 # passed to selftest / validate / runs / sanitize as `--kernels`, to check a kernel before it is embedded.
 # B defaults to target/release/mla-diff, or .carry/check/mla-diff.xz when carried. Outputs go to
@@ -486,6 +497,59 @@ v4() {
         step "v4 memcheck (golden, every layer kind; sanitizer exit $rc; $ours errors outside cuBLAS)" \
             "$([ "$ours" -eq 0 ] && [ $rc -eq 0 ] && echo 0 || echo 1)"
         grep -E "ERROR SUMMARY|Invalid|Program hit" "$D/v4-memcheck.txt" | sort | uniq -c | head -4
+    fi
+}
+# kpsum JSON LAYERS BACKEND: the k-pool indexer's part of a glm5-next report in one line (the stage verdict,
+# the dsa section's indexer and its layers' selection checks); exit 1 unless the selection failed in exactly
+# LAYERS (a comma list; -: none) with every stage check passing, and BACKEND's own indexer ran.
+kpsum() {
+    python3 - "$1" "$2" "${KPOOL_BACKEND:-cuda}" <<'PYEOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+want = [] if sys.argv[2] == "-" else [int(x) for x in sys.argv[2].split(",")]
+v, d = r["modes"][0]["verdict"], r["dsa"]
+sel = {l["layer"]: l["selection"] for l in d["layers"]}
+failed = [l for l, s in sel.items() if not s["pass"]]
+print(f'stages {"pass" if v["pass"] else "FAIL first " + str(v.get("first_layer")) + "/" + str(v.get("first_check"))}; '
+      f'selection failed in {failed or "none"}; differing pools ' +
+      ", ".join(f'{l}: {s["differing"]} ({s["within_margin"]} within), layout {s["pools"]["layout_mismatch"]}' for l, s in sel.items()) +
+      f'; {d["indexer"][:40]}')
+ok = v["pass"] and d["indexer"].startswith(sys.argv[3] + "'s own") and failed == want
+sys.exit(0 if ok else 1)
+PYEOF
+}
+# kprun NAME WANT LAYERS ARGS…: one glm5-next golden run with CUDA's k-pool indexer that must exit WANT, its
+# selection failing in exactly LAYERS (-: nowhere); the profile's k-pool lines (GPU against the mirror) kept.
+kprun() {
+    local n=$1 want=$2 layer=$3 t0=$SECONDS rc got src
+    shift 3
+    [ "$(left)" -gt 40 ] || { echo "skip kpool $n: budget"; fail=1; return 0; }
+    MLA_DIFF_CUDA_KPOOL=1 MLA_DIFF_PROFILE=1 timeout "$(tmo 120)" "$B" run fixtures/golden/glm5-next.gguf \
+        --backend "${KPOOL_BACKEND:-cuda}" "${KX[@]}" "$@" --json "$D/kpool-$n.json" > "$D/kpool-$n.txt" 2> "$D/kpool-$n.err"
+    rc=$?
+    got=$(kpsum "$D/kpool-$n.json" "$layer" 2> /dev/null)
+    src=$?
+    expect "$want" $rc "kpool $n ($*; $((SECONDS - t0)) s): ${got:-no report}"
+    [ $src -eq 0 ] || { echo "FAIL  kpool $n: selection not failing in exactly layers $layer, stages failing, or not ${KPOOL_BACKEND:-cuda}'s indexer"; fail=1; }
+    grep -E "k-pool indexer \(" "$D/kpool-$n.err" | sed 's/.*profile: /    /' | head -3
+    [ $rc -le 1 ] || tail -5 "$D/kpool-$n.err" | sed 's/^/    stderr: /'
+}
+kpool() {
+    local dt
+    for dt in bf16 fp16 f32; do kprun "clean-$dt" 0 - --dtype $dt; done
+    kprun clean-fp8 0 - --indexer-keys fp8
+    kprun no_ape 1 3 --inject kpool_no_ape@layer=3
+    kprun softmax_channels 1 3 --inject kpool_softmax_channels@layer=3
+    kprun no_tail 1 3 --inject kpool_no_tail@layer=3
+    kprun from_position_zero 1 1,2 --inject kpool_from_position_zero@layer=1 --pos-offset 5
+    kprun shared_own_indexer 1 2 --inject kpool_shared_own_indexer@layer=2
+    if [ -x /usr/local/cuda/bin/compute-sanitizer ] && [ "$(left)" -gt 60 ]; then
+        MLA_DIFF_CUDA_KPOOL=1 timeout "$(tmo 120)" /usr/local/cuda/bin/compute-sanitizer --tool memcheck "$B" run \
+            fixtures/golden/glm5-next.gguf --backend cuda "${KX[@]}" --json "$D/kpool-memcheck.json" > "$D/kpool-memcheck.txt" 2>&1
+        local rc=$? ours
+        ours=$(grep -E "Invalid|Program hit|Sanitizer Error|Error: " "$D/kpool-memcheck.txt" | grep -vc nvjet)
+        step "kpool memcheck (golden; sanitizer exit $rc; $ours errors outside cuBLAS)" \
+            "$([ "$ours" -eq 0 ] && [ $rc -eq 0 ] && echo 0 || echo 1)"
     fi
 }
 run_steps "selftest validate runs sanitize" "$@"

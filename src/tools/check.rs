@@ -71,6 +71,7 @@ fn jobs(lkv: usize, r: usize) -> Vec<Job> {
         ("fill.cu", None, None),
         ("sparse_attn.cu", None, None),
         ("indexer.cu", None, None),
+        ("kpool.cu", None, None),
         ("v4/attn.cu", None, None),
         ("v4/compress.cu", None, None),
         ("v4/indexer.cu", None, None),

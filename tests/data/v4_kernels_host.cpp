@@ -1,68 +1,13 @@
 // kernels/v4 compiled for the host (tests/it/v4_kernels_host.rs): DeepSeek-V4's compressor, indexer and
 // attention kernels run without a GPU against a naive fp64 restatement of the CPU mirror's math (the
-// storage type f32, so no rounding between stages; within 1e-4 relative). A warp is 32 threads whose
-// shuffles exchange through a barrier; a CTA's threads run together (its __syncthreads a barrier), CTAs
-// one after another. The .inc files are the kernels with their includes and dynamic shared arrays
+// storage type f32, so no rounding between stages; within 1e-4 relative), CUDA emulated by kernels_host.h.
+// The .inc files are the kernels with their includes and dynamic shared arrays
 // rewritten by the test. Exit 1 with "MISMATCH" on the first value off.
-#include <cstdio>
-#include <cstring>
-#include <cmath>
-#include <cstdlib>
-#include <vector>
-#include <thread>
-#include <barrier>
-#include <algorithm>
-#include <functional>
-#include <memory>
-using std::min; using std::max; using std::isnan;
-#define __device__
-#define __forceinline__ inline
-#define __global__
-#define __launch_bounds__(x)
-#define __shared__ static
-struct D3 { unsigned x, y, z; };
-static thread_local D3 threadIdx{0,0,0};
-static D3 blockIdx{0,0,0}, blockDim{1,1,1}, gridDim{1,1,1};
-alignas(16) static unsigned char g_smem[1 << 20];
-static std::barrier<>* g_block = nullptr;
-static std::vector<std::unique_ptr<std::barrier<>>> g_warps;
-static float g_xf[64][32]; static int g_xi[64][32];
-static inline void __syncthreads() { g_block->arrive_and_wait(); }
-static inline void __syncwarp() { g_warps[threadIdx.x >> 5]->arrive_and_wait(); }
-static inline float xch(float v, int src) { int w = threadIdx.x >> 5, l = threadIdx.x & 31; g_xf[w][l] = v; __syncwarp(); float r = g_xf[w][src]; __syncwarp(); return r; }
-static inline float __shfl_xor_sync(unsigned, float v, int o) { return xch(v, (threadIdx.x & 31) ^ o); }
-static inline float __shfl_sync(unsigned, float v, int s) { return xch(v, s); }
-static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
-static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
-static inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
-typedef float dt;
-static inline float to_f(dt x) { return x; }
-static inline dt from_f(float x) { return x; }
-static inline float round_dt(float x) { return x; }
-#define MLA_NEG_INF (-__int_as_float(0x7f800000))
-static inline float warp_sum(float v) { for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o); return v; }
-static inline float warp_max(float v) { for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o)); return v; }
-static inline float block_sum(float v, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    v = warp_sum(v); __syncthreads(); if (lane == 0) red[warp] = v; __syncthreads();
-    float t = 0.f; for (int i = 0; i < nw; ++i) t += red[i]; return t;
-}
+#include "kernels_host.h"
 #include "v4.inc"
 #include "attn.inc"
 #include "compress.inc"
 #include "indexer.inc"
-// Launch: grid (gx, gy), block bx threads, in sequence.
-static void run(int gx, int gy, int bx, std::function<void()> k) {
-    blockDim = {(unsigned)bx, 1, 1}; gridDim = {(unsigned)gx, (unsigned)gy, 1};
-    for (int y = 0; y < gy; ++y) for (int x = 0; x < gx; ++x) {
-        blockIdx = {(unsigned)x, (unsigned)y, 0};
-        std::barrier<> bb(bx); g_block = &bb; g_warps.clear();
-        for (int w = 0; w < (bx + 31) / 32; ++w) g_warps.emplace_back(new std::barrier<>(min(32, bx - 32 * w)));
-        std::vector<std::thread> ts;
-        for (int t = 0; t < bx; ++t) ts.emplace_back([t, &k] { threadIdx = {(unsigned)t, 0, 0}; k(); });
-        for (auto& t : ts) t.join();
-    }
-}
 static double rnd() { static unsigned long long s = 88172645463325252ull; s ^= s << 13; s ^= s >> 7; s ^= s << 17; return (double)(s >> 11) / (1ull << 53) * 2 - 1; }
 static double worst = 0;
 static void cmp(const char* what, double ref, double got) {

@@ -30,6 +30,7 @@ mod input;
 mod kimi;
 mod kpool;
 mod kpool_golden;
+mod kpool_kernels_host;
 mod kpool_run;
 mod kv_format;
 mod kv_format_kernel;

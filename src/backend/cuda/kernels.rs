@@ -14,7 +14,7 @@ use std::rc::Rc;
 
 /// The faults switched inside the kernels (kernels/*.cu); every other fault is a host switch in the
 /// layer's host code (mod.rs, buffers.rs, front.rs, decode.rs; `faults::Info::cuda_site` says which).
-pub const KERNEL_FAULTS: [Fault; 29] = [
+pub const KERNEL_FAULTS: [Fault; 32] = [
     Fault::RopeNeox,
     Fault::RopeNorm,
     Fault::CachePeFirst,
@@ -36,6 +36,10 @@ pub const KERNEL_FAULTS: [Fault; 29] = [
     Fault::IndexerNoRelu,
     Fault::IndexerTopkOffByOne,
     Fault::IndexerFp8Scale,
+    // kernels/kpool.cu (glm5-next's k-pool indexer: pooling and the tail).
+    Fault::KpoolNoApe,
+    Fault::KpoolSoftmaxChannels,
+    Fault::KpoolNoTail,
     // kernels/cache_write.cu `cache_write_format` (a quantized cache's writer and reader).
     Fault::KvScaleTwice,
     Fault::KvScaleInverted,

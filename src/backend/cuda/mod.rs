@@ -30,6 +30,7 @@ pub mod dgemm;
 pub mod front;
 pub mod indexer;
 pub mod kernels;
+pub mod kpool;
 pub mod launch;
 pub mod layer;
 pub mod nvrtc;
@@ -273,6 +274,27 @@ impl Backend for CudaBackend {
             dtype: self.opts.dtype,
         };
         Ok(Some(indexer::run(&mut on, ctx, ic, iw, x, keys)?.selection))
+    }
+
+    /// glm5-next: pooling, scores and top-k on the GPU (`kpool`, kernels/kpool.cu) once
+    /// `kpool::enabled`; until then `None` (the CPU mirror's stands in).
+    fn kpool_indexer(
+        &mut self,
+        ctx: &LayerCtx,
+        k: &crate::model::KpoolIndexer,
+        kw: &crate::model::KpoolLayer,
+        x: &ndarray::Array2<f64>,
+        keys: crate::precision::KeyPrecision,
+    ) -> Result<Option<crate::reference::sparse::Selection>> {
+        if !kpool::enabled() {
+            return Ok(None);
+        }
+        let mut on = indexer::On {
+            gpu: &self.gpu,
+            kernels: &mut self.kernels,
+            dtype: self.opts.dtype,
+        };
+        Ok(Some(kpool::run(&mut on, ctx, k, kw, x, keys)?.selection))
     }
 
     fn notices(&self) -> Vec<String> {

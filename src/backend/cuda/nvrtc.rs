@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 /// Every kernel file, headers first. The `.cu` files are compiled; the `.cuh` files are passed to NVRTC
 /// as named headers.
-pub const KERNEL_FILES: [(&str, &str); 19] = [
+pub const KERNEL_FILES: [(&str, &str); 20] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "attention.cuh",
@@ -57,6 +57,7 @@ pub const KERNEL_FILES: [(&str, &str); 19] = [
         include_str!("../../../kernels/sparse_attn.cu"),
     ),
     ("indexer.cu", include_str!("../../../kernels/indexer.cu")),
+    ("kpool.cu", include_str!("../../../kernels/kpool.cu")),
     ("v4/attn.cu", include_str!("../../../kernels/v4/attn.cu")),
     (
         "v4/compress.cu",
