@@ -475,7 +475,7 @@ pub const CATALOGUE: [Info; 47] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Kpool],
-        cuda_site: "host: the CUDA backend has no k-pool indexer yet (the CPU mirror's stands in, without faults); CPU: src/backend/cpu/kpool.rs `pool`",
+        cuda_site: "kernels/kpool.cu `kpool_pool` (MLA_FAULT_KPOOL_NO_APE) (CUDA's indexer answers only with MLA_DIFF_CUDA_KPOOL=1 until its H200 run; `bash bench/gpu-check.sh kpool`); CPU: src/backend/cpu/kpool.rs `pool`",
     },
     Info {
         fault: Fault::KpoolFromPositionZero,
@@ -486,7 +486,7 @@ pub const CATALOGUE: [Info; 47] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Kpool, Need::Positions],
-        cuda_site: "host: the CUDA backend has no k-pool indexer yet (the CPU mirror's stands in, without faults); CPU: src/backend/cpu/kpool.rs `plan_for` (`Reading::pools_from_slot_zero` = the run's first position)",
+        cuda_site: "host: src/backend/cuda/kpool.rs `inputs` (the grid origin) (CUDA's indexer answers only with MLA_DIFF_CUDA_KPOOL=1 until its H200 run; `bash bench/gpu-check.sh kpool`); CPU: src/backend/cpu/kpool.rs `plan_for` (`Reading::pools_from_slot_zero` = the run's first position)",
     },
     Info {
         fault: Fault::KpoolNoTail,
@@ -497,7 +497,7 @@ pub const CATALOGUE: [Info; 47] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Kpool],
-        cuda_site: "host: the CUDA backend has no k-pool indexer yet (the CPU mirror's stands in, without faults); CPU: src/backend/cpu/kpool.rs `plan_for` (`Reading::no_tail`, in `reference::kpool::select`)",
+        cuda_site: "kernels/kpool.cu `kpool_topk` (MLA_FAULT_KPOOL_NO_TAIL) (CUDA's indexer answers only with MLA_DIFF_CUDA_KPOOL=1 until its H200 run; `bash bench/gpu-check.sh kpool`); CPU: src/backend/cpu/kpool.rs `plan_for` (`Reading::no_tail`, in `reference::kpool::select`)",
     },
     Info {
         fault: Fault::KpoolSharedOwnIndexer,
@@ -508,7 +508,7 @@ pub const CATALOGUE: [Info; 47] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Kpool, Need::SharedIndexer],
-        cuda_site: "host: the CUDA backend has no k-pool indexer yet (the CPU mirror's stands in, without faults); CPU: src/run/kpool.rs `own_shared`",
+        cuda_site: "host: src/run/kpool.rs `own_shared`, both backends (CUDA's indexer answers only with MLA_DIFF_CUDA_KPOOL=1 until its H200 run; `bash bench/gpu-check.sh kpool`)",
     },
     Info {
         fault: Fault::KpoolSharedWrongLayer,
@@ -519,7 +519,7 @@ pub const CATALOGUE: [Info; 47] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Kpool, Need::SharedIndexer],
-        cuda_site: "host: the CUDA backend has no k-pool indexer yet (the CPU mirror's stands in, without faults); CPU: src/run/kpool.rs `own_shared`",
+        cuda_site: "host: src/run/kpool.rs `own_shared`, both backends (CUDA's indexer answers only with MLA_DIFF_CUDA_KPOOL=1 until its H200 run; `bash bench/gpu-check.sh kpool`)",
     },
     Info {
         fault: Fault::KpoolSoftmaxChannels,
@@ -530,7 +530,7 @@ pub const CATALOGUE: [Info; 47] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Kpool],
-        cuda_site: "host: the CUDA backend has no k-pool indexer yet (the CPU mirror's stands in, without faults); CPU: src/backend/cpu/kpool.rs `pool`",
+        cuda_site: "kernels/kpool.cu `kpool_pool` (MLA_FAULT_KPOOL_SOFTMAX_CHANNELS) (CUDA's indexer answers only with MLA_DIFF_CUDA_KPOOL=1 until its H200 run; `bash bench/gpu-check.sh kpool`); CPU: src/backend/cpu/kpool.rs `pool`",
     },
     Info {
         fault: Fault::RopeOnNope,
