@@ -10,11 +10,52 @@ use ndarray::Array2;
 use std::path::PathBuf;
 
 /// A layer's traces, computed, for [`judge`]: the reference, shadow mode's optimized trace with what
-/// its stage-local view needs (none where it is not modelled), free mode's with its drift.
+/// its stage-local view needs (none where it is not modelled), free mode's with its drift (or already
+/// compared: a layer run alone, `footprint.rs`).
 pub(super) struct Computed {
     pub(super) reference: LayerTrace,
     pub(super) shadow: Option<(LayerTrace, Option<View>)>,
-    pub(super) free: Option<(LayerTrace, f64)>,
+    pub(super) free: Option<Free>,
+}
+
+/// Free mode's part of a layer for its judge: its trace and drift, or its comparison made already.
+pub(super) enum Free {
+    Trace(LayerTrace, f64),
+    Judged(Box<FreeJudged>),
+}
+
+/// Free mode's comparison of a layer ([`judge_free`]): its result, its trace where `--dump-dir` may
+/// want it, and how long it took.
+pub(super) struct FreeJudged {
+    result: LayerResult,
+    kept: Option<LayerTrace>,
+    took: std::time::Duration,
+}
+
+/// Free mode's comparison of a layer's trace `opt` (its drift `drift`) with the reference; the trace
+/// is let go unless `--dump-dir` may want it.
+pub(super) fn judge_free(
+    reference: &LayerTrace,
+    opt: LayerTrace,
+    drift: f64,
+    free_ctx: &compare::Ctx,
+    opts: &RunOptions,
+) -> Result<FreeJudged> {
+    let t0 = std::time::Instant::now();
+    let mut result = compare::compare_layer(
+        free_ctx,
+        reference,
+        &opt,
+        opts.dtype,
+        &opts.tolerances,
+        None,
+    )?;
+    result.drift = Some(drift);
+    Ok(FreeJudged {
+        result,
+        kept: opts.dump.is_some().then_some(opt),
+        took: t0.elapsed(),
+    })
 }
 
 /// What a layer's stage-local view needs besides the run's tables: the layer's weights and input, the
@@ -81,8 +122,21 @@ pub(super) fn judge(
     dumped_before: bool,
 ) -> Result<Judged> {
     let opts = env.opts;
+    let Computed {
+        reference,
+        shadow,
+        free,
+    } = c;
+    // Free mode first, so that its trace is let go before the stage-local view, the largest part of
+    // a judge, is made (`footprint.rs`).
+    let free = free
+        .map(|f| match f {
+            Free::Trace(opt, drift) => judge_free(&reference, opt, drift, free_ctx, opts),
+            Free::Judged(j) => Ok(*j),
+        })
+        .transpose()?;
     let t_local = std::time::Instant::now();
-    let shadow_opt = c.shadow.map(|(opt, v)| {
+    let shadow_opt = shadow.map(|(opt, v)| {
         let local = local_view(env, &opt, v);
         (opt, local)
     });
@@ -95,7 +149,7 @@ pub(super) fn judge(
     if let Some((opt, local)) = shadow_opt {
         let r = compare::compare_layer(
             ctx,
-            &c.reference,
+            &reference,
             &opt,
             opts.dtype,
             &opts.tolerances,
@@ -106,22 +160,14 @@ pub(super) fn judge(
         }
         shadow = Some(r);
     }
-    let mut free = None;
-    if let Some((opt, drift)) = c.free {
-        let mut r = compare::compare_layer(
-            free_ctx,
-            &c.reference,
-            &opt,
-            opts.dtype,
-            &opts.tolerances,
-            None,
-        )?;
-        r.drift = Some(drift);
-        if keep {
-            traces.push((opt, r.pass));
+    let mut took = t0.elapsed();
+    let free = free.map(|j| {
+        took += j.took;
+        if let Some(t) = j.kept {
+            traces.push((t, j.result.pass));
         }
-        free = Some(r);
-    }
+        j.result
+    });
     let mut dump = None;
     if let Some((dir, which)) = &opts.dump {
         let failing = traces.iter().find(|(_, pass)| !pass).map(|(t, _)| t);
@@ -132,7 +178,7 @@ pub(super) fn judge(
             _ => None,
         };
         if let Some(opt) = chosen {
-            dump = Some(crate::report::npy::dump_layer(dir, &c.reference, opt)?);
+            dump = Some(crate::report::npy::dump_layer(dir, &reference, opt)?);
         }
     }
     Ok(Judged {
@@ -140,6 +186,6 @@ pub(super) fn judge(
         free,
         dump,
         local,
-        took: t0.elapsed(),
+        took,
     })
 }

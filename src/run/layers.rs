@@ -2,7 +2,7 @@
 //! side by side ([`paths`]), its DSA selections checked, and its judge (`judge.rs`) started on a thread
 //! of its own next to the next layer's paths, collected in layer order.
 
-use super::judge::{judge, Computed, JudgeEnv, Judged, View};
+use super::judge::{judge, judge_free, Computed, Free, JudgeEnv, Judged, View};
 use super::{
     add_residual, attn_out, profile, repeat, residual_after, DumpLayers, RunOptions, Setup,
 };
@@ -69,6 +69,7 @@ pub(super) fn run_layers(
     let mut done = Done::default();
     let mut prof = profile::Profile::from_env();
     let max_judges = max_judges(opts);
+    let alone = super::footprint::alone(cfg, &opts.sched);
     std::thread::scope(|judges| -> Result<()> {
         let mut judging = std::collections::VecDeque::new();
         for (i, &l) in layers.iter().enumerate() {
@@ -112,18 +113,21 @@ pub(super) fn run_layers(
                 // No view for an absorbed sparse prefill (not modelled: docs/dsa.md).
                 view_wanted: !(sel.is_some() && backend.judging().sparse_prefill_absorbed),
                 moved: moved.as_ref(),
+                alone,
             };
             let (reference, optimized) =
                 paths(&lr, backend, (&h_ref, &h_opt), &mut done.repeats, &mut prof);
             let (reference, moved_ref) = reference?;
-            let (shadow_opt, free_opt) = optimized?;
+            let optimized = optimized?;
             // The reference residual after this layer: the next layer's shadow input and free mode's
             // yardstick; the optimized one: free mode's next input.
             let next_ref = residual_after(&h_ref, &reference)?;
             let refs = (&reference, moved_ref.as_ref(), &next_ref);
-            let free_opt = free_opt
+            let free_opt = optimized
+                .1
                 .map(|opt| free_drift(opt, &mut h_opt, &mut carried, refs, opts))
                 .transpose()?;
+            let (shadow_opt, free) = settle(&lr, &reference, optimized.0, free_opt, &mut prof)?;
             // What shadow mode's stage-local view needs, taken before the DSA check takes the selection:
             // the selection the path attended over (the reference's); no view for an absorbed sparse
             // prefill (not modelled: docs/dsa.md).
@@ -137,14 +141,12 @@ pub(super) fn run_layers(
                 check_selection(sp, sel, checked, backend, opts)?;
                 prof.add("DSA selection check", t_dsa.elapsed());
             }
-            while judging.len() >= max_judges {
-                let j = judging.pop_front().expect("a judge in flight");
-                collect(j, &mut prof, &mut done)?;
-            }
+            drop(w);
+            collect_until(&mut judging, max_judges - 1, &mut prof, &mut done)?;
             let layer = Computed {
                 reference,
                 shadow,
-                free: free_opt,
+                free,
             };
             let dumped_before = !done.dumped.is_empty();
             judging.push_back(judges.spawn(move || {
@@ -157,13 +159,12 @@ pub(super) fn run_layers(
                 judge(layer, &env, &ctx, &free_ctx, dumped_before)
             }));
             h_ref = next_ref;
+            let left = if alone { 0 } else { max_judges }; // alone: judged before the next layer
+            collect_until(&mut judging, left, &mut prof, &mut done)?;
             release_memory();
             bar.inc(1);
         }
-        while let Some(j) = judging.pop_front() {
-            collect(j, &mut prof, &mut done)?;
-        }
-        Ok(())
+        collect_until(&mut judging, 0, &mut prof, &mut done)
     })?;
     Ok((done, prof))
 }
@@ -222,6 +223,35 @@ fn free_drift(
     Ok((opt, drift))
 }
 
+/// A layer's optimized traces for its judge. Alone (`footprint.rs`): free mode's compared now and its
+/// trace let go, then the stage-local view's products made, before the weights go; otherwise both are
+/// the judge's, and the products were made beside free mode's pass.
+fn settle(
+    lr: &LayerRun,
+    reference: &LayerTrace,
+    shadow: ShadowOpt,
+    free: Option<(LayerTrace, f64)>,
+    prof: &mut profile::Profile,
+) -> Result<(ShadowOpt, Option<Free>)> {
+    if !lr.alone {
+        return Ok((shadow, free.map(|(opt, drift)| Free::Trace(opt, drift))));
+    }
+    let free = free
+        .map(|(opt, drift)| judge_free(reference, opt, drift, lr.free_ctx, lr.opts))
+        .transpose()?
+        .map(|j| Free::Judged(Box::new(j)));
+    let shadow = shadow.map(|(opt, pre)| {
+        let pre = match lr.view_wanted {
+            true => Some(prof.time("stage-local view (weights)", || {
+                compare::local::prepare(lr.cfg, lr.w, lr.opts.dtype, &opt)
+            })),
+            false => pre,
+        };
+        (opt, pre)
+    });
+    Ok((shadow, free))
+}
+
 /// The DSA check of a layer's selections (`dsa::RunSparse::check_layer`), from its contexts, its input
 /// and its reference trace.
 fn check_selection(
@@ -257,6 +287,19 @@ fn collect(
     out.dumped.extend(j.dump);
     prof.add("stage-local view", j.local);
     prof.add("compare + reports", j.took);
+    Ok(())
+}
+
+/// Collect the judges in flight, oldest first, until at most `left` are.
+fn collect_until(
+    judging: &mut std::collections::VecDeque<std::thread::ScopedJoinHandle<Result<Judged>>>,
+    left: usize,
+    prof: &mut profile::Profile,
+    out: &mut Done,
+) -> Result<()> {
+    while judging.len() > left {
+        collect(judging.pop_front().expect("a judge in flight"), prof, out)?;
+    }
     Ok(())
 }
 
@@ -298,6 +341,9 @@ struct LayerRun<'a> {
     view_wanted: bool,
     /// Free mode: the reference's input moved by the cache effect the stream carries (`carry`).
     moved: Option<&'a Array2<f64>>,
+    /// The layer runs alone (`footprint.rs`): its reference before its optimized path, the view's
+    /// products after free mode's comparison.
+    alone: bool,
 }
 
 /// The fp64 reference on its own thread, next to what of the layer does not need it: shadow mode's
@@ -314,12 +360,18 @@ fn paths(
     std::thread::scope(|sc| {
         let (c, w, rope, sched, ref_sel) = (lr.cfg, lr.w, lr.rope, &opts.sched, lr.ref_sel);
         let moved = lr.moved;
-        let r = sc.spawn(move || {
+        let reference = move || {
             let t0 = std::time::Instant::now();
             let run = |x| crate::reference::run_layer_sel(c, w, rope, x, sched, ref_sel);
             let r = run(h_ref).and_then(|r| Ok((r, moved.map(run).transpose()?)));
             (r, t0.elapsed())
-        });
+        };
+        // Alone: the reference first, not beside the optimized path (its buffers and the path's peak
+        // together: `footprint.rs`).
+        let r = match lr.alone {
+            true => Err(reference()),
+            false => Ok(sc.spawn(reference)),
+        };
         let optimized = (|| -> Result<OptTraces> {
             let mut shadow_opt = None;
             if opts.modes.shadow {
@@ -341,7 +393,8 @@ fn paths(
             // layer's weights are let go before the next layer loads (two layers alive at
             // once cost 0.66 GB of peak at GLM-5 dims: docs/scale.md).
             let (pre, free_opt) = std::thread::scope(|ps| -> Result<_> {
-                let pre = shadow_opt.as_ref().filter(|_| lr.view_wanted).map(|opt| {
+                let wanted = lr.view_wanted && !lr.alone;
+                let pre = shadow_opt.as_ref().filter(|_| wanted).map(|opt| {
                     ps.spawn(move || {
                         let t0 = std::time::Instant::now();
                         let p = compare::local::prepare(c, w, opts.dtype, opt);
@@ -369,7 +422,10 @@ fn paths(
             })?;
             Ok((shadow_opt.map(|o| (o, pre)), free_opt))
         })();
-        let (r, took) = r.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+        let (r, took) = r.map_or_else(
+            |done| done,
+            |r| r.join().unwrap_or_else(|e| std::panic::resume_unwind(e)),
+        );
         prof.add("reference (fp64)", took);
         (r, optimized)
     })
@@ -428,12 +484,12 @@ fn release_memory() {
 /// A layer's reference, and free mode's reference from the input the carried cache effect moved.
 type RefTraces = (LayerTrace, Option<LayerTrace>);
 
-/// A layer's optimized traces computed next to its reference: shadow mode's, with its stage-local
-/// view's products against the weights where it has a view, and free mode's.
-type OptTraces = (
-    Option<(LayerTrace, Option<compare::local::Prepared>)>,
-    Option<LayerTrace>,
-);
+/// Shadow mode's optimized trace, with its stage-local view's products against the weights where it
+/// has a view (made).
+type ShadowOpt = Option<(LayerTrace, Option<compare::local::Prepared>)>;
+
+/// A layer's optimized traces computed next to its reference: shadow mode's and free mode's.
+type OptTraces = (ShadowOpt, Option<LayerTrace>);
 
 /// Free mode's optimized path of one layer on the optimized stream `h_opt` (and, without shadow mode,
 /// its repeats).

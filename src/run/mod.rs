@@ -30,6 +30,7 @@ mod carry;
 pub mod command;
 pub mod dsa;
 pub mod execute;
+mod footprint;
 mod judge;
 pub mod kpool;
 mod layers;
