@@ -1,7 +1,8 @@
 //! `MlaConfig::from_gguf_diagnosed`: the MLA loader's rules over the keys as `MlaKeys` read them. Every
 //! key it needs and every rule it holds records a `Diagnostic` (in the order below, which is the order
 //! `from_gguf`'s single error has always come in) instead of returning on the first; `lint` reports
-//! them as findings.
+//! them as findings. A rule is evaluated on the keys it needs, whatever else is missing (`Seen`), so
+//! lint evaluates none of them itself.
 
 use super::config::{not_mla, yarn_scales, Arch, HybridLayout, MlaConfig, RopeConfig, Yarn};
 use super::keys::{Diagnostics, MlaKeys};
@@ -23,6 +24,13 @@ impl Diagnosed {
     /// The diagnostic of `rule` (`Diagnostic::rule`), if the loader recorded it.
     pub fn rule(&self, rule: &str) -> Option<&super::keys::Diagnostic> {
         self.diagnostics.0.iter().find(|d| d.rule == rule)
+    }
+    /// The diagnostic of `rule` on `key` (a rule such as `zero` or `limit` refuses each key apart).
+    pub fn rule_on(&self, rule: &str, key: &str) -> Option<&super::keys::Diagnostic> {
+        self.diagnostics
+            .0
+            .iter()
+            .find(|d| d.rule == rule && d.key == key)
     }
 }
 
@@ -52,7 +60,7 @@ impl MlaConfig {
     }
 }
 
-/// The dims the rules below need, as the keys give them.
+/// The dims the config is built from, as the keys give them.
 struct Dims {
     n_layer: usize,
     hidden: usize,
@@ -66,27 +74,62 @@ struct Dims {
     mla_keys: bool,
 }
 
+/// The dims as far as the keys can be read, for the rules: each rule is evaluated on the keys it
+/// needs, whatever else is missing, so `lint` reports every one of them from here.
+struct Seen {
+    n_layer: Option<usize>,
+    hidden: Option<usize>,
+    n_head: Option<usize>,
+    /// `head_count_kv` as the file states it (glm5-next's layout or the key), without the fallback to
+    /// `head_count`.
+    head_count_kv: Option<usize>,
+    kv_lora_rank: Option<usize>,
+    q_lora_rank: Option<usize>,
+    qk_rope: Option<usize>,
+    heads: Heads,
+}
+
+/// The per-head dims by llama.cpp's rule: the `*_mla` pair, else the plain keys or hidden/heads. A
+/// key of the wrong type reads as absent (its own diagnostic says so); `whole` is whether the config
+/// can take them (no diagnostic on the way).
+struct Heads {
+    qk: Option<usize>,
+    v: Option<usize>,
+    mla: bool,
+    whole: bool,
+}
+
 fn from_keys(f: &GgufFile, arch: Arch, k: &MlaKeys, d: &mut Diagnostics) -> Option<MlaConfig> {
     let n_layer = layer_count(f, k, d);
     let hidden = d.need(&k.embedding_length).map(|x| x as usize);
     let n_head = d.need(&k.head_count).map(|x| x as usize);
-    let n_head_kv = match HybridLayout::from_keys(f, k) {
+    let (n_head_kv, head_count_kv) = match HybridLayout::from_keys(f, k) {
         // A per-layer head_count_kv (glm5-next): the MLA layers' value.
-        Ok(Some(h)) => Some(h.n_head_kv),
-        Ok(None) => d
-            .opt(&k.head_count_kv)
-            .map(|x| x as usize)
-            .or(n_head)
-            .or(Some(0)),
+        Ok(Some(h)) => (Some(h.n_head_kv), Some(h.n_head_kv)),
+        Ok(None) => {
+            let key = d.opt(&k.head_count_kv).map(|x| x as usize);
+            (key.or(n_head).or(Some(0)), key)
+        }
         Err(e) => {
             d.push(*e);
-            None
+            (None, None)
         }
     };
     let kv_lora_rank = d.need(&k.kv_lora_rank).map(|x| x as usize);
     let q_lora_rank = d.opt(&k.q_lora_rank).filter(|&r| r > 0).map(|x| x as usize);
     let qk_rope = d.need(&k.rope_dim).map(|x| x as usize);
     let heads = head_dims(k, hidden, n_head, d);
+    let seen = Seen {
+        n_layer,
+        hidden,
+        n_head,
+        head_count_kv,
+        kv_lora_rank,
+        q_lora_rank,
+        qk_rope,
+        heads,
+    };
+    rules(arch, k, &seen, d);
     let (
         Some(n_layer),
         Some(hidden),
@@ -94,7 +137,12 @@ fn from_keys(f: &GgufFile, arch: Arch, k: &MlaKeys, d: &mut Diagnostics) -> Opti
         Some(n_head_kv),
         Some(kv_lora_rank),
         Some(qk_rope),
-        Some((qk, v_head_dim, mla_keys)),
+        Heads {
+            qk: Some(qk),
+            v: Some(v_head_dim),
+            mla: mla_keys,
+            whole: true,
+        },
     ) = (
         n_layer,
         hidden,
@@ -102,7 +150,7 @@ fn from_keys(f: &GgufFile, arch: Arch, k: &MlaKeys, d: &mut Diagnostics) -> Opti
         n_head_kv,
         kv_lora_rank,
         qk_rope,
-        heads,
+        seen.heads,
     )
     else {
         return None;
@@ -119,7 +167,6 @@ fn from_keys(f: &GgufFile, arch: Arch, k: &MlaKeys, d: &mut Diagnostics) -> Opti
         v_head_dim,
         mla_keys,
     };
-    rules(arch, k, &dims, d);
     let rms_eps = d.opt(&k.rms_eps).unwrap_or(1e-6);
     let base = d.opt(&k.rope_freq_base).unwrap_or(10000.0);
     let yarn = yarn_of(k, d);
@@ -188,29 +235,64 @@ fn config(
     }
 }
 
-/// The rules on the dims: none zero, the rope dims, the *_mla keys' absence, the sanity bound.
-fn rules(arch: Arch, k: &MlaKeys, m: &Dims, d: &mut Diagnostics) {
-    let (qk, qk_rope, lkv) = (m.qk, m.qk_rope, m.kv_lora_rank);
-    let zero = [
-        (&k.block_count.key, m.n_layer),
-        (&k.embedding_length.key, m.hidden),
-        (&k.head_count.key, m.n_head),
-        (&k.kv_lora_rank.key, lkv),
-        (head_key(k, m.mla_keys, false), m.v_head_dim),
-    ];
-    if let Some((key, _)) = zero.iter().find(|(_, v)| *v == 0) {
-        d.rule(
-            "zero",
-            key,
-            "0",
-            "at least 1",
-            "zero-sized attention",
-            format!(
-                "zero-sized attention (block_count {}, embedding_length {}, head_count {}, kv_lora_rank {lkv}, v_head_dim {})",
-                m.n_layer, m.hidden, m.n_head, m.v_head_dim
-            ),
-        );
+/// The rules on the dims, each evaluated on the keys it needs: none zero, the rope dims, the *_mla
+/// keys' absence, the sanity bound. One diagnostic per key a rule refuses, in this order (the first
+/// is `from_gguf`'s error, as when the rules ran only on complete dims).
+fn rules(arch: Arch, k: &MlaKeys, m: &Seen, d: &mut Diagnostics) {
+    zero(k, m, d);
+    rope_rules(arch, k, m, d);
+    let h = &m.heads;
+    if let (false, Some(qk), Some(lkv), Some(qk_rope)) = (h.mla, h.qk, m.kv_lora_rank, m.qk_rope) {
+        if qk == lkv + qk_rope {
+            d.rule(
+                "missing_mla_keys",
+                head_key(k, false, true),
+                qk.to_string(),
+                "qk_nope + rope, or the key_length_mla / value_length_mla pair",
+                "a new-style MLA file missing its *_mla keys (made for llama.cpp PR #11446?)",
+                format!(
+                    "key_length {qk} equals kv_lora_rank + rope ({lkv}+{qk_rope}): a new-style MLA file that lacks the *_mla keys (made for llama.cpp PR #11446?); cannot tell the per-head dims"
+                ),
+            );
+        }
     }
+    limit(k, m, d);
+}
+
+/// `zero`: no dim that sizes the attention is 0 (`rope` and `head_count_kv` may be: glm5-next's NoPE,
+/// its linear layers). One diagnostic per zero key; the message names every dim the keys give.
+fn zero(k: &MlaKeys, m: &Seen, d: &mut Diagnostics) {
+    let shown = |v: Option<usize>| v.map_or("?".to_string(), |v| v.to_string());
+    let message = format!(
+        "zero-sized attention (block_count {}, embedding_length {}, head_count {}, kv_lora_rank {}, v_head_dim {})",
+        shown(m.n_layer),
+        shown(m.hidden),
+        shown(m.n_head),
+        shown(m.kv_lora_rank),
+        shown(m.heads.v)
+    );
+    for (key, v, why) in [
+        (&k.block_count.key, m.n_layer, "a model without layers"),
+        (&k.embedding_length.key, m.hidden, "zero-sized attention"),
+        (&k.head_count.key, m.n_head, "zero-sized attention"),
+        (&k.kv_lora_rank.key, m.kv_lora_rank, "zero-sized attention"),
+        (
+            head_key(k, m.heads.mla, false),
+            m.heads.v,
+            "zero-sized value heads",
+        ),
+    ] {
+        if v == Some(0) {
+            d.rule("zero", key, "0", "at least 1", why, message.clone());
+        }
+    }
+}
+
+/// `glm5_next_rope` and `rope_dims`: rope rotates pairs of the last `rope` dims of each qk head.
+fn rope_rules(arch: Arch, k: &MlaKeys, m: &Seen, d: &mut Diagnostics) {
+    let Some(qk_rope) = m.qk_rope else {
+        return;
+    };
     // glm5-next is NoPE MLA: its converter asserts qk_rope_head_dim == 0 and writes rope dims 0.
     let nope_ok = arch == Arch::Glm5Next && qk_rope == 0;
     if arch == Arch::Glm5Next && qk_rope != 0 {
@@ -225,6 +307,9 @@ fn rules(arch: Arch, k: &MlaKeys, m: &Dims, d: &mut Diagnostics) {
             ),
         );
     }
+    let Some(qk) = m.heads.qk else {
+        return;
+    };
     if !nope_ok && (qk_rope == 0 || qk_rope % 2 != 0 || qk <= qk_rope) {
         d.rule(
             "rope_dims",
@@ -235,40 +320,31 @@ fn rules(arch: Arch, k: &MlaKeys, m: &Dims, d: &mut Diagnostics) {
             format!("rope dims {qk_rope} must be even and smaller than the qk head dim {qk}"),
         );
     }
-    if !m.mla_keys && qk == lkv + qk_rope {
-        d.rule(
-            "missing_mla_keys",
-            head_key(k, false, true),
-            qk.to_string(),
-            "qk_nope + rope, or the key_length_mla / value_length_mla pair",
-            "a new-style MLA file missing its *_mla keys (made for llama.cpp PR #11446?)",
-            format!(
-                "key_length {qk} equals kv_lora_rank + rope ({lkv}+{qk_rope}): a new-style MLA file that lacks the *_mla keys (made for llama.cpp PR #11446?); cannot tell the per-head dims"
-            ),
-        );
-    }
+}
+
+/// `limit`: every dim the keys state within `DIM_LIMIT`.
+fn limit(k: &MlaKeys, m: &Seen, d: &mut Diagnostics) {
+    let h = &m.heads;
     for (what, key, v) in [
         ("embedding_length", &k.embedding_length.key, m.hidden),
         ("head_count", &k.head_count.key, m.n_head),
-        ("kv_lora_rank", &k.kv_lora_rank.key, lkv),
-        ("key_length", head_key(k, m.mla_keys, true), qk),
-        ("value_length", head_key(k, m.mla_keys, false), m.v_head_dim),
-        ("head_count_kv", &k.head_count_kv.key, m.n_head_kv),
-        (
-            "q_lora_rank",
-            &k.q_lora_rank.key,
-            m.q_lora_rank.unwrap_or(0),
-        ),
+        ("kv_lora_rank", &k.kv_lora_rank.key, m.kv_lora_rank),
+        ("key_length", head_key(k, h.mla, true), h.qk),
+        ("value_length", head_key(k, h.mla, false), h.v),
+        ("head_count_kv", &k.head_count_kv.key, m.head_count_kv),
+        ("q_lora_rank", &k.q_lora_rank.key, m.q_lora_rank),
+        ("rope.dimension_count", &k.rope_dim.key, m.qk_rope),
     ] {
-        if v > DIM_LIMIT {
-            d.rule(
+        match v {
+            Some(v) if v > DIM_LIMIT => d.rule(
                 "limit",
                 key,
                 v.to_string(),
                 format!("at most {DIM_LIMIT}"),
                 "implausible: the loader refuses it before allocating",
                 format!("{what} = {v} is implausible (> {DIM_LIMIT})"),
-            );
+            ),
+            _ => {}
         }
     }
 }
@@ -320,38 +396,50 @@ fn layer_count(f: &GgufFile, k: &MlaKeys, d: &mut Diagnostics) -> Option<usize> 
     Some(n_layer)
 }
 
-/// `(qk head dim, v head dim, whether from the *_mla keys)`.
+/// The per-head dims: the `*_mla` pair, else the plain keys, each defaulting to hidden/heads.
 fn head_dims(
     k: &MlaKeys,
     hidden: Option<usize>,
     n_head: Option<usize>,
     d: &mut Diagnostics,
-) -> Option<(usize, usize, bool)> {
-    let k_mla = d.opt(&k.key_length_mla);
-    let v_mla = d.opt(&k.value_length_mla);
-    match (k_mla, v_mla) {
-        (Some(kl), Some(vl)) => Some((kl as usize, vl as usize, true)),
+) -> Heads {
+    let k_mla = d.opt(&k.key_length_mla).map(|x| x as usize);
+    let v_mla = d.opt(&k.value_length_mla).map(|x| x as usize);
+    let pair = |whole| Heads {
+        qk: k_mla,
+        v: v_mla,
+        mla: true,
+        whole,
+    };
+    match (k.key_length_mla.present, k.value_length_mla.present) {
+        // Both present: one of the wrong type was recorded at its read.
+        (true, true) => pair(k_mla.is_some() && v_mla.is_some()),
         // llama.cpp defaults both head sizes to n_embd / n_head when the key is absent; the MiniCPM3
         // converter relies on that and writes no value_length (conversion/minicpm.py).
-        (None, None) if !k.key_length_mla.present && !k.value_length_mla.present => {
+        (false, false) => {
             let default = match (hidden, n_head) {
                 (Some(e), Some(h)) if h > 0 && e.is_multiple_of(h) => Some(e / h),
                 _ => None,
             };
-            let mut head = |r: &super::keys::Read<u64>| match (d.opt(r), default) {
-                (Some(v), _) => Some(v as usize),
-                (None, Some(x)) if !r.present => Some(x),
-                (None, _) if !r.present => d.need(r).map(|v| v as usize),
-                (None, _) => None,
+            let mut whole = true;
+            let mut head = |r: &super::keys::Read<u64>| {
+                let v = d.opt(r).map(|v| v as usize);
+                if !r.present && default.is_none() {
+                    d.need(r);
+                }
+                whole &= v.is_some() || !r.present && default.is_some();
+                v.or(default)
             };
-            let qk = head(&k.key_length);
-            let v = head(&k.value_length);
-            Some((qk?, v?, false))
+            let (qk, v) = (head(&k.key_length), head(&k.value_length));
+            Heads {
+                qk,
+                v,
+                mla: false,
+                whole,
+            }
         }
-        // Both present, one of the wrong type: recorded at its read.
-        _ if k.key_length_mla.present == k.value_length_mla.present => None,
-        _ => {
-            let one = if k.key_length_mla.present {
+        (one, _) => {
+            let one = if one {
                 &k.key_length_mla.key
             } else {
                 &k.value_length_mla.key
@@ -367,7 +455,7 @@ fn head_dims(
                     k.arch
                 ),
             );
-            None
+            pair(false)
         }
     }
 }

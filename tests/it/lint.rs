@@ -321,6 +321,78 @@ fn the_loader_collects_every_key_diagnostic_and_lint_reports_them() {
     }
 }
 
+/// The loader's dims rules (`zero`, `limit`, `rope_dims`) are evaluated on whatever keys it can read,
+/// not only once every dim is readable: a file missing one key still gets them, one per key, and lint
+/// reports them from the loader (it evaluates none of them itself). `from_gguf`'s error stays the first.
+#[test]
+fn the_loaders_dims_rules_hold_on_the_keys_it_can_read() {
+    let d = tempfile::tempdir().unwrap();
+    let k = |s: &str| format!("deepseek2.{s}");
+    let big = 1u32 << 21;
+    let p = edited(d.path(), "partial.gguf", |m| {
+        remove(m, &k("attention.kv_lora_rank"));
+        set(m, &k("embedding_length"), Value::U32(0));
+        set(m, &k("attention.head_count"), Value::U32(big));
+        // A head of rope only (the tensors agree with the rope key: lint blames it for nothing else).
+        set(m, &k("attention.key_length_mla"), Value::U32(64));
+    });
+    let q = edited(d.path(), "no_layers.gguf", |m| {
+        set(m, &k("block_count"), Value::U32(0));
+        remove(m, &k("attention.key_length_mla"));
+        set(m, &k("attention.value_length_mla"), Value::U32(0));
+    });
+    let cases = [
+        (
+            &p,
+            vec![
+                (k("attention.kv_lora_rank"), "missing", "refuse an MLA file"),
+                (k("embedding_length"), "zero", "zero-sized attention"),
+                (k("rope.dimension_count"), "rope_dims", "rope rotates pairs"),
+                (k("attention.head_count"), "limit", "implausible"),
+            ],
+            "required metadata key deepseek2.attention.kv_lora_rank is missing",
+        ),
+        (
+            &q,
+            vec![
+                (k("attention.value_length_mla"), "mla_pair", "per-head dims"),
+                (k("block_count"), "zero", "a model without layers"),
+                (
+                    k("attention.value_length_mla"),
+                    "zero",
+                    "zero-sized value heads",
+                ),
+            ],
+            "value_length_mla is present (llama.cpp needs both or neither)",
+        ),
+    ];
+    for (p, want, first) in cases {
+        let f = mla_diff::gguf::GgufFile::open(p).unwrap();
+        let dg = mla_diff::model::MlaConfig::from_gguf_diagnosed(&f).unwrap();
+        let got: Vec<(String, &str)> = dg
+            .diagnostics
+            .0
+            .iter()
+            .map(|d| (d.key.clone(), d.rule))
+            .collect();
+        let keys: Vec<(String, &str)> = want.iter().map(|(a, b, _)| (a.clone(), *b)).collect();
+        assert_eq!(got, keys, "{}", p.display());
+        let e = mla_diff::model::MlaConfig::from_gguf(&f)
+            .unwrap_err()
+            .to_string();
+        assert!(e.ends_with(first), "{e}");
+        let (code, j, _) = lint(p, &[]);
+        consistent(code, &j);
+        for (key, _, why) in &want {
+            let on_key = findings(&j, "error")
+                .into_iter()
+                .filter(|f| f["check"] == key.as_str() && f["why"].as_str().unwrap().contains(why))
+                .count();
+            assert_eq!(on_key, 1, "{key} ({why}) in {j:#}");
+        }
+    }
+}
+
 #[test]
 fn tensor_shapes_are_checked_against_the_metadata() {
     let d = tempfile::tempdir().unwrap();

@@ -64,7 +64,7 @@ pub(super) fn dims(m: &Meta, arch: Arch, out: &mut Findings) {
     let k = keys(m, arch, out);
     plausible(m, &k, out);
     let d = resolved(m, &k, n_layer, out);
-    head_rules(m, arch, &k, out);
+    head_rules(m, &k, out);
     cache_row(m, arch, &k, &d, out);
     // Each layer's tensors against the resolved dims (implausible dims were reported above, and would
     // overflow the products).
@@ -89,15 +89,7 @@ fn layer_count(m: &Meta, out: &mut Findings) -> usize {
     let nextn = m.get(&m.k.nextn_predict_layers, out).unwrap_or(0);
     let n_layer = match block_count {
         Some(_) if m.loader_rule("no_trunk", out) => 0,
-        Some(0) => {
-            out.error(
-                &m.key("block_count"),
-                "0",
-                "at least 1",
-                "a model without layers",
-            );
-            0
-        }
+        Some(_) if m.loader_rule_on("zero", &m.k.block_count.key, out) => 0,
         Some(b) => (b - nextn) as usize,
         None => 0,
     };
@@ -188,28 +180,24 @@ fn head_dims(
     }
 }
 
-/// Zero and implausible dims, as the loader refuses them.
+/// Zero and implausible dims: the loader's `zero` and `limit` rules, in the keys' order (a zero value
+/// head is reported with the head rules).
 fn plausible(m: &Meta, k: &Keys, out: &mut Findings) {
-    for (key, v, zero_ok) in [
-        (m.key("embedding_length"), k.e, false),
-        (m.key("attention.head_count"), k.h, false),
-        (m.key("attention.kv_lora_rank"), k.lkv, false),
-        (m.key("attention.q_lora_rank"), k.lq, true),
-        (m.key("attention.head_count_kv"), k.h_kv, true),
-        (m.key("rope.dimension_count"), k.r, true),
-        (k.heads.qk_key.clone(), k.heads.qk, true),
-        (k.heads.v_key.clone(), k.heads.v, true),
+    for key in [
+        m.key("embedding_length"),
+        m.key("attention.head_count"),
+        m.key("attention.kv_lora_rank"),
     ] {
-        match v {
-            Some(0) if !zero_ok => out.error(&key, "0", "at least 1", "zero-sized attention"),
-            Some(x) if x > DIM_LIMIT => out.error(
-                &key,
-                x.to_string(),
-                format!("at most {DIM_LIMIT}"),
-                "implausible: the loader refuses it before allocating",
-            ),
-            _ => {}
-        }
+        let _ = m.loader_rule_on("zero", &key, out) || m.loader_rule_on("limit", &key, out);
+    }
+    for key in [
+        m.key("attention.q_lora_rank"),
+        m.key("attention.head_count_kv"),
+        m.key("rope.dimension_count"),
+        k.heads.qk_key.clone(),
+        k.heads.v_key.clone(),
+    ] {
+        m.loader_rule_on("limit", &key, out);
     }
 }
 
@@ -422,27 +410,14 @@ fn v_head(m: &Meta, heads: &HeadDims, dv_v: &Votes, out: &mut Findings) -> Optio
     }
 }
 
-/// The head-size rules on the metadata itself (what an engine reads).
-fn head_rules(m: &Meta, arch: Arch, k: &Keys, out: &mut Findings) {
-    if let (Some(r), Some(qk)) = (k.r, k.heads.qk) {
-        let nope = arch == Arch::Glm5Next && r == 0;
-        if !nope
-            && (r == 0 || r % 2 != 0 || r >= qk)
-            && !out.has(Severity::Error, &m.key("rope.dimension_count"))
-        {
-            out.error(
-                &m.key("rope.dimension_count"),
-                r.to_string(),
-                format!("even, at least 2 and below the qk head dim {qk}"),
-                "rope rotates pairs of the last `rope` dims of each qk head; an odd count cannot pair, and a head of rope only has no q_nope",
-            );
-        }
+/// The head-size rules on the metadata itself (what an engine reads): the loader's `rope_dims` (unless
+/// the rope key is blamed already) and `zero` on the value head.
+fn head_rules(m: &Meta, k: &Keys, out: &mut Findings) {
+    let rope = m.key("rope.dimension_count");
+    if !out.has(Severity::Error, &rope) {
+        m.loader_rule_on("rope_dims", &rope, out);
     }
-    if let Some(v) = k.heads.v {
-        if v == 0 {
-            out.error(&k.heads.v_key, "0", "at least 1", "zero-sized value heads");
-        }
-    }
+    m.loader_rule_on("zero", &k.heads.v_key, out);
 }
 
 /// The cache row by the resolved dims: a wrong kv_lora_rank key is reported once, above, and does

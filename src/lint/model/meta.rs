@@ -44,6 +44,10 @@ impl Meta<'_> {
     pub(super) fn loader_rule(&self, rule: &str, out: &mut Findings) -> bool {
         self.d.rule(rule).map(|d| report(d, out)).is_some()
     }
+    /// The loader's diagnostic of `rule` on `key`, reported; whether it had one.
+    pub(super) fn loader_rule_on(&self, rule: &str, key: &str, out: &mut Findings) -> bool {
+        self.d.rule_on(rule, key).map(|d| report(d, out)).is_some()
+    }
 }
 
 /// Tensor-shape votes for one dim: value → the tensors that say so.

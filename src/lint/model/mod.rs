@@ -4,10 +4,11 @@
 //!
 //! The keys are the loader's reads (`model::keys::MlaKeys`, through `MlaConfig::from_gguf_diagnosed`):
 //! a key of the wrong type, a required key absent and the loader's rules on the keys alone (no trunk,
-//! more layers than tensors, one of the `*_mla` pair, glm5-next's layout) are its diagnostics, each a
-//! finding naming its key where the check that reads it runs; what stays here is lint's own: the keys
-//! against the file's tensors, the conventions, the catalogue. A file the loader refuses never lints
-//! clean.
+//! more layers than tensors, one of the `*_mla` pair, glm5-next's layout, zero dims, the 2^20 bound,
+//! the rope dims) are its diagnostics, each a finding naming its key where the check that reads it
+//! runs (`Meta::loader_rule`, `Meta::loader_rule_on`); what stays here is lint's own: the keys against
+//! the file's tensors (the legacy cache-row check among them: it takes the tensors' kv_lora and rope),
+//! the conventions, the catalogue. A file the loader refuses never lints clean.
 //!
 //! One file per concern: `meta` (the keys as read, the tensors' votes), `dims` (keys against tensor
 //! shapes), `tensors` (each layer's shapes), `rope` (pairing, scaling, eps), `layout` (glm5-next's
