@@ -16,6 +16,8 @@ pub struct Diagnosed {
     /// `None` when any diagnostic refuses the file.
     pub cfg: Option<MlaConfig>,
     pub keys: MlaKeys,
+    /// The per-head dims as far as the keys give them (what the rules saw).
+    pub heads: Heads,
     /// In the loader's order: the first is `from_gguf`'s error.
     pub diagnostics: Diagnostics,
 }
@@ -50,11 +52,13 @@ impl MlaConfig {
         let arch = Arch::from_gguf(name).ok_or_else(|| not_mla(f, name))?;
         let keys = MlaKeys::read(f, name);
         let mut d = Diagnostics::default();
-        let cfg = from_keys(f, arch, &keys, &mut d).filter(|_| d.is_empty());
+        let (cfg, heads) = from_keys(f, arch, &keys, &mut d);
+        let cfg = cfg.filter(|_| d.is_empty());
         Ok(Diagnosed {
             arch,
             cfg,
             keys,
+            heads,
             diagnostics: d,
         })
     }
@@ -92,14 +96,22 @@ struct Seen {
 /// The per-head dims by llama.cpp's rule: the `*_mla` pair, else the plain keys or hidden/heads. A
 /// key of the wrong type reads as absent (its own diagnostic says so); `whole` is whether the config
 /// can take them (no diagnostic on the way).
-struct Heads {
-    qk: Option<usize>,
-    v: Option<usize>,
-    mla: bool,
-    whole: bool,
+#[derive(Debug, Clone, Copy)]
+pub struct Heads {
+    pub qk: Option<usize>,
+    pub v: Option<usize>,
+    /// From the `*_mla` pair (or one of it).
+    pub mla: bool,
+    pub whole: bool,
 }
 
-fn from_keys(f: &GgufFile, arch: Arch, k: &MlaKeys, d: &mut Diagnostics) -> Option<MlaConfig> {
+/// The config when every dim is readable and every rule holds, and the per-head dims as read.
+fn from_keys(
+    f: &GgufFile,
+    arch: Arch,
+    k: &MlaKeys,
+    d: &mut Diagnostics,
+) -> (Option<MlaConfig>, Heads) {
     let n_layer = layer_count(f, k, d);
     let hidden = d.need(&k.embedding_length).map(|x| x as usize);
     let n_head = d.need(&k.head_count).map(|x| x as usize);
@@ -153,7 +165,7 @@ fn from_keys(f: &GgufFile, arch: Arch, k: &MlaKeys, d: &mut Diagnostics) -> Opti
         seen.heads,
     )
     else {
-        return None;
+        return (None, seen.heads);
     };
     let dims = Dims {
         n_layer,
@@ -172,9 +184,10 @@ fn from_keys(f: &GgufFile, arch: Arch, k: &MlaKeys, d: &mut Diagnostics) -> Opti
     let yarn = yarn_of(k, d);
     let rope_attn_factor = d.opt(&k.scaling_attn_factor).unwrap_or(1.0);
     if !d.is_empty() {
-        return None;
+        return (None, seen.heads);
     }
-    Some(config(f, arch, dims, rms_eps, base, yarn, rope_attn_factor))
+    let cfg = config(f, arch, dims, rms_eps, base, yarn, rope_attn_factor);
+    (Some(cfg), seen.heads)
 }
 
 /// The config from dims that passed every rule.

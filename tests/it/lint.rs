@@ -351,6 +351,7 @@ fn the_loaders_dims_rules_hold_on_the_keys_it_can_read() {
                 (k("attention.head_count"), "limit", "implausible"),
             ],
             "required metadata key deepseek2.attention.kv_lora_rank is missing",
+            (Some(64), Some(128), true),
         ),
         (
             &q,
@@ -364,9 +365,10 @@ fn the_loaders_dims_rules_hold_on_the_keys_it_can_read() {
                 ),
             ],
             "value_length_mla is present (llama.cpp needs both or neither)",
+            (None, Some(0), false),
         ),
     ];
-    for (p, want, first) in cases {
+    for (p, want, first, (qk, v, whole)) in cases {
         let f = mla_diff::gguf::GgufFile::open(p).unwrap();
         let dg = mla_diff::model::MlaConfig::from_gguf_diagnosed(&f).unwrap();
         let got: Vec<(String, &str)> = dg
@@ -377,6 +379,9 @@ fn the_loaders_dims_rules_hold_on_the_keys_it_can_read() {
             .collect();
         let keys: Vec<(String, &str)> = want.iter().map(|(a, b, _)| (a.clone(), *b)).collect();
         assert_eq!(got, keys, "{}", p.display());
+        // The head dims the rules saw (and lint's checks take): the *_mla keys as far as present.
+        let h = dg.heads;
+        assert_eq!((h.qk, h.v, h.mla, h.whole), (qk, v, true, whole));
         let e = mla_diff::model::MlaConfig::from_gguf(&f)
             .unwrap_err()
             .to_string();

@@ -24,7 +24,7 @@ struct Keys {
     hybrid: Option<HybridLayout>,
 }
 
-/// The per-head dims by the loader's rule: the `*_mla` pair, else the plain keys or hidden/heads.
+/// The per-head dims as the loader read them, and the keys they come from.
 struct HeadDims {
     qk: Option<u64>,
     v: Option<u64>,
@@ -123,16 +123,10 @@ fn keys(m: &Meta, arch: Arch, out: &mut Findings) -> Keys {
         Some(h) => Some(h.n_head_kv as u64),
         None => m.get(&k.head_count_kv, out),
     };
-    let (k_mla, v_mla) = (
-        m.get(&k.key_length_mla, out),
-        m.get(&k.value_length_mla, out),
-    );
+    m.get(&k.key_length_mla, out);
+    m.get(&k.value_length_mla, out);
     let (k_len, v_len) = (m.get(&k.key_length, out), m.get(&k.value_length, out));
-    let default_head = match (e, h) {
-        (Some(e), Some(h)) if h > 0 && e % h == 0 => Some(e / h),
-        _ => None,
-    };
-    let heads = head_dims(m, (k_mla, v_mla), (k_len, v_len), default_head, out);
+    let heads = head_dims(m, out);
     Keys {
         e,
         h,
@@ -147,36 +141,21 @@ fn keys(m: &Meta, arch: Arch, out: &mut Findings) -> Keys {
     }
 }
 
-/// The per-head dims by the loader's rule; one of the `*_mla` pair without the other is an error.
-fn head_dims(
-    m: &Meta,
-    (k_mla, v_mla): (Option<u64>, Option<u64>),
-    (k_len, v_len): (Option<u64>, Option<u64>),
-    default_head: Option<u64>,
-    out: &mut Findings,
-) -> HeadDims {
-    let mla_keys = |qk, v| HeadDims {
-        qk,
-        v,
-        mla: true,
-        qk_key: m.key("attention.key_length_mla"),
-        v_key: m.key("attention.value_length_mla"),
-    };
-    match (k_mla, v_mla) {
-        (Some(k), Some(v)) => mla_keys(Some(k), Some(v)),
-        (None, None) if !m.k.key_length_mla.present && !m.k.value_length_mla.present => HeadDims {
-            qk: k_len.or(default_head),
-            v: v_len.or(default_head),
-            mla: false,
-            qk_key: m.key("attention.key_length"),
-            v_key: m.key("attention.value_length"),
-        },
-        _ => {
-            // One without the other is the loader's; both present but one of the wrong type was
-            // reported as such already.
-            m.loader_rule("mla_pair", out);
-            mla_keys(k_mla, v_mla)
-        }
+/// The per-head dims as the loader read them (`loader::Heads`: the `*_mla` pair, else the plain keys
+/// or hidden/heads); one of the pair without the other is the loader's `mla_pair`.
+fn head_dims(m: &Meta, out: &mut Findings) -> HeadDims {
+    let h = m.d.heads;
+    let key = |mla: &str, plain: &str| m.key(if h.mla { mla } else { plain });
+    if h.mla {
+        // Both present but one of the wrong type was reported as such already.
+        m.loader_rule("mla_pair", out);
+    }
+    HeadDims {
+        qk: h.qk.map(|x| x as u64),
+        v: h.v.map(|x| x as u64),
+        mla: h.mla,
+        qk_key: key("attention.key_length_mla", "attention.key_length"),
+        v_key: key("attention.value_length_mla", "attention.value_length"),
     }
 }
 
