@@ -470,3 +470,17 @@ pub fn golden_per_layer(path: &Path, cfg: &MlaConfig, t: usize) -> ndarray::Arra
         }
     }
 }
+
+/// The C++ compiler the host-emulation tests build kernels with (`CXX`, else `c++`); `None` skips
+/// them, unless `CI` is set, where a missing compiler fails.
+pub fn compiler() -> Option<String> {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let ok = std::process::Command::new(&cxx)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok && std::env::var_os("CI").is_some() {
+        panic!("{cxx}: no C++ compiler (CI is set)");
+    }
+    ok.then_some(cxx)
+}

@@ -8,8 +8,8 @@
 //! per fault, `#define`d before it; `kpool_from_position_zero` is the host's grid origin) and pass the
 //! same check against the mirror with the fault planted. Needs a C++20 compiler (`CXX`, else `c++`).
 
-use super::common::fixture;
-use super::v4_kernels_host::{compiler, host_inc};
+use super::common::{compiler, fixture};
+use super::v4_kernels_host::host_inc;
 use mla_diff::backend::cpu::kpool::{self as mirror, KpoolPlan, MirrorKpool};
 use mla_diff::backend::cuda::kpool::{self as gpu, Inputs};
 use mla_diff::faults::{Active, Fault};

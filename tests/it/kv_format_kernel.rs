@@ -6,6 +6,7 @@
 //! must be the codec's, bit for bit. Needs a C++ compiler (`CXX`, else `c++`); skipped without one
 //! unless `CI` is set.
 
+use crate::common::compiler;
 use mla_diff::faults::{Active, Fault};
 use mla_diff::kv_format::{Codec, KvFormat};
 use std::io::Write;
@@ -34,18 +35,6 @@ fn rows(w: usize, n: usize) -> Vec<f32> {
             half::bf16::from_f64(v).to_f32()
         })
         .collect()
-}
-
-fn compiler() -> Option<String> {
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let ok = Command::new(&cxx)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok && std::env::var_os("CI").is_some() {
-        panic!("{cxx}: no C++ compiler (CI is set)");
-    }
-    ok.then_some(cxx)
 }
 
 /// Compile the kernel for `(lkv, r)`, format `code`, with `fault`'s define; the binary's path.

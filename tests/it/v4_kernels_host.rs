@@ -6,20 +6,9 @@
 //! in with -D must make that check fail at the stage it breaks (`FAULTS`). Needs a C++20 compiler
 //! (`CXX`, else `c++`); skipped without one unless `CI` is set.
 
+use crate::common::compiler;
 use std::path::Path;
 use std::process::Command;
-
-pub fn compiler() -> Option<String> {
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let ok = Command::new(&cxx)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok && std::env::var_os("CI").is_some() {
-        panic!("{cxx}: no C++ compiler (CI is set)");
-    }
-    ok.then_some(cxx)
-}
 
 /// `kernels/{src}` as a harness includes it, written to `dir/{inc}`: no includes, no C linkage (a harness
 /// may hold several copies, one per planted fault), the dynamic shared arrays as pointers into the
