@@ -233,7 +233,8 @@ impl Model {
     }
 }
 
-/// Write `GLM5_NEXT` to `path`: the preset's file, then its shared layer made shared.
+/// Write `GLM5_NEXT` to `path`: the preset's file with its shared layer shared (`indexer.types` false
+/// there, no indexer tensors: as llama.cpp's converter writes such a layer, `Spec::indexer_types`).
 fn write_glm5_next(path: &Path) -> Result<()> {
     let g = GLM5_NEXT;
     let mut spec = fixture::Spec::from_options(&fixture::Options {
@@ -248,55 +249,8 @@ fn write_glm5_next(path: &Path) -> Result<()> {
         vocab: Some(64),
     })?;
     spec.indexer = spec.indexer.map(|(h, d, _)| (h, d, g.top_k));
-    let full = path.with_extension("full.tmp");
-    fixture::write(&spec, &full)?;
-    let rewritten = share_layer(&full, path, g.shared);
-    let _ = std::fs::remove_file(&full);
-    rewritten
-}
-
-/// Copy the glm5-next file `src` to `dst` with layer `shared` a shared indexer layer: `indexer.types`
-/// false there and its indexer tensors left out (as llama.cpp's converter writes such a layer).
-fn share_layer(src: &Path, dst: &Path, shared: usize) -> Result<()> {
-    use crate::gguf::value::{Array, Value};
-    let f = GgufFile::open(src)?;
-    let mut w = crate::gguf::write::GgufWriter::new();
-    for (k, v) in &f.metadata {
-        let v = match (k.ends_with(".attention.indexer.types"), v) {
-            (true, Value::Array(Array::Bool(b))) => {
-                let mut b = b.clone();
-                if let Some(x) = b.get_mut(shared) {
-                    *x = false;
-                }
-                Value::Array(Array::Bool(b))
-            }
-            _ => v.clone(),
-        };
-        w.add(k.clone(), v)?;
-    }
-    let prefix = format!("blk.{shared}.indexer");
-    let kept: Vec<_> = f
-        .tensors
-        .iter()
-        .filter(|t| !t.name.starts_with(&prefix))
-        .collect();
-    for t in &kept {
-        let id = match t.ty {
-            crate::gguf::TensorType::Known(g) => g.id,
-            crate::gguf::TensorType::Unknown(id) => id,
-        };
-        w.add_tensor_raw(&t.name, &t.ne, id, f.tensor_bytes(t)?.len() as u64)?;
-    }
-    let out = std::fs::File::create(dst)
-        .map_err(|e| Error::io(format!("cannot create {}", dst.display()), e))?;
-    let mut sink = w.start(std::io::BufWriter::new(out))?;
-    for t in &kept {
-        sink.write(f.tensor_bytes(t)?)?;
-    }
-    use std::io::Write;
-    sink.finish()?
-        .flush()
-        .map_err(|e| Error::io(format!("writing {}", dst.display()), e))
+    spec.indexer_types = Some((0..g.layers).map(|l| l != g.shared).collect());
+    fixture::write(&spec, path).map(|_| ())
 }
 
 /// Multiply tensors of a GGUF file in place (F32, F16 or BF16 data).
