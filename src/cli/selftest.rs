@@ -49,7 +49,7 @@ impl Args {
             })
             .collect::<Result<Vec<_>, _>>()?;
         // DeepSeek-V4's faults run on V4's own path: its CUDA kernels with `--backend cuda`, else the
-        // V4 CPU mirror (as `run` on a V4 file: `auto` stays on the mirror).
+        // V4 CPU mirror (as `run` on a V4 file).
         let v4 = match self.backend {
             Kind::Cuda => V4Backend::Cuda {
                 kernels_dir: self.kernels.clone(),
@@ -95,13 +95,6 @@ pub fn exec(a: Args) -> Result<i32, Error> {
     }
     for l in &summary.left_out {
         println!("left out: {l}");
-    }
-    let v4_ran = summary
-        .outcomes
-        .iter()
-        .any(|o| o.case.model.is_v4() && o.case.fault.is_some());
-    if v4_ran && a.backend == Kind::Cuda {
-        println!("note: DeepSeek-V4's rows ran through the V4 CUDA kernels (kernels/v4/); that path had not been run on an H200 when V4 joined the self-test, so these rows are its first check there, not a confirmed result");
     }
     let (n_ok, n) = (
         summary.outcomes.iter().filter(|o| o.ok).count(),

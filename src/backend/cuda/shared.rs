@@ -95,6 +95,16 @@ impl Backend for SharedCuda {
     ) -> Result<Option<crate::reference::sparse::Selection>> {
         self.bind().indexer(ctx, ic, iw, x, keys)
     }
+    fn kpool_indexer(
+        &mut self,
+        ctx: &LayerCtx,
+        k: &crate::model::KpoolIndexer,
+        kw: &crate::model::KpoolLayer,
+        x: &ndarray::Array2<f64>,
+        keys: crate::precision::KeyPrecision,
+    ) -> Result<Option<crate::reference::sparse::Selection>> {
+        self.bind().kpool_indexer(ctx, k, kw, x, keys)
+    }
     fn notices(&self) -> Vec<String> {
         self.inner.borrow().notices()
     }
@@ -107,5 +117,38 @@ impl Backend for SharedCuda {
         sched: &crate::schedule::Schedule,
     ) -> Vec<crate::kernel_use::KernelUse> {
         self.inner.borrow().kernels(cfg, sched)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The names of the `fn`s an `impl Backend for TYPE` block of `src` defines.
+    fn methods(src: &str, ty: &str) -> Vec<String> {
+        let start = src
+            .find(&format!("impl Backend for {ty} {{"))
+            .expect("impl block");
+        let body = &src[start..];
+        let end = body.find("\n}\n").expect("end of impl block");
+        body[..end]
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("fn "))
+            .map(|l| l.split(['(', '<']).next().unwrap().to_string())
+            .collect()
+    }
+
+    /// Every method `CudaBackend` overrides, the view forwards: a trait default here would silently
+    /// stand the CPU mirror in for a GPU part on every `run --backend cuda` (it did, for the k-pool
+    /// indexer, until its first H200 run), and CI has no GPU to notice.
+    #[test]
+    fn the_view_forwards_every_method_the_backend_overrides() {
+        let view = methods(include_str!("shared.rs"), "SharedCuda");
+        let missing: Vec<String> = methods(include_str!("mod.rs"), "CudaBackend")
+            .into_iter()
+            .filter(|m| !view.contains(m))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "SharedCuda does not forward {missing:?}"
+        );
     }
 }

@@ -3,6 +3,7 @@
 
 use super::engine::V4Backend;
 use super::{default_schedule, V4Options};
+use crate::backend::cuda::device::gpu_present;
 use crate::backend::open::Choice;
 use crate::error::{Error, Result, EXIT_DIVERGENCE, EXIT_PASS};
 use crate::gguf::GgufFile;
@@ -16,7 +17,7 @@ fn refused(r: &Request) -> Option<&'static str> {
     let (b, s, o) = (&r.backend, &r.schedule, &r.report);
     [
         (b.runner.is_some(), "--runner: no runner op takes DeepSeek-V4 attention yet (#37)"),
-        (b.kernels_dir.is_some() && b.choice != Choice::Cuda, "--kernels: DeepSeek-V4's kernels run with --backend cuda only (--backend auto runs the CPU mirror on a V4 file)"),
+        (b.kernels_dir.is_some() && b.choice == Choice::Cpu, "--kernels: DeepSeek-V4's kernels are CUDA's; --backend cpu runs the V4 mirror"),
         (!b.kv_format.is_auto(), "--kv-cache-dtype: the V4 mirror stores its caches in the run's dtype only"),
         (r.tp.is_some() || r.shard.is_some() || r.gpus.is_some(), "--tp, --shard and --gpus do not run DeepSeek-V4 yet"),
         (!r.capture.is_empty() || r.write_capture.is_some(), "--capture and --write-capture do not carry DeepSeek-V4 stages yet"),
@@ -51,12 +52,14 @@ pub fn exec(r: &Request, file: &GgufFile) -> Result<i32> {
         sched: r.schedule.over(default_schedule(&c))?,
         dtype: r.dtype,
         faults: r.faults.clone(),
-        // `auto` stays on the mirror until the CUDA path has been measured on a GPU host.
+        // `auto` as for an MLA file (`Choice::resolve`): the CUDA kernels with a GPU present or a kernel
+        // directory given, else the mirror.
         backend: match r.backend.choice {
-            Choice::Cuda => V4Backend::Cuda {
+            Choice::Cpu => V4Backend::Cpu,
+            Choice::Auto if r.backend.kernels_dir.is_none() && !gpu_present() => V4Backend::Cpu,
+            Choice::Cuda | Choice::Auto => V4Backend::Cuda {
                 kernels_dir: r.backend.kernels_dir.clone(),
             },
-            Choice::Cpu | Choice::Auto => V4Backend::Cpu,
         },
     };
     let outputs = Outputs::check(&r.report)?;

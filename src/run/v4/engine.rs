@@ -13,8 +13,7 @@ use ndarray::ArrayView2;
 use std::ops::Range;
 use std::path::PathBuf;
 
-/// Which optimized path a V4 run takes (`run --backend`; `auto` is the mirror until the CUDA path has
-/// been measured on a GPU host).
+/// Which optimized path a V4 run takes (`run --backend`; `auto`: CUDA with a GPU present, as for MLA).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub enum V4Backend {
     #[default]
