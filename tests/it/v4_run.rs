@@ -94,8 +94,13 @@ fn what_a_v4_run_does_not_take_exits_2() {
     let mla = fixtures_dir().join("deepseek-v2-lite-bf16.gguf");
     for (args, says) in [
         (
+            vec!["run", g, "--backend", "cpu", "--kernels", "kernels"],
+            "--backend cpu runs the V4 mirror",
+        ),
+        // `auto` with a kernel directory means the CUDA kernels, as for MLA: no GPU here is its error.
+        (
             vec!["run", g, "--kernels", "kernels"],
-            "run with --backend cuda only",
+            "the CUDA backend needs an NVIDIA driver",
         ),
         (
             vec!["run", g, "--runner", "true"],
