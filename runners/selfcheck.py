@@ -8,25 +8,36 @@ built here for a few model shapes:
   glm5       64 heads, kv_lora 512 + rope 64 (decode), qk 256 (192+64) / v 256 (prefill), page 64
   minicpm3    4 heads, kv_lora 256 + rope 32, qk 96 / v 64, page 16
   tiny        3 heads, kv_lora 16 + rope 8, qk 16 / v 12, page 3, 3 query tokens per decode entry
+  glm5-next  16 heads, kv_lora 512 + rope 0 (NoPE), qk 256 / v 256, page 64, 2-token sparse_decode
+  v4-dims    16 heads, kv_lora 448 + rope 64 (DeepSeek-V4's 512-wide row), qk 192 / v 128, page 16, MTP
+(the last two are the rows of the formats no other case fits; run without --cases only with a
+--kv-cache-dtype that fits them)
 Each decode request holds several entries of different lengths (one of length 1), every cache row
 not holding a token of its entry is NaN, pages are shuffled and unused block-table slots point at
 a NaN page; deepseek also has a 2-token (MTP) decode, and each prefill chunk has cached context
-(minicpm3 also one chunk with none); deepseek and glm5 also have sparse_prefill requests (DSA: the
-absorbed query, the flat NaN-poisoned cache with shuffled pages, index rows of random visible keys −1
-padded to a top_k that is not a multiple of 128) and sparse_decode requests (the absorbed decode query of
-several entries, 1 or 2 tokens each, their own shuffled pages with NaN where no token is, index rows of
+(minicpm3 also one chunk with none); deepseek, glm5, glm5-next and v4-dims also have sparse_prefill
+requests (DSA: the absorbed query, the flat NaN-poisoned cache with shuffled pages, index rows of random
+visible keys −1 padded to a top_k that is not a multiple of 128) and sparse_decode requests (the
+absorbed decode query of several entries, 1 or 2 tokens each, their own shuffled pages with NaN where no token is, index rows of
 random visible keys as page·page_size + offset, −1 padded; a runner whose describe says `kv_cache:
 fp8_v32` is judged against float64 over FlashMLA's fp8 cache as its format stores the rows, quantized here
 independently of the runner). Cases a runner's describe rules out (dtype, page size, dims, q_len) are
 listed as unsupported without being sent, as mla-diff does.
 
-With `--kv-cache-dtype FMT` (`fp8`: e4m3 over the whole row with one scale in `meta.cache.scale`;
-`fp8_ds_mla`: DeepSeek-V3.2's 656 bytes, 512 e4m3 + 4 float32 tile scales + 64 bf16 rope;
-docs/cache-formats.md) the ops that read the latent cache (decode, sparse_prefill, sparse_decode) are
-sent it as mla-diff `run --kv-cache-dtype` sends it: u8 rows in the format's bytes (0xff where no token
-is) with `meta.cache`, written here independently of the runner SDK's reader, and judged against float64
-over the values those bytes hold. A runner whose `supports.cache_formats` does not list FMT, or a case
-whose dims the format does not fit, is unsupported there.
+With `--kv-cache-dtype FMT`, every format mla-diff writes (docs/cache-formats.md):
+  fp8              e4m3 over the whole row, one scale in `meta.cache.scale` (any dims)
+  fp8_ds_mla       DeepSeek-V3.2's 656 bytes: 512 e4m3 + 4 float32 tile scales + 64 bf16 rope (512 + 64:
+                   deepseek, glm5)
+  fp8_ds_mla_nope  the same 656 bytes without rope, the last 128 reserved (512 + 0: glm5-next)
+  fp8_v41          FlashMLA V4.1's 528 bytes: 512 e4m3 (rope included) + 16 ue8m0 scales of 32 columns
+                   (a 512-wide row: v4-dims, glm5-next)
+  fp4_v41          FlashMLA V4.1's 288 bytes: 512 e2m1 two per byte + 32 e4m3 scales of 16 columns (same)
+the ops that read the latent cache (decode, sparse_prefill, sparse_decode) are sent it as mla-diff `run
+--kv-cache-dtype` sends it: u8 rows in the format's bytes (0xff where no token is) with `meta.cache`,
+written here independently of the runner SDK's reader (the same bytes as mla-diff's codec:
+tests/it/selfcheck_cache.rs), and judged against float64 over the values those bytes hold. A runner
+whose `supports.cache_formats` does not list FMT is unsupported there, and so is a case whose dims the
+format does not fit (the reason names the dims it needs and the case that has them).
 
 Comparison (the `@runner` check of docs/runners.md): each output, after converting a base-2 LSE
 (`·ln 2`) and a `head_token` layout, against the float64 result on the stored inputs:
@@ -36,8 +47,8 @@ see F32_UNIT). −inf entries (empty splits) must match exactly; a NaN fails.
 
 Usage:
   python3 runners/selfcheck.py --runner 'python3 runners/numpy_mla.py' [--dtypes bf16,fp16,f32]
-        [--cases deepseek,glm5,minicpm3,tiny] [--ops decode,prefill,sparse_prefill,sparse_decode]
-        [--kv-cache-dtype fp8|fp8_ds_mla] [--json FILE] [--keep DIR]
+        [--cases deepseek,glm5,minicpm3,tiny,glm5-next,v4-dims] [--ops decode,prefill,sparse_prefill,sparse_decode]
+        [--kv-cache-dtype fp8|fp8_ds_mla|fp8_ds_mla_nope|fp8_v41|fp4_v41] [--json FILE] [--keep DIR]
   python3 runners/selfcheck.py --bugs     # numpy_mla must pass; every runners/bugs/*.py must be
                                           # caught at the checks its `selfcheck-expect:` line names
 Exit 0 when every check that ran passed (--bugs: when the clean runner passed and every bug was
@@ -101,7 +112,31 @@ CASES = {
         decode=[dict(page=3, splits=5, s_q=3, seqlens=[3, 10, 17])],
         prefill=[dict(n=5, context=7)],
     ),
+    # The rows of the per-row formats no case above fits (FORMAT_DIMS), run by default only with a
+    # --kv-cache-dtype that fits them: a NoPE row (glm5-next's 512 + 0, fp8_ds_mla_nope) and DeepSeek-V4's
+    # 448 + 64 (fp8_v41, fp4_v41); heads cut to keep them cheap.
+    "glm5-next": dict(
+        heads=16, kv_lora_rank=512, qk_rope=0, qk_nope=256, v_head_dim=256, scale=0.0625,
+        decode=[dict(page=64, splits=3, s_q=1, seqlens=[1, 70, 130])],
+        prefill=[dict(n=8, context=20)],
+        sparse=[dict(n=10, context=40, topk=24, page=64)],
+        sparse_decode=[dict(page=64, s_q=2, topk=20, seqlens=[9, 100])],
+    ),
+    "v4-dims": dict(
+        heads=16, kv_lora_rank=448, qk_rope=64, qk_nope=128, v_head_dim=128, scale=0.07216878364870323,
+        decode=[dict(page=16, splits=4, s_q=2, seqlens=[2, 40, 97])],
+        prefill=[dict(n=8, context=20)],
+        sparse=[dict(n=10, context=30, topk=20, page=16)],
+        sparse_decode=[dict(page=16, s_q=1, topk=24, seqlens=[1, 50, 97])],
+    ),
 }
+FORMAT_CASES = ("glm5-next", "v4-dims")
+
+
+def default_cases(fmt):
+    """The cases run without --cases: all but FORMAT_CASES, and those of them `fmt` fits."""
+    fit = [c for c in FORMAT_CASES if fmt and cache_fits(fmt, CASES[c]["kv_lora_rank"], CASES[c]["qk_rope"]) is None]
+    return [c for c in CASES if c not in FORMAT_CASES] + fit
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,27 +329,111 @@ def fp8_v32_rows(rows):
 # independently of the runner SDK's reader, and the float64 yardstick attends over the values those
 # bytes hold (each q·s in float32), so a runner that misreads them (a scale, a group, the rope) fails.
 
-CACHE_FORMATS = ("fp8", "fp8_ds_mla")  # what selfcheck writes; the formats of docs/cache-formats.md
+# What selfcheck writes: every format of docs/cache-formats.md (those numpy_mla and the runner SDK read).
+CACHE_FORMATS = ("fp8", "fp8_ds_mla", "fp8_ds_mla_nope", "fp8_v41", "fp4_v41")
 CACHE_OPS = ("decode", "sparse_prefill", "sparse_decode")  # the ops that read the latent cache
+
+# The dims each per-row format holds (kv_lora_rank, qk_rope), or the row width (an int) for the V4.1
+# formats, which quantize the rope with the row; the case that has them, named in a refusal.
+FORMAT_DIMS = {
+    "fp8_ds_mla": ((512, 64), "DeepSeek-V3.2's row: cases deepseek, glm5"),
+    "fp8_ds_mla_nope": ((512, 0), "a NoPE row, as glm5-next: case glm5-next"),
+    "fp8_v41": (512, "DeepSeek-V4's 448 + 64: cases v4-dims, glm5-next"),
+    "fp4_v41": (512, "DeepSeek-V4's 448 + 64: cases v4-dims, glm5-next"),
+}
 
 
 def cache_fits(fmt, r, rope):
-    """None when `fmt` holds rows of r latent + rope columns, else why not."""
-    if fmt == "fp8_ds_mla" and (r, rope) != (512, 64):
-        return f"cache format {fmt} needs kv_lora_rank 512 + qk_rope 64, not {r} + {rope}"
-    return None
+    """None when `fmt` holds rows of r latent + rope columns, else why not (one line)."""
+    if fmt not in FORMAT_DIMS:
+        return None  # fp8: any row
+    need, which = FORMAT_DIMS[fmt]
+    if need == (r, rope) or need == r + rope:
+        return None
+    want = f"kv_lora_rank {need[0]} + qk_rope {need[1]}" if isinstance(need, tuple) else f"kv_lora_rank + qk_rope = {need}"
+    return f"cache format {fmt} needs {want} ({which}), not {r} + {rope}"
+
+
+def pow2_scales(groups):
+    """Per group (last axis) 2^ceil(log2 max(amax / 448, 1e-4)), amax / 448 in float32: FlashMLA's
+    tests/quant.py rule (ds_mla's float32 tile scales, V4.1 fp8's ue8m0 ones). float32 `[..., 1]`."""
+    amax = np.abs(groups).max(axis=-1, keepdims=True)
+    floor = np.maximum(amax / np.float32(448.0), np.float32(1e-4)).astype(np.float64)
+    return np.exp2(np.ceil(np.log2(floor))).astype(np.float32)
+
+
+# The e2m1 (fp4) magnitudes by code (sign in bit 3).
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def e2m1_code(y):
+    """Each y to its nearest e2m1 value, ties to the even code, saturating at ±6: (the 4-bit codes,
+    the values as float64)."""
+    y = np.asarray(y, np.float64)
+    a = np.abs(y)
+    i = np.clip(np.searchsorted(_E2M1, a), 1, _E2M1.size - 1)
+    lo, hi = _E2M1[i - 1], _E2M1[i]
+    up = (hi - a < a - lo) | ((hi - a == a - lo) & (i % 2 == 0))
+    k = np.where(up, i, i - 1)
+    return (k | np.where(np.signbit(y), 8, 0)).astype(np.uint8), np.copysign(_E2M1[k], y)
+
+
+def le_bytes(a, dtype):
+    """`a` `[..., n]` as the little-endian bytes of `dtype` `[..., n · size]`."""
+    a = np.ascontiguousarray(np.asarray(a).astype(dtype))
+    return a.view(np.uint8).reshape(a.shape[:-1] + (-1,))
+
+
+def quantize_ds_mla(x, rope):
+    """fp8_ds_mla (rope 64) / fp8_ds_mla_nope (rope 0), 656 bytes: 512 e4m3 latent values, tile k of
+    128 columns over its pow2 scale, the 4 scales as little-endian float32, then the rope in bf16 and
+    zeros to byte 656 (_nope: all 128 reserved, zero). Returns (bytes, values)."""
+    lead = x.shape[:-1]
+    lat = x[..., :512].reshape(lead + (4, 128))
+    sc = pow2_scales(lat)
+    lc, q = e4m3_code((lat / sc).astype(np.float64))
+    lat_vals = (q.astype(np.float32) * sc).astype(np.float64).reshape(lead + (512,))
+    tail = np.zeros(lead + (128,), np.uint8)
+    tail[..., : 2 * rope] = le_bytes(protocol.to_bf16_bits(x[..., 512:]), "<u2")
+    codes = np.concatenate([lc.reshape(lead + (512,)), le_bytes(sc[..., 0], "<f4"), tail], axis=-1)
+    vals = np.concatenate([lat_vals, protocol.round_to(x[..., 512:], "bf16").astype(np.float64)], axis=-1)
+    return codes, vals
+
+
+def quantize_v41(x, fmt):
+    """FlashMLA V4.1's rows of 512 (rope included). fp8_v41, 528 bytes: 512 e4m3, group g of 32 columns
+    over its pow2 scale, then the 16 scales as ue8m0 (the float32 exponent byte). fp4_v41, 288 bytes:
+    512 e2m1 codes two per byte (column 2k in the low nibble), group g of 16 columns over its scale
+    e4m3(amax / 6) (a zero scale: codes 0), then the 32 scales' e4m3 bytes. Returns (bytes, values)."""
+    lead = x.shape[:-1]
+    if fmt == "fp8_v41":
+        g = x.reshape(lead + (16, 32))
+        sc = pow2_scales(g)
+        qc, q = e4m3_code((g / sc).astype(np.float64))
+        ue8m0 = ((np.ascontiguousarray(sc[..., 0]).view(np.uint32) >> 23) & 0xFF).astype(np.uint8)
+        codes = np.concatenate([qc.reshape(lead + (512,)), ue8m0], axis=-1)
+    else:
+        g = x.reshape(lead + (32, 16))
+        amax = np.abs(g).max(axis=-1, keepdims=True)
+        scode, sv = e4m3_code((amax / np.float32(6.0)).astype(np.float64))
+        sc = sv.astype(np.float32)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            qc, q = e2m1_code(np.where(sc > 0, g / np.where(sc > 0, sc, 1), 0.0).astype(np.float64))
+        qc = np.where(sc > 0, qc, 0).reshape(lead + (512,)).astype(np.uint8)
+        codes = np.concatenate([qc[..., 0::2] | (qc[..., 1::2] << 4), scode[..., 0]], axis=-1)
+    vals = (q.astype(np.float32) * sc).astype(np.float64).reshape(lead + (512,))
+    return codes, vals
 
 
 def quantize_cache(rows, fmt, r, rope):
     """Cache rows `[..., r + rope]` (float64 as stored; NaN where no token is) in `fmt`: (u8 bytes
-    `[..., bytes_per_token]`, 0xff where no token is; float64 rows as the bytes give them back, NaN where
-    no token is; `meta.cache`).
+    `[..., bytes_per_token]`, 0xff where no token is; float64 rows as the bytes give them back, each
+    q·s in float32, NaN where no token is; `meta.cache`). Byte layouts: docs/cache-formats.md, the
+    same as mla-diff's `Codec::encode` (tests/it/selfcheck_cache.rs holds them equal, byte for byte).
 
     - `fp8`: every column e4m3(x / s) (x / s in float32) with one scale s = max(amax / 448, 1e-4) over
       the written rows, sent as `meta.cache.scale`;
-    - `fp8_ds_mla` (656 B): 512 e4m3 latent values, tile k of 128 columns over its scale
-      2^ceil(log2 max(amax_k / 448, 1e-4)), the 4 scales as little-endian float32, then the 64 rope
-      values in bf16."""
+    - `fp8_ds_mla` / `fp8_ds_mla_nope`: `quantize_ds_mla`; `fp8_v41` / `fp4_v41`: `quantize_v41`."""
     rows = np.asarray(rows, np.float64)
     live = np.isfinite(rows).all(axis=-1)
     x = np.where(live[..., None], rows, 0.0).astype(np.float32)
@@ -324,23 +443,12 @@ def quantize_cache(rows, fmt, r, rope):
         codes, q = e4m3_code((x / sc).astype(np.float64))
         vals = (q.astype(np.float32) * sc).astype(np.float64)
         meta = {"format": fmt, "bytes_per_token": r + rope, "scale": float(sc)}
-    else:
-        lead = x.shape[:-1]
-        lat = x[..., :512].reshape(lead + (4, 128))
-        amax = np.abs(lat).max(axis=-1, keepdims=True)
-        floor = np.maximum(amax / np.float32(448.0), np.float32(1e-4)).astype(np.float64)
-        sc = np.exp2(np.ceil(np.log2(floor))).astype(np.float32)
-        lc, q = e4m3_code((lat / sc).astype(np.float64))
-        lat_vals = (q.astype(np.float32) * sc).astype(np.float64).reshape(lead + (512,))
-        rope_bits = protocol.to_bf16_bits(x[..., 512:])
-        rope_vals = protocol.round_to(x[..., 512:], "bf16").astype(np.float64)
-        codes = np.concatenate([
-            lc.reshape(lead + (512,)),
-            np.ascontiguousarray(sc[..., 0].astype("<f4")).view(np.uint8).reshape(lead + (16,)),
-            np.ascontiguousarray(rope_bits.astype("<u2")).view(np.uint8).reshape(lead + (128,)),
-        ], axis=-1)
-        vals = np.concatenate([lat_vals, rope_vals], axis=-1)
+    elif fmt in ("fp8_ds_mla", "fp8_ds_mla_nope"):
+        codes, vals = quantize_ds_mla(x, rope)
         meta = {"format": fmt, "bytes_per_token": 656}
+    else:
+        codes, vals = quantize_v41(x, fmt)
+        meta = {"format": fmt, "bytes_per_token": codes.shape[-1]}
     codes = np.where(live[..., None], codes, np.uint8(0xFF)).astype(np.uint8)
     vals = np.where(live[..., None], vals, np.nan)
     return codes, vals, meta
@@ -805,7 +913,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runner", action="append", default=[], help="runner command (repeatable), e.g. 'python3 runners/numpy_mla.py'")
     ap.add_argument("--bugs", action="store_true", help="check numpy_mla passes and every runners/bugs/*.py is caught")
-    ap.add_argument("--cases", default=",".join(CASES), help="comma list of " + ",".join(CASES))
+    ap.add_argument("--cases", help="comma list of " + ",".join(CASES) + " (default: all but " + " and ".join(FORMAT_CASES) + ", each of which runs by default with a --kv-cache-dtype that fits it)")
     ap.add_argument("--dtypes", default="bf16,fp16,f32")
     ap.add_argument("--ops", help="comma list: only these ops (decode, prefill, sparse_prefill, sparse_decode)")
     ap.add_argument("--kv-cache-dtype", choices=CACHE_FORMATS, help="send the ops that read the latent cache (decode, sparse_prefill, sparse_decode) its rows in this byte format with meta.cache, as mla-diff run --kv-cache-dtype does, and judge them over the values those bytes hold; a runner whose supports.cache_formats does not list it is unsupported there")
@@ -816,7 +924,7 @@ def main():
     ap.add_argument("--keep", help="keep the request files in this directory")
     args = ap.parse_args()
     F32_UNIT = args.f32_unit
-    cases = [c for c in args.cases.split(",") if c]
+    cases = [c for c in args.cases.split(",") if c] if args.cases else default_cases(args.kv_cache_dtype)
     dtypes = [d for d in args.dtypes.split(",") if d]
     ops = [o for o in args.ops.split(",") if o] if args.ops else None
     for o in ops or []:

@@ -123,42 +123,39 @@ fn a_missing_or_misshapen_kpool_tensor_is_one_clear_error() {
     );
 }
 
-/// A 4-layer fixture (MLA on layer 3) with top_k rewritten to 32 (two pools of 16), so that the default
-/// schedule's queries go past it; optionally without the k-pool tensors.
+/// `fixture --preset glm5-next --layers N --hidden 128 --heads 2 --q-lora-rank 64 --quant f32` as the
+/// library's `Spec`, for a test to change (top_k, shared layers) before `fixture::write`.
+pub fn small_spec(layers: usize) -> mla_diff::fixture::Spec {
+    mla_diff::fixture::Spec::from_options(&mla_diff::fixture::Options {
+        preset: mla_diff::fixture::Preset::Glm5Next,
+        layers: Some(layers),
+        quant: mla_diff::gguf::GgmlType::from_name("F32").unwrap(),
+        seed: 0,
+        legacy_kv_b: false,
+        hidden: Some(128),
+        heads: Some(2),
+        q_lora_rank: Some(64),
+        vocab: None,
+    })
+    .unwrap()
+}
+
+/// A 4-layer fixture (MLA on layer 3) with top_k 32 (two pools of 16), so that the default schedule's
+/// queries go past it; optionally without the k-pool tensors (removed from the written file: the
+/// writer has no such option, the file is a broken one).
 fn past_top_k(dir: &Path, keep_kpool: bool) -> PathBuf {
-    let src = make_fixture(
-        dir,
-        "g5n4.gguf",
-        &[
-            "--preset",
-            "glm5-next",
-            "--layers",
-            "4",
-            "--hidden",
-            "128",
-            "--heads",
-            "2",
-            "--q-lora-rank",
-            "64",
-            "--quant",
-            "f32",
-        ],
-    );
+    let mut s = small_spec(4);
+    s.indexer = s.indexer.map(|(h, d, _)| (h, d, 32));
+    let path = dir.join("g5n4-top32.gguf");
+    mla_diff::fixture::write(&s, &path).unwrap();
+    if keep_kpool {
+        return path;
+    }
     rewrite(
-        &src,
-        &dir.join(format!("g5n4-top32-{keep_kpool}.gguf")),
-        |meta| {
-            for (k, v) in meta.iter_mut() {
-                if k == "glm5-next.attention.indexer.top_k" {
-                    *v = mla_diff::gguf::Value::U32(32);
-                }
-            }
-        },
-        |ts| {
-            if !keep_kpool {
-                ts.retain(|t| !t.name.contains("indexer_compressor_"));
-            }
-        },
+        &path,
+        &dir.join("g5n4-top32-bare.gguf"),
+        |_| {},
+        |ts| ts.retain(|t| !t.name.contains("indexer_compressor_")),
     )
 }
 

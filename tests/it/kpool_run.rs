@@ -5,8 +5,7 @@
 use crate::common::*;
 use mla_diff::backend::cpu::kpool as mirror;
 use mla_diff::compare::selection::{ScoreNoise, MARGIN_SIGMAS};
-use mla_diff::gguf::value::Array;
-use mla_diff::gguf::{GgufFile, Value};
+use mla_diff::gguf::GgufFile;
 use mla_diff::model::{KpoolIndexer, KpoolLayer, LayerWeights, MlaConfig};
 use mla_diff::precision::{Dtype, KeyPrecision};
 use mla_diff::reference::kpool::{self, Reading};
@@ -14,52 +13,16 @@ use mla_diff::rope::RopeTables;
 use ndarray::Array2;
 use std::path::{Path, PathBuf};
 
-/// `fixture --preset glm5-next` with `layers` layers (MLA on 3, 7, 11, …), small dims (GLM-5's indexer:
-/// 32 heads of 128, kpool 16), top_k rewritten to 32 (two pools) so the default schedule goes past it;
-/// `shared`: MLA layers made "shared" (`indexer.types` false, their indexer tensors removed).
+/// glm5-next with `layers` layers (MLA on 3, 7, 11, …), small dims (GLM-5's indexer: 32 heads of 128,
+/// kpool 16), top_k 32 (two pools) so the default schedule goes past it; `shared`: MLA layers made
+/// "shared" (`indexer.types` false, no indexer tensors), written by the library's fixture writer.
 pub fn g5n(dir: &Path, layers: usize, shared: &[usize]) -> PathBuf {
-    let n = layers.to_string();
-    let src = make_fixture(
-        dir,
-        &format!("g5n{layers}.gguf"),
-        &[
-            "--preset",
-            "glm5-next",
-            "--layers",
-            &n,
-            "--hidden",
-            "128",
-            "--heads",
-            "2",
-            "--q-lora-rank",
-            "64",
-            "--quant",
-            "f32",
-        ],
-    );
-    let types: Vec<bool> = (0..layers).map(|l| !shared.contains(&l)).collect();
-    rewrite(
-        &src,
-        &dir.join(format!("g5n{layers}-top32-{shared:?}.gguf")),
-        |meta| {
-            for (k, v) in meta.iter_mut() {
-                match k.as_str() {
-                    "glm5-next.attention.indexer.top_k" => *v = Value::U32(32),
-                    "glm5-next.attention.indexer.types" => {
-                        *v = Value::Array(Array::Bool(types.clone()))
-                    }
-                    _ => {}
-                }
-            }
-        },
-        |ts| {
-            ts.retain(|t| {
-                !shared
-                    .iter()
-                    .any(|l| t.name.starts_with(&format!("blk.{l}.indexer")))
-            })
-        },
-    )
+    let mut s = crate::kpool::small_spec(layers);
+    s.indexer = s.indexer.map(|(h, d, _)| (h, d, 32));
+    s.indexer_types = Some((0..layers).map(|l| !shared.contains(&l)).collect());
+    let path = dir.join(format!("g5n{layers}-top32-{shared:?}.gguf"));
+    mla_diff::fixture::write(&s, &path).unwrap();
+    path
 }
 
 /// The `dsa` section's layers: (layer, shared_from, pass, differing pools, layout mismatches).

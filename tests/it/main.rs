@@ -48,6 +48,7 @@ mod runners;
 mod runners_reach;
 mod runners_sparse;
 mod schedule_invariance;
+mod selfcheck_cache;
 mod selftest;
 mod shard;
 mod sizes;

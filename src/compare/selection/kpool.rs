@@ -41,16 +41,7 @@ impl ScoreNoise {
     /// sum with the APE and the exp), its own storage rounding and the f32 sum over the slots. With fp8
     /// keys, q and the pooled keys go to the Hadamard basis and fp8 as token keys do.
     pub fn kpool(o: &KpoolOut, dt: Dtype, keys: KeyPrecision) -> ScoreNoise {
-        let parts = Parts {
-            q: &o.q,
-            k: &o.k,
-            k_lin: &o.k_lin,
-            k_gain: &o.k_gain,
-            weights: &o.weights,
-            weights_sq: &o.weights_sq,
-            in_dims: o.in_dims,
-        };
-        let mut n = ScoreNoise::tokens(&parts, dt);
+        let mut n = ScoreNoise::tokens(&parts_of!(o), dt);
         let u2 = dt.round_unit().powi(2) / 3.0;
         let sum_e = F32_OP * 5.0 / 3.0 * o.in_dims.0 as f64;
         let (np, kpool, di) = o.probs.dim();

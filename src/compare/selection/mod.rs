@@ -68,6 +68,23 @@ struct Parts<'a> {
     in_dims: (usize, usize),
 }
 
+/// `Parts` of a reference output that holds the seven tensors under these names (`IndexerOut`,
+/// `KpoolOut`): the one build both noise models use (a macro: the two are distinct types of
+/// `reference`, with no common trait to read the fields through).
+macro_rules! parts_of {
+    ($o:expr) => {
+        Parts {
+            q: &$o.q,
+            k: &$o.k,
+            k_lin: &$o.k_lin,
+            k_gain: &$o.k_gain,
+            weights: &$o.weights,
+            weights_sq: &$o.weights_sq,
+            in_dims: $o.in_dims,
+        }
+    };
+}
+
 fn mean_sq(x: &[f64]) -> f64 {
     x.iter().map(|v| v * v).sum::<f64>() / x.len().max(1) as f64
 }
@@ -80,16 +97,7 @@ impl ScoreNoise {
     /// not q_i²: a small q_i is a cancelling sum). k: its own two (∝ k_i²), and the LayerNorm input's
     /// own, attn_in's and the layer input's, times the norm's gain (the centring cancels).
     pub fn new(o: &IndexerOut, dt: Dtype, keys: KeyPrecision) -> ScoreNoise {
-        let parts = Parts {
-            q: &o.q,
-            k: &o.k,
-            k_lin: &o.k_lin,
-            k_gain: &o.k_gain,
-            weights: &o.weights,
-            weights_sq: &o.weights_sq,
-            in_dims: o.in_dims,
-        };
-        let mut n = ScoreNoise::tokens(&parts, dt);
+        let mut n = ScoreNoise::tokens(&parts_of!(o), dt);
         // A power-of-two Di is checked where the fp8 indexer runs; a rotation of any other would not
         // be orthogonal.
         if keys == KeyPrecision::Fp8 && n.q.dim().2.is_power_of_two() {
