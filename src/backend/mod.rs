@@ -103,6 +103,13 @@ pub trait Backend {
     fn provides(&self) -> StageSet;
     /// Run one layer's attention on `ctx.sched`. `x` is the layer input `[T, hidden]` (before attn_norm).
     fn run_layer(&mut self, ctx: &LayerCtx, x: &Array2<f64>) -> Result<LayerTrace>;
+    /// Whether `run_layer` reads only the weights as stored in its dtype (`LayerWeights::stored`) and
+    /// never the file's values (no fp64 of its own over them, as a capture's or `--tp`'s): a run may
+    /// then round a layer's weights in place once its reference has read them
+    /// (`LayerWeights::round_in_place`, `run::footprint`). `false` keeps the file's values.
+    fn reads_stored_weights_only(&self) -> bool {
+        false
+    }
     /// How the judges read its traces: the stage-local view's model of its roundings, the stages left
     /// to the end-to-end checks, its DSA abilities, its key tiles ([`Judging`]). The default is a
     /// dense path with an online softmax, the conservative score sum, no tiles (`Judging::default`). Asked before the

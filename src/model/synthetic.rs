@@ -163,6 +163,7 @@ pub fn weights(cfg: &MlaConfig, seed: u64) -> LayerWeights {
         o,
         kv_b_layout: KvBLayout::Split,
         stored: Default::default(),
+        rounded: None,
         id: Default::default(),
     }
 }

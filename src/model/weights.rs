@@ -56,6 +56,9 @@ pub struct LayerWeights {
     pub kv_b_layout: KvBLayout,
     /// The same weights rounded to bf16 and fp16 ([`LayerWeights::stored`]), made on first use.
     pub(crate) stored: [OnceLock<Box<LayerWeights>>; 2],
+    /// The dtype these values were rounded to in place ([`LayerWeights::round_in_place`]): they are
+    /// then their own stored copy, and no longer the file's values.
+    pub(crate) rounded: Option<Dtype>,
     /// Tells these weights from any others of the process ([`LayerWeights::id`]).
     pub(crate) id: WeightsId,
 }
@@ -206,6 +209,7 @@ impl LayerWeights {
             o,
             kv_b_layout,
             stored: Default::default(),
+            rounded: None,
             id: Default::default(),
         })
     }
@@ -239,9 +243,49 @@ impl LayerWeights {
                 o: rounded(&self.o, dt),
                 kv_b_layout: self.kv_b_layout,
                 stored: Default::default(),
+                rounded: None,
                 id: Default::default(),
             })
         })
+    }
+
+    /// Round every value to `dt` in place, so that these weights are their own stored copy
+    /// ([`LayerWeights::stored`] then returns `self`) and no second copy of the layer is made: for a
+    /// layer whose fp64 reference has read the file's values already and whose later readers all read
+    /// the stored ones (`run::footprint`: GLM-5's covering layers, 0.63 GB at bf16). Each value is
+    /// what [`LayerWeights::stored`] would have made of it (the same rounding, element for element).
+    /// The file's values are gone: the reference refuses these weights, and so does `stored` for
+    /// another dtype. For f32 nothing changes.
+    pub fn round_in_place(&mut self, dt: Dtype) {
+        assert!(
+            self.stored_made(dt).is_none_or(|s| std::ptr::eq(s, self)),
+            "layer {}: a rounded copy exists already",
+            self.layer
+        );
+        if dt == Dtype::F32 || self.rounded == Some(dt) {
+            return;
+        }
+        assert!(self.rounded.is_none(), "weights rounded twice");
+        match &mut self.q {
+            QProj::Lora { a, a_norm, b } => {
+                round_in(a, dt);
+                round_in(a_norm, dt);
+                round_in(b, dt);
+            }
+            QProj::Plain { q } => round_in(q, dt),
+        }
+        round_in(&mut self.attn_norm, dt);
+        round_in(&mut self.kv_a, dt);
+        round_in(&mut self.kv_a_norm, dt);
+        round_in(&mut self.w_uk, dt);
+        round_in(&mut self.w_uv, dt);
+        round_in(&mut self.o, dt);
+        self.rounded = Some(dt);
+    }
+
+    /// Whether these are the file's values (not [`LayerWeights::round_in_place`]d).
+    pub fn as_read(&self) -> bool {
+        self.rounded.is_none()
     }
 
     /// Which weights these are, for a backend that keeps what it made of them (the CUDA backend's
@@ -261,6 +305,17 @@ impl LayerWeights {
 
     /// The rounded copy's slot for `dt` (none for f32: nothing to round).
     fn stored_slot(&self, dt: Dtype) -> Option<&OnceLock<Box<LayerWeights>>> {
+        if let Some(r) = self.rounded {
+            // Rounded in place: their own stored copy in that dtype, and nothing else's.
+            assert!(
+                r == dt,
+                "layer {}: weights rounded to {} in place, asked for {}",
+                self.layer,
+                r.name(),
+                dt.name()
+            );
+            return None;
+        }
         match dt {
             Dtype::F32 => None,
             Dtype::Bf16 => Some(&self.stored[0]),
@@ -277,7 +332,92 @@ fn rounded<D: Dimension>(a: &ndarray::Array<f32, D>, dt: Dtype) -> ndarray::Arra
     out
 }
 
+/// `a` rounded to `dt` in place, standard layout (as [`rounded`] makes it, value for value).
+fn round_in<D: Dimension>(a: &mut ndarray::Array<f32, D>, dt: Dtype) {
+    if !a.is_standard_layout() {
+        *a = a.as_standard_layout().into_owned();
+    }
+    let v = a.as_slice_mut().expect("standard layout");
+    v.par_chunks_mut(1 << 16).for_each(|c| dt.round_slice(c));
+}
+
 /// LongRoPE / rope frequency factors, if the file has them.
 pub fn load_freq_factors(f: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>> {
     load_checked(f, name, &[n], "rope frequency factors")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::catalogue::Preset;
+
+    /// Every value of `w`, as bits, in one order.
+    fn bits(w: &LayerWeights) -> Vec<u32> {
+        let q: Vec<&[f32]> = match &w.q {
+            QProj::Lora { a, a_norm, b } => vec![
+                a.as_slice().unwrap(),
+                a_norm.as_slice().unwrap(),
+                b.as_slice().unwrap(),
+            ],
+            QProj::Plain { q } => vec![q.as_slice().unwrap()],
+        };
+        q.into_iter()
+            .chain([
+                w.attn_norm.as_slice().unwrap(),
+                w.kv_a.as_slice().unwrap(),
+                w.kv_a_norm.as_slice().unwrap(),
+                w.w_uk.as_slice().unwrap(),
+                w.w_uv.as_slice().unwrap(),
+                w.o.as_slice().unwrap(),
+            ])
+            .flatten()
+            .map(|v| v.to_bits())
+            .collect()
+    }
+
+    /// Rounded in place, the weights hold what `stored` makes of them, bit for bit, and are their own
+    /// stored copy (no second one made); they are no longer the file's values.
+    #[test]
+    fn rounded_in_place_is_the_stored_copy() {
+        for preset in [Preset::Tiny, Preset::Glm5] {
+            let cfg = preset.test_config();
+            for dt in [Dtype::Bf16, Dtype::F16] {
+                let read = crate::model::synthetic::weights(&cfg, 7);
+                let mut w = crate::model::synthetic::weights(&cfg, 7);
+                w.round_in_place(dt);
+                assert_eq!(bits(&w), bits(read.stored(dt)), "{preset:?} {}", dt.name());
+                assert_ne!(bits(&w), bits(&read), "the rounding changed nothing");
+                assert!(std::ptr::eq(w.stored(dt), &w));
+                assert!(std::ptr::eq(w.stored_made(dt).unwrap(), &w));
+                assert!(!w.as_read() && read.as_read());
+            }
+            // f32: nothing to round, still the file's values.
+            let mut w = crate::model::synthetic::weights(&cfg, 7);
+            w.round_in_place(Dtype::F32);
+            assert!(w.as_read());
+        }
+    }
+
+    /// Weights rounded to one dtype are no stored copy in another.
+    #[test]
+    #[should_panic(expected = "rounded to bf16 in place, asked for fp16")]
+    fn rounded_weights_refuse_another_dtype() {
+        let mut w = crate::model::synthetic::weights(&Preset::Tiny.test_config(), 7);
+        w.round_in_place(Dtype::Bf16);
+        w.stored(Dtype::F16);
+    }
+
+    /// The reference is of the file's values: it refuses weights rounded in place.
+    #[test]
+    #[should_panic(expected = "the reference of rounded weights")]
+    fn the_reference_refuses_rounded_weights() {
+        let cfg = Preset::Tiny.test_config();
+        let mut w = crate::model::synthetic::weights(&cfg, 7);
+        w.round_in_place(Dtype::Bf16);
+        let sched = crate::schedule::Schedule::default();
+        let t = sched.total_tokens();
+        let rope = crate::rope::RopeTables::for_run(&cfg, None, sched.pos_offset, t).unwrap();
+        let x = ndarray::Array2::<f64>::zeros((t, cfg.hidden));
+        let _ = crate::reference::run_layer(&cfg, &w, &rope, &x, &sched);
+    }
 }

@@ -138,6 +138,12 @@ pub fn run_layer_sel(
     sel: Option<&sparse::Selection>,
 ) -> Result<LayerTrace> {
     check_inputs(cfg, w, rope, x, sched)?;
+    // The reference is of the file's values; weights rounded in place are an optimized path's.
+    assert!(
+        w.as_read(),
+        "layer {}: the reference of rounded weights",
+        w.layer
+    );
     let t = sched.total_tokens();
     if let Some(s) = sel {
         if s.n_queries() != t {

@@ -12,10 +12,18 @@
 //! layer is read. Every value is computed by the same code from the same inputs either way, and the
 //! backend is called in the same order (shadow, then free): the reports are the same byte for byte.
 //! Only the overlap is given up, on the few covering layers of a default run; the classic layers of
-//! the rest (tens of MB each) keep it.
+//! the rest (tens of MB each) keep it. A lone dense layer on the CPU mirror also holds its weights
+//! once: rounded in place to the run's dtype after its reference ([`reference_first`]), instead of
+//! the file's values beside a rounded copy.
 
-use crate::model::MlaConfig;
+use super::layers::RefTraces;
+use super::RunOptions;
+use crate::error::Result;
+use crate::model::{LayerWeights, MlaConfig};
+use crate::rope::RopeTables;
 use crate::schedule::Schedule;
+use ndarray::Array2;
+use std::time::Duration;
 
 /// The buffers of one layer ([`Schedule::peak_bytes`]) above which it runs alone: GLM-5's covering
 /// schedule needs 2.3 GB, its classic one 0.25 GB.
@@ -28,6 +36,24 @@ pub(super) fn alone(cfg: &MlaConfig, sched: &Schedule) -> bool {
         return a;
     }
     sched.peak_bytes(cfg) > ALONE_ABOVE
+}
+
+/// A lone dense layer's fp64 reference, made first, and then its weights rounded in place to the
+/// run's dtype (`LayerWeights::round_in_place`): the optimized path, its repeats and the view's
+/// products read them as their stored copy, so one copy of the layer is alive beside the path's
+/// buffers instead of two (0.63 GB at GLM-5's dims in bf16). For a layer that runs alone, has no DSA
+/// selection (whose check reads the file's values after the path), on a path that reads only the
+/// stored weights (`Backend::reads_stored_weights_only`); elsewhere the reference runs in
+/// `layers::paths`. The reference is the same computation from the same values either way, and every
+/// stored value the same rounding of the same value, so the reports are the same byte for byte.
+pub(super) fn reference_first(
+    w: &mut LayerWeights,
+    (cfg, rope, opts): (&MlaConfig, &RopeTables, &RunOptions),
+    input: (&Array2<f64>, Option<&Array2<f64>>),
+) -> (Result<RefTraces>, Duration) {
+    let made = super::layers::reference(cfg, w, (rope, &opts.sched, None), input);
+    w.round_in_place(opts.dtype);
+    made
 }
 
 #[cfg(test)]

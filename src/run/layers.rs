@@ -82,7 +82,11 @@ pub(super) fn run_layers(
             // docs/scale.md).
             let (w, t_load) = load_layer(file, cfg, l);
             prof.add("load + dequantize", t_load);
-            let w = w?;
+            let mut w = w?;
+            let moved = super::carry::moved_input(&h_ref, carried.as_ref());
+            let rounds = alone && sparse.is_none() && backend.reads_stored_weights_only();
+            let (run, input) = ((cfg, &tables.rope, opts), (&h_ref, moved.as_ref()));
+            let early = rounds.then(|| super::footprint::reference_first(&mut w, run, input));
             let dense_ctx = tables.ctx(cfg, &w, &opts.sched, opts.faults.active(l));
             let sel = match &sparse {
                 Some(sp) => {
@@ -100,7 +104,6 @@ pub(super) fn run_layers(
             // What the backend's sparse layers lose (`Judging::sparse_layers`), only if this one is.
             let (layer_provided, outside) = backend.judging().layer_stages(provided, sel.is_some());
             let (ctx, free_ctx) = contexts(l, opts, tables, layer_provided);
-            let moved = super::carry::moved_input(&h_ref, carried.as_ref());
             let lr = LayerRun {
                 cfg,
                 w: &w,
@@ -115,8 +118,8 @@ pub(super) fn run_layers(
                 moved: moved.as_ref(),
                 alone,
             };
-            let (reference, optimized) =
-                paths(&lr, backend, (&h_ref, &h_opt), &mut done.repeats, &mut prof);
+            let streams = (&h_ref, &h_opt);
+            let (reference, optimized) = paths(&lr, backend, streams, early, &mut done, &mut prof);
             let (reference, moved_ref) = reference?;
             let optimized = optimized?;
             // The reference residual after this layer: the next layer's shadow input and free mode's
@@ -135,12 +138,9 @@ pub(super) fn run_layers(
                 let view = pre.map(|pre| shadow_view(backend, pre, &h_ref, sel.as_ref(), outside));
                 (opt, view)
             });
-            if let (Some(sp), Some(sel)) = (sparse.as_mut(), sel) {
-                let t_dsa = std::time::Instant::now();
-                let checked = (&dense_ctx, &ctx, &h_ref, &reference);
-                check_selection(sp, sel, checked, backend, opts)?;
-                prof.add("DSA selection check", t_dsa.elapsed());
-            }
+            let dsa = sparse.as_mut().zip(sel);
+            let checked = (&dense_ctx, &ctx, &h_ref, &reference);
+            check_selection(dsa, checked, backend, (opts, &mut prof))?;
             drop(w);
             collect_until(&mut judging, max_judges - 1, &mut prof, &mut done)?;
             let layer = Computed {
@@ -253,14 +253,17 @@ fn settle(
 }
 
 /// The DSA check of a layer's selections (`dsa::RunSparse::check_layer`), from its contexts, its input
-/// and its reference trace.
+/// and its reference trace, timed; nothing for a dense layer.
 fn check_selection(
-    sp: &mut super::dsa::RunSparse,
-    sel: super::dsa::LayerSelection,
+    sparse: Option<(&mut super::dsa::RunSparse, super::dsa::LayerSelection)>,
     (dense_ctx, ctx, h_ref, reference): (&LayerCtx, &compare::Ctx, &Array2<f64>, &LayerTrace),
     backend: &mut dyn Backend,
-    opts: &RunOptions,
+    (opts, prof): (&RunOptions, &mut profile::Profile),
 ) -> Result<()> {
+    let Some((sp, sel)) = sparse else {
+        return Ok(());
+    };
+    let t_dsa = std::time::Instant::now();
     sp.check_layer(
         dense_ctx,
         ctx,
@@ -270,7 +273,9 @@ fn check_selection(
         reference,
         opts.dtype,
         &opts.tolerances,
-    )
+    )?;
+    prof.add("DSA selection check", t_dsa.elapsed());
+    Ok(())
 }
 
 /// A judge's results, collected in layer order.
@@ -353,24 +358,21 @@ fn paths(
     lr: &LayerRun,
     backend: &mut dyn Backend,
     (h_ref, h_opt): (&Array2<f64>, &Array2<f64>),
-    repeats: &mut Vec<LayerRepeat>,
+    early: Option<(Result<RefTraces>, std::time::Duration)>,
+    done: &mut Done,
     prof: &mut profile::Profile,
 ) -> (Result<RefTraces>, Result<OptTraces>) {
-    let opts = lr.opts;
+    let (opts, repeats) = (lr.opts, &mut done.repeats);
     std::thread::scope(|sc| {
-        let (c, w, rope, sched, ref_sel) = (lr.cfg, lr.w, lr.rope, &opts.sched, lr.ref_sel);
+        let (c, w, rope, ref_sel) = (lr.cfg, lr.w, lr.rope, lr.ref_sel);
         let moved = lr.moved;
-        let reference = move || {
-            let t0 = std::time::Instant::now();
-            let run = |x| crate::reference::run_layer_sel(c, w, rope, x, sched, ref_sel);
-            let r = run(h_ref).and_then(|r| Ok((r, moved.map(run).transpose()?)));
-            (r, t0.elapsed())
-        };
+        let reference = move || reference(c, w, (rope, &opts.sched, ref_sel), (h_ref, moved));
         // Alone: the reference first, not beside the optimized path (its buffers and the path's peak
-        // together: `footprint.rs`).
-        let r = match lr.alone {
-            true => Err(reference()),
-            false => Ok(sc.spawn(reference)),
+        // together: `footprint.rs`), or made already (`footprint::reference_first`).
+        let r = match (early, lr.alone) {
+            (Some(made), _) => Err(made),
+            (None, true) => Err(reference()),
+            (None, false) => Ok(sc.spawn(reference)),
         };
         let optimized = (|| -> Result<OptTraces> {
             let mut shadow_opt = None;
@@ -431,6 +433,24 @@ fn paths(
     })
 }
 
+/// A layer's fp64 reference from its input `h_ref` (and from `moved`, free mode's input moved by the
+/// carried cache effect), over the DSA selection `sel` if any, and the time it took.
+pub(super) fn reference(
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    (rope, sched, sel): (
+        &crate::rope::RopeTables,
+        &crate::schedule::Schedule,
+        Option<&crate::reference::sparse::Selection>,
+    ),
+    (h_ref, moved): (&Array2<f64>, Option<&Array2<f64>>),
+) -> (Result<RefTraces>, std::time::Duration) {
+    let t0 = std::time::Instant::now();
+    let run = |x| crate::reference::run_layer_sel(cfg, w, rope, x, sched, sel);
+    let r = run(h_ref).and_then(|r| Ok((r, moved.map(run).transpose()?)));
+    (r, t0.elapsed())
+}
+
 /// What shadow mode's stage-local view needs besides the run's tables: the products `pre`, the
 /// layer's input `x`, the backend's answers about its path, and (DSA) the reference's selection.
 fn shadow_view(
@@ -482,7 +502,7 @@ fn release_memory() {
 }
 
 /// A layer's reference, and free mode's reference from the input the carried cache effect moved.
-type RefTraces = (LayerTrace, Option<LayerTrace>);
+pub(super) type RefTraces = (LayerTrace, Option<LayerTrace>);
 
 /// Shadow mode's optimized trace, with its stage-local view's products against the weights where it
 /// has a view (made).

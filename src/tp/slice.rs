@@ -70,6 +70,7 @@ pub fn rank_weights(cfg: &MlaConfig, w: &LayerWeights, size: usize, rank: usize)
         o: w.o.slice(s![.., h.start * dv..h.end * dv]).to_owned(),
         kv_b_layout: w.kv_b_layout,
         stored: Default::default(),
+        rounded: w.rounded, // a slice of weights rounded in place is rounded
         id: Default::default(),
     }
 }

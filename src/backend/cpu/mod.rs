@@ -263,6 +263,12 @@ impl Backend for CpuMirror {
         StageSet::ALL
     }
 
+    /// Its dense layer reads `LayerWeights::stored` only (`front::MirrorWeights`); its indexers read
+    /// the file's q_a too, but a run rounds no sparse layer's weights (`run::footprint`).
+    fn reads_stored_weights_only(&self) -> bool {
+        true
+    }
+
     /// Sparse attention over the selection, its own indexer, every batch's cache through the layer's
     /// format (`cache::PagedCache::for_batch`), scores summed in 8 lanes (`ops::dot`), and one
     /// online-softmax loop for both phases: tiles of `flash::TILE` keys from each range's start.
