@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 pub struct Profile {
     on: bool,
     start: Instant,
+    /// The process's CPU time at `start`: a split run makes one profile per pass, so each counts its own.
+    cpu0: Duration,
     /// Per phase: time, the peak RSS growth (kB) seen across it, and the process's CPU time across it.
     phases: Vec<(&'static str, Duration, u64, Duration)>,
     sampler: Option<Sampler>,
@@ -116,13 +118,25 @@ pub fn peak_rss_kb() -> Option<u64> {
 impl Profile {
     /// On when `MLA_DIFF_PROFILE` is set to anything but empty or `0`.
     pub fn from_env() -> Profile {
-        let on = std::env::var("MLA_DIFF_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0");
+        Profile::new(std::env::var("MLA_DIFF_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0"))
+    }
+
+    fn new(on: bool) -> Profile {
         Profile {
             on,
             start: Instant::now(),
+            cpu0: match on {
+                true => cpu_time(),
+                false => Duration::ZERO,
+            },
             phases: Vec::new(),
             sampler: on.then(Sampler::start).flatten(),
         }
+    }
+
+    /// The process's CPU time since this profile started.
+    fn loop_cpu(&self) -> Duration {
+        cpu_time().saturating_sub(self.cpu0)
     }
 
     /// `d` of wall time (measured elsewhere: no CPU time) to `phase`.
@@ -191,7 +205,7 @@ impl Profile {
             );
         }
         let peak = peak_rss_kb().map_or(String::new(), |kb| format!("  peak RSS {} MB", kb / 1024));
-        let cpu = cpu_time().as_secs_f64();
+        let cpu = self.loop_cpu().as_secs_f64();
         eprintln!(
             "  {:<28} {wall:>9.2}  cpu {cpu:>8.2} ({:.1} cores){peak}",
             "wall (run loop)",
@@ -230,5 +244,28 @@ impl Drop for Profile {
         if let Some(s) = &self.sampler {
             s.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A profile made after the process has worked counts only its own CPU time (a split run's second
+    /// pass once printed the whole process's, and cores busy from it).
+    #[test]
+    fn the_loop_counts_its_own_cpu_time() {
+        let mut x = 0u64;
+        while cpu_time() < Duration::from_millis(150) {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+        }
+        let p = Profile::new(true);
+        let before = cpu_time();
+        assert!(before >= Duration::from_millis(100), "{before:?}");
+        assert!(
+            p.loop_cpu() < before / 2,
+            "{:?} of {before:?}",
+            p.loop_cpu()
+        );
     }
 }
