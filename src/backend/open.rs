@@ -60,11 +60,11 @@ impl From<Kind> for Choice {
 impl Choice {
     /// `Auto`: CUDA with a GPU present or an explicit kernel directory (whose errors are then errors),
     /// else the CPU mirror.
-    pub fn resolve(self, o: &Options) -> Kind {
+    pub fn resolve(self, kernels_dir: Option<&std::path::Path>) -> Kind {
         match self {
             Choice::Cpu => Kind::Cpu,
             Choice::Cuda => Kind::Cuda,
-            Choice::Auto if o.kernels_dir.is_none() && !super::cuda::device::gpu_present() => {
+            Choice::Auto if kernels_dir.is_none() && !super::cuda::device::gpu_present() => {
                 Kind::Cpu
             }
             Choice::Auto => Kind::Cuda,
@@ -122,7 +122,7 @@ impl Factory {
         Factory::default()
     }
     pub fn open(&mut self, choice: Choice, o: &Options) -> Result<(Box<dyn Backend>, BackendInfo)> {
-        let kind = choice.resolve(o);
+        let kind = choice.resolve(o.kernels_dir.as_deref());
         // Kernel sources are CUDA's: on the mirror they would be ignored, and the run would not test them.
         if let (Kind::Cpu, Some(d)) = (kind, &o.kernels_dir) {
             return Err(crate::error::Error::Usage(format!(

@@ -3,8 +3,7 @@
 
 use super::engine::V4Backend;
 use super::{default_schedule, V4Options};
-use crate::backend::cuda::device::gpu_present;
-use crate::backend::open::Choice;
+use crate::backend::open::{Choice, Kind};
 use crate::error::{Error, Result, EXIT_DIVERGENCE, EXIT_PASS};
 use crate::gguf::GgufFile;
 use crate::model::v4::V4Config;
@@ -52,14 +51,12 @@ pub fn exec(r: &Request, file: &GgufFile) -> Result<i32> {
         sched: r.schedule.over(default_schedule(&c))?,
         dtype: r.dtype,
         faults: r.faults.clone(),
-        // `auto` as for an MLA file (`Choice::resolve`): the CUDA kernels with a GPU present or a kernel
-        // directory given, else the mirror.
-        backend: match r.backend.choice {
-            Choice::Cpu => V4Backend::Cpu,
-            Choice::Auto if r.backend.kernels_dir.is_none() && !gpu_present() => V4Backend::Cpu,
-            Choice::Cuda | Choice::Auto => V4Backend::Cuda {
+        // `auto` as for an MLA file: the CUDA kernels with a GPU present or a kernel directory given.
+        backend: match r.backend.choice.resolve(r.backend.kernels_dir.as_deref()) {
+            Kind::Cuda => V4Backend::Cuda {
                 kernels_dir: r.backend.kernels_dir.clone(),
             },
+            _ => V4Backend::Cpu,
         },
     };
     let outputs = Outputs::check(&r.report)?;
