@@ -99,6 +99,35 @@ const DEEPSEEK_YARN: YarnSpec = YarnSpec {
     beta_slow: Some(1.0),
 };
 
+/// Kimi-K2 (Kimi-K2-Instruct: YaRN ×32 to 131072), the base of Kimi-K2.5's entry.
+const KIMI_K2: Entry = Entry {
+    preset: Preset::KimiK2,
+    name: "kimi-k2",
+    model_name: "Kimi-K2",
+    arch: Arch::Deepseek2,
+    layers: 61,
+    hidden: 7168,
+    heads: 64,
+    q_lora: Some(1536),
+    kv_lora: 512,
+    qk_nope: 128,
+    qk_rope: 64,
+    v_head: 128,
+    rope: RopePairing::Norm,
+    rope_base: Some(50000.0),
+    yarn: Some(YarnSpec {
+        factor: 32.0,
+        beta_fast: Some(1.0),
+        ..DEEPSEEK_YARN
+    }),
+    longrope: false,
+    rms_eps: 1e-6,
+    context_length: 131072,
+    unsplit_kv_b: false,
+    indexer: None,
+    note: "",
+};
+
 /// Every model, in `Preset` order.
 pub const CATALOGUE: [Entry; 10] = [
     Entry {
@@ -150,33 +179,7 @@ pub const CATALOGUE: [Entry; 10] = [
         indexer: None,
         note: "",
     },
-    Entry {
-        preset: Preset::KimiK2,
-        name: "kimi-k2",
-        model_name: "Kimi-K2",
-        arch: Arch::Deepseek2,
-        layers: 61,
-        hidden: 7168,
-        heads: 64,
-        q_lora: Some(1536),
-        kv_lora: 512,
-        qk_nope: 128,
-        qk_rope: 64,
-        v_head: 128,
-        rope: RopePairing::Norm,
-        rope_base: Some(50000.0),
-        yarn: Some(YarnSpec {
-            factor: 32.0,
-            beta_fast: Some(1.0),
-            ..DEEPSEEK_YARN
-        }),
-        longrope: false,
-        rms_eps: 1e-6,
-        context_length: 131072,
-        unsplit_kv_b: false,
-        indexer: None,
-        note: "",
-    },
+    KIMI_K2,
     // Kimi-K2.5's text model. llama.cpp's converter takes `KimiK25ForConditionalGeneration` into
     // `DeepseekV2Model` (conversion/deepseek.py; conversion/__init__.py maps it to "deepseek"): arch
     // `deepseek2`, the text_config's keys exactly as for Kimi-K2 (its vision tower goes to the mmproj
@@ -192,28 +195,14 @@ pub const CATALOGUE: [Entry; 10] = [
         preset: Preset::KimiK25,
         name: "kimi-k2.5",
         model_name: "Kimi-K2.5",
-        arch: Arch::Deepseek2,
-        layers: 61,
-        hidden: 7168,
-        heads: 64,
-        q_lora: Some(1536),
-        kv_lora: 512,
-        qk_nope: 128,
-        qk_rope: 64,
-        v_head: 128,
-        rope: RopePairing::Norm,
-        rope_base: Some(50000.0),
         yarn: Some(YarnSpec {
             factor: 64.0,
             beta_fast: Some(1.0),
             ..DEEPSEEK_YARN
         }),
-        longrope: false,
-        rms_eps: 1e-6,
         context_length: 262144,
-        unsplit_kv_b: false,
-        indexer: None,
         note: "Kimi-K2.5's text model (DeepSeek-V3's deepseek2, 64 heads, YaRN x64 to 256K; also Kimi-K2-0905)",
+        ..KIMI_K2
     },
     // rope_theta for GLM-4.7-Flash / GLM-5 is not settled by the public configs we know; 1e6 is GLM-5.1's.
     Entry {
