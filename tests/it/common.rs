@@ -484,3 +484,30 @@ pub fn compiler() -> Option<String> {
     }
     ok.then_some(cxx)
 }
+
+/// `n` cache rows of width `w`, bf16-valued f32s, for the latent-cache formats (issue #38): six kinds,
+/// by row — |x| ≤ 3 with a −0 now and then; ≤ 1e-3 (e4m3 subnormals after the scale); outliers to 900;
+/// zeros; ≤ 1e-6, below the scale floor (fp4: a zero scale); values on a 1/16 grid plus 1/32 (the
+/// midpoints of some e4m3 and e2m1 steps). `state`: the xorshift state to start from.
+pub fn cache_rows(n: usize, w: usize, state: u64) -> Vec<f32> {
+    let mut s = state;
+    (0..n * w)
+        .map(|k| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let u = (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
+            let v = match (k / w) % 6 {
+                0 if k % 53 == 0 => -0.0,
+                0 => u * 3.0,
+                1 => u * 1e-3,
+                2 if k % 37 == 0 => u * 900.0,
+                2 => u,
+                3 => 0.0,
+                4 => u * 1e-6,
+                _ => (u * 64.0).round() / 16.0 + 1.0 / 32.0,
+            };
+            half::bf16::from_f64(v).to_f32()
+        })
+        .collect()
+}

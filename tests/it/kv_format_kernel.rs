@@ -6,36 +6,12 @@
 //! must be the codec's, bit for bit. Needs a C++ compiler (`CXX`, else `c++`); skipped without one
 //! unless `CI` is set.
 
-use crate::common::compiler;
+use crate::common::{cache_rows, compiler};
 use mla_diff::faults::{Active, Fault};
 use mla_diff::kv_format::{Codec, KvFormat};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-
-/// Rows of `w` bf16-valued f32s: six kinds, by row (|x| ≤ 3; ≤ 1e-3; outliers to 900; zeros; ≤ 1e-6,
-/// below the scale floor; values on a 1/16 grid plus 1/32, the midpoints of some e4m3 steps).
-fn rows(w: usize, n: usize) -> Vec<f32> {
-    let mut s = 0x9e37_79b9_7f4a_7c15u64;
-    (0..n * w)
-        .map(|i| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            let u = (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
-            let v = match (i / w) % 6 {
-                0 => u * 3.0,
-                1 => u * 1e-3,
-                2 if i % 37 == 0 => u * 900.0,
-                2 => u,
-                3 => 0.0,
-                4 => u * 1e-6,
-                _ => (u * 64.0).round() / 16.0 + 1.0 / 32.0,
-            };
-            half::bf16::from_f64(v).to_f32()
-        })
-        .collect()
-}
 
 /// Compile the kernel for `(lkv, r)`, format `code`, with `fault`'s define; the binary's path.
 fn build(cxx: &str, dir: &Path, lkv: usize, r: usize, code: u32, fault: Option<Fault>) -> PathBuf {
@@ -112,7 +88,7 @@ fn cache_write_format_is_the_codec_bit_for_bit() {
     for (f, lkv, r, code, fault) in cases {
         let bin = build(&cxx, dir.path(), lkv, r, code, fault);
         let w = lkv + r;
-        let x = rows(w, n);
+        let x = cache_rows(n, w, 0x9e37_79b9_7f4a_7c15);
         let input: String = x.iter().map(|v| format!("{:08x} ", v.to_bits())).collect();
         let mut child = Command::new(&bin)
             .arg(n.to_string())

@@ -186,25 +186,7 @@ fn the_sdk_dequantizes_every_format_as_the_codec_bit_for_bit() {
     .enumerate()
     {
         let w = lkv + r;
-        let mut s = 0x2545_f491_4f6c_dd1du64 ^ i as u64;
-        let rows: Vec<f32> = (0..n * w)
-            .map(|k| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                let u = (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
-                let v = match (k / w) % 6 {
-                    0 => u * 3.0,
-                    1 => u * 1e-3,
-                    2 if k % 37 == 0 => u * 900.0,
-                    2 => u,
-                    3 => 0.0,
-                    4 => u * 1e-6,
-                    _ => (u * 64.0).round() / 16.0 + 1.0 / 32.0,
-                };
-                half::bf16::from_f64(v).to_f32()
-            })
-            .collect();
+        let rows = crate::common::cache_rows(n, w, 0x2545_f491_4f6c_dd1d ^ i as u64);
         let c = Codec::new(f, lkv, r).with_tensor_scale(tensor_scale(&rows));
         let nb = c.bytes();
         let mut bytes = vec![0xffu8; n * nb];

@@ -7,39 +7,13 @@
 //!
 //! Needs MLA_DIFF_PYTHON with numpy (skips without it, fails under CI).
 
-use crate::common::{python, runner};
+use crate::common::{cache_rows, python, runner};
 use mla_diff::kv_format::{tensor_scale, Codec, KvFormat};
 use serde_json::Value as J;
 use std::path::Path;
 
 fn runners_dir() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("runners")
-}
-
-/// `n` rows of width `w` in bf16 values at every scale the formats meet: normals, e4m3 subnormals after
-/// the scale, values below the 1e-4 scale floor (fp4: a zero scale), zeros and −0, outliers, values on
-/// the midpoints of e4m3 and e2m1 steps.
-fn rows(n: usize, w: usize, seed: u64) -> Vec<f32> {
-    let mut s = 0x2545_f491_4f6c_dd1du64 ^ seed;
-    (0..n * w)
-        .map(|k| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            let u = (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
-            let v = match (k / w) % 6 {
-                0 if k % 53 == 0 => -0.0,
-                0 => u * 3.0,
-                1 => u * 1e-3,
-                2 if k % 37 == 0 => u * 900.0,
-                2 => u,
-                3 => 0.0,
-                4 => u * 1e-6,
-                _ => (u * 64.0).round() / 16.0 + 1.0 / 32.0,
-            };
-            half::bf16::from_f64(v).to_f32()
-        })
-        .collect()
 }
 
 fn read_f64(path: &str) -> Vec<f64> {
@@ -76,7 +50,7 @@ fn selfcheck_writes_each_format_as_the_codec_byte_for_byte() {
     let mut cases = Vec::new();
     let mut all_rows = Vec::new();
     for (i, &(f, lkv, r)) in formats.iter().enumerate() {
-        let x = rows(n, lkv + r, i as u64);
+        let x = cache_rows(n, lkv + r, 0x2545_f491_4f6c_dd1d ^ i as u64);
         let file = dir.path().join(format!("c{i}"));
         let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
         std::fs::write(&file, bytes).unwrap();
