@@ -68,17 +68,7 @@ fn spec_for(g: &Golden) -> Spec {
         other => panic!("no preset for {other}"),
     };
     let mut s = preset.spec();
-    s.layers = u("num_hidden_layers");
-    s.hidden = u("hidden_size");
-    s.n_head = u("num_attention_heads");
-    s.q_lora_rank = c["q_lora_rank"].as_u64().map(|v| v as usize);
-    s.kv_lora_rank = u("kv_lora_rank");
-    s.qk_nope = u("qk_nope_head_dim");
-    s.qk_rope = u("qk_rope_head_dim");
-    s.v_head_dim = u("v_head_dim");
-    s.rms_eps = c["rms_norm_eps"].as_f64().unwrap() as f32;
-    s.context_length = u("max_position_embeddings") as u32;
-    s.vocab = u("vocab_size");
+    config_dims(&mut s, c, g.name);
     // MiniCPM3's converter writes no rope.freq_base (the preset's None); the others write rope_theta.
     if s.rope_base.is_some() {
         s.rope_base = Some(rp["rope_theta"].as_f64().unwrap() as f32);
@@ -184,6 +174,22 @@ fn glm5_next_fixture_writes_what_the_converter_writes() {
     assert_eq!(kpool(&ours), kpool(&conv));
 }
 
+/// The attention dims every MLA HF config names alike, into `s` (`who`: the golden, for a missing key).
+fn config_dims(s: &mut Spec, c: &J, who: &str) {
+    let u = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("{who}: {k}")) as usize;
+    s.layers = u("num_hidden_layers");
+    s.hidden = u("hidden_size");
+    s.n_head = u("num_attention_heads");
+    s.q_lora_rank = c["q_lora_rank"].as_u64().map(|v| v as usize);
+    s.kv_lora_rank = u("kv_lora_rank");
+    s.qk_nope = u("qk_nope_head_dim");
+    s.qk_rope = u("qk_rope_head_dim");
+    s.v_head_dim = u("v_head_dim");
+    s.rms_eps = c["rms_norm_eps"].as_f64().unwrap() as f32;
+    s.context_length = u("max_position_embeddings") as u32;
+    s.vocab = u("vocab_size");
+}
+
 /// The fixture spec with glm5-next's golden config (`flat_config`: the HF config as converted).
 fn glm5_next_spec(c: &J) -> Spec {
     let u = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("glm5-next: {k}")) as usize;
@@ -195,17 +201,7 @@ fn glm5_next_spec(c: &J) -> Spec {
             .collect()
     };
     let mut s = Preset::Glm5Next.spec();
-    s.layers = u("num_hidden_layers");
-    s.hidden = u("hidden_size");
-    s.n_head = u("num_attention_heads");
-    s.q_lora_rank = Some(u("q_lora_rank"));
-    s.kv_lora_rank = u("kv_lora_rank");
-    s.qk_nope = u("qk_nope_head_dim");
-    s.qk_rope = u("qk_rope_head_dim");
-    s.v_head_dim = u("v_head_dim");
-    s.rms_eps = c["rms_norm_eps"].as_f64().unwrap() as f32;
-    s.context_length = u("max_position_embeddings") as u32;
-    s.vocab = u("vocab_size");
+    config_dims(&mut s, c, "glm5-next");
     s.indexer = Some((
         u("index_n_heads") as u32,
         u("index_head_dim") as u32,
