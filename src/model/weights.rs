@@ -327,12 +327,11 @@ impl LayerWeights {
 /// A standard-layout copy of `a` with every value rounded to `dt` (in parallel: it is memory-bound).
 fn rounded<D: Dimension>(a: &ndarray::Array<f32, D>, dt: Dtype) -> ndarray::Array<f32, D> {
     let mut out = a.as_standard_layout().into_owned();
-    let v = out.as_slice_mut().expect("standard layout");
-    v.par_chunks_mut(1 << 16).for_each(|c| dt.round_slice(c));
+    round_in(&mut out, dt);
     out
 }
 
-/// `a` rounded to `dt` in place, standard layout (as [`rounded`] makes it, value for value).
+/// `a` rounded to `dt` in place, in standard layout (what [`rounded`] returns a copy of).
 fn round_in<D: Dimension>(a: &mut ndarray::Array<f32, D>, dt: Dtype) {
     if !a.is_standard_layout() {
         *a = a.as_standard_layout().into_owned();
