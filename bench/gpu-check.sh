@@ -48,8 +48,7 @@
 #              a 512 + 64 row × fp8_ds_mla × bf16/fp16 and a generated glm5-next (512 + 0) × fp8_ds_mla_nope /
 #              fp8_v41 / fp4_v41 × bf16 must pass; each planted cache fault must fail (exit 1) first at
 #              cache_rows; `--kv-cache-dtype fp8` (per-tensor) must be refused (exit 2)
-#   kpool      glm5-next's k-pool indexer on the GPU (kernels/kpool.cu; not yet `run`'s own: MLA_DIFF_CUDA_KPOOL=1
-#              switches it in, src/backend/cuda/kpool.rs `enabled`): the golden (395 tokens, top_k 16, kpool 4) in
+#   kpool      glm5-next's k-pool indexer on the GPU (kernels/kpool.cu, `run --backend cuda`'s own): the golden (395 tokens, top_k 16, kpool 4) in
 #              bf16/fp16/f32 and bf16 with fp8 indexer keys must pass with the dsa section naming CUDA's own
 #              indexer; each layer's GPU scores and selection against the CPU mirror's on the same input
 #              (MLA_DIFF_PROFILE's line); then kpool_no_ape, kpool_softmax_channels, kpool_no_tail (layer 3),
@@ -531,7 +530,7 @@ kprun() {
     local n=$1 want=$2 layer=$3 t0=$SECONDS rc got src
     shift 3
     [ "$(left)" -gt 40 ] || { echo "skip kpool $n: budget"; fail=1; return 0; }
-    MLA_DIFF_CUDA_KPOOL=1 MLA_DIFF_PROFILE=1 timeout "$(tmo 120)" "$B" run fixtures/golden/glm5-next.gguf \
+    MLA_DIFF_PROFILE=1 timeout "$(tmo 120)" "$B" run fixtures/golden/glm5-next.gguf \
         --backend "${KPOOL_BACKEND:-cuda}" "${KX[@]}" "$@" --json "$D/kpool-$n.json" > "$D/kpool-$n.txt" 2> "$D/kpool-$n.err"
     rc=$?
     got=$(kpsum "$D/kpool-$n.json" "$layer" 2> /dev/null)
@@ -551,7 +550,7 @@ kpool() {
     kprun from_position_zero 1 1,2 --inject kpool_from_position_zero@layer=1 --pos-offset 5
     kprun shared_own_indexer 1 2 --inject kpool_shared_own_indexer@layer=2
     if [ -x /usr/local/cuda/bin/compute-sanitizer ] && [ "$(left)" -gt 60 ]; then
-        MLA_DIFF_CUDA_KPOOL=1 timeout "$(tmo 120)" /usr/local/cuda/bin/compute-sanitizer --tool memcheck "$B" run \
+        timeout "$(tmo 120)" /usr/local/cuda/bin/compute-sanitizer --tool memcheck "$B" run \
             fixtures/golden/glm5-next.gguf --backend cuda "${KX[@]}" --json "$D/kpool-memcheck.json" > "$D/kpool-memcheck.txt" 2>&1
         local rc=$? ours
         ours=$(sanitizer_errors "$D/kpool-memcheck.txt")

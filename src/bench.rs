@@ -1,6 +1,8 @@
 //! Benchmarks (commands, not timed tests). `reference`: the fp64 reference of one synthetic layer next
 //! to a plain f64 matrix product of the same FLOP count on this machine.
 
+pub mod load;
+
 use crate::error::Result;
 use crate::input::random_hidden;
 use crate::model::synthetic::{self, Dims, Family};

@@ -39,6 +39,10 @@ pub struct Judging {
     /// the run's stand-in (the CPU mirror's) takes no faults, so the selftest leaves the indexer faults
     /// out.
     pub has_indexer: bool,
+    /// glm5-next: whether `Backend::kpool_indexer` is this path's own (the k-pool faults reach it);
+    /// without one `run::kpool` stands the CPU mirror's in, without faults, and the selftest leaves the
+    /// k-pool faults out.
+    pub has_kpool_indexer: bool,
     /// DSA: whether its sparse prefill attends in the absorbed form over the cache rows (FlashMLA's
     /// sparse prefill, CUDA's `sparse_attn`), not decompressed over the own chunk and the context. The
     /// stage-local view does not model that form (its shared q_abs rounding moves every score of a row
@@ -76,6 +80,7 @@ impl Default for Judging {
             sparse: false,
             batch_cache_in_format: false,
             has_indexer: false,
+            has_kpool_indexer: false,
             sparse_prefill_absorbed: false,
             outside_local_view: StageSet::NONE,
             sparse_layers: SparseLayers::default(),
@@ -124,7 +129,7 @@ mod tests {
     #[test]
     fn default_and_attention_only() {
         let d = Judging::default();
-        assert!(!d.sparse && !d.batch_cache_in_format && !d.has_indexer);
+        assert!(!d.sparse && !d.batch_cache_in_format && !d.has_indexer && !d.has_kpool_indexer);
         assert!(!d.sparse_prefill_absorbed && d.known_attention);
         assert_eq!(d.outside_local_view, StageSet::NONE);
         assert_eq!(d.score_sum, ScoreSum::Sequential);
@@ -132,6 +137,7 @@ mod tests {
             sparse: true,
             batch_cache_in_format: true,
             has_indexer: true,
+            has_kpool_indexer: true,
             sparse_prefill_absorbed: true,
             outside_local_view: StageSet::ALL,
             sparse_layers: SparseLayers {

@@ -110,21 +110,21 @@ fn run_cases(
     // backend has none.
     let mut left_out = Vec::new();
     let needs_sparse = |c: &Case| c.model.is_sparse();
-    // Indexer faults need the backend's own indexer (the stand-in takes none); k-pool faults the CPU
-    // mirror's k-pool indexer (the one there is so far: `run::kpool` stands it in, without faults,
-    // for any other backend).
-    // (The same probe: whether the backend is the CPU mirror, where every fault has its site.)
-    let (sparse_ok, indexer_ok, cpu) = match cases.iter().find(|c| needs_sparse(c)) {
+    // Indexer and k-pool faults need the backend's own indexer (`run`'s stand-in, the CPU mirror's,
+    // takes no faults). (The same probe: whether the backend is the CPU mirror, where every fault has
+    // its site.)
+    let (sparse_ok, indexer_ok, kpool_ok, cpu) = match cases.iter().find(|c| needs_sparse(c)) {
         Some(c) => {
             let (b, info) = make_backend(c.dtype, KvFormat::Auto, &FaultSet::default())?;
             let j = b.judging();
             (
                 j.sparse,
                 j.has_indexer,
+                j.has_kpool_indexer,
                 info.kind == crate::backend::Kind::Cpu,
             )
         }
-        None => (true, true, true),
+        None => (true, true, true, true),
     };
     // Cache faults need a backend that stores a quantized cache (the CPU mirror, issue #38).
     // A batch-launch cache fault needs a backend whose serving batches read their cache through it.
@@ -152,7 +152,7 @@ fn run_cases(
                 Some(f) if !indexer_ok && f.is_indexer() && !f.is_kpool() => {
                     "the backend has no indexer of its own; the CPU mirror's stands in, without faults"
                 }
-                Some(f) if !cpu && f.is_kpool() => {
+                Some(f) if !kpool_ok && f.is_kpool() => {
                     "the backend has no k-pool indexer of its own; the CPU mirror's stands in, without faults"
                 }
                 Some(f) if !cpu && !c.model.is_v4() && !f.in_cuda() => {

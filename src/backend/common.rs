@@ -4,8 +4,32 @@
 //! CUDA backend must agree on them bit for bit.
 
 use crate::faults::{Active, Fault};
-use crate::model::{LayerWeights, MlaConfig};
+use crate::model::{LayerWeights, MlaConfig, RopePairing};
+use crate::rope::RopeTables;
 use ndarray::{s, Array3, Axis};
+
+/// The rope width a DeepSeek MLA front assumes (`rope_on_nope`, `nope_pad_as_rope`: what a NoPE model's
+/// path gets where that width is hard-coded).
+pub const DEEPSEEK_ROPE: usize = 64;
+
+/// Fault `rope_on_nope`, on a NoPE model (qk_rope 0) whose latent is at least that wide: the tables of
+/// the rope a DeepSeek front applies anyway to the latent's last 64 columns (base 10000, NORM pairs),
+/// for the run's positions (`t`'s); `None` without the fault or with rope.
+pub fn nope_rope_tables(cfg: &MlaConfig, t: &RopeTables, fx: Active) -> Option<RopeTables> {
+    if !fx.on(Fault::RopeOnNope) || cfg.qk_rope != 0 || cfg.kv_lora_rank < DEEPSEEK_ROPE {
+        return None;
+    }
+    let spec = crate::model::RopeConfig {
+        dim: DEEPSEEK_ROPE,
+        base: 10000.0,
+        pairing: RopePairing::Norm,
+        yarn: None,
+        freq_factors_short: None,
+        freq_factors_long: None,
+        attn_factor: 1.0,
+    };
+    RopeTables::new(&spec, None, t.pos_start, t.n_pos()).ok()
+}
 
 /// The softmax scale the attention kernels are given (faults: YaRN's mscale² missing, FlashMLA's
 /// 1/sqrt(Lkv+R) default).

@@ -26,6 +26,18 @@ enum BenchCmd {
     /// Issue #16's table in one run: 4 decode and 2 prefill shapes per dtype, our fastest correct
     /// configuration, the peers on the same inputs, the ceilings, ratios, correctness and floor verdicts.
     Table(TableArgs),
+    /// The floor under a whole-file run's time: every layer's attention tensors read from the file, then
+    /// loaded and dequantized to f32 as `run` does, layers in parallel on all cores (nothing judged).
+    Load(LoadArgs),
+}
+
+#[derive(clap::Args)]
+struct LoadArgs {
+    /// The MLA GGUF file.
+    file: PathBuf,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -202,6 +214,15 @@ pub fn exec(a: Args) -> Result<i32, Error> {
             cuda_bench(&o, a.json.as_deref())
         }
         BenchCmd::Table(a) => table(a),
+        BenchCmd::Load(a) => {
+            let r = mla_diff::bench::load::measure(&a.file)?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&r).expect("json"));
+            } else {
+                print!("{}", r.text());
+            }
+            Ok(0)
+        }
     }
 }
 

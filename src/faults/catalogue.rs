@@ -475,7 +475,7 @@ pub const CATALOGUE: [Info; 47] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Kpool],
-        cuda_site: "kernels/kpool.cu `kpool_pool` (MLA_FAULT_KPOOL_NO_APE) (CUDA's indexer answers only with MLA_DIFF_CUDA_KPOOL=1 until its H200 run; `bash bench/gpu-check.sh kpool`); CPU: src/backend/cpu/kpool.rs `pool`",
+        cuda_site: "kernels/kpool.cu `kpool_pool` (MLA_FAULT_KPOOL_NO_APE); CPU: src/backend/cpu/kpool.rs `pool`",
     },
     Info {
         fault: Fault::KpoolFromPositionZero,
@@ -486,7 +486,7 @@ pub const CATALOGUE: [Info; 47] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Kpool, Need::Positions],
-        cuda_site: "host: src/backend/cuda/kpool.rs `inputs` (the grid origin) (CUDA's indexer answers only with MLA_DIFF_CUDA_KPOOL=1 until its H200 run; `bash bench/gpu-check.sh kpool`); CPU: src/backend/cpu/kpool.rs `plan_for` (`Reading::pools_from_slot_zero` = the run's first position)",
+        cuda_site: "host: src/backend/cuda/kpool.rs `inputs` (the grid origin); CPU: src/backend/cpu/kpool.rs `plan_for` (`Reading::pools_from_slot_zero` = the run's first position)",
     },
     Info {
         fault: Fault::KpoolNoTail,
@@ -497,7 +497,7 @@ pub const CATALOGUE: [Info; 47] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Kpool],
-        cuda_site: "kernels/kpool.cu `kpool_topk` (MLA_FAULT_KPOOL_NO_TAIL) (CUDA's indexer answers only with MLA_DIFF_CUDA_KPOOL=1 until its H200 run; `bash bench/gpu-check.sh kpool`); CPU: src/backend/cpu/kpool.rs `plan_for` (`Reading::no_tail`, in `reference::kpool::select`)",
+        cuda_site: "kernels/kpool.cu `kpool_topk` (MLA_FAULT_KPOOL_NO_TAIL); CPU: src/backend/cpu/kpool.rs `plan_for` (`Reading::no_tail`, in `reference::kpool::select`)",
     },
     Info {
         fault: Fault::KpoolSharedOwnIndexer,
@@ -508,7 +508,7 @@ pub const CATALOGUE: [Info; 47] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Kpool, Need::SharedIndexer],
-        cuda_site: "host: src/run/kpool.rs `own_shared`, both backends (CUDA's indexer answers only with MLA_DIFF_CUDA_KPOOL=1 until its H200 run; `bash bench/gpu-check.sh kpool`)",
+        cuda_site: "host: src/run/kpool.rs `own_shared`, both backends",
     },
     Info {
         fault: Fault::KpoolSharedWrongLayer,
@@ -519,7 +519,7 @@ pub const CATALOGUE: [Info; 47] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Kpool, Need::SharedIndexer],
-        cuda_site: "host: src/run/kpool.rs `own_shared`, both backends (CUDA's indexer answers only with MLA_DIFF_CUDA_KPOOL=1 until its H200 run; `bash bench/gpu-check.sh kpool`)",
+        cuda_site: "host: src/run/kpool.rs `own_shared`, both backends",
     },
     Info {
         fault: Fault::KpoolSoftmaxChannels,
@@ -530,7 +530,7 @@ pub const CATALOGUE: [Info; 47] = [
         sources: &[],
         expected: "selection",
         needs: &[Need::Kpool],
-        cuda_site: "kernels/kpool.cu `kpool_pool` (MLA_FAULT_KPOOL_SOFTMAX_CHANNELS) (CUDA's indexer answers only with MLA_DIFF_CUDA_KPOOL=1 until its H200 run; `bash bench/gpu-check.sh kpool`); CPU: src/backend/cpu/kpool.rs `pool`",
+        cuda_site: "kernels/kpool.cu `kpool_pool` (MLA_FAULT_KPOOL_SOFTMAX_CHANNELS); CPU: src/backend/cpu/kpool.rs `pool`",
     },
     Info {
         fault: Fault::RopeOnNope,
@@ -541,7 +541,7 @@ pub const CATALOGUE: [Info; 47] = [
         sources: &[],
         expected: "kv_latent",
         needs: &[Need::NoPe, Need::Positions],
-        cuda_site: "not planted in the CUDA path yet: its site would be kernels/norm_rope.cu `rope` on the kv_a row's tail (with MLA_R 0 it rotates nothing); CPU: src/backend/cpu/front.rs `kv` (`nope_rope`)",
+        cuda_site: "host, src/backend/cuda/front.rs token_local(): kernels/norm_rope.cu `rope` compiled at DeepSeek's width (MLA_R 64, NORM pairs; launch.rs `deepseek_rope`) launched on the normed kv_a row's columns [Lkv−64, Lkv) with its own tables (src/backend/common.rs `nope_rope_tables`); CPU: src/backend/cpu/front.rs `kv` (`nope_rope`)",
     },
     Info {
         fault: Fault::NopePadAsRope,

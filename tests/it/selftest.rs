@@ -49,6 +49,7 @@ impl Backend for Mirror {
             sparse: j.sparse,
             batch_cache_in_format: j.batch_cache_in_format,
             has_indexer: j.has_indexer,
+            has_kpool_indexer: j.has_kpool_indexer,
             ..Default::default()
         }
     }

@@ -142,27 +142,12 @@ pub fn split_query(
     (q_nope, q_pe)
 }
 
-/// The rope width a DeepSeek MLA front assumes (`rope_on_nope`, `nope_pad_as_rope`: what a NoPE model's
-/// path gets where that width is hard-coded).
-pub const DEEPSEEK_ROPE: usize = 64;
+pub use crate::backend::common::DEEPSEEK_ROPE;
 
-/// Fault `rope_on_nope`, on a NoPE model (qk_rope 0): the rope a DeepSeek front applies anyway, 64 dims
-/// at base 10000 with NORM pairs, for the run's positions (`t`'s); `None` without the fault or with rope.
+/// Fault `rope_on_nope`'s rope on a NoPE model (`common::nope_rope_tables`), rounded as the mirror's;
+/// `None` without the fault or with rope.
 pub fn nope_rope(cfg: &MlaConfig, t: &RopeTables, fx: Active) -> Option<RopeF32> {
-    if !fx.on(Fault::RopeOnNope) || cfg.qk_rope != 0 {
-        return None;
-    }
-    let spec = crate::model::RopeConfig {
-        dim: DEEPSEEK_ROPE,
-        base: 10000.0,
-        pairing: RopePairing::Norm,
-        yarn: None,
-        freq_factors_short: None,
-        freq_factors_long: None,
-        attn_factor: 1.0,
-    };
-    let tables = RopeTables::new(&spec, None, t.pos_start, t.n_pos()).ok()?;
-    Some(RopeF32::new(&tables, Active::NONE))
+    crate::backend::common::nope_rope_tables(cfg, t, fx).map(|t| RopeF32::new(&t, Active::NONE))
 }
 
 /// `kv_a · attn_in` (stored), then the normed latent `[T, Lkv]` and the roped `k_pe [T, R]`; also the

@@ -278,6 +278,7 @@ impl Backend for CpuMirror {
             sparse: true,
             batch_cache_in_format: true,
             has_indexer: true,
+            has_kpool_indexer: true,
             score_sum: crate::precision::ScoreSum::Lanes8,
             key_tiles: super::KeyTiles {
                 prefill: t(),

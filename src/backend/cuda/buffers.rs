@@ -195,6 +195,8 @@ pub struct Acts {
     pub table: DevBuf,
     pub cos: DevBuf,
     pub sin: DevBuf,
+    /// Fault `rope_on_nope`'s tables (`common::nope_rope_tables`): cos and sin of DeepSeek's 64-dim rope.
+    pub nope_rope: Option<(DevBuf, DevBuf)>,
     /// Prefill: the chunk's decompressed keys and values, its own attention part.
     pub kn: DevBuf,
     pub vv: DevBuf,
@@ -242,6 +244,14 @@ impl Acts {
         let (cos, sin) = ctx.rope.to_f32();
         let cos_b = DevBuf::upload(&cos)?;
         let sin_b = DevBuf::upload(&sin)?;
+        let nope_rope =
+            match crate::backend::common::nope_rope_tables(ctx.cfg, ctx.rope, ctx.faults) {
+                Some(t) => {
+                    let (c, s) = t.to_f32();
+                    Some((DevBuf::upload(&c)?, DevBuf::upload(&s)?))
+                }
+                None => None,
+            };
         let cmax = sched.chunk.min(p0).max(1);
         let kn = DevBuf::alloc(cmax * h * p * es)?;
         let vv = DevBuf::alloc(cmax * h * dv * es)?;
@@ -283,6 +293,7 @@ impl Acts {
             table: table_b,
             cos: cos_b,
             sin: sin_b,
+            nope_rope,
             kn,
             vv,
             own_out,

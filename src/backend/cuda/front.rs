@@ -10,7 +10,7 @@ impl Layer<'_> {
     /// Token-local stages for tokens `[t0, t0+n)`, then their cache rows.
     pub fn token_local(&self, t0: usize, n: usize) -> Result<()> {
         let (z, w, a, k, blas) = (&self.z, self.w, self.a, self.k, self.blas);
-        let (dt, es, e, h, p, lkv, dqk, row) = (z.dt, z.es, z.e, z.h, z.p, z.lkv, z.dqk, z.row);
+        let (dt, es, e, h, p, dqk) = (z.dt, z.es, z.e, z.h, z.p, z.dqk);
         let lq = w.lq;
         let norm = |cols: usize, stride: usize| RmsNorm {
             rows: n,
@@ -69,6 +69,21 @@ impl Layer<'_> {
             offset: p,
         }
         .launch(k.rope, a.q.at(t0 * h * dqk, es), a.cos.ptr, a.sin.ptr)?;
+        self.kv_rows(t0, n, ain)
+    }
+
+    /// kv_a's rows of tokens `[t0, t0+n)` from `ain` (the normed layer input), normed and roped in place,
+    /// and written to the cache.
+    fn kv_rows(&self, t0: usize, n: usize, ain: u64) -> Result<()> {
+        let (z, w, a, k, blas) = (&self.z, self.w, self.a, self.k, self.blas);
+        let (dt, es, e, lkv, row) = (z.dt, z.es, z.e, z.lkv, z.row);
+        let norm = |cols: usize, stride: usize| RmsNorm {
+            rows: n,
+            cols,
+            x_stride: stride,
+            y_stride: stride,
+            eps: z.eps,
+        };
         blas.linear(
             dt,
             n,
@@ -95,6 +110,20 @@ impl Layer<'_> {
             }
             .launch(k.rope, kv_rows, a.cos.ptr, a.sin.ptr)
         };
+        // Host fault rope_on_nope (a NoPE model): DeepSeek's rope on the normed latent's last 64 columns,
+        // where its row has k_pe, as the CPU mirror's `front::kv`.
+        let nope_rope = || match (k.nope_rope, &a.nope_rope) {
+            (Some(f), Some((cos, sin))) => Rope {
+                rows: n,
+                first_token: t0,
+                row_stride: row,
+                head_stride: 0,
+                heads: 1,
+                offset: lkv - crate::backend::common::DEEPSEEK_ROPE,
+            }
+            .launch(f, kv_rows, cos.ptr, sin.ptr),
+            _ => Ok(()),
+        };
         let write = || self.write_rows(t0, n, kv_rows);
         // Host faults latent_before_norm / k_pe_before_rope: the cache row written before the
         // in-place norm of the latent columns / rope of the k_pe columns (the two touch disjoint
@@ -105,6 +134,7 @@ impl Layer<'_> {
         );
         if !late_norm {
             kv_norm()?;
+            nope_rope()?;
         }
         if !late_rope {
             kv_rope()?;
@@ -112,6 +142,7 @@ impl Layer<'_> {
         write()?;
         if late_norm {
             kv_norm()?;
+            nope_rope()?;
         }
         if late_rope {
             kv_rope()?;

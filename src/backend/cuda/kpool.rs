@@ -13,10 +13,9 @@
 //! (`KERNEL_FAULTS`); `kpool_from_position_zero` on the host (the grid's origin, [`inputs`]); the two
 //! shared-layer faults are the run's routing (`run::kpool::own_shared`), live once this indexer answers.
 //!
-//! Not yet the backend's indexer: `run --backend cuda` keeps the CPU mirror's standing in until this has
-//! passed on the H200; [`enabled`] is the one switch (`MLA_DIFF_CUDA_KPOOL=1` meanwhile, which
-//! `bench/gpu-check.sh kpool` sets). `tests/it/kpool_kernels_host.rs` runs the kernels on the host
-//! against the mirror.
+//! `run --backend cuda`'s own since its first GPU run (`bench/gpu-check.sh kpool`, H100, 2026-12-05:
+//! selections equal to the mirror's, the five faults caught). `tests/it/kpool_kernels_host.rs` runs the
+//! kernels on the host against the mirror.
 
 use super::device::{arg, DevBuf, Timer};
 use super::indexer::On;
@@ -33,12 +32,6 @@ use crate::reference::kpool::pool_starts;
 use crate::reference::sparse::Selection;
 use crate::rope::RopeTables;
 use ndarray::{Array2, Array3};
-
-/// Whether `run --backend cuda` uses this indexer instead of the CPU mirror's standing in. The switch-over
-/// after a passing H200 run (`bench/gpu-check.sh kpool`) is this line: `true`.
-pub fn enabled() -> bool {
-    std::env::var("MLA_DIFF_CUDA_KPOOL").is_ok_and(|v| v == "1")
-}
 
 /// Pools (threads) per CTA of `kpool_scores` (its KP_POOLS).
 const POOLS_PER_CTA: usize = 128;

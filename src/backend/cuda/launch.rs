@@ -7,6 +7,7 @@ use super::attn::{Attn, PrefillLaunch};
 use super::device::{arg, Gpu};
 use super::kernels::{launch, Kernels, Module};
 use crate::error::{Error, Result};
+use crate::faults::Fault;
 use crate::kv_format::KvFormat;
 use crate::reference::sparse::Selection;
 use crate::tiles::{decode_tiles, prefill_tiles, Dims, Tile};
@@ -248,11 +249,25 @@ impl MergeStates {
     }
 }
 
+/// The defines with DeepSeek's rope in place of the model's: 64 dims, NORM pairs (fault `rope_on_nope`).
+fn deepseek_rope(mut defs: Vec<(String, String)>) -> Vec<(String, String)> {
+    for (k, v) in defs.iter_mut() {
+        match k.as_str() {
+            "MLA_R" => *v = crate::backend::common::DEEPSEEK_ROPE.to_string(),
+            "MLA_ROPE_NEOX" => *v = "0".into(),
+            _ => {}
+        }
+    }
+    defs
+}
+
 /// The kernels one layer runs, compiled for its dims (the modules are kept alive with them).
 pub struct LayerKernels {
     _modules: Vec<Rc<Module>>,
     pub rmsnorm: CUfunction,
     pub rope: CUfunction,
+    /// Fault `rope_on_nope` on a NoPE model: `rope` compiled at DeepSeek's width (MLA_R 64, NORM pairs).
+    pub nope_rope: Option<CUfunction>,
     pub cache_write: CUfunction,
     /// A quantized cache's writer (`with_kv_format`); `None`: the run's dtype, `cache_write`.
     pub cache_write_format: Option<CUfunction>,
@@ -280,6 +295,12 @@ impl LayerKernels {
         let m_cw = k.module("cache_write.cu", dims.defines())?;
         let rmsnorm = m_nr.func("rmsnorm")?;
         let rope = m_nr.func("rope")?;
+        // Host fault rope_on_nope: the kernel a DeepSeek front has, whatever the file's rope width.
+        let m_nope = match dims.faults.on(Fault::RopeOnNope) && dims.r == 0 {
+            true => Some(k.module("norm_rope.cu", deepseek_rope(dims.defines()))?),
+            false => None,
+        };
+        let nope_rope = m_nope.as_ref().map(|m| m.func("rope")).transpose()?;
         let cache_write = m_cw.func("cache_write")?;
         let cache_gather = m_cw.func("cache_gather")?;
         let copy_heads = m_cw.func("copy_heads")?;
@@ -315,9 +336,13 @@ impl LayerKernels {
         }
         let merge_states = m_pre.func("merge_states")?;
         Ok(LayerKernels {
-            _modules: vec![m_nr, m_cw, m_pre, m_dec],
+            _modules: [m_nr, m_cw, m_pre, m_dec]
+                .into_iter()
+                .chain(m_nope)
+                .collect(),
             rmsnorm,
             rope,
+            nope_rope,
             cache_write,
             cache_write_format: None,
             cache_gather,

@@ -253,6 +253,7 @@ impl Backend for CudaBackend {
             sparse: true,
             sparse_prefill_absorbed: true,
             has_indexer: true,
+            has_kpool_indexer: true,
             score_sum: self.last_score_sum,
             key_tiles: self.last_tiles.clone(),
             ..crate::backend::Judging::default()
@@ -276,8 +277,7 @@ impl Backend for CudaBackend {
         Ok(Some(indexer::run(&mut on, ctx, ic, iw, x, keys)?.selection))
     }
 
-    /// glm5-next: pooling, scores and top-k on the GPU (`kpool`, kernels/kpool.cu) once
-    /// `kpool::enabled`; until then `None` (the CPU mirror's stands in).
+    /// glm5-next: pooling, scores and top-k on the GPU (`kpool`, kernels/kpool.cu).
     fn kpool_indexer(
         &mut self,
         ctx: &LayerCtx,
@@ -286,9 +286,6 @@ impl Backend for CudaBackend {
         x: &ndarray::Array2<f64>,
         keys: crate::precision::KeyPrecision,
     ) -> Result<Option<crate::reference::sparse::Selection>> {
-        if !kpool::enabled() {
-            return Ok(None);
-        }
         let mut on = indexer::On {
             gpu: &self.gpu,
             kernels: &mut self.kernels,

@@ -49,6 +49,7 @@ impl Backend for RunnerBackend {
             sparse_prefill_absorbed: o.sparse_prefill.is_some() || inner.sparse_prefill_absorbed,
             // The indexer is the inner path's (the runner computes attention only).
             has_indexer: inner.has_indexer,
+            has_kpool_indexer: inner.has_kpool_indexer,
             outside_local_view: inner.outside_local_view,
             sparse_layers: self.sparse_layers_over(inner.sparse_layers),
             key_tiles: self.tiles_over(inner.key_tiles),
