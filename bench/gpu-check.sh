@@ -40,6 +40,12 @@
 #              (64 heads, 3072 + 4), beside our CUDA sparse path; the kernels alone first
 #              (bench/probes/flashmla_sparse*.py); then with --kv-cache-dtype fp8_ds_mla (the cache sent
 #              as its bytes) and lint's probe of both ops' cache convention; needs .carry/peers
+#   fp8peers   the dense peers over the per-tensor fp8 cache (#38 item 6; the cache sent as its bytes, written by
+#              the CPU mirror: CUDA refuses `fp8`): FlashMLA's dense fp8 decode (runners/flashmla.py, bf16: its
+#              output is bf16 only; q in e4m3 too, conventions.q_fp8) and vLLM's Triton decode
+#              (runners/vllm_triton.py, bf16 and fp16) on DeepSeek-V3 and GLM-5 (fixtures, page 64) must pass, and
+#              `lint --kv-cache-dtype fp8` on each; runners/bugs/cache/{flashmla,vllm}_fp8_scale_twice.py (the scale
+#              passed twice) must fail (exit 1); needs .carry/peers
 #   v4         DeepSeek-V4 on its CUDA kernels (kernels/v4/, #37): clean runs of V4-Flash's dims (`fixture --preset
 #              deepseek-v4 --layers 3`: a window, a CSA and an HCA layer) and of the golden, bf16/fp16, seeds 1-2, must
 #              pass; each V4 fault planted in its layer must exit 1 first at its catalogue stage, on both files; then
@@ -431,6 +437,53 @@ dsa_flashmla() {
         expect 0 "$(tail -1 "$f" | sed 's/exit //')" "$(basename "$f" .txt)"
     done
     head -12 "$D/flashmla-times.txt" 2> /dev/null
+}
+# fp8p1 NAME WANT GGUF [ARGS…]: one runner run over the per-tensor fp8 cache, the CPU mirror around it (it
+# writes the cache's bytes the runner is sent; CUDA refuses `fp8`), in shadow mode.
+fp8p1() {
+    local n=$1 want=$2 f=$3 t0=$SECONDS rc
+    shift 3
+    [ "$(left)" -gt 60 ] || { echo "skip fp8peers $n: budget"; fail=1; return 0; }
+    timeout "$(tmo 240)" "$B" run "$f" --backend cpu --mode shadow --kv-cache-dtype fp8 --page-size 64 \
+        --json "$D/fp8p-$n.json" "$@" > "$D/fp8p-$n.txt" 2>&1
+    rc=$?
+    expect "$want" $rc "fp8peers $n ($(basename "$f") $*; $((SECONDS - t0)) s)"
+    grep -E "DIVERGENCE|runner checks|RUNNER CHECK|error:" "$D/fp8p-$n.txt" | cut -c1-240 | head -3
+    [ -s "$D/fp8p-$n.json" ] && worst_at_runner "$D/fp8p-$n.json"
+}
+# worst_at_runner JSON: each @runner check's worst ratio to its tolerance over the layers (≥ 1 fails).
+worst_at_runner() {
+    python3 - "$1" << 'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+worst = {}
+for m in r["modes"][:1]:
+    for l in m["layers"]:
+        for c in l["checks"]:
+            if c["check"].endswith("@runner"):
+                t = c["metrics"].get("tol_factor_needed")
+                if t is not None:
+                    worst[c["check"]] = max(worst.get(c["check"], 0.0), t)
+print("    @runner worst/tolerance: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(worst.items())))
+PY
+}
+fp8peers() {
+    peers_env
+    local f n dt r P="python3 runners"
+    for f in $V3 $G5; do
+        n=$(basename "$f" .gguf)
+        fp8p1 "$n-flashmla-bf16" 0 "$f" --dtype bf16 --runner "$P/flashmla.py"
+        for dt in bf16 fp16; do
+            fp8p1 "$n-vllm-$dt" 0 "$f" --dtype $dt --runner "$P/vllm_triton.py"
+        done
+        for r in flashmla vllm_triton; do
+            timeout "$(tmo 120)" "$B" lint "$f" --kv-cache-dtype fp8 --page-size 64 --runner "$P/$r.py" \
+                > "$D/lint-fp8-$n-$r.txt" 2>&1
+            expect 0 $? "lint --kv-cache-dtype fp8 $n $r: $(grep -E 'cache_scale|cache_rope' "$D/lint-fp8-$n-$r.txt" | cut -c1-100 | tr '\n' '|')"
+        done
+    done
+    fp8p1 v3-flashmla-scale-twice 1 $V3 --dtype bf16 --runner "$P/bugs/cache/flashmla_fp8_scale_twice.py"
+    fp8p1 v3-vllm-scale-twice 1 $V3 --dtype bf16 --runner "$P/bugs/cache/vllm_fp8_scale_twice.py"
 }
 # v4sum JSON: a V4 report in one line: verdict, first failing layer/check, the worst check's ratio to its
 # tolerance (end to end; inf: non-finite), the backend and the kernels coverage names.

@@ -21,6 +21,18 @@ schedule is its own). Supports bf16/fp16, page size 64, kv_lora_rank 512 + rope 
 only shape), any head count, any q_len. Unsupported (exit 3 at start) without an SM90 GPU or
 without an importable flash_mla; a request with another page size, dims or dtype gets "unsupported".
 
+With an fp8 cache (`run --kv-cache-dtype fp8`; `supports.cache_formats`): the decode's `kv_cache` comes
+as u8 bytes of the per-tensor `fp8` format, `meta.cache.scale` the layer's scale. They go to FlashMLA's
+dense fp8 decode (`flash_mla_with_kvcache(..., is_fp8_kvcache=True, use_legacy=True, descale_q=,
+descale_k=)`, the legacy SM90 `fwd_kvcache_mla_fp8`, PR #54's kernel) unchanged, viewed as
+float8_e4m3fn, with the scale as `descale_k` (shape (1,), float32); its scheduler comes from
+`get_mla_decoding_metadata(seqlens, s_q*h_q, 1, is_fp8_kvcache=True, use_legacy=True)` assigned onto a
+FlashMLASchedMeta. That kernel takes q in e4m3 too (its check: "query and key must have the same
+dtype") with a one-element `descale_q`, so the runner declares `conventions.q_fp8: "fp8"`: mla-diff
+then sends q on the e4m3 grid of a power-of-two scale, `meta.q_scale`, and the cast here is exact
+(checked: a q off that grid is an error). Without `meta.q_scale` (a lint probe) the same rule's scale is
+taken over the q sent. Its output is bf16 only: an fp16 request with the fp8 cache is unsupported.
+
 Needs: an SM90 GPU (H100/H200/H800), torch, safetensors, and flash_mla: `sgl-flash-mla` 1.0.0
 (runners/fetch_peers.sh packs its wheel's contents into .carry/peers/sgl_flash_mla.tar.xz; unpack
 it onto PYTHONPATH), vLLM's vendored copy, or a FlashMLA build with the dense kernel.
@@ -68,6 +80,10 @@ class FlashMLA(protocol.TorchRunner):
             if callable(has_legacy) and not has_legacy():
                 reason = getattr(getattr(flash_mla, "_loader", None), "_LEGACY_UNAVAILABLE", None)
                 return f"this flash_mla has no legacy (SM90 dense) extension: {reason or 'has_legacy() is False'}"
+        params = inspect.signature(flash_mla.flash_mla_with_kvcache).parameters
+        # The dense fp8 decode: sgl-flash-mla's legacy `fwd_kvcache_mla_fp8` and its own scheduler.
+        self.fp8 = bool(self.legacy_kw and "descale_q" in params and "is_fp8_kvcache" in params
+                    and hasattr(flash_mla, "get_mla_decoding_metadata"))
         return None
 
     def describe(self):
@@ -88,6 +104,7 @@ class FlashMLA(protocol.TorchRunner):
             pass
         iface = ("get_mla_metadata() -> (FlashMLASchedMeta, None)" if self.new_metadata else "get_mla_metadata(seqlens, s_q*h_q, 1) -> (meta, num_splits)")
         legacy = ", use_legacy=True (SM90 dense)" if self.legacy_kw else ""
+        legacy += "; fp8 cache: is_fp8_kvcache=True, descale_q/descale_k, get_mla_decoding_metadata" if self.fp8 else ""
         return {
             "protocol": protocol.PROTOCOL,
             "name": "flashmla",
@@ -112,8 +129,9 @@ class FlashMLA(protocol.TorchRunner):
                 "qk_head_dim": None,
                 "v_head_dim": None,
                 "max_q_len": None,
+                **({"cache_formats": ["fp8"]} if self.fp8 else {}),
             },
-            "conventions": {"lse_base": "e", "lse_layout": "head_token"},
+            "conventions": {"lse_base": "e", "lse_layout": "head_token", **({"q_fp8": "fp8"} if self.fp8 else {})},
         }
 
     def decode_kernel(self, x, meta):
@@ -138,7 +156,13 @@ class FlashMLA(protocol.TorchRunner):
         table = x["block_table"].to(torch.int32).contiguous()
         seqlens = x["cache_seqlens"].to(torch.int32).contiguous()
         h_kv = 1
-        if self.new_metadata:
+        fp8 = {}
+        if (meta.get("cache") or {}).get("format") is not None:
+            q, k_cache, fp8 = self.fp8_inputs(q, cache, meta)
+            sched, splits = self.fm.get_mla_metadata()
+            sched.tile_scheduler_metadata, sched.num_splits = self.fm.get_mla_decoding_metadata(
+                seqlens, s_q * heads // h_kv, h_kv, is_fp8_kvcache=True, use_legacy=True)
+        elif self.new_metadata:
             sched, splits = self.fm.get_mla_metadata()
         else:
             sched, splits = self.fm.get_mla_metadata(seqlens, s_q * heads // h_kv, h_kv)
@@ -147,7 +171,7 @@ class FlashMLA(protocol.TorchRunner):
         def run():
             res["out"], res["lse"] = self.fm.flash_mla_with_kvcache(
                 q, k_cache, table, seqlens, KV_LORA, sched, splits,
-                softmax_scale=scale, causal=s_q > 1, **self.legacy_kw,
+                softmax_scale=scale, causal=s_q > 1, **self.legacy_kw, **fp8,
             )
 
         def collect():
@@ -155,6 +179,34 @@ class FlashMLA(protocol.TorchRunner):
             return {"attn_latent": res["out"].contiguous(), "lse": res["lse"].float().contiguous()}
 
         return run, collect
+
+    def fp8_inputs(self, q, cache, meta):
+        """The `fp8` cache's request as the dense fp8 kernel takes it: q `[B, s_q, H, 576]` in e4m3 on the
+        grid of `meta.q_scale`, the cache's u8 bytes viewed as e4m3 `[pages, 64, 1, 576]` (no copy,
+        nothing written), and the kwargs with the two one-element descales."""
+        import numpy as np
+        import torch
+
+        cm = meta["cache"]
+        if cm.get("format") != "fp8" or not self.fp8:
+            raise protocol.Unsupported(
+                f"cache format {cm.get('format')}: this FlashMLA's dense decode reads the per-tensor fp8 cache only"
+                + ("" if self.fp8 else " (and this flash_mla has no dense fp8 decode)"))
+        if q.dtype != torch.bfloat16:
+            raise protocol.Unsupported(f"dtype {q.dtype} with the fp8 cache: FlashMLA's dense fp8 decode returns bf16 only")
+        if cache.dtype != torch.uint8 or cache.shape[-1] != KV_LORA + ROPE:
+            raise ValueError(f"kv_cache {tuple(cache.shape)} {cache.dtype}: an fp8 cache is u8 [pages, 64, 576]")
+        qf = q.float()
+        sent = meta.get("q_scale")
+        s = float(sent) if sent is not None else protocol.q_fp8_scale([np.array([float(qf.abs().max())], np.float32)])
+        q8 = (qf / s).to(torch.float8_e4m3fn)
+        if sent is not None and not torch.equal(q8.float() * s, qf):
+            raise ValueError(f"q is not on the e4m3 grid of meta.q_scale {s}: the cast to the kernel's fp8 q would round it")
+        dev = q.device
+        kw = {"is_fp8_kvcache": True,
+              "descale_q": torch.tensor([s], dtype=torch.float32, device=dev),
+              "descale_k": torch.tensor([float(cm["scale"])], dtype=torch.float32, device=dev)}
+        return q8.contiguous(), cache.view(torch.float8_e4m3fn).unsqueeze(2), kw
 
     def decode(self, x, meta):
         import torch

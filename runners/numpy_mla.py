@@ -43,6 +43,8 @@ Switches for tests (environment; a correct kernel either way, each a shape real 
 - `MLA_DIFF_NUMPY_EMPTY_SPLITS=nan`: an empty split's `split_out` is left NaN (a `torch.empty` buffer a
   kernel never writes), and `attn_latent` is the LSE merge of the partials with empty splits masked out;
   `=nan-naive-merge` merges them as `Σ w·out` without the mask, so 0·NaN poisons the merge (a bug).
+- `MLA_DIFF_NUMPY_Q_FP8=1`: with the `fp8` cache the decode reads q in e4m3 too, on the grid of
+  `meta.q_scale` (FlashMLA's dense fp8 decode), and says so (`conventions.q_fp8: "fp8"`).
 
 Needs: Python 3.8+, numpy (no safetensors: protocol.py reads and writes the files itself).
 """
@@ -112,7 +114,8 @@ class NumpyMLA(protocol.NumpyRunner):
                 "max_q_len": None,
                 "cache_formats": list(protocol.CACHE_FORMATS),
             },
-            "conventions": {"lse_base": "e", "lse_layout": "token_head"},
+            "conventions": {"lse_base": "e", "lse_layout": "token_head",
+                            **({"q_fp8": "fp8"} if self.declares_q_fp8() else {})},
             "batch_invariant": True,
         }
 
@@ -123,6 +126,22 @@ class NumpyMLA(protocol.NumpyRunner):
 
     def page_size(self, meta, cache):
         return int(meta.get("page_size") or cache.shape[1])
+
+    def q_fp8(self):
+        """Whether the decode reads q in e4m3 with the `fp8` cache (`MLA_DIFF_NUMPY_Q_FP8=1`)."""
+        return os.environ.get("MLA_DIFF_NUMPY_Q_FP8") == "1"
+
+    def declares_q_fp8(self):
+        return self.q_fp8()
+
+    def query(self, q, meta):
+        """The decode's q `[..., r + rope]` float32 as its kernel reads it: with `q_fp8()` and the `fp8`
+        cache, on the e4m3 grid of `meta.q_scale` (sent by mla-diff when declared), else of the SDK's
+        rule for it over this q (a lint probe's q, 0 and 0.125, is on every power-of-two grid)."""
+        if not self.q_fp8() or (meta.get("cache") or {}).get("format") != "fp8":
+            return q
+        s = meta.get("q_scale")
+        return protocol.quantize_q_fp8(q, protocol.q_fp8_scale([q]) if s is None else float(s))
 
     def dequantize_cache(self, cache, fmt, kv_lora_rank, qk_rope, scale=None):
         """A quantized `kv_cache` (u8 bytes in `fmt`; `scale`: `fp8`'s layer scale) -> float32 rows
@@ -238,7 +257,7 @@ class NumpyMLA(protocol.NumpyRunner):
         page = self.page_size(meta, cache)
         n_splits = self.split_count(meta)
 
-        q = np.concatenate([q_nope, q_pe], axis=-1).astype(np.float32)  # [B, s_q, H, r+rope]
+        q = self.query(np.concatenate([q_nope, q_pe], axis=-1).astype(np.float32), meta)  # [B, s_q, H, r+rope]
         out = np.zeros((b_n, s_q, heads, r), np.float32)
         lse = np.full((b_n, s_q, heads), -np.inf, np.float32)
         split_out = np.zeros((b_n, s_q, heads, n_splits, r), np.float32)

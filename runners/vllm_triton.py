@@ -22,6 +22,13 @@ What it runs:
   is its Triton kernel from `vllm.v1.attention.ops.triton_merge_attn_states`, the one vLLM's
   dispatcher falls back to; describe's version says which.
 
+fp8 cache (`run --kv-cache-dtype fp8`; `supports.cache_formats`, where decode_attention_fwd takes
+`k_scale`): the decode's `kv_cache` comes as u8 bytes of the per-tensor `fp8` format, handed to the
+kernel unchanged as a float8_e4m3fn view (vLLM's CUDA fp8 cache dtype) with `meta.cache.scale` as a
+0-dim float32 `k_scale` and `v_scale` both (TritonMLAImpl passes the layer's `_k_scale` for both: the
+latent is K and V). The kernel multiplies (e4m3·ks in float32, then rounded to q's dtype before its
+dots: that rounding is the kernel's own, judged at `@runner`); q stays in the run's dtype.
+
 Conventions: lse_base e, lse_layout head_token (decode [B, H, 1], prefill [H, n]); decode LSE in
 q's dtype, prefill LSE float32; outputs in the input dtype; split partials float32.
 Supports bf16/fp16 (TritonMLABackend's dtypes), latent 512 + rope 64 (DeepSeek, GLM-5, Kimi) and
@@ -91,8 +98,10 @@ class VllmTriton(protocol.TorchRunner):
             )
         self.decode_fwd = decode_attention_fwd
         self.decode_kwargs = {}
-        if "is_mla" in inspect.signature(decode_attention_fwd).parameters:
+        params = inspect.signature(decode_attention_fwd).parameters
+        if "is_mla" in params:
             self.decode_kwargs["is_mla"] = True
+        self.fp8 = "k_scale" in params and "v_scale" in params
         try:
             if importlib.util.find_spec("vllm._C") is not None:
                 from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
@@ -118,7 +127,8 @@ class VllmTriton(protocol.TorchRunner):
             "protocol": protocol.PROTOCOL,
             "name": "vllm-triton-mla",
             "version": (
-                f"{_vllm_version()}: decode_attention_fwd{' is_mla' if self.decode_kwargs else ''}; prefill torch SDPA "
+                f"{_vllm_version()}: decode_attention_fwd{' is_mla' if self.decode_kwargs else ''}"
+                f"{' (fp8 cache: k_scale/v_scale)' if self.fp8 else ''}; prefill torch SDPA "
                 f"({self.sdpa_backend}) + {self.merge_name}; {version_line()}, triton {triton.__version__}, "
                 f"{dev}"
             ),
@@ -135,6 +145,7 @@ class VllmTriton(protocol.TorchRunner):
                 "qk_head_dim": None,
                 "v_head_dim": None,
                 "max_q_len": 1,
+                **({"cache_formats": ["fp8"]} if self.fp8 else {}),
             },
             "conventions": {"lse_base": "e", "lse_layout": "head_token"},
         }
@@ -156,6 +167,16 @@ class VllmTriton(protocol.TorchRunner):
         n_splits = int(meta.get("num_splits") or 1)
         scale = float(meta["softmax_scale"])
         q = torch.cat([q_nope, q_pe], dim=-1)[:, 0].contiguous()  # [B, H, Lkv+rope]
+        scales = {}
+        cm = meta.get("cache") or {}
+        if cm.get("format") is not None:
+            if cm["format"] != "fp8" or not self.fp8:
+                raise protocol.Unsupported(f"cache format {cm['format']}: this decode_attention_fwd reads the per-tensor fp8 cache only")
+            if cache.dtype != torch.uint8 or cache.shape[-1] != q.shape[-1]:
+                raise ValueError(f"kv_cache {tuple(cache.shape)} {cache.dtype}: an fp8 cache is u8 [pages, page, {q.shape[-1]}]")
+            cache = cache.view(torch.float8_e4m3fn)  # the bytes as sent: no copy, nothing written
+            ks = torch.tensor(float(cm["scale"]), dtype=torch.float32, device=q.device)
+            scales = {"k_scale": ks, "v_scale": ks}
         kv = cache.unsqueeze(2)  # [pages, page, 1, Lkv+rope]
         v = kv[..., :lkv]
         o = torch.zeros(b_n, heads, lkv, dtype=q.dtype, device=q.device)
@@ -166,7 +187,8 @@ class VllmTriton(protocol.TorchRunner):
         seqlens = x["cache_seqlens"].to(torch.int32).contiguous()
 
         def run():
-            self.decode_fwd(q, kv, v, o, lse, table, seqlens, logits, n_splits, scale, page, **self.decode_kwargs)
+            self.decode_fwd(q, kv, v, o, lse, table, seqlens, logits, n_splits, scale, page, **scales,
+                            **self.decode_kwargs)
 
         def collect():
             return {

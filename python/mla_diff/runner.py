@@ -136,6 +136,38 @@ def e4m3_to_f32(codes):
     return np.where(b & 0x80, -v, v).astype(np.float32)
 
 
+def e4m3_round(y):
+    """Nearest float8 e4m3fn value of each `y` (float64; ties to even, saturating at ±448; NaN stays
+    NaN). 3 mantissa bits: the spacing in the binade [2^e, 2^(e+1)) is 2^(e-3), 2^-9 below 2^-6."""
+    np = _np()
+    y = np.asarray(y, np.float64)
+    a = np.minimum(np.abs(y), 448.0)
+    _, e = np.frexp(a)  # a = m·2^e, m in [0.5, 1)
+    step = np.ldexp(1.0, np.maximum(e - 4, -9))
+    return np.copysign(np.rint(a / step) * step, y)
+
+
+def q_fp8_scale(q):
+    """The scale of q on the e4m3 grid (describe's `conventions.q_fp8`; mla-diff sends it as
+    `meta.q_scale`): 2^ceil(log2 max(amax / 448, 1e-4)) over the request's q (`q_nope` and `q_pe`
+    together), amax / 448 in float32, as the `fp8` cache's scale but rounded up to a power of two, so
+    that e4m3 values times it are exact in bf16 and fp16."""
+    np = _np()
+    amax = np.float32(max((float(np.nanmax(np.abs(np.asarray(t, np.float32)))) for t in q if np.size(t)), default=0.0))
+    s = max(amax / np.float32(448.0), np.float32(1e-4))
+    m, e = np.frexp(np.float32(s))
+    return float(np.ldexp(1.0, int(e) - 1 if m == 0.5 else int(e)))
+
+
+def quantize_q_fp8(q, scale):
+    """`q` on the e4m3 grid of `scale`: e4m3(q / scale)·scale in float32, the values a kernel reading q
+    as e4m3 codes with `descale_q = scale` computes with. Exact (the identity) on the q mla-diff sends
+    with `meta.q_scale`."""
+    np = _np()
+    q = np.asarray(q, np.float32)
+    return (e4m3_round(q / np.float32(scale)) * scale).astype(np.float32)
+
+
 def e2m1_to_f32(codes):
     """4-bit e2m1 (fp4) codes (0..15, sign in bit 3) -> float32 values: 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
     np = _np()

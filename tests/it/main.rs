@@ -44,6 +44,7 @@ mod run_options;
 mod run_report;
 mod runner_cache;
 mod runner_cache_sparse;
+mod runner_q_fp8;
 mod runners;
 mod runners_reach;
 mod runners_sparse;

@@ -50,7 +50,7 @@ impl Backend for RunnerBackend {
             // The indexer is the inner path's (the runner computes attention only).
             has_indexer: inner.has_indexer,
             has_kpool_indexer: inner.has_kpool_indexer,
-            outside_local_view: inner.outside_local_view,
+            outside_local_view: self.q_fp8_outside(inner.outside_local_view),
             sparse_layers: self.sparse_layers_over(inner.sparse_layers),
             key_tiles: self.tiles_over(inner.key_tiles),
             ..crate::backend::Judging::default()
@@ -126,6 +126,12 @@ impl Backend for RunnerBackend {
         {
             v.push(format!(
                 "runner {}'s sparse_decode reads a {c} cache (FlashMLA's fp8: e4m3, a power-of-two scale per 128 latent columns, bf16 rope), written by the runner from the rows sent: its @runner checks are against fp64 over that cache, and the end-to-end decode checks' tolerances include the cache's exact effect (cache_effect)",
+                self.desc.name
+            ));
+        }
+        if self.q_fp8() {
+            v.push(format!(
+                "runner {} reads q in e4m3 with the fp8 cache (conventions.q_fp8): its decode requests carry q on the e4m3 grid of one power-of-two scale per layer (meta.q_scale); its @runner checks are against fp64 over that q and the cache as read, and the end-to-end decode checks' tolerances include q's quantization with the cache's exact effect",
                 self.desc.name
             ));
         }

@@ -254,6 +254,9 @@ impl RunnerBackend {
         if !cache_meta.is_null() {
             extra["cache"] = cache_meta;
         }
+        if let Some(s) = self.q_scale {
+            extra["q_scale"] = serde_json::json!(s);
+        }
         let meta = self.meta(ctx, extra);
         let mut out = self.call("decode", ctx.layer, &meta, &inputs)?;
         let spec = self.desc.ops.decode.clone().expect("decode op");
@@ -321,7 +324,16 @@ impl RunnerBackend {
         let q_pe_all = stage(tr, Stage::QPe)?;
         let rows = self.encode_cache(lkv, r, stage(tr, Stage::CacheRows)?);
         let q_pe = &q_pe_all[prompt * h * r..];
-        let entries = step_entries(ctx, &q_abs, q_pe);
+        // With `conventions.q_fp8`: q on its e4m3 grid in every request of the layer (`q_fp8`), and
+        // the entries of q as computed kept for its effect.
+        let q8 = self.q_fp8().then(|| super::q_fp8::quantize(&q_abs, q_pe));
+        self.q_scale = q8.as_ref().map(|q| q.scale);
+        let plain = q8.as_ref().map(|_| step_entries(ctx, &q_abs, q_pe));
+        let (q_abs, q_pe): (&[f64], &[f64]) = match &q8 {
+            Some(q) => (&q.q_abs, &q.q_pe),
+            None => (&q_abs, q_pe),
+        };
+        let entries = step_entries(ctx, q_abs, q_pe);
         let ret = self.send_decode(ctx, &entries, s_q, &rows)?;
         let (lat, lse) = (&ret.lat, &ret.lse);
         let own = self.desc.decode_partition() == SplitPartition::Own;
@@ -337,6 +349,16 @@ impl RunnerBackend {
             l_lse.extend(l.lse);
             l_sout.extend(l.sout);
             l_slse.extend(l.slse);
+        }
+        if let Some(plain) = &plain {
+            Self::q_effect(
+                ctx,
+                mw,
+                tr,
+                plain,
+                [&l_out, &l_lse, &l_sout, &l_slse],
+                &rows,
+            );
         }
         let terms = entries[b_n - 1].keys.len() * row;
         let t_all = sched.total_tokens();
@@ -388,8 +410,8 @@ impl RunnerBackend {
             self.checks.extend(checks);
         }
         if self.batch_layers.insert(ctx.layer) {
-            self.batch_checks(ctx, &q_abs, q_pe, &rows)?;
-            self.aimed_checks(ctx, &q_abs, q_pe, &rows)?;
+            self.batch_checks(ctx, q_abs, q_pe, &rows)?;
+            self.aimed_checks(ctx, q_abs, q_pe, &rows)?;
         }
         let (lat, lse) = (ret.lat.data, ret.lse);
         put_decode_outputs(tr, ctx, mw, dt, &lat, &lse)

@@ -17,6 +17,7 @@ pub mod local;
 mod prefill;
 pub(crate) mod process;
 pub mod protocol;
+mod q_fp8;
 mod sparse;
 mod sparse_decode;
 pub mod tensors;
@@ -63,6 +64,9 @@ pub struct RunnerBackend {
     /// This layer's cache rows in `kv`'s bytes (`Codec::bytes()` per row, as `cache_rows` orders
     /// them), with the codec that wrote them: what the decode and sparse ops send in place of the rows.
     cache_bytes: Option<(crate::kv_format::Codec, Vec<u8>)>,
+    /// This layer's q scale when its decode requests carry q in e4m3 (`conventions.q_fp8`), sent as
+    /// `meta.q_scale`.
+    q_scale: Option<f32>,
 }
 
 /// The kernels a runner declares a geometry for (`describe` `ops.OP.geometry.key_tile`), as coverage
@@ -152,6 +156,7 @@ impl RunnerBackend {
             page_moved,
             kv: Default::default(),
             cache_bytes: None,
+            q_scale: None,
         })
     }
 

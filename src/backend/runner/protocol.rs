@@ -200,6 +200,19 @@ pub struct Conventions {
     pub lse_base: LseBase,
     #[serde(default)]
     pub lse_layout: LseLayout,
+    /// The cache format with which the decode kernel also reads q in float8 e4m3 (FlashMLA's dense fp8
+    /// decode: q and cache both e4m3, one descale each). mla-diff then sends q on that grid with its
+    /// scale (`meta.q_scale`) and judges the kernel over that q (`super::q_fp8`). Absent: q as sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub q_fp8: Option<QFp8With>,
+}
+
+/// `conventions.q_fp8`: the cache format that brings q's quantization with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QFp8With {
+    /// The per-tensor `fp8` cache (docs/cache-formats.md).
+    Fp8,
 }
 
 /// One request line.
@@ -378,7 +391,7 @@ fn describe_uncached(cmd: &str) -> Result<Describe> {
     // (conventions): a typo that silently widens what the runner claims.
     for (section, known) in [
         ("supports", &SUPPORTS_KEYS[..]),
-        ("conventions", &["lse_base", "lse_layout"][..]),
+        ("conventions", &["lse_base", "lse_layout", "q_fp8"][..]),
     ] {
         if let Some(obj) = raw.get(section).and_then(|v| v.as_object()) {
             if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
