@@ -107,6 +107,7 @@ fn dequantize_bytes(t: &TensorInfo, ty: GgmlType, bytes: &[u8]) -> Result<Vec<f3
                 .candle()
                 .expect("dequantizable block type has a candle dtype");
             let rows_per_chunk = (CHUNK_ELEMS / row).max(1);
+            let direct = direct_dequantizer(dtype);
             // Chunks in parallel, each into its own part of the output.
             use rayon::prelude::*;
             let mut out = vec![0f32; n];
@@ -116,25 +117,84 @@ fn dequantize_bytes(t: &TensorInfo, ty: GgmlType, bytes: &[u8]) -> Result<Vec<f3
                     let (r0, r1) = (c * rows_per_chunk, c * rows_per_chunk + dst.len() / row);
                     let mut scratch = Vec::new();
                     let chunk = aligned(&bytes[r0 * row_bytes..r1 * row_bytes], &mut scratch);
-                    let storage = QStorage::from_data(Cow::Borrowed(chunk), &Device::Cpu, dtype)
-                        .map_err(|e| Error::Unsupported(format!("tensor {:?}: {e}", t.name)))?;
-                    let q = QTensor::new(storage, ((r1 - r0) * row,))
-                        .map_err(|e| Error::Unsupported(format!("tensor {:?}: {e}", t.name)))?;
-                    let v = q
-                        .dequantize(&Device::Cpu)
-                        .and_then(|x| x.to_vec1::<f32>())
-                        .map_err(|e| {
-                            Error::Unsupported(format!(
-                                "tensor {:?}: dequantizing {}: {e}",
-                                t.name, ty
-                            ))
-                        })?;
-                    dst.copy_from_slice(&v);
+                    match direct {
+                        Some(to_f32) => to_f32(chunk, dst),
+                        None => through_tensor(t, ty, dtype, chunk, dst)?,
+                    }
                     Ok(())
                 })?;
             Ok(out)
         }
     }
+}
+
+/// One chunk of whole blocks through a candle `QTensor` (its dequantize, then the values copied into
+/// `dst`): for a block type [`direct_dequantizer`] does not name.
+fn through_tensor(
+    t: &TensorInfo,
+    ty: GgmlType,
+    dtype: candle_core::quantized::GgmlDType,
+    chunk: &[u8],
+    dst: &mut [f32],
+) -> Result<()> {
+    let storage = QStorage::from_data(Cow::Borrowed(chunk), &Device::Cpu, dtype)
+        .map_err(|e| Error::Unsupported(format!("tensor {:?}: {e}", t.name)))?;
+    let q = QTensor::new(storage, (dst.len(),))
+        .map_err(|e| Error::Unsupported(format!("tensor {:?}: {e}", t.name)))?;
+    let v = q
+        .dequantize(&Device::Cpu)
+        .and_then(|x| x.to_vec1::<f32>())
+        .map_err(|e| {
+            Error::Unsupported(format!("tensor {:?}: dequantizing {}: {e}", t.name, ty))
+        })?;
+    dst.copy_from_slice(&v);
+    Ok(())
+}
+
+/// candle's own per-block dequantizer of `dtype` (`GgmlType::to_float`, the function its
+/// `QTensor::dequantize` calls on the CPU), writing straight into the output: the same values, without
+/// the chunk's copy of the blocks, its tensor and the values' second copy (three passes over a layer's
+/// 0.66 GB at GLM-5's dims, each into fresh pages, on the run loop's path: #39).
+fn direct_dequantizer(dtype: candle_core::quantized::GgmlDType) -> Option<BlocksToF32> {
+    use candle_core::quantized::k_quants as k;
+    use candle_core::quantized::GgmlDType as D;
+    Some(match dtype {
+        D::Q4_0 => blocks_to_f32::<k::BlockQ4_0>,
+        D::Q4_1 => blocks_to_f32::<k::BlockQ4_1>,
+        D::Q5_0 => blocks_to_f32::<k::BlockQ5_0>,
+        D::Q5_1 => blocks_to_f32::<k::BlockQ5_1>,
+        D::Q8_0 => blocks_to_f32::<k::BlockQ8_0>,
+        D::Q2K => blocks_to_f32::<k::BlockQ2K>,
+        D::Q3K => blocks_to_f32::<k::BlockQ3K>,
+        D::Q4K => blocks_to_f32::<k::BlockQ4K>,
+        D::Q5K => blocks_to_f32::<k::BlockQ5K>,
+        D::Q6K => blocks_to_f32::<k::BlockQ6K>,
+        _ => return None,
+    })
+}
+
+/// A block type's dequantizer: whole blocks' bytes into one f32 per value.
+type BlocksToF32 = fn(&[u8], &mut [f32]);
+
+/// Whole blocks of `T` in `bytes` (aligned by [`aligned`]) dequantized into `dst`, one value per slot.
+fn blocks_to_f32<T: candle_core::quantized::k_quants::GgmlType>(bytes: &[u8], dst: &mut [f32]) {
+    let size = std::mem::size_of::<T>();
+    assert!(
+        bytes.len().is_multiple_of(size)
+            && (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()),
+        "whole, aligned blocks"
+    );
+    assert_eq!(
+        bytes.len() / size * T::BLCK_SIZE,
+        dst.len(),
+        "one value per slot"
+    );
+    // SAFETY: candle's block types are `repr(C)` structs of integers, integer arrays and f16 (every
+    // bit pattern is a value), and `bytes` is checked above to hold whole blocks at their alignment;
+    // the view lives no longer than `bytes`. candle's `from_data` makes the same view.
+    let blocks =
+        unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<T>(), bytes.len() / size) };
+    T::to_float(blocks, dst);
 }
 
 /// `b` itself when it sits at an 8-byte aligned address, else a copy in `scratch` that does. candle views
@@ -149,4 +209,62 @@ fn aligned<'a>(b: &'a [u8], scratch: &'a mut Vec<u64>) -> &'a [u8] {
     let dst: &mut [u8] = bytemuck::cast_slice_mut(scratch);
     dst[..b.len()].copy_from_slice(b);
     &dst[..b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The direct dequantizers give, bit for bit, what the path through a candle tensor gives, on
+    /// random block bytes (any scale, NaN and infinity included) of every type they name.
+    #[test]
+    fn direct_is_through_tensor() {
+        use candle_core::quantized::GgmlDType as D;
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        };
+        let ty = GgmlType::all()[0]; // named in errors only
+        let info = TensorInfo {
+            name: "t".into(),
+            ne: vec![],
+            ty: TensorType::Known(ty),
+            offset: 0,
+            shard: 0,
+        };
+        let mut named = 0;
+        for dtype in [
+            D::Q4_0,
+            D::Q4_1,
+            D::Q5_0,
+            D::Q5_1,
+            D::Q8_0,
+            D::Q8_1,
+            D::Q2K,
+            D::Q3K,
+            D::Q4K,
+            D::Q5K,
+            D::Q6K,
+            D::Q8K,
+        ] {
+            let Some(direct) = direct_dequantizer(dtype) else {
+                continue;
+            };
+            named += 1;
+            let blocks = 37;
+            let bytes: Vec<u8> = (0..blocks * dtype.type_size()).map(|_| next()).collect();
+            let mut scratch = Vec::new();
+            let chunk = aligned(&bytes, &mut scratch);
+            let n = blocks * dtype.block_size();
+            let (mut a, mut b) = (vec![0f32; n], vec![1f32; n]);
+            direct(chunk, &mut a);
+            through_tensor(&info, ty, dtype, chunk, &mut b).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "{dtype:?}");
+        }
+        assert_eq!(named, 10, "every block type candle dequantizes here");
+    }
 }

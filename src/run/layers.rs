@@ -2,6 +2,7 @@
 //! side by side ([`paths`]), its DSA selections checked, and its judge (`judge.rs`) started on a thread
 //! of its own next to the next layer's paths, collected in layer order.
 
+use super::ahead::{Ahead, When};
 use super::judge::{judge, judge_free, Computed, Free, JudgeEnv, Judged, View};
 use super::{
     add_residual, attn_out, profile, repeat, residual_after, DumpLayers, RunOptions, Setup,
@@ -72,17 +73,16 @@ pub(super) fn run_layers(
     let alone = super::footprint::alone(cfg, &opts.sched);
     std::thread::scope(|judges| -> Result<()> {
         let mut judging = std::collections::VecDeque::new();
+        let mut ahead = Ahead::new(When::from_env());
         for (i, &l) in layers.iter().enumerate() {
             bar.set_message(format!("layer {l}"));
             if i > 0 {
                 next_inputs(inputs, l, &mut h_ref, &mut h_opt, &mut carried)?;
             }
-            // Loaded here, not ahead beside the reference: one layer's weights alive at a time (a
-            // preloaded next layer cost 0.5 GB of peak RSS at GLM-5 dims for ~10 % of the time:
-            // docs/scale.md).
-            let (w, t_load) = load_layer(file, cfg, l);
-            prof.add("load + dequantize", t_load);
-            let mut w = w?;
+            // Read during the last layer's tail: one layer's weights alive at a time (`ahead.rs`).
+            let mut w = ahead.take(file, cfg, l, &mut prof)?;
+            let next = layers.get(i + 1).copied();
+            ahead.start(When::Layer, alone, next, judges, (file, cfg));
             let moved = super::carry::moved_input(&h_ref, carried.as_ref());
             let rounds = alone && sparse.is_none() && backend.reads_stored_weights_only();
             let (run, input) = ((cfg, &tables.rope, opts), (&h_ref, moved.as_ref()));
@@ -142,6 +142,7 @@ pub(super) fn run_layers(
             let checked = (&dense_ctx, &ctx, &h_ref, &reference);
             check_selection(dsa, checked, backend, (opts, &mut prof))?;
             drop(w);
+            ahead.start(When::Tail, alone, next, judges, (file, cfg));
             collect_until(&mut judging, max_judges - 1, &mut prof, &mut done)?;
             let layer = Computed {
                 reference,
@@ -161,7 +162,7 @@ pub(super) fn run_layers(
             h_ref = next_ref;
             let left = if alone { 0 } else { max_judges }; // alone: judged before the next layer
             collect_until(&mut judging, left, &mut prof, &mut done)?;
-            release_memory();
+            release_memory(&mut prof);
             bar.inc(1);
         }
         collect_until(&mut judging, 0, &mut prof, &mut done)
@@ -284,7 +285,11 @@ fn collect(
     prof: &mut profile::Profile,
     out: &mut Done,
 ) -> Result<()> {
-    let j = j.join().unwrap_or_else(|e| std::panic::resume_unwind(e))?;
+    let t0 = std::time::Instant::now();
+    let j = j.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+    // The run loop's wait for the judge (its own time is the two lines below).
+    prof.add("waiting for judges", t0.elapsed());
+    let j = j?;
     // A device error in the fp64 products ends the run (exit 2), not a report of host sums.
     crate::linalg::check_engine()?;
     out.shadow.extend(j.shadow);
@@ -473,7 +478,7 @@ fn shadow_view(
 
 /// One layer's weights, dequantized, and the time it took; the file's pages of the layer are released
 /// (the weights are copies: those pages are not read again).
-fn load_layer(
+pub(super) fn load_layer(
     file: &GgufFile,
     cfg: &MlaConfig,
     l: usize,
@@ -494,10 +499,13 @@ fn load_layer(
 /// judges) here, every rayon worker's by a broadcast — 0.1–0.3 GB of a GLM-5 run's peak resident set
 /// each. Once per layer, not at every free (`MIMALLOC_PURGE_DELAY=0` cost 5× the system time). A no-op
 /// without a hook.
-fn release_memory() {
+fn release_memory(prof: &mut profile::Profile) {
     if let Some(release) = crate::alloc::release_hook() {
-        release();
-        rayon::broadcast(|_| release());
+        // Timed: the broadcast waits for every rayon worker to finish what it runs (judges' work).
+        prof.time("freed memory handed back", || {
+            release();
+            rayon::broadcast(|_| release());
+        });
     }
 }
 

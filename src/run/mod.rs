@@ -23,6 +23,7 @@ use crate::trace::{LayerTrace, Stage};
 use ndarray::Array2;
 use std::path::PathBuf;
 
+mod ahead;
 mod assemble;
 mod baseline;
 mod capture;
