@@ -43,6 +43,9 @@ Switches for tests (environment; a correct kernel either way, each a shape real 
 - `MLA_DIFF_NUMPY_EMPTY_SPLITS=nan`: an empty split's `split_out` is left NaN (a `torch.empty` buffer a
   kernel never writes), and `attn_latent` is the LSE merge of the partials with empty splits masked out;
   `=nan-naive-merge` merges them as `Σ w·out` without the mask, so 0·NaN poisons the merge (a bug).
+- `MLA_DIFF_NUMPY_CACHE_IN_DTYPE=1`: with a quantized cache the decode rounds the dequantized rows
+  (q·s in float32) to the run's dtype before attending, as vLLM's Triton decode does over the fp8 cache
+  (`(k.to(float32) * ks).to(q.dtype)`, the same for v).
 - `MLA_DIFF_NUMPY_Q_FP8=1`: with the `fp8` cache the decode reads q in e4m3 too, on the grid of
   `meta.q_scale` (FlashMLA's dense fp8 decode), and says so (`conventions.q_fp8: "fp8"`).
 
@@ -248,11 +251,13 @@ class NumpyMLA(protocol.NumpyRunner):
         rope = q_pe.shape[-1]
         cm = meta.get("cache") or {}
         fmt = cm.get("format")
+        dtype = meta["dtype"]
         if fmt:
             cache = self.dequantize_cache(cache, fmt, r, rope, cm.get("scale"))
+            if os.environ.get("MLA_DIFF_NUMPY_CACHE_IN_DTYPE") == "1":
+                cache = protocol.round_to(cache, dtype)
         if cache.shape[-1] != r + rope:
             raise ValueError(f"kv_cache rows are {cache.shape[-1]} wide, expected {r} + {rope}")
-        dtype = meta["dtype"]
         scale = np.float32(self.softmax_scale(meta))
         page = self.page_size(meta, cache)
         n_splits = self.split_count(meta)

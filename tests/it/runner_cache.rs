@@ -419,3 +419,51 @@ fn a_divisor_and_a_scaled_rope_reader_are_caught_at_the_runner() {
         }
     }
 }
+
+/// The per-tensor `fp8` cache in an fp16 run, prefill over two chunks: the second chunk's context
+/// keys come from the cache rows, whose k_pe (e4m3 · amax/448, generally not an fp16 value) the
+/// runner reads rounded to fp16. numpy_mla (correct) passes at lse[prefill] and its `@runner` check:
+/// the yardstick reads the rounded keys as sent, the stage-local view carries the rounding's exact
+/// error on the score (it failed both, a correct runner blamed). Planted bugs still fail, with the
+/// same flags: fp16 P·V accumulation (a precision bug) and an undeclared e4m3 q read.
+#[test]
+fn numpy_runner_passes_the_fp8_cache_in_fp16_with_a_prefill_context() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let args = [
+        "--dtype",
+        "fp16",
+        "--prompt-len",
+        "160",
+        "--decode-steps",
+        "2",
+        "--num-splits",
+        "2",
+    ];
+    let (code, rep, err) = run_json(
+        "glm-5-q4_0.gguf",
+        &runner(&py, "numpy_mla.py"),
+        "fp8",
+        &args,
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let all = checks(&rep);
+    for c in [
+        "lse[prefill]",
+        "lse[prefill]@runner",
+        "attn_heads[prefill]@runner",
+    ] {
+        let x = all
+            .iter()
+            .find(|x| x["check"] == c && x["local"].is_object());
+        assert!(x.is_some_and(|x| x["pass"] == true), "{c}: {x:?}");
+    }
+    for rel in ["bugs/pv_fp16_accum.py", "bugs/cache/fp8_q_undeclared.py"] {
+        let (code, rep, err) = run_json("glm-5-q4_0.gguf", &runner(&py, rel), "fp8", &args);
+        assert_eq!(code, Some(1), "{rel}: not caught: {err}");
+        let all = checks(&rep);
+        let at = all.iter().find(|x| x["check"] == "split_out@runner");
+        assert!(at.is_some_and(|x| x["pass"] == false), "{rel}: {at:?}");
+    }
+}

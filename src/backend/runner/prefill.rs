@@ -28,7 +28,7 @@ impl RunnerBackend {
         let kv = PromptKv::new(ctx, mw, dt, tr)?;
         let mut rows = PrefillRows::new(sched.total_tokens(), h, dv);
         for c in sched.prefill_chunks() {
-            let qkv = ChunkQkv::new(cfg, &c, &q_nope, &q_pe, &kv);
+            let qkv = ChunkQkv::new(cfg, dt, &c, &q_nope, &q_pe, &kv);
             let (n, ctx_len, s_n) = (c.len(), c.start, c.end);
             let inputs = [
                 floats("q", vec![n, h, qkv.dqk], &f32s(&qkv.q), dt),
@@ -145,7 +145,14 @@ struct ChunkQkv {
 }
 
 impl ChunkQkv {
-    fn new(cfg: &MlaConfig, c: &Range<usize>, q_nope: &[f64], q_pe: &[f64], kv: &PromptKv) -> Self {
+    fn new(
+        cfg: &MlaConfig,
+        dt: Dtype,
+        c: &Range<usize>,
+        q_nope: &[f64],
+        q_pe: &[f64],
+        kv: &PromptKv,
+    ) -> Self {
         let (h, p, r, dv) = (cfg.n_head, cfg.qk_nope, cfg.qk_rope, cfg.v_head_dim);
         let (dqk, n, ctx_len, s_n) = (p + r, c.len(), c.start, c.end);
         let mut q = vec![0.0f64; n * h * dqk];
@@ -175,10 +182,15 @@ impl ChunkQkv {
                 }
             }
         }
+        // As sent: each value in the dtype. The context's k_pe from a quantized cache's rows
+        // (e4m3·scale for `fp8`) is generally off its grid, and the runner reads it rounded.
+        let sent = |x: Vec<f64>| -> Vec<f64> {
+            x.into_iter().map(|v| dt.round(v as f32) as f64).collect()
+        };
         ChunkQkv {
-            q,
-            k,
-            v,
+            q: sent(q),
+            k: sent(k),
+            v: sent(v),
             dqk,
             dv,
             h,

@@ -89,6 +89,22 @@ impl<'a> Att<'a> {
             false => 0.0,
         }
     }
+
+    /// The variance a key part `k` off the attention type's grid adds to a score against the query
+    /// part `q`: the rounding an engine applies to it on the way in, each element's error exactly
+    /// (`round(k) − k`, zero where `k` is on the grid), as independent terms. The context's rows read
+    /// from a quantized cache are such keys: `fp8`'s e4m3·scale with a scale of amax/448 is generally
+    /// not a bf16/fp16 value, and vLLM's prefill gathers them dequantized into the model's dtype.
+    pub(super) fn k_round(&self, q: &[f64], k: &[f64]) -> f64 {
+        let st = Store::from(self.adt);
+        q.iter()
+            .zip(k)
+            .map(|(&a, &b)| {
+                let d = st.round(b) - b;
+                a * a * d * d
+            })
+            .sum()
+    }
 }
 
 /// An lse stage being assembled: values, variances and truncation biases.

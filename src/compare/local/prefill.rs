@@ -125,7 +125,8 @@ fn part(
             sc.var += scale
                 * scale
                 * (att.q_round(att.qn_wide, sl(qn), sl(k.row(j)))
-                    + att.q_round(att.qp_wide, sl(qp), sl(kpe.row(j))));
+                    + att.q_round(att.qp_wide, sl(qp), sl(kpe.row(j)))
+                    + att.k_round(sl(qp), sl(kpe.row(j))));
             sc
         })
         .collect();
