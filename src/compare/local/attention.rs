@@ -8,7 +8,7 @@ use super::linear::hidden_round;
 use super::{opt2, Local, View};
 use crate::precision::{Dtype, ScoreSum};
 use crate::trace::Stage;
-use ndarray::Array2;
+use ndarray::{Array2, ArrayView2};
 
 /// The attention's inputs and how the path computes it.
 pub(super) struct Att<'a> {
@@ -90,21 +90,23 @@ impl<'a> Att<'a> {
         }
     }
 
-    /// The variance a key part `k` off the attention type's grid adds to a score against the query
-    /// part `q`: the rounding an engine applies to it on the way in, each element's error exactly
-    /// (`round(k) − k`, zero where `k` is on the grid), as independent terms. The context's rows read
+    /// Each element's rounding error `round(k) − k` onto the attention type's grid, for key parts `k`
+    /// an engine rounds on the way in; `None` where every one is on the grid (what a path stores in its
+    /// own type: the common case, whose scores then carry nothing for it). The context's rows read
     /// from a quantized cache are such keys: `fp8`'s e4m3·scale with a scale of amax/448 is generally
     /// not a bf16/fp16 value, and vLLM's prefill gathers them dequantized into the model's dtype.
-    pub(super) fn k_round(&self, q: &[f64], k: &[f64]) -> f64 {
+    /// Once per key, not per query and key ([`k_round`]).
+    pub(super) fn key_round_errors(&self, k: ArrayView2<f64>) -> Option<Array2<f64>> {
         let st = Store::from(self.adt);
-        q.iter()
-            .zip(k)
-            .map(|(&a, &b)| {
-                let d = st.round(b) - b;
-                a * a * d * d
-            })
-            .sum()
+        let d = k.mapv(|b| st.round(b) - b);
+        d.iter().any(|&x| x != 0.0).then_some(d)
     }
+}
+
+/// The variance a key part's rounding errors `d` ([`Att::key_round_errors`]) add to a score against the
+/// query part `q`: each element's error exactly, as independent terms.
+pub(super) fn k_round(q: &[f64], d: &[f64]) -> f64 {
+    q.iter().zip(d).map(|(&a, &d)| a * a * d * d).sum()
 }
 
 /// An lse stage being assembled: values, variances and truncation biases.

@@ -3,7 +3,7 @@
 //! chunk's own part and its context's merged.
 
 use super::attend::{attend, cos2, merge, Attn, Gram};
-use super::attention::{Att, Heads};
+use super::attention::{k_round, Att, Heads};
 use super::linear::{hidden_round, linear, sl};
 use super::score::{dot_var, score, Score};
 use super::View;
@@ -12,6 +12,22 @@ use rayon::prelude::*;
 
 /// Keys and values decompressed from latent rows: k, its variance, v, its variance.
 type Decompressed = (Array2<f64>, Array2<f64>, Array2<f64>, Array2<f64>);
+
+/// Rope key parts and their rounding errors onto the attention type's grid (`Att::key_round_errors`;
+/// `None`: all on it), shared by every head.
+struct Kpe<'a> {
+    rows: ArrayView2<'a, f64>,
+    round: Option<Array2<f64>>,
+}
+
+impl<'a> Kpe<'a> {
+    fn new(att: &Att, rows: ArrayView2<'a, f64>) -> Kpe<'a> {
+        Kpe {
+            rows,
+            round: att.key_round_errors(rows),
+        }
+    }
+}
 
 /// The prompt's rows of lse and attn_heads, from the stored latent `o_lat` and k_pe `o_kpe`.
 pub(super) fn attend_prompt(
@@ -25,10 +41,13 @@ pub(super) fn attend_prompt(
     if pl == 0 {
         return;
     }
+    // The rope key parts are shared by every head: their rounding errors are found once.
+    let kpe_own = Kpe::new(att, o_kpe.slice(s![..pl, ..]));
+    let kpe_ctx = Kpe::new(att, att.cache.slice(s![..pl, vw.lkv..]));
     // Each head's prefill: independent, so in parallel.
     let per_head: Vec<Vec<Attn>> = (0..h)
         .into_par_iter()
-        .map(|hh| head(vw, att, o_lat, o_kpe, hh))
+        .map(|hh| head(vw, att, o_lat, (&kpe_own, &kpe_ctx), hh))
         .collect();
     for (hh, rows) in per_head.into_iter().enumerate() {
         // Chunks cover the prompt in order, so row t is token t.
@@ -40,7 +59,13 @@ pub(super) fn attend_prompt(
 }
 
 /// Head `hh`'s prefill rows, token by token.
-fn head(vw: &View, att: &Att, o_lat: &Array2<f64>, o_kpe: &Array2<f64>, hh: usize) -> Vec<Attn> {
+fn head(
+    vw: &View,
+    att: &Att,
+    o_lat: &Array2<f64>,
+    (kpe_own, kpe_ctx): (&Kpe, &Kpe),
+    hh: usize,
+) -> Vec<Attn> {
     let (h, p, dv, lkv) = (vw.h, vw.p, vw.dv, vw.lkv);
     let (sched, pl, adt) = (vw.f.sched, vw.f.sched.prompt_len, vw.adt);
     let mut rows = Vec::with_capacity(pl);
@@ -68,17 +93,15 @@ fn head(vw: &View, att: &Att, o_lat: &Array2<f64>, o_kpe: &Array2<f64>, hh: usiz
     // Context keys only where a chunk has context.
     let ctx =
         (sched.prefill_chunks().len() > 1).then(|| decompress(att.cache.slice(s![..pl, ..lkv])));
-    let kpe_own = o_kpe.slice(s![..pl, ..]);
-    let kpe_ctx = att.cache.slice(s![..pl, lkv..]);
     let g = gram.as_deref();
     for c in sched.prefill_chunks() {
         for t in c.clone() {
             let qi = t * h + hh;
-            let mine = part(vw, att, qi, c.start..t + 1, &own, &kpe_own, g);
+            let mine = part(vw, att, qi, c.start..t + 1, &own, kpe_own, g);
             let res = if c.start > 0 {
                 // Each part's output is stored before the merge.
                 let ctx = ctx.as_ref().expect("a chunk with context");
-                let mut parts = [part(vw, att, qi, 0..c.start, ctx, &kpe_ctx, g), mine];
+                let mut parts = [part(vw, att, qi, 0..c.start, ctx, kpe_ctx, g), mine];
                 for pa in parts.iter_mut() {
                     for (v, &o) in pa.var.iter_mut().zip(&pa.out) {
                         *v += hidden_round(adt, o);
@@ -102,7 +125,7 @@ fn part(
     qi: usize,
     keys: std::ops::Range<usize>,
     (k, vk, v, vv): &Decompressed,
-    kpe: &ArrayView2<f64>,
+    kpe: &Kpe,
     gram: Option<&[f32]>,
 ) -> Attn {
     let t = qi / vw.h;
@@ -117,7 +140,7 @@ fn part(
                 sl(k.row(j)),
                 sl(vk.row(j)),
                 sl(qp),
-                sl(kpe.row(j)),
+                sl(kpe.rows.row(j)),
                 sum,
                 att.path.dt,
             );
@@ -125,8 +148,11 @@ fn part(
             sc.var += scale
                 * scale
                 * (att.q_round(att.qn_wide, sl(qn), sl(k.row(j)))
-                    + att.q_round(att.qp_wide, sl(qp), sl(kpe.row(j)))
-                    + att.k_round(sl(qp), sl(kpe.row(j))));
+                    + att.q_round(att.qp_wide, sl(qp), sl(kpe.rows.row(j)))
+                    + kpe
+                        .round
+                        .as_ref()
+                        .map_or(0.0, |d| k_round(sl(qp), sl(d.row(j)))));
             sc
         })
         .collect();
