@@ -92,7 +92,7 @@ fn a_reader_that_applies_the_scale_twice_is_caught_at_the_runner() {
     }
     // Without a quantized cache the same runner is numpy_mla and passes: the bug is the reader's.
     let f = fixture("glm-5-q4_0.gguf");
-    let o = run(&[
+    let head = [
         "run",
         f.to_str().unwrap(),
         "--backend",
@@ -100,13 +100,8 @@ fn a_reader_that_applies_the_scale_twice_is_caught_at_the_runner() {
         "--runner",
         &bug,
         "-q",
-        "--prompt-len",
-        "40",
-        "--decode-steps",
-        "2",
-        "--num-splits",
-        "2",
-    ]);
+    ];
+    let o = run(&[&head[..], SHORT].concat());
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
 }
 

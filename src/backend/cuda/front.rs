@@ -7,18 +7,23 @@ use crate::error::Result;
 use crate::faults::Fault;
 
 impl Layer<'_> {
+    /// `rmsnorm` over `cols` columns of `n` rows `stride` apart, in place or not, at the layer's eps.
+    fn norm(&self, n: usize, cols: usize, stride: usize) -> RmsNorm {
+        RmsNorm {
+            rows: n,
+            cols,
+            x_stride: stride,
+            y_stride: stride,
+            eps: self.z.eps,
+        }
+    }
+
     /// Token-local stages for tokens `[t0, t0+n)`, then their cache rows.
     pub fn token_local(&self, t0: usize, n: usize) -> Result<()> {
         let (z, w, a, k, blas) = (&self.z, self.w, self.a, self.k, self.blas);
         let (dt, es, e, h, p, dqk) = (z.dt, z.es, z.e, z.h, z.p, z.dqk);
         let lq = w.lq;
-        let norm = |cols: usize, stride: usize| RmsNorm {
-            rows: n,
-            cols,
-            x_stride: stride,
-            y_stride: stride,
-            eps: z.eps,
-        };
+        let norm = |cols: usize, stride: usize| self.norm(n, cols, stride);
         norm(e, e).launch(
             k.rmsnorm,
             a.x.at(t0 * e, es),
@@ -77,13 +82,7 @@ impl Layer<'_> {
     fn kv_rows(&self, t0: usize, n: usize, ain: u64) -> Result<()> {
         let (z, w, a, k, blas) = (&self.z, self.w, self.a, self.k, self.blas);
         let (dt, es, e, lkv, row) = (z.dt, z.es, z.e, z.lkv, z.row);
-        let norm = |cols: usize, stride: usize| RmsNorm {
-            rows: n,
-            cols,
-            x_stride: stride,
-            y_stride: stride,
-            eps: z.eps,
-        };
+        let norm = |cols: usize, stride: usize| self.norm(n, cols, stride);
         blas.linear(
             dt,
             n,
