@@ -53,7 +53,8 @@
 #   formats    quantized KV caches on CUDA (#38, kernels/cache_write.cu `cache_write_format`): every fixture with
 #              a 512 + 64 row × fp8_ds_mla × bf16/fp16 and a generated glm5-next (512 + 0) × fp8_ds_mla_nope /
 #              fp8_v41 / fp4_v41 × bf16 must pass; each planted cache fault must fail (exit 1) first at
-#              cache_rows; `--kv-cache-dtype fp8` (per-tensor) must be refused (exit 2)
+#              cache_rows; the per-tensor `--kv-cache-dtype fp8` on every fixture × bf16/fp16/f32 must pass, and
+#              kv_scale_twice / kv_scale_inverted / kv_saturate_240 with it must fail first at cache_rows
 #   kpool      glm5-next's k-pool indexer on the GPU (kernels/kpool.cu, `run --backend cuda`'s own): the golden (395 tokens, top_k 16, kpool 4) in
 #              bf16/fp16/f32 and bf16 with fp8 indexer keys must pass with the dsa section naming CUDA's own
 #              indexer; each layer's GPU scores and selection against the CPU mirror's on the same input
@@ -391,7 +392,16 @@ formats() {
             --json "$D/fmt-g5n-$kv-wrong_group.json"
         echo "    first check: $(first_check "$D/fmt-g5n-$kv-wrong_group.json") (want cache_rows)"
     done
-    run1 fmt-v3-fp8-refused 2 $V3 --dtype bf16 --kv-cache-dtype fp8
+    for f in fixtures/*.gguf; do
+        n=$(basename "$f" .gguf)
+        for dt in bf16 fp16 f32; do
+            run1 "fmt-$n-fp8-$dt" 0 "$f" --dtype $dt --kv-cache-dtype fp8 --json "$D/fmt-$n-fp8-$dt.json"
+        done
+    done
+    for fault in kv_scale_twice kv_scale_inverted kv_saturate_240; do
+        run1 "fmt-v3-fp8-$fault" 1 $V3 --dtype bf16 --kv-cache-dtype fp8 --inject $fault --json "$D/fmt-v3-fp8-$fault.json"
+        echo "    first check: $(first_check "$D/fmt-v3-fp8-$fault.json") (want cache_rows)"
+    done
 }
 # dsa1 NAME GGUF DTYPE PROMPT CHUNK DECODE SPLITS [ARGS…]: one sparse run in the background.
 dsa1() {

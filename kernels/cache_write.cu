@@ -45,12 +45,13 @@ extern "C" __global__ void copy_heads(const dt* src, long long src_rs, long long
 // ---- quantized cache formats (run --kv-cache-dtype; src/kv_format/, docs/cache-formats.md) ----------
 //
 // MLA_KV_FORMAT (defined only for this module, only when the run stores a quantized cache):
+//   1 = fp8              the row's width in e4m3 (rope included), one f32 scale per layer (`ts`)
 //   2 = fp8_ds_mla       656 B: 512 e4m3 latent (4 tiles of 128, one f32 scale each) + 64 bf16 rope
 //   3 = fp8_ds_mla_nope  656 B: as 2, the 128 tail bytes reserved (written 0), no rope
 //   4 = fp8_v41          528 B: 512 e4m3 (rope included, 16 groups of 32) + 16 ue8m0 scales
 //   5 = fp4_v41          288 B: 512 e2m1 (two per byte, column 2k low nibble) + 32 e4m3 scales (per 16)
-// (1 would be the per-tensor `fp8`: its scale is calibrated on every row of the layer, which this path
-// writes step by step, so the host refuses it on CUDA.)
+// The per-tensor `fp8`'s scale is calibrated on every row of the layer (the host's pass over the dtype's
+// cache, src/backend/cuda/trace.rs), so it comes in as the argument `ts`; the other formats ignore it.
 //
 // Design: the cache's bytes live in `kv` ([pool slots, KV_BYTES]); the paged pool the attention kernels
 // read (`pool`, the run's dtype) is a staging copy of what a reader dequantizes from those bytes, written
@@ -58,13 +59,20 @@ extern "C" __global__ void copy_heads(const dt* src, long long src_rs, long long
 // load would read). Every dequantized value is q·s with s a power of two (ds_mla, v41) or an e4m3 value
 // times an e2m1 value (fp4): at most 6 significant bits, exact in bf16, fp16 and f32, so the staging
 // copy holds exactly the f32 values src/kv_format/codec.rs `Codec::decode` gives, and every attention kernel
-// (decode, the prefill context pass, sparse_attn, the aimed batches) reads the format unchanged.
+// (decode, the prefill context pass, sparse_attn, the aimed batches) reads the format unchanged. The
+// per-tensor `fp8`'s q·s (an arbitrary f32 scale) is not exact in bf16 or fp16: its staging copy holds it
+// rounded to the run's dtype, as vLLM's Triton decode reads its fp8 cache ((k·k_scale).to(q.dtype)); the
+// judge bounds `cache_rows` by the format's rounding plus that one (src/compare/local/cache.rs).
 //
 // The arithmetic is src/kv_format/codec.rs's, operation for operation: x / s and q · s as IEEE f32 (__fdiv_rn,
 // __fmul_rn: no contraction, no fast division), e4m3 round to nearest even saturating at 448.
 #if defined(MLA_KV_FORMAT) && MLA_KV_FORMAT > 0
 
-#if MLA_KV_FORMAT == 2 || MLA_KV_FORMAT == 3
+#if MLA_KV_FORMAT == 1
+#define KV_BYTES MLA_ROW
+#define KV_GROUP MLA_ROW
+#define KV_QUANT MLA_ROW
+#elif MLA_KV_FORMAT == 2 || MLA_KV_FORMAT == 3
 #define KV_BYTES 656
 #define KV_GROUP 128
 #define KV_QUANT MLA_LKV  // quantized columns: the latent; the rope stays bf16 at byte 528
@@ -77,10 +85,10 @@ extern "C" __global__ void copy_heads(const dt* src, long long src_rs, long long
 #define KV_GROUP 16
 #define KV_QUANT MLA_ROW
 #else
-#error "MLA_KV_FORMAT must be 2..5"
+#error "MLA_KV_FORMAT must be 1..5"
 #endif
 #define KV_NGROUPS (KV_QUANT / KV_GROUP)
-#if KV_QUANT % KV_GROUP != 0 || (MLA_KV_FORMAT != 2 && MLA_KV_FORMAT != 3 && KV_QUANT != 512)
+#if KV_QUANT % KV_GROUP != 0 || (MLA_KV_FORMAT >= 4 && KV_QUANT != 512)
 #error "the model's row does not fit MLA_KV_FORMAT (src/kv_format/mod.rs KvFormat::fits)"
 #endif
 
@@ -183,21 +191,26 @@ __device__ __forceinline__ unsigned kv_bf16_bits(float v) {
     return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
-// The reader: group g's scale from a row's bytes.
-__device__ __forceinline__ float kv_scale_at(const unsigned char* B, int g) {
-#if MLA_KV_FORMAT == 2 || MLA_KV_FORMAT == 3
+// The reader: group g's scale from a row's bytes (`fp8`: the layer's, `ts`).
+__device__ __forceinline__ float kv_scale_at(const unsigned char* B, int g, float ts) {
+#if MLA_KV_FORMAT == 1
+    (void)B, (void)g;
+    return ts;
+#elif MLA_KV_FORMAT == 2 || MLA_KV_FORMAT == 3
     const unsigned char* p = B + 512 + 4 * g;  // f32, little-endian
     return __uint_as_float((unsigned)p[0] | ((unsigned)p[1] << 8) | ((unsigned)p[2] << 16) | ((unsigned)p[3] << 24));
 #elif MLA_KV_FORMAT == 4
+    (void)ts;
     return __uint_as_float((unsigned)B[512 + g] << 23);  // ue8m0: 2^(b - 127)
 #else
+    (void)ts;
     return e4m3_value(B[256 + g]);
 #endif
 }
 
 // The reader: column i of a row's bytes as the f32 value a kernel computes with (src/kv_format/codec.rs
 // `Codec::decode`, its reader faults at the same lines).
-__device__ __forceinline__ float kv_read(const unsigned char* B, int i) {
+__device__ __forceinline__ float kv_read(const unsigned char* B, int i, float ts) {
     if (i >= KV_QUANT) {
         // fp8_ds_mla's rope: bf16 at byte 528, not quantized.
         const int k = 528 + 2 * (i - KV_QUANT);
@@ -208,7 +221,7 @@ __device__ __forceinline__ float kv_read(const unsigned char* B, int i) {
     // Planted bug: the next group's scale (an off-by-one scale index).
     g = (g + 1) % KV_NGROUPS;
 #endif
-    const float s = kv_scale_at(B, g);
+    const float s = kv_scale_at(B, g, ts);
 #if MLA_KV_FORMAT == 5
     const float q = e2m1_value((B[i / 2] >> (4 * (i % 2))) & 0xfu);
 #else
@@ -229,9 +242,9 @@ __device__ __forceinline__ float kv_read(const unsigned char* B, int i) {
 // KV_BYTES bytes at its slot of `kv`, then read back from those bytes into the pool row the attention
 // kernels read. The slot and row-order faults as in cache_write. `first_req_rows`: the launch's rows of
 // its first request (blocks past it are later requests' rows, a write launch over a batch); the run's
-// own launches are one request each and pass n.
+// own launches are one request each and pass n. `ts`: the per-tensor `fp8`'s scale (unused otherwise).
 extern "C" __global__ void cache_write_format(const dt* rows, dt* pool, unsigned char* kv, const int* table, int t0,
-                                              int first_req_rows) {
+                                              int first_req_rows, float ts) {
     __shared__ float x[MLA_ROW];
     __shared__ float scale[KV_NGROUPS];
     __shared__ unsigned char b[KV_BYTES];
@@ -250,12 +263,16 @@ extern "C" __global__ void cache_write_format(const dt* rows, dt* pool, unsigned
     }
     for (int i = threadIdx.x; i < KV_BYTES; i += blockDim.x) b[i] = 0;
     __syncthreads();
+#if MLA_KV_FORMAT == 1
+    if (threadIdx.x == 0) scale[0] = ts;
+#else
     // Scales: one thread per group, amax in column order (fmaxf skips NaN, as Rust's f32::max).
     for (int g = threadIdx.x; g < KV_NGROUPS; g += blockDim.x) {
         float amax = 0.f;
         for (int i = 0; i < KV_GROUP; ++i) amax = fmaxf(amax, fabsf(x[g * KV_GROUP + i]));
         scale[g] = kv_group_scale(amax);
     }
+#endif
     __syncthreads();
 #if MLA_KV_FORMAT == 5
     // fp4: byte k holds columns 2k (low nibble) and 2k+1 (high); a zero scale stores code 0.
@@ -270,7 +287,7 @@ extern "C" __global__ void cache_write_format(const dt* rows, dt* pool, unsigned
     for (int i = threadIdx.x; i < KV_QUANT; i += blockDim.x) b[i] = kv_fp8(x[i], scale[i / KV_GROUP]);
 #if MLA_KV_FORMAT == 4
     for (int g = threadIdx.x; g < KV_NGROUPS; g += blockDim.x) b[512 + g] = (unsigned char)(__float_as_uint(scale[g]) >> 23);
-#else
+#elif MLA_KV_FORMAT == 2 || MLA_KV_FORMAT == 3
     for (int g = threadIdx.x; g < KV_NGROUPS; g += blockDim.x) {
         const unsigned u = __float_as_uint(scale[g]);
         for (int j = 0; j < 4; ++j) b[512 + 4 * g + j] = (unsigned char)(u >> (8 * j));
@@ -309,6 +326,6 @@ extern "C" __global__ void cache_write_format(const dt* rows, dt* pool, unsigned
 #endif
     __syncthreads();  // the block's global writes visible to the block's reads below
     dt* dst = pool + slot * MLA_ROW;
-    for (int c = threadIdx.x; c < MLA_ROW; c += blockDim.x) dst[c] = from_f(kv_read(B, c));
+    for (int c = threadIdx.x; c < MLA_ROW; c += blockDim.x) dst[c] = from_f(kv_read(B, c, ts));
 }
 #endif

@@ -354,6 +354,11 @@ pub struct LayerTrace {
     /// The byte format the path stored its latent cache in (`auto`: the run's dtype); `cache_rows` is
     /// then the rows as its reader decodes them, and the judge bounds them by the format's rounding.
     pub cache_format: crate::kv_format::KvFormat,
+    /// The type the path's reader rounds a quantized cache's decoded rows to (`None`: read as the f32
+    /// `q · s`): the per-tensor `fp8` on CUDA, whose staging pool is the run's dtype, as vLLM's Triton
+    /// decode reads its fp8 cache (`(k · k_scale).to(q.dtype)`). The judge adds that rounding to the
+    /// format's bound on `cache_rows`.
+    pub cache_dequant: Option<crate::precision::Dtype>,
 }
 
 impl LayerTrace {
@@ -365,6 +370,7 @@ impl LayerTrace {
             cache_effect: Vec::new(),
             storage: Vec::new(),
             cache_format: Default::default(),
+            cache_dequant: None,
         }
     }
     pub fn push(&mut self, t: StageTensor) {

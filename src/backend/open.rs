@@ -130,14 +130,7 @@ impl Factory {
                 d.display()
             )));
         }
-        // The CUDA kernels write and read every per-row format (kernels/cache_write.cu), not the
-        // per-tensor `fp8`; a runner takes the formats its describe lists (`RunnerBackend::open`).
         let kv = o.kv_format;
-        if kv == crate::kv_format::KvFormat::Fp8 && kind == Kind::Cuda {
-            return Err(crate::error::Error::Usage(
-                "--kv-cache-dtype fp8: the per-tensor scale is calibrated on every row the layer writes, which the CUDA path writes step by step (no calibration pass yet), and its dequantized rows q·s are not exact in bf16/fp16; use --backend cpu, or a per-row format (fp8_ds_mla, fp8_ds_mla_nope, fp8_v41, fp4_v41)".into(),
-            ));
-        }
         let mut b: Box<dyn Backend> = match kind {
             Kind::Cpu => Box::new(CpuMirror::new(o.dtype).with_kv_format(o.kv_format)),
             Kind::Capture => {

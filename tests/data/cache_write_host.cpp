@@ -3,7 +3,7 @@
 // built with -ffp-contract=off; __float2int_rn: nearest even), one thread per block, so the kernel's
 // loops run in order. `cw.inc` is cache_write.cu without its `#include "common.cuh"` (the storage type is
 // f32 here: the dequantized values are exact in bf16 and fp16 too, see the kernel's comment).
-// argv: n [first_req_rows]; stdin: n rows of MLA_ROW f32 bit patterns (hex); stdout per row: its KV_BYTES bytes (hex), then the
+// argv: n [first_req_rows [ts]] (ts: the per-tensor `fp8`'s scale, f32 bits in hex; default 1); stdin: n rows of MLA_ROW f32 bit patterns (hex); stdout per row: its KV_BYTES bytes (hex), then the
 // pool row read back from them (f32 bits, hex).
 #include <cstdio>
 #include <cstring>
@@ -38,7 +38,8 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < table.size(); ++i) table[i] = (int)i;
     // One launch of n blocks; argv[2] (default n): the launch's rows of its first request.
     int first = argc > 2 ? atoi(argv[2]) : n;
-    for (int t = 0; t < n; ++t) { blockIdx.x = (unsigned)t; cache_write_format(rows.data(), pool.data(), kv.data(), table.data(), 0, first); }
+    float ts = argc > 3 ? __uint_as_float((unsigned)strtoul(argv[3], nullptr, 16)) : 1.f;
+    for (int t = 0; t < n; ++t) { blockIdx.x = (unsigned)t; cache_write_format(rows.data(), pool.data(), kv.data(), table.data(), 0, first, ts); }
     for (int t = 0; t < n; ++t) {
         for (int i = 0; i < KV_BYTES; ++i) printf("%02x", kv[(size_t)t * KV_BYTES + i]);
         printf("\n");

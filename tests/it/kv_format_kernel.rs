@@ -63,6 +63,8 @@ fn cache_write_format_is_the_codec_bit_for_bit() {
     use KvFormat::*;
     let mut cases = Vec::new();
     for (f, lkv, r, code) in [
+        (Fp8, 512, 64, 1),
+        (Fp8, 256, 32, 1),
         (Fp8DsMla, 512, 64, 2),
         (Fp8DsMlaNope, 512, 0, 3),
         (Fp8V41, 448, 64, 4),
@@ -90,9 +92,15 @@ fn cache_write_format_is_the_codec_bit_for_bit() {
         let w = lkv + r;
         let x = cache_rows(n, w, 0x9e37_79b9_7f4a_7c15);
         let input: String = x.iter().map(|v| format!("{:08x} ", v.to_bits())).collect();
+        // `fp8`: the layer's scale, calibrated on all its rows as the host does; ignored by the others.
+        let ts = match f {
+            Fp8 => mla_diff::kv_format::tensor_scale(&x),
+            _ => 1.0,
+        };
         let mut child = Command::new(&bin)
             .arg(n.to_string())
             .arg(first.to_string())
+            .arg(format!("{:08x}", ts.to_bits()))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -109,7 +117,7 @@ fn cache_write_format_is_the_codec_bit_for_bit() {
         let what = format!("{f} {}", fault.map_or("clean", |f| f.info().name));
         assert_eq!(lines.len(), 2 * n, "{what}");
         let fx = fault.map_or(Active::NONE, |ff| Active::NONE.with(ff));
-        let c = Codec::new(f, lkv, r).with_faults(fx);
+        let c = Codec::new(f, lkv, r).with_tensor_scale(ts).with_faults(fx);
         for t in 0..n {
             let row = &x[t * w..(t + 1) * w];
             let mut b = vec![0xffu8; c.bytes()];

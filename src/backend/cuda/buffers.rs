@@ -44,6 +44,8 @@ pub struct Sizes {
     pub scale_log2: f32,
     /// A quantized cache's bytes per token (`kv_format`; 0: the cache is the run's dtype).
     pub kv_bytes: usize,
+    /// The per-tensor `fp8`'s scale for this layer (1 until calibrated; the per-row formats ignore it).
+    pub tensor_scale: f32,
 }
 
 impl Sizes {
@@ -68,6 +70,7 @@ impl Sizes {
             eps: cfg.rms_eps as f32,
             scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
             kv_bytes: 0,
+            tensor_scale: 1.0,
         }
     }
 

@@ -161,6 +161,7 @@ impl Layer<'_> {
             Some(f) => CacheWriteFormat {
                 rows: n,
                 first_token: t0,
+                tensor_scale: self.z.tensor_scale,
             }
             .launch(f, kv_rows, a.pool.ptr, a.kv_bytes.ptr, a.table.ptr),
             None => CacheWrite {

@@ -114,6 +114,8 @@ impl CacheWrite {
 pub struct CacheWriteFormat {
     pub rows: usize,
     pub first_token: usize,
+    /// The per-tensor `fp8`'s scale (ignored by the per-row formats).
+    pub tensor_scale: f32,
 }
 
 impl CacheWriteFormat {
@@ -121,6 +123,7 @@ impl CacheWriteFormat {
         let t0 = self.first_token as i32;
         // The launch's rows are one request's (`MLA_FAULT_KV_SCALE_UNWRITTEN` needs a batched launch).
         let first_req_rows = self.rows as i32;
+        let ts = self.tensor_scale;
         launch(
             f,
             "cache_write_format",
@@ -134,16 +137,17 @@ impl CacheWriteFormat {
                 arg(&table),
                 arg(&t0),
                 arg(&first_req_rows),
+                arg(&ts),
             ],
         )
     }
 }
 
-/// kernels/cache_write.cu's `MLA_KV_FORMAT` for a cache format; `None`: no CUDA writer (the dtype's
-/// cache, and the per-tensor `fp8`, whose scale is calibrated on every row of the layer).
+/// kernels/cache_write.cu's `MLA_KV_FORMAT` for a cache format; `None`: the dtype's cache.
 pub fn kv_format_code(kv: KvFormat) -> Option<u32> {
     match kv {
-        KvFormat::Auto | KvFormat::Fp8 => None,
+        KvFormat::Auto => None,
+        KvFormat::Fp8 => Some(1),
         KvFormat::Fp8DsMla => Some(2),
         KvFormat::Fp8DsMlaNope => Some(3),
         KvFormat::Fp8V41 => Some(4),
@@ -355,8 +359,7 @@ impl LayerKernels {
     }
 
     /// The writer of a quantized cache in `kv`'s byte format (kernels/cache_write.cu, compiled with
-    /// `MLA_KV_FORMAT`; a plain run's modules and their cache keys are unchanged). The per-tensor `fp8`
-    /// has no kernel (its scale is calibrated on every row of the layer: refused on CUDA).
+    /// `MLA_KV_FORMAT`; a plain run's modules and their cache keys are unchanged).
     pub fn with_kv_format(mut self, k: &mut Kernels, dims: &Dims, kv: KvFormat) -> Result<Self> {
         if kv.is_auto() {
             return Ok(self);

@@ -399,7 +399,7 @@ impl Backend for CudaBackend {
         let w = &self.uploaded.as_ref().expect("uploaded").1;
         let t1 = std::time::Instant::now();
         let a = Acts::alloc(ctx, &z, x, w.lq)?;
-        let layer = Layer {
+        let mut layer = Layer {
             gpu: &self.gpu,
             blas: &self.blas,
             k: &k,
@@ -410,6 +410,12 @@ impl Backend for CudaBackend {
             debug: self.opts.debug,
             sparse: sparse.as_ref(),
         };
+        // A quantized cache: the layer over the dtype's cache first (the format's effect is measured
+        // against it, and the per-tensor `fp8`'s scale calibrated on its rows, which are this pass's).
+        let plain = layer.plain_trace(ctx, x, w.lq, kv)?;
+        if let (crate::kv_format::KvFormat::Fp8, Some(p)) = (kv, &plain) {
+            layer.z.tensor_scale = trace::tensor_scale(p);
+        }
         layer.prefill(sched)?;
         layer.decode(sched)?;
         layer.finish()?;
@@ -425,7 +431,7 @@ impl Backend for CudaBackend {
         let t2 = std::time::Instant::now();
         let trace = layer
             .trace(ctx.layer)
-            .and_then(|t| layer.cache_effect(ctx, x, w.lq, kv, t));
+            .map(|t| trace::with_cache_effect(t, plain.as_ref(), kv, dt));
         let t3 = std::time::Instant::now();
         for (s, d) in self.spent.iter_mut().zip([t1 - t0, t2 - t1, t3 - t2]) {
             *s += d.as_secs_f64();

@@ -116,22 +116,19 @@ impl Layer<'_> {
 }
 
 impl Layer<'_> {
-    /// `tr` (this layer over a cache in `kv`) with the format named and its effect on each stage it
-    /// reaches, as the CPU mirror pushes it (`trace::CacheEffect`, which widens the end-to-end checks;
-    /// the stage-local view bounds the stages by the format's rounding instead): the layer run again
-    /// over the dtype's cache (the same kernels with `cache_write`, fresh activations; no batches), its
-    /// stages subtracted from `tr`'s. `auto`: `tr` unchanged.
-    pub fn cache_effect(
+    /// This layer over the dtype's cache (the same kernels with `cache_write`, fresh activations; no
+    /// batches), for a run over a quantized cache in `kv` (`None` for `auto`): what the format's effect
+    /// is measured against ([`with_cache_effect`]), and the rows the per-tensor `fp8`'s scale is
+    /// calibrated on ([`tensor_scale`]).
+    pub fn plain_trace(
         &self,
         ctx: &crate::backend::LayerCtx,
         x: &ndarray::Array2<f64>,
         lq: usize,
         kv: KvFormat,
-        mut tr: LayerTrace,
-    ) -> Result<LayerTrace> {
-        tr.cache_format = kv;
+    ) -> Result<Option<LayerTrace>> {
         if kv.is_auto() {
-            return Ok(tr);
+            return Ok(None);
         }
         let z = super::buffers::Sizes {
             kv_bytes: 0,
@@ -142,8 +139,37 @@ impl Layer<'_> {
         plain.prefill(ctx.sched)?;
         plain.decode(ctx.sched)?;
         plain.finish()?;
-        let plain = plain.trace(ctx.layer)?;
-        tr.cache_effect = CacheEffect::between(&tr.stages, &plain.stages, kv.name());
-        Ok(tr)
+        plain.trace(ctx.layer).map(Some)
     }
+}
+
+/// The per-tensor `fp8`'s scale of a layer: `kv_format::tensor_scale` over the rows it writes (its
+/// `kv_latent` and `k_pe` stages), the calibration the CPU mirror and the judge make on the same rows.
+pub fn tensor_scale(plain: &LayerTrace) -> f32 {
+    let rows = [Stage::KvLatent, Stage::KPe]
+        .into_iter()
+        .filter_map(|s| plain.get(s))
+        .flat_map(|t| t.data.iter().map(|&v| v as f32))
+        .collect::<Vec<f32>>();
+    crate::kv_format::tensor_scale(&rows)
+}
+
+/// `tr` (the layer over a cache in `kv`) with the format named and its effect on each stage it reaches,
+/// as the CPU mirror pushes it (`trace::CacheEffect`, which widens the end-to-end checks; the
+/// stage-local view bounds the stages by the format's rounding instead): `plain`'s stages subtracted
+/// from `tr`'s. The per-tensor `fp8`'s rows are read from the dtype's staging pool (`cache_dequant`).
+pub fn with_cache_effect(
+    mut tr: LayerTrace,
+    plain: Option<&LayerTrace>,
+    kv: KvFormat,
+    dt: Dtype,
+) -> LayerTrace {
+    tr.cache_format = kv;
+    if let Some(plain) = plain {
+        tr.cache_effect = CacheEffect::between(&tr.stages, &plain.stages, kv.name());
+    }
+    if kv == KvFormat::Fp8 && dt != Dtype::F32 {
+        tr.cache_dequant = Some(dt);
+    }
+    tr
 }

@@ -28,9 +28,22 @@ pub(super) fn rows(vw: &View, o_lat: &Array2<f64>, o_kpe: &Array2<f64>, out: &mu
             .flat_map(|x| codec.bound(x))
             .collect::<Vec<f64>>()
     });
-    let var = match &bound {
+    let mut var: Vec<f64> = match &bound {
         Some(b) => b.iter().map(|b| b * b / 3.0).collect(),
         None => vec![0.0; n_rows],
+    };
+    // A reader that rounds the decoded q·s to its type: half that type's spacing at |q·s| ≤ |x| + b
+    // more, rounding uniform over it.
+    let bound = match (bound, opt.cache_dequant.map(Store::from)) {
+        (Some(mut b), Some(st)) => {
+            for ((b, v), x) in b.iter_mut().zip(&mut var).zip(&rows) {
+                let half = st.ulp(x.abs() + *b) / 2.0;
+                *b += half;
+                *v += half * half / 3.0;
+            }
+            Some(b)
+        }
+        (b, _) => b,
     };
     out.push(Stage::CacheRows, rows, var);
     let last = out.stages.last_mut().expect("pushed");
