@@ -31,7 +31,12 @@ FlashMLASchedMeta. That kernel takes q in e4m3 too (its check: "query and key mu
 dtype") with a one-element `descale_q`, so the runner declares `conventions.q_fp8: "fp8"`: mla-diff
 then sends q on the e4m3 grid of a power-of-two scale, `meta.q_scale`, and the cast here is exact
 (checked: a q off that grid is an error). Without `meta.q_scale` (a lint probe) the same rule's scale is
-taken over the q sent. Its output is bf16 only: an fp16 request with the fp8 cache is unsupported.
+taken over the q sent. Its P·V is an fp8 MMA too: P = exp2(s·scale − running max) is converted to
+e4m3 as is (no scale; `convert_type_out(tOrP_acc, tOrP)` in `compute_attn_1rowblock_splitkv_mla`,
+csrc/extension/sm90/dense_fp8/flash_fwd_mla_kernel.h), multiplied by the raw e4m3 cache, and the sum
+is divided by the row sum of P unrounded times `descale_k` (softmax.h `normalize_softmax_lse`; the LSE
+from that unrounded sum), so the runner declares `conventions.p_fp8: "fp8"` too. Its output is bf16
+only: an fp16 request with the fp8 cache is unsupported.
 
 Needs: an SM90 GPU (H100/H200/H800), torch, safetensors, and flash_mla: `sgl-flash-mla` 1.0.0
 (runners/fetch_peers.sh packs its wheel's contents into .carry/peers/sgl_flash_mla.tar.xz; unpack
@@ -131,7 +136,7 @@ class FlashMLA(protocol.TorchRunner):
                 "max_q_len": None,
                 **({"cache_formats": ["fp8"]} if self.fp8 else {}),
             },
-            "conventions": {"lse_base": "e", "lse_layout": "head_token", **({"q_fp8": "fp8"} if self.fp8 else {})},
+            "conventions": {"lse_base": "e", "lse_layout": "head_token", **({"q_fp8": "fp8", "p_fp8": "fp8"} if self.fp8 else {})},
         }
 
     def decode_kernel(self, x, meta):

@@ -45,7 +45,11 @@ Switches for tests (environment; a correct kernel either way, each a shape real 
   `=nan-naive-merge` merges them as `Σ w·out` without the mask, so 0·NaN poisons the merge (a bug).
 - `MLA_DIFF_NUMPY_CACHE_IN_DTYPE=1`: with a quantized cache the decode rounds the dequantized rows
   (q·s in float32) to the run's dtype before attending, as vLLM's Triton decode does over the fp8 cache
-  (`(k.to(float32) * ks).to(q.dtype)`, the same for v).
+  (`(k.to(float32) * ks).to(q.dtype)`, nope and rope; MLA's V is the same rounded rows), and says so
+  (`conventions.cache_dequant: "dtype"`).
+- `MLA_DIFF_NUMPY_P_FP8=1`: with the `fp8` cache the decode rounds P = exp(s − max) (≤ 1, unscaled) to
+  e4m3 before P·V and divides by the sum of P unrounded, as FlashMLA's dense fp8 decode does, and says
+  so (`conventions.p_fp8: "fp8"`).
 - `MLA_DIFF_NUMPY_Q_FP8=1`: with the `fp8` cache the decode reads q in e4m3 too, on the grid of
   `meta.q_scale` (FlashMLA's dense fp8 decode), and says so (`conventions.q_fp8: "fp8"`).
 
@@ -118,7 +122,9 @@ class NumpyMLA(protocol.NumpyRunner):
                 "cache_formats": list(protocol.CACHE_FORMATS),
             },
             "conventions": {"lse_base": "e", "lse_layout": "token_head",
-                            **({"q_fp8": "fp8"} if self.declares_q_fp8() else {})},
+                            **({"q_fp8": "fp8"} if self.declares_q_fp8() else {}),
+                            **({"cache_dequant": "dtype"} if self.declares_cache_dequant() else {}),
+                            **({"p_fp8": "fp8"} if self.declares_p_fp8() else {})},
             "batch_invariant": True,
         }
 
@@ -136,6 +142,32 @@ class NumpyMLA(protocol.NumpyRunner):
 
     def declares_q_fp8(self):
         return self.q_fp8()
+
+    def cache_in_dtype(self):
+        """Whether the decode rounds a quantized cache's dequantized rows to the run's dtype
+        (`MLA_DIFF_NUMPY_CACHE_IN_DTYPE=1`)."""
+        return os.environ.get("MLA_DIFF_NUMPY_CACHE_IN_DTYPE") == "1"
+
+    def declares_cache_dequant(self):
+        return self.cache_in_dtype()
+
+    def p_fp8(self):
+        """Whether the decode rounds P to e4m3 before P·V with the `fp8` cache (`MLA_DIFF_NUMPY_P_FP8=1`)."""
+        return os.environ.get("MLA_DIFF_NUMPY_P_FP8") == "1"
+
+    def declares_p_fp8(self):
+        return self.p_fp8()
+
+    def pv_read(self, p, values, fmt):
+        """The decode's P·V as its kernel reads P: with `p_fp8()` and the `fp8` cache, P against the
+        row's max (exp(s − m) ≤ 1) on the e4m3 grid, the product then divided by the sum of P unrounded
+        (p is normalised: p / max(p) is exp(s − m), and max(p) is 1 / that sum); else `pv`."""
+        if not self.p_fp8() or fmt != "fp8":
+            return self.pv(p, values)
+        top = np.max(p, axis=-1, keepdims=True) if p.shape[-1] else np.ones(p.shape[:-1] + (1,), np.float32)
+        top = np.where(top > 0, top, np.float32(1))
+        e = protocol.e4m3_round(p / top).astype(np.float32)
+        return (self.pv(e, values) * top).astype(np.float32)
 
     def query(self, q, meta):
         """The decode's q `[..., r + rope]` float32 as its kernel reads it: with `q_fp8()` and the `fp8`
@@ -254,7 +286,7 @@ class NumpyMLA(protocol.NumpyRunner):
         dtype = meta["dtype"]
         if fmt:
             cache = self.dequantize_cache(cache, fmt, r, rope, cm.get("scale"))
-            if os.environ.get("MLA_DIFF_NUMPY_CACHE_IN_DTYPE") == "1":
+            if self.cache_in_dtype():
                 cache = protocol.round_to(cache, dtype)
         if cache.shape[-1] != r + rope:
             raise ValueError(f"kv_cache rows are {cache.shape[-1]} wide, expected {r} + {rope}")
@@ -271,13 +303,13 @@ class NumpyMLA(protocol.NumpyRunner):
             length = int(seqlens[b])
             scores, latent = self.entry_scores(q[b], cache, table[b], length, page, r, rope, scale)
             p, l = softmax_rows(scores)
-            out[b] = self.pv(p, latent)
+            out[b] = self.pv_read(p, latent, fmt)
             lse[b] = l
             for k, (lo, hi) in enumerate(self.split_bounds(length, n_splits)):
                 if hi <= lo:
                     continue
                 ps, ls = softmax_rows(scores[:, :, lo:hi])
-                split_out[b, :, :, k] = self.pv(ps, latent[lo:hi])
+                split_out[b, :, :, k] = self.pv_read(ps, latent[lo:hi], fmt)
                 split_lse[b, :, :, k] = ls
         empty = os.environ.get("MLA_DIFF_NUMPY_EMPTY_SPLITS", "")
         if empty:

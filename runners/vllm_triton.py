@@ -26,8 +26,11 @@ fp8 cache (`run --kv-cache-dtype fp8`; `supports.cache_formats`, where decode_at
 `k_scale`): the decode's `kv_cache` comes as u8 bytes of the per-tensor `fp8` format, handed to the
 kernel unchanged as a float8_e4m3fn view (vLLM's CUDA fp8 cache dtype) with `meta.cache.scale` as a
 0-dim float32 `k_scale` and `v_scale` both (TritonMLAImpl passes the layer's `_k_scale` for both: the
-latent is K and V). The kernel multiplies (e4m3·ks in float32, then rounded to q's dtype before its
-dots: that rounding is the kernel's own, judged at `@runner`); q stays in the run's dtype.
+latent is K and V). The kernel multiplies e4m3·ks in float32 and rounds the product to q's dtype before
+its dots, the nope and the rope columns alike (`_fwd_grouped_kernel_stage1`: `k = (k.to(tl.float32) *
+ks).to(q.dtype)`, `kpe = (kpe.to(tl.float32) * ks).to(qpe.dtype)`), and with `is_mla` its V is those
+same rounded rows (`v = tl.trans(k)`), so the runner declares `conventions.cache_dequant: "dtype"`:
+mla-diff judges it over the rows so rounded. q stays in the run's dtype.
 
 Conventions: lse_base e, lse_layout head_token (decode [B, H, 1], prefill [H, n]); decode LSE in
 q's dtype, prefill LSE float32; outputs in the input dtype; split partials float32.
@@ -147,7 +150,8 @@ class VllmTriton(protocol.TorchRunner):
                 "max_q_len": 1,
                 **({"cache_formats": ["fp8"]} if self.fp8 else {}),
             },
-            "conventions": {"lse_base": "e", "lse_layout": "head_token"},
+            "conventions": {"lse_base": "e", "lse_layout": "head_token",
+                            **({"cache_dequant": "dtype"} if self.fp8 else {})},
         }
 
     def decode_kernel(self, x, meta):

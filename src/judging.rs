@@ -64,6 +64,20 @@ pub struct Judging {
     /// takes every P, the max's too, rounded at the worst place of its binade, and the stored partials
     /// with the noise of a fresh computation.
     pub known_attention: bool,
+    /// Whether its prefill reads the context's keys rounded to the attention type: a runner's prefill
+    /// op is sent them in the dtype, so the rope keys of a per-tensor `fp8` cache (e4m3·amax/448,
+    /// generally off the bf16/fp16 grid) arrive rounded. The stage-local view then carries each
+    /// rounding's exact error (`Att::key_round_errors`); a path that attends over the rows as decoded
+    /// (the CPU mirror) has none to carry.
+    pub context_keys_in_dtype: bool,
+    /// Whether its decode reads the cache rows rounded to the attention type after dequantizing them
+    /// (a runner's `conventions.cache_dequant: "dtype"`, vLLM's Triton decode over the `fp8` cache): the
+    /// stage-local view attends over the rows so rounded, exactly.
+    pub decode_cache_in_dtype: bool,
+    /// Whether its decode rounds P (exp(s − running max), ≤ 1) to float8 e4m3, unscaled, before P·V,
+    /// its row sum and LSE from P unrounded (a runner's `conventions.p_fp8`, FlashMLA's dense fp8
+    /// decode): the stage-local view's P rounding is e4m3's, not the attention type's.
+    pub decode_p_e4m3: bool,
     /// How it sums an attention score's dot product: the stage-local view models that sum's noise
     /// (and, on tensor cores, the truncating accumulator's one-signed bias: on the H200 most of a GLM-5
     /// split_lse's error). Unknown kernels get the conservative model.
@@ -85,6 +99,9 @@ impl Default for Judging {
             outside_local_view: StageSet::NONE,
             sparse_layers: SparseLayers::default(),
             known_attention: true,
+            context_keys_in_dtype: false,
+            decode_cache_in_dtype: false,
+            decode_p_e4m3: false,
             score_sum: ScoreSum::Sequential,
             key_tiles: KeyTiles::default(),
         }
@@ -107,12 +124,16 @@ impl Judging {
     }
 
     /// What a wrapper that runs its inner path dense and whole keeps of the inner path's value: how
-    /// its attention is computed (`known_attention`, `score_sum`, `key_tiles`), and nothing of DSA,
+    /// its attention is computed (`known_attention`, the roundings of what it reads, `score_sum`,
+    /// `key_tiles`), and nothing of DSA,
     /// the batches' cache format or the stages outside the local view (`tp`'s ranks, which put their
     /// own `outside_local_view` back).
     pub fn attention_only(self) -> Judging {
         Judging {
             known_attention: self.known_attention,
+            context_keys_in_dtype: self.context_keys_in_dtype,
+            decode_cache_in_dtype: self.decode_cache_in_dtype,
+            decode_p_e4m3: self.decode_p_e4m3,
             score_sum: self.score_sum,
             key_tiles: self.key_tiles,
             ..Judging::default()
@@ -131,6 +152,7 @@ mod tests {
         let d = Judging::default();
         assert!(!d.sparse && !d.batch_cache_in_format && !d.has_indexer && !d.has_kpool_indexer);
         assert!(!d.sparse_prefill_absorbed && d.known_attention);
+        assert!(!d.context_keys_in_dtype && !d.decode_cache_in_dtype && !d.decode_p_e4m3);
         assert_eq!(d.outside_local_view, StageSet::NONE);
         assert_eq!(d.score_sum, ScoreSum::Sequential);
         let all = Judging {
@@ -145,6 +167,9 @@ mod tests {
                 outside_local_view: StageSet::ALL,
             },
             known_attention: false,
+            context_keys_in_dtype: true,
+            decode_cache_in_dtype: true,
+            decode_p_e4m3: true,
             score_sum: ScoreSum::Lanes8,
             key_tiles: KeyTiles {
                 prefill: vec![crate::tiles::KeyTile::new("t", 64)],
@@ -156,6 +181,9 @@ mod tests {
             kept,
             Judging {
                 known_attention: false,
+                context_keys_in_dtype: true,
+                decode_cache_in_dtype: true,
+                decode_p_e4m3: true,
                 score_sum: ScoreSum::Lanes8,
                 key_tiles: all.key_tiles,
                 ..Judging::default()

@@ -43,6 +43,11 @@ impl Backend for RunnerBackend {
         let o = &self.desc.ops;
         crate::backend::Judging {
             known_attention: false,
+            // Its prefill op is sent every key in the dtype (a quantized cache's context rows
+            // rounded); the decode's reads as it declares them (`reads`).
+            context_keys_in_dtype: o.prefill.is_some(),
+            decode_cache_in_dtype: self.cache_in_dtype(),
+            decode_p_e4m3: self.p_e4m3(),
             // DSA: the runner's sparse ops over an inner path that attends over the selection itself
             // (the phase the runner leaves to it); a runner with neither op is refused past top_k.
             sparse: (o.sparse_prefill.is_some() || o.sparse_decode.is_some()) && inner.sparse,
@@ -132,6 +137,18 @@ impl Backend for RunnerBackend {
         if self.q_fp8() {
             v.push(format!(
                 "runner {} reads q in e4m3 with the fp8 cache (conventions.q_fp8): its decode requests carry q on the e4m3 grid of one power-of-two scale per layer (meta.q_scale); its @runner checks are against fp64 over that q and the cache as read, and the end-to-end decode checks' tolerances include q's quantization with the cache's exact effect",
+                self.desc.name
+            ));
+        }
+        if self.cache_in_dtype() {
+            v.push(format!(
+                "runner {} reads the {} cache's dequantized rows rounded to {} (conventions.cache_dequant): its decode's @runner checks are against fp64 over the rows so rounded, and the stage-local view attends over them",
+                self.desc.name, self.kv.name(), self.dtype.name()
+            ));
+        }
+        if self.p_e4m3() {
+            v.push(format!(
+                "runner {} rounds P to e4m3 before P·V with the fp8 cache (conventions.p_fp8): the stage-local view's decode P rounding, and the bound of its @runner checks, are e4m3's",
                 self.desc.name
             ));
         }

@@ -5,7 +5,7 @@
 //! (a verdict only for a runner that declares `batch_invariant`); and, for a kernel that chooses its
 //! own split partition, its partials by merge consistency.
 
-use super::checks::{against_fp64, e, record, same_bits, RunnerCheck, Status};
+use super::checks::{against_fp64, against_fp64_with, e, record, same_bits, RunnerCheck, Status};
 use super::decode::{Entry, Returned};
 use super::RunnerBackend;
 use crate::backend::LayerCtx;
@@ -124,17 +124,20 @@ impl RunnerBackend {
             l_sout.extend(l.sout);
             l_slse.extend(l.slse);
         }
+        // With P rounded to e4m3 (`conventions.p_fp8`): what that rounding may move each output.
+        let pb = self
+            .p_e4m3()
+            .then(|| super::reads::p_e4m3_bounds(ctx, entries, b.s_q, rows));
         let mut out = vec![
-            self.against_fp64(
-                layer,
-                check,
-                "attn_latent",
-                &l_out,
-                &ret.lat.data,
+            against_fp64_with(
+                self.dtype.name(),
+                (layer, check, "attn_latent"),
+                (&l_out, &ret.lat.data),
                 ret.lat.dtype,
                 terms,
                 |_| false,
                 scope,
+                pb.as_ref().map(|p| p.0.as_slice()),
             ),
             self.against_fp64(
                 layer,
@@ -152,16 +155,15 @@ impl RunnerBackend {
             if !own {
                 // An empty split's out is don't-care: its lse (−inf) weighs it 0 in the merge.
                 let empty = |i: usize| l_slse[i / lkv] == f64::NEG_INFINITY;
-                out.push(self.against_fp64(
-                    layer,
-                    check,
-                    "split_out",
-                    &l_sout,
-                    &so.data,
+                out.push(against_fp64_with(
+                    self.dtype.name(),
+                    (layer, check, "split_out"),
+                    (&l_sout, &so.data),
                     so.dtype,
                     terms,
                     empty,
                     scope,
+                    pb.as_ref().map(|p| p.1.as_slice()),
                 ));
                 out.push(self.against_fp64(
                     layer,
@@ -223,21 +225,26 @@ impl RunnerBackend {
             // metadata): its real rows are held to the @runner bound, not to the bit.
             Ok(p) if own => {
                 let (n, m) = (reqs.len() * h * lkv, reqs.len() * h);
+                // With P rounded to e4m3, each reply carries its own rounding (against its own
+                // running max): twice what one may move each output.
+                let pb = self.p_e4m3().then(|| {
+                    let (o, _) = super::reads::p_e4m3_bounds(ctx, entries, 1, rows);
+                    o.into_iter().map(|x| 2.0 * x).collect::<Vec<f64>>()
+                });
                 let scope = format!(
                     "{scope}, then {} padded entries ({}); own split partition: real rows within the @runner bound of the unpadded reply",
                     pads.len(),
                     pads.join(", ")
                 );
-                out.push(self.against_fp64(
-                    layer,
-                    "padding",
-                    "attn_latent",
-                    &ret.lat.data,
-                    &p.lat.data[..n],
+                out.push(against_fp64_with(
+                    self.dtype.name(),
+                    (layer, "padding", "attn_latent"),
+                    (&ret.lat.data, &p.lat.data[..n]),
                     ret.lat.dtype,
                     terms,
                     |_| false,
                     &scope,
+                    pb.as_deref(),
                 ));
                 out.push(self.against_fp64(
                     layer,

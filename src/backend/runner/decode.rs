@@ -322,7 +322,10 @@ impl RunnerBackend {
         let row = lkv + r;
         let q_abs = stage(tr, Stage::QAbsorbed)?;
         let q_pe_all = stage(tr, Stage::QPe)?;
+        // The rows the kernel attends over: as it decodes the bytes sent, rounded to the dtype
+        // where it declares so (`conventions.cache_dequant`); every yardstick of the layer reads them.
         let rows = self.encode_cache(lkv, r, stage(tr, Stage::CacheRows)?);
+        let rows = self.rows_as_read(rows, dt);
         let q_pe = &q_pe_all[prompt * h * r..];
         // With `conventions.q_fp8`: q on its e4m3 grid in every request of the layer (`q_fp8`), and
         // the entries of q as computed kept for its effect.

@@ -204,15 +204,34 @@ pub struct Conventions {
     /// decode: q and cache both e4m3, one descale each). mla-diff then sends q on that grid with its
     /// scale (`meta.q_scale`) and judges the kernel over that q (`super::q_fp8`). Absent: q as sent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub q_fp8: Option<QFp8With>,
+    pub q_fp8: Option<Fp8With>,
+    /// `"dtype"`: the decode kernel reads a quantized cache as its dequantized rows rounded to the
+    /// run's dtype (vLLM's Triton decode: `(k.to(float32) * k_scale).to(q.dtype)`, nope and rope, its
+    /// V the same rounded rows). mla-diff then judges it over those rounded rows (`super::decode`).
+    /// Absent: the rows as the format decodes them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_dequant: Option<CacheDequant>,
+    /// The cache format with which the decode kernel rounds P (exp(s − running max), ≤ 1) to float8
+    /// e4m3, unscaled, before its P·V (FlashMLA's dense fp8 decode; its row sum and LSE from P
+    /// unrounded). The stage-local view then carries that rounding (`Judging::decode_p_e4m3`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p_fp8: Option<Fp8With>,
 }
 
-/// `conventions.q_fp8`: the cache format that brings q's quantization with it.
+/// `conventions.q_fp8` / `p_fp8`: the cache format that brings the e4m3 read with it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum QFp8With {
+pub enum Fp8With {
     /// The per-tensor `fp8` cache (docs/cache-formats.md).
     Fp8,
+}
+
+/// `conventions.cache_dequant`: how the decode kernel holds the rows it dequantizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheDequant {
+    /// Rounded to the run's dtype (bf16/fp16) before the dots and P·V.
+    Dtype,
 }
 
 /// One request line.
@@ -391,7 +410,10 @@ fn describe_uncached(cmd: &str) -> Result<Describe> {
     // (conventions): a typo that silently widens what the runner claims.
     for (section, known) in [
         ("supports", &SUPPORTS_KEYS[..]),
-        ("conventions", &["lse_base", "lse_layout", "q_fp8"][..]),
+        (
+            "conventions",
+            &["lse_base", "lse_layout", "q_fp8", "cache_dequant", "p_fp8"][..],
+        ),
     ] {
         if let Some(obj) = raw.get(section).and_then(|v| v.as_object()) {
             if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {

@@ -8,7 +8,7 @@
 
 use super::cache::latent_effects;
 use super::decode::Entry;
-use super::protocol::QFp8With;
+use super::protocol::Fp8With;
 use super::RunnerBackend;
 use crate::backend::cpu::front::MirrorWeights;
 use crate::backend::LayerCtx;
@@ -45,7 +45,7 @@ impl RunnerBackend {
     /// Whether this run's decode requests carry q in e4m3: the runner declares it for the run's cache.
     pub(super) fn q_fp8(&self) -> bool {
         match self.desc.conventions.q_fp8 {
-            Some(QFp8With::Fp8) => self.kv == KvFormat::Fp8,
+            Some(Fp8With::Fp8) => self.kv == KvFormat::Fp8,
             None => false,
         }
     }

@@ -2,7 +2,7 @@
 //! merge of attention parts by their lse.
 
 use super::super::noise::{acc_var, Store, F32_OP};
-use super::f32ops::{exp_var, lse_last, lse_rounding, sum_rel_var_seq};
+use super::f32ops::{e4m3_worst_round_var, exp_var, lse_last, lse_rounding, sum_rel_var_seq};
 use super::linear::hidden_round;
 use super::score::Score;
 #[cfg(target_arch = "x86_64")]
@@ -33,6 +33,9 @@ pub(super) struct Path {
     pub(super) dt: Dtype,
     pub(super) online: bool,
     pub(super) sum: ScoreSum,
+    /// P rounded to float8 e4m3 (unscaled, against a running max) before P·V instead of to `dt`
+    /// (`Judging::decode_p_e4m3`); the row sum from P unrounded.
+    pub(super) p_e4m3: bool,
 }
 
 /// One attention over `keys`: output, its variance, lse and its variance.
@@ -238,6 +241,7 @@ pub(super) fn attend_in(
     // Without an online softmax (`Judging::known_attention`), every P at the worst place.
     let rv: Vec<f64> = (0..n)
         .map(|j| match j {
+            _ if path.p_e4m3 => e4m3_worst_round_var(p[j]),
             _ if !online || j < early_end => Store::from(dt).worst_round_var(p[j]),
             _ if j == arg_max => 0.0,
             _ => hidden_round(dt, p[j]),

@@ -33,6 +33,9 @@ pub(super) struct Att<'a> {
     /// space (llama.cpp's absorbed MLA prefill: P·V over the cache's latent rows, summed in its type,
     /// then W_UV): each key's value rounded there, carried through W_UV, as well as in v space.
     pub(super) latent_values: bool,
+    /// Whether the path's prefill reads the context's keys rounded to the attention type
+    /// (`Judging::context_keys_in_dtype`): only then do their rounding errors enter the scores.
+    pub(super) context_keys_in_dtype: bool,
     adt: Dtype,
 }
 
@@ -69,10 +72,12 @@ impl<'a> Att<'a> {
                 dt: adt,
                 online: f.judging.known_attention,
                 sum,
+                p_e4m3: false,
             },
             qn_wide: widen(Stage::QNope),
             qp_wide: widen(Stage::QPe),
             latent_values: !f.judging.known_attention && opt.declared(Stage::CacheRows).is_some(),
+            context_keys_in_dtype: f.judging.context_keys_in_dtype,
             adt,
         })
     }

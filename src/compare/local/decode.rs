@@ -3,7 +3,7 @@
 //! the backend exposes them); attn_heads[decode] ← the stored attn_latent through W_UV.
 
 use super::super::noise::Store;
-use super::attend::{attend, cos2, merge, Attn, Gram, Rows};
+use super::attend::{attend, cos2, merge, Attn, Gram, Path, Rows};
 use super::attention::{Att, Heads, Lse};
 use super::linear::{hidden_round, linear, row};
 use super::score::{dot_var, score, Score};
@@ -14,6 +14,13 @@ use rayon::prelude::*;
 
 /// What every decode query's splits read, made once per layer.
 struct Splits<'a> {
+    /// The cache rows `[T, Lkv+R]` as the path's decode reads them: the stored rows, or, where it
+    /// rounds them to the attention type after dequantizing (`Judging::decode_cache_in_dtype`), those
+    /// rows rounded: their error is known exactly (`Att::key_round_errors`), so it is applied, not
+    /// modelled as noise.
+    rows: std::borrow::Cow<'a, Array2<f64>>,
+    /// How the splits attend: the path's, P rounded to e4m3 where it declares so.
+    path: Path,
     /// The query the splits see `[D·H, Lkv]` and its variance.
     qa: Array2<f64>,
     vqa: Array2<f64>,
@@ -45,14 +52,26 @@ pub(super) fn attend_decode(vw: &View, att: &Att, heads: &mut Heads, out: &mut L
         }
         _ => None,
     };
+    let rows = match f.judging.decode_cache_in_dtype {
+        true => match att.key_round_errors(att.cache.view()) {
+            Some(d) => std::borrow::Cow::Owned(&att.cache + &d),
+            None => std::borrow::Cow::Borrowed(&att.cache),
+        },
+        false => std::borrow::Cow::Borrowed(&att.cache),
+    };
     let sp = Splits {
+        path: Path {
+            p_e4m3: f.judging.decode_p_e4m3,
+            ..att.path
+        },
         qa,
         vqa,
         ns,
         // cos² between the cache's latent rows (the decode values), once per layer: what a split
         // row's degrees of freedom need (`attend`); up to 4096 tokens (64 MB), else the old estimate.
-        gram: (vw.t_all <= 4096).then(|| cos2(att.cache.slice(s![.., ..lkv]))),
+        gram: (vw.t_all <= 4096).then(|| cos2(rows.slice(s![.., ..lkv]))),
         stored,
+        rows,
         // The types the stored partials were returned in (inferred from their values, as the judge
         // infers every stored type).
         types: stored
@@ -128,7 +147,7 @@ fn q_absorbed(vw: &View, att: &Att, out: &mut Local) -> (Array2<f64>, Array2<f64
 /// Decode token `d`, head `hh`: its splits and their combine.
 fn head(vw: &View, att: &Att, sp: &Splits, d: usize, hh: usize) -> (Vec<Attn>, Attn) {
     let (h, lkv, sched) = (vw.h, vw.lkv, vw.f.sched);
-    let (scale, sum, cache) = (att.scale, att.sum, &att.cache);
+    let (scale, sum, cache) = (att.scale, att.sum, &*sp.rows);
     let t = sched.prompt_len + d;
     let seq_len = sched.prompt_len + (d / sched.q_len + 1) * sched.q_len;
     let qi = d * h + hh;
@@ -139,7 +158,7 @@ fn head(vw: &View, att: &Att, sp: &Splits, d: usize, hh: usize) -> (Vec<Attn>, A
     );
     let score_of = |j: usize| {
         let (lt, kp) = row(cache, j).split_at(lkv);
-        let mut sc = score(dot_var(lt, qa, vqa, kp, qp, sum, att.path.dt), scale, sum);
+        let mut sc = score(dot_var(lt, qa, vqa, kp, qp, sum, sp.path.dt), scale, sum);
         sc.var += scale * scale * att.q_round(att.qp_wide, qp, kp);
         sc
     };
@@ -157,7 +176,7 @@ fn head(vw: &View, att: &Att, sp: &Splits, d: usize, hh: usize) -> (Vec<Attn>, A
                 stride: vw.t_all,
                 keys: &keys,
             });
-            attend(&sc, &vals, None, lkv, att.path, g)
+            attend(&sc, &vals, None, lkv, sp.path, g)
         })
         .collect();
     // The combine, from the stored partials when the backend exposes them.

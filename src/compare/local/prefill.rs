@@ -14,7 +14,7 @@ use rayon::prelude::*;
 type Decompressed = (Array2<f64>, Array2<f64>, Array2<f64>, Array2<f64>);
 
 /// Rope key parts and their rounding errors onto the attention type's grid (`Att::key_round_errors`;
-/// `None`: all on it), shared by every head.
+/// `None`: all on it, or a path that reads them unrounded), shared by every head.
 struct Kpe<'a> {
     rows: ArrayView2<'a, f64>,
     round: Option<Array2<f64>>,
@@ -22,9 +22,14 @@ struct Kpe<'a> {
 
 impl<'a> Kpe<'a> {
     fn new(att: &Att, rows: ArrayView2<'a, f64>) -> Kpe<'a> {
+        // Only a path that rounds them has their errors (a runner's prefill op, sent the keys in the
+        // dtype); the CPU mirror attends over a quantized cache's rows as decoded, in f32.
         Kpe {
             rows,
-            round: att.key_round_errors(rows),
+            round: match att.context_keys_in_dtype {
+                true => att.key_round_errors(rows),
+                false => None,
+            },
         }
     }
 }
