@@ -9,7 +9,6 @@ use super::tma::PrefillMaps;
 use crate::error::{Error, Result};
 use crate::tiles::{pairs_rule, small_rule, Dims, Tile};
 use cudarc::driver::sys;
-use std::cell::Cell;
 use std::ffi::c_void;
 use std::rc::Rc;
 
@@ -38,26 +37,6 @@ pub struct Attn {
     /// multiple of 32: (function, dynamic smem bytes, threads, key columns). `run` takes it over `attn_mma`.
     small: Option<(sys::CUfunction, u32, u32, usize)>,
     small_maps: super::tma::MapCache,
-    /// Probe switch `MLA_DIFF_PROBE_FOLD=1` (bench/probes/fold40-combine-in-last-cta.patch): the module's
-    /// `attn_fold_cap`, the most (request, row tile) groups whose split combine `attn_small` and
-    /// `attn_wgmma_pairs` fold into their last CTA; 0 (the switch unset): every combine is launched.
-    fold: u32,
-    /// The last launch folded its combine: `combine` skips `combine_splits` once.
-    folded: Cell<bool>,
-}
-
-/// `MLA_DIFF_PROBE_FOLD=1`: the decode module's fold cap (`Attn::fold`); looked up only then, as a
-/// missing symbol is an API error to compute-sanitizer and the embedded kernels have none.
-fn fold_cap(m: &Module, mqa: bool) -> Result<u32> {
-    if !mqa || std::env::var_os("MLA_DIFF_PROBE_FOLD").is_none_or(|v| v != "1") {
-        return Ok(0);
-    }
-    match m.has_global("attn_fold_cap") {
-        true => Ok(m.global_i32s("attn_fold_cap", 1)?[0].max(0) as u32),
-        false => Err(Error::Environment(
-            "MLA_DIFF_PROBE_FOLD=1 needs decode kernels that fold the combine (bench/probes/fold40-combine-in-last-cta.patch)".into(),
-        )),
-    }
 }
 
 /// Rows of `attn_small`'s TMA boxes: one 32-key tile (kernels/sm90/decode/attn_small.cuh).
@@ -138,8 +117,6 @@ impl Attn {
                 };
                 return Ok(Attn {
                     combine: combine(&m)?,
-                    fold: fold_cap(&m, mqa)?,
-                    folded: Cell::new(false),
                     _m: m,
                     mma: Some((f, smem as u32, cfg[1] as u32, cfg[2] as u32, cfg[3] as u32)),
                     name,
@@ -160,8 +137,6 @@ impl Attn {
         let scalar = m.func("attn_scalar")?;
         Ok(Attn {
             combine: combine(&m)?,
-            fold: fold_cap(&m, mqa)?,
-            folded: Cell::new(false),
             _m: m,
             mma: None,
             name: "attn_scalar",
@@ -247,15 +222,14 @@ impl Attn {
             a as *const AttnArgs as *mut c_void,
             &map as *const sys::CUtensorMap as *mut c_void,
         ];
-        let grid = (a.num_splits as u32, rows.div_ceil(16), batch);
-        self.folded.set(self.folds(grid));
-        launch(f, "attn_small", grid, threads, smem, &mut p)
-    }
-
-    /// Whether a folding kernel's launch on `grid` merges its own splits (kernels/decode.cu `att_fold`'s
-    /// condition: more than one split, at most `fold` groups).
-    fn folds(&self, grid: (u32, u32, u32)) -> bool {
-        grid.0 > 1 && (grid.1 as u64) * (grid.2 as u64) <= self.fold as u64
+        launch(
+            f,
+            "attn_small",
+            (a.num_splits as u32, rows.div_ceil(16), batch),
+            threads,
+            smem,
+            &mut p,
+        )
     }
 
     /// `run` with the decode schedule chosen: `pairs` launches `attn_wgmma_pairs` (ignored where the
@@ -270,17 +244,13 @@ impl Attn {
             }
         };
         let mut p = [a as *const AttnArgs as *mut c_void];
-        self.folded.set(false);
         match self.mma {
             Some((f, smem, threads, bm, _)) => match self.tma {
                 Some((cols, elem)) => {
                     let map = self.maps.get(a, cols, elem)?;
                     let mut p2 = [p[0], &map as *const sys::CUtensorMap as *mut c_void];
                     let (f, name) = match self.pairs {
-                        Some(fp) if pairs => {
-                            self.folded.set(self.folds(rows(bm)));
-                            (fp, "attn_wgmma_pairs")
-                        }
+                        Some(fp) if pairs => (fp, "attn_wgmma_pairs"),
                         _ => (f, self.name),
                     };
                     launch(f, name, rows(bm), threads, smem, &mut p2)
@@ -297,10 +267,6 @@ impl Attn {
         let f = self.combine.ok_or_else(|| {
             Error::Environment("combine_splits belongs to the decode module".into())
         })?;
-        // The launch before merged its splits itself (probe switch MLA_DIFF_PROBE_FOLD).
-        if self.folded.replace(false) {
-            return Ok(());
-        }
         let (po, pl, o, l) = (a.part_out, a.part_lse, a.out, a.lse);
         let (ors, ohs, hh, ns) = (a.out_rs, a.out_hs, a.n_heads, a.num_splits);
         launch(
