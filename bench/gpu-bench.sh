@@ -18,7 +18,8 @@
 #            FlashMLA's splitkv kernel on the same inputs instead
 #   scale    the whole GLM-5 file (`fixture --preset glm-5 --quant q4_k`, 78 layers; LAYERS=N for the first
 #            N) through `run --backend cuda` at the default and the 64-token schedule, `/usr/bin/time -v` and
-#            MLA_DIFF_PROFILE's phase table (docs/scale.md)
+#            MLA_DIFF_PROFILE's phase table (docs/scale.md); B0=another binary runs the default schedule first
+#            with it (`default-before`: a before/after pair on one machine), SCALE_TOKENS64=0 skips 64 tokens
 # PROBES items are kernel directories or probe patches (bench/probes/*.patch, applied to a copy of
 # kernels/). The peers need .carry/peers (runners/fetch_peers.sh). B defaults to target/release/mla-diff,
 # or .carry/bench/mla-diff.xz when carried. Outputs go to $OUT/bench/ and are packed into
@@ -84,12 +85,14 @@ scale1() {
     rc=$?
     [ $rc -le 1 ] || fail=1
     echo "scale $n exit $rc: $(grep -E 'Elapsed|User time|System time|Maximum resident' "$D/scale-$n.txt" | sed 's/^\s*//' | tr '\n' ';')"
+    grep -E '^  (load|waiting|freed|hand-back|optimized|wall)|CUDA passes' "$D/scale-$n.txt" | sed 's/^ */  /'
 }
 scale() {
     F=${F:-/tmp/glm5-q4_k.gguf}
     [ -f "$F" ] || /usr/bin/time -v "$B" fixture --preset glm-5 --quant q4_k ${LAYERS:+--layers $LAYERS} -o "$F" > "$D/scale-fixture.txt" 2>&1
+    [ -z "${B0:-}" ] || B=$B0 scale1 default-before
     scale1 default
-    scale1 tokens64 --prompt-len 48 --chunk 32 --decode-steps 16 --page-size 16 --num-splits 4
+    [ "${SCALE_TOKENS64:-1}" = 0 ] || scale1 tokens64 --prompt-len 48 --chunk 32 --decode-steps 16 --page-size 16 --num-splits 4
     rm -f "$F"
 }
 run_steps "decode prefill table" "$@"

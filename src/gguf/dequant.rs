@@ -20,9 +20,17 @@ const CHUNK_ELEMS: usize = 1 << 20;
 
 /// Dequantize a whole tensor to f32, in file (row-major, `ne` reversed) order.
 pub fn dequantize_f32(file: &GgufFile, t: &TensorInfo) -> Result<Vec<f32>> {
+    dequantize_f32_into(file, t, Vec::new())
+}
+
+/// [`dequantize_f32`] into `buf`, which a block-quantized tensor of as many values as `buf` holds
+/// overwrites in place: a run's layers have the same shapes, and a layer's weights are hundreds of MB
+/// (0.66 GB at GLM-5's dims) that fresh memory would fault in and zero again every layer (#39). The
+/// values are the same: every value is written.
+pub fn dequantize_f32_into(file: &GgufFile, t: &TensorInfo, buf: Vec<f32>) -> Result<Vec<f32>> {
     let ty = dequantizable_type(t)?;
     let bytes = file.tensor_bytes(t)?;
-    dequantize_bytes(t, ty, bytes)
+    dequantize_bytes(t, ty, bytes, buf)
 }
 
 /// The dequantizable ggml type of a tensor, or an error naming it.
@@ -72,13 +80,14 @@ pub fn dequantize_rows(file: &GgufFile, t: &TensorInfo, rows: &[usize]) -> Resul
             )));
         }
         let b = &bytes[r * row_bytes..(r + 1) * row_bytes];
-        out.extend(dequantize_bytes(t, ty, b)?);
+        out.extend(dequantize_bytes(t, ty, b, Vec::new())?);
     }
     Ok(out)
 }
 
-/// Dequantize whole rows of `t` held in `bytes`.
-fn dequantize_bytes(t: &TensorInfo, ty: GgmlType, bytes: &[u8]) -> Result<Vec<f32>> {
+/// Dequantize whole rows of `t` held in `bytes`; a block type's values written over `buf` where it
+/// holds as many (see [`dequantize_f32_into`]).
+fn dequantize_bytes(t: &TensorInfo, ty: GgmlType, bytes: &[u8], buf: Vec<f32>) -> Result<Vec<f32>> {
     let row = t.ne[0] as usize;
     let row_bytes = ty.bytes_for(row as u64).expect("checked at open") as usize;
     let n = bytes.len() / row_bytes * row;
@@ -110,7 +119,11 @@ fn dequantize_bytes(t: &TensorInfo, ty: GgmlType, bytes: &[u8]) -> Result<Vec<f3
             let direct = direct_dequantizer(dtype);
             // Chunks in parallel, each into its own part of the output.
             use rayon::prelude::*;
-            let mut out = vec![0f32; n];
+            let mut out = buf;
+            if out.len() != n {
+                out.clear();
+                out.resize(n, 0.0);
+            }
             out.par_chunks_mut(rows_per_chunk * row)
                 .enumerate()
                 .try_for_each(|(c, dst)| -> Result<()> {
@@ -214,6 +227,27 @@ fn aligned<'a>(b: &'a [u8], scratch: &'a mut Vec<u64>) -> &'a [u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A block-quantized tensor dequantized into a buffer of its length is written over it (the same
+    /// buffer back, every value the fresh dequantization's); with one of another length the values are
+    /// the same.
+    #[test]
+    fn into_a_buffer_of_its_length_writes_over_it() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures/deepseek-v3-yarn-q4_k.gguf");
+        let f = GgufFile::open(&path).unwrap();
+        let t = f.tensor("blk.0.attn_output.weight").unwrap();
+        assert!(matches!(t.ty, TensorType::Known(ty) if ty.candle().is_some()));
+        let fresh = dequantize_f32(&f, t).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for n in [fresh.len(), fresh.len() - 1, 0] {
+            let buf = vec![f32::NAN; n];
+            let at = buf.as_ptr();
+            let got = dequantize_f32_into(&f, t, buf).unwrap();
+            assert_eq!(bits(&got), bits(&fresh), "{n}");
+            assert!(got.as_ptr() == at || n != fresh.len(), "a fresh buffer");
+        }
+    }
 
     /// The direct dequantizers give, bit for bit, what the path through a candle tensor gives, on
     /// random block bytes (any scale, NaN and infinity included) of every type they name.

@@ -11,7 +11,7 @@ mod tensor;
 pub mod value;
 pub mod write;
 
-pub use dequant::{dequantize_f32, dequantize_rows};
+pub use dequant::{dequantize_f32, dequantize_f32_into, dequantize_rows};
 pub use dtype::GgmlType;
 pub use file::GgufFile;
 pub use reader::GGUF_MAGIC;

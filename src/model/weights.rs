@@ -7,7 +7,7 @@
 
 use super::config::MlaConfig;
 use crate::error::{Error, Result};
-use crate::gguf::{dequantize_f32, GgufFile};
+use crate::gguf::{dequantize_f32_into, GgufFile};
 use crate::precision::Dtype;
 use ndarray::{Array1, Array2, Array3, Dimension};
 use rayon::prelude::*;
@@ -110,6 +110,16 @@ fn fmt_ne(ne: &[u64]) -> String {
 
 /// Load a tensor, checking its `ne` shape exactly.
 pub fn load_checked(f: &GgufFile, name: &str, ne: &[usize], why: &str) -> Result<Vec<f32>> {
+    load_checked_into(f, name, (ne, why), Vec::new())
+}
+
+/// [`load_checked`] into `buf` (`gguf::dequantize_f32_into`: written over where it holds as many).
+fn load_checked_into(
+    f: &GgufFile,
+    name: &str,
+    (ne, why): (&[usize], &str),
+    buf: Vec<f32>,
+) -> Result<Vec<f32>> {
     let t = f.tensor(name).ok_or_else(|| {
         Error::Tensor(format!(
             "{}: tensor {name} is missing ({why})",
@@ -125,7 +135,7 @@ pub fn load_checked(f: &GgufFile, name: &str, ne: &[usize], why: &str) -> Result
             fmt_ne(&want)
         )));
     }
-    dequantize_f32(f, t)
+    dequantize_f32_into(f, t, buf)
 }
 
 fn mat(v: Vec<f32>, rows: usize, cols: usize) -> Array2<f32> {
@@ -134,6 +144,18 @@ fn mat(v: Vec<f32>, rows: usize, cols: usize) -> Array2<f32> {
 
 impl LayerWeights {
     pub fn load(f: &GgufFile, cfg: &MlaConfig, layer: usize) -> Result<LayerWeights> {
+        Self::load_reusing(f, cfg, layer, Vec::new())
+    }
+
+    /// [`LayerWeights::load`], dequantizing into the buffers `spare` (another layer's, let go:
+    /// [`LayerWeights::into_buffers`]) where one holds as many values as a tensor: the same values,
+    /// without fresh memory to fault in and zero (#39). Buffers left over are dropped.
+    pub fn load_reusing(
+        f: &GgufFile,
+        cfg: &MlaConfig,
+        layer: usize,
+        mut spare: Vec<Vec<f32>>,
+    ) -> Result<LayerWeights> {
         if layer >= cfg.n_layer {
             return Err(Error::Usage(format!(
                 "layer {layer} does not exist: the model has {} layers (0..{})",
@@ -144,60 +166,79 @@ impl LayerWeights {
         let (p, dk, dv) = (cfg.qk_nope, cfg.qk_head_dim(), cfg.v_head_dim);
         let n = |s: &str| format!("blk.{layer}.{s}.weight");
         let why = format!("layer {layer} attention");
-        let attn_norm = Array1::from(load_checked(f, &n("attn_norm"), &[e], &why)?);
+        let why_plain = format!("{why}, no q_lora_rank");
+        let why_split =
+            format!("{why}; the file has no attn_kv_b, so the split attn_k_b/attn_v_b are needed");
+        let unsplit = f.tensor(&n("attn_kv_b")).is_some();
+        let (w0, wp, ws) = (why.as_str(), why_plain.as_str(), why_split.as_str());
+        // The layer's tensors in this order, with the shape (`ne`) each must have and why it is read.
+        let mut wanted: Vec<(String, Vec<usize>, &str)> = vec![(n("attn_norm"), vec![e], w0)];
+        match cfg.q_lora_rank {
+            Some(lq) => wanted.extend([
+                (n("attn_q_a"), vec![e, lq], w0),
+                (n("attn_q_a_norm"), vec![lq], w0),
+                (n("attn_q_b"), vec![lq, h * dk], w0),
+            ]),
+            None => wanted.push((n("attn_q"), vec![e, h * dk], wp)),
+        }
+        wanted.extend([
+            (n("attn_kv_a_mqa"), vec![e, lkv + r], w0),
+            (n("attn_kv_a_norm"), vec![lkv], w0),
+        ]);
+        match unsplit {
+            true => wanted.push((n("attn_kv_b"), vec![lkv, h * (p + dv)], w0)),
+            false => wanted.extend([
+                (n("attn_k_b"), vec![p, lkv, h], ws),
+                (n("attn_v_b"), vec![lkv, dv, h], ws),
+            ]),
+        }
+        wanted.push((n("attn_output"), vec![h * dv, e], w0));
+        // Every tensor at once (each also in parallel over its blocks: `dequant.rs`): one layer's load is
+        // on the run loop's path (#39), and a tensor alone (the small ones, the norms) keeps few threads
+        // busy. The values do not depend on the order; the error is the first tensor's in this order, as
+        // when they were read one after another.
+        let bufs: Vec<Vec<f32>> = wanted
+            .iter()
+            .map(|(_, ne, _)| {
+                let n = ne.iter().product::<usize>();
+                let i = spare.iter().position(|b| b.len() == n);
+                i.map(|i| spare.swap_remove(i)).unwrap_or_default()
+            })
+            .collect();
+        drop(spare);
+        let loaded: Vec<Result<Vec<f32>>> = wanted
+            .par_iter()
+            .zip(bufs)
+            .map(|((name, ne, why), buf)| load_checked_into(f, name, (ne, why), buf))
+            .collect();
+        let mut next = loaded.into_iter();
+        let mut next = || next.next().expect("one per tensor wanted");
+        let attn_norm = Array1::from(next()?);
         let q = match cfg.q_lora_rank {
             Some(lq) => QProj::Lora {
-                a: mat(load_checked(f, &n("attn_q_a"), &[e, lq], &why)?, lq, e),
-                a_norm: Array1::from(load_checked(f, &n("attn_q_a_norm"), &[lq], &why)?),
-                b: mat(
-                    load_checked(f, &n("attn_q_b"), &[lq, h * dk], &why)?,
-                    h * dk,
-                    lq,
-                ),
+                a: mat(next()?, lq, e),
+                a_norm: Array1::from(next()?),
+                b: mat(next()?, h * dk, lq),
             },
             None => QProj::Plain {
-                q: mat(
-                    load_checked(
-                        f,
-                        &n("attn_q"),
-                        &[e, h * dk],
-                        &format!("{why}, no q_lora_rank"),
-                    )?,
-                    h * dk,
-                    e,
-                ),
+                q: mat(next()?, h * dk, e),
             },
         };
-        let kv_a = mat(
-            load_checked(f, &n("attn_kv_a_mqa"), &[e, lkv + r], &why)?,
-            lkv + r,
-            e,
-        );
-        let kv_a_norm = Array1::from(load_checked(f, &n("attn_kv_a_norm"), &[lkv], &why)?);
-        let (w_uk, w_uv, kv_b_layout) = if f.tensor(&n("attn_kv_b")).is_some() {
+        let kv_a = mat(next()?, lkv + r, e);
+        let kv_a_norm = Array1::from(next()?);
+        let (w_uk, w_uv, kv_b_layout) = if unsplit {
             // Legacy / MiniCPM3 / PLM: torch [H·(P+Dv), Lkv], each head [k_nope(P) | v(Dv)].
-            let kv_b = load_checked(f, &n("attn_kv_b"), &[lkv, h * (p + dv)], &why)?;
-            let kv_b = Array3::from_shape_vec((h, p + dv, lkv), kv_b).expect("shape checked");
+            let kv_b = Array3::from_shape_vec((h, p + dv, lkv), next()?).expect("shape checked");
             let uk = kv_b.slice(ndarray::s![.., ..p, ..]).to_owned();
             let uv = kv_b.slice(ndarray::s![.., p.., ..]).to_owned();
             (uk, uv, KvBLayout::Unsplit)
         } else {
-            let why_split = format!(
-                "{why}; the file has no attn_kv_b, so the split attn_k_b/attn_v_b are needed"
-            );
             // attn_k_b: torch [H, Lkv, P] (transposed by the converter) -> W_UK [H, P, Lkv].
-            let k_b = load_checked(f, &n("attn_k_b"), &[p, lkv, h], &why_split)?;
-            let k_b = Array3::from_shape_vec((h, lkv, p), k_b).expect("shape checked");
-            let uk = k_b.permuted_axes([0, 2, 1]).as_standard_layout().to_owned();
-            let v_b = load_checked(f, &n("attn_v_b"), &[lkv, dv, h], &why_split)?;
-            let uv = Array3::from_shape_vec((h, dv, lkv), v_b).expect("shape checked");
+            let uk = transposed_heads(&next()?, (h, lkv, p));
+            let uv = Array3::from_shape_vec((h, dv, lkv), next()?).expect("shape checked");
             (uk, uv, KvBLayout::Split)
         };
-        let o = mat(
-            load_checked(f, &n("attn_output"), &[h * dv, e], &why)?,
-            e,
-            h * dv,
-        );
+        let o = mat(next()?, e, h * dv);
         Ok(LayerWeights {
             layer,
             attn_norm,
@@ -212,6 +253,25 @@ impl LayerWeights {
             rounded: None,
             id: Default::default(),
         })
+    }
+
+    /// The buffers of the weights' values, for another layer's load to write over
+    /// ([`LayerWeights::load_reusing`]); any rounded copy is dropped.
+    pub fn into_buffers(self) -> Vec<Vec<f32>> {
+        fn raw<D: Dimension>(a: ndarray::Array<f32, D>) -> Vec<f32> {
+            let n = a.len();
+            match a.into_raw_vec_and_offset() {
+                (v, Some(0) | None) if v.len() == n => v,
+                _ => Vec::new(), // a view into a larger buffer: not one tensor's
+            }
+        }
+        let mut out = match self.q {
+            QProj::Lora { a, a_norm, b } => vec![raw(a), raw(a_norm), raw(b)],
+            QProj::Plain { q } => vec![raw(q)],
+        };
+        out.extend([raw(self.attn_norm), raw(self.kv_a), raw(self.kv_a_norm)]);
+        out.extend([raw(self.w_uk), raw(self.w_uv), raw(self.o)]);
+        out
     }
 
     /// The weights as an optimized path stores them in `dt`: each value rounded to the dtype (f32 holding
@@ -340,6 +400,25 @@ fn round_in<D: Dimension>(a: &mut ndarray::Array<f32, D>, dt: Dtype) {
     v.par_chunks_mut(1 << 16).for_each(|c| dt.round_slice(c));
 }
 
+/// `[H, A, B]` values (row-major) as the `[H, B, A]` array of each head's transpose, heads in parallel
+/// (the permuted copy one thread made was tens of ms of a GLM-5 layer's load).
+fn transposed_heads(v: &[f32], (h, a, b): (usize, usize, usize)) -> Array3<f32> {
+    assert_eq!(v.len(), h * a * b, "shape checked");
+    let mut out = vec![0f32; v.len()];
+    if !out.is_empty() {
+        out.par_chunks_mut(a * b)
+            .zip(v.par_chunks(a * b))
+            .for_each(|(o, i)| {
+                for (x, row) in i.chunks_exact(b).enumerate() {
+                    for (y, &val) in row.iter().enumerate() {
+                        o[y * a + x] = val;
+                    }
+                }
+            });
+    }
+    Array3::from_shape_vec((h, b, a), out).expect("sized above")
+}
+
 /// LongRoPE / rope frequency factors, if the file has them.
 pub fn load_freq_factors(f: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>> {
     load_checked(f, name, &[n], "rope frequency factors")
@@ -394,6 +473,46 @@ mod tests {
             let mut w = crate::model::synthetic::weights(&cfg, 7);
             w.round_in_place(Dtype::F32);
             assert!(w.as_read());
+        }
+    }
+
+    /// A layer loaded over another layer's buffers holds what a fresh load gives it, bit for bit, in
+    /// those buffers (the block-quantized tensors').
+    #[test]
+    fn loaded_over_another_layers_buffers_is_a_fresh_load() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures/deepseek-v3-yarn-q4_k.gguf");
+        let f = GgufFile::open(&path).unwrap();
+        let cfg = MlaConfig::from_gguf(&f).unwrap();
+        assert!(cfg.n_layer >= 2);
+        let fresh = LayerWeights::load(&f, &cfg, 1).unwrap();
+        let before = LayerWeights::load(&f, &cfg, 0).unwrap();
+        assert_ne!(
+            bits(&before),
+            bits(&fresh),
+            "two layers alike prove nothing"
+        );
+        let spare = before.into_buffers();
+        let old: Vec<*const f32> = spare.iter().map(|b| b.as_ptr()).collect();
+        let reused = LayerWeights::load_reusing(&f, &cfg, 1, spare).unwrap();
+        assert_eq!(bits(&reused), bits(&fresh));
+        // Block-quantized here (Q4_K): each written over one of layer 0's buffers of its length.
+        for p in [reused.o.as_ptr(), reused.kv_a.as_ptr()] {
+            assert!(old.contains(&p), "a fresh buffer");
+        }
+    }
+
+    /// Each head's transpose, heads in parallel, is the permuted copy the loader made before.
+    #[test]
+    fn transposed_heads_is_the_permuted_copy() {
+        for (h, a, b) in [(3, 5, 7), (1, 1, 4), (4, 16, 1), (0, 2, 3)] {
+            let v: Vec<f32> = (0..h * a * b).map(|i| i as f32 * 0.5 - 3.0).collect();
+            let want = Array3::from_shape_vec((h, a, b), v.clone())
+                .unwrap()
+                .permuted_axes([0, 2, 1])
+                .as_standard_layout()
+                .into_owned();
+            assert_eq!(transposed_heads(&v, (h, a, b)), want, "{h}x{a}x{b}");
         }
     }
 

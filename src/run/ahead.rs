@@ -2,16 +2,17 @@
 //! the current layer (#39).
 //!
 //! A layer's load does not need the residual stream, only the file: nothing orders it after the
-//! previous layer but memory. By default the next layer is started once the current one's weights are
-//! let go (`Ahead::Tail`): its load then overlaps the loop's tail (the oldest judge collected, the
-//! judge spawned, the freed memory handed back), and only one layer's weights are alive at a time, as
-//! before; what may be alive beside the load in addition is one more judge of a classic layer (its
-//! traces: tens of MB at GLM-5's dims). `MLA_DIFF_LOAD_AHEAD=layer` starts it as soon as the current
-//! layer is loaded (`Ahead::Layer`): the load then overlaps the whole layer, for one more layer's
-//! weights alive (0.66 GB at GLM-5's dims: over #39's 3 GB on the CUDA host, so a measurement, not
-//! the default). A layer that runs alone (`footprint.rs`) keeps its strict order: nothing is read
-//! ahead of it or beside it. Every layer is loaded by the same code from the same file either way, and
-//! the rest of the loop is unchanged, so the reports are the same byte for byte.
+//! previous layer but memory. The next layer is started once the current one's weights are let go
+//! (into its buffers, which the load writes over): its load then overlaps the loop's tail (the oldest judge collected, the judge spawned, the freed
+//! memory handed back), and only one layer's weights are alive at a time; what may be alive beside the
+//! load in addition is one more judge of a classic layer (its traces: tens of MB at GLM-5's dims). A
+//! layer's tensors load in parallel (`LayerWeights::load`), so the load is short next to that tail.
+//! (Starting it as soon as the current layer was loaded instead, `MLA_DIFF_LOAD_AHEAD=layer` until
+//! 2026-12-05, hid the whole load for one more layer's weights alive: 0.66 GB at GLM-5's dims, over
+//! #39's 3 GB on the CUDA host; removed with the parallel load.) A layer that runs alone
+//! (`footprint.rs`) keeps its strict order: nothing is read ahead of it or beside it. Every layer is
+//! loaded by the same code from the same file either way, and the rest of the loop is unchanged, so
+//! the reports are the same byte for byte.
 
 use super::layers::load_layer;
 use super::profile::Profile;
@@ -21,38 +22,15 @@ use crate::model::{LayerWeights, MlaConfig};
 use std::thread::{Scope, ScopedJoinHandle};
 use std::time::{Duration, Instant};
 
-/// When the next layer's load starts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum When {
-    /// Once the current layer's weights are let go.
-    Tail,
-    /// As soon as the current layer is loaded (two layers' weights alive).
-    Layer,
-}
-
-impl When {
-    /// `MLA_DIFF_LOAD_AHEAD=layer` for [`When::Layer`]; [`When::Tail`] otherwise.
-    pub(super) fn from_env() -> When {
-        match std::env::var("MLA_DIFF_LOAD_AHEAD").as_deref() {
-            Ok("layer") => When::Layer,
-            _ => When::Tail,
-        }
-    }
-}
-
 type Loaded = (Result<LayerWeights>, Duration);
 
 /// The next layer's load in flight, if one was started.
+#[derive(Default)]
 pub(super) struct Ahead<'scope> {
-    pub(super) when: When,
     next: Option<(usize, ScopedJoinHandle<'scope, Loaded>)>,
 }
 
 impl<'scope> Ahead<'scope> {
-    pub(super) fn new(when: When) -> Ahead<'scope> {
-        Ahead { when, next: None }
-    }
-
     /// Layer `l`'s weights: the load started ahead for it, waited for (the wait profiled), or read now.
     /// Its own time is profiled as "load + dequantize" either way.
     pub(super) fn take(
@@ -69,24 +47,30 @@ impl<'scope> Ahead<'scope> {
                 prof.add("waiting for loaded weights", t0.elapsed());
                 made
             }
-            _ => load_layer(file, cfg, l),
+            _ => load_layer(file, cfg, l, Vec::new()),
         };
         prof.add("load + dequantize", took);
         w
     }
 
-    /// Start layer `next`'s load (if there is a next layer) on a thread of `scope`, if `at` is when
-    /// loads start and the layers do not run alone.
+    /// Let the current layer's weights `done` go, and start layer `next`'s load (if there is a next
+    /// layer) on a thread of `scope`, unless the layers run alone. The load writes over `done`'s
+    /// buffers (`LayerWeights::load_reusing`): the same memory, handed on instead of freed and faulted
+    /// in again (a lone layer's are freed: its judge, the run's peak, runs before the next load).
     pub(super) fn start<'env>(
         &mut self,
-        at: When,
         alone: bool,
         next: Option<usize>,
         scope: &'scope Scope<'scope, 'env>,
         (file, cfg): (&'env GgufFile, &'env MlaConfig),
+        done: LayerWeights,
     ) {
-        if let Some(n) = next.filter(|_| at == self.when && !alone && self.next.is_none()) {
-            self.next = Some((n, scope.spawn(move || load_layer(file, cfg, n))));
+        match next.filter(|_| !alone && self.next.is_none()) {
+            Some(n) => {
+                let spare = done.into_buffers();
+                self.next = Some((n, scope.spawn(move || load_layer(file, cfg, n, spare))));
+            }
+            None => drop(done),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The layer's device buffers: its weights in the storage type (with the host faults that change a
 //! weight) and every activation, scratch and output buffer, allocated once per layer before any launch.
 
-use super::device::{elem_bytes, encode, encode_f32, DevBuf};
+use super::device::{elem_bytes, encode, DevBuf};
 use crate::backend::LayerCtx;
 use crate::error::Result;
 use crate::faults::{Active, Fault};
@@ -15,7 +15,7 @@ where
     D: ndarray::Dimension,
 {
     let a = a.as_standard_layout();
-    DevBuf::upload(&encode_f32(dt, a.as_slice().expect("standard layout")))
+    DevBuf::upload_f32(dt, a.as_slice().expect("standard layout"))
 }
 
 /// The layer's sizes (elements) and constants, as the launches use them.

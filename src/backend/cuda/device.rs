@@ -179,15 +179,30 @@ impl DevBuf {
         b.write(data)?;
         Ok(b)
     }
+    /// f32 values stored in `dt` on the device: [`DevBuf::upload`] of [`encode_f32`]'s bytes, without
+    /// their whole host copy (a GLM-5 layer's attn_output is 200 MB in bf16, in fresh pages every
+    /// layer) and with each piece's conversion beside the copy of the one before ([`staged`]): the
+    /// weights' conversion and upload were 15–23 s of the 78-layer GLM-5 file's run loop (#39).
+    pub fn upload_f32(dt: Dtype, v: &[f32]) -> Result<DevBuf> {
+        let b = DevBuf::alloc(v.len() * elem_bytes(dt))?;
+        // The copies on this thread, where the CUDA context is bound.
+        staged(dt, v, STAGE, |at, bytes| b.write_at(at, bytes))?;
+        Ok(b)
+    }
     pub fn write<T: Copy>(&self, data: &[T]) -> Result<()> {
+        self.write_at(0, data)
+    }
+    /// [`DevBuf::write`] from byte `at` of the buffer on.
+    pub fn write_at<T: Copy>(&self, at: usize, data: &[T]) -> Result<()> {
         if data.is_empty() {
             return Ok(());
         }
         assert!(
-            std::mem::size_of_val(data) <= self.bytes,
+            at + std::mem::size_of_val(data) <= self.bytes,
             "upload larger than buffer"
         );
-        unsafe { drv::memcpy_htod_sync(self.ptr, data) }.map_err(drv_err("host-to-device copy"))
+        unsafe { drv::memcpy_htod_sync(self.ptr + at as u64, data) }
+            .map_err(drv_err("host-to-device copy"))
     }
     /// Copy `n` elements of type T starting at element `offset` back to the host.
     pub fn read<T: Copy + Default>(&self, offset: usize, n: usize) -> Result<Vec<T>> {
@@ -288,9 +303,16 @@ const CHUNK: usize = 1 << 16;
 /// layer's weights are hundreds of MB, and converting them on one thread was most of a GPU layer's
 /// host time (measured on the H200 host: ~1 s of each pass at GLM-5 dims).
 pub fn encode_f32(dt: Dtype, v: &[f32]) -> Vec<u8> {
+    let mut out = vec![0u8; v.len() * elem_bytes(dt)];
+    encode_f32_into(dt, v, &mut out);
+    out
+}
+
+/// [`encode_f32`] into `out`, which holds exactly `v`'s values in `dt`.
+pub fn encode_f32_into(dt: Dtype, v: &[f32], out: &mut [u8]) {
     use rayon::prelude::*;
     let es = elem_bytes(dt);
-    let mut out = vec![0u8; v.len() * es];
+    assert_eq!(out.len(), v.len() * es, "one stored value per value");
     out.par_chunks_mut(CHUNK * es)
         .zip(v.par_chunks(CHUNK))
         .for_each(|(o, c)| {
@@ -307,7 +329,43 @@ pub fn encode_f32(dt: Dtype, v: &[f32]) -> Vec<u8> {
                     .for_each(|(o, &x)| o.copy_from_slice(&x.to_le_bytes())),
             }
         });
-    out
+}
+
+/// Values per piece of [`DevBuf::upload_f32`] (16 MiB of f32).
+const STAGE: usize = 1 << 22;
+
+/// `v` in `dt` ([`encode_f32`]'s bytes) handed to `copy` in pieces of `stage` values, each with its
+/// byte offset, in order, through two host buffers reused piece after piece: each piece is converted
+/// (in parallel, on a thread of its own) while `copy` takes the one before it on this thread.
+fn staged(
+    dt: Dtype,
+    v: &[f32],
+    stage: usize,
+    mut copy: impl FnMut(usize, &[u8]) -> Result<()>,
+) -> Result<()> {
+    fn fill(dt: Dtype, buf: &mut Vec<u8>, piece: &[f32]) {
+        buf.resize(piece.len() * elem_bytes(dt), 0);
+        encode_f32_into(dt, piece, buf);
+    }
+    let pieces: Vec<&[f32]> = v.chunks(stage.max(1)).collect();
+    let (mut cur, mut next) = (Vec::new(), Vec::new());
+    if let Some(first) = pieces.first() {
+        fill(dt, &mut cur, first);
+    }
+    for (i, _) in pieces.iter().enumerate() {
+        let following = pieces.get(i + 1).copied();
+        let copied = std::thread::scope(|s| {
+            let conv = following.map(|p| s.spawn(|| fill(dt, &mut next, p)));
+            let r = copy(i * stage * elem_bytes(dt), &cur);
+            if let Some(h) = conv {
+                h.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+            }
+            r
+        });
+        copied?;
+        std::mem::swap(&mut cur, &mut next);
+    }
+    Ok(())
 }
 
 /// Decode storage-type bytes to f64 (in parallel chunks: a trace is tens of MB).
@@ -376,6 +434,38 @@ mod tests {
                 .collect();
             let got: Vec<u64> = decode(dt, &bytes).into_iter().map(f64::to_bits).collect();
             assert!(want == got, "{dt:?} decode");
+        }
+    }
+
+    /// The staged pieces are the whole conversion's bytes, in order and at their offsets, for a last
+    /// piece short or whole, a single piece and none; an error of the copy ends it.
+    #[test]
+    fn staged_pieces_are_the_whole_conversion() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let v: Vec<f32> = (0..3 * CHUNK + 17)
+            .map(|_| f32::from_bits(rng.random()))
+            .collect();
+        for dt in [Dtype::Bf16, Dtype::F16, Dtype::F32] {
+            let whole = encode_f32(dt, &v);
+            for (n, stage) in [(v.len(), CHUNK + 5), (2 * CHUNK, CHUNK), (9, 64), (0, 8)] {
+                let mut got = vec![0xa5u8; whole[..n * elem_bytes(dt)].len()];
+                let mut next_at = 0;
+                staged(dt, &v[..n], stage, |at, b| {
+                    assert_eq!(at, next_at, "in order, no gap");
+                    got[at..at + b.len()].copy_from_slice(b);
+                    next_at += b.len();
+                    Ok(())
+                })
+                .unwrap();
+                assert_eq!(next_at, got.len(), "{dt:?} {n}");
+                assert!(got == whole[..got.len()], "{dt:?} {n} values per {stage}");
+            }
+            let mut calls = 0;
+            let r = staged(dt, &v, CHUNK, |_, _| {
+                calls += 1;
+                Err(crate::error::Error::Usage("device gone".into()))
+            });
+            assert!(r.is_err() && calls == 1, "{dt:?}");
         }
     }
 }
