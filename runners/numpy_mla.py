@@ -53,6 +53,11 @@ Switches for tests (environment; a correct kernel either way, each a shape real 
 - `MLA_DIFF_NUMPY_Q_FP8=1`: with the `fp8` cache the decode reads q in e4m3 too, on the grid of
   `meta.q_scale` (FlashMLA's dense fp8 decode), and says so (`conventions.q_fp8: "fp8"`).
 
+- `MLA_DIFF_NUMPY_QK_ACC=G:NB`: with `MLA_DIFF_NUMPY_Q_FP8=1` and the `fp8` cache the decode's q·k is
+  summed over the e4m3 codes as Hopper's fp8 tensor core is modelled (`tc_dot`: groups of G products,
+  NB fraction bits, truncating; `32:13` is FlashMLA's dense fp8 decode), then times both scales in
+  float32. Declares nothing: mla-diff has no convention for it yet (docs/runners.md, FlashMLA fp8 row).
+
 Needs: Python 3.8+, numpy (no safetensors: protocol.py reads and writes the files itself).
 """
 
@@ -94,6 +99,30 @@ def out_dtype(key, x, default):
     """`x` to be written in the dtype `MLA_DIFF_NUMPY_DTYPES` names for `key`, else in `default`."""
     pairs = [kv.split("=", 1) for kv in os.environ.get("MLA_DIFF_NUMPY_DTYPES", "").split(",") if kv]
     return protocol.storage(x, dict(pairs).get(key, default))
+
+
+def _trunc_bits(x, nb):
+    """`x` (float64) truncated toward zero to `nb` fraction bits of its own binade."""
+    _, e = np.frexp(x)  # x = m·2^e, m in [0.5, 1)
+    q = np.ldexp(1.0, e - 1 - nb)
+    return np.trunc(x / q) * q
+
+
+def tc_dot(a, b, g, nb):
+    """`a [M, K] · b [N, K]ᵀ` (float64 values exact in e4m3) summed as a Hopper fp8 tensor core is
+    modelled to: products exact; each group of `g` products and the running sum aligned to the largest
+    exponent among them, each term truncated to `nb` fraction bits there, summed, and the sum truncated
+    to `nb` fraction bits (e8m13 for nb = 13)."""
+    m, k = a.shape
+    acc = np.zeros((m, b.shape[0]), np.float64)
+    for k0 in range(0, k, g):
+        prods = a[:, None, k0 : k0 + g] * b[None, :, k0 : k0 + g]
+        terms = np.concatenate([acc[..., None], prods], axis=-1)
+        top = np.max(np.abs(terms), axis=-1, keepdims=True)
+        _, e = np.frexp(np.where(top > 0, top, 1.0))
+        quantum = np.ldexp(1.0, e - 1 - nb)
+        acc = _trunc_bits(np.sum(np.trunc(terms / quantum) * quantum, axis=-1), nb)
+    return acc
 
 
 class NumpyMLA(protocol.NumpyRunner):
@@ -200,6 +229,19 @@ class NumpyMLA(protocol.NumpyRunner):
         per = -(-length // n_splits) if length else 0
         return [(min(k * per, length), min((k + 1) * per, length)) for k in range(n_splits)]
 
+    def qk(self, q_b, keys):
+        """`q_b [s_q, H, K] · keys [L, K]ᵀ` in float32; with `MLA_DIFF_NUMPY_QK_ACC=G:NB` and the `fp8`
+        cache, as an fp8 tensor core sums it (`tc_dot` over the e4m3 codes, then the two scales)."""
+        acc = os.environ.get("MLA_DIFF_NUMPY_QK_ACC", "")
+        if not acc or getattr(self, "_qk_scales", None) is None:
+            return matmul(q_b, keys.T)
+        g, nb = (int(v) for v in acc.split(":"))
+        sq, sk = self._qk_scales
+        a = protocol.e4m3_round(q_b.reshape(-1, q_b.shape[-1]) / np.float32(sq))
+        b = protocol.e4m3_round(keys / np.float32(sk))
+        d = tc_dot(a, b, g, nb).astype(np.float32)
+        return (d * np.float32(sq * sk)).reshape(q_b.shape[:-1] + (keys.shape[0],)).astype(np.float32)
+
     def pv(self, p, values):
         """P·V: `p [..., L]` (float32, normalised) times `values [L, D]`, accumulated in float32."""
         return matmul(p, values)
@@ -271,7 +313,7 @@ class NumpyMLA(protocol.NumpyRunner):
         rows = self.gather_rows(cache, table_row, length, page).astype(np.float32)
         latent, k_pe = self.split_cache_rows(rows, r, rope)
         keys = np.concatenate([latent, k_pe], axis=-1)  # [L, r+rope]
-        scores = matmul(q_b, keys.T) * scale
+        scores = self.qk(q_b, keys) * scale
         s_q = q_b.shape[0]
         visible = np.arange(length)[None, :] < (length - s_q + np.arange(s_q) + 1)[:, None]
         return np.where(visible[:, None, :], scores, np.float32(-np.inf)).astype(np.float32), latent
@@ -295,6 +337,10 @@ class NumpyMLA(protocol.NumpyRunner):
         n_splits = self.split_count(meta)
 
         q = self.query(np.concatenate([q_nope, q_pe], axis=-1).astype(np.float32), meta)  # [B, s_q, H, r+rope]
+        self._qk_scales = None
+        if fmt == "fp8" and self.q_fp8():
+            qs = meta.get("q_scale")
+            self._qk_scales = (float(qs) if qs is not None else protocol.q_fp8_scale([q]), float(cm.get("scale")))
         out = np.zeros((b_n, s_q, heads, r), np.float32)
         lse = np.full((b_n, s_q, heads), -np.inf, np.float32)
         split_out = np.zeros((b_n, s_q, heads, n_splits, r), np.float32)
