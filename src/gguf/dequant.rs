@@ -119,11 +119,12 @@ fn dequantize_bytes(t: &TensorInfo, ty: GgmlType, bytes: &[u8], buf: Vec<f32>) -
             let direct = direct_dequantizer(dtype);
             // Chunks in parallel, each into its own part of the output.
             use rayon::prelude::*;
-            let mut out = buf;
-            if out.len() != n {
-                out.clear();
-                out.resize(n, 0.0);
-            }
+            // A buffer of another length is dropped for fresh zeroed memory (calloc: pages zeroed as
+            // the writes below fault them in, not by a pass of its own).
+            let mut out = match buf.len() == n {
+                true => buf,
+                false => vec![0f32; n],
+            };
             out.par_chunks_mut(rows_per_chunk * row)
                 .enumerate()
                 .try_for_each(|(c, dst)| -> Result<()> {

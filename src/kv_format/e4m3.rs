@@ -31,6 +31,15 @@ pub fn e4m3_half_step(y: f64) -> f64 {
     2f64.powi(e.max(-6) - 4)
 }
 
+/// The most rounding P (≤ 1, against its row's max) to e4m3 moves it, a kernel rounding it against a
+/// running max no larger (P' = p·r, r ≥ 1, scaled back by 1/r): half a step wherever P' sits, 2⁻⁴·p in
+/// e4m3's normal range, else at most 2⁻¹⁰ (half the subnormal step) and at most p (flushed to 0).
+/// FlashMLA's dense fp8 decode rounds P so (`conventions.p_fp8`).
+pub fn p_e4m3_half_step(p: f64) -> f64 {
+    let p = p.abs();
+    (p * 2f64.powi(-4)).max(p.min(2f64.powi(-10)))
+}
+
 /// The e2m1 magnitudes by code (sign in bit 3).
 const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
 

@@ -17,7 +17,7 @@ fn run_json(file: &str, cmd: &str, fmt: &str, extra: &[&str]) -> (Option<i32>, J
 }
 
 /// A short schedule with cached decode over two splits: where a cache reader's bug shows.
-const SHORT: &[&str] = &[
+pub(crate) const SHORT: &[&str] = &[
     "--prompt-len",
     "40",
     "--decode-steps",

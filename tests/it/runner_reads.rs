@@ -9,25 +9,15 @@
 //! Needs MLA_DIFF_PYTHON with numpy (skips without it, fails under CI).
 
 use crate::common::{fixture, python, runner};
+use crate::runner_cache::SHORT;
 use crate::runners::checks;
 use serde_json::Value as J;
 
-/// GLM-5 over the per-tensor `fp8` cache, a short prompt, two decode steps over two splits: the CPU
-/// repro of vLLM's fp8 false alarm (split_lse@runner ~10³ times its predicted rel-L2; the decode is where
-/// it shows, so the prompt is kept short: 40 tokens run the repro in ~2.5 s, 160 in ~45 s).
+/// GLM-5 over the per-tensor `fp8` cache on runner_cache's short schedule (two decode steps over two
+/// splits): the CPU repro of vLLM's fp8 false alarm (split_lse@runner ~10³ times its predicted rel-L2;
+/// the decode is where it shows: a 40-token prompt runs it in ~2.5 s, 160 tokens in ~45 s).
 fn run_fp8(cmd: &str, dtype: &str) -> (Option<i32>, J, String) {
-    let args = [
-        "--kv-cache-dtype",
-        "fp8",
-        "--dtype",
-        dtype,
-        "--prompt-len",
-        "40",
-        "--decode-steps",
-        "2",
-        "--num-splits",
-        "2",
-    ];
+    let args = [&["--kv-cache-dtype", "fp8", "--dtype", dtype][..], SHORT].concat();
     crate::runners::run_json(&fixture("glm-5-q4_0.gguf"), cmd, &args)
 }
 

@@ -11,7 +11,7 @@ use super::local;
 use super::protocol::{CacheDequant, Fp8With};
 use super::RunnerBackend;
 use crate::backend::LayerCtx;
-use crate::kv_format::KvFormat;
+use crate::kv_format::{p_e4m3_half_step, KvFormat};
 use crate::precision::Dtype;
 
 impl RunnerBackend {
@@ -40,14 +40,6 @@ impl RunnerBackend {
             false => rows,
         }
     }
-}
-
-/// Half an e4m3 step of P (≤ 1, against the row's max) as a kernel rounds it against a running max no
-/// larger: 2⁻⁴·p in e4m3's normal range, else at most 2⁻¹⁰ (half the subnormal step) and at most p
-/// (rounded to 0). A hard bound, not a variance: the compare/local view's `e4m3_worst_round_var`
-/// is the same error as noise.
-fn p_e4m3_half_step(p: f64) -> f64 {
-    (p * 2f64.powi(-4)).max(p.min(2f64.powi(-10)))
 }
 
 /// The most P's e4m3 rounding (`conventions.p_fp8`) can move each decode output of `entries`, as
@@ -119,7 +111,7 @@ pub(super) fn p_e4m3_bounds(
 
 #[cfg(test)]
 mod tests {
-    use super::p_e4m3_half_step;
+    use crate::kv_format::p_e4m3_half_step;
 
     /// P against a running max no larger than the row's (P' = p·r, r ≥ 1, P' ≤ 1) rounded to e4m3
     /// (cuda_fp8.hpp's conversion, the `float8` crate) and scaled back moves by at most the half step

@@ -61,48 +61,13 @@ pub(super) fn lse_rounding(sum: ScoreSum, m: f64, l: f64) -> f64 {
 }
 
 /// The variance of rounding P = exp(s − m) (≤ 1, `p` against the row's max m) to float8 e4m3 as a
-/// kernel does against its running max m' ≤ m, where P' = p·e^(m − m') ≥ p: the error, scaled back by
-/// p / P', is at most half a step wherever P' sits in its binade: 2⁻⁴·p in e4m3's normal range, and
-/// at most 2⁻¹⁰ (half the 2⁻⁹ subnormal step) and at most p below it. Uniform within that half-step
-/// (variance bound²/3), except below 2⁻¹⁰, where P' may round to 0 and the error is −p itself.
+/// kernel does against its running max (`kv_format::p_e4m3_half_step`, the most it moves p): uniform
+/// within that half step (variance bound²/3), except below 2⁻¹⁰, where P' may round to 0 and the error
+/// is −p itself.
 pub(super) fn e4m3_worst_round_var(p: f64) -> f64 {
     let p = p.abs();
-    let half = 2f64.powi(-10);
-    match p < half {
+    match p < 2f64.powi(-10) {
         true => p * p,
-        false => {
-            let bound = (p * 2f64.powi(-4)).max(half);
-            bound * bound / 3.0
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::e4m3_worst_round_var;
-
-    /// P rounded to e4m3 (the `float8` crate, cuda_fp8.hpp's conversion) against a running max no
-    /// larger than the row's, scaled back: its error is within the modelled half step, √(3·var) (p
-    /// itself below 2⁻¹⁰), over every binade a P reaches.
-    #[test]
-    fn p_rounded_to_e4m3_stays_within_the_modelled_half_step() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 11) as f64 / (1u64 << 53) as f64
-        };
-        for _ in 0..100_000 {
-            let p = 2f64.powf(-16.0 * next());
-            let r = 2f64.powf(16.0 * next()).min(1.0 / p);
-            let err = (float8::F8E4M3::from_f64(p * r).to_f64() - p * r).abs() / r;
-            let v = e4m3_worst_round_var(p);
-            let half = match p < 2f64.powi(-10) {
-                true => v.sqrt(),
-                false => (3.0 * v).sqrt(),
-            };
-            assert!(err <= half * (1.0 + 1e-12), "p {p} r {r}: {err} > {half}");
-        }
+        false => crate::kv_format::p_e4m3_half_step(p).powi(2) / 3.0,
     }
 }
