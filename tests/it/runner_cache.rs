@@ -41,7 +41,10 @@ fn numpy_runner_reads_the_fp8_ds_mla_bytes_on_every_fixture_that_fits() {
     };
     let cmd = runner(&py, "numpy_mla.py");
     for f in FITS {
-        let (code, rep, err) = run_json(f, &cmd, "fp8_ds_mla", &[]);
+        // GLM-5's 64 heads on the short schedule (cached decode over two splits, where a reader's bug
+        // shows): the numpy reader over its covering schedule cost a minute of CI for the same reads.
+        let sched = if f.starts_with("glm-5") { SHORT } else { &[] };
+        let (code, rep, err) = run_json(f, &cmd, "fp8_ds_mla", sched);
         assert_eq!(code, Some(0), "{f}: {err}");
         let all = checks(&rep);
         for c in [

@@ -322,7 +322,9 @@ fn bad_usage_exits_2() {
 }
 
 /// The clean mirror passes on every shipped fixture, in both storage types, under the default schedule
-/// and under one that puts every boundary (chunk, page, split) somewhere else.
+/// and under one that puts every boundary (chunk, page, split) somewhere else. bf16 on the default
+/// schedule in both modes is no_false_alarms' `clean_runs_pass_over_seeds_schedules_and_fixtures`
+/// (seed 1): not run twice.
 #[test]
 fn mirror_passes_on_every_shipped_fixture() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures");
@@ -351,6 +353,9 @@ fn mirror_passes_on_every_shipped_fixture() {
             ][..],
         ] {
             for dtype in ["bf16", "fp16"] {
+                if extra.is_empty() && dtype == "bf16" {
+                    continue;
+                }
                 let mut args = vec!["run", fx.as_str(), "--backend", "cpu", "--dtype", dtype];
                 args.extend_from_slice(extra);
                 let (code, out, err) = run_cli(&args);
