@@ -2,6 +2,7 @@
 //! axes, and the verdict (first diverging layer, and inside it the first diverging check in dataflow order).
 
 pub mod checks;
+mod layer;
 pub mod local;
 pub mod metrics;
 pub mod noise;
@@ -12,16 +13,15 @@ pub mod v4;
 mod verdict;
 
 pub use checks::{checks_for, Check, Phase};
+pub use layer::{compare_layer, Streamed};
 pub use position::Position;
 pub use tolerance::ToleranceTable;
 pub use verdict::{verdict, Verdict};
 
 use crate::error::{Error, Result};
-use crate::precision::Dtype;
 use crate::schedule::Schedule;
 use crate::tolerance::Tolerance;
-use crate::trace::{LayerTrace, Stage, StageSet, StageTensor};
-use rayon::prelude::*;
+use crate::trace::{Stage, StageSet, StageTensor};
 use serde::{Deserialize, Serialize};
 
 /// Every metric of one check. Positions are decoded; values are for finite pairs unless stated.
@@ -505,85 +505,3 @@ pub struct CacheEffectResult {
 
 /// The suffix of a runner's own-error check (`attn_latent@runner`).
 pub const AT_RUNNER: &str = "@runner";
-
-/// Compare every check of a layer. A check whose stage the backend does not provide is listed as not
-/// provided; a stage it claims but left out of its trace (or one missing from the reference) is an error.
-pub fn compare_layer(
-    ctx: &Ctx,
-    reference: &LayerTrace,
-    optimized: &LayerTrace,
-    dtype: Dtype,
-    tols: &ToleranceTable,
-    local: Option<&local::Local>,
-) -> Result<LayerResult> {
-    let (checks, not_provided): (Vec<Check>, Vec<Check>) = checks_for(ctx.sched)
-        .into_iter()
-        .partition(|c| ctx.provided.contains(c.stage));
-    let not_provided = not_provided.iter().map(|c| c.name()).collect();
-    // Each check is independent (the largest, split_out, is tens of millions of elements): in
-    // parallel, results and the first error in the checks' order.
-    let per_check: Vec<Result<Vec<CheckResult>>> = checks
-        .par_iter()
-        .map(|&check| {
-            let missing = |side: &str| {
-                Error::Usage(format!(
-                    "layer {}: the {side} trace has no stage {} (check {})",
-                    ctx.layer,
-                    check.stage,
-                    check.name()
-                ))
-            };
-            let r = reference
-                .get(check.stage)
-                .ok_or_else(|| missing("reference"))?;
-            let o = optimized
-                .get(check.stage)
-                .ok_or_else(|| missing("optimized backend, which claims to provide it,"))?;
-            // A stage stored in a type of its own (a capture's `stage_dtypes`) is bounded by it.
-            let dtype = optimized.tolerance_dtype(check.stage, dtype);
-            let mut tol = tols.get(dtype, &check)?;
-            let effect = optimized
-                .cache_effect
-                .iter()
-                .find(|e| e.check == check.name());
-            let widened = effect.map(|e| cache_effect(ctx, check, r, e, &mut tol));
-            let mut c = compare_check(ctx, check, r, o, tol)?;
-            c.cache_effect = widened;
-            if let Some(l) = local.and_then(|l| l.get(check.stage)) {
-                if l.values.len() == o.data.len() {
-                    apply_local(ctx, check, &mut c, o, l, tols.is_overridden(dtype, &check));
-                }
-            }
-            let mut out = vec![c];
-            // A runner's stage, against fp64 from the runner's own inputs: its kernel's error alone.
-            if let Some(a) = optimized.at_runner.iter().find(|a| a.check == check.name()) {
-                let mut c = compare_check(ctx, check, &a.reference, &a.optimized, a.tolerance)?;
-                // In shadow mode by the local view's model of that stage (same inputs); elsewhere, or
-                // where the view does not model the runner's path (an fp8 cache), the storage bound.
-                if let Some(l) = local.and_then(|l| l.get(check.stage)) {
-                    if l.values.len() == a.optimized.data.len()
-                        && a.reference.data.len() == l.values.len()
-                    {
-                        apply_local_at_runner(ctx, check, &mut c, &a.optimized, &a.reference, l);
-                    }
-                }
-                c.check = format!("{}{AT_RUNNER}", check.name());
-                out.push(c);
-            }
-            Ok(out)
-        })
-        .collect();
-    let mut out = Vec::new();
-    for r in per_check {
-        out.extend(r?);
-    }
-    let first_failure = out.iter().find(|c| !c.pass).map(|c| c.check.clone());
-    Ok(LayerResult {
-        layer: ctx.layer,
-        pass: first_failure.is_none(),
-        first_failure,
-        drift: None,
-        checks: out,
-        not_provided,
-    })
-}

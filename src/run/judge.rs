@@ -87,29 +87,50 @@ pub(super) struct Judged {
     pub(super) took: std::time::Duration,
 }
 
-/// The stage-local view of shadow mode's trace, from its products against the weights made already.
-fn local_view(env: &JudgeEnv, opt: &LayerTrace, v: Option<View>) -> compare::local::Local {
-    let Some(v) = v else {
-        return Default::default();
-    };
-    let frame = compare::local::Frame {
-        cfg: env.cfg,
-        rope: env.rope,
-        sched: &env.opts.sched,
-        x: &v.x,
-        dtype: env.opts.dtype,
-        provided: env.provided,
-        judging: &v.judging,
-    };
-    let sp = v
-        .selection
-        .as_ref()
-        .map(|selection| compare::local::Sparse { selection });
-    let mut local = compare::local::finish(frame, opt, v.pre, sp);
-    local
-        .stages
-        .retain(|s| !v.judging.outside_local_view.contains(s.stage));
-    local
+/// Shadow mode's comparison `cmp` (its end-to-end part made: the reference may be gone), fed the
+/// stage-local view of its trace `opt` (from its products against the weights made already) one stage
+/// at a time: each stage is judged beside the next ones being made and then let go, so the whole view
+/// is never alive at once (#39). The result, the view's time (wall, its stages' judging beside it) and
+/// the judging's (summed over threads, the end-to-end part included).
+fn shadow_judged(
+    env: &JudgeEnv,
+    cmp: compare::Streamed,
+    opt: &LayerTrace,
+    v: Option<View>,
+) -> (
+    Result<LayerResult>,
+    std::time::Duration,
+    std::time::Duration,
+) {
+    let opts = env.opts;
+    let t0 = std::time::Instant::now();
+    if let Some(v) = v {
+        let frame = compare::local::Frame {
+            cfg: env.cfg,
+            rope: env.rope,
+            sched: &opts.sched,
+            x: &v.x,
+            dtype: opts.dtype,
+            provided: env.provided,
+            judging: &v.judging,
+        };
+        let sp = v
+            .selection
+            .as_ref()
+            .map(|selection| compare::local::Sparse { selection });
+        let outside = v.judging.outside_local_view;
+        let cmp = &cmp;
+        rayon::scope(|s| {
+            compare::local::finish_into(frame, opt, v.pre, sp, &mut |l| {
+                if !outside.contains(l.stage) {
+                    s.spawn(move |_| cmp.stage(&l));
+                }
+            })
+        });
+    }
+    let local = t0.elapsed();
+    let (r, took) = cmp.finish();
+    (r, local, took)
 }
 
 /// A computed layer's stage-local view and comparison in each mode, and its dump as `--dump-dir` asks
@@ -135,32 +156,27 @@ pub(super) fn judge(
             Free::Judged(j) => Ok(*j),
         })
         .transpose()?;
-    let t_local = std::time::Instant::now();
-    let shadow_opt = shadow.map(|(opt, v)| {
-        let local = local_view(env, &opt, v);
-        (opt, local)
-    });
-    let local = t_local.elapsed();
-    let t0 = std::time::Instant::now();
     // The traces are kept for `--dump-dir` only: each is dropped once compared, with its local view.
     let keep = opts.dump.is_some();
     let mut traces: Vec<(LayerTrace, bool)> = Vec::new();
-    let mut shadow = None;
-    if let Some((opt, local)) = shadow_opt {
-        let r = compare::compare_layer(
-            ctx,
-            &reference,
-            &opt,
-            opts.dtype,
-            &opts.tolerances,
-            Some(&local),
-        )?;
+    let mut shadow_result = None;
+    let (mut local, mut took) = (std::time::Duration::ZERO, std::time::Duration::ZERO);
+    let mut reference = Some(reference);
+    if let (Some((opt, v)), Some(r)) = (shadow, &reference) {
+        let cmp = compare::Streamed::new(ctx, r, &opt, opts.dtype, &opts.tolerances);
+        // The reference is read by the end-to-end part only: let go before the view is made, unless
+        // `--dump-dir` may write it.
+        if !keep {
+            reference = None;
+        }
+        let (r, l, t) = shadow_judged(env, cmp, &opt, v);
+        let r = r?;
+        (local, took) = (l, t);
         if keep {
             traces.push((opt, r.pass));
         }
-        shadow = Some(r);
+        shadow_result = Some(r);
     }
-    let mut took = t0.elapsed();
     let free = free.map(|j| {
         took += j.took;
         if let Some(t) = j.kept {
@@ -178,11 +194,13 @@ pub(super) fn judge(
             _ => None,
         };
         if let Some(opt) = chosen {
-            dump = Some(crate::report::npy::dump_layer(dir, &reference, opt)?);
+            if let Some(reference) = &reference {
+                dump = Some(crate::report::npy::dump_layer(dir, reference, opt)?);
+            }
         }
     }
     Ok(Judged {
-        shadow,
+        shadow: shadow_result,
         free,
         dump,
         local,

@@ -200,6 +200,21 @@ impl View<'_> {
 /// The view from what [`prepare`] made of the weights: each stage's rule in the order of the stages,
 /// as far as the trace holds their inputs.
 pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Sparse>) -> Local {
+    let mut out = Local::default();
+    finish_into(f, opt, pre, sp, &mut |l| out.stages.push(l));
+    out
+}
+
+/// [`finish`], each stage handed to `sink` as soon as its rule has made it (in the stages' order),
+/// so that a judge can compare it and let it go before the next stages are made: one stage group's
+/// values and variances alive at a time instead of the whole view (#39).
+pub fn finish_into(
+    f: Frame,
+    opt: &LayerTrace,
+    pre: Prepared,
+    sp: Option<sparse::Sparse>,
+    sink: &mut dyn FnMut(LocalStage),
+) {
     let cfg = f.cfg;
     let mut vw = View {
         f,
@@ -216,29 +231,44 @@ pub fn finish(f: Frame, opt: &LayerTrace, pre: Prepared, sp: Option<sparse::Spar
     vw.adt = vw.dt_of(Stage::CacheRows);
     let rope = RopeF32::new(f.rope, Active::NONE);
     let mut out = Local::default();
+    // Hands on what the rules made so far: each stage with its declared storage type, the backend's
+    // contract where it has one (as our kernels' f32 LSE is).
+    let mut give = |out: &mut Local| {
+        for mut l in std::mem::take(&mut out.stages) {
+            if l.store.is_none() {
+                l.store = opt.declared(l.stage).map(Store::from);
+            }
+            sink(l);
+        }
+    };
     front::attn_in(&vw, &pre.attn_norm, &mut out);
+    give(&mut out);
     let (Some(q), Some(kv)) = (pre.q, pre.kv) else {
-        return out;
+        return;
     };
     front::query(&vw, q, &rope, &mut out);
+    give(&mut out);
     front::keys(&vw, kv, &pre.kv_a_norm, &rope, &mut out);
+    give(&mut out);
     let (Some(o_lat), Some(o_kpe)) = (opt2(opt, Stage::KvLatent), opt2(opt, Stage::KPe)) else {
-        return out;
+        return;
     };
     cache::rows(&vw, &o_lat, &o_kpe, &mut out);
+    give(&mut out);
     let Some(att) = attention::Att::new(&vw, &pre.w_uk, &pre.w_uv) else {
-        return out;
+        return;
     };
     let mut heads = attention::Heads::new(vw.t_all * vw.h, vw.dv);
     prefill::attend_prompt(&vw, &att, &o_lat, &o_kpe, &mut heads);
+    drop((o_lat, o_kpe));
     let heads_ok = decode::attend_decode(&vw, &att, &mut heads, &mut out);
+    give(&mut out);
     heads.push_to(&mut out, &att, heads_ok);
+    drop(att);
+    drop((pre.w_uk, pre.w_uv));
+    give(&mut out);
     front::out(pre.o, &mut out);
-    // A declared storage type is the stage's contract (as our kernels' f32 LSE is).
-    for l in out.stages.iter_mut().filter(|l| l.store.is_none()) {
-        l.store = opt.declared(l.stage).map(Store::from);
-    }
-    out
+    give(&mut out);
 }
 
 #[cfg(test)]
@@ -246,11 +276,9 @@ mod tests {
     use super::*;
     use crate::backend::Backend;
 
-    /// Every row of the stage table (`trace::STAGES`) has a stage-local rule, called from [`finish`]:
-    /// the view of the CPU mirror's trace of a small layer holds each stage. A new stage row without a
-    /// rule fails here (ARCHITECTURE.md, "A stage check", step 6).
-    #[test]
-    fn every_stage_row_has_a_local_rule() {
+    /// A bf16 run of the CPU mirror over a small layer with a planted fault (`fault`, or none), its
+    /// fp64 reference, and what its stage-local view needs.
+    fn small_layer(fault: Option<&str>) -> (LayerTrace, LayerTrace, MlaConfig, Schedule, Fixture) {
         use crate::model::synthetic::{self, Family};
         let cfg = Family::DeepseekV3.test_config();
         let w = synthetic::weights(&cfg, 3);
@@ -264,22 +292,55 @@ mod tests {
         };
         let tables = crate::backend::RunTables::new(&cfg, None, &sched).unwrap();
         let x = crate::input::random_hidden(cfg.hidden, sched.total_tokens(), 5);
+        let active = fault.map_or(Active::NONE, |f| {
+            Active::NONE.with(crate::faults::Fault::from_name(f).expect("a fault"))
+        });
         let mut b = crate::backend::cpu::CpuMirror::new(Dtype::Bf16);
         let opt = b
-            .run_layer(&tables.ctx(&cfg, &w, &sched, Active::NONE), &x)
+            .run_layer(&tables.ctx(&cfg, &w, &sched, active), &x)
             .unwrap();
-        let judging = b.judging();
-        let inp = Inputs {
-            weights: &w,
-            frame: Frame {
-                cfg: &cfg,
-                rope: &tables.rope,
-                sched: &sched,
-                x: &x,
+        let reference = crate::reference::run_layer(&cfg, &w, &tables.rope, &x, &sched).unwrap();
+        let fx = Fixture {
+            w,
+            tables,
+            x,
+            judging: b.judging(),
+            provided: b.provides(),
+        };
+        (opt, reference, cfg, sched, fx)
+    }
+
+    struct Fixture {
+        w: LayerWeights,
+        tables: crate::backend::RunTables,
+        x: Array2<f64>,
+        judging: Judging,
+        provided: StageSet,
+    }
+
+    impl Fixture {
+        fn frame<'a>(&'a self, cfg: &'a MlaConfig, sched: &'a Schedule) -> Frame<'a> {
+            Frame {
+                cfg,
+                rope: &self.tables.rope,
+                sched,
+                x: &self.x,
                 dtype: Dtype::Bf16,
-                provided: b.provides(),
-                judging: &judging,
-            },
+                provided: self.provided,
+                judging: &self.judging,
+            }
+        }
+    }
+
+    /// Every row of the stage table (`trace::STAGES`) has a stage-local rule, called from [`finish`]:
+    /// the view of the CPU mirror's trace of a small layer holds each stage. A new stage row without a
+    /// rule fails here (ARCHITECTURE.md, "A stage check", step 6).
+    #[test]
+    fn every_stage_row_has_a_local_rule() {
+        let (opt, _, cfg, sched, fx) = small_layer(None);
+        let inp = Inputs {
+            weights: &fx.w,
+            frame: fx.frame(&cfg, &sched),
         };
         let local = compute(&inp, &opt);
         for row in crate::trace::STAGES {
@@ -288,6 +349,51 @@ mod tests {
                 "stage {} has no stage-local rule",
                 row.name
             );
+        }
+    }
+
+    /// The judge's streamed comparison (the end-to-end part first, then each stage's view as
+    /// [`finish_into`] hands it on, fed here in reverse order) reports what `compare_layer` reports
+    /// over the whole view, byte for byte in JSON, on a clean layer and on one with a planted fault
+    /// that the view catches.
+    #[test]
+    fn streamed_view_judges_as_the_whole_view() {
+        for fault in [None, Some("kv_b_swap")] {
+            let (opt, reference, cfg, sched, fx) = small_layer(fault);
+            let block_table = sched.block_table();
+            let ctx = crate::compare::Ctx {
+                layer: 0,
+                elementwise: true,
+                sched: &sched,
+                block_table: &block_table,
+                provided: fx.provided,
+            };
+            let tols = crate::compare::ToleranceTable::defaults();
+            let pre = || prepare(&cfg, &fx.w, Dtype::Bf16, &opt);
+            let whole = finish(fx.frame(&cfg, &sched), &opt, pre(), None);
+            let want = crate::compare::compare_layer(
+                &ctx,
+                &reference,
+                &opt,
+                Dtype::Bf16,
+                &tols,
+                Some(&whole),
+            )
+            .unwrap();
+            let cmp = crate::compare::Streamed::new(&ctx, &reference, &opt, Dtype::Bf16, &tols);
+            let mut given = Vec::new();
+            finish_into(fx.frame(&cfg, &sched), &opt, pre(), None, &mut |l| {
+                given.push(l)
+            });
+            assert_eq!(given.len(), whole.stages.len());
+            for l in given.iter().rev() {
+                cmp.stage(l);
+            }
+            let got = cmp.finish().0.unwrap();
+            assert!(got.checks.iter().filter(|c| c.local.is_some()).count() > 5);
+            assert_eq!(fault.is_some(), !want.pass, "{fault:?}");
+            let json = |r: &crate::compare::LayerResult| serde_json::to_string(r).unwrap();
+            assert_eq!(json(&got), json(&want), "{fault:?}");
         }
     }
 }
