@@ -35,8 +35,13 @@ taken over the q sent. Its P·V is an fp8 MMA too: P = exp2(s·scale − running
 e4m3 as is (no scale; `convert_type_out(tOrP_acc, tOrP)` in `compute_attn_1rowblock_splitkv_mla`,
 csrc/extension/sm90/dense_fp8/flash_fwd_mla_kernel.h), multiplied by the raw e4m3 cache, and the sum
 is divided by the row sum of P unrounded times `descale_k` (softmax.h `normalize_softmax_lse`; the LSE
-from that unrounded sum), so the runner declares `conventions.p_fp8: "fp8"` too. Its output is bf16
-only: an fp16 request with the fp8 cache is unsupported.
+from that unrounded sum), so the runner declares `conventions.p_fp8: "fp8"` too. Its QKᵀ is one fp8
+WGMMA per 64-key block over the 576 columns (`TiledMma` of e4m3 × e4m3 into float, `flash::gemm` in
+utils.h issuing its 18 k-steps of 32 into one register accumulator, no promotion to f32 between them;
+the descales enter afterwards, in `scale_softmax_log2`), and Hopper's fp8 MMA accumulates in an
+e8m13-like register (products exact, each k-step aligned to its largest exponent and truncated to 13
+fraction bits), so the runner declares `conventions.qk_acc: "e8m13"`. Its output is bf16 only: an fp16
+request with the fp8 cache is unsupported.
 
 Needs: an SM90 GPU (H100/H200/H800), torch, safetensors, and flash_mla: `sgl-flash-mla` 1.0.0
 (runners/fetch_peers.sh packs its wheel's contents into .carry/peers/sgl_flash_mla.tar.xz; unpack
@@ -136,7 +141,7 @@ class FlashMLA(protocol.TorchRunner):
                 "max_q_len": None,
                 **({"cache_formats": ["fp8"]} if self.fp8 else {}),
             },
-            "conventions": {"lse_base": "e", "lse_layout": "head_token", **({"q_fp8": "fp8", "p_fp8": "fp8"} if self.fp8 else {})},
+            "conventions": {"lse_base": "e", "lse_layout": "head_token", **({"q_fp8": "fp8", "p_fp8": "fp8", "qk_acc": "e8m13"} if self.fp8 else {})},
         }
 
     def decode_kernel(self, x, meta):

@@ -53,10 +53,14 @@ Switches for tests (environment; a correct kernel either way, each a shape real 
 - `MLA_DIFF_NUMPY_Q_FP8=1`: with the `fp8` cache the decode reads q in e4m3 too, on the grid of
   `meta.q_scale` (FlashMLA's dense fp8 decode), and says so (`conventions.q_fp8: "fp8"`).
 
+- `MLA_DIFF_NUMPY_NO_SPLITS=1`: the decode returns `attn_latent` and `lse` only, as FlashMLA does (its
+  split partials stay inside the kernel): mla-diff's stage-local view then merges splits of its own.
+
 - `MLA_DIFF_NUMPY_QK_ACC=G:NB`: with `MLA_DIFF_NUMPY_Q_FP8=1` and the `fp8` cache the decode's q·k is
   summed over the e4m3 codes as Hopper's fp8 tensor core is modelled (`tc_dot`: groups of G products,
   NB fraction bits, truncating; `32:13` is FlashMLA's dense fp8 decode), then times both scales in
-  float32. Declares nothing: mla-diff has no convention for it yet (docs/runners.md, FlashMLA fp8 row).
+  float32, and says so (`conventions.qk_acc: "e8mNB"`; the group size is not declared: mla-diff's model
+  is FlashMLA's k-step of 32).
 
 Needs: Python 3.8+, numpy (no safetensors: protocol.py reads and writes the files itself).
 """
@@ -134,7 +138,7 @@ class NumpyMLA(protocol.NumpyRunner):
             "name": self.name,
             "version": f"numpy {np.__version__} (float32 accumulation), mla-diff runners/numpy_mla.py",
             "ops": {
-                "decode": {"outputs": ["attn_latent", "lse", "split_out", "split_lse"]},
+                "decode": {"outputs": ["attn_latent", "lse"] + ([] if self.withholds_splits() else ["split_out", "split_lse"])},
                 "prefill": {"outputs": ["attn_heads", "lse"]},
                 "sparse_prefill": {"outputs": ["attn_latent", "lse"]},
                 "sparse_decode": {"outputs": ["attn_latent", "lse"]},
@@ -153,7 +157,8 @@ class NumpyMLA(protocol.NumpyRunner):
             "conventions": {"lse_base": "e", "lse_layout": "token_head",
                             **({"q_fp8": "fp8"} if self.declares_q_fp8() else {}),
                             **({"cache_dequant": "dtype"} if self.declares_cache_dequant() else {}),
-                            **({"p_fp8": "fp8"} if self.declares_p_fp8() else {})},
+                            **({"p_fp8": "fp8"} if self.declares_p_fp8() else {}),
+                            **({"qk_acc": self.declares_qk_acc()} if self.declares_qk_acc() else {})},
             "batch_invariant": True,
         }
 
@@ -164,6 +169,10 @@ class NumpyMLA(protocol.NumpyRunner):
 
     def page_size(self, meta, cache):
         return int(meta.get("page_size") or cache.shape[1])
+
+    def withholds_splits(self):
+        """Whether the decode returns only `attn_latent` and `lse` (`MLA_DIFF_NUMPY_NO_SPLITS=1`)."""
+        return os.environ.get("MLA_DIFF_NUMPY_NO_SPLITS") == "1"
 
     def q_fp8(self):
         """Whether the decode reads q in e4m3 with the `fp8` cache (`MLA_DIFF_NUMPY_Q_FP8=1`)."""
@@ -186,6 +195,19 @@ class NumpyMLA(protocol.NumpyRunner):
 
     def declares_p_fp8(self):
         return self.p_fp8()
+
+    def qk_acc(self):
+        """(G, NB) of `MLA_DIFF_NUMPY_QK_ACC=G:NB` (with `MLA_DIFF_NUMPY_Q_FP8=1`), else None."""
+        acc = os.environ.get("MLA_DIFF_NUMPY_QK_ACC", "")
+        if not acc or not self.q_fp8():
+            return None
+        g, nb = (int(v) for v in acc.split(":"))
+        return g, nb
+
+    def declares_qk_acc(self):
+        """`conventions.qk_acc`: the accumulator `qk_acc()` sums in, "e8mNB" (None: f32)."""
+        acc = self.qk_acc()
+        return None if acc is None else f"e8m{acc[1]}"
 
     def pv_read(self, p, values, fmt):
         """The decode's P·V as its kernel reads P: with `p_fp8()` and the `fp8` cache, P against the
@@ -232,10 +254,10 @@ class NumpyMLA(protocol.NumpyRunner):
     def qk(self, q_b, keys):
         """`q_b [s_q, H, K] · keys [L, K]ᵀ` in float32; with `MLA_DIFF_NUMPY_QK_ACC=G:NB` and the `fp8`
         cache, as an fp8 tensor core sums it (`tc_dot` over the e4m3 codes, then the two scales)."""
-        acc = os.environ.get("MLA_DIFF_NUMPY_QK_ACC", "")
-        if not acc or getattr(self, "_qk_scales", None) is None:
+        acc = self.qk_acc()
+        if acc is None or getattr(self, "_qk_scales", None) is None:
             return matmul(q_b, keys.T)
-        g, nb = (int(v) for v in acc.split(":"))
+        g, nb = acc
         sq, sk = self._qk_scales
         a = protocol.e4m3_round(q_b.reshape(-1, q_b.shape[-1]) / np.float32(sq))
         b = protocol.e4m3_round(keys / np.float32(sk))
@@ -369,12 +391,15 @@ class NumpyMLA(protocol.NumpyRunner):
             else:
                 num = np.sum(np.where(w > 0, w * split_out, np.float32(0)), axis=-2)
             out = (num / np.sum(w, axis=-2)).astype(np.float32)
-        return {
+        res = {
             "attn_latent": out_dtype("decode.attn_latent", out, dtype),
             "lse": out_dtype("decode.lse", self.lse_out(lse), "f32"),
             "split_out": out_dtype("decode.split_out", split_out, "f32"),
             "split_lse": out_dtype("decode.split_lse", split_lse, "f32"),
         }
+        if self.withholds_splits():
+            del res["split_out"], res["split_lse"]
+        return res
 
     def prefill(self, x, meta):
         q, k, v = x["q"], x["k"], x["v"]

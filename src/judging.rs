@@ -78,6 +78,11 @@ pub struct Judging {
     /// its row sum and LSE from P unrounded (a runner's `conventions.p_fp8`, FlashMLA's dense fp8
     /// decode): the stage-local view's P rounding is e4m3's, not the attention type's.
     pub decode_p_e4m3: bool,
+    /// The fraction bits of its decode's QKᵀ accumulator where it is not f32 (a runner's
+    /// `conventions.qk_acc: "e8mN"`, FlashMLA's fp8 WGMMA: 13): each k-step of 32 truncates the
+    /// running sum toward zero to that many bits, so the stage-local view's scores carry that
+    /// truncation (`compare::local::qk_acc`) in place of an f32 sum's.
+    pub decode_qk_acc: Option<u32>,
     /// How it sums an attention score's dot product: the stage-local view models that sum's noise
     /// (and, on tensor cores, the truncating accumulator's one-signed bias: on the H200 most of a GLM-5
     /// split_lse's error). Unknown kernels get the conservative model.
@@ -102,6 +107,7 @@ impl Default for Judging {
             context_keys_in_dtype: false,
             decode_cache_in_dtype: false,
             decode_p_e4m3: false,
+            decode_qk_acc: None,
             score_sum: ScoreSum::Sequential,
             key_tiles: KeyTiles::default(),
         }
@@ -134,6 +140,7 @@ impl Judging {
             context_keys_in_dtype: self.context_keys_in_dtype,
             decode_cache_in_dtype: self.decode_cache_in_dtype,
             decode_p_e4m3: self.decode_p_e4m3,
+            decode_qk_acc: self.decode_qk_acc,
             score_sum: self.score_sum,
             key_tiles: self.key_tiles,
             ..Judging::default()
@@ -153,6 +160,7 @@ mod tests {
         assert!(!d.sparse && !d.batch_cache_in_format && !d.has_indexer && !d.has_kpool_indexer);
         assert!(!d.sparse_prefill_absorbed && d.known_attention);
         assert!(!d.context_keys_in_dtype && !d.decode_cache_in_dtype && !d.decode_p_e4m3);
+        assert_eq!(d.decode_qk_acc, None);
         assert_eq!(d.outside_local_view, StageSet::NONE);
         assert_eq!(d.score_sum, ScoreSum::Sequential);
         let all = Judging {
@@ -170,6 +178,7 @@ mod tests {
             context_keys_in_dtype: true,
             decode_cache_in_dtype: true,
             decode_p_e4m3: true,
+            decode_qk_acc: Some(13),
             score_sum: ScoreSum::Lanes8,
             key_tiles: KeyTiles {
                 prefill: vec![crate::tiles::KeyTile::new("t", 64)],
@@ -184,6 +193,7 @@ mod tests {
                 context_keys_in_dtype: true,
                 decode_cache_in_dtype: true,
                 decode_p_e4m3: true,
+                decode_qk_acc: Some(13),
                 score_sum: ScoreSum::Lanes8,
                 key_tiles: all.key_tiles,
                 ..Judging::default()

@@ -359,6 +359,10 @@ pub struct LayerTrace {
     /// decode reads its fp8 cache (`(k · k_scale).to(q.dtype)`). The judge adds that rounding to the
     /// format's bound on `cache_rows`.
     pub cache_dequant: Option<crate::precision::Dtype>,
+    /// The power-of-two scale of the e4m3 grid the path's decode reads q on (a runner's
+    /// `conventions.q_fp8`: the `meta.q_scale` it was sent, `kv_format::e4m3_on_grid`); `None`: q as
+    /// stored. The stage-local view's decode attends over q so rounded, as the kernel did.
+    pub q_scale: Option<f32>,
 }
 
 impl LayerTrace {
@@ -371,6 +375,7 @@ impl LayerTrace {
             storage: Vec::new(),
             cache_format: Default::default(),
             cache_dequant: None,
+            q_scale: None,
         }
     }
     pub fn push(&mut self, t: StageTensor) {

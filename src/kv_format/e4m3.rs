@@ -23,6 +23,12 @@ pub fn e4m3_value(b: u8) -> f32 {
     float8::F8E4M3::from_bits(b).to_f32()
 }
 
+/// `x` on the e4m3 grid of the scale `s`: e4m3(x / s)·s, the division and product in f32 as a q_fp8
+/// runner's cast does (`meta.q_scale`, a power of two: the product is exact).
+pub fn e4m3_on_grid(x: f64, s: f32) -> f64 {
+    f64::from(e4m3_value(e4m3_bits(x as f32 / s)) * s)
+}
+
 /// Half the spacing of e4m3 numbers at |y| (y already divided by its scale): 2^(e−4) in the binade
 /// 2^e (normal, e ≥ −6), 2^−10 below it.
 pub fn e4m3_half_step(y: f64) -> f64 {

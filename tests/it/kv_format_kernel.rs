@@ -42,6 +42,29 @@ fn build(cxx: &str, dir: &Path, lkv: usize, r: usize, code: u32, fault: Option<F
     out
 }
 
+/// `row` at ±m·ts·(1 ± 2⁻²¹) for the midpoints m between consecutive e4m3 values up to 400 (the
+/// subnormals' included; under 448, so nothing saturates): x / ts lands 2⁻²¹ (≈ 8 f32 ulp) to one side
+/// of a rounding boundary, each midpoint from both sides and both signs over the row.
+fn near_midpoints(row: &mut [f32], ts: f32) {
+    let v: Vec<f32> = (0u8..0x7f)
+        .map(mla_diff::kv_format::e4m3_value)
+        .filter(|&y| y <= 400.0)
+        .collect();
+    let mids: Vec<f32> = v.windows(2).map(|p| (p[0] + p[1]) / 2.0).collect();
+    for (i, c) in row.iter_mut().enumerate() {
+        let side = match (i / mids.len()) % 2 {
+            0 => 1.0 + 2f32.powi(-21),
+            _ => 1.0 - 2f32.powi(-21),
+        };
+        let sign = if (i / (2 * mids.len())).is_multiple_of(2) {
+            1.0
+        } else {
+            -1.0
+        };
+        *c = sign * mids[i % mids.len()] * ts * side;
+    }
+}
+
 #[test]
 fn cache_write_format_is_the_codec_bit_for_bit() {
     let Some(cxx) = compiler() else {
@@ -90,13 +113,19 @@ fn cache_write_format_is_the_codec_bit_for_bit() {
     for (f, lkv, r, code, fault) in cases {
         let bin = build(&cxx, dir.path(), lkv, r, code, fault);
         let w = lkv + r;
-        let x = cache_rows(n, w, 0x9e37_79b9_7f4a_7c15);
-        let input: String = x.iter().map(|v| format!("{:08x} ", v.to_bits())).collect();
+        let mut x = cache_rows(n, w, 0x9e37_79b9_7f4a_7c15);
         // `fp8`: the layer's scale, calibrated on all its rows as the host does; ignored by the others.
         let ts = match f {
             Fp8 => mla_diff::kv_format::tensor_scale(&x),
             _ => 1.0,
         };
+        // `fp8`: the last row's latent columns just off the midpoints between e4m3 values at `ts`,
+        // where a writer whose scale is off by more than a few f32 ulp (ts·1.0001) rounds the other
+        // way; the random rows alone let such a writer through.
+        if f == Fp8 {
+            near_midpoints(&mut x[(n - 1) * w..(n - 1) * w + lkv], ts);
+        }
+        let input: String = x.iter().map(|v| format!("{:08x} ", v.to_bits())).collect();
         let mut child = Command::new(&bin)
             .arg(n.to_string())
             .arg(first.to_string())

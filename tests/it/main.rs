@@ -45,6 +45,7 @@ mod run_report;
 mod runner_cache;
 mod runner_cache_sparse;
 mod runner_q_fp8;
+mod runner_qk_acc;
 mod runner_reads;
 mod runners;
 mod runners_reach;

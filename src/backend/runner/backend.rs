@@ -48,6 +48,7 @@ impl Backend for RunnerBackend {
             context_keys_in_dtype: o.prefill.is_some(),
             decode_cache_in_dtype: self.cache_in_dtype(),
             decode_p_e4m3: self.p_e4m3(),
+            decode_qk_acc: self.qk_acc_bits(),
             // DSA: the runner's sparse ops over an inner path that attends over the selection itself
             // (the phase the runner leaves to it); a runner with neither op is refused past top_k.
             sparse: (o.sparse_prefill.is_some() || o.sparse_decode.is_some()) && inner.sparse,
@@ -149,6 +150,12 @@ impl Backend for RunnerBackend {
         if self.p_e4m3() {
             v.push(format!(
                 "runner {} rounds P to e4m3 before P·V with the fp8 cache (conventions.p_fp8): the stage-local view's decode P rounding, and the bound of its @runner checks, are e4m3's",
+                self.desc.name
+            ));
+        }
+        if let Some(nb) = self.qk_acc_bits() {
+            v.push(format!(
+                "runner {} accumulates its fp8 QKᵀ in e8m{nb} (conventions.qk_acc): the stage-local view's decode scores carry that accumulator's truncation after each 32-wide k-step, not an f32 sum's",
                 self.desc.name
             ));
         }

@@ -331,6 +331,7 @@ impl RunnerBackend {
         // the entries of q as computed kept for its effect.
         let q8 = self.q_fp8().then(|| super::q_fp8::quantize(&q_abs, q_pe));
         self.q_scale = q8.as_ref().map(|q| q.scale);
+        tr.q_scale = self.q_scale;
         let plain = q8.as_ref().map(|_| step_entries(ctx, &q_abs, q_pe));
         let (q_abs, q_pe): (&[f64], &[f64]) = match &q8 {
             Some(q) => (&q.q_abs, &q.q_pe),

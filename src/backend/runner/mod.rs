@@ -18,6 +18,7 @@ mod prefill;
 pub(crate) mod process;
 pub mod protocol;
 mod q_fp8;
+mod qk_acc;
 mod reads;
 mod sparse;
 mod sparse_decode;

@@ -216,7 +216,15 @@ pub struct Conventions {
     /// unrounded). The stage-local view then carries that rounding (`Judging::decode_p_e4m3`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub p_fp8: Option<Fp8With>,
+    /// `"e8mN"`: the accumulator of the decode's fp8 QKᵀ MMA (with `q_fp8`: q and the cache both
+    /// e4m3), 8 exponent bits and N fraction bits, truncating after each 32-wide k-step (FlashMLA's
+    /// dense fp8 decode on Hopper: `"e8m13"`). The stage-local view then carries that accumulation's
+    /// truncation in each score (`Judging::decode_qk_acc`). Absent: an f32 accumulator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qk_acc: Option<QkAcc>,
 }
+
+pub use super::qk_acc::QkAcc;
 
 /// `conventions.q_fp8` / `p_fp8`: the cache format that brings the e4m3 read with it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -412,7 +420,14 @@ fn describe_uncached(cmd: &str) -> Result<Describe> {
         ("supports", &SUPPORTS_KEYS[..]),
         (
             "conventions",
-            &["lse_base", "lse_layout", "q_fp8", "cache_dequant", "p_fp8"][..],
+            &[
+                "lse_base",
+                "lse_layout",
+                "q_fp8",
+                "cache_dequant",
+                "p_fp8",
+                "qk_acc",
+            ][..],
         ),
     ] {
         if let Some(obj) = raw.get(section).and_then(|v| v.as_object()) {
@@ -453,6 +468,7 @@ pub fn validate(d: Describe) -> Result<Describe> {
             d.name
         )));
     }
+    super::qk_acc::needs_q_fp8(&d)?;
     for (op, spec, allowed) in [
         (
             "decode",

@@ -12,7 +12,7 @@ use super::protocol::Fp8With;
 use super::RunnerBackend;
 use crate::backend::cpu::front::MirrorWeights;
 use crate::backend::LayerCtx;
-use crate::kv_format::{e4m3_bits, e4m3_value, pow2_ceil, tensor_scale, KvFormat};
+use crate::kv_format::{e4m3_on_grid, pow2_ceil, tensor_scale, KvFormat};
 use crate::trace::{CacheEffect, LayerTrace, Stage, StageSet, StageTensor};
 
 /// A request's q on the e4m3 grid of one scale.
@@ -29,11 +29,7 @@ pub(super) struct QuantizedQ {
 pub(super) fn quantize(q_abs: &[f64], q_pe: &[f64]) -> QuantizedQ {
     let f: Vec<f32> = q_abs.iter().chain(q_pe).map(|&v| v as f32).collect();
     let s = pow2_ceil(tensor_scale(&f));
-    let on_grid = |v: &[f64]| -> Vec<f64> {
-        v.iter()
-            .map(|&x| f64::from(e4m3_value(e4m3_bits(x as f32 / s)) * s))
-            .collect()
-    };
+    let on_grid = |v: &[f64]| -> Vec<f64> { v.iter().map(|&x| e4m3_on_grid(x, s)).collect() };
     QuantizedQ {
         q_abs: on_grid(q_abs),
         q_pe: on_grid(q_pe),
@@ -152,11 +148,7 @@ mod tests {
         let mut moved = 0;
         for (x, v) in q_abs.iter().chain(&q_pe).zip(q.q_abs.iter().chain(&q.q_pe)) {
             let y = v / q.scale as f64;
-            assert_eq!(
-                f64::from(e4m3_value(e4m3_bits(y as f32))),
-                y,
-                "{v} off the grid"
-            );
+            assert_eq!(e4m3_on_grid(y, 1.0), y, "{v} off the grid");
             assert_eq!(
                 half::bf16::from_f64(*v).to_f64(),
                 *v,

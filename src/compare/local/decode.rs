@@ -6,6 +6,7 @@ use super::super::noise::Store;
 use super::attend::{attend, cos2, merge, Attn, Gram, Path, Rows};
 use super::attention::{Att, Heads, Lse};
 use super::linear::{hidden_round, linear, row};
+use super::qk_acc::score_acc;
 use super::score::{dot_var, score, Score};
 use super::{opt2, Local, View};
 use crate::trace::{Stage, StageTensor};
@@ -24,6 +25,11 @@ struct Splits<'a> {
     /// The query the splits see `[D·H, Lkv]` and its variance.
     qa: Array2<f64>,
     vqa: Array2<f64>,
+    /// The decode rows of q_pe `[D·H, R]` on the e4m3 grid the path read q on (`LayerTrace::q_scale`;
+    /// `qa` then on it too); `None`: the stored q_pe as it is.
+    qp: Option<Array2<f64>>,
+    /// The fraction bits of the path's QKᵀ accumulator where it is not f32 (`Judging::decode_qk_acc`).
+    qk_acc: Option<u32>,
     ns: usize,
     /// cos² between the cache's latent rows (`None`: too many tokens).
     gram: Option<Vec<f32>>,
@@ -42,7 +48,15 @@ pub(super) fn attend_decode(vw: &View, att: &Att, heads: &mut Heads, out: &mut L
     if nd == 0 {
         return true;
     }
-    let (qa, vqa) = q_absorbed(vw, att, out);
+    let (mut qa, vqa) = q_absorbed(vw, att, out);
+    // A kernel that reads q in e4m3 attends over q on the grid it was sent (`conventions.q_fp8`):
+    // the same rounding of the same stored q, so the splits the view merges are over the q the
+    // kernel read, not the q computed (that difference is q's exact effect, the end-to-end checks').
+    let qp = vw.opt.q_scale.map(|s| {
+        let grid = |v: f64| crate::kv_format::e4m3_on_grid(v, s);
+        qa.mapv_inplace(grid);
+        att.o_qpe.slice(s![pl * h..(pl + nd) * h, ..]).mapv(grid)
+    });
     let ns = sched.num_splits;
     let stored = match (opt.get(Stage::SplitOut), opt.get(Stage::SplitLse)) {
         (Some(o), Some(l))
@@ -66,6 +80,8 @@ pub(super) fn attend_decode(vw: &View, att: &Att, heads: &mut Heads, out: &mut L
         },
         qa,
         vqa,
+        qp,
+        qk_acc: f.judging.decode_qk_acc,
         ns,
         // cos² between the cache's latent rows (the decode values), once per layer: what a split
         // row's degrees of freedom need (`attend`); up to 4096 tokens (64 MB), else the old estimate.
@@ -151,15 +167,20 @@ fn head(vw: &View, att: &Att, sp: &Splits, d: usize, hh: usize) -> (Vec<Attn>, A
     let t = sched.prompt_len + d;
     let seq_len = sched.prompt_len + (d / sched.q_len + 1) * sched.q_len;
     let qi = d * h + hh;
-    let (qa, vqa, qp) = (
-        row(&sp.qa, qi),
-        row(&sp.vqa, qi),
-        row(&att.o_qpe, t * h + hh),
-    );
+    let (qa, vqa) = (row(&sp.qa, qi), row(&sp.vqa, qi));
+    let qp = match &sp.qp {
+        Some(q) => row(q, qi),
+        None => row(&att.o_qpe, t * h + hh),
+    };
+    // q_pe on its e4m3 grid is what the kernel reads (exact in the dtype): no rounding on the way.
+    let qp_wide = att.qp_wide && sp.qp.is_none();
     let score_of = |j: usize| {
         let (lt, kp) = row(cache, j).split_at(lkv);
-        let mut sc = score(dot_var(lt, qa, vqa, kp, qp, sum, sp.path.dt), scale, sum);
-        sc.var += scale * scale * att.q_round(att.qp_wide, qp, kp);
+        let mut sc = match sp.qk_acc {
+            Some(nb) => score_acc(lt, qa, vqa, kp, qp, nb, scale),
+            None => score(dot_var(lt, qa, vqa, kp, qp, sum, sp.path.dt), scale, sum),
+        };
+        sc.var += scale * scale * att.q_round(qp_wide, qp, kp);
         sc
     };
     let parts: Vec<Attn> = sched

@@ -39,6 +39,7 @@ mod f32ops;
 mod front;
 mod linear;
 mod prefill;
+mod qk_acc;
 mod score;
 mod simd;
 pub mod sparse;
