@@ -127,3 +127,51 @@ fn the_views_own_merge_is_over_the_q_the_kernel_read() {
         "scale twice passes attn_latent@runner"
     );
 }
+
+/// A `qk_acc` mla-diff can't model, or one named by a runner that does not read q in fp8, is refused
+/// before any layer: exit 2, one line naming it.
+#[test]
+fn a_bad_or_misplaced_qk_acc_is_refused_in_one_line() {
+    let Some(py) = python("runners", "numpy and safetensors") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let runners = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("runners");
+    let f = fixture("glm-5-q4_0.gguf");
+    for (name, acc, env, needle) in [
+        (
+            "wide.py",
+            "e8m40",
+            "MLA_DIFF_NUMPY_Q_FP8=1",
+            "conventions.qk_acc \"e8m40\" is not an accumulator mla-diff knows",
+        ),
+        (
+            "no_q_fp8.py",
+            "e8m13",
+            "X=1",
+            "but the runner does not read q in fp8 (no conventions.q_fp8)",
+        ),
+    ] {
+        let p = dir.path().join(name);
+        std::fs::write(
+            &p,
+            format!(
+                "import sys\nsys.path.insert(0, {:?})\nimport numpy_mla, protocol\nclass R(numpy_mla.NumpyMLA):\n    def describe(self):\n        d = super().describe()\n        d['conventions']['qk_acc'] = {acc:?}\n        return d\nprotocol.main(R)\n",
+                runners.display().to_string()
+            ),
+        )
+        .unwrap();
+        let o = crate::common::run(&[
+            "run",
+            f.to_str().unwrap(),
+            "--backend",
+            "cpu",
+            "--kv-cache-dtype",
+            "fp8",
+            "--runner",
+            &format!("env {env} {py} {}", p.display()),
+            "-q",
+        ]);
+        crate::common::assert_clean_error(&o, needle);
+    }
+}
