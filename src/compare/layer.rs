@@ -1,7 +1,7 @@
-//! A layer's checks: all at once from a whole stage-local view ([`compare_layer`]), or fed stage by
-//! stage while the view is made ([`Streamed`]), so that each stage's view is let go once its checks
-//! are judged instead of the whole view (values and variances of every stage, ~1 GB on a covering
-//! GLM-5 layer) being alive at once (#39). Both judge each check with the same code and inputs.
+//! A layer's checks, fed stage by stage while the stage-local view is made ([`Streamed`]), so that each
+//! stage's view is let go once its checks are judged instead of the whole view (values and variances of
+//! every stage, ~1 GB on a covering GLM-5 layer) being alive at once (#39); [`compare_layer`] feeds it a
+//! whole view at once.
 
 use super::{
     apply_local, apply_local_at_runner, cache_effect, checks_for, compare_check, local, Check,
@@ -111,26 +111,6 @@ fn e2e_decides(s: Sides, check: Check) -> bool {
     s.tols.is_overridden(dtype, &check)
 }
 
-/// One check, judged by the stage's local view `local` where there is one.
-fn one_check(
-    s: Sides,
-    check: Check,
-    local: Option<&local::LocalStage>,
-) -> Result<Vec<CheckResult>> {
-    let mut out = end_to_end(s, check)?;
-    if let Some(l) = local {
-        apply_view(
-            s.ctx,
-            s.optimized,
-            e2e_decides(s, check),
-            check,
-            &mut out,
-            l,
-        );
-    }
-    Ok(out)
-}
-
 /// The layer's result from each check's, in the checks' order (the first error in that order).
 fn assemble(
     ctx: &Ctx,
@@ -154,6 +134,8 @@ fn assemble(
 
 /// Compare every check of a layer. A check whose stage the backend does not provide is listed as not
 /// provided; a stage it claims but left out of its trace (or one missing from the reference) is an error.
+/// [`Streamed`] over the whole view at once: the view's stages fed in order (the first of a stage
+/// counts, as `Local::get` says).
 pub fn compare_layer(
     ctx: &Ctx,
     reference: &LayerTrace,
@@ -162,21 +144,11 @@ pub fn compare_layer(
     tols: &ToleranceTable,
     local: Option<&local::Local>,
 ) -> Result<LayerResult> {
-    let s = Sides {
-        ctx,
-        reference,
-        optimized,
-        dtype,
-        tols,
-    };
-    let (checks, not_provided) = split_checks(ctx);
-    // Each check is independent (the largest, split_out, is tens of millions of elements): in
-    // parallel, results and the first error in the checks' order.
-    let per_check: Vec<Result<Vec<CheckResult>>> = checks
-        .par_iter()
-        .map(|&check| one_check(s, check, local.and_then(|l| l.get(check.stage))))
-        .collect();
-    assemble(ctx, per_check, not_provided)
+    let cmp = Streamed::new(ctx, reference, optimized, dtype, tols);
+    for l in local.iter().flat_map(|l| &l.stages) {
+        cmp.stage(l);
+    }
+    cmp.finish().0
 }
 
 /// [`compare_layer`] in two steps: every check's end-to-end part at once ([`Streamed::new`], the only
