@@ -398,6 +398,22 @@ pub fn runner(py: &str, rel: &str) -> String {
     format!("{py} {}", p.display())
 }
 
+/// `runners/numpy_mla.py` with its describe edited, written as `dir/name`: `edit` is Python run on the
+/// description `d` (statements joined by `;`). Returns the script's path.
+pub fn numpy_variant(dir: &Path, name: &str, edit: &str) -> PathBuf {
+    let s = dir.join(name);
+    let runners = Path::new(env!("CARGO_MANIFEST_DIR")).join("runners");
+    std::fs::write(
+        &s,
+        format!(
+            "import sys\nsys.path.insert(0, {:?})\nimport numpy_mla, protocol\nclass R(numpy_mla.NumpyMLA):\n    def describe(self):\n        d = super().describe()\n        {edit}\n        return d\nprotocol.main(R)\n",
+            runners.display().to_string()
+        ),
+    )
+    .unwrap();
+    s
+}
+
 /// The selftest's `glm-5-dsa` fixture (GLM-5's 512 + 64 latent, indexer heads of 128, top_k 16),
 /// written once per test process.
 pub fn selftest_dsa_fixture() -> PathBuf {

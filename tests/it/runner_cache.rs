@@ -129,17 +129,8 @@ fn a_runner_that_does_not_list_the_format_is_refused_before_any_layer() {
     };
     // numpy_mla with its describe's cache_formats edited: `edit` a Python statement on `d`.
     let dir = tempfile::tempdir().unwrap();
-    let runners = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("runners");
     let variant = |name: &str, edit: &str| {
-        let s = dir.path().join(name);
-        std::fs::write(
-            &s,
-            format!(
-                "import sys\nsys.path.insert(0, {:?})\nimport numpy_mla, protocol\nclass R(numpy_mla.NumpyMLA):\n    def describe(self):\n        d = super().describe()\n        {edit}\n        return d\nprotocol.main(R)\n",
-                runners.to_str().unwrap()
-            ),
-        )
-        .unwrap();
+        let s = crate::common::numpy_variant(dir.path(), name, edit);
         format!("{py} {}", s.display())
     };
     let ds_only = variant("ds.py", "d['supports']['cache_formats'] = ['fp8_ds_mla']");

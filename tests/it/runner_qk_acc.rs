@@ -136,7 +136,6 @@ fn a_bad_or_misplaced_qk_acc_is_refused_in_one_line() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let runners = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("runners");
     let f = fixture("glm-5-q4_0.gguf");
     for (name, acc, env, needle) in [
         (
@@ -152,15 +151,8 @@ fn a_bad_or_misplaced_qk_acc_is_refused_in_one_line() {
             "but the runner does not read q in fp8 (no conventions.q_fp8)",
         ),
     ] {
-        let p = dir.path().join(name);
-        std::fs::write(
-            &p,
-            format!(
-                "import sys\nsys.path.insert(0, {:?})\nimport numpy_mla, protocol\nclass R(numpy_mla.NumpyMLA):\n    def describe(self):\n        d = super().describe()\n        d['conventions']['qk_acc'] = {acc:?}\n        return d\nprotocol.main(R)\n",
-                runners.display().to_string()
-            ),
-        )
-        .unwrap();
+        let edit = format!("d['conventions']['qk_acc'] = {acc:?}");
+        let p = crate::common::numpy_variant(dir.path(), name, &edit);
         let o = crate::common::run(&[
             "run",
             f.to_str().unwrap(),

@@ -645,14 +645,10 @@ fn supports_are_read_strictly_and_the_page_fits_the_runner() {
         &o,
         "supports has an unknown key 'page_size' (did you mean 'page_sizes'?)",
     );
-    let runners = Path::new(env!("CARGO_MANIFEST_DIR")).join("runners");
-    let p64 = script(
+    let p64 = crate::common::numpy_variant(
         dir.path(),
         "numpy64.py",
-        &format!(
-            "import sys\nsys.path.insert(0, {:?})\nimport numpy_mla, protocol\nclass R(numpy_mla.NumpyMLA):\n    def describe(self):\n        d = super().describe()\n        d['supports']['page_sizes'] = [64]\n        return d\nprotocol.main(R)\n",
-            runners.display().to_string()
-        ),
+        "d['supports']['page_sizes'] = [64]",
     );
     let (code, rep, err) = run_json(&f, &format!("{py} {}", p64.display()), &[]);
     assert_eq!(code, Some(0), "{err}");

@@ -109,16 +109,11 @@ fn a_limited_runner_gets_a_schedule_it_supports_and_coverage_says_what_it_misses
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("runners");
-    let s = dir.path().join("limited.py");
-    std::fs::write(
-        &s,
-        format!(
-            "import sys\nsys.path.insert(0, {:?})\nimport numpy_mla, protocol\nclass L(numpy_mla.NumpyMLA):\n    def describe(self):\n        d = super().describe()\n        d['supports']['max_q_len'] = 1\n        d['supports']['page_sizes'] = [64]\n        return d\nprotocol.main(L)\n",
-            here.display().to_string()
-        ),
-    )
-    .unwrap();
+    let s = crate::common::numpy_variant(
+        dir.path(),
+        "limited.py",
+        "d['supports']['max_q_len'] = 1; d['supports']['page_sizes'] = [64]",
+    );
     let cmd = format!("{py} {}", s.display());
     let (code, rep, err) = go("deepseek-v3-yarn-q4_k.gguf", &cmd, &[], &[]);
     assert_eq!(code, Some(0), "{err}");
