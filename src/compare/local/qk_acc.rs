@@ -23,8 +23,8 @@
 //! the cache's amax/448) shift binades by less than 2×, and |value| ≥ its binade either way. The f32
 //! products by the descales and the softmax scale afterwards add an f32 rounding each.
 
-use super::super::noise::F32_OP;
-use super::score::Score;
+use super::score::{score, Dot, Score};
+use crate::precision::ScoreSum;
 
 /// The k-step of Hopper's fp8 WGMMA (k = 32 for 8-bit operands).
 const STEP: usize = 32;
@@ -70,16 +70,23 @@ pub(super) fn score_acc(
         i = end;
     }
     let prop: f64 = x.iter().zip(w).map(|(&xv, &wv)| xv * xv * wv).sum();
-    let s = a * scale;
+    // The product by the scale as every non-mirror path's (`score` with a sum that adds no bias of
+    // its own), then the accumulator's bias.
+    let dot = Dot {
+        value: a,
+        prop,
+        acc: var,
+        steps: 0.0,
+    };
     Score {
-        s,
-        var: scale * scale * (prop + var) + s * s * 2.0 * F32_OP,
         trunc: -u / 2.0 * scale * steps,
+        ..score(dot, scale, ScoreSum::Sequential)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::super::noise::F32_OP;
     use super::*;
     use crate::kv_format::{e4m3_bits, e4m3_value};
     use rand::SeedableRng;
