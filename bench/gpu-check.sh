@@ -461,7 +461,9 @@ fp8p1() {
     grep -E "DIVERGENCE|runner checks|RUNNER CHECK|error:" "$D/fp8p-$n.txt" | cut -c1-240 | head -3
     [ -s "$D/fp8p-$n.json" ] && worst_at_runner "$D/fp8p-$n.json"
 }
-# worst_at_runner JSON: each @runner check's worst ratio to its tolerance over the layers (≥ 1 fails).
+# worst_at_runner JSON: each @runner check's worst ratio to what decides it over the layers (≥ 1 fails):
+# the stage-local view's ratio where it judges the check, else the end-to-end tolerance's (rel-L2, and the
+# elementwise factor where the check is elementwise), as the report's table cells.
 worst_at_runner() {
     python3 - "$1" << 'PY'
 import json, sys
@@ -471,9 +473,14 @@ for m in r["modes"][:1]:
     for l in m["layers"]:
         for c in l["checks"]:
             if c["check"].endswith("@runner"):
-                t = c["metrics"].get("tol_factor_needed")
-                if t is not None:
-                    worst[c["check"]] = max(worst.get(c["check"], 0.0), t)
+                x, tol = c["metrics"], c["tolerance"]
+                if isinstance(c.get("local"), dict):
+                    t = c["local"]["ratio"]
+                else:
+                    t = x["rel_l2"] / tol["rel_l2"] if tol["rel_l2"] > 0 else 0.0
+                    if c.get("elementwise"):
+                        t = max(t, x.get("tol_factor_needed", 0.0))
+                worst[c["check"]] = max(worst.get(c["check"], 0.0), t)
 print("    @runner worst/tolerance: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(worst.items())))
 PY
 }
