@@ -140,6 +140,10 @@ __device__ __forceinline__ void wg_load_k(const AttnArgs& a, int b, const int* t
 // The epilogue both decode kernels share: this thread's row sums over the quad, then over the two
 // warpgroups through `sSum` ([warpgroup][row]); lse and this warpgroup's half of O, normalised, stored.
 // `wg`, `wr`, `g`, `t`: the kernels' thread coordinates (warpgroup, its warp's first row, lane / 4, lane % 4).
+// Each row's address is formed once and each thread's adjacent pair goes out as one store (8 bytes of
+// partials, 4 of 16-bit output): per-element stores through `att_store` made this tail 13 % of the pairs
+// kernel's stall samples at B=64 H=128 (ncu, 2026-12-05): 3.7 k SASS instructions, most of them address
+// arithmetic. The pair stores need aligned rows: the host checks (`Attn::run_on`, `pair_stores_fit`).
 __device__ __forceinline__ void wg_finish(const AttnArgs& a, int b, int tile, int n_keys, const float (&o)[WG_NV / 2],
                                           float (&l)[2], const float (&m)[2], float* sSum, int wg, int wr, int g,
                                           int t) {
@@ -158,10 +162,21 @@ __device__ __forceinline__ void wg_finish(const AttnArgs& a, int b, int tile, in
         const float L = sSum[row] + sSum[WG_BM + row];
         if (wg == 0 && t == 0) att_store_lse(a, b, ri, L > 0.f ? (m[e] + log2f(L)) * MLA_LN2 : ATT_EMPTY_LSE);
         const float inv = L > 0.f ? 1.f / L : 0.f;
+        const int c0 = wg * WG_NV + 2 * t;
+        // o is unset when no tile ran: zeros then.
+#define WG_O(n, k) (L > 0.f ? o[4 * (n) + 2 * e + (k)] * inv : 0.f)
+        if (ATT_PARTIALS(a)) {
+            float* p = a.part_out +
+                       ((((long long)b * a.n_q + ri.i) * a.n_heads + ri.h) * a.num_splits + att_split()) * ATT_DV + c0;
 #pragma unroll
-        for (int n = 0; n < WG_NV / 8; ++n)
-            att_store(a, b, ri, wg * WG_NV + n * 8 + 2 * t, L > 0.f ? o[4 * n + 2 * e] * inv : 0.f,
-                      L > 0.f ? o[4 * n + 2 * e + 1] * inv : 0.f, 1);  // o is unset when no tile ran
+            for (int n = 0; n < WG_NV / 8; ++n)
+                *reinterpret_cast<float2*>(p + n * 8) = make_float2(WG_O(n, 0), WG_O(n, 1));
+        } else {
+            dt* p = a.out + b * a.out_bs + (long long)ri.i * a.out_rs + (long long)ri.h * a.out_hs + c0;
+#pragma unroll
+            for (int n = 0; n < WG_NV / 8; ++n) *reinterpret_cast<unsigned*>(p + n * 8) = pack2(WG_O(n, 0), WG_O(n, 1));
+        }
+#undef WG_O
     }
 }
 

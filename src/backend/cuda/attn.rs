@@ -244,6 +244,12 @@ impl Attn {
             }
         };
         let mut p = [a as *const AttnArgs as *mut c_void];
+        if self.mqa && self.name == "attn_wgmma" && !pair_stores_fit(a) {
+            return Err(Error::Environment(format!(
+                "attn_wgmma decode: its epilogue stores column pairs, which needs part_out 8-byte aligned, out 4-byte aligned and even out strides; got part_out {:#x}, out {:#x}, strides {}/{}/{}",
+                a.part_out, a.out, a.out_bs, a.out_rs, a.out_hs
+            )));
+        }
         match self.mma {
             Some((f, smem, threads, bm, _)) => match self.tma {
                 Some((cols, elem)) => {
@@ -287,6 +293,19 @@ impl Attn {
             ],
         )
     }
+}
+
+/// Whether decode's `attn_wgmma` / `attn_wgmma_pairs` epilogue (kernels/sm90/decode/attn_wgmma.cuh
+/// `wg_finish`) may store a thread's two adjacent columns at once: an 8-byte store of f32 partials and
+/// a 4-byte store of 16-bit output need those rows aligned (a misaligned one is a fault, not a
+/// slower store). Every launch of ours holds it; the check names a caller's layout that does not.
+pub fn pair_stores_fit(a: &AttnArgs) -> bool {
+    let even = |s: i64| s % 2 == 0;
+    a.part_out.is_multiple_of(8)
+        && a.out.is_multiple_of(4)
+        && even(a.out_bs)
+        && even(a.out_rs)
+        && even(a.out_hs)
 }
 
 /// The launch of the Hopper prefill kernel (kernels/sm90/prefill/attn_wgmma.cuh `attn_wgmma`), which takes its
@@ -354,5 +373,31 @@ impl PrefillLaunch {
     /// `run_with` the maps of `a`.
     pub fn run(&self, a: &AttnArgs) -> Result<()> {
         self.run_with(a, &self.maps(a)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pair_stores_need_aligned_rows() {
+        let ok = AttnArgs {
+            part_out: 0x1000,
+            out: 0x2004,
+            out_bs: 8 * 512,
+            out_rs: 64 * 512,
+            out_hs: 512,
+            ..Default::default()
+        };
+        assert!(pair_stores_fit(&ok));
+        assert!(!pair_stores_fit(&AttnArgs {
+            part_out: 0x1004,
+            ..ok
+        }));
+        assert!(!pair_stores_fit(&AttnArgs { out: 0x2002, ..ok }));
+        assert!(!pair_stores_fit(&AttnArgs { out_hs: 511, ..ok }));
+        assert!(!pair_stores_fit(&AttnArgs { out_rs: 1, ..ok }));
+        assert!(!pair_stores_fit(&AttnArgs { out_bs: 3, ..ok }));
     }
 }
