@@ -211,8 +211,7 @@ class FlashMLA(protocol.TorchRunner):
         s = float(sent) if sent is not None else protocol.q_fp8_scale([np.array([float(qf.abs().max())], np.float32)])
         q8 = (qf / s).to(torch.float8_e4m3fn)
         # A padded entry's NaN q (as a CUDA graph's batch pads) is NaN in e4m3 too: on the grid.
-        back = q8.float() * s
-        if sent is not None and not bool(((back == qf) | (back.isnan() & qf.isnan())).all()):
+        if sent is not None and not torch.allclose(q8.float() * s, qf, rtol=0, atol=0, equal_nan=True):
             raise ValueError(f"q is not on the e4m3 grid of meta.q_scale {s}: the cast to the kernel's fp8 q would round it")
         dev = q.device
         kw = {"is_fp8_kvcache": True,

@@ -34,6 +34,19 @@ fn verdicts(rep: &J, name: &str) -> Vec<(bool, bool)> {
     v
 }
 
+/// Every decode check of the kernel's outputs passes, end to end and locally.
+fn decode_passes(rep: &J, what: &str) {
+    for c in [
+        "lse[decode]@runner",
+        "lse[decode]",
+        "attn_latent@runner",
+        "attn_latent",
+    ] {
+        let v = verdicts(rep, c);
+        assert!(v.iter().all(|&(p, l)| p && l), "{what} {c}: {v:?}");
+    }
+}
+
 #[test]
 fn an_e8m13_qk_accumulator_is_judged_as_declared() {
     let Some(py) = python("runners", "numpy and safetensors") else {
@@ -50,18 +63,7 @@ fn an_e8m13_qk_accumulator_is_judged_as_declared() {
         assert!(rep["run"]["notices"]
             .to_string()
             .contains("conventions.qk_acc"));
-        for c in [
-            "lse[decode]@runner",
-            "lse[decode]",
-            "attn_latent@runner",
-            "attn_latent",
-        ] {
-            assert!(
-                verdicts(&rep, c).iter().all(|&(p, l)| p && l),
-                "{f} {c}: {:?}",
-                verdicts(&rep, c)
-            );
-        }
+        decode_passes(&rep, f);
         // Undeclared, the same kernel is judged as an f32 sum: ~10⁴× the predicted LSE noise.
         let (code, rep, err) = run_fp8(f, &env, &py, "bugs/cache/qk_acc_undeclared.py");
         assert_eq!(code, Some(1), "{f}: not caught: {err}");
@@ -101,23 +103,12 @@ fn the_views_own_merge_is_over_the_q_the_kernel_read() {
     assert_eq!(code, Some(0), "{err}");
     let outs = &rep["environment"]["runner"]["ops"]["decode"]["outputs"];
     assert_eq!(outs.as_array().map(Vec::len), Some(2), "{outs}");
-    for c in [
-        "attn_latent",
-        "lse[decode]",
-        "attn_latent@runner",
-        "lse[decode]@runner",
-    ] {
-        assert!(
-            verdicts(&rep, c).iter().all(|&(p, l)| p && l),
-            "{c}: {:?}",
-            verdicts(&rep, c)
-        );
-    }
+    decode_passes(&rep, "glm-5");
     let (code, rep, err) = run_fp8(
         "glm-5-q4_0.gguf",
         FLASHMLA_FP8,
         &py,
-        "bugs/cache/fp8_tensor_scale_twice.py",
+        "bugs/cache/fp8_scale_twice.py",
     );
     assert_eq!(code, Some(1), "scale twice not caught: {err}");
     assert!(

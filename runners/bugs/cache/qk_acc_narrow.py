@@ -19,13 +19,13 @@ import protocol  # noqa: E402
 class QkAccNarrow(numpy_mla.NumpyMLA):
     name = "numpy-bug-qk-acc-narrow"
 
-    def qk(self, q_b, keys):
-        acc = os.environ.get("MLA_DIFF_NUMPY_QK_ACC")
-        try:
-            os.environ["MLA_DIFF_NUMPY_QK_ACC"] = f"{acc.split(':')[0]}:9" if acc else ""
-            return super().qk(q_b, keys)
-        finally:
-            os.environ["MLA_DIFF_NUMPY_QK_ACC"] = acc or ""
+    def qk_acc(self):
+        acc = super().qk_acc()
+        return None if acc is None else (acc[0], 9)
+
+    def declares_qk_acc(self):
+        acc = super().qk_acc()
+        return None if acc is None else f"e8m{acc[1]}"
 
 
 if __name__ == "__main__":
