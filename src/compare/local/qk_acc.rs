@@ -50,15 +50,17 @@ pub(super) fn score_acc(
     };
     let (mut a, mut var, mut steps) = (0.0f64, 0.0f64, 0.0f64);
     let mut i = 0;
+    let mut ps = [0.0f64; STEP];
     while i < k {
         let end = (i + STEP).min(k);
-        let top = (i..end).fold(a.abs(), |t, j| t.max(prod(j).abs()));
+        let ps = &mut ps[..end - i];
+        ps.iter_mut().zip(i..end).for_each(|(p, j)| *p = prod(j));
+        let top = ps.iter().fold(a.abs(), |t, p| t.max(p.abs()));
         let q = u * top;
         if a.abs() < top {
             var += q * q / 3.0;
         }
-        for j in i..end {
-            let p = prod(j);
+        for &p in ps.iter() {
             if p.abs() < exact_from * top {
                 let b = q.min(p.abs());
                 var += b * b / 3.0;
