@@ -12,9 +12,9 @@
 //! layer is read. Every value is computed by the same code from the same inputs either way, and the
 //! backend is called in the same order (shadow, then free): the reports are the same byte for byte.
 //! Only the overlap is given up, on the few covering layers of a default run; the classic layers of
-//! the rest (tens of MB each) keep it. A lone dense layer on the CPU mirror also holds its weights
-//! once: rounded in place to the run's dtype after its reference ([`reference_first`]), instead of
-//! the file's values beside a rounded copy.
+//! the rest (tens of MB each) keep it. A lone dense layer on the CPU mirror or CUDA also holds its
+//! weights once: rounded in place to the run's dtype after its reference ([`reference_first`]),
+//! instead of the file's values beside a rounded copy.
 
 use super::layers::RefTraces;
 use super::RunOptions;

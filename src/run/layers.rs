@@ -380,6 +380,11 @@ fn paths(
             (None, true) => Err(reference()),
             (None, false) => Ok(sc.spawn(reference)),
         };
+        // Alone: what the reference freed (its intermediates, in the workers' heaps) handed back
+        // before the path's buffers and traces are made (`release_memory`).
+        if lr.alone {
+            release_memory(prof, true, &Beside::default());
+        }
         let optimized = (|| -> Result<OptTraces> {
             let mut shadow_opt = None;
             if opts.modes.shadow {
@@ -395,6 +400,9 @@ fn paths(
                     )?);
                 }
                 shadow_opt = Some(opt);
+                if lr.alone {
+                    release_memory(prof, true, &Beside::default());
+                }
             }
             // The stage-local view's products against the weights: made here, on their own
             // thread next to free mode's pass (and the reference), not in the judge, so the
@@ -501,11 +509,12 @@ pub(super) fn load_layer(
 /// thread, until the owning thread collects them: the run loop's and the ended threads' (reference,
 /// judges) here, every rayon worker's by a broadcast — 0.1–0.3 GB of a GLM-5 run's peak resident set
 /// each. Once per layer, not at every free (`MIMALLOC_PURGE_DELAY=0` cost 5× the system time). A no-op
-/// without a hook. After a lone layer (`footprint.rs`: the run's peak) the loop waits for every worker
-/// to have collected; after the others the workers collect when they are next free
-/// (`rayon::spawn_broadcast`), beside the loop: a blocking broadcast waits for every worker to finish
-/// what it runs (the judges' work), 7–9 s of the 78-layer file's loop on the GPU host (#39). Their
-/// own time is summed in `beside`.
+/// without a hook. After a lone layer (`footprint.rs`: the run's peak), and within it after its
+/// reference and shadow mode's pass (`paths`: −150 to −180 MB of the GPU host's peak, docs/scale.md),
+/// the loop waits for every worker to have collected; after the others the workers collect when they
+/// are next free (`rayon::spawn_broadcast`), beside the loop: a blocking broadcast waits for every
+/// worker to finish what it runs (the judges' work), 7–9 s of the 78-layer file's loop on the GPU host
+/// (#39). Their own time is summed in `beside`.
 fn release_memory(prof: &mut profile::Profile, wait: bool, beside: &Beside) {
     let Some(release) = crate::alloc::release_hook() else {
         return;

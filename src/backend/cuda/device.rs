@@ -437,6 +437,33 @@ mod tests {
         }
     }
 
+    /// Weights rounded in place to the dtype (`Dtype::round_slice`, what `LayerWeights::round_in_place`
+    /// does) upload the same bits as the file's values (`CudaBackend::reads_stored_weights_only`), over
+    /// random bit patterns (NaN payloads, subnormals, ties, overflow to infinity).
+    #[test]
+    fn rounded_weights_upload_the_same_bits() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        let mut v: Vec<f32> = (0..CHUNK + 9)
+            .map(|_| f32::from_bits(rng.random()))
+            .collect();
+        v.extend([
+            65520.0,
+            -65519.0,
+            1.0 + f32::EPSILON,
+            f32::MIN_POSITIVE / 3.0,
+        ]);
+        for dt in [Dtype::Bf16, Dtype::F16] {
+            let mut rounded = v.clone();
+            dt.round_slice(&mut rounded);
+            let changed = rounded
+                .iter()
+                .zip(&v)
+                .filter(|(a, b)| a.to_bits() != b.to_bits());
+            assert!(changed.count() > CHUNK / 2, "{dt:?}: most values change");
+            assert!(encode_f32(dt, &rounded) == encode_f32(dt, &v), "{dt:?}");
+        }
+    }
+
     /// The staged pieces are the whole conversion's bytes, in order and at their offsets, for a last
     /// piece short or whole, a single piece and none; an error of the copy ends it.
     #[test]

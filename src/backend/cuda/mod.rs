@@ -246,6 +246,14 @@ impl Backend for CudaBackend {
         }
     }
 
+    /// A dense layer reads its weights once, to upload them converted to the dtype (`Weights::upload`,
+    /// half's round to nearest even, as `LayerWeights::stored`): a value already rounded converts to
+    /// itself, so weights rounded in place upload the same bits. Its indexers read the file's values
+    /// (`indexer.rs`, `kpool.rs`), but a run rounds no sparse layer's weights (`run::footprint`).
+    fn reads_stored_weights_only(&self) -> bool {
+        true
+    }
+
     /// Sparse attention over the selection in the absorbed form (`sparse.rs`), its own indexer, and
     /// the score sum and key tiles of the kernels its last layer chose.
     fn judging(&self) -> crate::backend::Judging {
