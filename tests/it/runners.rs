@@ -72,17 +72,46 @@ pub const SHORT: &[&str] = &[
     "2",
 ];
 
+/// The outputs a runner returns, each in `DT[(a·i + k) % 3]` for output `i`: `MLA_DIFF_NUMPY_DTYPES`.
+fn output_dtypes(a: usize, k: usize) -> String {
+    const OUTS: [&str; 6] = [
+        "decode.attn_latent",
+        "decode.lse",
+        "decode.split_out",
+        "decode.split_lse",
+        "prefill.attn_heads",
+        "prefill.lse",
+    ];
+    const DT: [&str; 3] = ["bf16", "fp16", "f32"];
+    let combo: Vec<String> = OUTS
+        .iter()
+        .enumerate()
+        .map(|(i, o)| format!("{o}={}", DT[(a * i + k) % 3]))
+        .collect();
+    combo.join(",")
+}
+
+/// GLM-5's default run (~36 CPU s through the runner) returns mixed output dtypes (`output_dtypes(1,
+/// 0)`): it is also `every_output_dtype_combination_passes`' one combination on the default schedule.
 #[test]
 fn numpy_runner_passes_on_every_shipped_fixture() {
     let Some(py) = python("runners", "numpy and safetensors") else {
         return;
     };
-    let cmd = runner(&py, "numpy_mla.py");
+    let plain = runner(&py, "numpy_mla.py");
+    let mixed = format!("env MLA_DIFF_NUMPY_DTYPES={} {plain}", output_dtypes(1, 0));
     let files = shipped_fixtures();
     assert!(files.len() >= 5, "{files:?}");
     for f in &files {
-        let (code, rep, err) = run_json(f, &cmd, &[]);
+        let glm5 = f.file_name().is_some_and(|n| n == "glm-5-q4_0.gguf");
+        let cmd = if glm5 { &mixed } else { &plain };
+        let (code, rep, err) = run_json(f, cmd, &[]);
         assert_eq!(code, Some(0), "{}: {err}", f.display());
+        if glm5 {
+            let notes = rep["run"]["notices"].to_string();
+            assert!(notes.contains("attn_latent bf16"), "{notes}");
+            assert!(notes.contains("split_lse bf16"), "{notes}");
+        }
         let at: Vec<&str> = checks(&rep)
             .iter()
             .filter_map(|c| c["check"].as_str())
@@ -128,7 +157,7 @@ fn numpy_runner_passes_on_every_shipped_fixture() {
         &["--dtype", "f32"],
         &["--q-len", "2", "--decode-steps", "5"],
     ] {
-        let (code, _, err) = run_json(&f, &cmd, extra);
+        let (code, _, err) = run_json(&f, &plain, extra);
         assert_eq!(code, Some(0), "{extra:?}: {err}");
     }
 }
@@ -381,46 +410,31 @@ fn every_output_dtype_combination_passes() {
     let Some(py) = python("runners", "numpy and safetensors") else {
         return;
     };
-    const OUTS: [&str; 6] = [
-        "decode.attn_latent",
-        "decode.lse",
-        "decode.split_out",
-        "decode.split_lse",
-        "prefill.attn_heads",
-        "prefill.lse",
-    ];
-    const DT: [&str; 3] = ["bf16", "fp16", "f32"];
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("runners/numpy_mla.py");
     let f = fixture("glm-5-q4_0.gguf");
     let mut cases = Vec::new();
     for run_dt in ["bf16", "fp16"] {
-        // Output i in DT[(a·i + k) % 3]: a = 0 all alike, a = 1, 2 mixed.
+        // a = 0 all alike, a = 1, 2 mixed.
         for a in 0..3 {
             for k in 0..3 {
                 if run_dt == "fp16" && a != 1 {
                     continue;
                 }
-                let combo: Vec<String> = OUTS
-                    .iter()
-                    .enumerate()
-                    .map(|(i, o)| format!("{o}={}", DT[(a * i + k) % 3]))
-                    .collect();
-                cases.push((run_dt, combo.join(",")));
+                cases.push((run_dt, output_dtypes(a, k)));
             }
         }
     }
-    for (i, (run_dt, combo)) in cases.iter().enumerate() {
+    for (run_dt, combo) in &cases {
         let cmd = format!(
             "env MLA_DIFF_NUMPY_DTYPES={combo} {py} {}",
             script.display()
         );
-        // The dtypes are bounded per element, whatever the schedule: one mixed combination on the
-        // default schedule (its batches and runner checks), the rest on a short one that still has
-        // a chunked prefill and split decode (a default run costs ~20 CPU s here, the short one ~1).
+        // The dtypes are bounded per element, whatever the schedule: a short one that still has a
+        // chunked prefill and split decode (a default run costs ~20 CPU s here, the short one ~1).
+        // One mixed combination (bf16, `output_dtypes(1, 0)`) also runs on the default schedule, its
+        // batches and runner checks: numpy_runner_passes_on_every_shipped_fixture's GLM-5 run.
         let mut args = vec!["--dtype", run_dt];
-        if i != 3 {
-            args.extend(SHORT);
-        }
+        args.extend(SHORT);
         let (code, rep, err) = run_json(&f, &cmd, &args);
         assert_eq!(code, Some(0), "{run_dt} run, {combo}: {err}");
         // The report records the dtypes as returned.
