@@ -80,13 +80,15 @@ fn run_clean_in(file: &Path, seed: u64, sched: &[&str], mode: &str) {
     );
 }
 
-/// 5 fixtures × 4 schedules × 5 seeds, less GLM-5's default schedule past seed 2: 97 clean runs (all
-/// layers of each file). Seed 1 on the default schedule runs in both modes: it is also run_report's
-/// `mirror_passes_on_every_shipped_fixture` in bf16 on the default schedule (a default run of GLM-5
-/// costs ~20 CPU s; a second one bought nothing). GLM-5's default run judges 64 heads of 132-token
-/// decode queries (`attn_heads[decode]` ~600k elements: peaky_attention_on_the_default_schedule) at
-/// ~24 CPU s a seed, the other default runs 1–6: seeds 3–5 of it (~73 CPU s) are cut, the other
-/// fixtures keep all five (docs/ci-time.md, ninth session).
+/// 5 fixtures × 4 schedules × 5 seeds, less GLM-5's default schedule on seeds 3 and 4: 98 clean runs
+/// (all layers of each file). Seed 1 on the default schedule runs in both modes: it is also
+/// run_report's `mirror_passes_on_every_shipped_fixture` in bf16 on the default schedule (a default
+/// run of GLM-5 costs ~20 CPU s; a second one bought nothing). GLM-5's default run judges 64 heads of
+/// 132-token decode queries (`attn_heads[decode]` ~600k elements:
+/// peaky_attention_on_the_default_schedule) at ~24 CPU s a seed, the other default runs 1–6: seeds 3
+/// and 4 of it (~51 CPU s) are cut; seed 5 stays, the closest of the five to its end-to-end tolerance
+/// (0.796 of it, against 0.697–0.780), and the other fixtures keep all five (docs/ci-time.md, ninth
+/// session).
 #[test]
 fn clean_runs_pass_over_seeds_schedules_and_fixtures() {
     let files = shipped();
@@ -94,8 +96,11 @@ fn clean_runs_pass_over_seeds_schedules_and_fixtures() {
     for f in &files {
         let glm5 = f.file_name().is_some_and(|n| n == "glm-5-q4_0.gguf");
         for sched in SCHEDULES {
-            let seeds = if glm5 && sched.is_empty() { 2 } else { 5 };
-            for seed in 1..=seeds {
+            let seeds: &[u64] = match glm5 && sched.is_empty() {
+                true => &[1, 2, 5],
+                false => &[1, 2, 3, 4, 5],
+            };
+            for &seed in seeds {
                 let both = sched.is_empty() && seed == 1;
                 run_clean_in(f, seed, sched, if both { "both" } else { "shadow" });
             }
