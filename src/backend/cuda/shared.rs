@@ -111,6 +111,9 @@ impl Backend for SharedCuda {
     fn judging(&self) -> crate::backend::Judging {
         self.inner.borrow().judging()
     }
+    fn reads_stored_weights_only(&self) -> bool {
+        self.inner.borrow().reads_stored_weights_only()
+    }
     fn kernels(
         &self,
         cfg: &crate::model::MlaConfig,
