@@ -161,7 +161,7 @@ pub(super) fn run_layers(
             h_ref = next_ref;
             let left = if alone { 0 } else { max_judges }; // alone: judged before the next layer
             collect_until(&mut judging, left, &mut prof, &mut done)?;
-            release_memory(&mut prof, alone, &beside);
+            release_memory(&mut prof, (!alone).then_some(&beside));
             bar.inc(1);
         }
         collect_until(&mut judging, 0, &mut prof, &mut done)
@@ -383,7 +383,7 @@ fn paths(
         // Alone: what the reference freed (its intermediates, in the workers' heaps) handed back
         // before the path's buffers and traces are made (`release_memory`).
         if lr.alone {
-            release_memory(prof, true, &Beside::default());
+            release_memory(prof, None);
         }
         let optimized = (|| -> Result<OptTraces> {
             let mut shadow_opt = None;
@@ -401,7 +401,7 @@ fn paths(
                 }
                 shadow_opt = Some(opt);
                 if lr.alone {
-                    release_memory(prof, true, &Beside::default());
+                    release_memory(prof, None);
                 }
             }
             // The stage-local view's products against the weights: made here, on their own
@@ -514,16 +514,16 @@ pub(super) fn load_layer(
 /// the loop waits for every worker to have collected; after the others the workers collect when they
 /// are next free (`rayon::spawn_broadcast`), beside the loop: a blocking broadcast waits for every
 /// worker to finish what it runs (the judges' work), 7–9 s of the 78-layer file's loop on the GPU host
-/// (#39). Their own time is summed in `beside`.
-fn release_memory(prof: &mut profile::Profile, wait: bool, beside: &Beside) {
+/// (#39). Their own time is summed in `beside`; none: the loop waits.
+fn release_memory(prof: &mut profile::Profile, beside: Option<&Beside>) {
     let Some(release) = crate::alloc::release_hook() else {
         return;
     };
     prof.time("freed memory handed back", || {
         release();
-        match wait {
-            true => drop(rayon::broadcast(|_| release())),
-            false => {
+        match beside {
+            None => drop(rayon::broadcast(|_| release())),
+            Some(beside) => {
                 let beside = beside.clone();
                 rayon::spawn_broadcast(move |_| {
                     let t0 = std::time::Instant::now();

@@ -410,7 +410,7 @@ fn every_output_dtype_combination_passes() {
     let Some(py) = python("runners", "numpy and safetensors") else {
         return;
     };
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("runners/numpy_mla.py");
+    let plain = runner(&py, "numpy_mla.py");
     let f = fixture("glm-5-q4_0.gguf");
     let mut cases = Vec::new();
     for run_dt in ["bf16", "fp16"] {
@@ -425,10 +425,7 @@ fn every_output_dtype_combination_passes() {
         }
     }
     for (run_dt, combo) in &cases {
-        let cmd = format!(
-            "env MLA_DIFF_NUMPY_DTYPES={combo} {py} {}",
-            script.display()
-        );
+        let cmd = format!("env MLA_DIFF_NUMPY_DTYPES={combo} {plain}");
         // The dtypes are bounded per element, whatever the schedule: a short one that still has a
         // chunked prefill and split decode (a default run costs ~20 CPU s here, the short one ~1).
         // One mixed combination (bf16, `output_dtypes(1, 0)`) also runs on the default schedule, its
@@ -551,13 +548,8 @@ fn empty_splits_are_judged_by_their_lse() {
         return;
     };
     let f = fixture("deepseek-v3-yarn-q4_k.gguf");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("runners/numpy_mla.py");
-    let cmd = |mode: &str| {
-        format!(
-            "env MLA_DIFF_NUMPY_EMPTY_SPLITS={mode} {py} {}",
-            script.display()
-        )
-    };
+    let plain = runner(&py, "numpy_mla.py");
+    let cmd = |mode: &str| format!("env MLA_DIFF_NUMPY_EMPTY_SPLITS={mode} {plain}");
     // 49.. keys in 16 splits of ⌈L/16⌉: the last splits are empty.
     let (code, rep, err) = run_json(&f, &cmd("nan"), &["--num-splits", "16"]);
     assert_eq!(code, Some(0), "{err}");

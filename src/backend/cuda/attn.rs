@@ -244,7 +244,7 @@ impl Attn {
             }
         };
         let mut p = [a as *const AttnArgs as *mut c_void];
-        if self.mqa && self.name == "attn_wgmma" && !pair_stores_fit(a) {
+        if self.mqa && self.tile.is_some_and(|t| t.wgmma) && !pair_stores_fit(a) {
             return Err(Error::Environment(format!(
                 "attn_wgmma decode: its epilogue stores column pairs, which needs part_out 8-byte aligned, out 4-byte aligned and even out strides; got part_out {:#x}, out {:#x}, strides {}/{}/{}",
                 a.part_out, a.out, a.out_bs, a.out_rs, a.out_hs
