@@ -15,7 +15,9 @@
 #            (default all; '' for none) and TABLE_KERNELS (a kernel dir or probe patch) narrow it
 #   profile  Nsight Compute (`--clock-control none`, the bench's first launch) of NCU_KERNEL (regex, default
 #            attn_wgmma_pairs) in `bench decode --heads $NCU_HEADS` (default 128); NCU_PEER=flashmla profiles
-#            FlashMLA's splitkv kernel on the same inputs instead
+#            FlashMLA's splitkv kernel on the same inputs instead; NCU_BENCH=prefill profiles `bench prefill
+#            --wgmma-only`'s first launch (NCU_KERNEL default attn_wgmma; NCU_PEER=torch: cuDNN's SDPA kernel);
+#            NCU_COUNT=n profiles the first n launches (the prefill tiles run in prefill_tiles' order)
 #   scale    the whole GLM-5 file (`fixture --preset glm-5 --quant q4_k`, 78 layers; LAYERS=N for the first
 #            N) through `run --backend cuda` at the default and the 64-token schedule, `/usr/bin/time -v` and
 #            MLA_DIFF_PROFILE's phase table (docs/scale.md); B0=another binary runs the default schedule first
@@ -63,16 +65,23 @@ table() {
     cp "$D/table.md" "$D/table.json" "$OUT/" 2> /dev/null
 }
 profile() {
-    local k=${NCU_KERNEL:-attn_wgmma_pairs} px=()
+    local k=${NCU_KERNEL:-attn_wgmma_pairs} px=() cmd=(bench decode --heads "${NCU_HEADS:-128}" --best-only)
+    # Prefill: the first wgmma tile at DeepSeek's 192/128 (the table's first prefill row), or cuDNN's SDPA
+    # kernel on the same inputs.
+    [ "${NCU_BENCH:-decode}" = prefill ] && k=${NCU_KERNEL:-attn_wgmma} && cmd=(bench prefill --wgmma-only)
     if [ "${NCU_PEER:-}" = flashmla ]; then
         peers_env
         k=splitkv_mla_kernel
         px=(--peers flashmla)
+    elif [ "${NCU_PEER:-}" = torch ]; then
+        peers_env
+        k='sdpa|fprop|fmha'
+        px=(--peers torch)
     fi
-    timed "ncu $k" 90 "$D/ncu-$k.txt" ncu --clock-control none -k "regex:$k" -c 1 --section SpeedOfLight \
+    timed "ncu $k" 90 "$D/ncu-$k.txt" ncu --clock-control none -k "regex:$k" -c "${NCU_COUNT:-1}" --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
         --section SchedulerStats --section InstructionStats --section LaunchStats --section Occupancy \
-        "$B" bench decode --heads "${NCU_HEADS:-128}" --best-only --launches 1 "${px[@]}"
+        "$B" "${cmd[@]}" --launches 1 "${px[@]}"
     grep -E "attn_|flash|Duration|Elapsed Cycles|DRAM Throughput|Compute \(SM\)|Executed Ipc A|Issue Slots Busy|Executed Instructions |Registers Per|No Eligible|One or More|Warp Cycles Per Issued|SM Frequency|L1TEX" \
         "$D/ncu-$k.txt" | grep -v '^ *-' | head -30
 }
