@@ -22,8 +22,12 @@
 //   wg0: O *= α_A; O += P_A·V_A[0,256);  O *= α_B; O += P_B·V_B[0,256)
 //   wg1: O *= α_A; O += P_A·V_A[256,512); O *= α_B; O += P_B·V_B[256,512)
 // with α_A = exp2(m - m_A), α_B = exp2(m_A - m_B); each warpgroup sums l over its own tiles (rescaled
-// by both α's), and the two sums are added at the end. Same rounding as the other kernels: P in the
-// storage type from the running max of its own tile, l from unrounded P.
+// by both α's), and the two sums are added at the end. wg1's order in a pair: wait for P_A, issue P_A·V_A, then
+// S_B behind it, so stage 1's right half (refilled at the end of the last pair) lands under that MMA instead
+// of in front of S_B, where wg1 spun and wg0 then spun on READY_B (2026-12-06, H100: −4 to −7 % at H=128
+// one split, −5 % at H=64; the same operations in the same order on every accumulator, so the same bits;
+// bench/probes/handover40.md has the timeline and the shared-memory arithmetic). Same rounding as the other
+// kernels: P in the storage type from the running max of its own tile, l from unrounded P.
 //
 // Loads: each stage's left half (blocks 0–3: S and wg0's P·V) and right half (blocks 4–8: S and wg1's
 // P·V) is refilled by one thread of the warpgroup that last reads it, by TMA on the half's mbarrier (4 or
@@ -418,21 +422,6 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
         for (int k = 0; k < n_pairs; ++k) {
             const int jB = jb + (2 * k + 1) * WG_BN, ph = k & 1;
             const bool has_b = 2 * k + 1 < n_tiles, next_a = 2 * k + 2 < n_tiles, next_b = 2 * k + 3 < n_tiles;
-            if (has_b) {  // S_B
-                wa_fix(gbase + 2 * WG_TILE, full + 16, ph, jB, hi, own, oph);
-                wa_mbar_wait(full + 16, ph);
-                wg_fence_smem();
-                wg_fence();
-                wa_s<0, 4>(s, dQ, dK1, qr);
-                wa_mbar_wait(full + 24, ph);
-                wg_fence_smem();
-                wg_fence();
-                wa_s<4, 9>(s, dQ, dK1, qr);
-                wg_commit();
-                wg_wait<0>();
-                wg_pin(s);
-                wg_pin(o);
-            }
             mbar_wait(readyA, k & 1);  // P_A, m_A in
             float al[2], mu[2], rs[2] = {0.f, 0.f}, tm[2];
 #pragma unroll
@@ -446,11 +435,30 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
             wa_scale_o(o, al);
             wa_mbar_wait(full + 8, ph);  // stage 0's right half (landed before S_A)
             wg_fence_smem();
-            wg_fence();
-            wa_pv(o, dPA, dV0, 1, k > 0);
-            wg_commit();
-            // Softmax of B under P_A·V_A.
+            // S_B behind P_A·V_A: stage 1's load (issued at the end of the last pair) lands under
+            // P_A·V_A instead of ahead of it, and P_A·V_A no longer holds stage 1 (bench/probes/handover40.md).
+            // P_A·V_A is issued inside each branch: a branch entered with a wgmma in flight made ptxas
+            // serialize every wgmma (C7518 / C7520).
             if (has_b) {
+                wg_fence();
+                wa_pv(o, dPA, dV0, 1, k > 0);
+                wg_commit();
+                wa_fix(gbase + 2 * WG_TILE, full + 16, ph, jB, hi, own, oph);
+                wa_mbar_wait(full + 16, ph);
+                wg_fence_smem();
+                wg_fence();
+                wa_s<0, 4>(s, dQ, dK1, qr);
+                wa_mbar_wait(full + 24, ph);
+                wg_fence_smem();
+                wg_fence();
+                wa_s<4, 9>(s, dQ, dK1, qr);
+                wg_commit();
+                wg_wait<1>();  // P_A·V_A (right); S_B may still run
+                wg_pin(o);
+                wa_own(own, oph);
+                if (next_a) wa_load(4, 9, jB + WG_BN, sK0, full + 8);
+                wg_wait<0>();  // S_B
+                wg_pin(s);
                 wa_mask_max(s, lo, jB, hi, lim, t, tm, a.scale_log2);
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
@@ -461,12 +469,15 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) attn_wgmma_pairs(const At
                 }
                 wa_exp(s, mu, rs, a.scale_log2);
             } else {
+                wg_fence();
+                wa_pv(o, dPA, dV0, 1, k > 0);
+                wg_commit();
+                wg_wait<0>();  // P_A·V_A (right)
+                wg_pin(o);
+                wa_own(own, oph);
+                if (next_a) wa_load(4, 9, jB + WG_BN, sK0, full + 8);
                 al[0] = al[1] = 1.f;
             }
-            wg_wait<0>();  // P_A·V_A (right)
-            wg_pin(o);
-            wa_own(own, oph);
-            if (next_a) wa_load(4, 9, jB + WG_BN, sK0, full + 8);
             if (has_b) wa_store_p(gPB, s, wr, g, t);
 #pragma unroll
             for (int e = 0; e < 2; ++e)
