@@ -578,7 +578,7 @@ fn python_identity_matches_ours() {
 
 /// `python` with the repository's `python/` first on its path (the package as checked out).
 fn python_cmd(py: &str) -> std::process::Command {
-    let mut c = std::process::Command::new(py);
+    let mut c = crate::common::python_command(py);
     c.env(
         "PYTHONPATH",
         Path::new(env!("CARGO_MANIFEST_DIR")).join("python"),

@@ -84,7 +84,7 @@ fn same_bits_or_both_nan(ours: &[f32], theirs: &[f32], what: &str) {
 
 fn run_script(py: &str, args: &[&std::ffi::OsStr]) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it/gguf_crosscheck.py");
-    let o = std::process::Command::new(py)
+    let o = crate::common::python_command(py)
         .arg(&script)
         .args(args)
         .output()
@@ -125,7 +125,7 @@ fn gguf_py_agrees_bit_for_bit_both_ways() {
     let Some(py) = python() else { return };
     let out = tempfile::tempdir().unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it/gguf_crosscheck.py");
-    let o = std::process::Command::new(&py)
+    let o = crate::common::python_command(&py)
         .arg(&script)
         .arg(common::fixtures_dir())
         .arg(out.path())

@@ -342,7 +342,7 @@ for dt in ['<f2', '>f2', '<f4', '>f4', '<f8', '>f8']:
 assert np.load(f'{d}/f_le4.npy').flags.f_contiguous
 print(' '.join(names))
 "#;
-    let o = std::process::Command::new(&py)
+    let o = crate::common::python_command(&py)
         .args(["-c", script, dir.path().to_str().unwrap()])
         .output()
         .expect("run python");

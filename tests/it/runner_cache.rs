@@ -218,7 +218,7 @@ fn the_sdk_dequantizes_every_format_as_the_codec_bit_for_bit() {
         sdk = sdk.to_str().unwrap(),
         m = manifest.to_str().unwrap()
     );
-    let o = std::process::Command::new(&py)
+    let o = crate::common::python_command(&py)
         .args(["-c", &script])
         .output()
         .unwrap();

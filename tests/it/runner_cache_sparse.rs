@@ -270,7 +270,7 @@ fn the_fp8_ds_mla_bytes_are_flashmlas_own() {
         i = inp.to_str().unwrap(),
         o = out.to_str().unwrap()
     );
-    let o = std::process::Command::new(&py)
+    let o = crate::common::python_command(&py)
         .args(["-c", &script])
         .output()
         .unwrap();

@@ -212,7 +212,7 @@ fn selfcheck_drives_the_sparse_runner() {
     };
     let sc = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("runners/selfcheck.py");
     let go = |rel: &str| {
-        std::process::Command::new(&py)
+        crate::common::python_command(&py)
             .arg(&sc)
             .args(["--runner", &runner(&py, rel)])
             .args(["--dtypes", "bf16,fp16", "--cases", "deepseek,glm5"])
@@ -255,7 +255,7 @@ fn selfcheck_drives_the_sparse_ops_over_a_quantized_cache() {
     };
     let sc = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("runners/selfcheck.py");
     let go = |rel: &str, fmt: &str, ops: &str| {
-        let o = std::process::Command::new(&py)
+        let o = crate::common::python_command(&py)
             .arg(&sc)
             .args(["--runner", &runner(&py, rel)])
             .args(["--dtypes", "bf16", "--cases", "glm5", "--ops", ops])
@@ -435,7 +435,7 @@ assert (f.unpack(f.pack(d[:3])) == d[:3]).all(), "a dequantized row is a fixed p
 print("bad", bad)
 "#;
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("runners");
-    let o = std::process::Command::new(&py)
+    let o = crate::common::python_command(&py)
         .args(["-c", code, dir.to_str().unwrap()])
         .output()
         .unwrap();

@@ -66,7 +66,7 @@ fn selfcheck_writes_each_format_as_the_codec_byte_for_byte() {
         d = runners_dir().to_str().unwrap(),
         m = manifest.to_str().unwrap()
     );
-    let o = std::process::Command::new(&py)
+    let o = crate::common::python_command(&py)
         .args(["-c", &script])
         .output()
         .unwrap();
@@ -124,7 +124,7 @@ fn selfcheck_writes_each_format_as_the_codec_byte_for_byte() {
 fn selfcheck(py: &str, fmt: &str, case: &str, rels: &[&str]) -> Vec<J> {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("out.json");
-    let mut cmd = std::process::Command::new(py);
+    let mut cmd = crate::common::python_command(py);
     cmd.arg(runners_dir().join("selfcheck.py"));
     for rel in rels {
         cmd.args(["--runner", &runner(py, rel)]);
