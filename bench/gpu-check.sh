@@ -290,21 +290,8 @@ sanitize() {
     san1 racecheck-v3-q8 racecheck 100 $V3 $Q8
     san1 racecheck-small-wrap racecheck 60 $V3 --layers 0 --page-size 64 --prompt-len 200 --decode-steps 2 --num-splits 1 --q-len 2
 }
-# The largest local ratio of a report, and where (≥ 1 fails).
-worst() {
-    python3 - "$1" << 'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-best = (0.0, "-")
-for m in r["modes"]:
-    for l in m["layers"]:
-        for c in l["checks"]:
-            lo = c.get("local")
-            if lo and lo["ratio"] > best[0]:
-                best = (lo["ratio"], f'layer {l["layer"]} {c["check"]}')
-print(f"worst local ratio {best[0]:.3f} at {best[1]}")
-PY
-}
+# The largest local ratio of a report, and where (≥ 1 fails; bench/ratios.py reads a check one way for all three summaries).
+worst() { python3 bench/ratios.py local "$1"; }
 local1() { # local1 FIXTURE DTYPE SEED
     local n j
     n=$(basename "$1" .gguf)
@@ -464,26 +451,7 @@ fp8p1() {
 # worst_at_runner JSON: each @runner check's worst ratio to what decides it over the layers (≥ 1 fails):
 # the stage-local view's ratio where it judges the check, else the end-to-end tolerance's (rel-L2, and the
 # elementwise factor where the check is elementwise), as the report's table cells.
-worst_at_runner() {
-    python3 - "$1" << 'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-worst = {}
-for m in r["modes"][:1]:
-    for l in m["layers"]:
-        for c in l["checks"]:
-            if c["check"].endswith("@runner"):
-                x, tol = c["metrics"], c["tolerance"]
-                if isinstance(c.get("local"), dict):
-                    t = c["local"]["ratio"]
-                else:
-                    t = x["rel_l2"] / tol["rel_l2"] if tol["rel_l2"] > 0 else 0.0
-                    if c.get("elementwise"):
-                        t = max(t, x.get("tol_factor_needed", 0.0))
-                worst[c["check"]] = max(worst.get(c["check"], 0.0), t)
-print("    @runner worst/tolerance: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(worst.items())))
-PY
-}
+worst_at_runner() { python3 bench/ratios.py runner "$1"; }
 fp8peers() {
     peers_env
     local f n dt r P="python3 runners"
@@ -504,28 +472,7 @@ fp8peers() {
 }
 # v4sum JSON: a V4 report in one line: verdict, first failing layer/check, the worst check's ratio to its
 # tolerance (end to end; inf: non-finite), the backend and the kernels coverage names.
-v4sum() {
-    python3 - "$1" <<'PYEOF'
-import json, sys
-r = json.load(open(sys.argv[1]))
-m = r["modes"][0]
-worst = (0.0, "-")
-for l in m["layers"]:
-    for c in l["checks"]:
-        x, t = c["metrics"], c["tolerance"]
-        if x.get("nonfinite", {}).get("mismatches", 0) > 0:
-            q = float("inf")
-        else:
-            q = x["rel_l2"] / t["rel_l2"] if t["rel_l2"] > 0 else 0.0
-            if c.get("elementwise"):
-                q = max(q, x.get("tol_factor_needed", 0.0))
-        if q > worst[0] or worst[1] == "-":
-            worst = (q, f'layer {l["layer"]} {c["check"]}')
-v = m["verdict"]
-print(f'first {v.get("first_layer")}/{v.get("first_check")}; worst {worst[0]:.3g} at {worst[1]}; '
-      f'{r["environment"]["backend"]}; {r["coverage"]["kernels"][0]["label"][:40]}')
-PYEOF
-}
+v4sum() { python3 bench/ratios.py v4 "$1"; }
 # v4run NAME WANT FIRST FILE ARGS…: one V4 run on the CUDA kernels that must exit WANT, and with WANT 1 fail
 # first at FIRST (layer/check); its JSON in one line, its stderr's tail when it errored.
 v4run() {
