@@ -207,27 +207,26 @@ pub fn tolerance(stage: Stage, lora: bool, dt: mla_diff::precision::Dtype) -> f6
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// The binary, with [`ONE_BLAS_THREAD`] for the runners it starts.
+/// The binary, with one BLAS thread for the runners it starts ([`one_blas_thread`]).
 pub fn bin() -> Command {
-    let mut c = Command::new(
+    one_blas_thread(Command::new(
         std::env::var_os("MLA_DIFF_BIN").unwrap_or(env!("CARGO_BIN_EXE_mla-diff").into()),
-    );
-    c.env(ONE_BLAS_THREAD.0, ONE_BLAS_THREAD.1);
-    c
+    ))
 }
 
-/// A Python the tests start themselves (selfcheck.py, scripts), with [`ONE_BLAS_THREAD`].
+/// A Python the tests start themselves (selfcheck.py, scripts), with one BLAS thread.
 pub fn python_command(py: &str) -> Command {
-    let mut c = Command::new(py);
-    c.env(ONE_BLAS_THREAD.0, ONE_BLAS_THREAD.1);
-    c
+    one_blas_thread(Command::new(py))
 }
 
 /// numpy's OpenBLAS pool, one thread: with a thread per core, its idle threads spin between the
 /// runner's products beside mla-diff's own threads and the other test thread, on CPU that CI's two
 /// cores lack (`it runners::` 203.6 -> 125.5 CPU s, docs/ci-time.md, tenth session). What a test
 /// judges does not move with it: a correct runner passes with any BLAS blocking.
-const ONE_BLAS_THREAD: (&str, &str) = ("OPENBLAS_NUM_THREADS", "1");
+fn one_blas_thread(mut c: Command) -> Command {
+    c.env("OPENBLAS_NUM_THREADS", "1");
+    c
+}
 
 pub fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
